@@ -1,0 +1,3 @@
+from padim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""The ``padim`` command line: train, predict, evaluate, info, synth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from padim import __version__
+
+EXAMPLES = """\
+examples:
+  padim synth demo-data --categories weave               # a small generated data set
+  padim train demo-data/weave/train/good --output weave.padim --weights random
+  padim predict weave.padim demo-data/weave/test --output predictions
+  padim evaluate weave.padim demo-data/weave
+"""
+
+ERROR_EXIT = 1
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="padim",
+        description="PaDiM visual anomaly detection: fit on normal images, score new ones.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"padim {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = commands.add_parser(
+        "train", help="fit a detector on a folder of normal images",
+        description="Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
+        "A share of the images (--holdout-fraction, at least --min-holdout) is never fitted on and "
+        "calibrates the threshold. Memory does not grow with the number of images.",
+    )
+    train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
+    train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
+    train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
+    train.add_argument("--backbone", help="torchvision ResNet-family name (default resnet18)")
+    train.add_argument("--weights", help="imagenet (default; torchvision cache), random (demo/tests only, seeded) or a state_dict path")
+    train.add_argument("--image-size", type=int, help="side of the square model input, multiple of 16 (default 224)")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda when available")
+    train.add_argument("--batch-size", type=int, help="images per forward pass (default 16)")
+    train.add_argument("--features", type=int, help="embedding size after reduction (default 100 resnet18, 550 wide_resnet50_2)")
+    train.add_argument("--reduction", choices=["random", "semi_orthogonal"], help="channel subset (paper) or semi-orthogonal projection")
+    train.add_argument("--layers", help="comma-separated stages (default layer1,layer2,layer3)")
+    train.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
+    train.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
+    train.add_argument("--holdout-fraction", type=float, help="share of images held out for calibration (default 0.1)")
+    train.add_argument("--min-holdout", type=int, help="at least this many held-out images (default 3)")
+    train.add_argument("--threshold-quantile", type=float, help="quantile of held-out normal scores used as threshold (default 0.99)")
+    train.add_argument("--precision-dtype", choices=["auto", "float16", "float32"], help="storage of precision factors (default auto)")
+    train.add_argument("--workers", type=int, help="image-decoding threads (default 2)")
+    train.add_argument("--resume", type=Path, metavar="MODEL", help="add DATA_DIR's images to this model's accumulators (old images are not re-read)")
+    train.add_argument("--slim", action="store_true", help="leave the accumulators out of the file (about 4x smaller for resnet18; cannot be resumed)")
+
+    predict = commands.add_parser(
+        "predict", help="score images and write results, maps and heat maps",
+        description="Score images. Writes OUT_DIR/results.jsonl (one line per image), "
+        "OUT_DIR/maps/<relative path>.npy (float32 anomaly map, raw units, at the image's own size) and "
+        "OUT_DIR/heatmaps/<relative path>.png (heat map over the image; threshold = middle of the colour ramp).",
+    )
+    predict.add_argument("model", type=Path, metavar="MODEL")
+    predict.add_argument("inputs", type=Path, nargs="+", metavar="IMAGE_OR_DIR")
+    predict.add_argument("--output", "-o", type=Path, required=True, metavar="OUT_DIR")
+    predict.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    predict.add_argument("--batch-size", type=int, default=16)
+    predict.add_argument("--workers", type=int, default=2)
+    predict.add_argument("--no-heatmaps", action="store_true", help="skip the heat-map PNGs")
+    predict.add_argument("--no-maps", action="store_true", help="skip the .npy maps")
+
+    evaluate = commands.add_parser(
+        "evaluate", help="metrics on an MVTec AD-layout category",
+        description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30%% FPR) and F1 "
+        "at the model's threshold, plus the F1-optimal threshold. The model file changes only with --calibrate.",
+    )
+    evaluate.add_argument("model", type=Path, metavar="MODEL")
+    evaluate.add_argument("category_dir", type=Path, metavar="CATEGORY_DIR")
+    evaluate.add_argument("--output", "-o", type=Path, default=Path("evaluation.json"), help="JSON file to write (default evaluation.json)")
+    evaluate.add_argument("--calibrate", action="store_true", help="store the F1-optimal threshold in the model file")
+    evaluate.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    evaluate.add_argument("--batch-size", type=int, default=16)
+    evaluate.add_argument("--workers", type=int, default=2)
+
+    info = commands.add_parser("info", help="print a model file's metadata as JSON")
+    info.add_argument("model", type=Path, metavar="MODEL")
+
+    synth = commands.add_parser(
+        "synth", help="generate an MVTec-layout data set of textures with synthetic defects",
+        description="Write OUT_DIR/<category>/{train/good,test/<good|defect>,ground_truth/<defect>}. For demos and tests; works offline.",
+    )
+    synth.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    synth.add_argument("--categories", default="weave,carpet,tiles", help="comma-separated (default weave,carpet,tiles)")
+    synth.add_argument("--train", type=int, default=40, help="normal training images per category (default 40)")
+    synth.add_argument("--test-good", type=int, default=8, help="normal test images per category (default 8)")
+    synth.add_argument("--test-defect", type=int, default=4, help="test images per defect type (default 4)")
+    synth.add_argument("--size", type=int, default=256, help="image side in pixels (default 256)")
+    synth.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from padim.core import ArtifactError, NotPositiveDefiniteError
+    from padim.models import ConfigError, ImageError, WeightsError
+
+    handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate,
+               "info": cmd_info, "synth": cmd_synth}[args.command]
+    try:
+        return handler(args)
+    except (UserError, ArtifactError, ConfigError, WeightsError, ImageError, NotPositiveDefiniteError) as error:
+        print(f"padim {args.command}: error: {error}", file=sys.stderr)
+        return ERROR_EXIT
+    except KeyboardInterrupt:
+        print(f"padim {args.command}: interrupted; no partial model file was written", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------- commands
+def load_config(args: argparse.Namespace):
+    from padim.models import PadimConfig
+
+    config = PadimConfig()
+    if args.config is not None:
+        import yaml
+
+        try:
+            values = yaml.safe_load(args.config.read_text()) or {}
+        except OSError as error:
+            raise UserError(f"--config {args.config}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise UserError(f"--config {args.config}: not valid YAML ({str(error).splitlines()[0]})") from None
+        config = PadimConfig.from_mapping(values, source=str(args.config))
+    layers = tuple(x.strip() for x in args.layers.split(",")) if args.layers else None
+    return config.replace(
+        backbone=args.backbone, weights=args.weights, image_size=args.image_size, device=args.device,
+        batch_size=args.batch_size, features=args.features, reduction=args.reduction, layers=layers,
+        epsilon=args.epsilon, seed=args.seed, holdout_fraction=args.holdout_fraction,
+        min_holdout=args.min_holdout, threshold_quantile=args.threshold_quantile,
+        precision_dtype=args.precision_dtype, workers=args.workers,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from padim.models import PadimDetector, fit_detector, list_images
+
+    config = load_config(args)
+    paths = list_images(args.data_dir)
+    if not paths:
+        raise UserError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
+    names = [p.relative_to(args.data_dir).as_posix() if args.data_dir.is_dir() else p.name for p in paths]
+    resume = None
+    if args.resume is not None:
+        resume = PadimDetector.load(args.resume, device="cpu")
+        fixed = ("backbone", "weights", "image_size", "features", "reduction", "layers", "seed", "epsilon")
+        asked = {k: getattr(config, k) for k in fixed if _given(args, k)}
+        clash = {k: v for k, v in asked.items() if v != getattr(resume.config, k)}
+        if clash:
+            k = next(iter(clash))
+            raise UserError(f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
+                            f"not {clash[k]!r}; drop the flag or train a new model")
+    started = time.perf_counter()
+    detector = fit_detector(config, paths, names, resume=resume, progress=not args.quiet)
+    detector.save(args.output, include_state=not args.slim)
+    elapsed = time.perf_counter() - started
+    summary = {
+        "model": str(args.output),
+        "size_bytes": args.output.stat().st_size,
+        "images": len(paths),
+        "fit_images_total": detector.info["fit_image_count"],
+        "holdout_images_total": detector.info["holdout_image_count"],
+        "threshold_raw": detector.calibration.threshold,
+        "precision_dtype": str(detector.storage_dtype).removeprefix("torch."),
+        "seconds": round(elapsed, 2),
+        "weights": detector.weights.label,
+        **{k: v for k, v in detector.describe().items() if k in ("backbone", "image_size", "embedding_dim")},
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _given(args: argparse.Namespace, key: str) -> bool:
+    return getattr(args, key, None) is not None
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+    from padim.models import PadimDetector, list_images
+    from padim.models.images import iter_batches
+    from padim.models.visualize import overlay
+
+    detector = PadimDetector.load(args.model, device=args.device)
+    items: list[tuple[Path, Path]] = []  # (path, path relative to its input)
+    for source in args.inputs:
+        found = list_images(source)
+        if not found and source.is_dir():
+            raise UserError(f"{source}: no images found")
+        items += [(p, p.relative_to(source) if source.is_dir() else Path(p.name)) for p in found]
+    relatives = [r.as_posix() for _, r in items]
+    duplicates = sorted({r for r in relatives if relatives.count(r) > 1})
+    if duplicates:
+        raise UserError(f"two inputs give the same output name {duplicates[0]!r}; predict them into separate --output folders")
+    random_label = "RANDOM WEIGHTS - DEMO ONLY" if detector.weights.source == "random" else None
+    args.output.mkdir(parents=True, exist_ok=True)
+    calibration = detector.calibration
+    relative_of = dict(items)
+    anomalous, started = 0, time.perf_counter()
+    with open(args.output / "results.jsonl", "w") as results, \
+            tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
+        for chunk, images in iter_batches([p for p, _ in items], args.batch_size, args.workers):
+            out = detector.score(detector.preprocess(images))
+            normalised = calibration.normalise(out.raw_scores.double()).cpu()
+            for i, (path, image) in enumerate(zip(chunk, images)):
+                rel = relative_of[path]
+                raw = float(out.raw_scores[i])
+                record = {
+                    "path": str(path), "score": float(normalised[i]), "raw_score": raw,
+                    "is_anomaly": bool(raw >= calibration.threshold), "threshold": 0.5,
+                    "raw_threshold": calibration.threshold, "weights": detector.weights.label,
+                }
+                if not (args.no_maps and args.no_heatmaps):
+                    full = F.interpolate(out.maps[i][None, None], size=(image.height, image.width),
+                                         mode="bilinear", align_corners=False)[0, 0].cpu()
+                if not args.no_maps:
+                    map_path = args.output / "maps" / rel.with_suffix(".npy")
+                    map_path.parent.mkdir(parents=True, exist_ok=True)
+                    np.save(map_path, full.numpy().astype(np.float32))
+                    record["map"] = str(map_path)
+                if not args.no_heatmaps:
+                    heat_path = args.output / "heatmaps" / rel.with_suffix(".png")
+                    heat_path.parent.mkdir(parents=True, exist_ok=True)
+                    overlay(image, calibration.normalise(full.double()).numpy(), label=random_label).save(heat_path)
+                    record["heatmap"] = str(heat_path)
+                anomalous += record["is_anomaly"]
+                results.write(json.dumps(record) + "\n")
+            results.flush()
+            bar.update(len(chunk))
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"images": len(items), "anomalous": anomalous, "results": str(args.output / "results.jsonl"),
+                      "images_per_second": round(len(items) / elapsed, 2), "weights": detector.weights.label}))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from padim.models import PadimDetector
+
+    from .evaluation import evaluate
+
+    detector = PadimDetector.load(args.model, device=args.device)
+    try:
+        result = evaluate(detector, args.category_dir, args.batch_size, args.workers, progress=not args.quiet)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    result["model"] = str(args.model)
+    result["weights"] = detector.weights.label
+    if args.calibrate:
+        if "f1_optimal_threshold_raw" not in result:
+            raise UserError("--calibrate needs both good and defective test images")
+        detector.calibration = detector.calibration.with_threshold(result["f1_optimal_threshold_raw"])
+        detector.save(args.model, include_state=detector.state is not None)
+        result["calibrated"] = True
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from padim.core import read_header
+
+    header = read_header(args.model)
+    header["size_bytes"] = args.model.stat().st_size
+    print(json.dumps(header, indent=2))
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .synthetic import CATEGORIES, generate
+
+    categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown or not categories:
+        raise UserError(f"--categories: unknown {unknown}; choose from {', '.join(CATEGORIES)}")
+    if args.size < 32:
+        raise UserError("--size: use at least 32 pixels")
+    written = generate(args.out_dir, categories, args.train, args.test_good, args.test_defect, args.size, args.seed)
+    print(json.dumps({"categories": [str(p) for p in written]}))
+    return 0

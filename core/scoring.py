@@ -1,0 +1,103 @@
+"""Mahalanobis scoring and anomaly-map post-processing (PaDiM, Sec. III-C, Eq. 2).
+
+Shapes: ``B`` images, ``P = H * W`` pixels of the feature grid, ``D`` embedding channels,
+``S`` the model's input size in pixels.
+
+Example:
+    >>> import torch
+    >>> from padim.core.statistics import precision_factor
+    >>> x = torch.randn(2, 4, 3)                                    # (B, P, D)
+    >>> mean = torch.zeros(4, 3)
+    >>> W = precision_factor(torch.eye(3).expand(4, 3, 3), epsilon=0.0)
+    >>> torch.allclose(squared_mahalanobis(x, mean, W), x.square().sum(-1))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def squared_mahalanobis(
+    embedding: torch.Tensor, mean: torch.Tensor, precision_factor: torch.Tensor
+) -> torch.Tensor:
+    """Squared Mahalanobis distance of every pixel of every image, in one batched product.
+
+    ``d^2 = (x - mu)^T Sigma^-1 (x - mu) = ||W (x - mu)||^2`` with ``Sigma^-1 = W^T W``
+    (Eq. 2). This returns the **squared** distance, as sklearn's
+    ``EmpiricalCovariance.mahalanobis`` does.
+
+    Args:
+        embedding: ``(B, P, D)``.
+        mean: ``(P, D)``.
+        precision_factor: ``(P, D, D)`` lower-triangular ``W`` (see
+            :func:`padim.core.statistics.precision_factor`).
+
+    Returns:
+        ``(B, P)`` squared distances, in the embedding's dtype.
+    """
+    delta = (embedding - mean).transpose(0, 1)  # (P, B, D)
+    whitened = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T
+    return whitened.square().sum(dim=-1).transpose(0, 1)  # (B, P)
+
+
+def gaussian_kernel1d(sigma: float, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Normalised 1-D Gaussian, radius ``round(4 sigma)`` (as ``scipy.ndimage.gaussian_filter``)."""
+    radius = int(4.0 * sigma + 0.5)
+    x = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    kernel = torch.exp(-0.5 * (x / sigma) ** 2)
+    return (kernel / kernel.sum()).to(dtype=dtype, device=device)
+
+
+def gaussian_blur(maps: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian smoothing of ``(B, 1, H, W)`` maps, reflecting at the borders."""
+    if sigma <= 0:
+        return maps
+    kernel = gaussian_kernel1d(sigma, maps.dtype, maps.device)
+    radius = kernel.numel() // 2
+    height, width = maps.shape[-2:]
+    mode = "reflect" if radius < min(height, width) else "replicate"
+    padded = F.pad(maps, (radius, radius, radius, radius), mode=mode)
+    rows = F.conv2d(padded, kernel.view(1, 1, -1, 1))  # blur along H
+    return F.conv2d(rows, kernel.view(1, 1, 1, -1))  # then along W
+
+
+def anomaly_maps(
+    squared_distance: torch.Tensor,
+    grid_shape: tuple[int, int],
+    output_size: int,
+    sigma: float,
+) -> torch.Tensor:
+    """Distance maps at the input resolution (Sec. III-C).
+
+    Square root, bilinear upsampling from the feature grid to ``output_size``, Gaussian
+    smoothing.
+
+    Args:
+        squared_distance: ``(B, P)`` from :func:`squared_mahalanobis`.
+        grid_shape: ``(H, W)`` of the feature grid, ``H * W == P``.
+        output_size: side ``S`` of the model input, in pixels.
+        sigma: standard deviation of the Gaussian blur, in output pixels (the paper: 4).
+
+    Returns:
+        ``(B, S, S)`` anomaly maps.
+    """
+    batch = squared_distance.shape[0]
+    distance = squared_distance.clamp_min(0).sqrt().view(batch, 1, *grid_shape)
+    upsampled = F.interpolate(
+        distance, size=(output_size, output_size), mode="bilinear", align_corners=False
+    )
+    return gaussian_blur(upsampled, sigma)[:, 0]
+
+
+def image_scores(maps: torch.Tensor) -> torch.Tensor:
+    """Image anomaly score: the maximum of each ``(B, S, S)`` map, ``(B,)``."""
+    return maps.flatten(1).amax(dim=1)
+
+
+def blur_radius(sigma: float) -> int:
+    """Radius in pixels of :func:`gaussian_kernel1d`."""
+    return int(math.floor(4.0 * sigma + 0.5))

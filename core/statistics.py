@@ -1,0 +1,264 @@
+"""Streaming per-pixel Gaussian statistics (PaDiM, Sec. III-B, Eq. 1).
+
+PaDiM models the embedding of every patch position ``p`` as a multivariate Gaussian
+``N(mu_p, Sigma_p)``. Instead of stacking every training embedding (``N * P * D`` floats),
+we keep, per pixel, the count, the mean and the *comoment* (sum of centred outer products,
+often called ``M2``), and merge batches with the pairwise update of Chan, Golub & LeVeque
+(1979). Memory is ``P * D * D`` float64 whatever the number of images, the result does
+not depend on the batch size, and two accumulators fed disjoint images merge into the one
+that would have seen them all.
+
+Shapes: ``B`` images, ``P`` pixels (patch positions, ``H * W`` of the feature grid),
+``D`` embedding channels.
+
+Example:
+    >>> import torch
+    >>> x = torch.randn(20, 4, 3, dtype=torch.float64)          # (B, P, D)
+    >>> acc = GaussianAccumulator()
+    >>> _ = acc.partial_fit(x[:7]).partial_fit(x[7:])
+    >>> torch.allclose(acc.mean, x.mean(0))
+    True
+    >>> reference = torch.stack([torch.cov(x[:, p].T) for p in range(4)])
+    >>> torch.allclose(acc.covariance(), reference)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACCUMULATOR_DTYPE = torch.float64
+
+
+class NotPositiveDefiniteError(ValueError):
+    """A regularised covariance matrix has no Cholesky factorisation."""
+
+
+@dataclass
+class GaussianState:
+    """Sufficient statistics of a set of embeddings, per pixel.
+
+    Attributes:
+        count: number of images seen (0-dim int64 tensor).
+        mean: ``(P, D)`` per-pixel mean, float64.
+        comoment: ``(P, D, D)`` per-pixel sum of centred outer products
+            ``sum_i (x_i - mean)(x_i - mean)^T``, float64.
+    """
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    comoment: torch.Tensor
+
+    @property
+    def num_pixels(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.mean.shape[1]
+
+    def clone(self) -> GaussianState:
+        return GaussianState(self.count.clone(), self.mean.clone(), self.comoment.clone())
+
+    def to(self, device: torch.device | str) -> GaussianState:
+        return GaussianState(self.count.to(device), self.mean.to(device), self.comoment.to(device))
+
+
+def empty_state(
+    num_pixels: int, dim: int, device: torch.device | str = "cpu"
+) -> GaussianState:
+    """The state of an accumulator that has seen nothing."""
+    return GaussianState(
+        count=torch.zeros((), dtype=torch.int64, device=device),
+        mean=torch.zeros(num_pixels, dim, dtype=ACCUMULATOR_DTYPE, device=device),
+        comoment=torch.zeros(num_pixels, dim, dim, dtype=ACCUMULATOR_DTYPE, device=device),
+    )
+
+
+def batch_state(embedding: torch.Tensor) -> GaussianState:
+    """Statistics of one batch.
+
+    Args:
+        embedding: ``(B, P, D)`` embeddings of ``B`` images, any float dtype.
+
+    Returns:
+        The batch's count, mean and comoment, in float64 on the input's device.
+    """
+    if embedding.ndim != 3:
+        raise ValueError(f"embedding must be (B, P, D), got shape {tuple(embedding.shape)}")
+    x = embedding.to(ACCUMULATOR_DTYPE)
+    mean = x.mean(dim=0)  # (P, D)
+    centred = (x - mean).permute(1, 0, 2)  # (P, B, D)
+    comoment = torch.bmm(centred.transpose(1, 2), centred)  # (P, D, D)
+    count = torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
+    return GaussianState(count, mean, comoment)
+
+
+def merge_states_(into: GaussianState, other: GaussianState) -> GaussianState:
+    """Merge ``other`` into ``into`` in place (Chan et al. pairwise update) and return it.
+
+    ``n = n_a + n_b``, ``delta = mean_b - mean_a``,
+    ``mean = mean_a + delta * n_b / n``,
+    ``M2 = M2_a + M2_b + delta delta^T * n_a * n_b / n``.
+
+    In place so that a fit holds one ``(P, D, D)`` buffer rather than three.
+    """
+    _check_compatible(into, other)
+    n_a, n_b = int(into.count), int(other.count)
+    if n_b == 0:
+        return into
+    if n_a == 0:
+        into.count.copy_(other.count)
+        into.mean.copy_(other.mean)
+        into.comoment.copy_(other.comoment)
+        return into
+    n = n_a + n_b
+    delta = other.mean - into.mean  # (P, D)
+    into.comoment.add_(other.comoment)
+    into.comoment.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=n_a * n_b / n)
+    into.mean.add_(delta, alpha=n_b / n)
+    into.count.add_(n_b)
+    return into
+
+
+def merge_states(a: GaussianState, b: GaussianState) -> GaussianState:
+    """``merge(A, B)``: the state of one accumulator fed A's and B's images."""
+    return merge_states_(a.clone(), b)
+
+
+def update_state_(state: GaussianState, embedding: torch.Tensor) -> GaussianState:
+    """Add one batch of ``(B, P, D)`` embeddings to ``state`` in place."""
+    return merge_states_(state, batch_state(embedding))
+
+
+def covariance(state: GaussianState) -> torch.Tensor:
+    """Unbiased per-pixel covariance ``(P, D, D)`` (divides by ``n - 1``, as ``np.cov``)."""
+    n = int(state.count)
+    if n < 2:
+        raise ValueError(f"a covariance needs at least 2 images, this accumulator has {n}")
+    return state.comoment / (n - 1)
+
+
+def regularised_cholesky(
+    covariance: torch.Tensor,
+    epsilon: float,
+    grid_shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Lower Cholesky factor ``L`` of ``Sigma + eps I`` for every pixel (Sec. III-B).
+
+    Args:
+        covariance: ``(P, D, D)`` symmetric matrices.
+        epsilon: regularisation added to the diagonal (the paper uses 0.01).
+        grid_shape: ``(H, W)`` of the feature grid, to name a failing pixel by row and column.
+
+    Returns:
+        ``(P, D, D)`` lower-triangular ``L`` with ``L L^T = Sigma + eps I``.
+
+    Raises:
+        NotPositiveDefiniteError: naming the first pixel whose matrix is not positive definite.
+    """
+    dim = covariance.shape[-1]
+    eye = torch.eye(dim, dtype=covariance.dtype, device=covariance.device)
+    factor, info = torch.linalg.cholesky_ex(covariance + epsilon * eye)
+    bad = torch.nonzero(info).flatten()
+    if bad.numel():
+        pixel = int(bad[0])
+        where = f"pixel {pixel}"
+        if grid_shape is not None:
+            where += f" (row {pixel // grid_shape[1]}, column {pixel % grid_shape[1]} of the {grid_shape[0]}x{grid_shape[1]} feature grid)"
+        raise NotPositiveDefiniteError(
+            f"the covariance at {where} is not positive definite even with epsilon={epsilon:g} "
+            f"({bad.numel()} of {covariance.shape[0]} pixels fail). "
+            "Train on more (and more varied) normal images, or raise epsilon (e.g. --epsilon 0.1)."
+        )
+    return factor
+
+
+def precision_factor(
+    covariance: torch.Tensor, epsilon: float, grid_shape: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """``W = L^-1`` for ``L L^T = Sigma + eps I``, so that the precision is ``W^T W``.
+
+    Scoring with ``W`` gives ``||W (x - mu)||^2``, the squared Mahalanobis distance, which is
+    never negative whatever the rounding. Computed by a triangular solve; no explicit inverse.
+
+    Returns:
+        ``(P, D, D)`` lower-triangular precision factors, in the covariance's dtype.
+    """
+    factor = regularised_cholesky(covariance, epsilon, grid_shape)
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    return torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)
+
+
+def precision(
+    covariance: torch.Tensor, epsilon: float, grid_shape: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Precision ``(Sigma + eps I)^-1`` ``(P, D, D)`` from the Cholesky factor (``cholesky_inverse``)."""
+    return torch.cholesky_inverse(regularised_cholesky(covariance, epsilon, grid_shape))
+
+
+def _check_compatible(a: GaussianState, b: GaussianState) -> None:
+    if a.mean.shape != b.mean.shape:
+        raise ValueError(
+            f"cannot merge statistics of shape (P, D)={tuple(a.mean.shape)} "
+            f"with (P, D)={tuple(b.mean.shape)}"
+        )
+
+
+class GaussianAccumulator:
+    """Per-pixel mean and covariance, fed batch by batch (``partial_fit``, as sklearn).
+
+    The shape ``(P, D)`` is taken from the first batch. ``fit`` is ``reset`` + ``partial_fit``;
+    ``merge`` folds in another accumulator (resume, several workers).
+    """
+
+    def __init__(self, state: GaussianState | None = None) -> None:
+        self.state = state
+
+    def reset(self) -> GaussianAccumulator:
+        self.state = None
+        return self
+
+    def partial_fit(self, embedding: torch.Tensor) -> GaussianAccumulator:
+        """Add a ``(B, P, D)`` batch."""
+        batch = batch_state(embedding)
+        if self.state is None:
+            self.state = batch
+        else:
+            merge_states_(self.state, batch)
+        return self
+
+    def fit(self, batches) -> GaussianAccumulator:
+        """Fit on an iterable of ``(B, P, D)`` batches, forgetting anything seen before."""
+        self.reset()
+        for batch in batches:
+            self.partial_fit(batch)
+        return self
+
+    def merge(self, other: GaussianAccumulator) -> GaussianAccumulator:
+        """Fold ``other``'s images into this accumulator (``other`` is left unchanged)."""
+        if other.state is None:
+            return self
+        if self.state is None:
+            self.state = other.state.clone()
+        else:
+            merge_states_(self.state, other.state)
+        return self
+
+    @property
+    def count(self) -> int:
+        return 0 if self.state is None else int(self.state.count)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._fitted().mean
+
+    def covariance(self) -> torch.Tensor:
+        return covariance(self._fitted())
+
+    def _fitted(self) -> GaussianState:
+        if self.state is None:
+            raise ValueError("this accumulator has seen no images yet")
+        return self.state

@@ -1,0 +1,109 @@
+"""Reading images and turning them into model input.
+
+Every mode Pillow reads (grayscale, RGBA, palette, 16-bit, CMYK, float) becomes 8-bit RGB,
+and the EXIF orientation is applied, so a photo from a phone is scored the way it is seen.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+
+
+class ImageError(ValueError):
+    """An input that is not a readable image."""
+
+
+def list_images(root: str | os.PathLike) -> list[Path]:
+    """Every image under ``root`` (recursively), sorted; or ``[root]`` if it is an image file."""
+    root = Path(root)
+    if root.is_file():
+        if root.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ImageError(f"{root}: not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
+        return [root]
+    if not root.is_dir():
+        raise ImageError(f"{root}: no such file or directory")
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None) -> Image.Image:
+    """Decode a file or bytes into an 8-bit RGB image with EXIF orientation applied.
+
+    Raises:
+        ImageError: unreadable, truncated, or larger than ``max_pixels``.
+    """
+    name = "image" if isinstance(source, bytes) else str(source)
+    try:
+        handle = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")
+    except OSError as error:
+        raise ImageError(f"{name}: {error.strerror}") from None
+    with handle:
+        try:
+            with Image.open(handle) as image:
+                if max_pixels is not None and image.width * image.height > max_pixels:
+                    raise ImageError(
+                        f"{name}: {image.width}x{image.height} pixels is over the limit of {max_pixels}"
+                    )
+                image.load()
+                return to_rgb(ImageOps.exif_transpose(image))
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as error:
+            raise ImageError(f"{name}: {error}") from None
+        except (OSError, ValueError, SyntaxError) as error:
+            raise ImageError(f"{name}: not a readable image ({error})") from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB from any Pillow mode; 16-bit and float images are rescaled, not clipped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        if image.mode.startswith("I;16"):
+            array = array / 257.0
+        else:
+            low, high = float(array.min()), float(array.max())
+            array = (array - low) / (high - low) * 255.0 if high > low else np.zeros_like(array)
+        image = Image.fromarray(np.clip(array + 0.5, 0, 255).astype(np.uint8), mode="L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, image)
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def to_model_input(
+    images: Sequence[Image.Image], size: int, mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
+    """Resize to ``size x size`` (bilinear, antialiased) and normalise: ``(B, 3, S, S)`` float32."""
+    arrays = [np.asarray(im.resize((size, size), Image.BILINEAR), dtype=np.float32) for im in images]
+    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 255.0  # (B, 3, S, S)
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    return ((batch - mean_t) / std_t).contiguous()
+
+
+def iter_batches(
+    paths: Sequence[Path], batch_size: int, workers: int = 2
+) -> Iterator[tuple[list[Path], list[Image.Image]]]:
+    """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch."""
+    batches = [list(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+    if workers <= 0:
+        for chunk in batches:
+            yield chunk, [open_image(p) for p in chunk]
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
+        pending = [pool.map(open_image, chunk) for chunk in batches[:2]]
+        for i, chunk in enumerate(batches):
+            images = list(pending[i])
+            if i + 2 < len(batches):
+                pending.append(pool.map(open_image, batches[i + 2]))
+            yield chunk, images

@@ -1,0 +1,1 @@
+"""HTTP scoring service (FastAPI). Imported by the CLI only."""
