@@ -283,9 +283,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from padim.core import read_header
 
+    from padim.models import WeightsInfo
+
     header = read_header(args.model)
-    header["size_bytes"] = args.model.stat().st_size
-    print(json.dumps(header, indent=2))
+    config = header.get("config", {})
+    summary = {
+        "file": str(args.model),
+        "size_bytes": args.model.stat().st_size,
+        "backbone": config.get("backbone"),
+        "image_size": config.get("image_size"),
+        "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
+        "training_image_count": header.get("training_image_count"),
+        "threshold_raw": (header.get("calibration") or {}).get("threshold"),
+        "header": header,
+    }
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -179,7 +179,7 @@ def _load_file(model: nn.Module, name: str, path: Path) -> None:
     expected = model.state_dict()
     needed = [k for k in expected if not k.startswith(_UNUSED_PREFIXES)]
     missing = [k for k in needed if k not in state]
-    foreign = [k for k in state if k not in expected]
+    foreign = [k for k in state if k not in expected and not k.startswith(_UNUSED_PREFIXES)]
     if missing or foreign:
         detail = f"missing {missing[:3]}" if missing else f"unknown keys {foreign[:3]}"
         raise WeightsError(f"--weights {path}: not a {name} state_dict ({detail})")

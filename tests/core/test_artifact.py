@@ -1,0 +1,86 @@
+import json
+import struct
+
+import pytest
+import torch
+
+from padim.core import artifact
+from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
+
+
+def test_round_trip(tmp_path):
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2).half()}
+    save_artifact(tmp_path / "m.padim", tensors, {"backbone": "resnet18", "nested": {"x": [1, 2]}})
+    loaded, header = load_artifact(tmp_path / "m.padim")
+    assert header["nested"] == {"x": [1, 2]} and header["format_version"] == artifact.FORMAT_VERSION
+    for k, v in tensors.items():
+        assert torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype
+
+
+def test_file_is_safetensors_not_pickle(tmp_path):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.zeros(2)}, {})
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    assert "padim" in header["__metadata__"]
+    assert b"\x80\x04" not in raw[:2]  # no pickle protocol marker
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.95])
+def test_truncated_file_gives_one_line_error(tmp_path, cut):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.randn(1000)}, {})
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * cut)])
+    with pytest.raises(ArtifactError) as info:
+        load_artifact(path)
+    assert "\n" not in str(info.value) and "m.padim" in str(info.value)
+
+
+def test_foreign_and_missing_files(tmp_path):
+    png = tmp_path / "x.padim"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+    with pytest.raises(ArtifactError, match="not a readable padim model"):
+        load_artifact(png)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ArtifactError, match="not a padim model"):
+        load_artifact(tmp_path / "other.safetensors")
+    with pytest.raises(ArtifactError, match="no such model file"):
+        load_artifact(tmp_path / "missing.padim")
+
+
+def test_newer_format_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifact, "FORMAT_VERSION", artifact.FORMAT_VERSION + 1)
+    save_artifact(tmp_path / "new.padim", {"a": torch.zeros(1)}, {})
+    monkeypatch.undo()
+    with pytest.raises(ArtifactError, match="upgrade padim"):
+        load_artifact(tmp_path / "new.padim")
+
+
+def test_failed_write_keeps_previous_file_and_leaves_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.ones(3)}, {"v": 1})
+    before = path.read_bytes()
+
+    def broken(tensors, filename, metadata):
+        with open(filename, "wb") as handle:
+            handle.write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    with pytest.raises(KeyboardInterrupt):
+        save_artifact(path, {"a": torch.zeros(3)}, {"v": 2})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]
+
+
+def test_pack_unpack_lower_and_symmetric():
+    a = torch.randn(3, 5, 5, dtype=torch.float64)
+    lower = a.tril()
+    assert pack_lower(a).shape == (3, 15)
+    torch.testing.assert_close(unpack_lower(pack_lower(a), 5), lower)
+    sym = a + a.transpose(1, 2)
+    torch.testing.assert_close(unpack_lower(pack_lower(sym), 5, symmetric=True), sym)

@@ -1,0 +1,64 @@
+"""Mahalanobis scoring and map post-processing against scipy/sklearn."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.ndimage import gaussian_filter
+from scipy.spatial.distance import mahalanobis
+from sklearn.covariance import EmpiricalCovariance
+
+from padim.core.scoring import anomaly_maps, gaussian_blur, image_scores, squared_mahalanobis
+from padim.core.statistics import precision_factor
+
+
+def test_squared_mahalanobis_matches_scipy_and_sklearn():
+    rng = np.random.default_rng(0)
+    pixels, dim = 5, 7
+    train = rng.normal(size=(pixels, 40, dim)) @ rng.normal(size=(dim, dim))
+    queries = rng.normal(size=(3, pixels, dim)) * 2
+    means = train.mean(axis=1)
+    covs = np.stack([np.cov(t, rowvar=False) for t in train])
+    w = precision_factor(torch.from_numpy(covs), epsilon=0.0)
+    ours = squared_mahalanobis(torch.from_numpy(queries), torch.from_numpy(means), w).numpy()
+    for p in range(pixels):
+        inverse = np.linalg.inv(covs[p])  # the explicit-inverse path
+        estimator = EmpiricalCovariance().fit(train[p])
+        for b in range(3):
+            expected = mahalanobis(queries[b, p], means[p], inverse) ** 2
+            assert ours[b, p] == pytest.approx(expected, rel=1e-9)
+        # sklearn's mahalanobis is squared too, with its own (biased) covariance estimate
+        biased = np.stack([np.cov(train[p], rowvar=False, bias=True)])
+        w_biased = precision_factor(torch.from_numpy(biased), epsilon=0.0)
+        ours_biased = squared_mahalanobis(torch.from_numpy(queries[:, p : p + 1]), torch.from_numpy(means[p : p + 1]), w_biased)
+        np.testing.assert_allclose(ours_biased[:, 0].numpy(), estimator.mahalanobis(queries[:, p]), rtol=1e-9)
+
+
+def test_float32_scoring_close_to_float64():
+    rng = np.random.default_rng(1)
+    covs = np.stack([np.cov(rng.normal(size=(60, 10)), rowvar=False) for _ in range(8)])
+    w = precision_factor(torch.from_numpy(covs), epsilon=0.01)
+    x = torch.from_numpy(rng.normal(size=(4, 8, 10)))
+    mean = torch.zeros(8, 10, dtype=torch.float64)
+    exact = squared_mahalanobis(x, mean, w)
+    single = squared_mahalanobis(x.float(), mean.float(), w.float())
+    torch.testing.assert_close(single.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sigma", [1.0, 4.0])
+def test_separable_blur_matches_scipy(sigma):
+    rng = np.random.default_rng(2)
+    maps = rng.random((2, 1, 40, 48))
+    ours = gaussian_blur(torch.from_numpy(maps), sigma).numpy()
+    # torch's "reflect" padding is scipy's "mirror" (edge sample not repeated)
+    for i in range(2):
+        expected = gaussian_filter(maps[i, 0], sigma, mode="mirror", truncate=4.0)
+        np.testing.assert_allclose(ours[i, 0], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_anomaly_maps_shape_and_image_score_is_max():
+    squared = torch.rand(3, 4 * 4) * 10
+    maps = anomaly_maps(squared, (4, 4), output_size=32, sigma=1.0)
+    assert maps.shape == (3, 32, 32)
+    torch.testing.assert_close(image_scores(maps), maps.amax(dim=(1, 2)))
+    flat = anomaly_maps(torch.full((1, 16), 9.0), (4, 4), 32, 4.0)
+    torch.testing.assert_close(flat, torch.full((1, 32, 32), 3.0))  # sqrt, and blur keeps constants

@@ -1,0 +1,113 @@
+"""Streaming statistics against one-shot numpy float64 references."""
+
+import numpy as np
+import pytest
+import torch
+
+from padim.core.statistics import (
+    GaussianAccumulator,
+    NotPositiveDefiniteError,
+    batch_state,
+    covariance,
+    merge_states,
+    precision,
+    precision_factor,
+)
+
+
+def reference_moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-pixel mean (P, D) and unbiased covariance (P, D, D) of (N, P, D), float64."""
+    x = x.astype(np.float64)
+    mean = x.mean(axis=0)
+    cov = np.stack([np.cov(x[:, p, :], rowvar=False) for p in range(x.shape[1])])
+    return mean, cov
+
+
+def stream(x: torch.Tensor, batch_size: int) -> GaussianAccumulator:
+    acc = GaussianAccumulator()
+    for start in range(0, x.shape[0], batch_size):
+        acc.partial_fit(x[start : start + batch_size])
+    return acc
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 32])
+def test_streaming_equals_one_shot_numpy(batch_size):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 6, 5)) @ rng.normal(size=(5, 5))  # correlated channels
+    x = x.astype(np.float32)
+    acc = stream(torch.from_numpy(x), batch_size)
+    mean, cov = reference_moments(x)
+    assert acc.count == 50
+    np.testing.assert_allclose(acc.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(acc.covariance().numpy(), cov, rtol=1e-10, atol=1e-12)
+
+
+def test_uneven_batches_like_sklearn():
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.normal(size=(68, 3, 4)))
+    acc = GaussianAccumulator()
+    for chunk in torch.split(x, [11, 20, 37]):
+        acc.partial_fit(chunk)
+    mean, cov = reference_moments(x.numpy())
+    np.testing.assert_allclose(acc.covariance().numpy(), cov, rtol=1e-10)
+
+
+def test_large_offset_stays_accurate():
+    # mean 1e4, std 1: a naive sum-of-squares accumulator loses every digit here
+    rng = np.random.default_rng(2)
+    x = (1e4 + rng.normal(size=(400, 4, 3))).astype(np.float32)
+    acc = stream(torch.from_numpy(x), 7)
+    mean, cov = reference_moments(x)
+    np.testing.assert_allclose(acc.mean.numpy(), mean, rtol=1e-6)
+    np.testing.assert_allclose(acc.covariance().numpy(), cov, rtol=1e-6, atol=1e-6 * np.abs(cov).max())
+
+
+def test_merge_equals_fit_on_union():
+    rng = np.random.default_rng(3)
+    a = torch.from_numpy(rng.normal(size=(13, 5, 4)))
+    b = torch.from_numpy(rng.normal(loc=2.0, size=(29, 5, 4)))
+    merged = merge_states(stream(a, 5).state, stream(b, 8).state)
+    whole = stream(torch.cat([a, b]), 42).state
+    assert int(merged.count) == 42
+    torch.testing.assert_close(merged.mean, whole.mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged.comoment, whole.comoment, rtol=1e-11, atol=1e-11)
+
+
+def test_merge_leaves_inputs_unchanged_and_handles_empty():
+    x = torch.randn(10, 2, 3, dtype=torch.float64)
+    a = batch_state(x[:4])
+    before = a.clone()
+    merge_states(a, batch_state(x[4:]))
+    torch.testing.assert_close(a.comoment, before.comoment)
+    acc = GaussianAccumulator().merge(GaussianAccumulator(batch_state(x)))
+    torch.testing.assert_close(acc.mean, x.mean(0))
+    with pytest.raises(ValueError, match="cannot merge"):
+        merge_states(a, batch_state(torch.randn(3, 2, 4)))
+
+
+def test_covariance_needs_two_images():
+    with pytest.raises(ValueError, match="at least 2 images"):
+        covariance(batch_state(torch.randn(1, 2, 3)))
+
+
+def random_spd(p: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(p, d, 2 * d, generator=g, dtype=torch.float64)
+    return a @ a.transpose(1, 2) / (2 * d)
+
+
+def test_precision_factor_and_precision_match_numpy_inverse():
+    cov = random_spd(4, 6, 0)
+    eps = 0.01
+    inverse = np.linalg.inv(cov.numpy() + eps * np.eye(6))
+    w = precision_factor(cov, eps)
+    assert torch.all(w.triu(1) == 0), "W must be lower triangular"
+    np.testing.assert_allclose((w.transpose(1, 2) @ w).numpy(), inverse, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(precision(cov, eps).numpy(), inverse, rtol=1e-9, atol=1e-9)
+
+
+def test_not_positive_definite_names_the_pixel():
+    cov = torch.eye(3, dtype=torch.float64).repeat(6, 1, 1)
+    cov[4, 0, 0] = -1.0
+    with pytest.raises(NotPositiveDefiniteError, match=r"pixel 4 \(row 2, column 0 of the 3x2 feature grid\).*raise epsilon"):
+        precision_factor(cov, epsilon=0.0, grid_shape=(3, 2))

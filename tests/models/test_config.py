@@ -1,0 +1,41 @@
+import pytest
+
+from padim.models.config import ConfigError, PadimConfig
+
+
+def test_defaults_follow_the_paper():
+    c = PadimConfig()
+    assert (c.backbone, c.layers, c.image_size, c.embedding_dim, c.epsilon) == ("resnet18", ("layer1", "layer2", "layer3"), 224, 100, 0.01)
+    assert PadimConfig(backbone="wide_resnet50_2").embedding_dim == 550
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"backbone": "vgg"}, "choose one of: resnet18, resnet34"),
+        ({"image_size": 100}, "multiple of 16"),
+        ({"reduction": "pca"}, "random, semi_orthogonal"),
+        ({"features": 500}, "from 1 to 448"),
+        ({"layers": ("layer3", "layer1")}, "shallowest first"),
+        ({"layers": ("layer9",)}, "choose from: layer1"),
+        ({"device": "tpu"}, "auto, cpu, cuda"),
+        ({"holdout_fraction": 1.0}, r"\[0, 1\)"),
+        ({"threshold_quantile": 0}, r"\(0, 1\]"),
+        ({"epsilon": -1}, ">= 0"),
+    ],
+)
+def test_bad_values_say_what_is_allowed(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        PadimConfig(**changes)
+
+
+def test_from_mapping_rejects_unknown_keys_listing_allowed():
+    with pytest.raises(ConfigError, match="unknown option.*image_sise.*allowed: backbone, weights"):
+        PadimConfig.from_mapping({"image_sise": 64})
+
+
+def test_replace_ignores_none_and_is_frozen():
+    c = PadimConfig().replace(image_size=64, backbone=None)
+    assert c.image_size == 64 and c.backbone == "resnet18"
+    with pytest.raises(AttributeError):
+        c.image_size = 32
