@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -73,8 +74,11 @@ def anomaly_maps(
 ) -> torch.Tensor:
     """Distance maps at the input resolution (Sec. III-C).
 
-    Square root, bilinear upsampling from the feature grid to ``output_size``, Gaussian
-    smoothing.
+    Square root, bilinear upsampling from the feature grid to ``output_size``
+    (``align_corners=False``), Gaussian smoothing (reflecting borders). Upsampling and blur are
+    both linear and separable, so they are applied as one precomputed ``(S, H)`` matrix per
+    axis: ``A_rows @ X @ A_cols^T``, the same result as ``F.interpolate`` followed by
+    :func:`gaussian_blur` for about 1/15 of the arithmetic at 224 px.
 
     Args:
         squared_distance: ``(B, P)`` from :func:`squared_mahalanobis`.
@@ -86,11 +90,26 @@ def anomaly_maps(
         ``(B, S, S)`` anomaly maps.
     """
     batch = squared_distance.shape[0]
-    distance = squared_distance.clamp_min(0).sqrt().view(batch, 1, *grid_shape)
-    upsampled = F.interpolate(
-        distance, size=(output_size, output_size), mode="bilinear", align_corners=False
-    )
-    return gaussian_blur(upsampled, sigma)[:, 0]
+    distance = squared_distance.clamp_min(0).sqrt().view(batch, *grid_shape)  # (B, H, W)
+    dtype, device = distance.dtype, distance.device
+    rows = upsample_blur_operator(grid_shape[0], output_size, sigma, dtype, device)  # (S, H)
+    cols = upsample_blur_operator(grid_shape[1], output_size, sigma, dtype, device)  # (S, W)
+    return rows @ distance @ cols.T  # (B, S, S)
+
+
+@functools.lru_cache(maxsize=32)
+def upsample_blur_operator(
+    length: int, size: int, sigma: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``(size, length)`` matrix: 1-D linear upsampling then Gaussian blur, as one linear map."""
+    basis = torch.eye(length, dtype=torch.float64).unsqueeze(1)  # (L, 1, L): one signal per input sample
+    upsampled = F.interpolate(basis, size=size, mode="linear", align_corners=False)  # (L, 1, S)
+    if sigma > 0:
+        kernel = gaussian_kernel1d(sigma, torch.float64)
+        radius = kernel.numel() // 2
+        mode = "reflect" if radius < size else "replicate"
+        upsampled = F.conv1d(F.pad(upsampled, (radius, radius), mode=mode), kernel.view(1, 1, -1))
+    return upsampled[:, 0].T.contiguous().to(dtype=dtype, device=device)
 
 
 def image_scores(maps: torch.Tensor) -> torch.Tensor:

@@ -129,8 +129,27 @@ def merge_states(a: GaussianState, b: GaussianState) -> GaussianState:
 
 
 def update_state_(state: GaussianState, embedding: torch.Tensor) -> GaussianState:
-    """Add one batch of ``(B, P, D)`` embeddings to ``state`` in place."""
-    return merge_states_(state, batch_state(embedding))
+    """Add one batch of ``(B, P, D)`` embeddings to ``state`` in place.
+
+    The same Chan et al. update as :func:`merge_states_`, but the batch's centred outer
+    products are added straight into ``state.comoment``: no second ``(P, D, D)`` buffer.
+    """
+    if embedding.ndim != 3 or embedding.shape[1:] != state.mean.shape:
+        raise ValueError(
+            f"cannot add a batch of shape {tuple(embedding.shape)} to statistics of (P, D)={tuple(state.mean.shape)}"
+        )
+    n_a, n_b = int(state.count), embedding.shape[0]
+    x = embedding.to(ACCUMULATOR_DTYPE)
+    batch_mean = x.mean(dim=0)  # (P, D)
+    centred = (x - batch_mean).permute(1, 0, 2)  # (P, B, D)
+    state.comoment.baddbmm_(centred.transpose(1, 2), centred)
+    n = n_a + n_b
+    delta = batch_mean - state.mean  # (P, D)
+    if n_a:
+        state.comoment.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=n_a * n_b / n)
+    state.mean.add_(delta, alpha=n_b / n)
+    state.count.add_(n_b)
+    return state
 
 
 def covariance(state: GaussianState) -> torch.Tensor:
@@ -145,6 +164,7 @@ def regularised_cholesky(
     covariance: torch.Tensor,
     epsilon: float,
     grid_shape: tuple[int, int] | None = None,
+    pixel_offset: int = 0,
 ) -> torch.Tensor:
     """Lower Cholesky factor ``L`` of ``Sigma + eps I`` for every pixel (Sec. III-B).
 
@@ -152,6 +172,7 @@ def regularised_cholesky(
         covariance: ``(P, D, D)`` symmetric matrices.
         epsilon: regularisation added to the diagonal (the paper uses 0.01).
         grid_shape: ``(H, W)`` of the feature grid, to name a failing pixel by row and column.
+        pixel_offset: index of ``covariance[0]`` in the whole grid (when given a slice).
 
     Returns:
         ``(P, D, D)`` lower-triangular ``L`` with ``L L^T = Sigma + eps I``.
@@ -164,20 +185,23 @@ def regularised_cholesky(
     factor, info = torch.linalg.cholesky_ex(covariance + epsilon * eye)
     bad = torch.nonzero(info).flatten()
     if bad.numel():
-        pixel = int(bad[0])
+        pixel = int(bad[0]) + pixel_offset
         where = f"pixel {pixel}"
         if grid_shape is not None:
             where += f" (row {pixel // grid_shape[1]}, column {pixel % grid_shape[1]} of the {grid_shape[0]}x{grid_shape[1]} feature grid)"
         raise NotPositiveDefiniteError(
             f"the covariance at {where} is not positive definite even with epsilon={epsilon:g} "
-            f"({bad.numel()} of {covariance.shape[0]} pixels fail). "
+            f"({bad.numel()} of {covariance.shape[0]} pixels checked fail). "
             "Train on more (and more varied) normal images, or raise epsilon (e.g. --epsilon 0.1)."
         )
     return factor
 
 
 def precision_factor(
-    covariance: torch.Tensor, epsilon: float, grid_shape: tuple[int, int] | None = None
+    covariance: torch.Tensor,
+    epsilon: float,
+    grid_shape: tuple[int, int] | None = None,
+    pixel_offset: int = 0,
 ) -> torch.Tensor:
     """``W = L^-1`` for ``L L^T = Sigma + eps I``, so that the precision is ``W^T W``.
 
@@ -187,9 +211,34 @@ def precision_factor(
     Returns:
         ``(P, D, D)`` lower-triangular precision factors, in the covariance's dtype.
     """
-    factor = regularised_cholesky(covariance, epsilon, grid_shape)
+    factor = regularised_cholesky(covariance, epsilon, grid_shape, pixel_offset)
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     return torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)
+
+
+def finalise(
+    state: GaussianState,
+    epsilon: float,
+    grid_shape: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    chunk_pixels: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and precision factors for scoring, computed in float64 a slice of pixels at a time.
+
+    Slicing keeps the extra memory to a few ``(chunk, D, D)`` buffers instead of several copies
+    of the whole ``(P, D, D)`` covariance.
+
+    Returns:
+        ``mean`` ``(P, D)`` and ``precision_factor`` ``(P, D, D)``, both in ``dtype``.
+    """
+    n = int(state.count)
+    if n < 2:
+        raise ValueError(f"a covariance needs at least 2 images, this accumulator has {n}")
+    factor = torch.empty(state.comoment.shape, dtype=dtype, device=state.comoment.device)
+    for start in range(0, state.num_pixels, chunk_pixels):
+        part = state.comoment[start : start + chunk_pixels] / (n - 1)
+        factor[start : start + chunk_pixels] = precision_factor(part, epsilon, grid_shape, start)
+    return state.mean.to(dtype), factor
 
 
 def precision(
@@ -223,11 +272,10 @@ class GaussianAccumulator:
 
     def partial_fit(self, embedding: torch.Tensor) -> GaussianAccumulator:
         """Add a ``(B, P, D)`` batch."""
-        batch = batch_state(embedding)
         if self.state is None:
-            self.state = batch
+            self.state = batch_state(embedding)
         else:
-            merge_states_(self.state, batch)
+            update_state_(self.state, embedding)
         return self
 
     def fit(self, batches) -> GaussianAccumulator:

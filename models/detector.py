@@ -24,12 +24,7 @@ from padim import __version__
 from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
 from padim.core.calibration import Calibration, split_holdout
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.core.statistics import (
-    GaussianAccumulator,
-    GaussianState,
-    covariance,
-    precision_factor,
-)
+from padim.core.statistics import GaussianAccumulator, GaussianState, finalise
 
 from .backbones import BACKBONES, IMAGENET_MEAN, IMAGENET_STD, WeightsInfo, build_backbone, weights_sha256
 from .config import PadimConfig
@@ -291,11 +286,10 @@ def fit_detector(
     if resume is None and len(fit_idx) < 2:
         raise ValueError(f"need at least 2 images to fit on besides the held-out ones, got {len(paths)} images in all")
     grid = _grid_shape(config)
-    dim = embedding.dim
     log.info("fitting %s (%s) on %d images, holding out %d", config.backbone, weights.label, len(fit_idx), len(holdout_idx))
 
-    detector = PadimDetector(config, backbone_state, weights, embedding,
-                             torch.zeros(grid[0] * grid[1], dim), torch.zeros(grid[0] * grid[1], dim, dim),
+    # mean and precision factor are set by finalise(); until then the detector only embeds
+    detector = PadimDetector(config, backbone_state, weights, embedding, torch.empty(0), torch.empty(0),
                              None, None, device)
     accumulator = GaussianAccumulator(resume.state.to(device) if resume is not None else None)
     fit_paths = [paths[i] for i in fit_idx]
@@ -307,9 +301,7 @@ def fit_detector(
         raise ValueError(f"need at least 2 fitted images, have {accumulator.count}")
 
     state = accumulator.state
-    factor = precision_factor(covariance(state), config.epsilon, grid)  # float64
-    detector.mean = state.mean.to(torch.float32)
-    detector.precision_factor = factor.to(torch.float32)
+    detector.mean, detector.precision_factor = finalise(state, config.epsilon, grid)
     detector.state = state
 
     holdout_paths = [paths[i] for i in holdout_idx]
@@ -343,19 +335,24 @@ def fit_detector(
 
 
 def _choose_precision_dtype(detector: PadimDetector, sample: torch.Tensor | None, choice: str) -> torch.dtype:
-    """float16 storage when it keeps image scores within ``FLOAT16_TOLERANCE`` of float32."""
+    """float16 storage when it keeps image scores within ``FLOAT16_TOLERANCE`` of float32.
+
+    Checked on a batch of held-out embeddings ``(B, P, D)``, rounding the factors a slice of
+    pixels at a time so that no second full-size copy is made.
+    """
     if choice != "auto":
         return getattr(torch, choice)
     if sample is None:
         return torch.float32
-    exact = detector.score_embeddings(sample).raw_scores
-    full = detector.precision_factor
-    detector.precision_factor = full.to(torch.float16).to(torch.float32)
-    try:
-        rounded = detector.score_embeddings(sample).raw_scores
-    finally:
-        detector.precision_factor = full
-    worst = float(((rounded - exact).abs() / exact.abs().clamp_min(1e-12)).max())
+    mean, factor = detector.mean, detector.precision_factor
+    exact = squared_mahalanobis(sample, mean, factor)  # (B, P)
+    rounded = torch.cat([
+        squared_mahalanobis(sample[:, i : i + 256], mean[i : i + 256], factor[i : i + 256].half().float())
+        for i in range(0, factor.shape[0], 256)
+    ], dim=1)
+    config = detector.config
+    scores = [image_scores(anomaly_maps(sq, detector.grid_shape, config.image_size, config.blur_sigma)) for sq in (exact, rounded)]
+    worst = float(((scores[1] - scores[0]).abs() / scores[0].abs().clamp_min(1e-12)).max())
     log.info("float16 precision factors change held-out scores by at most %.2e (relative)", worst)
     return torch.float16 if worst <= FLOAT16_TOLERANCE else torch.float32
 

@@ -62,3 +62,12 @@ def test_anomaly_maps_shape_and_image_score_is_max():
     torch.testing.assert_close(image_scores(maps), maps.amax(dim=(1, 2)))
     flat = anomaly_maps(torch.full((1, 16), 9.0), (4, 4), 32, 4.0)
     torch.testing.assert_close(flat, torch.full((1, 32, 32), 3.0))  # sqrt, and blur keeps constants
+
+
+@pytest.mark.parametrize("grid, size, sigma", [((56, 56), 224, 4.0), ((16, 16), 64, 4.0), ((4, 6), 32, 0.0), ((2, 2), 16, 4.0)])
+def test_operator_maps_equal_interpolate_then_blur(grid, size, sigma):
+    squared = torch.rand(3, grid[0] * grid[1], dtype=torch.float64) * 50
+    distance = squared.sqrt().view(3, 1, *grid)
+    reference = torch.nn.functional.interpolate(distance, size=(size, size), mode="bilinear", align_corners=False)
+    reference = gaussian_blur(reference, sigma)[:, 0]
+    torch.testing.assert_close(anomaly_maps(squared, grid, size, sigma), reference, rtol=1e-10, atol=1e-10)

@@ -9,6 +9,7 @@ from padim.core.statistics import (
     NotPositiveDefiniteError,
     batch_state,
     covariance,
+    finalise,
     merge_states,
     precision,
     precision_factor,
@@ -111,3 +112,19 @@ def test_not_positive_definite_names_the_pixel():
     cov[4, 0, 0] = -1.0
     with pytest.raises(NotPositiveDefiniteError, match=r"pixel 4 \(row 2, column 0 of the 3x2 feature grid\).*raise epsilon"):
         precision_factor(cov, epsilon=0.0, grid_shape=(3, 2))
+
+
+def test_finalise_in_slices_equals_whole():
+    cov_state = stream(torch.randn(30, 10, 4, dtype=torch.float64), 7).state
+    mean, factor = finalise(cov_state, 0.01, dtype=torch.float64, chunk_pixels=3)
+    torch.testing.assert_close(factor, precision_factor(covariance(cov_state), 0.01))
+    torch.testing.assert_close(mean, cov_state.mean)
+    cov_state.comoment[7] = -torch.eye(4, dtype=torch.float64)
+    with pytest.raises(NotPositiveDefiniteError, match="pixel 7"):
+        finalise(cov_state, 0.0, chunk_pixels=3)
+
+
+def test_in_place_update_rejects_other_shapes():
+    acc = GaussianAccumulator().partial_fit(torch.randn(3, 2, 4))
+    with pytest.raises(ValueError, match="cannot add a batch"):
+        acc.partial_fit(torch.randn(3, 2, 5))

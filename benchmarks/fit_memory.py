@@ -1,0 +1,67 @@
+"""Peak resident memory of `padim train` against the number of training images.
+
+Each fit runs in its own process (the real CLI), and its peak RSS is read from the kernel's
+accounting for that child alone (``os.wait4``), so runs do not mix.
+
+    python benchmarks/fit_memory.py --counts 100 1000 --image-size 224
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from padim.synthetic import generate
+
+
+def fit_once(data: Path, output: Path, args: argparse.Namespace) -> dict:
+    command = [sys.executable, "-m", "padim", "-q", "train", str(data), "--output", str(output),
+               "--weights", args.weights, "--backbone", args.backbone, "--image-size", str(args.image_size),
+               "--batch-size", str(args.batch_size), "--device", args.device]
+    start = time.perf_counter()
+    pid = os.posix_spawn(sys.executable, command, os.environ)
+    _, status, usage = os.wait4(pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"padim train failed for {data}")
+    return {"peak_rss_mb": usage.ru_maxrss / 1024, "seconds": seconds, "model_bytes": output.stat().st_size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counts", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--backbone", default="resnet18")
+    parser.add_argument("--weights", default="random", help="random (default here: no download) or a state_dict path")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-mem-"))
+    pool = work / "data" / "carpet" / "train" / "good"
+    if len(list(pool.glob("*.png"))) < max(args.counts):
+        generate(work / "data", ("carpet",), train=max(args.counts), test_good=0, test_defect=0, size=args.image_size, seed=2)
+    images = sorted(pool.glob("*.png"))
+    rows = []
+    for count in args.counts:
+        subset = work / f"subset-{count}"
+        subset.mkdir(exist_ok=True)
+        for image in images[:count]:
+            link = subset / image.name
+            if not link.exists():
+                link.symlink_to(image)
+        result = fit_once(subset, work / f"model-{count}.padim", args)
+        rows.append({"images": count, **result, "images_per_second": count / result["seconds"]})
+        print(f"N={count:6d}: peak RSS {result['peak_rss_mb']:8.1f} MB, {result['seconds']:7.1f} s "
+              f"({count / result['seconds']:.1f} img/s incl. start-up), model {result['model_bytes'] / 1e6:.1f} MB")
+    print(json.dumps({"backbone": args.backbone, "image_size": args.image_size, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
