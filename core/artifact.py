@@ -44,6 +44,8 @@ def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], hea
         save_file(payload, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        # readable by a server running as another user; keep an existing file's mode
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -84,3 +84,12 @@ def test_pack_unpack_lower_and_symmetric():
     torch.testing.assert_close(unpack_lower(pack_lower(a), 5), lower)
     sym = a + a.transpose(1, 2)
     torch.testing.assert_close(unpack_lower(pack_lower(sym), 5, symmetric=True), sym)
+
+
+def test_new_files_are_world_readable_and_modes_are_kept(tmp_path):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.zeros(1)}, {})
+    assert path.stat().st_mode & 0o777 == 0o644
+    path.chmod(0o640)
+    save_artifact(path, {"a": torch.ones(1)}, {})
+    assert path.stat().st_mode & 0o777 == 0o640
