@@ -92,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=16)
     evaluate.add_argument("--workers", type=int, default=2)
 
+    serve = commands.add_parser(
+        "serve", help="serve models over HTTP (FastAPI): POST /score",
+        description="Serve one or more model files. Each is named by its file stem; the first is the default. "
+        "Flags override PADIM_* environment variables (PADIM_MODEL_DIR, PADIM_API_KEY, PADIM_MAX_BATCH_SIZE, "
+        "PADIM_MAX_DELAY_MS, PADIM_MAX_QUEUE, PADIM_REQUEST_TIMEOUT_S, PADIM_MAX_UPLOAD_BYTES, "
+        "PADIM_MAX_IMAGE_PIXELS, PADIM_DECODE_WORKERS, PADIM_DRAIN_TIMEOUT_S, PADIM_LOG_LEVEL). "
+        "The API key is read from PADIM_API_KEY only, never from a flag.",
+    )
+    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="FILE", help="model file (repeatable)")
+    serve.add_argument("--model-dir", type=Path, help="serve every *.padim in this directory")
+    serve.add_argument("--default-model", help="name of the default model (default: the first)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
+    serve.add_argument("--port", type=int, help="default 8000")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
+    serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
     info = commands.add_parser("info", help="print a model file's metadata as JSON")
     info.add_argument("model", type=Path, metavar="MODEL")
 
@@ -116,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from padim.core import ArtifactError, NotPositiveDefiniteError
     from padim.models import ConfigError, ImageError, WeightsError
 
-    handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate,
+    handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "serve": cmd_serve,
                "info": cmd_info, "synth": cmd_synth}[args.command]
     try:
         return handler(args)
@@ -278,6 +296,26 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from padim.service.server import serve
+    from padim.service.settings import ServiceSettings
+
+    flags = {k: getattr(args, k) for k in ("models", "model_dir", "default_model", "host", "port", "device",
+                                           "max_batch_size", "max_delay_ms", "log_level")}
+    try:
+        settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise UserError(f"{'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']} "
+                        f"(given {first.get('input')!r})") from None
+    try:
+        return serve(settings)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def cmd_info(args: argparse.Namespace) -> int:

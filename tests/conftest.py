@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import IMAGE_SIZE, run_cli
 from padim.synthetic import generate
-
-IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
-
-
-def run_cli(*args: str, check: bool = True, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real ``padim`` command line in a subprocess."""
-    result = subprocess.run(
-        [sys.executable, "-m", "padim", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"padim {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr}")
-    return result
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import IMAGE_SIZE, run_cli
+from helpers import IMAGE_SIZE, run_cli
 from padim.core import load_artifact
 
 # Image-AUROC floor for the generated 'weave' category with random resnet18 weights at 64 px.

@@ -1,0 +1,64 @@
+"""Builds the FastAPI application."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from padim import __version__
+
+from .errors import install_error_handlers
+from .middleware import BodySizeLimit, RequestContext
+from .routes import health, metrics, models, score
+from .runtime import Runtime
+from .settings import ServiceSettings, get_settings
+
+log = logging.getLogger("padim.service")
+
+DESCRIPTION = """PaDiM anomaly scoring. `POST /score` with an image (multipart field `file`, or the raw
+body with an `image/*` content type) returns its score (0..1, threshold at 0.5), the verdict, the
+anomalous area and, on request, a heat map and a mask. Errors are `{"error": {"code", "message"}}`."""
+
+
+def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The app. Models load in the background once it starts; ``/health/ready`` says when they are warm.
+
+    Args:
+        settings: defaults to :func:`get_settings` (environment).
+        on_fatal: called when start-up fails (the server uses it to exit non-zero).
+    """
+    runtime = Runtime(settings or get_settings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load(runtime, on_fatal), name="load-models")
+        try:
+            yield
+        finally:
+            runtime.draining = True
+            if not loading.done():
+                loading.cancel()
+            await runtime.close()
+
+    app = FastAPI(title="padim", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.runtime = runtime
+    install_error_handlers(app)
+    for module in (health, models, score, metrics):
+        app.include_router(module.router)
+    app.add_middleware(BodySizeLimit, max_bytes=runtime.settings.max_upload_bytes)
+    app.add_middleware(RequestContext, metrics=runtime.metrics)  # outermost: sees every response
+    return app
+
+
+async def _load(runtime: Runtime, on_fatal: Callable[[], None] | None) -> None:
+    try:
+        await runtime.load()
+    except Exception as error:  # any failure here means the service cannot do its job
+        runtime.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
+        log.error("start-up failed: %s", runtime.startup_error)
+        if on_fatal is not None:
+            on_fatal()

@@ -1,0 +1,124 @@
+"""Dynamic micro-batching, as Triton's dynamic batcher does.
+
+Requests put one preprocessed image each on a bounded queue. A single task per model takes
+what is queued, waits up to ``max_delay`` for more (never beyond ``max_batch_size``), scores
+the batch once on the inference thread and answers every request. While a batch is being
+scored, new requests queue up and form the next batch, so under load batches fill themselves
+and at low load an image waits at most ``max_delay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ApiError
+
+log = logging.getLogger("padim.service")
+
+
+@dataclass
+class Item:
+    tensor: torch.Tensor  # (3, S, S) model input
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class MicroBatcher:
+    """Gathers single images into device batches for one model.
+
+    Args:
+        score_batch: called on the inference executor with a ``(B, 3, S, S)`` tensor; returns
+            one result per image, in order.
+        executor: where ``score_batch`` runs (one thread: one batch at a time on the device).
+        max_batch_size: largest batch.
+        max_delay: seconds the first image of a batch may wait for company.
+        max_queue: images allowed to wait; beyond that, :meth:`submit` raises 503.
+        on_batch: ``(batch_size, queue_waits)`` callback for metrics.
+    """
+
+    def __init__(
+        self,
+        score_batch: Callable[[torch.Tensor], Sequence],
+        executor: Executor,
+        max_batch_size: int,
+        max_delay: float,
+        max_queue: int,
+        on_batch: Callable[[int, list[float]], None] | None = None,
+    ):
+        self.score_batch = score_batch
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.max_delay = max_delay
+        self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max_queue)
+        self.on_batch = on_batch
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        while not self.queue.empty():  # nothing should be left after a drain; fail loudly if so
+            item = self.queue.get_nowait()
+            if not item.future.done():
+                item.future.set_exception(ApiError(503, "shutting_down", "the server is shutting down"))
+
+    def submit(self, tensor: torch.Tensor) -> asyncio.Future:
+        """Queue one ``(3, S, S)`` image; the future resolves to its result."""
+        future = asyncio.get_running_loop().create_future()
+        try:
+            self.queue.put_nowait(Item(tensor, future))
+        except asyncio.QueueFull:
+            raise ApiError(503, "overloaded", f"the queue is full ({self.queue.maxsize} images waiting); retry shortly",
+                           headers={"Retry-After": "1"}) from None
+        return future
+
+    async def _gather(self) -> list[Item]:
+        batch = [await self.queue.get()]
+        deadline = time.perf_counter() + self.max_delay
+        while len(batch) < self.max_batch_size:
+            if not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+                continue
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+            except TimeoutError:
+                break
+        return [item for item in batch if not item.future.done()]  # skip requests that gave up
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._gather()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                stacked = torch.stack([item.tensor for item in batch])
+                results = await loop.run_in_executor(self.executor, self.score_batch, stacked)
+            except Exception as error:  # a failed batch fails its requests, not the server
+                log.exception("scoring a batch of %d failed", len(batch))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(ApiError(500, "scoring_failed", f"scoring failed: {type(error).__name__}"))
+                continue
+            if self.on_batch is not None:
+                self.on_batch(len(batch), [started - item.enqueued for item in batch])
+            for item, result in zip(batch, results):
+                if not item.future.done():
+                    item.future.set_result(result)

@@ -1,0 +1,52 @@
+"""One JSON shape for every error: ``{"error": {"code": ..., "message": ...}}``."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ApiError(Exception):
+    """An error answered to the client as is."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int):
+        super().__init__(413, "payload_too_large", f"the request body is over the limit of {limit} bytes")
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+_HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+               415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error_response(error.status, error.code, error.message, error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, _HTTP_CODES.get(error.status_code, "error"), str(error.detail), error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return error_response(422, "invalid_parameter", f"{where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        import logging
+
+        logging.getLogger("padim.service").exception("unhandled error")
+        return error_response(500, "internal_error", "internal error; see the server log (request id in X-Request-ID)")

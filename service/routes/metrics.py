@@ -1,0 +1,13 @@
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..deps import RuntimeDep
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", summary="Prometheus metrics (open, for scrapers)", response_class=Response)
+async def metrics(runtime: RuntimeDep) -> Response:
+    for name, model in runtime.models.items():
+        runtime.metrics.queue_depth.labels(name).set(model.batcher.queue.qsize())
+    return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)

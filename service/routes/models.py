@@ -1,0 +1,12 @@
+from fastapi import APIRouter
+
+from ..deps import ApiKey, RuntimeDep
+
+router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
+
+
+@router.get("", summary="metadata of every served model; the first listed is the default")
+async def list_models(runtime: RuntimeDep) -> dict:
+    runtime.model(None)  # 503 while loading
+    names = [runtime.default_name] + [n for n in runtime.models if n != runtime.default_name]
+    return {"default": runtime.default_name, "models": [runtime.models[n].describe() for n in names]}

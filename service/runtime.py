@@ -1,0 +1,175 @@
+"""What the running service holds: its models, their batchers, thread pools, readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from padim.core.artifact import file_sha256
+from padim.models import PadimDetector
+from padim.models.images import open_image
+from padim.models.visualize import mask_image, overlay
+
+from .batching import MicroBatcher
+from .errors import ApiError
+from .metrics import Metrics
+from .settings import ServiceSettings
+
+log = logging.getLogger("padim.service")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: Path
+    sha256: str
+    detector: PadimDetector
+    batcher: MicroBatcher
+    load_seconds: float
+
+    def info(self) -> dict:
+        """Identity of the model, returned with every score."""
+        return {"name": self.name, "backbone": self.detector.config.backbone, "created": self.detector.info.get("created"),
+                "sha256": self.sha256, "weights": self.detector.weights.label}
+
+    def describe(self) -> dict:
+        d = self.detector
+        return {**self.info(), **d.describe(), "file": str(self.path), "threshold": 0.5,
+                "load_seconds": round(self.load_seconds, 3)}
+
+    def score_batch(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S))]``."""
+        out = self.detector.score(batch)
+        raw, maps = out.raw_scores.cpu(), out.maps.cpu()
+        return [(float(raw[i]), maps[i]) for i in range(batch.shape[0])]
+
+
+def model_name(path: Path) -> str:
+    return path.name.removesuffix(".padim") if path.name.endswith(".padim") else path.stem
+
+
+class Runtime:
+    """Models, batchers and pools of one service process."""
+
+    def __init__(self, settings: ServiceSettings, metrics: Metrics | None = None):
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.models: dict[str, ServedModel] = {}
+        self.default_name: str | None = None
+        self.ready = False
+        self.draining = False
+        self.startup_error: str | None = None
+        self.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self.decode = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
+
+    # ----------------------------------------------------------------- lifecycle
+    async def load(self) -> None:
+        """Load every model, warm it up with one dummy batch, start its batcher; then ready."""
+        files = self.settings.model_files()
+        if not files:
+            raise ValueError("no model to serve: pass --model FILE or set PADIM_MODEL_DIR")
+        names = [model_name(p) for p in files]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        loop = asyncio.get_running_loop()
+        for path, name in zip(files, names):
+            started = time.perf_counter()
+            detector, sha256 = await loop.run_in_executor(self.inference, self._load_one, path)
+            seconds = time.perf_counter() - started
+            batcher = MicroBatcher(
+                score_batch=lambda batch, n=name: self.models[n].score_batch(batch),
+                executor=self.inference,
+                max_batch_size=self.settings.max_batch_size,
+                max_delay=self.settings.max_delay_ms / 1000,
+                max_queue=self.settings.max_queue,
+                on_batch=lambda size, waits, n=name: self._record_batch(n, size, waits),
+            )
+            self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds)
+            batcher.start()
+            self.metrics.model_load.labels(name).set(seconds)
+            log.info("model ready", extra={"model": name, "load_seconds": round(seconds, 3), "weights": detector.weights.label})
+        self.default_name = self.settings.default_model or names[0]
+        if self.default_name not in self.models:
+            raise ValueError(f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}")
+        self.ready = True
+
+    def _load_one(self, path: Path) -> tuple[PadimDetector, str]:
+        detector = PadimDetector.load(path, device=self.settings.device)
+        size = detector.config.image_size
+        detector.score(torch.zeros(min(2, self.settings.max_batch_size), 3, size, size))  # warm-up
+        return detector, file_sha256(path)
+
+    async def close(self) -> None:
+        self.ready = False
+        for model in self.models.values():
+            await model.batcher.stop()
+        self.inference.shutdown(wait=True)
+        self.decode.shutdown(wait=True)
+
+    def _record_batch(self, name: str, size: int, waits: list[float]) -> None:
+        self.metrics.batch_size.labels(name).observe(size)
+        for wait in waits:
+            self.metrics.queue_wait.labels(name).observe(wait)
+
+    # ----------------------------------------------------------------- requests
+    def model(self, name: str | None) -> ServedModel:
+        if not self.ready:
+            raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
+        key = name or self.default_name
+        if key not in self.models:
+            raise ApiError(404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models)}")
+        return self.models[key]
+
+    def decode_image(self, model: ServedModel, data: bytes) -> tuple[Image.Image, torch.Tensor]:
+        """Runs on the decode pool: bytes -> RGB image and its ``(3, S, S)`` model input."""
+        from padim.models.images import ImageError
+
+        try:
+            image = open_image(data, max_pixels=self.settings.max_image_pixels)
+        except ImageError as error:
+            status, code = (413, "image_too_large") if "over the limit" in str(error) or "decompression bomb" in str(error) else (422, "invalid_image")
+            raise ApiError(status, code, str(error)) from None
+        return image, model.detector.preprocess([image])[0]
+
+    def build_result(self, model: ServedModel, image: Image.Image, raw: float, anomaly_map: torch.Tensor,
+                     threshold: float | None, heatmap: bool, mask: bool) -> dict:
+        """Runs on the decode pool: scores, verdict and the requested images."""
+        calibration = model.detector.calibration
+        normalised_threshold = 0.5 if threshold is None else threshold
+        raw_threshold = calibration.raw_threshold(normalised_threshold)
+        score = float(calibration.normalise(torch.tensor(raw, dtype=torch.float64)))
+        result = {
+            "score": score,
+            "raw_score": raw,
+            "is_anomaly": bool(raw >= raw_threshold),
+            "threshold": normalised_threshold,
+            "anomalous_area": float((anomaly_map >= raw_threshold).float().mean()),
+        }
+        if heatmap or mask:
+            scale = min(1.0, self.settings.heatmap_max_side / max(image.size))
+            width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
+            resized = F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+            normalised_map = calibration.normalise(resized.double()).numpy()
+            if heatmap:
+                label = "RANDOM WEIGHTS - DEMO ONLY" if model.detector.weights.source == "random" else None
+                shown = image.resize((width, height), Image.BILINEAR) if scale < 1 else image
+                result["heatmap"] = _png_base64(overlay(shown, normalised_map, label=label))
+            if mask:
+                result["mask"] = _png_base64(mask_image(normalised_map, normalised_threshold))
+        return result
+
+
+def _png_base64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

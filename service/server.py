@@ -1,0 +1,84 @@
+"""Runs the app under uvicorn, with JSON logs and a draining shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from padim.core.artifact import read_header
+
+from .app import create_app
+from .settings import ServiceSettings
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "color_message"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter()
+    formatter.converter = __import__("time").gmtime
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: readiness goes red first, then uvicorn stops accepting and lets
+    in-flight requests finish (up to ``drain_timeout_s``), then the models are released."""
+
+    def __init__(self, config: uvicorn.Config, runtime):
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig, frame) -> None:
+        self.runtime.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: ServiceSettings) -> int:
+    """Validate the model files, then serve until a signal; returns the exit code."""
+    files = settings.model_files()
+    if not files:
+        raise ValueError("no model to serve: pass --model FILE (repeatable) or set PADIM_MODEL_DIR")
+    for path in files:
+        read_header(path)  # missing, truncated, foreign or newer: one-line ArtifactError now
+    configure_logging(settings.log_level)
+    server: DrainingServer | None = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=stop)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=settings.drain_timeout_s, lifespan="on")
+    server = DrainingServer(config, app.state.runtime)
+    # uvicorn re-raises the signal it drained on once its own handlers are gone; with these
+    # no-op handlers in place a clean drain ends with exit code 0 instead of death by signal.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 1 if app.state.runtime.startup_error else 0

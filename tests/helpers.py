@@ -1,0 +1,75 @@
+"""Helpers shared by the test modules: the real CLI and a real server process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
+
+
+def run_cli(*args, check: bool = True, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real ``padim`` command line in a subprocess."""
+    result = subprocess.run(
+        [sys.executable, "-m", "padim", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"padim {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, url: str, log: Path):
+        self.process, self.url, self.log = process, url, log
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+
+@contextmanager
+def running_server(tmp_path: Path, models: list[Path], env: dict | None = None, args: tuple = (), wait_ready: bool = True):
+    port = free_port()
+    log = tmp_path / f"server-{port}.log"
+    command = [sys.executable, "-m", "padim", "serve", "--port", str(port), *args]
+    for model in models:
+        command += ["--model", str(model)]
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        if wait_ready:
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                if process.poll() is not None:
+                    raise AssertionError(f"server exited with {process.returncode}:\n{server.logs()}")
+                try:
+                    if httpx.get(server.url + "/health/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            else:
+                raise AssertionError("server not ready in time:\n" + server.logs())
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()

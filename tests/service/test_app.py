@@ -1,0 +1,124 @@
+"""In-process (TestClient) checks: readiness while loading, timeouts, overload, settings."""
+
+import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from pydantic import ValidationError
+
+from helpers import running_server
+from padim.service.app import create_app
+from padim.service.runtime import Runtime
+from padim.service.settings import ServiceSettings
+
+
+def png(dataset, name="good/000.png") -> bytes:
+    return (dataset / "test" / name).read_bytes()
+
+
+def wait_ready(client: TestClient) -> None:
+    import time
+
+    for _ in range(300):
+        if client.get("/health/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("not ready")
+
+
+def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeypatch):
+    release = threading.Event()
+    original = Runtime._load_one
+
+    def slow_load(self, path):
+        assert release.wait(30)
+        return original(self, path)
+
+    monkeypatch.setattr(Runtime, "_load_one", slow_load)
+    with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
+        assert client.get("/health/live").status_code == 200
+        ready = client.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "loading"
+        early = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
+        assert early.status_code == 503 and early.headers["retry-after"] and early.json()["error"]["code"] == "not_ready"
+        release.set()
+        wait_ready(client)
+        assert client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).status_code == 200
+
+
+def test_slow_scoring_gets_504(model_file, dataset):
+    settings = ServiceSettings(models=[model_file], device="cpu", request_timeout_s=0.001, max_delay_ms=50)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client)
+        response = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+        assert client.get("/health/live").status_code == 200
+
+
+def test_start_up_failure_turns_readiness_red(tmp_path):
+    broken = tmp_path / "broken.padim"
+    broken.write_bytes(b"nonsense")
+    with TestClient(create_app(ServiceSettings(models=[broken]))) as client:
+        import time
+
+        for _ in range(100):
+            body = client.get("/health/ready").json()
+            if body["reason"] != "loading":
+                break
+            time.sleep(0.05)
+        assert body["reason"].startswith("failed:") and "broken.padim" in body["reason"]
+
+
+def test_settings_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PADIM_MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("PADIM_MODEL_DIR", str(tmp_path))
+    monkeypatch.setenv("PADIM_API_KEY", "zz-secret-9")
+    (tmp_path / "b.padim").write_bytes(b"")
+    (tmp_path / "a.padim").write_bytes(b"")
+    settings = ServiceSettings()
+    assert settings.max_batch_size == 8 and settings.api_key.get_secret_value() == "zz-secret-9"
+    assert [p.name for p in settings.model_files()] == ["a.padim", "b.padim"]
+    assert "zz-secret-9" not in repr(settings)
+    monkeypatch.setenv("PADIM_MAX_BATCH_SIZE", "0")
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        ServiceSettings()
+
+
+def test_model_dir_from_environment_and_full_queue_answers_503(model_file, dataset, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "weave.padim").write_bytes(model_file.read_bytes())
+    env = {"PADIM_MODEL_DIR": str(models), "PADIM_MAX_QUEUE": "1", "PADIM_MAX_BATCH_SIZE": "1", "PADIM_MAX_DELAY_MS": "0"}
+    with running_server(tmp_path, [], env=env) as srv:
+        data = png(dataset)
+        with ThreadPoolExecutor(24) as pool:
+            responses = list(pool.map(lambda _: httpx.post(srv.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=60), range(48)))
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 503} and 200 in statuses
+        assert 503 in statuses, "48 simultaneous requests should overflow a queue of 1"
+        refused = next(r for r in responses if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
+        assert httpx.get(srv.url + "/health/live").status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "I;16", "CMYK", "exif"])
+def test_image_modes_are_scored_like_rgb(server, dataset, mode):
+    image = Image.open(dataset / "test" / "good" / "000.png").convert("RGB")
+    buffer = io.BytesIO()
+    if mode == "exif":
+        exif = Image.Exif()
+        exif[0x0112] = 3  # upside down
+        image.save(buffer, format="JPEG", exif=exif.tobytes())
+    elif mode == "CMYK":
+        image.convert("CMYK").save(buffer, format="JPEG")
+    elif mode == "I;16":
+        Image.fromarray((__import__("numpy").asarray(image.convert("L"), dtype="uint16") * 257)).save(buffer, format="PNG")
+    else:
+        image.convert(mode).save(buffer, format="PNG")
+    response = httpx.post(server.url + "/score", content=buffer.getvalue(), headers={"content-type": "image/*"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert 0.0 <= response.json()["score"] <= 1.0

@@ -1,0 +1,278 @@
+"""Against a real `padim serve` (uvicorn) process on 127.0.0.1."""
+
+import base64
+import io
+import json
+import signal
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import run_cli, running_server
+from padim.core.artifact import FORMAT_VERSION
+
+
+def post_image(url: str, path, **params) -> httpx.Response:
+    with open(path, "rb") as handle:
+        return httpx.post(url + "/score", files={"file": (path.name, handle, "image/png")}, params=params, timeout=60)
+
+
+def png_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def test_good_and_defective_verdicts(server, dataset):
+    good = post_image(server.url, dataset / "test" / "good" / "000.png")
+    bad = post_image(server.url, dataset / "test" / "hole" / "000.png", heatmap="true", mask="true")
+    assert good.status_code == 200 and bad.status_code == 200
+    g, b = good.json(), bad.json()
+    assert g["is_anomaly"] is False and g["score"] < 0.5 and "heatmap" not in g
+    assert b["is_anomaly"] is True and b["score"] > 0.5 and 0 < b["anomalous_area"] < 1
+    assert b["model"]["name"] == "weave" and len(b["model"]["sha256"]) == 64 and "RANDOM" in b["model"]["weights"]
+    assert b["latency_ms"] > 0
+    heat = Image.open(io.BytesIO(base64.b64decode(b["heatmap"])))
+    mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(b["mask"]))))
+    assert heat.size == (96, 96) and mask.shape == (96, 96)
+    assert set(np.unique(mask)) <= {0, 255} and (mask == 255).any()
+    assert good.headers["x-request-id"]
+
+
+def test_raw_body_and_named_model_and_threshold_override(server, dataset):
+    data = (dataset / "test" / "stain" / "001.png").read_bytes()
+    raw = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"})
+    named = httpx.post(server.url + "/models/weave/score", content=data, headers={"content-type": "image/png"})
+    assert raw.json()["raw_score"] == pytest.approx(named.json()["raw_score"], rel=1e-6)
+    strict = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, params={"threshold": 1.0})
+    lenient = httpx.post(server.url + "/score", files={"file": ("x.png", data)}, data={"threshold": "0"})
+    assert strict.json()["is_anomaly"] is False and strict.json()["threshold"] == 1.0 and strict.json()["anomalous_area"] == 0.0
+    assert lenient.json()["is_anomaly"] is True and lenient.json()["anomalous_area"] == 1.0
+
+
+def test_parity_with_padim_predict(server, dataset, model_file, tmp_path):
+    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path, "--no-heatmaps", "--no-maps")
+    expected = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    for record in expected:
+        from pathlib import Path
+
+        got = post_image(server.url, Path(record["path"])).json()
+        assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
+        assert got["score"] == pytest.approx(record["score"], abs=1e-5)
+        assert got["is_anomaly"] == record["is_anomaly"]
+
+
+def test_batch_endpoint_keeps_order(server, dataset):
+    paths = [dataset / "test" / d / "000.png" for d in ("good", "hole", "scratch", "good")]
+    files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths]
+    response = httpx.post(server.url + "/score/batch", files=files, timeout=60)
+    assert response.status_code == 200
+    results = response.json()["results"]
+    singles = [post_image(server.url, p).json()["raw_score"] for p in paths]
+    assert [r["raw_score"] for r in results] == pytest.approx(singles, rel=1e-5)
+
+
+def test_64_concurrent_requests_equal_their_sequential_scores(server, dataset):
+    paths = sorted((dataset / "test").rglob("*.png"))
+    paths = (paths * 4)[:64]
+    sequential = {p: post_image(server.url, p).json()["raw_score"] for p in set(paths)}
+    with ThreadPoolExecutor(64) as pool:
+        responses = list(pool.map(lambda p: post_image(server.url, p), paths))
+    assert all(r.status_code == 200 for r in responses)
+    for path, response in zip(paths, responses):
+        # batches of any composition give the same score, to float32 round-off
+        assert response.json()["raw_score"] == pytest.approx(sequential[path], rel=1e-5)
+    metrics = httpx.get(server.url + "/metrics").text
+    sizes = {s.labels.get("le"): s.value for f in text_string_to_metric_families(metrics)
+             if f.name == "padim_batch_size" for s in f.samples if s.name.endswith("_bucket")}
+    assert sizes["1.0"] < sizes["+Inf"], "concurrent requests should have been batched together"
+
+
+def truncated_png(dataset) -> bytes:
+    data = (dataset / "test" / "good" / "000.png").read_bytes()
+    return data[: len(data) // 2]
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid PNG header announcing a huge image, with a tiny body."""
+    def chunk(kind, payload):
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("case, status, code", [
+    ("empty", 422, "empty_body"),
+    ("not_image", 422, "invalid_image"),
+    ("truncated_png", 422, "invalid_image"),
+    ("truncated_jpeg", 422, "invalid_image"),
+    ("text_type", 415, "unsupported_media_type"),
+    ("no_file_field", 422, "missing_file"),
+    ("too_large", 413, "payload_too_large"),
+    ("too_large_chunked", 413, "payload_too_large"),
+    ("bomb", 413, "image_too_large"),
+    ("unknown_model", 404, "model_not_found"),
+    ("threshold_query", 422, "invalid_parameter"),
+    ("threshold_form", 422, "invalid_parameter"),
+])
+def test_bad_input_gets_a_clear_answer_and_the_server_stays_up(server, dataset, case, status, code):
+    url, png = server.url + "/score", (dataset / "test" / "good" / "000.png").read_bytes()
+    jpeg = png_bytes(Image.open(io.BytesIO(png)).convert("RGB"), "JPEG")
+    requests = {
+        "empty": lambda: httpx.post(url, content=b"", headers={"content-type": "image/png"}),
+        "not_image": lambda: httpx.post(url, files={"file": ("a.png", b"definitely not an image")}),
+        "truncated_png": lambda: httpx.post(url, content=truncated_png(dataset), headers={"content-type": "image/png"}),
+        "truncated_jpeg": lambda: httpx.post(url, content=jpeg[: len(jpeg) // 3], headers={"content-type": "image/jpeg"}),
+        "text_type": lambda: httpx.post(url, content=b"hello", headers={"content-type": "text/plain"}),
+        "no_file_field": lambda: httpx.post(url, data={"image": "x"}, files={"other": ("a.png", png)}),
+        "too_large": lambda: httpx.post(url, content=b"\0" * 21_000_000, headers={"content-type": "image/png"}),
+        "too_large_chunked": lambda: httpx.post(url, content=(b"\0" * 1_000_000 for _ in range(25)), headers={"content-type": "image/png"}),
+        "bomb": lambda: httpx.post(url, content=bomb_png(20000, 20000), headers={"content-type": "image/png"}),
+        "unknown_model": lambda: httpx.post(server.url + "/models/nope/score", content=png, headers={"content-type": "image/png"}),
+        "threshold_query": lambda: httpx.post(url, content=png, headers={"content-type": "image/png"}, params={"threshold": 1.5}),
+        "threshold_form": lambda: httpx.post(url, files={"file": ("a.png", png)}, data={"threshold": "-0.1"}),
+    }
+    try:
+        response = requests[case]()
+    except httpx.RemoteProtocolError:
+        pytest.fail("the server dropped the connection instead of answering")
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["code"] == code and body["error"]["message"]
+    assert httpx.get(server.url + "/health/live").status_code == 200
+
+
+def test_health_models_docs_and_metrics(server):
+    assert httpx.get(server.url + "/health/ready").json()["models"] == ["weave"]
+    models = httpx.get(server.url + "/models").json()
+    assert models["default"] == "weave"
+    (info,) = models["models"]
+    assert info["backbone"] == "resnet18" and info["image_size"] == 64 and info["threshold"] == 0.5
+    assert info["training_image_count"] == 30 and info["threshold_raw"] > 0
+    assert httpx.get(server.url + "/docs").status_code == 200
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/score", "/score/batch", "/models/{name}/score", "/health/ready", "/metrics"} <= set(spec["paths"])
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("padim_requests", "padim_request_latency_seconds", "padim_queue_wait_seconds", "padim_batch_size",
+                 "padim_requests_in_flight", "padim_model_load_seconds"):
+        assert name in families, name
+    statuses = {(s.labels["route"], s.labels["status"]) for s in families["padim_requests"].samples if s.name == "padim_requests_total"}
+    assert ("/health/ready", "200") in statuses
+
+
+def test_logs_are_json_lines_with_request_ids(server):
+    response = httpx.get(server.url + "/health/live", headers={"X-Request-ID": "trace-abc-123"})
+    assert response.headers["x-request-id"] == "trace-abc-123"
+    time.sleep(0.2)
+    entries = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
+    assert len(entries) == len([line for line in server.logs().splitlines() if line.strip()])
+    (entry,) = [e for e in entries if e.get("request_id") == "trace-abc-123"]
+    assert entry["route"] == "/health/live" and entry["status"] == 200 and "latency_ms" in entry
+
+
+def test_api_key(model_file, dataset, tmp_path):
+    png = (dataset / "test" / "good" / "000.png").read_bytes()
+    with running_server(tmp_path, [model_file], env={"PADIM_API_KEY": "s3cret"}) as srv:
+        score = lambda **headers: httpx.post(srv.url + "/score", content=png, headers={"content-type": "image/png", **headers})
+        assert score().status_code == 401 and score().json()["error"]["code"] == "unauthorized"
+        assert score(**{"x-api-key": "wrong"}).status_code == 401
+        assert score(**{"x-api-key": "s3cret"}).status_code == 200
+        assert score(authorization="Bearer s3cret").status_code == 200
+        assert httpx.get(srv.url + "/models").status_code == 401
+        assert httpx.get(srv.url + "/health/live").status_code == 200
+        assert httpx.get(srv.url + "/health/ready").status_code == 200
+        assert "s3cret" not in srv.logs()
+
+
+def test_several_models_by_name(model_file, dataset, tmp_path):
+    other = tmp_path / "second.padim"
+    other.write_bytes(model_file.read_bytes())
+    with running_server(tmp_path, [other, model_file]) as srv:
+        models = httpx.get(srv.url + "/models").json()
+        assert models["default"] == "second" and [m["name"] for m in models["models"]] == ["second", "weave"]
+        png = (dataset / "test" / "good" / "000.png").read_bytes()
+        answer = httpx.post(srv.url + "/models/weave/score", content=png, headers={"content-type": "image/png"}).json()
+        assert answer["model"]["name"] == "weave"
+
+
+@pytest.mark.parametrize("problem", ["missing", "truncated", "newer"])
+def test_bad_model_file_stops_start_up_with_one_line(model_file, tmp_path, problem):
+    path = tmp_path / "bad.padim"
+    if problem == "truncated":
+        path.write_bytes(model_file.read_bytes()[:100_000])
+    elif problem == "newer":
+        from padim.core.artifact import load_artifact, save_artifact
+        from padim.core import artifact
+
+        tensors, header = load_artifact(model_file)
+        header["format_version"] = FORMAT_VERSION + 1
+        original = artifact.FORMAT_VERSION
+        artifact.FORMAT_VERSION = FORMAT_VERSION + 1
+        try:
+            save_artifact(path, tensors, {k: v for k, v in header.items() if k != "format_version"})
+        finally:
+            artifact.FORMAT_VERSION = original
+    result = run_cli("serve", "--model", path, "--port", "0", check=False, timeout=60)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad.padim" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_path):
+    """Every request the server accepted is answered 200; the rest were refused, never half-done.
+
+    A connection still in the kernel's listen backlog when the listener closes is reset by the
+    kernel (the client sees a read error, not a refused connect) although the server never
+    saw the request; the request id, which the server logs for every request it receives,
+    tells the two apart.
+    """
+    import uuid
+
+    png = (dataset / "test" / "good" / "000.png").read_bytes()
+    outcomes, lock = [], threading.Lock()
+
+    def client(srv, stop_at):
+        while time.time() < stop_at:
+            request_id = uuid.uuid4().hex
+            try:
+                with httpx.Client(timeout=60) as c:  # a fresh connection per request
+                    r = c.post(srv.url + "/score", content=png,
+                               headers={"content-type": "image/png", "connection": "close", "x-request-id": request_id})
+                outcome = r.status_code
+            except httpx.ConnectError:
+                outcome = "refused"  # the listener was already closed
+            except httpx.TransportError:
+                outcome = "reset"
+            with lock:
+                outcomes.append((request_id, outcome))
+            if outcome in ("refused", "reset"):
+                return
+
+    with running_server(tmp_path, [model_file]) as srv:
+        threads = [threading.Thread(target=client, args=(srv, time.time() + 20)) for _ in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        srv.process.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        code = srv.process.wait(30)
+    assert code == 0, srv.logs()
+    received = {e["request_id"]: e["status"] for e in map(json.loads, srv.logs().splitlines())
+                if e.get("route") == "/score"}
+    assert set(received.values()) == {200}
+    for request_id, outcome in outcomes:
+        if outcome == 200:
+            assert request_id in received
+        else:
+            assert outcome in ("refused", "reset") and request_id not in received, (request_id, outcome)
+    assert sum(1 for _, o in outcomes if o == 200) >= 16
