@@ -83,12 +83,18 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def to_model_input(
     images: Sequence[Image.Image], size: int, mean: Sequence[float], std: Sequence[float]
 ) -> torch.Tensor:
-    """Resize to ``size x size`` (bilinear, antialiased) and normalise: ``(B, 3, S, S)`` float32."""
-    arrays = [np.asarray(im.resize((size, size), Image.BILINEAR), dtype=np.float32) for im in images]
-    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 255.0  # (B, 3, S, S)
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-    return ((batch - mean_t) / std_t).contiguous()
+    """Resize to ``size x size`` (bilinear, antialiased) and normalise: ``(B, 3, S, S)`` float32.
+
+    NumPy only until the final ``from_numpy``: this runs on decode threads beside the inference
+    thread, and torch ops there would each start an OpenMP team and oversubscribe the cores.
+    """
+    scale = (1.0 / (255.0 * np.asarray(std, dtype=np.float32))).reshape(1, 1, 3)
+    offset = (np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, 1, 3)
+    arrays = []
+    for image in images:
+        pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.float32)  # (S, S, 3)
+        arrays.append((pixels * scale - offset).transpose(2, 0, 1))  # (3, S, S)
+    return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
 def iter_batches(

@@ -1,10 +1,15 @@
 """Dynamic micro-batching, as Triton's dynamic batcher does.
 
 Requests put one preprocessed image each on a bounded queue. A single task per model takes
-what is queued, waits up to ``max_delay`` for more (never beyond ``max_batch_size``), scores
-the batch once on the inference thread and answers every request. While a batch is being
-scored, new requests queue up and form the next batch, so under load batches fill themselves
-and at low load an image waits at most ``max_delay``.
+what is queued, waits up to ``max_delay`` for more, scores the batch once on the inference
+thread and answers every request. While a batch is being scored, new requests queue up and
+form the next batch, so under load batches fill themselves and at low load an image waits at
+most ``max_delay``.
+
+Like Triton's ``preferred_batch_size``, a batch is sent as soon as it reaches the preferred
+size, even when more images are queued (they form the next batch). On a CPU the cost per
+image stops falling at about 8 images (see benchmarks/serve_load.py), and larger batches only
+make clients arrive in convoys: one large batch, then stragglers scored almost alone.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class MicroBatcher:
         executor: where ``score_batch`` runs (one thread: one batch at a time on the device).
         max_batch_size: largest batch.
         max_delay: seconds the first image of a batch may wait for company.
+        preferred_batch_size: send a batch as soon as it has this many images (default: max).
         max_queue: images allowed to wait; beyond that, :meth:`submit` raises 503.
         on_batch: ``(batch_size, queue_waits)`` callback for metrics.
     """
@@ -51,10 +57,12 @@ class MicroBatcher:
         max_delay: float,
         max_queue: int,
         on_batch: Callable[[int, list[float]], None] | None = None,
+        preferred_batch_size: int | None = None,
     ):
         self.score_batch = score_batch
         self.executor = executor
         self.max_batch_size = max_batch_size
+        self.batch_limit = min(preferred_batch_size or max_batch_size, max_batch_size)
         self.max_delay = max_delay
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max_queue)
         self.on_batch = on_batch
@@ -88,7 +96,7 @@ class MicroBatcher:
     async def _gather(self) -> list[Item]:
         batch = [await self.queue.get()]
         deadline = time.perf_counter() + self.max_delay
-        while len(batch) < self.max_batch_size:
+        while len(batch) < self.batch_limit:
             if not self.queue.empty():
                 batch.append(self.queue.get_nowait())
                 continue

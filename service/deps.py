@@ -12,15 +12,15 @@ from .runtime import Runtime
 from .settings import ServiceSettings
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def get_service_settings(request: Request) -> ServiceSettings:
+async def get_service_settings(request: Request) -> ServiceSettings:
     return request.app.state.runtime.settings
 
 
-def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+async def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
     """``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` when ``PADIM_API_KEY`` is set."""
     if settings.api_key is None:
         return

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -93,6 +94,7 @@ class Runtime:
                 max_delay=self.settings.max_delay_ms / 1000,
                 max_queue=self.settings.max_queue,
                 on_batch=lambda size, waits, n=name: self._record_batch(n, size, waits),
+                preferred_batch_size=self.settings.batch_preference(detector.device.type),
             )
             self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds)
             batcher.start()
@@ -144,16 +146,18 @@ class Runtime:
     def build_result(self, model: ServedModel, image: Image.Image, raw: float, anomaly_map: torch.Tensor,
                      threshold: float | None, heatmap: bool, mask: bool) -> dict:
         """Runs on the decode pool: scores, verdict and the requested images."""
+        # NumPy, not torch, on this thread (see padim.models.images.to_model_input)
         calibration = model.detector.calibration
         normalised_threshold = 0.5 if threshold is None else threshold
         raw_threshold = calibration.raw_threshold(normalised_threshold)
         score = float(calibration.normalise(torch.tensor(raw, dtype=torch.float64)))
+        map_array = anomaly_map.numpy()
         result = {
             "score": score,
             "raw_score": raw,
             "is_anomaly": bool(raw >= raw_threshold),
             "threshold": normalised_threshold,
-            "anomalous_area": float((anomaly_map >= raw_threshold).float().mean()),
+            "anomalous_area": float(np.count_nonzero(map_array >= raw_threshold) / map_array.size),
         }
         if heatmap or mask:
             scale = min(1.0, self.settings.heatmap_max_side / max(image.size))

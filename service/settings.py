@@ -10,6 +10,10 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+#: Measured on 2-16 core x86 CPUs: throughput per image is flat from batch 8 upwards.
+CPU_PREFERRED_BATCH = 8
+
+
 class ServiceSettings(BaseSettings):
     """Everything ``padim serve`` can be told. Environment: ``PADIM_<NAME>`` (e.g. ``PADIM_API_KEY``)."""
 
@@ -24,6 +28,10 @@ class ServiceSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="longest wait for a batch to fill")
+    preferred_batch_size: int | None = Field(
+        None, ge=1, le=1024,
+        description="send a batch once it has this many images; default 8 on CPU (larger batches are no "
+        "faster per image there), max_batch_size on CUDA")
     max_queue: int = Field(256, ge=1, description="queued images per model before 503")
     request_timeout_s: float = Field(30.0, gt=0, description="a request waiting longer gets 504")
     max_upload_bytes: int = Field(20_000_000, ge=1, description="larger bodies get 413, before being read")
@@ -32,6 +40,12 @@ class ServiceSettings(BaseSettings):
     heatmap_max_side: int = Field(1024, ge=16, description="heat maps and masks are at most this many pixels wide/high")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def batch_preference(self, device_type: str) -> int:
+        """The preferred batch size on a device of this type (``cpu`` or ``cuda``)."""
+        if self.preferred_batch_size is not None:
+            return min(self.preferred_batch_size, self.max_batch_size)
+        return min(CPU_PREFERRED_BATCH, self.max_batch_size) if device_type == "cpu" else self.max_batch_size
 
     def model_files(self) -> list[Path]:
         files = list(self.models)
