@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="fit a detector on a folder of normal images",
         description="Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
         "A share of the images (--holdout-fraction, at least --min-holdout) is never fitted on and "
-        "calibrates the threshold. Memory does not grow with the number of images.",
+        "calibrates the threshold. Memory does not grow with the number of images. Under torchrun "
+        "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
+        "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file.",
     )
     train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
     train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=int, help="image-decoding threads (default 2)")
     train.add_argument("--resume", type=Path, metavar="MODEL", help="add DATA_DIR's images to this model's accumulators (old images are not re-read)")
     train.add_argument("--slim", action="store_true", help="leave the accumulators out of the file (about 4x smaller for resnet18; cannot be resumed)")
+    train.add_argument("--partial", action="store_true",
+                       help="fit every image and write only the accumulators, to be combined later by `padim merge` "
+                       "(for shards fitted on separate machines or at separate times)")
 
     predict = commands.add_parser(
         "predict", help="score images and write results, maps and heat maps",
@@ -110,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
+    merge = commands.add_parser(
+        "merge", help="combine partial fits (train --partial) into one model",
+        description="Add up the accumulators of PARTS (refused unless backbone, weights, layers, image size and "
+        "channel selection all match), derive the precision factors, and calibrate the threshold on the normal "
+        "images of --calibration-dir, which must not have been fitted on.",
+    )
+    merge.add_argument("parts", type=Path, nargs="+", metavar="PART")
+    merge.add_argument("--output", "-o", type=Path, required=True)
+    merge.add_argument("--calibration-dir", type=Path, required=True, metavar="DIR",
+                       help="normal images kept out of every part, to set the threshold")
+    merge.add_argument("--threshold-quantile", type=float, help="default: the parts' setting (0.99)")
+    merge.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    merge.add_argument("--batch-size", type=int, default=16)
+    merge.add_argument("--workers", type=int, default=2)
+    merge.add_argument("--slim", action="store_true", help="leave the accumulators out of the merged file")
+
     info = commands.add_parser("info", help="print a model file's metadata as JSON")
     info.add_argument("model", type=Path, metavar="MODEL")
 
@@ -135,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from padim.models import ConfigError, ImageError, WeightsError
 
     handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "serve": cmd_serve,
-               "info": cmd_info, "synth": cmd_synth}[args.command]
+               "merge": cmd_merge, "info": cmd_info, "synth": cmd_synth}[args.command]
     try:
         return handler(args)
     except (UserError, ArtifactError, ConfigError, WeightsError, ImageError, NotPositiveDefiniteError) as error:
@@ -173,12 +194,15 @@ def load_config(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from padim.models import PadimDetector, fit_detector, list_images
+    from padim.models.detector import accumulate_shard, new_detector, shard_of
 
     config = load_config(args)
     paths = list_images(args.data_dir)
     if not paths:
         raise UserError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
     names = [p.relative_to(args.data_dir).as_posix() if args.data_dir.is_dir() else p.name for p in paths]
+    if args.partial and (args.resume or args.slim):
+        raise UserError("--partial writes accumulators only: it cannot be combined with --resume or --slim")
     resume = None
     if args.resume is not None:
         resume = PadimDetector.load(args.resume, device="cpu")
@@ -189,23 +213,93 @@ def cmd_train(args: argparse.Namespace) -> int:
             k = next(iter(clash))
             raise UserError(f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
                             f"not {clash[k]!r}; drop the flag or train a new model")
+    shard = _init_distributed(config)
+    rank = shard[0] if shard else 0
     started = time.perf_counter()
-    detector = fit_detector(config, paths, names, resume=resume, progress=not args.quiet)
-    detector.save(args.output, include_state=not args.slim)
+    try:
+        if args.partial:  # every image is fitted: `merge` calibrates on images kept out of all parts
+            detector = new_detector(config)
+            detector.state = accumulate_shard(detector, shard_of(paths, shard), None, not args.quiet and rank == 0, shard)
+            detector.info = {"training_image_count": len(paths), "fit_image_count": int(detector.state.count),
+                             "holdout_image_count": 0, "partial": True}
+        else:
+            detector = fit_detector(config, paths, names, resume=resume, progress=not args.quiet and rank == 0, shard=shard)
+        if rank != 0:
+            return 0
+        detector.save(args.output, include_state=not args.slim)
+    finally:
+        if shard:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     elapsed = time.perf_counter() - started
     summary = {
         "model": str(args.output),
+        "kind": "partial" if args.partial else "detector",
         "size_bytes": args.output.stat().st_size,
         "images": len(paths),
         "fit_images_total": detector.info["fit_image_count"],
         "holdout_images_total": detector.info["holdout_image_count"],
-        "threshold_raw": detector.calibration.threshold,
-        "precision_dtype": str(detector.storage_dtype).removeprefix("torch."),
+        "threshold_raw": None if detector.calibration is None else detector.calibration.threshold,
+        "precision_dtype": None if args.partial else str(detector.storage_dtype).removeprefix("torch."),
         "seconds": round(elapsed, 2),
+        "world_size": shard[1] if shard else 1,
         "weights": detector.weights.label,
         **{k: v for k, v in detector.describe().items() if k in ("backbone", "image_size", "embedding_dim")},
     }
     print(json.dumps(summary))
+    return 0
+
+
+def _init_distributed(config) -> tuple[int, int] | None:
+    """``(rank, world_size)`` when started by torchrun with several processes, else ``None``."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    from padim.models import resolve_device
+
+    if resolve_device(config.device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from padim.models import PadimDetector, list_images, resolve_device
+    from padim.models.detector import finish, merge_partials
+
+    parts = [PadimDetector.load(p, device="cpu") for p in args.parts]
+    try:
+        detector, state = merge_partials(parts, [str(p) for p in args.parts])
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    config = detector.config.replace(threshold_quantile=args.threshold_quantile, batch_size=args.batch_size,
+                                     workers=args.workers, device=args.device)
+    detector.config, detector.device = config, resolve_device(args.device)
+    detector.extractor.to(detector.device)
+    detector.embedding.to(detector.device)
+    calibration = list_images(args.calibration_dir)
+    if not calibration:
+        raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
+    finish(detector, state.to(detector.device), calibration, progress=not args.quiet)
+    detector.info = {
+        "training_image_count": sum(int(p.info.get("training_image_count") or 0) for p in parts) + len(calibration),
+        "fit_image_count": int(state.count),
+        "holdout_image_count": len(calibration),
+        "merged_from": [str(p) for p in args.parts],
+    }
+    detector.save(args.output, include_state=not args.slim)
+    print(json.dumps({"model": str(args.output), "parts": len(parts), "fit_images_total": int(state.count),
+                      "calibration_images": len(calibration), "threshold_raw": detector.calibration.threshold,
+                      "size_bytes": args.output.stat().st_size, "weights": detector.weights.label}))
     return 0
 
 
@@ -222,7 +316,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from padim.models.images import iter_batches
     from padim.models.visualize import overlay
 
-    detector = PadimDetector.load(args.model, device=args.device)
+    detector = PadimDetector.load_scorable(args.model, device=args.device)
     items: list[tuple[Path, Path]] = []  # (path, path relative to its input)
     for source in args.inputs:
         found = list_images(source)
@@ -279,7 +373,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from .evaluation import evaluate
 
-    detector = PadimDetector.load(args.model, device=args.device)
+    detector = PadimDetector.load_scorable(args.model, device=args.device)
     try:
         result = evaluate(detector, args.category_dir, args.batch_size, args.workers, progress=not args.quiet)
     except ValueError as error:

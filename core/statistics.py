@@ -152,6 +152,32 @@ def update_state_(state: GaussianState, embedding: torch.Tensor) -> GaussianStat
     return state
 
 
+def all_reduce_state_(state: GaussianState, group=None) -> GaussianState:
+    """Merge the states of every rank of a ``torch.distributed`` group, in place, on every rank.
+
+    Exact, not an approximation: with ``N = sum n_r`` and ``mu = sum n_r mu_r / N``,
+    ``M2 = sum_r [M2_r + n_r (mu_r - mu)(mu_r - mu)^T]``. Communicates two scalars, one
+    ``(P, D)`` and one ``(P, D, D)`` float64 tensor, once. A rank that saw no images passes
+    an :func:`empty_state` of the same shape.
+    """
+    import torch.distributed as dist
+
+    count = state.count.to(ACCUMULATOR_DTYPE)
+    dist.all_reduce(count, group=group)
+    total = float(count)
+    if total == 0:
+        return state
+    weighted = state.mean * float(state.count)
+    dist.all_reduce(weighted, group=group)
+    mean = weighted / total  # (P, D)
+    delta = state.mean - mean
+    state.comoment.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=float(state.count))
+    dist.all_reduce(state.comoment, group=group)
+    state.mean.copy_(mean)
+    state.count.fill_(int(round(total)))
+    return state
+
+
 def covariance(state: GaussianState) -> torch.Tensor:
     """Unbiased per-pixel covariance ``(P, D, D)`` (divides by ``n - 1``, as ``np.cov``)."""
     n = int(state.count)

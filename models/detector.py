@@ -24,7 +24,14 @@ from padim import __version__
 from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
 from padim.core.calibration import Calibration, split_holdout
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.core.statistics import GaussianAccumulator, GaussianState, finalise
+from padim.core.statistics import (
+    GaussianAccumulator,
+    GaussianState,
+    all_reduce_state_,
+    empty_state,
+    finalise,
+    merge_states_,
+)
 
 from .backbones import BACKBONES, IMAGENET_MEAN, IMAGENET_STD, WeightsInfo, build_backbone, weights_sha256
 from .config import PadimConfig
@@ -162,8 +169,13 @@ class PadimDetector:
         }
 
     # ------------------------------------------------------------------ file
+    @property
+    def is_partial(self) -> bool:
+        """Accumulators only (``train --partial``): not scorable until merged and finished."""
+        return self.precision_factor.numel() == 0
+
     def save(self, path: str | Path, include_state: bool = True, precision_dtype: torch.dtype | None = None) -> None:
-        """Write the model file atomically.
+        """Write the model file atomically (a partial one when the detector is unfinished).
 
         Args:
             include_state: keep the accumulators (needed by ``--resume`` and ``merge``).
@@ -171,7 +183,9 @@ class PadimDetector:
                 at fit time.
         """
         dtype = precision_dtype or self.storage_dtype
-        tensors = {
+        if self.is_partial and (self.state is None or not include_state):
+            raise ValueError("a partial fit is nothing but its accumulators; it cannot be saved without them")
+        tensors = {} if self.is_partial else {
             "mean": self.mean,
             "precision_factor": pack_lower(self.precision_factor).to(dtype),
         }
@@ -188,7 +202,7 @@ class PadimDetector:
         for key, value in self.backbone_state.items():
             tensors[f"backbone.{key}"] = value
         header = {
-            "kind": "padim-detector",
+            "kind": "padim-partial" if self.is_partial else "padim-detector",
             "padim_version": __version__,
             "torch_version": torch.__version__,
             "torchvision_version": torchvision.__version__,
@@ -206,11 +220,20 @@ class PadimDetector:
         save_artifact(path, tensors, header)
 
     @classmethod
+    def load_scorable(cls, path: str | Path, device: str = "auto") -> PadimDetector:
+        """:meth:`load`, refusing partial fits (they hold statistics, not a finished model)."""
+        detector = cls.load(path, device)
+        if detector.is_partial:
+            raise ArtifactError(f"{path}: a partial fit (train --partial); combine the parts with `padim merge` first")
+        return detector
+
+    @classmethod
     def load(cls, path: str | Path, device: str = "auto") -> PadimDetector:
         """Read a model file. Raises :class:`ArtifactError` with a one-line message."""
         tensors, header = load_artifact(path)
-        if header.get("kind") != "padim-detector":
+        if header.get("kind") not in ("padim-detector", "padim-partial"):
             raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+        partial = header["kind"] == "padim-partial"
         try:
             config = PadimConfig.from_mapping(header["config"], source=str(path))
             dim = int(header["embedding_dim"])
@@ -222,7 +245,7 @@ class PadimDetector:
                 embedding = Embedding(**embedding_kwargs, channel_index=tensors["embedding.channel_index"])
             else:
                 embedding = Embedding(**embedding_kwargs, projection=tensors["embedding.projection"])
-            factor = unpack_lower(tensors["precision_factor"].to(torch.float32), dim)
+            factor = torch.empty(0) if partial else unpack_lower(tensors["precision_factor"].to(torch.float32), dim)
             calibration = None
             if header.get("calibration") is not None:
                 calibration = Calibration.from_header(header["calibration"], tensors["calibration.normal_scores"])
@@ -240,98 +263,190 @@ class PadimDetector:
         info = {k: header[k] for k in ("created", "padim_version", "training_image_count",
                                         "fit_image_count", "holdout_image_count") if k in header}
         storage_dtype = getattr(torch, header.get("precision_dtype", "float32"))
-        return cls(config, backbone_state, weights, embedding, tensors["mean"], factor,
+        return cls(config, backbone_state, weights, embedding, tensors.get("mean", torch.empty(0)), factor,
                    calibration, state, resolve_device(device), info, storage_dtype)
 
 
 # ---------------------------------------------------------------------- fitting
+def new_detector(config: PadimConfig) -> PadimDetector:
+    """An unfitted detector: backbone with its weights, seeded channel reduction, no statistics."""
+    backbone, weights = build_backbone(config.backbone, config.weights, config.seed)
+    backbone_state = _used_state(backbone, config)
+    weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_state))
+    embedding = Embedding.create(config.spec, config.layers, config.embedding_dim, config.reduction, config.seed)
+    # mean and precision factor are set by finish(); until then the detector only embeds
+    return PadimDetector(config, backbone_state, weights, embedding, torch.empty(0), torch.empty(0),
+                         None, None, resolve_device(config.device))
+
+
+def accumulate(detector: PadimDetector, paths: Sequence[Path], state: GaussianState | None = None,
+               progress: bool = True) -> GaussianState:
+    """Stream ``paths`` through the backbone into per-pixel statistics (``state`` is extended)."""
+    config = detector.config
+    grid = detector.grid_shape
+    accumulator = GaussianAccumulator(state.to(detector.device) if state is not None else None)
+    with tqdm(total=len(paths), desc="fit", unit="img", disable=not progress, leave=False) as bar:
+        for _, images in iter_batches(list(paths), config.batch_size, config.workers):
+            accumulator.partial_fit(detector.embed(detector.preprocess(images)))
+            bar.update(len(images))
+    if accumulator.state is None:
+        return empty_state(grid[0] * grid[1], detector.embedding.dim, detector.device)
+    return accumulator.state
+
+
+def finish(detector: PadimDetector, state: GaussianState, holdout_paths: Sequence[Path],
+           previous_scores: Sequence[float] = (), progress: bool = True) -> PadimDetector:
+    """Precision factors from ``state``, then the threshold from the held-out images' scores."""
+    config = detector.config
+    if int(state.count) < 2:
+        raise ValueError(f"need at least 2 fitted images, have {int(state.count)}")
+    detector.mean, detector.precision_factor = finalise(state, config.epsilon, detector.grid_shape)
+    detector.state = state
+    scores, sample = [], None
+    with tqdm(total=len(holdout_paths), desc="calibrate", unit="img", disable=not progress, leave=False) as bar:
+        for _, images in iter_batches(list(holdout_paths), config.batch_size, config.workers):
+            embedded = detector.embed(detector.preprocess(images))
+            sample = embedded if sample is None else sample
+            scores.append(detector.score_embeddings(embedded).raw_scores.cpu().to(torch.float64))
+            bar.update(len(images))
+    normal_scores = torch.cat([torch.tensor(list(previous_scores), dtype=torch.float64), *scores])
+    if normal_scores.numel() == 0:
+        raise ValueError("no held-out images to calibrate on; raise holdout_fraction or min_holdout")
+    detector.calibration = Calibration.from_normal_scores(normal_scores, config.threshold_quantile)
+    detector.storage_dtype = _choose_precision_dtype(detector, sample, config.precision_dtype)
+    return detector
+
+
 def fit_detector(
     config: PadimConfig,
     paths: Sequence[Path],
     names: Sequence[str],
     resume: PadimDetector | None = None,
     progress: bool = True,
-) -> PadimDetector:
+    shard: tuple[int, int] | None = None,
+) -> PadimDetector | None:
     """Fit (or continue fitting) a detector on normal images.
 
     Args:
         config: detector configuration (ignored in favour of ``resume.config`` when resuming,
             except for run-time options: batch size, device, workers).
-        paths: image files.
+        paths: image files, every rank's (sorted).
         names: a stable name per image (path relative to the data directory); decides which
             images are held out for calibration.
         resume: a loaded detector with accumulators, to add ``paths`` to.
         progress: show progress bars (stderr).
+        shard: ``(rank, world_size)`` inside an initialised ``torch.distributed`` group: this
+            rank fits its contiguous share of the fit images, the statistics are all-reduced,
+            and rank 0 alone finishes (the others get ``None``).
 
     Returns:
-        The fitted detector (not yet saved).
+        The fitted detector (not yet saved), or ``None`` on ranks other than 0.
     """
     if len(paths) != len(names):
         raise ValueError("paths and names must have the same length")
     started = time.perf_counter()
-    device = resolve_device(config.device)
     if resume is not None:
         if resume.state is None:
             raise ValueError("this model file has no accumulators (it was saved with --slim); it cannot be resumed")
         config = resume.config.replace(batch_size=config.batch_size, device=config.device, workers=config.workers)
-        backbone_state, weights, embedding = resume.backbone_state, resume.weights, resume.embedding.cpu()
-        minimum = 0
+        detector = PadimDetector(config, resume.backbone_state, resume.weights, resume.embedding.cpu(),
+                                 torch.empty(0), torch.empty(0), None, None, resolve_device(config.device))
+        state, minimum = resume.state, 0
+        previous_scores = resume.calibration.normal_scores if resume.calibration else ()
     else:
-        backbone, weights = build_backbone(config.backbone, config.weights, config.seed)
-        backbone_state = _used_state(backbone, config)
-        weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_state))
-        embedding = Embedding.create(config.spec, config.layers, config.embedding_dim, config.reduction, config.seed)
-        minimum = config.min_holdout
+        detector, state, minimum, previous_scores = new_detector(config), None, config.min_holdout, ()
     fit_idx, holdout_idx = split_holdout(list(names), config.holdout_fraction, minimum)
     if resume is None and len(fit_idx) < 2:
         raise ValueError(f"need at least 2 images to fit on besides the held-out ones, got {len(paths)} images in all")
-    grid = _grid_shape(config)
-    log.info("fitting %s (%s) on %d images, holding out %d", config.backbone, weights.label, len(fit_idx), len(holdout_idx))
-
-    # mean and precision factor are set by finalise(); until then the detector only embeds
-    detector = PadimDetector(config, backbone_state, weights, embedding, torch.empty(0), torch.empty(0),
-                             None, None, device)
-    accumulator = GaussianAccumulator(resume.state.to(device) if resume is not None else None)
-    fit_paths = [paths[i] for i in fit_idx]
-    with tqdm(total=len(fit_paths), desc="fit", unit="img", disable=not progress, leave=False) as bar:
-        for _, images in iter_batches(fit_paths, config.batch_size, config.workers):
-            accumulator.partial_fit(detector.embed(detector.preprocess(images)))
-            bar.update(len(images))
-    if accumulator.count < 2:
-        raise ValueError(f"need at least 2 fitted images, have {accumulator.count}")
-
-    state = accumulator.state
-    detector.mean, detector.precision_factor = finalise(state, config.epsilon, grid)
-    detector.state = state
-
-    holdout_paths = [paths[i] for i in holdout_idx]
-    scores, sample = [], None
-    with tqdm(total=len(holdout_paths), desc="calibrate", unit="img", disable=not progress, leave=False) as bar:
-        for _, images in iter_batches(holdout_paths, config.batch_size, config.workers):
-            embedded = detector.embed(detector.preprocess(images))
-            sample = embedded if sample is None else sample
-            scores.append(detector.score_embeddings(embedded).raw_scores.cpu())
-            bar.update(len(images))
-    new_scores = torch.cat(scores) if scores else torch.zeros(0)
-    previous = torch.tensor(resume.calibration.normal_scores) if resume is not None and resume.calibration else torch.zeros(0)
-    normal_scores = torch.cat([previous.to(torch.float64), new_scores.to(torch.float64)])
-    if normal_scores.numel() == 0:
-        raise ValueError("no held-out images to calibrate on; raise holdout_fraction or min_holdout")
-    detector.calibration = Calibration.from_normal_scores(normal_scores, config.threshold_quantile)
-    detector.storage_dtype = _choose_precision_dtype(detector, sample, config.precision_dtype)
-
+    rank, world = shard or (0, 1)
+    mine = shard_of(fit_idx, shard)
+    log.info("fitting %s (%s) on %d images (this rank: %d), holding out %d", config.backbone,
+             detector.weights.label, len(fit_idx), len(mine), len(holdout_idx))
+    state = accumulate_shard(detector, [paths[i] for i in mine], state if rank == 0 else None, progress, shard)
+    if rank != 0:
+        return None
+    finish(detector, state, [paths[i] for i in holdout_idx], previous_scores, progress)
     previous_total = int(resume.info.get("training_image_count") or 0) if resume is not None else 0
     previous_holdout = int(resume.info.get("holdout_image_count") or 0) if resume is not None else 0
     detector.info = {
         "created": _now(),
         "padim_version": __version__,
         "training_image_count": previous_total + len(paths),
-        "fit_image_count": accumulator.count,
+        "fit_image_count": int(state.count),
         "holdout_image_count": previous_holdout + len(holdout_idx),
         "fit_seconds": round(time.perf_counter() - started, 3),
         "resumed": resume is not None,
+        "world_size": world,
     }
     return detector
+
+
+def shard_of(items: Sequence, shard: tuple[int, int] | None) -> list:
+    """This rank's contiguous share of ``items`` (all of them without a shard)."""
+    rank, world = shard or (0, 1)
+    return list(items[rank * len(items) // world : (rank + 1) * len(items) // world])
+
+
+def accumulate_shard(detector: PadimDetector, paths: Sequence[Path], state: GaussianState | None,
+                     progress: bool, shard: tuple[int, int] | None) -> GaussianState:
+    """:func:`accumulate`, then (with a shard) every rank's statistics merged on every rank.
+
+    A failure on any rank stops every rank: they agree on it before the collective, so none
+    waits forever for a peer that has gone.
+    """
+    if shard is None:
+        return accumulate(detector, paths, state, progress)
+    import torch.distributed as dist
+
+    error: Exception | None = None
+    try:
+        state = accumulate(detector, paths, state, progress)
+    except Exception as caught:  # reported below, after every rank knows
+        error = caught
+    failed = torch.tensor([1.0 if error else 0.0], dtype=torch.float64, device=detector.device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if float(failed) > 0:
+        raise RuntimeError(f"{int(failed)} other rank(s) failed; see their messages")
+    return all_reduce_state_(state)
+
+
+PARTIAL_CHECKS = ("backbone", "layers", "image_size", "reduction")
+
+
+def merge_partials(parts: Sequence[PadimDetector], sources: Sequence[str]) -> tuple[PadimDetector, GaussianState]:
+    """An unfinished detector and the merged statistics of several partial fits.
+
+    Raises:
+        ValueError: parts of different backbones, weights, layers, image sizes or channel
+            selections (naming the first two that differ).
+    """
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for part, source in zip(parts, sources):
+        if part.state is None:
+            raise ValueError(f"{source}: has no accumulators (saved with --slim); it cannot be merged")
+        for key in PARTIAL_CHECKS:
+            if getattr(part.config, key) != getattr(first.config, key):
+                raise ValueError(f"{source}: {key}={getattr(part.config, key)!r} but {sources[0]} has "
+                                 f"{getattr(first.config, key)!r}; parts must come from the same configuration")
+        if part.weights.sha256 != first.weights.sha256:
+            raise ValueError(f"{source}: other backbone weights than {sources[0]} (sha256 {part.weights.sha256[:12]} vs "
+                             f"{first.weights.sha256[:12]})")
+        same = (torch.equal(part.embedding.channel_index, first.embedding.channel_index)
+                if first.embedding.channel_index is not None and part.embedding.channel_index is not None
+                else part.embedding.projection is not None and first.embedding.projection is not None
+                and torch.equal(part.embedding.projection, first.embedding.projection))
+        if not same:
+            raise ValueError(f"{source}: another channel selection than {sources[0]} (different --seed or --features)")
+    state = first.state.clone()
+    for part in parts[1:]:
+        merge_states_(state, part.state)
+    detector = PadimDetector(first.config, first.backbone_state, first.weights, first.embedding.cpu(),
+                             torch.empty(0), torch.empty(0), None, None, first.device)
+    return detector, state
 
 
 def _choose_precision_dtype(detector: PadimDetector, sample: torch.Tensor | None, choice: str) -> torch.dtype:

@@ -106,7 +106,7 @@ class Runtime:
         self.ready = True
 
     def _load_one(self, path: Path) -> tuple[PadimDetector, str]:
-        detector = PadimDetector.load(path, device=self.settings.device)
+        detector = PadimDetector.load_scorable(path, device=self.settings.device)
         size = detector.config.image_size
         detector.score(torch.zeros(min(2, self.settings.max_batch_size), 3, size, size))  # warm-up
         return detector, file_sha256(path)

@@ -1,0 +1,106 @@
+"""Fits split across processes (torchrun + Gloo on loopback) and partial fits merged later.
+
+Both sides use --batch-size 1 and one OpenMP thread per process: then every image's float32
+features are computed the same way whatever shard it falls in (oneDNN's results depend on the
+batch and the thread count), and the accumulators must agree to float64 round-off.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import IMAGE_SIZE, run_cli
+from padim.core import load_artifact
+
+COMMON = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--batch-size", "1"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "padim", "-q", *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, **ONE_THREAD})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def assert_same_statistics(a: dict, b: dict) -> None:
+    assert int(a["accumulator.count"]) == int(b["accumulator.count"])
+    torch.testing.assert_close(a["accumulator.mean"], b["accumulator.mean"], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(a["accumulator.comoment"], b["accumulator.comoment"], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("min_holdout, parity", [(3, "odd"), (4, "even")])
+def test_two_gloo_processes_equal_one(dataset, tmp_path, min_holdout, parity):
+    data = dataset / "train" / "good"
+    extra = ["--min-holdout", str(min_holdout)]
+    torchrun(2, "train", data, "--output", tmp_path / "two.padim", *COMMON, *extra)
+    run_cli("-q", "train", data, "--output", tmp_path / "one.padim", *COMMON, *extra, env=ONE_THREAD)
+    two, h2 = load_artifact(tmp_path / "two.padim")
+    one, h1 = load_artifact(tmp_path / "one.padim")
+    assert h2["world_size"] == 2 and h1["world_size"] == 1
+    assert h1["fit_image_count"] % 2 == (1 if parity == "odd" else 0), "the split should be uneven / even"
+    assert_same_statistics(two, one)
+    torch.testing.assert_close(two["mean"], one["mean"])
+    torch.testing.assert_close(two["precision_factor"].float(), one["precision_factor"].float(), rtol=1e-3, atol=1e-3)
+    assert h2["calibration"]["threshold"] == pytest.approx(h1["calibration"]["threshold"], rel=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.padim", "two.padim"]  # rank 1 wrote nothing
+
+
+def test_partial_fits_merged_equal_one_shot(dataset, tmp_path):
+    images = sorted((dataset / "train" / "good").glob("*.png"))
+    folders = {"a": images[:11], "b": images[11:24], "ab": images[:24], "calibration": images[24:]}
+    for name, chunk in folders.items():
+        (tmp_path / name).mkdir()
+        for p in chunk:
+            (tmp_path / name / p.name).write_bytes(p.read_bytes())
+    for name in ("a", "b", "ab"):
+        out = json.loads(run_cli("-q", "train", tmp_path / name, "--output", tmp_path / f"{name}.part", "--partial", *COMMON).stdout)
+        assert out["kind"] == "partial" and out["holdout_images_total"] == 0
+    merged = json.loads(run_cli("-q", "merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",
+                                "--calibration-dir", tmp_path / "calibration").stdout)
+    assert merged["fit_images_total"] == 24 and merged["calibration_images"] == 6
+    m, header = load_artifact(tmp_path / "m.padim")
+    ab, _ = load_artifact(tmp_path / "ab.part")
+    assert_same_statistics(m, ab)
+    assert header["kind"] == "padim-detector" and header["calibration"]["holdout_count"] == 6
+    run_cli("-q", "predict", tmp_path / "m.padim", dataset / "test" / "good", "--output", tmp_path / "pred")
+    refused = run_cli("predict", tmp_path / "a.part", dataset / "test" / "good", "--output", tmp_path / "p2", check=False)
+    assert refused.returncode == 1 and "padim merge" in refused.stderr
+
+
+def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
+    data = dataset / "train" / "good"
+    torchrun(2, "train", data, "--output", tmp_path / "two.part", "--partial", *COMMON)
+    run_cli("-q", "train", data, "--output", tmp_path / "one.part", "--partial", *COMMON, env=ONE_THREAD)
+    assert_same_statistics(load_artifact(tmp_path / "two.part")[0], load_artifact(tmp_path / "one.part")[0])
+
+
+@pytest.mark.parametrize("flag, value, message", [("--image-size", "32", "image_size=32"), ("--seed", "1", "channel selection"),
+                                                  ("--layers", "layer1,layer2", "layers=")])
+def test_mismatched_parts_are_refused(dataset, tmp_path, flag, value, message):
+    data = tmp_path / "few"
+    data.mkdir()
+    for p in sorted((dataset / "train" / "good").glob("*.png"))[:6]:
+        (data / p.name).write_bytes(p.read_bytes())
+    import torchvision
+
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pth")  # same weights whatever --seed
+    args = ["--weights", tmp_path / "r18.pth", "--image-size", str(IMAGE_SIZE), "--features", "50"]
+    run_cli("-q", "train", data, "--output", tmp_path / "a.part", "--partial", *args)
+    run_cli("-q", "train", data, "--output", tmp_path / "b.part", "--partial", *args, flag, value)
+    result = run_cli("merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",
+                     "--calibration-dir", data, check=False)
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "m.padim").exists()
