@@ -131,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--workers", type=int, default=2)
     merge.add_argument("--slim", action="store_true", help="leave the accumulators out of the merged file")
 
+    fetch = commands.add_parser(
+        "fetch-weights", help="download ImageNet backbone weights into torch's cache (for offline nodes and images)",
+        description="Download torchvision's IMAGENET1K_V1 weights of each BACKBONE into $TORCH_HOME/hub/checkpoints "
+        "(default ~/.cache/torch). Run it where there is internet, then copy that directory, or bake it into "
+        "the Docker image (build argument BAKE_WEIGHTS).",
+    )
+    fetch.add_argument("backbones", nargs="+", metavar="BACKBONE")
+
+    health = commands.add_parser(
+        "health", help="exit 0 when a local `padim serve` is ready (Docker HEALTHCHECK)",
+        description="GET http://127.0.0.1:$PADIM_PORT/health/ready; exit 0 on 200, 1 otherwise.",
+    )
+    health.add_argument("--url", help="default http://127.0.0.1:${PADIM_PORT:-8000}/health/ready")
+    health.add_argument("--timeout", type=float, default=5.0)
+
     info = commands.add_parser("info", help="print a model file's metadata as JSON")
     info.add_argument("model", type=Path, metavar="MODEL")
 
@@ -156,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from padim.models import ConfigError, ImageError, WeightsError
 
     handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "serve": cmd_serve,
-               "merge": cmd_merge, "info": cmd_info, "synth": cmd_synth}[args.command]
+               "merge": cmd_merge, "info": cmd_info,
+               "fetch-weights": cmd_fetch_weights, "health": cmd_health, "synth": cmd_synth}[args.command]
     try:
         return handler(args)
     except (UserError, ArtifactError, ConfigError, WeightsError, ImageError, NotPositiveDefiniteError) as error:
@@ -373,7 +389,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from .evaluation import evaluate
 
-    detector = PadimDetector.load_scorable(args.model, device=args.device)
+    detector = PadimDetector.load_scorable(args.model, device=args.device, with_state=args.calibrate)
     try:
         result = evaluate(detector, args.category_dir, args.batch_size, args.workers, progress=not args.quiet)
     except ValueError as error:
@@ -410,6 +426,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve(settings)
     except ValueError as error:
         raise UserError(str(error)) from None
+
+
+def cmd_fetch_weights(args: argparse.Namespace) -> int:
+    from padim.models import BACKBONES, WeightsError, build_backbone
+
+    unknown = [b for b in args.backbones if b not in BACKBONES]
+    if unknown:
+        raise UserError(f"unknown backbone(s) {', '.join(unknown)}; choose from: {', '.join(BACKBONES)}")
+    import torch
+
+    for name in args.backbones:
+        try:
+            _, info = build_backbone(name, "imagenet")
+        except WeightsError as error:
+            raise UserError(str(error)) from None
+        print(json.dumps({"backbone": name, "weights": info.detail, "cache": str(Path(torch.hub.get_dir()) / "checkpoints")}))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = args.url or f"http://127.0.0.1:{os.environ.get('PADIM_PORT', '8000')}/health/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            ready = response.status == 200
+    except (urllib.error.URLError, OSError) as error:
+        print(f"padim health: {url}: {getattr(error, 'reason', error)}", file=sys.stderr)
+        return 1
+    return 0 if ready else 1
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -56,13 +56,13 @@ def read_header(path: str | os.PathLike) -> dict:
     return _open(Path(path), load_tensors=False)[1]
 
 
-def load_artifact(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a model file.
+def load_artifact(path: str | os.PathLike, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a model file, leaving out tensors whose names start with ``skip_prefixes``.
 
     Raises:
         ArtifactError: missing, truncated, foreign or newer-format file (one-line message).
     """
-    return _open(Path(path), load_tensors=True)
+    return _open(Path(path), load_tensors=True, skip_prefixes=skip_prefixes)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -73,7 +73,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _open(path: Path, load_tensors: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors import SafetensorError, safe_open
 
     if not path.exists():
@@ -86,7 +86,8 @@ def _open(path: Path, load_tensors: bool) -> tuple[dict[str, torch.Tensor], dict
             if HEADER_KEY not in metadata:
                 raise ArtifactError(f"{path}: a safetensors file, but not a padim model")
             header = _parse_header(path, metadata[HEADER_KEY])
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()} if load_tensors else {}
+            keys = [k for k in handle.keys() if not k.startswith(skip_prefixes)] if load_tensors else []
+            tensors = {k: handle.get_tensor(k) for k in keys}
     except ArtifactError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:

@@ -150,7 +150,7 @@ def _imagenet_state_dict(name: str, enum) -> dict[str, torch.Tensor]:
         raise WeightsError(
             f"cannot get the ImageNet weights for {name} ({type(error).__name__}: {error}). "
             f"On a machine with internet, download {enum.url} and copy it to {cached} "
-            f"(or set TORCH_HOME to a directory holding checkpoints/{filename}), "
+            f"(or set TORCH_HOME to a directory holding hub/checkpoints/{filename}), "
             f"or pass --weights /path/to/{name}_state_dict.pth. "
             "Use --weights random only for demos."
         ) from None

@@ -220,17 +220,25 @@ class PadimDetector:
         save_artifact(path, tensors, header)
 
     @classmethod
-    def load_scorable(cls, path: str | Path, device: str = "auto") -> PadimDetector:
-        """:meth:`load`, refusing partial fits (they hold statistics, not a finished model)."""
-        detector = cls.load(path, device)
+    def load_scorable(cls, path: str | Path, device: str = "auto", with_state: bool = False) -> PadimDetector:
+        """:meth:`load`, refusing partial fits; by default without the training accumulators.
+
+        Scoring does not need the accumulators (``P * D * D`` float64 once unpacked); pass
+        ``with_state=True`` when the model will be saved again.
+        """
+        detector = cls.load(path, device, with_state=with_state)
         if detector.is_partial:
             raise ArtifactError(f"{path}: a partial fit (train --partial); combine the parts with `padim merge` first")
         return detector
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "auto") -> PadimDetector:
-        """Read a model file. Raises :class:`ArtifactError` with a one-line message."""
-        tensors, header = load_artifact(path)
+    def load(cls, path: str | Path, device: str = "auto", with_state: bool = True) -> PadimDetector:
+        """Read a model file. Raises :class:`ArtifactError` with a one-line message.
+
+        Args:
+            with_state: also read the training accumulators (for resume and merge).
+        """
+        tensors, header = load_artifact(path, skip_prefixes=() if with_state else ("accumulator.",))
         if header.get("kind") not in ("padim-detector", "padim-partial"):
             raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
         partial = header["kind"] == "padim-partial"
@@ -250,7 +258,7 @@ class PadimDetector:
             if header.get("calibration") is not None:
                 calibration = Calibration.from_header(header["calibration"], tensors["calibration.normal_scores"])
             state = None
-            if header.get("has_accumulators"):
+            if header.get("has_accumulators") and with_state:
                 state = GaussianState(
                     tensors["accumulator.count"],
                     tensors["accumulator.mean"],

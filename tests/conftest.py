@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import IMAGE_SIZE, run_cli
+from helpers import IMAGE_SIZE, run_cli, running_server
 from padim.synthetic import generate
 
 
@@ -27,3 +27,10 @@ def model_file(dataset, tmp_path_factory) -> Path:
     summary = json.loads(result.stdout)
     assert summary["images"] == 30
     return path
+
+
+@pytest.fixture(scope="session")
+def server(model_file, tmp_path_factory):
+    """A real `padim serve` process (uvicorn) on 127.0.0.1 serving ``model_file``."""
+    with running_server(tmp_path_factory.mktemp("server"), [model_file]) as running:
+        yield running

@@ -91,6 +91,7 @@ def test_evaluate_calibrate_stores_f1_threshold(model_file, dataset, tmp_path):
     _, header = load_artifact(copy)
     assert header["calibration"]["threshold"] == pytest.approx(result["f1_optimal_threshold_raw"])
     assert header["calibration"]["quantile"] is None
+    assert header["has_accumulators"] is True  # re-saving keeps what --resume and merge need
 
 
 def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):

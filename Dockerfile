@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+# padim on an NVIDIA GPU node. The torch wheels carry CUDA 13.0 (torch 2.14.1+cu130), so the
+# base is the CUDA 13.0 runtime; tests/docker checks that the two versions agree.
+#
+#   docker build -t padim --build-arg BAKE_WEIGHTS="resnet18 wide_resnet50_2" .
+#   docker run --gpus all -p 8000:8000 -v $PWD/models:/models:ro padim            # serve /models/*.padim
+#   docker run --gpus all -v $PWD/data:/data:ro -v $PWD/models:/models padim train /data --output /models/line3.padim
+ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+
+FROM ${CUDA_IMAGE} AS build
+ARG DEBIAN_FRONTEND=noninteractive
+# Backbones whose ImageNet weights are baked into the image (empty: none), so that a node
+# without internet can train with --weights imagenet.
+ARG BAKE_WEIGHTS="resnet18"
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch
+RUN python3 -m venv /opt/venv
+WORKDIR /src
+# dependencies first (cached while the code changes), then the package itself
+COPY constraints.txt pyproject.toml README.md ./
+COPY cli ./cli
+COPY core ./core
+COPY models ./models
+COPY service ./service
+RUN pip install --no-cache-dir -c constraints.txt . \
+    && mkdir -p /opt/torch \
+    && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
+
+FROM ${CUDA_IMAGE}
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin padim \
+    && mkdir -p /models \
+    && chown padim:padim /models
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/torch /opt/torch
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
+    PADIM_MODEL_DIR=/models PADIM_HOST=0.0.0.0 PADIM_PORT=8000 PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /home/padim
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 CMD ["padim", "health"]
+ENTRYPOINT ["padim"]
+CMD ["serve"]

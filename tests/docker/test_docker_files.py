@@ -1,0 +1,148 @@
+"""What can be checked of the Docker image and compose file without a Docker engine.
+
+Not verified here (no engine on the development or CI machines): that the base image tag exists
+in NVIDIA's registry, that the image builds, and that the GPU reservation reaches a GPU.
+"""
+
+import json
+import re
+from importlib import resources
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import yaml
+
+from helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+COMPOSE_TEXT = (ROOT / "docker" / "compose.yaml").read_text()
+COMPOSE = yaml.safe_load(COMPOSE_TEXT)
+# The Compose Specification's JSON schema, as kept up to date and shipped by check-jsonschema
+# (its builtin "vendor.compose-spec"): offline, and what `docker compose config` enforces.
+SCHEMA = json.loads((resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
+
+
+def instructions(name: str) -> list[str]:
+    """Arguments of every Dockerfile instruction ``name`` (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    return [line.split(None, 1)[1] for line in text.splitlines() if line.split(None, 1)[:1] == [name]]
+
+
+def exec_form(argument: str) -> list[str]:
+    return json.loads(argument) if argument.lstrip().startswith("[") else shlex.split(argument)
+
+
+def test_hadolint_passes():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    import subprocess
+
+    result = subprocess.run([hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cuda_base_matches_the_torch_wheels():
+    (default,) = [a.split("=", 1)[1] for a in instructions("ARG") if a.startswith("CUDA_IMAGE=")]
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu\d+\.\d+", default)
+    assert match, default
+    assert f"{match[1]}.{match[2]}" == torch.version.cuda
+    assert instructions("FROM") == ["${CUDA_IMAGE} AS build", "${CUDA_IMAGE}"]  # multi-stage, same base
+
+
+def test_runtime_stage_is_non_root_and_serves_models_from_a_mount():
+    assert instructions("USER") == ["10001:10001"]
+    assert instructions("EXPOSE") == ["8000"]
+    env = " ".join(instructions("ENV"))
+    assert "PADIM_MODEL_DIR=/models" in env and "PADIM_HOST=0.0.0.0" in env
+    assert exec_form(instructions("ENTRYPOINT")[0]) == ["padim"]
+    assert exec_form(instructions("CMD")[0]) == ["serve"]
+
+
+def test_copied_sources_exist():
+    for copy in instructions("COPY"):
+        if copy.startswith("--from"):
+            continue
+        for source in copy.split()[:-1]:
+            assert (ROOT / source).exists(), source
+
+
+def padim_commands() -> list[list[str]]:
+    """Every padim command line the Dockerfile and the compose file run."""
+    commands = [exec_form(instructions("ENTRYPOINT")[0]) + exec_form(instructions("CMD")[0])]
+    for run in instructions("RUN"):
+        commands += [shlex.split(part.strip().removeprefix("then "))[:2] for part in re.split(r"&&|;", run)
+                     if re.match(r"\s*(then\s+)?padim\b", part)]
+    health = instructions("HEALTHCHECK")[0]
+    commands.append(exec_form(health.split(" CMD ", 1)[1]))
+    service = COMPOSE["services"]["padim"]
+    commands.append(["padim", *service["command"]])
+    commands.append(service["healthcheck"]["test"][1:])
+    return commands
+
+
+def test_every_padim_command_they_run_exists():
+    commands = padim_commands()
+    assert ["padim", "fetch-weights"] in [c[:2] for c in commands]
+    assert ["padim", "health"] in [c[:2] for c in commands]
+    for command in commands:
+        assert command[0] == "padim", command
+        result = run_cli(command[1], "--help", check=False)
+        assert result.returncode == 0, (command, result.stderr)
+
+
+def test_healthcheck_command_against_a_real_server(server):
+    port = server.url.rsplit(":", 1)[1]
+    assert run_cli("health", check=False, env={"PADIM_PORT": port}).returncode == 0
+    down = run_cli("health", check=False, env={"PADIM_PORT": "1"})
+    assert down.returncode == 1 and "refused" in down.stderr.lower()
+
+
+def test_fetch_weights_offline_says_what_to_do(tmp_path):
+    env = {"TORCH_HOME": str(tmp_path), "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+    result = run_cli("fetch-weights", "resnet18", check=False, env=env)
+    assert result.returncode == 1 and "hub/checkpoints/resnet18-f37072fd.pth" in result.stderr
+    assert "unknown backbone" in run_cli("fetch-weights", "vgg99", check=False).stderr
+
+
+def validate(document: dict) -> None:
+    jsonschema.validators.validator_for(SCHEMA)(SCHEMA).validate(document)
+
+
+def test_compose_file_follows_the_compose_spec():
+    validate(COMPOSE)
+    service = COMPOSE["services"]["padim"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "../models:/models:ro" in service["volumes"]
+    assert service["env_file"] == ["padim.env"] and (ROOT / "docker" / "padim.env.example").exists()
+    assert service["restart"] == "unless-stopped"
+    assert service["environment"]["PADIM_MODEL_DIR"] == "/models"
+    assert service["build"]["context"] == ".." and (ROOT / "docker" / service["build"]["context"] / "Dockerfile").exists()
+
+
+def test_commented_cpu_variant_is_valid_too():
+    block = re.search(r"^  # padim-cpu:\n((?:^  #.*\n)+)", COMPOSE_TEXT, re.M)
+    assert block, "the CPU-only variant should be there, commented out"
+    lines = ["  padim-cpu:"] + [line.replace("  # ", "  ", 1) for line in block[1].splitlines()]
+    variant = yaml.safe_load("services:\n" + "\n".join(lines))
+    validate(variant)
+    cpu = variant["services"]["padim-cpu"]
+    assert "deploy" not in cpu and cpu["environment"]["PADIM_DEVICE"] == "cpu"
+
+
+def test_a_broken_compose_file_is_caught():
+    broken = json.loads(json.dumps(COMPOSE))
+    broken["services"]["padim"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] = "gpu"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+
+
+def test_dockerignore_keeps_data_models_and_environments_out():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
+    assert {".venv", "models", "data", "*.padim", ".git"} <= ignored
