@@ -1,11 +1,15 @@
-"""anomalib's PaDiM torch model on the same data, weights and channels as padim's benchmark.
+"""anomalib's PaDiM torch model, driven on the same inputs as padim, for the benchmarks.
 
-Run with the interpreter of a virtual environment that has anomalib (never imported by padim):
+Run by benchmarks/compare_anomalib.py and benchmarks/throughput.py with an interpreter that has
+anomalib (``pip install .[bench]``, or a separate virtual environment). Two modes:
 
-    /path/to/anomalib-venv/bin/python benchmarks/anomalib_padim.py --data DIR --weights W.pth \
-        --channel-index idx.json
+- ``fit-score``: fit on --train-list, score --test-list, write ``scores.npy`` (N,),
+  ``maps.npy`` (N, S, S) and ``result.json`` (fit time, throughput at batch 1 and 16, size of
+  the saved state_dict) into --out;
+- ``fit-only``: fit on --train-list and exit (the parent reads this process's peak RSS).
 
-Prints one JSON line: throughput at batch 1 and the given batch size, fit time, image AUROC.
+Inputs are resized and normalised exactly as padim does (bilinear, ImageNet mean/std), the
+backbone weights come from the same state_dict file, and the channel subset is padim's.
 """
 
 from __future__ import annotations
@@ -18,33 +22,51 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from timing import median_seconds
 
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-
-
-def to_input(paths, size):
-    arrays = [np.asarray(Image.open(p).convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32) for p in paths]
-    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 255.0
-    return ((batch - MEAN) / STD).contiguous()
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
-def timed(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def to_input(paths, size: int) -> torch.Tensor:
+    """Same preprocessing as padim.models.images.to_model_input."""
+    arrays = []
+    for path in paths:
+        pixels = np.asarray(Image.open(path).convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32)
+        arrays.append(((pixels / 255.0 - MEAN) / STD).transpose(2, 0, 1))
+    return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--weights", type=Path, required=True)
-    parser.add_argument("--channel-index", type=Path, required=True)
-    parser.add_argument("--train-list", type=Path, help="JSON list of training images (default: all of train/good)")
+def build(weights: Path, channel_index: Path, device: str):
+    from anomalib.models.image.padim.torch_model import PadimModel
+
+    model = PadimModel(backbone="resnet18", layers=["layer1", "layer2", "layer3"], pre_trained=False, n_features=100)
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
+    model.idx = torch.tensor(json.loads(channel_index.read_text()))
+    return model.to(device)
+
+
+def fit(model, train: list[str], size: int, batch_size: int, device: str) -> float:
+    start = time.perf_counter()
+    model.train()
+    model.feature_extractor.eval()
+    with torch.no_grad():
+        for i in range(0, len(train), batch_size):
+            model(to_input(train[i : i + batch_size], size).to(device))
+    model.fit()
+    model.eval()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["fit-score", "fit-only"])
+    parser.add_argument("--train-list", type=Path, required=True, help="JSON list of training image paths")
+    parser.add_argument("--test-list", type=Path, help="JSON list of test image paths (fit-score)")
+    parser.add_argument("--weights", type=Path, required=True, help="resnet18 state_dict file")
+    parser.add_argument("--channel-index", type=Path, required=True, help="JSON list of the 100 channels")
+    parser.add_argument("--out", type=Path, help="output folder (fit-score)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=5)
@@ -52,42 +74,34 @@ def main():
     args = parser.parse_args()
 
     import anomalib
-    from anomalib.models.image.padim.torch_model import PadimModel
-    from sklearn.metrics import roc_auc_score
 
-    model = PadimModel(backbone="resnet18", layers=["layer1", "layer2", "layer3"], pre_trained=False, n_features=100)
-    state = torch.load(args.weights, map_location="cpu", weights_only=True)
-    model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
-    model.idx = torch.tensor(json.loads(args.channel_index.read_text()))
-    model = model.to(args.device)
+    model = build(args.weights, args.channel_index, args.device)
+    fit_seconds = fit(model, json.loads(args.train_list.read_text()), args.image_size, args.batch_size, args.device)
+    if args.mode == "fit-only":
+        print(json.dumps({"fit_seconds": fit_seconds}))
+        return
 
-    train = (json.loads(args.train_list.read_text()) if args.train_list
-             else sorted((args.data / "train" / "good").glob("*.png")))
-    start = time.perf_counter()
-    model.train()
-    model.feature_extractor.eval()
-    for i in range(0, len(train), args.batch_size):
-        model(to_input(train[i : i + args.batch_size], args.image_size).to(args.device))
-    model.fit()
-    fit_seconds = time.perf_counter() - start
-    model.eval()
-
-    test = sorted(p for p in (args.data / "test").rglob("*.png"))
-    labels = np.array([p.parent.name != "good" for p in test])
-    scores = []
+    test = json.loads(args.test_list.read_text())
+    scores, maps = [], []
     with torch.no_grad():
         for i in range(0, len(test), args.batch_size):
-            scores.append(model(to_input(test[i : i + args.batch_size], args.image_size).to(args.device)).pred_score.cpu())
+            out = model(to_input(test[i : i + args.batch_size], args.image_size).to(args.device))
+            scores.append(out.pred_score.flatten().cpu())
+            maps.append(out.anomaly_map.reshape(-1, args.image_size, args.image_size).cpu())
         batch = to_input((test * args.batch_size)[: args.batch_size], args.image_size).to(args.device)
-        total = timed(lambda: model(batch), args.repeats)
-        single = timed(lambda: model(batch[:1]), args.repeats)
-    print(json.dumps({
+        per_batch = median_seconds(lambda: model(batch), args.repeats)
+        single = median_seconds(lambda: model(batch[:1]), args.repeats)
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.save(args.out / "scores.npy", torch.cat(scores).numpy())
+    np.save(args.out / "maps.npy", torch.cat(maps).numpy().astype(np.float32))
+    artifact = args.out / "anomalib_padim_state_dict.pt"
+    torch.save(model.state_dict(), artifact)
+    (args.out / "result.json").write_text(json.dumps({
         "version": anomalib.__version__,
-        "images_per_second_batch": args.batch_size / total,
-        "images_per_second_batch1": 1 / single,
-        "seconds_per_batch": total,
-        "image_auroc": float(roc_auc_score(labels, torch.cat(scores).flatten().numpy())),
         "fit_seconds": fit_seconds,
+        "images_per_second_batch": args.batch_size / per_batch,
+        "images_per_second_batch1": 1 / single,
+        "artifact_bytes": artifact.stat().st_size,
     }))
 
 

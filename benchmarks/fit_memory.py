@@ -1,7 +1,7 @@
 """Peak resident memory of `padim train` against the number of training images.
 
-Each fit runs in its own process (the real CLI), and its peak RSS is read from the kernel's
-accounting for that child alone (``os.wait4``), so runs do not mix.
+Each fit runs in its own process (the real CLI) and reports its own peak RSS (``VmHWM``,
+through benchmarks/peak_rss.py), so runs do not mix.
 
     python benchmarks/fit_memory.py --counts 100 1000 --image-size 224
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,16 +20,14 @@ from padim.synthetic import generate
 
 
 def fit_once(data: Path, output: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "padim", "-q", "train", str(data), "--output", str(output),
-               "--weights", args.weights, "--backbone", args.backbone, "--image-size", str(args.image_size),
-               "--batch-size", str(args.batch_size), "--device", args.device]
+    peak_file = output.with_suffix(".peak-kb")
+    command = [sys.executable, str(Path(__file__).parent / "peak_rss.py"), str(peak_file), "-m", "padim", "-q", "train",
+               str(data), "--output", str(output), "--weights", args.weights, "--backbone", args.backbone,
+               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--device", args.device]
     start = time.perf_counter()
-    pid = os.posix_spawn(sys.executable, command, os.environ)
-    _, status, usage = os.wait4(pid, 0)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"padim train failed for {data}")
-    return {"peak_rss_mb": usage.ru_maxrss / 1024, "seconds": seconds, "model_bytes": output.stat().st_size}
+    return {"peak_rss_mb": int(peak_file.read_text()) / 1024, "seconds": seconds, "model_bytes": output.stat().st_size}
 
 
 def main() -> None:

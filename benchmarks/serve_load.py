@@ -34,6 +34,7 @@ from PIL import Image
 
 from padim.models import PadimConfig, PadimDetector, fit_detector, list_images
 from padim.synthetic import generate
+from timing import median_seconds
 
 
 def free_port() -> int:
@@ -122,13 +123,7 @@ def batch_totals(url: str) -> tuple[float, float]:
 def library_throughput(model: Path, images: list[Path], batch_size: int = 16, repeats: int = 5) -> float:
     detector = PadimDetector.load(model, device="cpu")
     batch = detector.preprocess([Image.open(p).convert("RGB") for p in (images * batch_size)[:batch_size]])
-    detector.score(batch)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        detector.score(batch)
-        times.append(time.perf_counter() - started)
-    return batch_size / float(np.median(times))
+    return batch_size / median_seconds(lambda: detector.score(batch), repeats)
 
 
 def main() -> None:

@@ -1,16 +1,11 @@
-"""CPU/GPU scoring throughput of padim, where the time goes, and (optionally) anomalib's PaDiM.
+"""Scoring throughput of padim (CPU, or GPU with --device cuda) and where the time goes.
 
-Both detectors get the same inputs: a seeded resnet18 state_dict file (ImageNet weights cannot
-be downloaded here), the same 224-px generated images, layers 1-3, the same 100 channels.
-Both are fitted on the same training images and scored on the same test images, so the
-printed image AUROCs show they detect equally well; throughput is measured on model-input
-tensors (decoding and resizing excluded, for both).
+A seeded resnet18 state_dict file (ImageNet weights cannot be downloaded here), 224-px
+generated images, layers 1-3, 100 channels; throughput is measured on model-input tensors
+(decoding and resizing excluded). The side-by-side comparison with anomalib is
+benchmarks/compare_anomalib.py.
 
-    python benchmarks/throughput.py                                   # padim only
-    python benchmarks/throughput.py --anomalib-python /path/to/venv-with-anomalib/bin/python
-
-anomalib runs in its own interpreter (its own virtual environment), so it never becomes a
-dependency of padim.
+    python benchmarks/throughput.py [--device cuda] [--batch-size 16]
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,29 +23,11 @@ import torch
 from PIL import Image
 from sklearn.metrics import roc_auc_score
 
-from padim.core.calibration import split_holdout
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.evaluation import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, list_images
 from padim.synthetic import generate
-
-HERE = Path(__file__).resolve().parent
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up)."""
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
+from timing import median_seconds
 
 def load_batch(paths, detector, batch_size):
     images = [Image.open(p).convert("RGB") for p in paths[:batch_size]]
@@ -67,7 +43,6 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--anomalib-python", help="interpreter of a virtual environment with anomalib installed")
     parser.add_argument("--workdir", type=Path, help="keep generated data and weights here")
     args = parser.parse_args()
 
@@ -107,13 +82,13 @@ def main() -> None:
         flat = embedded.permute(0, 2, 3, 1).reshape(b, -1, detector.embedding.dim)
         squared = squared_mahalanobis(flat, detector.mean, detector.precision_factor)
         parts = {
-            "backbone": timed(lambda: detector.extractor(batch), args.repeats),
-            "embedding": timed(lambda: detector.embedding(features), args.repeats),
-            "mahalanobis": timed(lambda: squared_mahalanobis(flat, detector.mean, detector.precision_factor), args.repeats),
-            "upsample_blur_max": timed(lambda: image_scores(anomaly_maps(squared, detector.grid_shape, args.image_size, 4.0)), args.repeats),
+            "backbone": median_seconds(lambda: detector.extractor(batch), args.repeats),
+            "embedding": median_seconds(lambda: detector.embedding(features), args.repeats),
+            "mahalanobis": median_seconds(lambda: squared_mahalanobis(flat, detector.mean, detector.precision_factor), args.repeats),
+            "upsample_blur_max": median_seconds(lambda: image_scores(anomaly_maps(squared, detector.grid_shape, args.image_size, 4.0)), args.repeats),
         }
-        total = timed(lambda: detector.score(batch), args.repeats)
-        single = timed(lambda: detector.score(batch[:1]), args.repeats)
+        total = median_seconds(lambda: detector.score(batch), args.repeats)
+        single = median_seconds(lambda: detector.score(batch[:1]), args.repeats)
     ours = {
         "images_per_second_batch": b / total,
         "images_per_second_batch1": 1 / single,
@@ -135,27 +110,6 @@ def main() -> None:
     for name, seconds in parts.items():
         print(f"  {name:<18} {seconds * 1000:8.1f} ms/batch ({100 * seconds / total:4.1f}%)")
 
-    if args.anomalib_python:
-        index = work / "channel_index.json"
-        index.write_text(json.dumps(detector.embedding.channel_index.tolist()))
-        fit_list = work / "fit_images.json"  # the images padim fitted on (its held-out ones excluded)
-        fit_idx, _ = split_holdout([p.name for p in train_paths], config.holdout_fraction, config.min_holdout)
-        fit_list.write_text(json.dumps([str(train_paths[i]) for i in fit_idx]))
-        output = subprocess.run(
-            [args.anomalib_python, str(HERE / "anomalib_padim.py"), "--data", str(category), "--weights", str(weights),
-             "--channel-index", str(index), "--train-list", str(fit_list), "--batch-size", str(b), "--image-size", str(args.image_size),
-             "--repeats", str(args.repeats), "--device", args.device],
-            check=True, capture_output=True, text=True,
-        )
-        theirs = json.loads(output.stdout.strip().splitlines()[-1])
-        report["anomalib"] = theirs
-        print(f"anomalib: {theirs['images_per_second_batch']:.1f} img/s at batch {b} "
-              f"({theirs['images_per_second_batch1']:.1f} img/s at batch 1), image AUROC {theirs['image_auroc']:.3f} "
-              f"(anomalib {theirs['version']})")
-        ratio = ours["images_per_second_batch"] / theirs["images_per_second_batch"]
-        report["ratio_batch"] = ratio
-        print(f"ratio padim/anomalib throughput at batch {b}: {ratio:.2f}x; "
-              f"at batch 1: {ours['images_per_second_batch1'] / theirs['images_per_second_batch1']:.2f}x")
     print(json.dumps(report))
 
 

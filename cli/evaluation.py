@@ -94,35 +94,44 @@ def per_region_overlap(maps: np.ndarray, masks: np.ndarray, max_fpr: float = 0.3
 def evaluate(detector: PadimDetector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> dict:
     """Score every test image of a category and compute the metrics."""
     samples = read_mvtec_category(root)
-    size = detector.config.image_size
-    raw_scores, maps, masks = [], [], []
+    raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
         for chunk, images in iter_batches([s.path for s in samples], batch_size, workers):
             out = detector.score(detector.preprocess(images))
             raw_scores.append(out.raw_scores.cpu())
             maps.append(out.maps.cpu())
             bar.update(len(chunk))
+    threshold = detector.calibration.threshold if detector.calibration else None
+    result = {"category": str(root)}
+    result.update(compute_metrics(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold))
+    return result
+
+
+def load_masks(samples: list[Sample], size: int) -> np.ndarray:
+    """Ground-truth masks ``(N, size, size)`` (nearest resize; all False for good images)."""
+    masks = []
     for sample in samples:
         if sample.mask_path is None:
             masks.append(torch.zeros(size, size, dtype=torch.bool))
             continue
         mask = torch.from_numpy(np.asarray(Image.open(sample.mask_path).convert("L")) > 127)
         masks.append(F.interpolate(mask[None, None].float(), size=(size, size), mode="nearest")[0, 0] > 0.5)
-    scores = torch.cat(raw_scores).numpy().astype(np.float64)
-    map_array = torch.cat(maps).numpy()
-    mask_array = torch.stack(masks).numpy()
+    return torch.stack(masks).numpy()
+
+
+def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndarray, threshold: float | None = None) -> dict:
+    """Image AUROC, pixel AUROC, PRO and F1 from any detector's scores ``(N,)`` and maps ``(N, S, S)``."""
+    scores = np.asarray(raw_scores, dtype=np.float64)
+    mask_array = load_masks(samples, maps.shape[-1])
     labels = np.array([s.is_anomalous for s in samples])
     has_both = labels.any() and not labels.all()
     has_pixels = mask_array.any() and not mask_array.all()
-
-    threshold = detector.calibration.threshold if detector.calibration else None
     result: dict = {
-        "category": str(root),
         "images": len(samples),
         "anomalous_images": int(labels.sum()),
         "image_auroc": float(roc_auc_score(labels, scores)) if has_both else None,
-        "pixel_auroc": float(roc_auc_score(mask_array.ravel(), map_array.ravel())) if has_pixels else None,
-        "pro_0.3": per_region_overlap(map_array, mask_array) if has_pixels else None,
+        "pixel_auroc": float(roc_auc_score(mask_array.ravel(), maps.ravel())) if has_pixels else None,
+        "pro_0.3": per_region_overlap(maps, mask_array) if has_pixels else None,
         "threshold_raw": threshold,
         "f1_at_threshold": float(f1_score(labels, scores >= threshold)) if threshold is not None and has_both else None,
     }
