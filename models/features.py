@@ -67,18 +67,17 @@ class Embedding(nn.Module):
         if channel_index is not None:
             self.register_buffer("channel_index", channel_index.to(torch.int64))
             self.projection = None
-            self._local = [
-                channel_index[(channel_index >= o) & (channel_index < o + c)] - o
-                for o, c in zip(offsets, channels)
-            ]
+            # per-layer pieces as (non-saved) buffers, so that .to(device) moves them once
+            for i, (o, c) in enumerate(zip(offsets, channels)):
+                local = channel_index[(channel_index >= o) & (channel_index < o + c)] - o
+                self.register_buffer(f"_part{i}", local.to(torch.int64), persistent=False)
             self.dim = int(channel_index.numel())
         else:
             self.register_buffer("projection", projection.to(torch.float32))
             self.channel_index = None
-            # (D, C_l, 1, 1) 1x1-convolution weight per layer
-            self._weights = [
-                projection[o : o + c].T.contiguous()[:, :, None, None] for o, c in zip(offsets, channels)
-            ]
+            for i, (o, c) in enumerate(zip(offsets, channels)):  # (D, C_l, 1, 1) 1x1-convolution weights
+                weight = projection[o : o + c].T.contiguous()[:, :, None, None].to(torch.float32)
+                self.register_buffer(f"_part{i}", weight, persistent=False)
             self.dim = int(projection.shape[1])
 
     @classmethod
@@ -99,10 +98,11 @@ class Embedding(nn.Module):
         """``[(B, C_l, H_l, W_l)]`` -> ``(B, D, H_0, W_0)``."""
         parts = []
         for i, (feature, scale) in enumerate(zip(features, self.scales)):
+            part = getattr(self, f"_part{i}")
             if self.channel_index is not None:
-                reduced = feature.index_select(1, self._local[i].to(feature.device))
+                reduced = feature.index_select(1, part)
             else:
-                reduced = F.conv2d(feature, self._weights[i].to(feature.device, feature.dtype))
+                reduced = F.conv2d(feature, part.to(feature.dtype))
             if scale != 1:
                 reduced = F.interpolate(reduced, scale_factor=scale, mode="nearest")
             parts.append(reduced)
