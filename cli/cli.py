@@ -289,23 +289,20 @@ def _init_distributed(config) -> tuple[int, int] | None:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from padim.models import PadimDetector, list_images, resolve_device
+    from padim.models import PadimDetector, list_images
     from padim.models.detector import finish, merge_partials
 
     parts = [PadimDetector.load(p, device="cpu") for p in args.parts]
+    config = parts[0].config.replace(threshold_quantile=args.threshold_quantile, batch_size=args.batch_size,
+                                     workers=args.workers, device=args.device)
     try:
-        detector, state = merge_partials(parts, [str(p) for p in args.parts])
+        detector, state = merge_partials(parts, [str(p) for p in args.parts], config)
     except ValueError as error:
         raise UserError(str(error)) from None
-    config = detector.config.replace(threshold_quantile=args.threshold_quantile, batch_size=args.batch_size,
-                                     workers=args.workers, device=args.device)
-    detector.config, detector.device = config, resolve_device(args.device)
-    detector.extractor.to(detector.device)
-    detector.embedding.to(detector.device)
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
-    finish(detector, state.to(detector.device), calibration, progress=not args.quiet)
+    finish(detector, state, calibration, progress=not args.quiet)
     detector.info = {
         "training_image_count": sum(int(p.info.get("training_image_count") or 0) for p in parts) + len(calibration),
         "fit_image_count": int(state.count),
@@ -325,9 +322,9 @@ def _given(args: argparse.Namespace, key: str) -> bool:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     import numpy as np
-    import torch.nn.functional as F
     from tqdm.auto import tqdm
 
+    from padim.core.scoring import resize_map
     from padim.models import PadimDetector, list_images
     from padim.models.images import iter_batches
     from padim.models.visualize import overlay
@@ -343,7 +340,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     duplicates = sorted({r for r in relatives if relatives.count(r) > 1})
     if duplicates:
         raise UserError(f"two inputs give the same output name {duplicates[0]!r}; predict them into separate --output folders")
-    random_label = "RANDOM WEIGHTS - DEMO ONLY" if detector.weights.source == "random" else None
     args.output.mkdir(parents=True, exist_ok=True)
     calibration = detector.calibration
     relative_of = dict(items)
@@ -362,8 +358,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                     "raw_threshold": calibration.threshold, "weights": detector.weights.label,
                 }
                 if not (args.no_maps and args.no_heatmaps):
-                    full = F.interpolate(out.maps[i][None, None], size=(image.height, image.width),
-                                         mode="bilinear", align_corners=False)[0, 0].cpu()
+                    full = resize_map(out.maps[i], image.height, image.width).cpu()
                 if not args.no_maps:
                     map_path = args.output / "maps" / rel.with_suffix(".npy")
                     map_path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +367,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 if not args.no_heatmaps:
                     heat_path = args.output / "heatmaps" / rel.with_suffix(".png")
                     heat_path.parent.mkdir(parents=True, exist_ok=True)
-                    overlay(image, calibration.normalise(full.double()).numpy(), label=random_label).save(heat_path)
+                    overlay(image, calibration.normalise(full.double()).numpy(), label=detector.weights.stamp).save(heat_path)
                     record["heatmap"] = str(heat_path)
                 anomalous += record["is_anomaly"]
                 results.write(json.dumps(record) + "\n")

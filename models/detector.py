@@ -111,6 +111,12 @@ class PadimDetector:
         self.info = dict(info or {})
         self.storage_dtype = storage_dtype
 
+    @classmethod
+    def unfinished(cls, config: PadimConfig, backbone_state: dict[str, torch.Tensor], weights: WeightsInfo,
+                   embedding: Embedding, device: torch.device) -> PadimDetector:
+        """A detector that can embed but has no statistics yet (set by :func:`finish`)."""
+        return cls(config, backbone_state, weights, embedding, torch.empty(0), torch.empty(0), None, None, device)
+
     # ------------------------------------------------------------------ scoring
     @property
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -282,9 +288,7 @@ def new_detector(config: PadimConfig) -> PadimDetector:
     backbone_state = _used_state(backbone, config)
     weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_state))
     embedding = Embedding.create(config.spec, config.layers, config.embedding_dim, config.reduction, config.seed)
-    # mean and precision factor are set by finish(); until then the detector only embeds
-    return PadimDetector(config, backbone_state, weights, embedding, torch.empty(0), torch.empty(0),
-                         None, None, resolve_device(config.device))
+    return PadimDetector.unfinished(config, backbone_state, weights, embedding, resolve_device(config.device))
 
 
 def accumulate(detector: PadimDetector, paths: Sequence[Path], state: GaussianState | None = None,
@@ -357,8 +361,8 @@ def fit_detector(
         if resume.state is None:
             raise ValueError("this model file has no accumulators (it was saved with --slim); it cannot be resumed")
         config = resume.config.replace(batch_size=config.batch_size, device=config.device, workers=config.workers)
-        detector = PadimDetector(config, resume.backbone_state, resume.weights, resume.embedding.cpu(),
-                                 torch.empty(0), torch.empty(0), None, None, resolve_device(config.device))
+        detector = PadimDetector.unfinished(config, resume.backbone_state, resume.weights, resume.embedding.cpu(),
+                                            resolve_device(config.device))
         state, minimum = resume.state, 0
         previous_scores = resume.calibration.normal_scores if resume.calibration else ()
     else:
@@ -423,8 +427,12 @@ def accumulate_shard(detector: PadimDetector, paths: Sequence[Path], state: Gaus
 PARTIAL_CHECKS = ("backbone", "layers", "image_size", "reduction")
 
 
-def merge_partials(parts: Sequence[PadimDetector], sources: Sequence[str]) -> tuple[PadimDetector, GaussianState]:
+def merge_partials(parts: Sequence[PadimDetector], sources: Sequence[str],
+                   config: PadimConfig | None = None) -> tuple[PadimDetector, GaussianState]:
     """An unfinished detector and the merged statistics of several partial fits.
+
+    ``config`` (default: the first part's) sets the run-time options of the result, its
+    device included; the checks below keep everything that shapes the statistics equal.
 
     Raises:
         ValueError: parts of different backbones, weights, layers, image sizes or channel
@@ -449,11 +457,12 @@ def merge_partials(parts: Sequence[PadimDetector], sources: Sequence[str]) -> tu
                 and torch.equal(part.embedding.projection, first.embedding.projection))
         if not same:
             raise ValueError(f"{source}: another channel selection than {sources[0]} (different --seed or --features)")
-    state = first.state.clone()
+    config = config or first.config
+    device = resolve_device(config.device)
+    state = first.state.clone().to(device)
     for part in parts[1:]:
-        merge_states_(state, part.state)
-    detector = PadimDetector(first.config, first.backbone_state, first.weights, first.embedding.cpu(),
-                             torch.empty(0), torch.empty(0), None, None, first.device)
+        merge_states_(state, part.state.to(device))
+    detector = PadimDetector.unfinished(config, first.backbone_state, first.weights, first.embedding.cpu(), device)
     return detector, state
 
 
