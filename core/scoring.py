@@ -112,6 +112,11 @@ def upsample_blur_operator(
     return upsampled[:, 0].T.contiguous().to(dtype=dtype, device=device)
 
 
+def resize_map(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """One ``(S, S)`` map, bilinearly resized to ``(height, width)`` (e.g. an image's own size)."""
+    return F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+
+
 def image_scores(maps: torch.Tensor) -> torch.Tensor:
     """Image anomaly score: the maximum of each ``(B, S, S)`` map, ``(B,)``."""
     return maps.flatten(1).amax(dim=1)

@@ -96,6 +96,11 @@ class WeightsInfo:
             return f"RANDOM weights (seed {self.detail}) - demo/test only, not for real inspection"
         return f"{self.source}: {self.detail}"
 
+    @property
+    def stamp(self) -> str | None:
+        """Text stamped on every heat map made with these weights (random ones only)."""
+        return "RANDOM WEIGHTS - DEMO ONLY" if self.source == "random" else None
+
     def to_header(self) -> dict:
         return {"source": self.source, "detail": self.detail, "sha256": self.sha256}
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from padim.core.artifact import file_sha256
+from padim.core.scoring import resize_map
 from padim.models import PadimDetector
 from padim.models.images import open_image
 from padim.models.visualize import mask_image, overlay
@@ -162,12 +162,11 @@ class Runtime:
         if heatmap or mask:
             scale = min(1.0, self.settings.heatmap_max_side / max(image.size))
             width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
-            resized = F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+            resized = resize_map(anomaly_map, height, width)
             normalised_map = calibration.normalise(resized.double()).numpy()
             if heatmap:
-                label = "RANDOM WEIGHTS - DEMO ONLY" if model.detector.weights.source == "random" else None
                 shown = image.resize((width, height), Image.BILINEAR) if scale < 1 else image
-                result["heatmap"] = _png_base64(overlay(shown, normalised_map, label=label))
+                result["heatmap"] = _png_base64(overlay(shown, normalised_map, label=model.detector.weights.stamp))
             if mask:
                 result["mask"] = _png_base64(mask_image(normalised_map, normalised_threshold))
         return result
