@@ -3,7 +3,7 @@
 Same backbone weights for both (a seeded resnet18 state_dict file, since ImageNet weights
 cannot be downloaded here), same input size (224), layers 1-3 and the same 100 channels
 (padim's seeded subset is handed to anomalib), same preprocessing, same training images (the
-ones padim fits on: its held-out calibration images are left out of both). Then:
+images: padim fits every one and calibrates out-of-fold). Then:
 
 - image AUROC and pixel AUROC (both at 224 px, with the same metric code), per generated category;
 - fit wall time; fit peak RSS at N = 100, 500 and 2000 training images, each fit in its own
@@ -34,11 +34,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from padim.core.calibration import split_holdout
 from padim.evaluation import compute_metrics, read_mvtec_category
-from padim.models import PadimConfig, fit_detector, list_images
+from padim.models import PadimConfig, fit_detector, training_images
 from padim.synthetic import generate
-from timing import median_seconds
+from timing import machine_name, median_seconds
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("weave", "carpet", "tiles")
@@ -58,18 +57,6 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
     peak_mb = int(peak_file.read_text()) / 1024
     peak_file.unlink()
     return peak_mb, seconds, result.stdout
-
-
-def machine_name() -> str:
-    cpu = "unknown-cpu"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import re
-
-    cpu = re.sub(r"\((R|TM)\)|CPU|Processor|@.*", "", cpu, flags=re.I)
-    return re.sub(r"[^A-Za-z0-9]+", "-", f"{os.cpu_count()}core-{cpu}").strip("-")[:60]
 
 
 def main() -> None:
@@ -113,12 +100,10 @@ def main() -> None:
     # --- detection quality, fit time, throughput, artifact size ----------------------------
     for category in CATEGORIES:
         root = data / category
-        train = list_images(root / "train" / "good")
-        names = [p.name for p in train]
-        fit_idx, _ = split_holdout(names, config.holdout_fraction, config.min_holdout)
+        train = training_images(root / "train" / "good")
         samples = read_mvtec_category(root)
         start = time.perf_counter()
-        detector = fit_detector(config, train, names, progress=False)
+        detector, _ = fit_detector(config, train, progress=False)
         ours_fit = time.perf_counter() - start
         raw, maps = [], []
         for i in range(0, len(samples), 16):
@@ -130,7 +115,7 @@ def main() -> None:
 
         lists = work / "lists" / category
         lists.mkdir(parents=True, exist_ok=True)
-        (lists / "train.json").write_text(json.dumps([str(train[i]) for i in fit_idx]))
+        (lists / "train.json").write_text(json.dumps([str(i.path) for i in train]))
         (lists / "test.json").write_text(json.dumps([str(s.path) for s in samples]))
         (lists / "channels.json").write_text(json.dumps(detector.embedding.channel_index.tolist()))
         out_dir = work / "anomalib" / category
@@ -142,7 +127,7 @@ def main() -> None:
         theirs["fit_seconds"] = theirs_run["fit_seconds"]
         keep = ("image_auroc", "pixel_auroc", "pro_0.3", "fit_seconds")
         report["categories"][category] = {"padim": {k: ours[k] for k in keep}, "anomalib": {k: theirs[k] for k in keep},
-                                          "fit_images": len(fit_idx)}
+                                          "fit_images": len(train)}
         print(f"{category}: image AUROC padim {ours['image_auroc']:.3f} / anomalib {theirs['image_auroc']:.3f}, "
               f"pixel AUROC {ours['pixel_auroc']:.3f} / {theirs['pixel_auroc']:.3f}", flush=True)
 

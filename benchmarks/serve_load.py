@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from padim.models import PadimConfig, PadimDetector, fit_detector, list_images
+from padim.models import PadimConfig, PadimDetector, fit_detector, list_images, training_images
 from padim.synthetic import generate
 from timing import median_seconds
 
@@ -144,9 +144,8 @@ def main() -> None:
         generate(work / "data", ("carpet",), train=40, test_good=16, test_defect=4, size=args.image_size, seed=3)
     model = work / "carpet.padim"
     if not model.exists():
-        train = list_images(category / "train" / "good")
         config = PadimConfig(weights="random", image_size=args.image_size, device="cpu")
-        fit_detector(config, train, [p.name for p in train], progress=False).save(model)
+        fit_detector(config, training_images(category / "train" / "good"), progress=False)[0].save(model)
     test_images = list_images(category / "test")
     bodies = [p.read_bytes() for p in test_images]
 

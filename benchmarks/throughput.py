@@ -25,7 +25,7 @@ from sklearn.metrics import roc_auc_score
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.evaluation import read_mvtec_category
-from padim.models import PadimConfig, fit_detector, list_images
+from padim.models import PadimConfig, fit_detector, training_images
 from padim.synthetic import generate
 from timing import median_seconds
 
@@ -60,9 +60,8 @@ def main() -> None:
 
     config = PadimConfig(weights=str(weights), image_size=args.image_size, batch_size=args.batch_size,
                          device=args.device, workers=2)
-    train_paths = list_images(category / "train" / "good")
     start = time.perf_counter()
-    detector = fit_detector(config, train_paths, [p.name for p in train_paths], progress=False)
+    detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
     fit_seconds = time.perf_counter() - start
 
     samples = read_mvtec_category(category)

@@ -1,8 +1,10 @@
-"""Timing helper shared by the benchmark scripts (stdlib + torch only, so that the anomalib
-worker can use it from an environment without padim)."""
+"""Helpers shared by the benchmark scripts (stdlib + torch only, so that the anomalib worker can
+use them from an environment without padim): timing, and a name for the machine."""
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -25,3 +27,15 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def machine_name() -> str:
+    """``<cores>core-<cpu model>``, e.g. ``2core-AMD-EPYC``: names result files by machine."""
+    cpu = "unknown-cpu"
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cpu = re.sub(r"\((R|TM)\)|CPU|Processor|@.*", "", cpu, flags=re.I)
+    return re.sub(r"[^A-Za-z0-9]+", "-", f"{os.cpu_count()}core-{cpu}").strip("-")[:60]

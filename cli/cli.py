@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="fit a detector on a folder of normal images",
         description="Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
-        "A share of the images (--holdout-fraction, at least --min-holdout) is never fitted on and "
-        "calibrates the threshold. Memory does not grow with the number of images. Under torchrun "
+        "Every image is fitted, and also scored by a model of the images outside its calibration fold "
+        "(folds come from file names); those out-of-fold scores set the threshold for the false-alarm rate "
+        "you ask for (--false-alarm-rate), and train says what that threshold can promise. Unreadable images "
+        "are left out and named. Memory does not grow with the number of images. Under torchrun "
         "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
         "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file.",
     )
@@ -58,12 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layers", help="comma-separated stages (default layer1,layer2,layer3)")
     train.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
     train.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
-    train.add_argument("--holdout-fraction", type=float, help="share of images held out for calibration (default 0.1)")
-    train.add_argument("--min-holdout", type=int, help="at least this many held-out images (default 3)")
-    train.add_argument("--threshold-quantile", type=float, help="quantile of held-out normal scores used as threshold (default 0.99)")
+    train.add_argument("--false-alarm-rate", type=float, metavar="RATE",
+                       help="share of normal images the threshold may flag (default 0.01); may change on --resume")
+    train.add_argument("--calibration-folds", type=int, metavar="K",
+                       help="folds of the cross-fitted calibration (default 20; more: less bias, one more finalisation each)")
     train.add_argument("--precision-dtype", choices=["auto", "float16", "float32"], help="storage of precision factors (default auto)")
     train.add_argument("--workers", type=int, help="image-decoding threads (default 2)")
-    train.add_argument("--resume", type=Path, metavar="MODEL", help="add DATA_DIR's images to this model's accumulators (old images are not re-read)")
+    train.add_argument("--resume", type=Path, metavar="MODEL",
+                       help="add DATA_DIR's images to this model's statistics (old images are not re-read; images it "
+                       "already fitted, by content, are left out); their out-of-fold scores join the model's")
     train.add_argument("--slim", action="store_true", help="leave the accumulators out of the file (about 4x smaller for resnet18; cannot be resumed)")
     train.add_argument("--partial", action="store_true",
                        help="fit every image and write only the accumulators, to be combined later by `padim merge` "
@@ -117,15 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser(
         "merge", help="combine partial fits (train --partial) into one model",
-        description="Add up the accumulators of PARTS (refused unless backbone, weights, layers, image size and "
-        "channel selection all match), derive the precision factors, and calibrate the threshold on the normal "
-        "images of --calibration-dir, which must not have been fitted on.",
+        description="Add up the accumulators of PARTS (refused unless every setting that shapes the statistics and "
+        "the backbone weights match), derive the precision factors, and set the threshold from the scores of the "
+        "normal images of --calibration-dir, which no part may have fitted (checked by content).",
     )
     merge.add_argument("parts", type=Path, nargs="+", metavar="PART")
     merge.add_argument("--output", "-o", type=Path, required=True)
     merge.add_argument("--calibration-dir", type=Path, required=True, metavar="DIR",
                        help="normal images kept out of every part, to set the threshold")
-    merge.add_argument("--threshold-quantile", type=float, help="default: the parts' setting (0.99)")
+    merge.add_argument("--false-alarm-rate", type=float, metavar="RATE", help="default: the parts' setting (0.01)")
     merge.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     merge.add_argument("--batch-size", type=int, default=16)
     merge.add_argument("--workers", type=int, default=2)
@@ -146,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--url", help="default http://127.0.0.1:${PADIM_PORT:-8000}/health/ready")
     health.add_argument("--timeout", type=float, default=5.0)
 
-    info = commands.add_parser("info", help="print a model file's metadata as JSON")
+    info = commands.add_parser("info", help="print a model file's metadata as JSON",
+                               description="What a model file holds: images fitted, calibration (scores used, threshold, "
+                               "requested and promised false-alarm rates), backbone, and its full header.")
     info.add_argument("model", type=Path, metavar="MODEL")
+    info.add_argument("--verify", action="store_true", help="also check every tensor against its digest (reads the whole file)")
 
     synth = commands.add_parser(
         "synth", help="generate an MVTec-layout data set of textures with synthetic defects",
@@ -168,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from padim.core import ArtifactError, NotPositiveDefiniteError
-    from padim.models import ConfigError, ImageError, WeightsError
+    from padim.models import ConfigError, FitError, ImageError, WeightsError
 
     handler = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "serve": cmd_serve,
                "merge": cmd_merge, "info": cmd_info,
                "fetch-weights": cmd_fetch_weights, "health": cmd_health, "synth": cmd_synth}[args.command]
     try:
         return handler(args)
-    except (UserError, ArtifactError, ConfigError, WeightsError, ImageError, NotPositiveDefiniteError) as error:
+    except (UserError, ArtifactError, ConfigError, FitError, WeightsError, ImageError, NotPositiveDefiniteError) as error:
         print(f"padim {args.command}: error: {error}", file=sys.stderr)
         return ERROR_EXIT
     except KeyboardInterrupt:
@@ -185,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------- commands
 def load_config(args: argparse.Namespace):
+    """The configuration from defaults, ``--config`` YAML and flags, and which fields were given explicitly."""
     from padim.models import PadimConfig
 
-    config = PadimConfig()
+    config, given = PadimConfig(), set()
     if args.config is not None:
         import yaml
 
@@ -198,73 +207,97 @@ def load_config(args: argparse.Namespace):
         except yaml.YAMLError as error:
             raise UserError(f"--config {args.config}: not valid YAML ({str(error).splitlines()[0]})") from None
         config = PadimConfig.from_mapping(values, source=str(args.config))
+        given |= set(values)
     layers = tuple(x.strip() for x in args.layers.split(",")) if args.layers else None
-    return config.replace(
+    flags = dict(
         backbone=args.backbone, weights=args.weights, image_size=args.image_size, device=args.device,
         batch_size=args.batch_size, features=args.features, reduction=args.reduction, layers=layers,
-        epsilon=args.epsilon, seed=args.seed, holdout_fraction=args.holdout_fraction,
-        min_holdout=args.min_holdout, threshold_quantile=args.threshold_quantile,
-        precision_dtype=args.precision_dtype, workers=args.workers,
+        epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
+        calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
     )
+    given |= {k for k, v in flags.items() if v is not None}
+    return config.replace(**flags), given
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from padim.models import PadimDetector, fit_detector, list_images
-    from padim.models.detector import accumulate_shard, new_detector, shard_of
+    from padim.models import Fit, fit_detector, fit_partial, training_images
+    from padim.models.fitting import STATISTICS_FIELDS
 
-    config = load_config(args)
-    paths = list_images(args.data_dir)
-    if not paths:
+    config, given = load_config(args)
+    images = training_images(args.data_dir)
+    if not images:
         raise UserError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
-    names = [p.relative_to(args.data_dir).as_posix() if args.data_dir.is_dir() else p.name for p in paths]
     if args.partial and (args.resume or args.slim):
         raise UserError("--partial writes accumulators only: it cannot be combined with --resume or --slim")
     resume = None
     if args.resume is not None:
-        resume = PadimDetector.load(args.resume, device="cpu")
-        fixed = ("backbone", "weights", "image_size", "features", "reduction", "layers", "seed", "epsilon")
-        asked = {k: getattr(config, k) for k in fixed if _given(args, k)}
-        clash = {k: v for k, v in asked.items() if v != getattr(resume.config, k)}
+        resume = Fit.load(args.resume, runtime=config)
+        clash = [k for k in STATISTICS_FIELDS if k in given and getattr(config, k) != getattr(resume.config, k)]
         if clash:
-            k = next(iter(clash))
+            k = clash[0]
             raise UserError(f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
-                            f"not {clash[k]!r}; drop the flag or train a new model")
+                            f"not {getattr(config, k)!r} (from {'--config' if _from_yaml(args, k) else 'the flag'}); "
+                            "drop it or train a new model")
+        if "false_alarm_rate" in given:
+            resume.config = resume.config.replace(false_alarm_rate=config.false_alarm_rate)
     shard = _init_distributed(config)
     rank = shard[0] if shard else 0
+    progress = not args.quiet and rank == 0
     started = time.perf_counter()
     try:
         if args.partial:  # every image is fitted: `merge` calibrates on images kept out of all parts
-            detector = new_detector(config)
-            detector.state = accumulate_shard(detector, shard_of(paths, shard), None, not args.quiet and rank == 0, shard)
-            detector.info = {"training_image_count": len(paths), "fit_image_count": int(detector.state.count),
-                             "holdout_image_count": 0, "partial": True}
+            fit, report = fit_partial(config, images, progress, shard)
+            if rank == 0:
+                fit.save_partial(args.output, fit.history)
         else:
-            detector = fit_detector(config, paths, names, resume=resume, progress=not args.quiet and rank == 0, shard=shard)
-        if rank != 0:
-            return 0
-        detector.save(args.output, include_state=not args.slim)
+            detector, report = fit_detector(config, images, resume, progress, shard)
+            if rank == 0:
+                detector.save(args.output, include_state=not args.slim)
     finally:
         if shard:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    elapsed = time.perf_counter() - started
+    if rank != 0:
+        return 0
+    if not args.partial and not args.quiet:
+        print(f"padim train: {_verdict_line(detector)}", file=sys.stderr)
+    for warning in report.warnings:
+        print(f"padim train: warning: {warning}", file=sys.stderr)
     summary = {
         "model": str(args.output),
         "kind": "partial" if args.partial else "detector",
         "size_bytes": args.output.stat().st_size,
-        "images": len(paths),
-        "fit_images_total": detector.info["fit_image_count"],
-        "holdout_images_total": detector.info["holdout_image_count"],
-        "threshold_raw": None if detector.calibration is None else detector.calibration.threshold,
-        "precision_dtype": None if args.partial else str(detector.storage_dtype).removeprefix("torch."),
-        "seconds": round(elapsed, 2),
+        "images": report.listed,
+        "fitted": report.fitted,
+        "unreadable": len(report.unreadable),
+        "already_fitted": len(report.already_fitted),
+        "seconds": round(time.perf_counter() - started, 2),
+        "phase_seconds": report.seconds,
         "world_size": shard[1] if shard else 1,
-        "weights": detector.weights.label,
-        **{k: v for k, v in detector.describe().items() if k in ("backbone", "image_size", "embedding_dim")},
     }
+    if args.partial:
+        summary.update(fit_image_count=fit.count, weights=fit.weights.label)
+    else:
+        described = detector.describe()
+        summary.update(fit_image_count=detector.info["fit_image_count"], calibration=described["calibration"],
+                       precision_dtype=str(detector.storage_dtype).removeprefix("torch."), weights=detector.weights.label,
+                       **{k: described[k] for k in ("backbone", "image_size", "embedding_dim")})
     print(json.dumps(summary))
     return 0
+
+
+def _verdict_line(detector) -> str:
+    """What the threshold means, in one line."""
+    cal = detector.calibration
+    return (f"fitted {detector.info['fit_image_count']} images; threshold {cal.threshold:.4g} (raw) from "
+            f"{cal.count} out-of-fold scores, aiming at {cal.false_alarm_rate:.2%} false alarms; promised "
+            f"{cal.promised_false_alarm_rate:.2%} on average and at most {cal.false_alarm_bound:.2%} with "
+            f"{cal.summary()['confidence']:.0%} confidence, whatever the score distribution")
+
+
+def _from_yaml(args: argparse.Namespace, key: str) -> bool:
+    return getattr(args, key, None) is None  # every statistics field has a flag of the same name
 
 
 def _init_distributed(config) -> tuple[int, int] | None:
@@ -289,35 +322,23 @@ def _init_distributed(config) -> tuple[int, int] | None:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from padim.models import PadimDetector, list_images
-    from padim.models.detector import finish, merge_partials
+    from padim.models import Fit, PadimConfig, list_images, merge_fits
 
-    parts = [PadimDetector.load(p, device="cpu") for p in args.parts]
-    config = parts[0].config.replace(threshold_quantile=args.threshold_quantile, batch_size=args.batch_size,
-                                     workers=args.workers, device=args.device)
-    try:
-        detector, state = merge_partials(parts, [str(p) for p in args.parts], config)
-    except ValueError as error:
-        raise UserError(str(error)) from None
+    runtime = PadimConfig(batch_size=args.batch_size, workers=args.workers, device=args.device)
+    parts = [Fit.load(p, runtime=runtime) for p in args.parts]
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
-    finish(detector, state, calibration, progress=not args.quiet)
-    detector.info = {
-        "training_image_count": sum(int(p.info.get("training_image_count") or 0) for p in parts) + len(calibration),
-        "fit_image_count": int(state.count),
-        "holdout_image_count": len(calibration),
-        "merged_from": [str(p) for p in args.parts],
-    }
+    detector = merge_fits(parts, [str(p) for p in args.parts], calibration, runtime, args.false_alarm_rate,
+                          progress=not args.quiet)
     detector.save(args.output, include_state=not args.slim)
-    print(json.dumps({"model": str(args.output), "parts": len(parts), "fit_images_total": int(state.count),
-                      "calibration_images": len(calibration), "threshold_raw": detector.calibration.threshold,
-                      "size_bytes": args.output.stat().st_size, "weights": detector.weights.label}))
+    cal = detector.calibration
+    print(json.dumps({"model": str(args.output), "parts": len(parts), "fit_image_count": detector.info["fit_image_count"],
+                      "calibration": detector.describe()["calibration"], "size_bytes": args.output.stat().st_size,
+                      "weights": detector.weights.label}))
+    if cal.shortfall():
+        print(f"padim merge: warning: {cal.shortfall()}", file=sys.stderr)
     return 0
-
-
-def _given(args: argparse.Namespace, key: str) -> bool:
-    return getattr(args, key, None) is not None
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -329,7 +350,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from padim.models.images import iter_batches
     from padim.models.visualize import overlay
 
-    detector = PadimDetector.load_scorable(args.model, device=args.device)
+    detector = PadimDetector.load(args.model, device=args.device)
     items: list[tuple[Path, Path]] = []  # (path, path relative to its input)
     for source in args.inputs:
         found = list_images(source)
@@ -343,14 +364,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     calibration = detector.calibration
     relative_of = dict(items)
-    anomalous, started = 0, time.perf_counter()
+    anomalous, failed, started = 0, [], time.perf_counter()
     with open(args.output / "results.jsonl", "w") as results, \
             tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
         for chunk, images in iter_batches([p for p, _ in items], args.batch_size, args.workers):
             out = detector.score(detector.preprocess(images))
             normalised = calibration.normalise(out.raw_scores.double()).cpu()
+            broken = set(out.non_finite())
             for i, (path, image) in enumerate(zip(chunk, images)):
                 rel = relative_of[path]
+                if i in broken:  # fail closed: no score, no verdict, and a non-zero exit below
+                    failed.append(str(path))
+                    results.write(json.dumps({"path": str(path), "error": {
+                        "code": "non_finite_score", "message": "the model gave a NaN or infinite score; no verdict"}}) + "\n")
+                    continue
                 raw = float(out.raw_scores[i])
                 record = {
                     "path": str(path), "score": float(normalised[i]), "raw_score": raw,
@@ -374,8 +401,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
             results.flush()
             bar.update(len(chunk))
     elapsed = time.perf_counter() - started
-    print(json.dumps({"images": len(items), "anomalous": anomalous, "results": str(args.output / "results.jsonl"),
+    print(json.dumps({"images": len(items), "anomalous": anomalous, "failed": len(failed),
+                      "results": str(args.output / "results.jsonl"),
                       "images_per_second": round(len(items) / elapsed, 2), "weights": detector.weights.label}))
+    if failed:
+        shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+        raise UserError(f"{len(failed)} of {len(items)} image(s) got a NaN or infinite score and no verdict ({shown}); "
+                        "the model file may be damaged: check it with `padim info --verify`")
     return 0
 
 
@@ -384,7 +416,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from .evaluation import evaluate
 
-    detector = PadimDetector.load_scorable(args.model, device=args.device, with_state=args.calibrate)
+    detector = PadimDetector.load(args.model, device=args.device, with_state=args.calibrate)
     try:
         result = evaluate(detector, args.category_dir, args.batch_size, args.workers, progress=not args.quiet)
     except ValueError as error:
@@ -456,20 +488,24 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from padim.core import read_header
-
+    from padim.core import load_artifact, read_header
     from padim.models import WeightsInfo
 
-    header = read_header(args.model)
+    header = load_artifact(args.model)[1] if args.verify else read_header(args.model)
     config = header.get("config", {})
+    calibration = header.get("calibration") or {}
     summary = {
         "file": str(args.model),
         "size_bytes": args.model.stat().st_size,
+        "kind": header.get("kind"),
+        "verified": "every tensor" if args.verify and header["verified"] else ("header" if header["verified"] else False),
         "backbone": config.get("backbone"),
         "image_size": config.get("image_size"),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
-        "training_image_count": header.get("training_image_count"),
-        "threshold_raw": (header.get("calibration") or {}).get("threshold"),
+        "fit_image_count": header.get("fit_image_count"),
+        "unreadable_image_count": header.get("unreadable_image_count"),
+        "calibration": {**calibration, "source": header.get("calibration_source"),
+                        "folds": config.get("calibration_folds")} if calibration else None,
         "header": header,
     }
     print(json.dumps(summary, indent=2))

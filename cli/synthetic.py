@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-CATEGORIES = ("weave", "carpet", "tiles")
+CATEGORIES = ("weave", "carpet", "tiles", "leather", "wood")
 DEFECTS = ("scratch", "stain", "hole")
 
 
@@ -46,11 +46,33 @@ def texture(category: str, size: int, rng: np.random.Generator) -> np.ndarray:
         grout = (np.minimum(gx, 1 - gx) < 0.06) | (np.minimum(gy, 1 - gy) < 0.06)
         base = np.where(grout, 0.3, 0.72)
         tint = np.array([0.8, 0.8, 0.78]) * rng.uniform(0.95, 1.05)
+    elif category == "leather":
+        # smooth random relief plus fine grain: blurred white noise at two scales
+        coarse = _smooth_noise(size, size / 40, rng)
+        fine = _smooth_noise(size, 1.2, rng)
+        base = 0.45 + 0.07 * coarse + 0.035 * fine
+        tint = np.array([0.62, 0.42, 0.28]) * rng.uniform(0.95, 1.05)
+    elif category == "wood":
+        # growth rings around a far-away centre, their phase bent by a slow random field
+        centre = np.array([rng.uniform(-1.5, -0.8), rng.uniform(0.2, 0.8)])
+        radius = np.hypot(x - centre[0], y - centre[1])
+        bend = sum(rng.uniform(0.002, 0.006) * np.sin(2 * np.pi * (rng.uniform(1, 3) * y + rng.uniform(0, 1)))
+                   for _ in range(3))
+        rings = np.sin(2 * np.pi * (radius + bend) / rng.uniform(0.045, 0.055))
+        base = 0.55 + 0.12 * rings + 0.05 * np.sin(2 * np.pi * 37 * y + rng.uniform(0, 2 * np.pi))
+        tint = np.array([0.78, 0.55, 0.33]) * rng.uniform(0.95, 1.05)
     else:
         raise ValueError(f"unknown category {category!r}; choose one of: {', '.join(CATEGORIES)}")
     image = base[..., None] * tint[None, None, :] * 1.3
     image += rng.normal(0, 0.03, size=image.shape)
     return np.clip(image, 0, 1)
+
+
+def _smooth_noise(size: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """White noise blurred by a Gaussian of ``sigma`` pixels, scaled to zero mean and unit spread."""
+    noise = Image.fromarray(rng.uniform(0, 255, (size, size)).astype(np.uint8)).filter(ImageFilter.GaussianBlur(sigma))
+    field = np.asarray(noise, dtype=np.float64)
+    return (field - field.mean()) / max(field.std(), 1e-9)
 
 
 def add_defect(image: np.ndarray, defect: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """Statistics, scoring, calibration and the model file. Depends on torch alone."""
 
 from .artifact import ArtifactError, load_artifact, read_header, save_artifact
-from .calibration import Calibration, split_holdout
+from .calibration import Calibration, CalibrationError, fold_of
 from .scoring import anomaly_maps, image_scores, squared_mahalanobis
 from .statistics import (
     GaussianAccumulator,
@@ -11,11 +11,12 @@ from .statistics import (
     merge_states,
     precision,
     precision_factor,
+    subtract_states,
 )
 
 __all__ = [
-    "ArtifactError", "Calibration", "GaussianAccumulator", "GaussianState",
+    "ArtifactError", "Calibration", "CalibrationError", "GaussianAccumulator", "GaussianState",
     "NotPositiveDefiniteError", "anomaly_maps", "covariance", "image_scores", "load_artifact",
     "merge_states", "precision", "precision_factor", "read_header", "save_artifact",
-    "split_holdout", "squared_mahalanobis",
+    "fold_of", "squared_mahalanobis", "subtract_states",
 ]

@@ -4,13 +4,20 @@ The header lives in the safetensors metadata under the key ``"padim"``. Files ar
 temporary name beside the target and renamed into place, so an interrupted write leaves the
 previous file (or none), never half a file.
 
+**Integrity** (format 2): the header carries the sha256 of every tensor's bytes
+(``tensor_sha256``) and of the header itself (``header_sha256``, over its canonical JSON
+without that key). Loading verifies the header and every tensor it reads, and refuses a
+mismatch with a one-line error naming the tensor: one flipped bit in a threshold or a mean
+must stop a model, not change its verdicts. Format 1 files (no digests) still load; the
+header then says ``"verified": false``.
+
 Example:
     >>> import tempfile, torch, pathlib
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "m.padim"
     >>> save_artifact(path, {"mean": torch.zeros(2, 3)}, {"backbone": "resnet18"})
     >>> tensors, header = load_artifact(path)
-    >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"]
-    ('resnet18', (2, 3), 1)
+    >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"], header["verified"]
+    ('resnet18', (2, 3), 2, True)
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Header keys added by this module (never part of what the caller saved).
+INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"
 
 
@@ -31,13 +40,16 @@ class ArtifactError(Exception):
 
 
 def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: dict) -> None:
-    """Write ``tensors`` and ``header`` atomically to ``path``."""
+    """Write ``tensors`` and ``header`` atomically to ``path``, with their digests."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    full_header = {"format_version": FORMAT_VERSION, **header}
-    metadata = {HEADER_KEY: json.dumps(full_header, sort_keys=True)}
     payload = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    full_header = {k: v for k, v in header.items() if k not in INTEGRITY_KEYS}
+    full_header["format_version"] = FORMAT_VERSION
+    full_header["tensor_sha256"] = {name: tensor_sha256(t) for name, t in payload.items()}
+    full_header["header_sha256"] = _header_sha256(full_header)
+    metadata = {HEADER_KEY: json.dumps(full_header, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -49,6 +61,17 @@ def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor], hea
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as stored (contiguous, native byte order)."""
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest() if flat.numel() else hashlib.sha256(b"").hexdigest()
+
+
+def _header_sha256(header: dict) -> str:
+    rest = {k: v for k, v in header.items() if k not in ("header_sha256", "verified")}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def read_header(path: str | os.PathLike) -> dict:
@@ -95,6 +118,14 @@ def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -
         raise ArtifactError(
             f"{path}: not a readable padim model file (truncated or foreign: {reason})"
         ) from None
+    if header["verified"]:
+        digests = header["tensor_sha256"]
+        for name, tensor in tensors.items():
+            if name not in digests:
+                raise ArtifactError(f"{path}: tensor {name!r} has no digest in the header; the file was altered")
+            if tensor_sha256(tensor) != digests[name]:
+                raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
+                                    "(copy it again, or retrain)")
     return tensors, header
 
 
@@ -102,7 +133,7 @@ def _parse_header(path: Path, text: str) -> dict:
     try:
         header = json.loads(text)
     except json.JSONDecodeError:
-        raise ArtifactError(f"{path}: the model header is not valid JSON") from None
+        raise ArtifactError(f"{path}: the model header is not valid JSON; the file is damaged") from None
     version = header.get("format_version") if isinstance(header, dict) else None
     if not isinstance(version, int):
         raise ArtifactError(f"{path}: the model header has no format version")
@@ -111,6 +142,11 @@ def _parse_header(path: Path, text: str) -> dict:
             f"{path}: written in model format {version}, this padim reads format "
             f"{FORMAT_VERSION} and older; upgrade padim to load it"
         )
+    if version >= 2:
+        if not isinstance(header.get("tensor_sha256"), dict) or header.get("header_sha256") != _header_sha256(header):
+            raise ArtifactError(f"{path}: the model header does not match its digest; the file is damaged "
+                                "(copy it again, or retrain)")
+    header["verified"] = version >= 2
     return header
 
 

@@ -1,96 +1,293 @@
-"""Threshold calibration on held-out normal images.
+"""The threshold, from out-of-fold scores of normal images, and what it can promise.
 
-A share of the training images is never fitted on; their raw scores describe what a normal
-score looks like for this model. The default threshold is a high quantile of them, and the
-user-facing score maps raw scores through a logistic curve centred on the threshold, so that
-the threshold is always at 0.5 and the order of scores is kept.
+**Cross-fitting.** Every training image belongs to one of ``K`` folds, chosen by a hash of its
+name (its path relative to the data directory) alone. The detector is fitted on every image,
+and each image is also scored by the model of "every image but its fold". Each of the ``N``
+normal images so gives one *out-of-fold* score: the raw score of a normal image that the
+scoring model has not seen, as a new image on the line will be.
+
+**The threshold** for a requested false-alarm rate ``alpha`` is the ``1 - alpha`` quantile of
+a Gumbel distribution fitted to those scores by its moments (an image score is the maximum of
+a map, and maxima have Gumbel tails); once there are enough of them for about
+:data:`EMPIRICAL_EXCEEDANCES` to lie above it, their own (conformal) quantile instead. This
+was chosen by measurement (``benchmarks/calibration.py``, README): a normal fit gave up to
+2.4% false alarms for a requested 1% where the out-of-fold scores are unbiased, the maximum of
+a few scores up to 8% in one category; the Gumbel fit stayed at or below the requested rate.
+Out-of-fold models hold ``1/K`` fewer images than the final one, so their scores run slightly
+high and the threshold errs towards fewer false alarms, the less so the more images.
+
+**What is promised** needs no assumption about the score distribution. If ``j`` of the ``N``
+scores lie at or below the threshold, a new normal score is at or above it with probability at
+most ``(N + 1 - j) / (N + 1)`` on average over calibration sets (the order-statistics argument
+of conformal prediction), and at most the ``confidence`` quantile of ``Beta(N + 1 - j, j)`` for
+this calibration set, with that confidence.
+
+**The score** a user sees maps raw scores through a logistic curve: the threshold is 0.5, the
+median normal score is 0.1, the order is kept, and the width is never below
+:data:`MIN_SCALE_FRACTION` of the threshold.
 
 Example:
     >>> import torch
-    >>> cal = Calibration.from_normal_scores(torch.tensor([1.0, 2.0, 3.0, 4.0]), quantile=0.5)
-    >>> cal.threshold
-    2.5
-    >>> float(cal.normalise(torch.tensor(2.5)))
+    >>> scores = torch.linspace(10.0, 20.0, 50, dtype=torch.float64)
+    >>> cal = Calibration.from_scores(scores, false_alarm_rate=0.01)
+    >>> cal.method, round(cal.threshold, 2)
+    ('gumbel_tail', 24.33)
+    >>> float(cal.normalise(torch.tensor(cal.threshold)))
     0.5
+    >>> round(float(cal.normalise(torch.tensor(15.0))), 3)     # the median normal score
+    0.1
+    >>> cal.promised_false_alarm_rate == 1 / 51                # every score is below the threshold
+    True
+    >>> images_needed(0.01)
+    99
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+#: Confidence of the upper bound stored with every model.
+CONFIDENCE = 0.95
+#: The empirical quantile is used once about this many scores lie above the threshold.
+EMPIRICAL_EXCEEDANCES = 10
+#: The logistic width is at least this share of the threshold.
+MIN_SCALE_FRACTION = 0.01
+#: The median normal image gets this score.
+MEDIAN_SCORE = 0.1
+#: Raw thresholds below this (Mahalanobis units) mean the normal images do not vary at all.
+MIN_THRESHOLD = 1e-3
+EULER_GAMMA = 0.5772156649015329
+#: Allowed range of the requested false-alarm rate.
+FALSE_ALARM_RATE_RANGE = (1e-6, 0.5)
 
-def holdout_key(name: str) -> float:
-    """A stable pseudo-random number in ``[0, 1)`` for an image name (its relative path).
+#: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores.
+METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile")
 
-    Whether an image is held out depends on its name alone, not on which other images are in
-    the run, so resuming a fit with more images never moves an earlier image between the fit
-    and the held-out set.
+
+class CalibrationError(ValueError):
+    """Scores that cannot give a threshold; the message says why."""
+
+
+def fold_of(name: str, folds: int) -> int:
+    """The calibration fold (``0 .. folds - 1``) of an image, from its name alone.
+
+    The name is the image's path relative to the data directory. Which fold an image is in
+    does not depend on the other images of the run, so a resumed or merged fit puts every image
+    in the fold a one-shot fit would.
     """
     digest = hashlib.sha256(name.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+    return int.from_bytes(digest[:8], "big") * folds >> 64
 
 
-def split_holdout(
-    names: list[str], fraction: float, minimum: int
-) -> tuple[list[int], list[int]]:
-    """Indices of the images to fit on and of those held out for calibration.
+# ---------------------------------------------------------------------- order statistics
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta function ``I_x(a, b)`` (continued fraction, modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges quickly on this side only
+        return 1.0 - betainc(b, a, 1.0 - x)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 100_000):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * h / a
 
-    An image is held out when ``holdout_key(name) < fraction``; if that gives fewer than
-    ``minimum``, the images with the smallest keys are added until it does. At least two
-    images are always left to fit on.
 
-    Returns:
-        ``(fit_indices, holdout_indices)``, each sorted.
+def beta_quantile(a: float, b: float, q: float) -> float:
+    """``x`` with ``I_x(a, b) = q``: the ``q`` quantile of ``Beta(a, b)`` (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if betainc(a, b, middle) < q:
+            low = middle
+        else:
+            high = middle
+        if high - low < 1e-15:
+            break
+    return 0.5 * (low + high)
+
+
+def promised_false_alarm_rate(count: int, covered: int) -> float:
+    """Distribution-free false-alarm rate of a threshold with ``covered`` of ``count`` normal scores at or below it.
+
+    The threshold is at least the ``covered``-th smallest score ``s_(j)``. For exchangeable
+    (continuous) scores, a new normal score exceeds ``s_(j)`` with probability
+    ``(count + 1 - j) / (count + 1)``, on average over calibration sets.
     """
-    keys = [holdout_key(n) for n in names]
-    held = {i for i, k in enumerate(keys) if k < fraction}
-    if len(held) < minimum:
-        for i in sorted(range(len(names)), key=keys.__getitem__):
-            if len(held) >= minimum:
-                break
-            held.add(i)
-    while len(names) - len(held) < 2 and held:
-        held.remove(max(held, key=keys.__getitem__))
-    holdout = sorted(held)
-    fit = [i for i in range(len(names)) if i not in held]
-    return fit, holdout
+    return (count + 1 - covered) / (count + 1)
+
+
+def false_alarm_bound(count: int, covered: int, confidence: float = CONFIDENCE) -> float:
+    """Upper ``confidence`` bound of that rate for one calibration set.
+
+    The chance that a new normal score exceeds the ``j``-th smallest of ``n`` is
+    ``Beta(n + 1 - j, j)``-distributed over calibration sets; this is its ``confidence``
+    quantile (1 when no score is at or below the threshold).
+    """
+    if covered <= 0:
+        return 1.0
+    return beta_quantile(count + 1 - covered, covered, confidence)
+
+
+def empirical_minimum(false_alarm_rate: float) -> int:
+    """Fewest scores from which the threshold is their own (conformal) quantile."""
+    return math.ceil(EMPIRICAL_EXCEEDANCES / false_alarm_rate - 1e-9)
+
+
+def images_needed(false_alarm_rate: float) -> int:
+    """Fewest calibration scores with which a rate of ``false_alarm_rate`` can be promised.
+
+    With every score below the threshold, the promise is ``1 / (n + 1)``.
+    """
+    return max(1, math.ceil(1.0 / false_alarm_rate - 1.0 - 1e-9))
+
+
+# ---------------------------------------------------------------------- the threshold
+def gumbel_quantile(values: torch.Tensor, probability: float) -> float:
+    """The ``probability`` quantile of a Gumbel distribution with the mean and spread of ``values``.
+
+    Moments: scale ``beta = std * sqrt(6) / pi``, location ``mean - gamma * beta``
+    (Euler-Mascheroni ``gamma``); quantile ``location - beta * log(-log(probability))``.
+    """
+    beta = float(values.std()) * math.sqrt(6.0) / math.pi
+    location = float(values.mean()) - EULER_GAMMA * beta
+    return location - beta * math.log(-math.log(probability))
+
+
+def estimate_threshold(scores: torch.Tensor, false_alarm_rate: float) -> tuple[float, str]:
+    """Raw threshold for a requested false-alarm rate, and the method that gave it.
+
+    - ``empirical``: with at least ``EMPIRICAL_EXCEEDANCES / alpha`` scores, the
+      ``ceil((N + 1)(1 - alpha))``-th smallest (the conformal quantile; no assumption).
+    - ``gumbel_tail``: otherwise the ``1 - alpha`` quantile of a Gumbel fitted by moments.
+    - ``maximum``: a single score.
+
+    Args:
+        scores: ``(N,)`` out-of-fold raw scores of normal images.
+        false_alarm_rate: ``alpha``, the share of normal images allowed to be flagged.
+    """
+    values = scores.detach().to(torch.float64).flatten().sort().values
+    count = values.numel()
+    if count == 0:
+        raise CalibrationError("no calibration scores")
+    if count >= empirical_minimum(false_alarm_rate):
+        rank = math.ceil((count + 1) * (1.0 - false_alarm_rate))
+        return float(values[rank - 1]), "empirical"
+    if count == 1:
+        return float(values[0]), "maximum"
+    return gumbel_quantile(values, 1.0 - false_alarm_rate), "gumbel_tail"
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Normal-score distribution and the threshold taken from it.
+    """Normal scores, the threshold taken from them, and what it promises.
 
     Attributes:
-        normal_scores: raw image scores of the held-out normal images, sorted.
-        quantile: which quantile of ``normal_scores`` the threshold was taken at, or ``None``
-            when the threshold was set by hand (``evaluate --calibrate``).
+        scores: raw scores of normal images the scoring model did not see (out-of-fold, or a
+            separate calibration set), sorted.
         threshold: raw score at which an image is called anomalous (normalised score 0.5).
-        scale: raw-score width of the logistic mapping (standard deviation of the normal scores).
+        scale: raw-score width of the logistic mapping.
+        method: how the threshold was set: ``gumbel_tail``, ``empirical``, ``maximum``
+            (see :func:`estimate_threshold`), ``manual`` (``evaluate --calibrate``) or
+            ``quantile`` (model format 1).
+        false_alarm_rate: the rate that was asked for (``None`` for a manual threshold).
+        earlier_scores: how many of ``scores`` were kept from an earlier fit (``--resume``):
+            they were scored by that fit's models, which had seen fewer images.
     """
 
-    normal_scores: tuple[float, ...]
-    quantile: float | None
+    scores: tuple[float, ...]
     threshold: float
     scale: float
+    method: str
+    false_alarm_rate: float | None
+    earlier_scores: int = 0
 
     @classmethod
-    def from_normal_scores(cls, scores: torch.Tensor, quantile: float) -> Calibration:
-        if scores.numel() == 0:
-            raise ValueError("calibration needs at least one held-out normal image")
-        if not 0.0 < quantile <= 1.0:
-            raise ValueError(f"threshold quantile must be in (0, 1], got {quantile}")
+    def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0) -> Calibration:
+        """Threshold and scale for ``false_alarm_rate`` from ``(N,)`` normal scores.
+
+        Raises:
+            CalibrationError: no scores, non-finite scores, or scores that are all (nearly)
+                zero (the normal images do not differ from each other).
+        """
+        low, high = FALSE_ALARM_RATE_RANGE
+        if not low <= false_alarm_rate <= high:
+            raise CalibrationError(f"false_alarm_rate must be in [{low:g}, {high:g}], got {false_alarm_rate}")
         values = scores.detach().to(torch.float64).flatten().sort().values
-        threshold = float(torch.quantile(values, quantile))
-        return cls(tuple(values.tolist()), quantile, threshold, _scale(values, threshold))
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise CalibrationError("some calibration scores are not finite")
+        threshold, method = estimate_threshold(values, false_alarm_rate)
+        if threshold < MIN_THRESHOLD:
+            raise CalibrationError(
+                f"the normal images do not vary: their out-of-fold scores are all below {MIN_THRESHOLD:g}, "
+                "so no threshold can separate normal variation from a defect")
+        return cls(tuple(values.tolist()), threshold, _scale(values, threshold), method, false_alarm_rate,
+                   earlier_scores)
 
     def with_threshold(self, threshold: float) -> Calibration:
-        """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal)."""
-        return replace(self, quantile=None, threshold=float(threshold))
+        """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
+        threshold = float(threshold)
+        if not math.isfinite(threshold):
+            raise CalibrationError(f"threshold must be finite, got {threshold}")
+        values = torch.tensor(self.scores, dtype=torch.float64)
+        return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores)
 
+    # ------------------------------------------------------------------ what it promises
+    @property
+    def count(self) -> int:
+        return len(self.scores)
+
+    @property
+    def covered(self) -> int:
+        """How many calibration scores are at or below the threshold."""
+        return sum(1 for s in self.scores if s <= self.threshold)
+
+    @property
+    def promised_false_alarm_rate(self) -> float:
+        """Distribution-free false-alarm rate (see :func:`promised_false_alarm_rate`)."""
+        return promised_false_alarm_rate(self.count, self.covered)
+
+    @property
+    def false_alarm_bound(self) -> float:
+        """Upper :data:`CONFIDENCE` bound of the false-alarm rate (see :func:`false_alarm_bound`)."""
+        return false_alarm_bound(self.count, self.covered)
+
+    @property
+    def can_promise(self) -> bool:
+        """Whether the requested rate is promised without assuming a score distribution."""
+        return self.false_alarm_rate is not None and self.promised_false_alarm_rate <= self.false_alarm_rate + 1e-12
+
+    def shortfall(self) -> str | None:
+        """One line saying why the requested rate is not promised, or ``None`` when it is."""
+        if self.false_alarm_rate is None or self.can_promise:
+            return None
+        needed = images_needed(self.false_alarm_rate)
+        if self.count >= needed:  # enough scores, but the fitted tail put the threshold among them
+            needed, how = empirical_minimum(self.false_alarm_rate), " (the threshold is then their own quantile)"
+        else:
+            how = ""
+        return (f"{self.count} calibration score(s) cannot promise {self.false_alarm_rate:.2%} false alarms without "
+                f"assuming how normal scores are distributed (promised: {self.promised_false_alarm_rate:.2%}, at most "
+                f"{self.false_alarm_bound:.2%} with {CONFIDENCE:.0%} confidence); {needed} normal images would{how}")
+
+    # ------------------------------------------------------------------ scores
     def normalise(self, raw: torch.Tensor) -> torch.Tensor:
         """Map raw scores (or maps) to ``[0, 1]``; ``threshold -> 0.5``, order kept."""
         return torch.sigmoid((raw - self.threshold) / self.scale)
@@ -104,16 +301,39 @@ class Calibration:
         logit = math.log(normalised_threshold / (1.0 - normalised_threshold))
         return self.threshold + self.scale * logit
 
+    # ------------------------------------------------------------------ file
+    def summary(self) -> dict:
+        """What a user is told (``train``, ``padim info``, ``GET /models``) and the file header holds."""
+        return {
+            "method": self.method,
+            "threshold": self.threshold,
+            "scale": self.scale,
+            "scores": self.count,
+            "earlier_scores": self.earlier_scores,
+            "false_alarm_rate": self.false_alarm_rate,
+            "promised_false_alarm_rate": self.promised_false_alarm_rate,
+            "false_alarm_bound": self.false_alarm_bound,
+            "confidence": CONFIDENCE,
+        }
+
     def to_header(self) -> dict:
-        return {"quantile": self.quantile, "threshold": self.threshold, "scale": self.scale,
-                "holdout_count": len(self.normal_scores)}
+        return self.summary()
 
     @classmethod
-    def from_header(cls, header: dict, normal_scores: torch.Tensor) -> Calibration:
-        return cls(tuple(normal_scores.to(torch.float64).tolist()), header["quantile"],
-                   float(header["threshold"]), float(header["scale"]))
+    def from_header(cls, header: dict, scores: torch.Tensor) -> Calibration:
+        method = header["method"]
+        if method not in METHODS:
+            raise ValueError(f"unknown calibration method {method!r}")
+        values = scores.to(torch.float64).sort().values
+        if values.numel() != int(header["scores"]):
+            raise ValueError(f"the header counts {header['scores']} calibration scores, the file holds {values.numel()}")
+        rate = header["false_alarm_rate"]
+        return cls(tuple(values.tolist()), float(header["threshold"]), float(header["scale"]), method,
+                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)))
 
 
 def _scale(values: torch.Tensor, threshold: float) -> float:
-    spread = float(values.std()) if values.numel() > 1 else 0.0
-    return max(spread, 1e-3 * abs(threshold), 1e-12)
+    """Logistic width that puts the median normal score at :data:`MEDIAN_SCORE`, floored."""
+    median = float(values.quantile(0.5)) if values.numel() else threshold  # torch.median is the lower median
+    spread = (threshold - median) / math.log((1.0 - MEDIAN_SCORE) / MEDIAN_SCORE)
+    return max(spread, MIN_SCALE_FRACTION * abs(threshold), MIN_THRESHOLD)

@@ -1,13 +1,15 @@
-"""Backbones, feature extraction and the detector built on :mod:`padim.core`."""
+"""Backbones, feature extraction, the detector and its fitting, built on :mod:`padim.core`."""
 
 from .backbones import BACKBONES, BackboneSpec, WeightsError, WeightsInfo, build_backbone
 from .config import ConfigError, PadimConfig
-from .detector import PadimDetector, ScoreOutput, fit_detector, resolve_device
-from .features import Embedding, FeatureExtractor
+from .detector import NonFiniteScoreError, PadimDetector, ScoreOutput, resolve_device
+from .features import Embedding, FeatureEmbedder, FeatureExtractor
+from .fitting import Fit, FitError, FitReport, TrainingImage, fit_detector, fit_partial, merge_fits, training_images
 from .images import ImageError, list_images, open_image
 
 __all__ = [
-    "BACKBONES", "BackboneSpec", "ConfigError", "Embedding", "FeatureExtractor", "ImageError",
-    "PadimConfig", "PadimDetector", "ScoreOutput", "WeightsError", "WeightsInfo",
-    "build_backbone", "fit_detector", "list_images", "open_image", "resolve_device",
+    "BACKBONES", "BackboneSpec", "ConfigError", "Embedding", "FeatureEmbedder", "FeatureExtractor", "Fit",
+    "FitError", "FitReport", "ImageError", "NonFiniteScoreError", "PadimConfig", "PadimDetector", "ScoreOutput",
+    "TrainingImage", "WeightsError", "WeightsInfo", "build_backbone", "fit_detector", "fit_partial", "list_images",
+    "merge_fits", "open_image", "resolve_device", "training_images",
 ]

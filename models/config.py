@@ -9,12 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from padim.core.calibration import FALSE_ALARM_RATE_RANGE
+
 from .backbones import BACKBONES
 
 REDUCTIONS = ("random", "semi_orthogonal")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 WEIGHT_KEYWORDS = ("imagenet", "random")
+#: Options of model format 1 (a held-out share for calibration), replaced by cross-fitting.
+RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 
 
 class ConfigError(ValueError):
@@ -38,9 +42,10 @@ class PadimConfig:
         seed: seeds the channel subset / projection and ``random`` weights.
         epsilon: added to the covariance diagonal before the Cholesky factorisation.
         blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
-        holdout_fraction: share of training images kept out of the fit, for calibration.
-        min_holdout: at least this many held-out images.
-        threshold_quantile: quantile of held-out normal scores used as the threshold.
+        calibration_folds: ``K``, the folds of cross-fitted calibration: every image is fitted,
+            and scored by the model of every image outside its fold (see
+            :mod:`padim.core.calibration`).
+        false_alarm_rate: share of normal images the threshold may flag (``alpha``).
         batch_size: images per forward pass.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
         precision_dtype: storage of the precision factor in the model file: ``auto``
@@ -57,9 +62,8 @@ class PadimConfig:
     seed: int = 0
     epsilon: float = 0.01
     blur_sigma: float = 4.0
-    holdout_fraction: float = 0.1
-    min_holdout: int = 3
-    threshold_quantile: float = 0.99
+    calibration_folds: int = 20
+    false_alarm_rate: float = 0.01
     batch_size: int = 16
     device: str = "auto"
     precision_dtype: str = "auto"
@@ -89,6 +93,11 @@ class PadimConfig:
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(values).__name__}")
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(allowed))
+        retired = sorted(set(unknown) & set(RETIRED))
+        if retired:
+            raise ConfigError(f"{source}: {', '.join(retired)} no longer exist{'s' if len(retired) == 1 else ''}: "
+                              "every image is now fitted and calibrated out-of-fold; set false_alarm_rate "
+                              "(default 0.01) and calibration_folds (default 20) instead")
         if unknown:
             raise ConfigError(
                 f"{source}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
@@ -132,12 +141,12 @@ def _validate(c: PadimConfig) -> None:
         fail("epsilon", c.epsilon, "use a number >= 0 (the paper uses 0.01)")
     if not c.blur_sigma >= 0:
         fail("blur_sigma", c.blur_sigma, "use a number >= 0 (0 turns smoothing off)")
-    if not 0.0 <= c.holdout_fraction < 1.0:
-        fail("holdout_fraction", c.holdout_fraction, "use a number in [0, 1)")
-    if not isinstance(c.min_holdout, int) or c.min_holdout < 1:
-        fail("min_holdout", c.min_holdout, "use an integer >= 1")
-    if not 0.0 < c.threshold_quantile <= 1.0:
-        fail("threshold_quantile", c.threshold_quantile, "use a number in (0, 1]")
+    if not isinstance(c.calibration_folds, int) or not 2 <= c.calibration_folds <= 1000:
+        fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000 (default 20)")
+    low, high = FALSE_ALARM_RATE_RANGE
+    if isinstance(c.false_alarm_rate, bool) or not isinstance(c.false_alarm_rate, (int, float)) \
+            or not low <= c.false_alarm_rate <= high:
+        fail("false_alarm_rate", c.false_alarm_rate, f"use a number from {low:g} to {high:g} (default 0.01: 1% of normal images flagged)")
     if not isinstance(c.batch_size, int) or c.batch_size < 1:
         fail("batch_size", c.batch_size, "use an integer >= 1")
     if c.device not in DEVICES:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torch.fx.experimental.optimization import fuse
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from .backbones import BackboneSpec
+from .backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
+from .images import to_model_input
 
 
 class FeatureExtractor(nn.Module):
@@ -109,3 +111,75 @@ class Embedding(nn.Module):
         if self.channel_index is not None:
             return torch.cat(parts, dim=1)
         return torch.stack(parts).sum(0)
+
+
+class FeatureEmbedder(nn.Module):
+    """Images to PaDiM embeddings ``(B, P, D)``: the backbone's stages, then the channel reduction.
+
+    What a fitted detector and a fit in progress share. ``P = H * W`` is the first layer's
+    feature grid (:attr:`grid_shape`), ``D`` the reduced embedding size.
+
+    Args:
+        config: the detector configuration (backbone, layers, image size).
+        backbone_state: the parameters and buffers of the stages used (see :func:`used_state`).
+        embedding: the seeded channel subset or projection.
+    """
+
+    def __init__(self, config, backbone_state: dict[str, torch.Tensor], embedding: Embedding):
+        super().__init__()
+        self.image_size = config.image_size
+        self.grid_shape = grid_shape(config)
+        self.extractor = build_extractor(config, backbone_state)
+        self.embedding = embedding
+
+    @property
+    def dim(self) -> int:
+        return self.embedding.dim
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.extractor.parameters()).device
+
+    def preprocess(self, images) -> torch.Tensor:
+        """PIL images -> ``(B, 3, S, S)`` normalised model input."""
+        return to_model_input(images, self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, S, S)`` model input -> ``(B, P, D)`` embeddings."""
+        features = self.extractor(batch.to(self.device, non_blocking=True))
+        embedding = self.embedding(features)  # (B, D, H, W)
+        return embedding.permute(0, 2, 3, 1).reshape(batch.shape[0], -1, self.embedding.dim)
+
+
+def grid_shape(config) -> tuple[int, int]:
+    """``(H, W)`` of the first layer's feature grid at the configured input size."""
+    side = config.image_size // config.spec.stride_of(config.layers[0])
+    return side, side
+
+
+def used_keys(backbone: nn.Module, config) -> list[str]:
+    """State-dict keys of the stages up to the deepest configured layer (no ``fc``, no deeper stages)."""
+    deepest = config.layers[-1]
+    stages = list(config.spec.layers)
+    unused = tuple(f"{s}." for s in stages[stages.index(deepest) + 1 :]) + ("fc.",)
+    return [k for k in backbone.state_dict() if not k.startswith(unused)]
+
+
+def used_state(backbone: nn.Module, config) -> dict[str, torch.Tensor]:
+    """The parameters and buffers a detector of ``config`` uses, detached copies."""
+    state = backbone.state_dict()
+    return {k: state[k].detach().clone().contiguous() for k in used_keys(backbone, config)}
+
+
+def build_extractor(config, backbone_state: dict[str, torch.Tensor]) -> FeatureExtractor:
+    """The feature extractor of ``config.backbone`` with ``backbone_state`` loaded (no weights download)."""
+    from padim.core.artifact import ArtifactError
+
+    with torch.device("meta"):
+        backbone = getattr(torchvision.models, config.backbone)(weights=None)
+    missing = [k for k in used_keys(backbone, config) if k not in backbone_state]
+    if missing:
+        raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
+    backbone.load_state_dict(backbone_state, strict=False, assign=True)
+    return FeatureExtractor(backbone, config.layers)

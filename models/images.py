@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 
 
 class ImageError(ValueError):
-    """An input that is not a readable image."""
+    """An input that is not a readable image: ``"<name>: <reason>"``, with both parts as attributes."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"{name}: {reason}")
+        self.name, self.reason = name, reason
 
 
 def list_images(root: str | os.PathLike) -> list[Path]:
@@ -28,10 +33,10 @@ def list_images(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if root.is_file():
         if root.suffix.lower() not in IMAGE_SUFFIXES:
-            raise ImageError(f"{root}: not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
+            raise ImageError(str(root), f"not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
         return [root]
     if not root.is_dir():
-        raise ImageError(f"{root}: no such file or directory")
+        raise ImageError(str(root), "no such file or directory")
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
@@ -45,22 +50,27 @@ def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None)
     try:
         handle = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")
     except OSError as error:
-        raise ImageError(f"{name}: {error.strerror}") from None
+        raise ImageError(name, error.strerror or type(error).__name__) from None
     with handle:
         try:
             with Image.open(handle) as image:
                 if max_pixels is not None and image.width * image.height > max_pixels:
-                    raise ImageError(
-                        f"{name}: {image.width}x{image.height} pixels is over the limit of {max_pixels}"
-                    )
+                    raise ImageError(name, f"{image.width}x{image.height} pixels is over the limit of {max_pixels}")
                 image.load()
                 return to_rgb(ImageOps.exif_transpose(image))
         except ImageError:
             raise
         except Image.DecompressionBombError as error:
-            raise ImageError(f"{name}: {error}") from None
+            raise ImageError(name, _without_reprs(str(error))) from None
+        except Image.UnidentifiedImageError:
+            raise ImageError(name, "not a readable image (not a format Pillow knows, or damaged)") from None
         except (OSError, ValueError, SyntaxError) as error:
-            raise ImageError(f"{name}: not a readable image ({error})") from None
+            raise ImageError(name, f"not a readable image ({_without_reprs(str(error))})") from None
+
+
+def _without_reprs(message: str) -> str:
+    """Pillow quotes file objects (``<_io.BytesIO object at 0x...>``); users need none of that."""
+    return re.sub(r"<[^<>]*(?: object at 0x|_io\.)[^<>]*>", "the data", message)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -98,18 +108,53 @@ def to_model_input(
 
 
 def iter_batches(
-    paths: Sequence[Path], batch_size: int, workers: int = 2
+    paths: Sequence[Path], batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
-    """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch."""
-    batches = [list(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+    """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch.
+
+    Args:
+        unreadable: when given, an image that cannot be read is appended here as
+            ``(path, reason)`` and left out of its batch, instead of raising :class:`ImageError`.
+    """
+    chunks = [list(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+    return iter_decoded(chunks, workers, unreadable)
+
+
+def iter_decoded(
+    batches: Sequence[Sequence[Path]], workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
+) -> Iterator[tuple[list[Path], list[Image.Image]]]:
+    """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds)."""
+    def decode(path: Path) -> Image.Image | ImageError:
+        try:
+            return open_image(path)
+        except ImageError as error:
+            if unreadable is None:
+                raise
+            return error
+
+    def sort_out(chunk: Sequence[Path], decoded) -> tuple[list[Path], list[Image.Image]]:
+        kept_paths, kept = [], []
+        for path, image in zip(chunk, decoded):
+            if isinstance(image, ImageError):
+                unreadable.append((path, image.reason))
+            else:
+                kept_paths.append(path)
+                kept.append(image)
+        return kept_paths, kept
+
+    batches = [list(b) for b in batches if len(b)]
     if workers <= 0:
         for chunk in batches:
-            yield chunk, [open_image(p) for p in chunk]
+            kept_paths, kept = sort_out(chunk, [decode(p) for p in chunk])
+            if kept:
+                yield kept_paths, kept
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
-        pending = [pool.map(open_image, chunk) for chunk in batches[:2]]
+        pending = [pool.map(decode, chunk) for chunk in batches[:2]]
         for i, chunk in enumerate(batches):
-            images = list(pending[i])
+            decoded = list(pending[i])
             if i + 2 < len(batches):
-                pending.append(pool.map(open_image, batches[i + 2]))
-            yield chunk, images
+                pending.append(pool.map(decode, batches[i + 2]))
+            kept_paths, kept = sort_out(chunk, decoded)
+            if kept:
+                yield kept_paths, kept

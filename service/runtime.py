@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ class Runtime:
         self.ready = True
 
     def _load_one(self, path: Path) -> tuple[PadimDetector, str]:
-        detector = PadimDetector.load_scorable(path, device=self.settings.device)
+        detector = PadimDetector.load(path, device=self.settings.device)
         size = detector.config.image_size
         detector.score(torch.zeros(min(2, self.settings.max_batch_size), 3, size, size))  # warm-up
         return detector, file_sha256(path)
@@ -147,11 +148,15 @@ class Runtime:
                      threshold: float | None, heatmap: bool, mask: bool) -> dict:
         """Runs on the decode pool: scores, verdict and the requested images."""
         # NumPy, not torch, on this thread (see padim.models.images.to_model_input)
+        map_array = anomaly_map.numpy()
+        if not math.isfinite(raw) or not np.isfinite(map_array).all():  # fail closed: never a verdict from NaN
+            log.error("non-finite score", extra={"model": model.name, "raw_score": str(raw)})
+            raise ApiError(500, "non_finite_score", "the model gave a NaN or infinite score for this image, so no "
+                           "verdict is given; the model file may be damaged (check it with `padim info --verify`)")
         calibration = model.detector.calibration
         normalised_threshold = 0.5 if threshold is None else threshold
         raw_threshold = calibration.raw_threshold(normalised_threshold)
         score = float(calibration.normalise(torch.tensor(raw, dtype=torch.float64)))
-        map_array = anomaly_map.numpy()
         result = {
             "score": score,
             "raw_score": raw,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,3 +74,12 @@ def running_server(tmp_path: Path, models: list[Path], env: dict | None = None, 
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def tensor_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Byte range of every tensor's data in a safetensors file, read from its own header."""
+    raw = Path(path).read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    entries = json.loads(raw[8 : 8 + length])
+    return {name: (8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
+            for name, e in entries.items() if name != "__metadata__"}

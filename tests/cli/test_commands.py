@@ -27,14 +27,31 @@ def test_train_writes_a_labelled_self_contained_model(model_file):
     tensors, header = load_artifact(model_file)
     assert header["weights"]["source"] == "random"
     assert header["config"]["image_size"] == IMAGE_SIZE
-    assert header["training_image_count"] == 30
-    assert header["fit_image_count"] + header["holdout_image_count"] == 30
-    assert header["holdout_image_count"] >= 3
+    assert header["fit_image_count"] == 30 and header["verified"] is True
+    assert header["calibration"]["scores"] == 30 and header["calibration_source"] == "out_of_fold"
     assert any(k.startswith("backbone.") for k in tensors)
     assert tensors["mean"].shape == ((IMAGE_SIZE // 4) ** 2, 100)
     assert header["precision_dtype"] in ("float16", "float32")
     info = json.loads(run_cli("info", model_file).stdout)
     assert info["backbone"] == "resnet18" and info["size_bytes"] == model_file.stat().st_size
+    assert info["fit_image_count"] == 30 and info["verified"] == "header"
+    assert info["calibration"]["scores"] == 30 and info["calibration"]["false_alarm_rate"] == 0.01
+    assert info["calibration"]["folds"] == 20 and info["calibration"]["false_alarm_bound"] > 0
+    assert json.loads(run_cli("info", "--verify", model_file).stdout)["verified"] == "every tensor"
+
+
+def test_train_says_what_the_threshold_promises(dataset, tmp_path):
+    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
+                     "--image-size", IMAGE_SIZE, "--false-alarm-rate", "0.02")
+    summary = json.loads(result.stdout)
+    calibration = summary["calibration"]
+    assert summary["fitted"] == summary["fit_image_count"] == calibration["scores"] == 30
+    assert calibration["false_alarm_rate"] == 0.02 and calibration["method"] == "gumbel_tail"
+    assert calibration["promised_false_alarm_rate"] >= 1 / 31  # the best 30 scores can promise
+    # so 2% is not promised wherever the threshold falls: said in one line, with the number needed
+    (warning,) = [line for line in result.stderr.splitlines() if "warning:" in line]
+    assert "cannot promise 2.00% false alarms" in warning and "49 normal images would" in warning
+    assert "threshold" in result.stderr and "from 30 out-of-fold scores, aiming at 2.00%" in result.stderr
 
 
 def test_predict_outputs(model_file, dataset, tmp_path):
@@ -90,7 +107,7 @@ def test_evaluate_calibrate_stores_f1_threshold(model_file, dataset, tmp_path):
     result = json.loads(run_cli("-q", "evaluate", copy, dataset, "--calibrate", "--output", tmp_path / "e.json").stdout)
     _, header = load_artifact(copy)
     assert header["calibration"]["threshold"] == pytest.approx(result["f1_optimal_threshold_raw"])
-    assert header["calibration"]["quantile"] is None
+    assert header["calibration"]["method"] == "manual" and header["calibration"]["false_alarm_rate"] is None
     assert header["has_accumulators"] is True  # re-saving keeps what --resume and merge need
 
 
@@ -101,19 +118,26 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
         folder.mkdir()
         for p in chunk:
             (folder / p.name).write_bytes(p.read_bytes())
-    common = ["--weights", "random", "--image-size", IMAGE_SIZE, "--holdout-fraction", "0.2", "--min-holdout", "1"]
+    common = ["--weights", "random", "--image-size", IMAGE_SIZE]
     run_cli("-q", "train", part_a, "--output", tmp_path / "a.padim", *common)
     run_cli("-q", "train", part_b, "--output", tmp_path / "ab-resumed.padim", "--resume", tmp_path / "a.padim")
     run_cli("-q", "train", both, "--output", tmp_path / "ab.padim", *common)
     resumed, h1 = load_artifact(tmp_path / "ab-resumed.padim")
     whole, h2 = load_artifact(tmp_path / "ab.padim")
-    assert h1["fit_image_count"] == h2["fit_image_count"] and h1["training_image_count"] == 30
+    assert h1["fit_image_count"] == h2["fit_image_count"] == 30
+    assert h1["calibration"]["scores"] == 30 and h1["calibration"]["earlier_scores"] == 20
     torch.testing.assert_close(resumed["accumulator.mean"], whole["accumulator.mean"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(resumed["accumulator.comoment"], whole["accumulator.comoment"], rtol=1e-5, atol=1e-5)
     # changing an architectural option on resume is refused
     clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
                     "--image-size", "128", check=False)
     assert clash.returncode == 1 and "image_size=64" in clash.stderr
+    config = tmp_path / "c.yaml"
+    config.write_text("image_size: 128\n")  # a value from YAML is checked as a flag is
+    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
+                    "--config", config, check=False)
+    assert clash.returncode == 1 and "image_size=64" in clash.stderr and "--config" in clash.stderr
+    assert not (tmp_path / "x.padim").exists()
 
 
 def test_train_with_a_state_dict_file(dataset, tmp_path):
@@ -150,16 +174,75 @@ def test_truncated_model_is_a_one_line_error(model_file, dataset, tmp_path, cut)
     assert "broken.padim" in result.stderr
 
 
-def test_bad_training_inputs_leave_no_file(tmp_path):
+def _train_folder(folder, output, *extra):
+    return run_cli("train", folder, "--output", output, "--weights", "random", "--image-size", "32", *extra, check=False)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The lines of an error message (progress bars aside)."""
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+def test_bad_training_inputs_leave_no_file(tmp_path, dataset):
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_cli("train", empty, "--output", tmp_path / "m.padim", "--weights", "random", check=False)
+    result = _train_folder(empty, tmp_path / "m.padim")
     assert result.returncode == 1 and "no images found" in result.stderr
     (empty / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    (empty / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    result = run_cli("train", empty, "--output", tmp_path / "m.padim", "--weights", "random", "--image-size", "32", check=False)
-    assert result.returncode == 1 and "not a readable image" in result.stderr and "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == [empty]
+    result = _train_folder(empty, tmp_path / "m.padim")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "none of the 1 images could be read (a.png: not a readable image" in result.stderr
+    assert "at least 3" in result.stderr and len(error_lines(result.stderr)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_tiny_training_sets(dataset, tmp_path, count):
+    folder = tmp_path / "few"
+    folder.mkdir()
+    for p in sorted((dataset / "train" / "good").glob("*.png"))[:count]:
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "zz-broken.png").write_bytes(b"not an image")
+    result = _train_folder(folder, tmp_path / "m.padim")
+    assert "Traceback" not in result.stderr
+    if count < 3:
+        assert result.returncode == 1 and "needs at least 3 normal images" in result.stderr
+        assert "zz-broken.png" in result.stderr and not (tmp_path / "m.padim").exists()
+        assert len(error_lines(result.stderr)) == 1
+    else:  # a working model, with the unreadable image named and what it cannot promise said
+        assert result.returncode == 0, result.stderr
+        assert "left out 1 unreadable image(s): zz-broken.png" in result.stderr and "cannot promise" in result.stderr
+        assert json.loads(result.stdout)["fitted"] == 3
+
+
+def test_identical_images_are_a_clear_refusal(dataset, tmp_path):
+    folder = tmp_path / "same"
+    folder.mkdir()
+    image = (dataset / "train" / "good" / "000.png").read_bytes()
+    for i in range(12):
+        (folder / f"{i:03d}.png").write_bytes(image)
+    result = _train_folder(folder, tmp_path / "m.padim")
+    assert result.returncode == 1 and "do not vary" in result.stderr and "Traceback" not in result.stderr
+    assert len(error_lines(result.stderr)) == 1 and not (tmp_path / "m.padim").exists()
+
+
+def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path, monkeypatch, capsys):
+    from padim.cli import main
+    from padim.models import PadimDetector
+
+    load = PadimDetector.load.__func__
+
+    def poisoned(cls, *args, **kwargs):
+        detector = load(cls, *args, **kwargs)
+        detector.mean[0, 0] = float("nan")
+        return detector
+
+    monkeypatch.setattr(PadimDetector, "load", classmethod(poisoned))
+    code = main(["-q", "predict", str(model_file), str(dataset / "test" / "hole"), "--output", str(tmp_path / "o")])
+    captured = capsys.readouterr()
+    assert code == 1 and "4 of 4 image(s) got a NaN or infinite score and no verdict" in captured.err
+    records = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["error"]["code"] == "non_finite_score" and "is_anomaly" not in r for r in records)
 
 
 def test_offline_imagenet_is_a_clear_error(dataset, tmp_path):

@@ -40,21 +40,25 @@ def assert_same_statistics(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["accumulator.comoment"], b["accumulator.comoment"], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("min_holdout, parity", [(3, "odd"), (4, "even")])
-def test_two_gloo_processes_equal_one(dataset, tmp_path, min_holdout, parity):
-    data = dataset / "train" / "good"
-    extra = ["--min-holdout", str(min_holdout)]
-    torchrun(2, "train", data, "--output", tmp_path / "two.padim", *COMMON, *extra)
-    run_cli("-q", "train", data, "--output", tmp_path / "one.padim", *COMMON, *extra, env=ONE_THREAD)
+@pytest.mark.parametrize("count, parity", [(29, "odd"), (30, "even")])
+def test_two_gloo_processes_equal_one(dataset, tmp_path, count, parity):
+    data = tmp_path / "data"
+    data.mkdir()
+    for p in sorted((dataset / "train" / "good").glob("*.png"))[:count]:
+        (data / p.name).write_bytes(p.read_bytes())
+    torchrun(2, "train", data, "--output", tmp_path / "two.padim", *COMMON)
+    run_cli("-q", "train", data, "--output", tmp_path / "one.padim", *COMMON, env=ONE_THREAD)
     two, h2 = load_artifact(tmp_path / "two.padim")
     one, h1 = load_artifact(tmp_path / "one.padim")
-    assert h2["world_size"] == 2 and h1["world_size"] == 1
-    assert h1["fit_image_count"] % 2 == (1 if parity == "odd" else 0), "the split should be uneven / even"
+    assert h2["fits"][-1]["world_size"] == 2 and h1["fits"][-1]["world_size"] == 1
+    assert h1["fit_image_count"] == count and count % 2 == (1 if parity == "odd" else 0)
     assert_same_statistics(two, one)
     torch.testing.assert_close(two["mean"], one["mean"])
     torch.testing.assert_close(two["precision_factor"].float(), one["precision_factor"].float(), rtol=1e-3, atol=1e-3)
+    # every fold was scored on one of the two ranks: the same out-of-fold scores and threshold
+    torch.testing.assert_close(two["calibration.scores"], one["calibration.scores"], rtol=1e-5, atol=0)
     assert h2["calibration"]["threshold"] == pytest.approx(h1["calibration"]["threshold"], rel=1e-5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.padim", "two.padim"]  # rank 1 wrote nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "one.padim", "two.padim"]  # rank 1 wrote nothing
 
 
 def test_partial_fits_merged_equal_one_shot(dataset, tmp_path):
@@ -66,14 +70,18 @@ def test_partial_fits_merged_equal_one_shot(dataset, tmp_path):
             (tmp_path / name / p.name).write_bytes(p.read_bytes())
     for name in ("a", "b", "ab"):
         out = json.loads(run_cli("-q", "train", tmp_path / name, "--output", tmp_path / f"{name}.part", "--partial", *COMMON).stdout)
-        assert out["kind"] == "partial" and out["holdout_images_total"] == 0
+        assert out["kind"] == "partial" and out["fitted"] == out["fit_image_count"] == len(folders[name])
     merged = json.loads(run_cli("-q", "merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",
                                 "--calibration-dir", tmp_path / "calibration").stdout)
-    assert merged["fit_images_total"] == 24 and merged["calibration_images"] == 6
+    assert merged["fit_image_count"] == 24 and merged["calibration"]["scores"] == 6
     m, header = load_artifact(tmp_path / "m.padim")
     ab, _ = load_artifact(tmp_path / "ab.part")
     assert_same_statistics(m, ab)
-    assert header["kind"] == "padim-detector" and header["calibration"]["holdout_count"] == 6
+    assert header["kind"] == "padim-detector" and header["calibration"]["scores"] == 6
+    assert header["calibration_source"] == "held_out" and header["merged_from"] == [str(tmp_path / "a.part"), str(tmp_path / "b.part")]
+    overlap = run_cli("merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "x.padim",
+                      "--calibration-dir", tmp_path / "a", check=False)
+    assert overlap.returncode == 1 and "were fitted in the parts" in overlap.stderr and not (tmp_path / "x.padim").exists()
     run_cli("-q", "predict", tmp_path / "m.padim", dataset / "test" / "good", "--output", tmp_path / "pred")
     refused = run_cli("predict", tmp_path / "a.part", dataset / "test" / "good", "--output", tmp_path / "p2", check=False)
     assert refused.returncode == 1 and "padim merge" in refused.stderr
@@ -86,7 +94,7 @@ def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
     assert_same_statistics(load_artifact(tmp_path / "two.part")[0], load_artifact(tmp_path / "one.part")[0])
 
 
-@pytest.mark.parametrize("flag, value, message", [("--image-size", "32", "image_size=32"), ("--seed", "1", "channel selection"),
+@pytest.mark.parametrize("flag, value, message", [("--image-size", "32", "image_size=32"), ("--seed", "1", "seed=1"),
                                                   ("--layers", "layer1,layer2", "layers=")])
 def test_mismatched_parts_are_refused(dataset, tmp_path, flag, value, message):
     data = tmp_path / "few"

@@ -4,8 +4,9 @@ import struct
 import pytest
 import torch
 
+from helpers import tensor_byte_ranges
 from padim.core import artifact
-from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
+from padim.core.artifact import ArtifactError, load_artifact, pack_lower, read_header, save_artifact, unpack_lower
 
 
 def test_round_trip(tmp_path):
@@ -93,3 +94,43 @@ def test_new_files_are_world_readable_and_modes_are_kept(tmp_path):
     path.chmod(0o640)
     save_artifact(path, {"a": torch.ones(1)}, {})
     assert path.stat().st_mode & 0o777 == 0o640
+
+
+def flip_bit(path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_any_tensor_is_refused_naming_it(tmp_path):
+    tensors = {"mean": torch.randn(4, 3), "precision_factor": torch.randn(4, 6).half(), "count": torch.tensor(7)}
+    clean = tmp_path / "clean.padim"
+    save_artifact(clean, tensors, {"kind": "test"})
+    for name, (start, end) in tensor_byte_ranges(clean).items():
+        broken = tmp_path / f"{name}.padim"
+        broken.write_bytes(clean.read_bytes())
+        flip_bit(broken, (start + end) // 2, bit=3)
+        with pytest.raises(ArtifactError) as info:
+            load_artifact(broken)
+        assert f"tensor '{name}' does not match its digest" in str(info.value) and "\n" not in str(info.value)
+        # a tensor that is not read is not checked (serving skips the training accumulators)
+        assert load_artifact(broken, skip_prefixes=(name,))[1]["verified"] is True
+
+
+def test_a_changed_header_value_is_refused(tmp_path):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.zeros(2)}, {"calibration": {"threshold": 21.07}})
+    raw = path.read_bytes()
+    assert raw.count(b"21.07") == 1
+    path.write_bytes(raw.replace(b"21.07", b"23.07"))  # one flipped bit in a digit: 1 -> 3
+    with pytest.raises(ArtifactError, match="header does not match its digest"):
+        read_header(path)
+
+
+def test_format_one_files_still_load_unverified(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "old.padim"
+    save_file({"a": torch.ones(2)}, str(path), metadata={"padim": json.dumps({"format_version": 1, "kind": "x"})})
+    tensors, header = load_artifact(path)
+    assert header["verified"] is False and torch.equal(tensors["a"], torch.ones(2))

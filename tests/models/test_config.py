@@ -19,8 +19,9 @@ def test_defaults_follow_the_paper():
         ({"layers": ("layer3", "layer1")}, "shallowest first"),
         ({"layers": ("layer9",)}, "choose from: layer1"),
         ({"device": "tpu"}, "auto, cpu, cuda"),
-        ({"holdout_fraction": 1.0}, r"\[0, 1\)"),
-        ({"threshold_quantile": 0}, r"\(0, 1\]"),
+        ({"false_alarm_rate": 0.9}, "from 1e-06 to 0.5"),
+        ({"false_alarm_rate": True}, "from 1e-06 to 0.5"),
+        ({"calibration_folds": 1}, "from 2 to 1000"),
         ({"epsilon": -1}, ">= 0"),
     ],
 )
@@ -32,6 +33,11 @@ def test_bad_values_say_what_is_allowed(changes, message):
 def test_from_mapping_rejects_unknown_keys_listing_allowed():
     with pytest.raises(ConfigError, match="unknown option.*image_sise.*allowed: backbone, weights"):
         PadimConfig.from_mapping({"image_sise": 64})
+
+
+def test_retired_hold_out_options_say_what_replaced_them():
+    with pytest.raises(ConfigError, match="holdout_fraction, min_holdout no longer exist.*false_alarm_rate"):
+        PadimConfig.from_mapping({"holdout_fraction": 0.1, "min_holdout": 3})
 
 
 def test_replace_ignores_none_and_is_frozen():

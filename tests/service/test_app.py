@@ -50,6 +50,26 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
         assert client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).status_code == 200
 
 
+def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch):
+    original = Runtime._load_one
+
+    def poisoned(self, path):  # a model damaged in memory, after its file was verified
+        detector, sha256 = original(self, path)
+        detector.mean[0, 0] = float("nan")
+        return detector, sha256
+
+    monkeypatch.setattr(Runtime, "_load_one", poisoned)
+    with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
+        wait_ready(client)
+        for response in (client.post("/score", content=png(dataset), headers={"content-type": "image/png"}),
+                         client.post("/score/batch", files=[("file", ("a.png", png(dataset))),
+                                                            ("file", ("b.png", png(dataset, "hole/000.png")))])):
+            assert response.status_code == 500, response.text
+            assert response.json() == {"error": {"code": "non_finite_score", "message": response.json()["error"]["message"]}}
+            assert "is_anomaly" not in response.text
+        assert client.get("/health/live").status_code == 200
+
+
 def test_slow_scoring_gets_504(model_file, dataset):
     settings = ServiceSettings(models=[model_file], device="cpu", request_timeout_s=0.001, max_delay_ms=50)
     with TestClient(create_app(settings)) as client:

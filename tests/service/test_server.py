@@ -156,7 +156,10 @@ def test_health_models_docs_and_metrics(server):
     assert models["default"] == "weave"
     (info,) = models["models"]
     assert info["backbone"] == "resnet18" and info["image_size"] == 64 and info["threshold"] == 0.5
-    assert info["training_image_count"] == 30 and info["threshold_raw"] > 0
+    assert info["fit_image_count"] == 30 and info["verified"] is True
+    calibration = info["calibration"]
+    assert calibration["scores"] == 30 and calibration["source"] == "out_of_fold" and calibration["threshold"] > 0
+    assert calibration["false_alarm_rate"] == 0.01 and 0 < calibration["promised_false_alarm_rate"] <= calibration["false_alarm_bound"]
     assert httpx.get(server.url + "/docs").status_code == 200
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/score", "/score/batch", "/models/{name}/score", "/health/ready", "/metrics"} <= set(spec["paths"])
@@ -204,9 +207,17 @@ def test_several_models_by_name(model_file, dataset, tmp_path):
         assert answer["model"]["name"] == "weave"
 
 
-@pytest.mark.parametrize("problem", ["missing", "truncated", "newer"])
+@pytest.mark.parametrize("problem", ["missing", "truncated", "newer", "flipped bit"])
 def test_bad_model_file_stops_start_up_with_one_line(model_file, tmp_path, problem):
     path = tmp_path / "bad.padim"
+    if problem == "flipped bit":  # caught while loading, after the header check: readiness never goes green
+        data = bytearray(model_file.read_bytes())
+        data[len(data) - 1000] ^= 0x01  # inside the last tensor
+        path.write_bytes(bytes(data))
+        result = run_cli("serve", "--model", path, "--port", "0", check=False, timeout=120)
+        assert result.returncode == 1 and "does not match its digest" in result.stderr
+        assert "Traceback" not in result.stderr
+        return
     if problem == "truncated":
         path.write_bytes(model_file.read_bytes()[:100_000])
     elif problem == "newer":

@@ -1,0 +1,207 @@
+"""Verdicts on unseen images: the old hold-out rule against cross-fitted calibration.
+
+For each generated category and each training-set size M, fit on M normal images and count,
+on images no model has seen:
+
+- false alarms: fresh normal images flagged (the requested rate is ``--false-alarm-rate``);
+- defects flagged: images with a scratch, stain or hole that are flagged.
+
+Two rules, same backbone weights, same channels, same images:
+
+- **old** (model format 1): hold out ~10% of the images (at least 3) by a hash of their name,
+  fit the rest, threshold = the 0.99 quantile of the held-out scores;
+- **new**: ``padim.models.fit_detector`` as ``padim train`` runs it: fit every image,
+  threshold from the out-of-fold scores of all of them (:mod:`padim.core.calibration`).
+
+Also prints the cost of cross-fitting for each ``--cost-backbones`` entry: seconds per image of
+a feature pass and seconds per finalisation, measured here, and what they add to a fit.
+
+Writes ``benchmarks/results/<date>-<machine>-calibration.{json,md}``.
+
+    python benchmarks/calibration.py                       # 5 categories, M = 10..160, ~15 min on 2 cores
+    python benchmarks/calibration.py --quick               # 2 categories, M = 10, 40; a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+from padim.core.statistics import GaussianAccumulator, finalise
+from padim.models import Fit, PadimConfig, fit_detector, training_images
+from padim.synthetic import CATEGORIES, DEFECTS, generate
+from timing import machine_name
+
+HERE = Path(__file__).resolve().parent
+
+
+def old_rule_threshold(fit: Fit, names: list[str], embedded: torch.Tensor, quantile: float = 0.99,
+                       fraction: float = 0.1, minimum: int = 3) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Model format 1: mean, precision factor and threshold from a per-name hold-out.
+
+    An image is held out when the first 8 bytes of the sha256 of its name, over 2^64, are below
+    ``fraction``; the smallest keys are added until ``minimum`` are held out; at least two are fitted.
+    """
+    keys = [int.from_bytes(hashlib.sha256(n.encode()).digest()[:8], "big") / 2.0**64 for n in names]
+    held = {i for i, k in enumerate(keys) if k < fraction}
+    for i in sorted(range(len(names)), key=keys.__getitem__):
+        if len(held) >= minimum:
+            break
+        held.add(i)
+    while len(names) - len(held) < 2 and held:
+        held.remove(max(held, key=keys.__getitem__))
+    fitted = [i for i in range(len(names)) if i not in held]
+    accumulator = GaussianAccumulator().partial_fit(embedded[fitted])
+    mean, factor = finalise(accumulator.state, fit.config.epsilon, fit.embedder.grid_shape)
+    held_scores = scores_of(fit, embedded[sorted(held)], mean, factor)
+    return mean, factor, float(torch.quantile(held_scores, quantile))
+
+
+def scores_of(fit: Fit, embedded: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Raw image scores ``(N,)`` of ``(N, P, D)`` embeddings, a batch at a time."""
+    out = []
+    for start in range(0, embedded.shape[0], 32):
+        squared = squared_mahalanobis(embedded[start : start + 32], mean, factor)
+        maps = anomaly_maps(squared, fit.embedder.grid_shape, fit.config.image_size, fit.config.blur_sigma)
+        out.append(image_scores(maps).double())
+    return torch.cat(out)
+
+
+def embed_all(fit: Fit, paths: list[Path], batch: int = 16) -> torch.Tensor:
+    return torch.cat([fit.embedder(fit.embedder.preprocess([Image.open(p).convert("RGB") for p in paths[i : i + batch]]))
+                      for i in range(0, len(paths), batch)])
+
+
+def measure_cost(backbone: str, size: int, images: list[Path], weights: str) -> dict:
+    """Seconds per image of a feature pass and seconds per finalisation, for one backbone."""
+    config = PadimConfig(backbone=backbone, weights=weights, image_size=size, workers=0, device="cpu")
+    fit = Fit.start(config)
+    batch = fit.embedder.preprocess([Image.open(p).convert("RGB") for p in images[:16]])
+    fit.embedder(batch)  # warm-up
+    started = time.perf_counter()
+    embedded = fit.embedder(batch)
+    per_image = (time.perf_counter() - started) / batch.shape[0]
+    accumulator = GaussianAccumulator().partial_fit(embedded)
+    started = time.perf_counter()
+    finalise(accumulator.state, config.epsilon, fit.embedder.grid_shape)
+    finalisation = time.perf_counter() - started
+    pixels, dim = accumulator.state.mean.shape
+    return {"backbone": backbone, "image_size": size, "embedding_dim": dim, "feature_seconds_per_image": per_image,
+            "finalisation_seconds": finalisation, "extra_memory_mb": (pixels * dim * dim * (8 + 4)) / 2**20}  # S_k, W_k
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--categories", default=",".join(CATEGORIES))
+    parser.add_argument("--sizes", default="10,20,40,80,160", help="training-set sizes M")
+    parser.add_argument("--fresh", type=int, default=200, help="unseen normal images per category")
+    parser.add_argument("--defects", type=int, default=12, help="unseen images per defect type and category")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--false-alarm-rate", type=float, default=0.01)
+    parser.add_argument("--weights", default="random", help="random (seeded) or a resnet18 state_dict file")
+    parser.add_argument("--cost-backbones", default="resnet18,wide_resnet50_2")
+    parser.add_argument("--quick", action="store_true", help="2 categories, M = 10 and 40, 60 fresh images")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.categories, args.sizes, args.fresh, args.defects = "weave,leather", "10,40", 60, 6
+    categories = [c for c in args.categories.split(",") if c]
+    sizes = sorted(int(m) for m in args.sizes.split(","))
+    torch.set_num_threads(os.cpu_count() or 1)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-calibration-"))
+    data = work / "data"
+    if not all((data / c).exists() for c in categories):
+        generate(data, tuple(categories), train=max(sizes), test_good=args.fresh, test_defect=args.defects, size=256, seed=11)
+    config = PadimConfig(weights=args.weights, image_size=args.image_size, false_alarm_rate=args.false_alarm_rate,
+                         workers=2, device="cpu")
+    rows: dict = {}
+    for category in categories:
+        root = data / category
+        train = training_images(root / "train" / "good")
+        fresh = sorted((root / "test" / "good").glob("*.png"))
+        defects = sorted(p for d in DEFECTS for p in (root / "test" / d).glob("*.png"))
+        fit = Fit.start(config)
+        train_embedded, fresh_embedded, defect_embedded = (embed_all(fit, paths) for paths in
+                                                          ([i.path for i in train], fresh, defects))
+        for m in sizes:
+            mean, factor, threshold = old_rule_threshold(fit, [i.name for i in train[:m]], train_embedded[:m])
+            old = (scores_of(fit, fresh_embedded, mean, factor), scores_of(fit, defect_embedded, mean, factor), threshold)
+            detector, report = fit_detector(config, train[:m], progress=False)
+            cal = detector.calibration
+            new = (scores_of(fit, fresh_embedded, detector.mean, detector.precision_factor),
+                   scores_of(fit, defect_embedded, detector.mean, detector.precision_factor), cal.threshold)
+            row = {}
+            for rule, (good, bad, t) in (("old", old), ("new", new)):
+                row[rule] = {"false_alarms": int((good >= t).sum()), "fresh": len(good),
+                             "flagged": int((bad >= t).sum()), "defects": len(bad), "threshold": t}
+            row["new"].update(method=cal.method, promised=cal.promised_false_alarm_rate, bound=cal.false_alarm_bound,
+                              seconds=report.seconds)
+            rows.setdefault(m, {})[category] = row
+            print(f"{category:8s} M={m:4d}  old: {row['old']['false_alarms']:3d}/{len(old[0])} false alarms, "
+                  f"{row['old']['flagged']:3d}/{len(old[1])} defects | new: {row['new']['false_alarms']:3d}/{len(new[0])}, "
+                  f"{row['new']['flagged']:3d}/{len(new[1])} ({cal.method}, promised {cal.promised_false_alarm_rate:.1%}, "
+                  f"bound {cal.false_alarm_bound:.1%})", flush=True)
+
+    costs = []
+    pool = [i.path for i in training_images(data / categories[0] / "train" / "good")]
+    for backbone in [b for b in args.cost_backbones.split(",") if b]:
+        costs.append(measure_cost(backbone, args.image_size, pool, "random"))
+        c = costs[-1]
+        print(f"cost {backbone}: feature pass {1000 * c['feature_seconds_per_image']:.0f} ms/image, "
+              f"finalisation {c['finalisation_seconds']:.1f} s, extra memory {c['extra_memory_mb']:.0f} MB", flush=True)
+
+    report = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "torch": torch.__version__,
+              "image_size": args.image_size, "weights": args.weights, "false_alarm_rate": args.false_alarm_rate,
+              "folds": config.calibration_folds, "categories": categories, "sizes": rows, "costs": costs}
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    stem = results / f"{report['date']}-{report['machine']}-calibration"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {stem}.json and .md")
+
+
+def markdown(report: dict) -> str:
+    rate = report["false_alarm_rate"]
+    lines = [f"Calibration on unseen images: {len(report['categories'])} generated categories "
+             f"({', '.join(report['categories'])}), resnet18 {report['image_size']} px, {report['weights']} weights, "
+             f"requested false-alarm rate {rate:.0%}, {report['folds']} folds; {report['machine']}, {report['date']}", "",
+             "| M | old: false alarms | old: defects flagged | new: false alarms | new: defects flagged | "
+             "new: worst category | new: promised (mean) | new: 95% bound (mean) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, by_category in sorted(report["sizes"].items(), key=lambda kv: int(kv[0])):
+        cells = [str(m)]
+        for rule in ("old", "new"):
+            fa = sum(r[rule]["false_alarms"] for r in by_category.values())
+            fresh = sum(r[rule]["fresh"] for r in by_category.values())
+            flagged = sum(r[rule]["flagged"] for r in by_category.values())
+            defects = sum(r[rule]["defects"] for r in by_category.values())
+            cells += [f"{fa}/{fresh} ({fa / fresh:.1%})", f"{flagged}/{defects} ({flagged / defects:.0%})"]
+        worst = max(by_category.items(), key=lambda kv: kv[1]["new"]["false_alarms"] / kv[1]["new"]["fresh"])
+        cells.append(f"{worst[1]['new']['false_alarms']}/{worst[1]['new']['fresh']} ({worst[0]})")
+        cells.append(f"{sum(r['new']['promised'] for r in by_category.values()) / len(by_category):.1%}")
+        cells.append(f"{sum(r['new']['bound'] for r in by_category.values()) / len(by_category):.1%}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if report["costs"]:
+        lines += ["", "| backbone | feature pass per image | one finalisation | calibrate-pass memory beside T: S_k (float64) + factors (float32) |",
+                  "|---|---|---|---|"]
+        for c in report["costs"]:
+            lines.append(f"| {c['backbone']} ({c['embedding_dim']} channels, {c['image_size']} px) | "
+                         f"{1000 * c['feature_seconds_per_image']:.0f} ms | {c['finalisation_seconds']:.1f} s | "
+                         f"{c['extra_memory_mb']:.0f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
