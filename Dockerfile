@@ -1,30 +1,42 @@
-# syntax=docker/dockerfile:1
 # padim on an NVIDIA GPU node. The torch wheels carry CUDA 13.0 (torch 2.14.1+cu130), so the
 # base is the CUDA 13.0 runtime; tests/docker checks that the two versions agree.
 #
 #   docker build -t padim --build-arg BAKE_WEIGHTS="resnet18 wide_resnet50_2" .
 #   docker run --gpus all -p 8000:8000 -v $PWD/models:/models:ro padim            # serve /models/*.padim
+#   docker stop -t 40 <container>                                                 # drains (PADIM_DRAIN_TIMEOUT_S=30)
 #   docker run --gpus all -v $PWD/data:/data:ro -v $PWD/models:/models padim train /data --output /models/line3.padim
+#
+# Behind a TLS-inspecting proxy: put its CA certificate(s) in docker/extra-ca/*.crt, and give a
+# package index with --build-arg PACKAGE_INDEX=https://pypi.example.corp/simple (and/or
+# EXTRA_PACKAGE_INDEX). Both are used by the build stage only; see README.
+# Plain `docker build` and BuildKit both build this file (no `# syntax=` line: that would make
+# BuildKit fetch a frontend image from a registry).
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
 ARG DEBIAN_FRONTEND=noninteractive
 # Backbones whose ImageNet weights are baked into the image (empty: none), so that a node
-# without internet can train with --weights imagenet.
+# without internet can train with --weights imagenet. Needs download.pytorch.org at build time.
 ARG BAKE_WEIGHTS="resnet18"
+ARG PACKAGE_INDEX=""
+ARG EXTRA_PACKAGE_INDEX=""
+COPY docker/extra-ca/ /usr/local/share/ca-certificates/extra/
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends ca-certificates python3 python3-venv \
+    && update-ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch
+# pip trusts the system bundle, extra CAs included (its own certifi bundle would not have them)
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 WORKDIR /src
-# dependencies first (cached while the code changes), then the package itself
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml setup.py README.md ./
 COPY cli ./cli
 COPY core ./core
 COPY models ./models
 COPY service ./service
-RUN pip install --no-cache-dir -c constraints.txt . \
+RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
+        -c constraints.txt . \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
 
@@ -43,6 +55,7 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
 USER 10001:10001
 WORKDIR /home/padim
 EXPOSE 8000
+STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 CMD ["padim", "health"]
 ENTRYPOINT ["padim"]
 CMD ["serve"]

@@ -5,4 +5,12 @@ The package is assembled from the repository's top-level folders: ``padim.core``
 folder (``cli/``) is ``padim`` itself: the command line and its helpers.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+#: The distribution name on the package index ("padim" there is an unrelated project).
+DISTRIBUTION = "padim-inspect"
+
+try:
+    __version__ = version(DISTRIBUTION)
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

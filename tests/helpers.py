@@ -43,10 +43,12 @@ class Server:
 
 
 @contextmanager
-def running_server(tmp_path: Path, models: list[Path], env: dict | None = None, args: tuple = (), wait_ready: bool = True):
+def running_server(tmp_path: Path, models: list[Path], env: dict | None = None, args: tuple = (), wait_ready: bool = True,
+                   padim: tuple[str, ...] = (sys.executable, "-m", "padim")):
+    """A real ``padim serve`` process on 127.0.0.1 (``padim``: how to run the command line)."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
-    command = [sys.executable, "-m", "padim", "serve", "--port", str(port), *args]
+    command = [*padim, "serve", "--port", str(port), *args]
     for model in models:
         command += ["--model", str(model)]
     with open(log, "w") as handle:

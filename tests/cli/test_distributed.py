@@ -6,24 +6,17 @@ batch and the thread count), and the accumulators must agree to float64 round-of
 """
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import IMAGE_SIZE, run_cli
+from helpers import IMAGE_SIZE, free_port, run_cli
 from padim.core import load_artifact
 
 COMMON = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--batch-size", "1"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,142 @@
+"""The Docker image, built and run for real on a local Docker engine.
+
+The base is a minimal Debian made by ``docker/test-base.sh`` (image registries are out of
+reach here, so NVIDIA's CUDA base cannot be pulled); the Dockerfile is otherwise the one that
+ships. Inside the image a model is trained on generated images with random weights, then a
+server container serves it read-only: Docker's own HEALTHCHECK must report healthy, a score
+must equal ``padim predict`` on the host, the process must run as uid 10001, and ``docker stop``
+must let an in-flight request finish and exit 0.
+
+Needs a running Docker engine (``.ci/run`` installs and starts one). Without one these tests
+fail with a message saying so; deselect them with ``-m "not docker"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import free_port, run_cli
+
+pytestmark = pytest.mark.docker
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = os.environ.get("PADIM_TEST_BASE_IMAGE", "padim-test-base:bookworm")
+IMAGE = "padim:test"
+
+
+def docker(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    # the legacy builder: BuildKit needs the buildx plugin in recent clients, and this
+    # Dockerfile builds either way
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args[:3])} ... failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def image(docker_report) -> str:
+    if shutil.which("docker") is None or docker("info", check=False, timeout=60).returncode != 0:
+        pytest.fail("no Docker engine answers `docker info`: install docker.io and start dockerd as root "
+                    "(.ci/run does both), or deselect these tests with -m 'not docker'", pytrace=False)
+    if docker("image", "inspect", BASE, check=False).returncode != 0:
+        made = subprocess.run(["bash", str(ROOT / "docker" / "test-base.sh"), BASE], capture_output=True, text=True,
+                              timeout=900)
+        assert made.returncode == 0, f"docker/test-base.sh failed:\n{made.stderr[-3000:]}"
+    started = time.perf_counter()
+    docker("build", "--network", "host", "--build-arg", f"CUDA_IMAGE={BASE}", "--build-arg", "BAKE_WEIGHTS=",
+           "-t", IMAGE, str(ROOT), timeout=1800)
+    size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout)
+    docker_report.append(f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in "
+                         f"{time.perf_counter() - started:.0f} s (layers cached between local runs)")
+    return IMAGE
+
+
+@pytest.fixture(scope="module")
+def trained(image, dataset, tmp_path_factory) -> Path:
+    """A model trained inside the image, as uid 10001, into a host folder."""
+    models = tmp_path_factory.mktemp("image-models")
+    models.chmod(0o777)  # written by the image's user
+    result = docker("run", "--rm", "-v", f"{dataset / 'train' / 'good'}:/data:ro", "-v", f"{models}:/models", image,
+                    "-q", "train", "/data", "--output", "/models/weave.padim", "--weights", "random",
+                    "--image-size", "64")
+    summary = json.loads(result.stdout)
+    assert summary["fitted"] == 30 and summary["calibration"]["scores"] == 30
+    return models / "weave.padim"
+
+
+@pytest.fixture(scope="module")
+def container(image, trained):
+    """The server container, model folder mounted read-only; removed at the end."""
+    port = free_port()
+    name = f"padim-test-{port}"
+    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "-v", f"{trained.parent}:/models:ro", image)
+    try:
+        deadline = time.time() + 240
+        status = ""
+        while time.time() < deadline:
+            status = docker("inspect", "-f", "{{.State.Health.Status}}", name).stdout.strip()
+            if status in ("healthy", "unhealthy") or docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true":
+                break
+            time.sleep(1)
+        assert status == "healthy", f"health {status!r}:\n{docker('logs', name, check=False).stderr[-3000:]}"
+        yield name, f"http://127.0.0.1:{port}"
+    finally:
+        docker("rm", "-f", name, check=False)
+
+
+def test_served_score_equals_padim_predict_on_the_host(container, trained, dataset, tmp_path):
+    name, url = container
+    image_path = dataset / "test" / "hole" / "000.png"
+    served = httpx.post(url + "/score", content=image_path.read_bytes(), headers={"content-type": "image/png"},
+                        timeout=60).json()
+    run_cli("-q", "predict", trained, image_path, "--output", tmp_path, "--no-heatmaps", "--no-maps")
+    (local,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert served["raw_score"] == pytest.approx(local["raw_score"], rel=1e-4)
+    assert served["is_anomaly"] == local["is_anomaly"] and served["score"] == pytest.approx(local["score"], abs=1e-4)
+    assert "RANDOM" in served["model"]["weights"]
+
+
+def test_runs_as_uid_10001_with_the_model_read_only(container):
+    name, _ = container
+    assert docker("exec", name, "id", "-u").stdout.strip() == "10001"
+    assert docker("inspect", "-f", "{{.Config.User}}", name).stdout.strip() == "10001:10001"
+    write = docker("exec", name, "touch", "/models/x", check=False)
+    assert write.returncode != 0 and "Read-only file system" in write.stderr
+
+
+def test_docker_stop_drains_in_flight_requests_and_exits_0(container, dataset):
+    name, url = container
+    files = ([("file", (p.name, p.read_bytes(), "image/png")) for p in sorted((dataset / "test").rglob("*.png"))] * 2)[:32]
+    answer = {}
+
+    def slow_request():
+        answer["response"] = httpx.post(url + "/score/batch", files=files, timeout=120)
+
+    worker = threading.Thread(target=slow_request)
+    worker.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:  # until the batch is in flight (besides this metrics request)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        if any(line.startswith("padim_requests_in_flight ") and float(line.split()[1]) >= 2 for line in metrics.splitlines()):
+            break
+        time.sleep(0.02)
+    docker("stop", "-t", "60", name, timeout=120)
+    worker.join(120)
+    response = answer["response"]
+    assert response.status_code == 200 and len(response.json()["results"]) == len(files)
+    assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
+    entries = [json.loads(line) for line in docker("logs", name).stderr.splitlines() if line.startswith("{")]
+    messages = [(e.get("message"), e.get("route"), e.get("status")) for e in entries]
+    stopping = next(i for i, m in enumerate(messages) if m[0] == "Shutting down")
+    finished = next(i for i, m in enumerate(messages) if m[1] == "/score/batch")
+    assert stopping < finished and messages[finished][2] == 200, messages[-12:]
