@@ -39,7 +39,7 @@ from PIL import Image
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianAccumulator, finalise
 from padim.models import Fit, PadimConfig, fit_detector, training_images
-from padim.synthetic import CATEGORIES, DEFECTS, generate
+from padim.models.synthetic import CATEGORIES, DEFECTS, generate
 from timing import machine_name
 
 HERE = Path(__file__).resolve().parent
@@ -138,8 +138,8 @@ def main() -> None:
             old = (scores_of(fit, fresh_embedded, mean, factor), scores_of(fit, defect_embedded, mean, factor), threshold)
             detector, report = fit_detector(config, train[:m], progress=False)
             cal = detector.calibration
-            new = (scores_of(fit, fresh_embedded, detector.mean, detector.precision_factor),
-                   scores_of(fit, defect_embedded, detector.mean, detector.precision_factor), cal.threshold)
+            new = (scores_of(fit, fresh_embedded, detector.model.mean, detector.model.precision_factor),
+                   scores_of(fit, defect_embedded, detector.model.mean, detector.model.precision_factor), cal.threshold)
             row = {}
             for rule, (good, bad, t) in (("old", old), ("new", new)):
                 row[rule] = {"false_alarms": int((good >= t).sum()), "fresh": len(good),

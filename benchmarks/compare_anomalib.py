@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from padim.evaluation import compute_metrics, read_mvtec_category
+from padim.models.evaluation import compute_metrics, read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
-from padim.synthetic import generate
+from padim.models.synthetic import generate
 from timing import machine_name, median_seconds
 
 HERE = Path(__file__).resolve().parent
@@ -139,7 +139,7 @@ def main() -> None:
                 "anomalib": {"batch16": theirs_run["images_per_second_batch"], "batch1": theirs_run["images_per_second_batch1"]},
             }
             detector.save(work / "padim.padim")
-            detector.save(work / "padim-slim.padim", include_state=False)
+            detector.save(work / "padim-slim.padim", with_statistics=False)
             report["artifact_bytes"] = {"padim": (work / "padim.padim").stat().st_size,
                                         "padim_slim": (work / "padim-slim.padim").stat().st_size,
                                         "anomalib": theirs_run["artifact_bytes"]}

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from padim.synthetic import generate
+from padim.models.synthetic import generate
 
 
 def fit_once(data: Path, output: Path, args: argparse.Namespace) -> dict:

@@ -20,16 +20,15 @@ import torch
 from padim.core import artifact
 from padim.core.artifact import load_artifact, save_artifact, tensor_sha256
 from padim.models import PadimConfig
-from padim.models.backbones import build_backbone
-from padim.models.features import used_state
+from padim.models.backbones import build_backbone, used_state
 
 
 def model_tensors(backbone: str, size: int = 224) -> dict[str, torch.Tensor]:
     """Tensors of a fitted detector of ``backbone`` as ``PadimDetector.save`` writes them."""
     config = PadimConfig(backbone=backbone, weights="random", image_size=size)
-    state = used_state(build_backbone(backbone, "random")[0], config)
+    state = used_state(build_backbone(backbone, "random")[0], config.spec, config.layers)
     pixels = (size // 4) ** 2
-    dim = config.embedding_dim
+    dim = config.embedding_dim_or_default()
     packed = dim * (dim + 1) // 2
     return {
         "mean": torch.randn(pixels, dim),
@@ -74,7 +73,7 @@ def main() -> None:
             if skip:
                 row.append(f"{size / 1e9:.2f} GB")
             row += [f"{seconds:.2f} s", f"{check:.2f} s ({size / check / 1e9:.2f} GB/s)"]
-            del loaded
+            loaded = None  # free it before the next file
         print("| " + " | ".join(row) + " |", flush=True)
         path.unlink()
     print(f"(format {artifact.FORMAT_VERSION}; page cache warm; sha256 from Python's hashlib)")

@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from padim.models import PadimConfig, PadimDetector, fit_detector, list_images, training_images
-from padim.synthetic import generate
+from padim.models.synthetic import generate
 from timing import median_seconds
 
 

@@ -24,9 +24,9 @@ from PIL import Image
 from sklearn.metrics import roc_auc_score
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.evaluation import read_mvtec_category
+from padim.models.evaluation import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
-from padim.synthetic import generate
+from padim.models.synthetic import generate
 from timing import median_seconds
 
 def load_batch(paths, detector, batch_size):
@@ -75,16 +75,17 @@ def main() -> None:
 
     batch = load_batch(test_paths, detector, args.batch_size).to(detector.device)
     b = args.batch_size
+    model, embedder = detector.model, detector.model.embedder
     with torch.inference_mode():
-        features = detector.extractor(batch)
-        embedded = detector.embedding(features)
-        flat = embedded.permute(0, 2, 3, 1).reshape(b, -1, detector.embedding.dim)
-        squared = squared_mahalanobis(flat, detector.mean, detector.precision_factor)
+        features = embedder.extractor(batch)
+        embedded = embedder.embedding(features)
+        flat = embedded.permute(0, 2, 3, 1).reshape(b, -1, embedder.embedding_dim)
+        squared = squared_mahalanobis(flat, model.mean, model.precision_factor)
         parts = {
-            "backbone": median_seconds(lambda: detector.extractor(batch), args.repeats),
-            "embedding": median_seconds(lambda: detector.embedding(features), args.repeats),
-            "mahalanobis": median_seconds(lambda: squared_mahalanobis(flat, detector.mean, detector.precision_factor), args.repeats),
-            "upsample_blur_max": median_seconds(lambda: image_scores(anomaly_maps(squared, detector.grid_shape, args.image_size, 4.0)), args.repeats),
+            "backbone": median_seconds(lambda: embedder.extractor(batch), args.repeats),
+            "embedding": median_seconds(lambda: embedder.embedding(features), args.repeats),
+            "mahalanobis": median_seconds(lambda: squared_mahalanobis(flat, model.mean, model.precision_factor), args.repeats),
+            "upsample_blur_max": median_seconds(lambda: image_scores(anomaly_maps(squared, model.grid_shape, args.image_size, 4.0)), args.repeats),
         }
         total = median_seconds(lambda: detector.score(batch), args.repeats)
         single = median_seconds(lambda: detector.score(batch[:1]), args.repeats)

@@ -292,6 +292,11 @@ class Calibration:
         """Map raw scores (or maps) to ``[0, 1]``; ``threshold -> 0.5``, order kept."""
         return torch.sigmoid((raw - self.threshold) / self.scale)
 
+    def score(self, raw: float) -> float:
+        """:meth:`normalise` of one raw score, in plain Python (no torch op)."""
+        z = (float(raw) - self.threshold) / self.scale
+        return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
     def raw_threshold(self, normalised_threshold: float) -> float:
         """Raw score whose normalised score is ``normalised_threshold`` (inverse of normalise)."""
         if not 0.0 <= normalised_threshold <= 1.0:

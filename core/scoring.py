@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +40,8 @@ def squared_mahalanobis(
         ``(B, P)`` squared distances, in the embedding's dtype.
     """
     delta = (embedding - mean).transpose(0, 1)  # (P, B, D)
-    whitened = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T
-    return whitened.square().sum(dim=-1).transpose(0, 1)  # (B, P)
+    whitened_delta = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T, unit covariance
+    return whitened_delta.square().sum(dim=-1).transpose(0, 1)  # (B, P)
 
 
 def gaussian_kernel1d(sigma: float, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -120,8 +119,3 @@ def resize_map(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tens
 def image_scores(maps: torch.Tensor) -> torch.Tensor:
     """Image anomaly score: the maximum of each ``(B, S, S)`` map, ``(B,)``."""
     return maps.flatten(1).amax(dim=1)
-
-
-def blur_radius(sigma: float) -> int:
-    """Radius in pixels of :func:`gaussian_kernel1d`."""
-    return int(math.floor(4.0 * sigma + 0.5))

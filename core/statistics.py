@@ -56,7 +56,7 @@ class GaussianState:
         return self.mean.shape[0]
 
     @property
-    def dim(self) -> int:
+    def embedding_dim(self) -> int:
         return self.mean.shape[1]
 
     def clone(self) -> GaussianState:
@@ -67,13 +67,13 @@ class GaussianState:
 
 
 def empty_state(
-    num_pixels: int, dim: int, device: torch.device | str = "cpu"
+    num_pixels: int, embedding_dim: int, device: torch.device | str = "cpu"
 ) -> GaussianState:
     """The state of an accumulator that has seen nothing."""
     return GaussianState(
         count=torch.zeros((), dtype=torch.int64, device=device),
-        mean=torch.zeros(num_pixels, dim, dtype=ACCUMULATOR_DTYPE, device=device),
-        comoment=torch.zeros(num_pixels, dim, dim, dtype=ACCUMULATOR_DTYPE, device=device),
+        mean=torch.zeros(num_pixels, embedding_dim, dtype=ACCUMULATOR_DTYPE, device=device),
+        comoment=torch.zeros(num_pixels, embedding_dim, embedding_dim, dtype=ACCUMULATOR_DTYPE, device=device),
     )
 
 
@@ -150,7 +150,7 @@ def subtract_states(total: GaussianState, part: GaussianState, out: GaussianStat
     if n_b > n:
         raise ValueError(f"cannot remove {n_b} images from statistics of {n}")
     if out is None:
-        out = empty_state(total.num_pixels, total.dim, total.mean.device)
+        out = empty_state(total.num_pixels, total.embedding_dim, total.mean.device)
     n_a = n - n_b
     if n_a == 0:
         out.count.zero_(), out.mean.zero_(), out.comoment.zero_()
@@ -248,7 +248,7 @@ def regularised_cholesky(
     """
     dim = covariance.shape[-1]
     eye = torch.eye(dim, dtype=covariance.dtype, device=covariance.device)
-    factor, info = torch.linalg.cholesky_ex(covariance + epsilon * eye)
+    cholesky, info = torch.linalg.cholesky_ex(covariance + epsilon * eye)
     bad = torch.nonzero(info).flatten()
     if bad.numel():
         pixel = int(bad[0]) + pixel_offset
@@ -260,7 +260,7 @@ def regularised_cholesky(
             f"({bad.numel()} of {covariance.shape[0]} pixels checked fail). "
             "Train on more (and more varied) normal images, or raise epsilon (e.g. --epsilon 0.1)."
         )
-    return factor
+    return cholesky
 
 
 def precision_factor(
@@ -277,9 +277,9 @@ def precision_factor(
     Returns:
         ``(P, D, D)`` lower-triangular precision factors, in the covariance's dtype.
     """
-    factor = regularised_cholesky(covariance, epsilon, grid_shape, pixel_offset)
-    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
-    return torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)
+    cholesky = regularised_cholesky(covariance, epsilon, grid_shape, pixel_offset)  # L
+    eye = torch.eye(cholesky.shape[-1], dtype=cholesky.dtype, device=cholesky.device)
+    return torch.linalg.solve_triangular(cholesky, eye.expand_as(cholesky), upper=False)  # W = L^-1
 
 
 def finalise(
@@ -300,11 +300,11 @@ def finalise(
     n = int(state.count)
     if n < 2:
         raise ValueError(f"a covariance needs at least 2 images, this accumulator has {n}")
-    factor = torch.empty(state.comoment.shape, dtype=dtype, device=state.comoment.device)
+    factors = torch.empty(state.comoment.shape, dtype=dtype, device=state.comoment.device)  # (P, D, D) W
     for start in range(0, state.num_pixels, chunk_pixels):
         part = state.comoment[start : start + chunk_pixels] / (n - 1)
-        factor[start : start + chunk_pixels] = precision_factor(part, epsilon, grid_shape, start)
-    return state.mean.to(dtype), factor
+        factors[start : start + chunk_pixels] = precision_factor(part, epsilon, grid_shape, start)
+    return state.mean.to(dtype), factors
 
 
 def precision(

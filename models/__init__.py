@@ -1,15 +1,28 @@
-"""Backbones, feature extraction, the detector and its fitting, built on :mod:`padim.core`."""
+"""Backbones, features, the scoring model, the detector, and how it is fitted, on :mod:`padim.core`.
 
-from .backbones import BACKBONES, BackboneSpec, WeightsError, WeightsInfo, build_backbone
-from .config import ConfigError, PadimConfig
-from .detector import NonFiniteScoreError, PadimDetector, ScoreOutput, resolve_device
-from .features import Embedding, FeatureEmbedder, FeatureExtractor
-from .fitting import Fit, FitError, FitReport, TrainingImage, fit_detector, fit_partial, merge_fits, training_images
-from .images import ImageError, list_images, open_image
+Where things are: ``backbones`` (which networks, which weights), ``config`` and ``choices``
+(what decides a detector), ``images`` (reading pictures), ``features`` (backbone stages and the
+embedding), ``model`` (the scoring ``nn.Module``), ``detector`` (model + calibration +
+provenance), ``verdicts`` (the per-image result), ``fitting`` (a fit in progress), ``training``
+(whole runs: fit, resume, partial, merge), ``distributed`` (torchrun), ``serialization`` (the
+model file), ``evaluation`` (metrics), ``synthetic`` (generated data sets), ``visualize``
+(heat maps).
 
-__all__ = [
-    "BACKBONES", "BackboneSpec", "ConfigError", "Embedding", "FeatureEmbedder", "FeatureExtractor", "Fit",
-    "FitError", "FitReport", "ImageError", "NonFiniteScoreError", "PadimConfig", "PadimDetector", "ScoreOutput",
-    "TrainingImage", "WeightsError", "WeightsInfo", "build_backbone", "fit_detector", "fit_partial", "list_images",
-    "merge_fits", "open_image", "resolve_device", "training_images",
-]
+Names are resolved on first use (PEP 562), so that ``padim.models.choices`` and the command
+line's ``--help`` do not import torch.
+"""
+
+from padim.core.lazy import lazy_exports
+
+EXPORTS = {
+    "backbones": ("BACKBONES", "BackboneSpec", "WeightsError", "WeightsInfo", "build_backbone"),
+    "config": ("ConfigError", "PadimConfig"),
+    "detector": ("PadimDetector", "Provenance", "resolve_device"),
+    "features": ("Embedding", "FeatureEmbedder", "FeatureExtractor"),
+    "fitting": ("Fit", "TrainingImage"),
+    "images": ("ImageError", "ImageTooLarge", "list_images", "open_image"),
+    "model": ("PadimModel", "ScoreOutput"),
+    "training": ("FitError", "FitReport", "fit_detector", "fit_partial", "merge_fits", "training_images"),
+    "verdicts": ("NonFiniteScoreError", "Verdict", "verdict"),
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -6,7 +6,7 @@
 - ``random``: torchvision's own initialisation under a fixed seed. For tests and demos only.
 - a path: a ``state_dict`` saved with ``torch.save(model.state_dict(), path)`` for the same
   architecture, read with ``weights_only=True``; keys of stages the detector does not use
-  (``fc.*``, ``layer4.*``) are ignored.
+  (``fc.*``, and stages deeper than its deepest layer) are ignored.
 """
 
 from __future__ import annotations
@@ -33,20 +33,26 @@ class BackboneSpec:
         layers: stage names usable as features.
         channels: output channels of each stage.
         strides: spatial stride of each stage relative to the input.
-        default_features: embedding size ``D`` after reduction used by default.
+        default_embedding_dim: embedding size ``D`` after reduction used by default.
     """
 
     name: str
     layers: tuple[str, ...]
     channels: tuple[int, ...]
     strides: tuple[int, ...]
-    default_features: int
+    default_embedding_dim: int
 
     def channels_of(self, layers: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.channels[self.layers.index(layer)] for layer in layers)
 
     def stride_of(self, layer: str) -> int:
         return self.strides[self.layers.index(layer)]
+
+    def used_keys(self, keys, layers: tuple[str, ...]) -> list[str]:
+        """The state-dict ``keys`` a detector on ``layers`` uses: none of ``fc`` or of deeper stages."""
+        deepest = max(self.layers.index(layer) for layer in layers)
+        unused = tuple(f"{stage}." for stage in self.layers[deepest + 1 :]) + ("fc.",)
+        return [k for k in keys if not k.startswith(unused)]
 
 
 _STAGES = ("layer1", "layer2", "layer3", "layer4")
@@ -105,13 +111,16 @@ class WeightsInfo:
         return {"source": self.source, "detail": self.detail, "sha256": self.sha256}
 
 
-def build_backbone(name: str, weights: str, seed: int = 0) -> tuple[nn.Module, WeightsInfo]:
+def build_backbone(name: str, weights: str, seed: int = 0,
+                   layers: tuple[str, ...] = ("layer1", "layer2", "layer3")) -> tuple[nn.Module, WeightsInfo]:
     """A torchvision backbone in eval mode with the requested weights.
 
     Args:
         name: a key of ``BACKBONES``.
         weights: ``imagenet``, ``random`` or a state_dict path.
         seed: seed for ``random`` weights.
+        layers: the stages a detector will use: a state_dict file must hold these (and may
+            lack ``fc`` and deeper stages).
 
     Raises:
         WeightsError: weights unavailable (offline), unreadable, or of another architecture.
@@ -131,7 +140,7 @@ def build_backbone(name: str, weights: str, seed: int = 0) -> tuple[nn.Module, W
         source, detail = "imagenet", f"torchvision {name} {enum.name}"
     else:
         model = builder(weights=None)
-        _load_file(model, name, Path(weights))
+        _load_file(model, BACKBONES[name], Path(weights), layers)
         source, detail = "file", str(Path(weights).resolve())
     model.eval()
     return model, WeightsInfo(source, detail, "")
@@ -161,10 +170,14 @@ def _imagenet_state_dict(name: str, enum) -> dict[str, torch.Tensor]:
         ) from None
 
 
-_UNUSED_PREFIXES = ("fc.", "layer4.")
+def used_state(backbone: nn.Module, spec: BackboneSpec, layers: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Detached copies of the parameters and buffers a detector on ``layers`` uses."""
+    state = backbone.state_dict()
+    return {k: state[k].detach().clone().contiguous() for k in spec.used_keys(state, layers)}
 
 
-def _load_file(model: nn.Module, name: str, path: Path) -> None:
+def _load_file(model: nn.Module, spec: BackboneSpec, path: Path, layers: tuple[str, ...]) -> None:
+    name = spec.name
     if not path.is_file():
         raise WeightsError(
             f"--weights {path}: no such file (use imagenet, random, or the path of a state_dict)"
@@ -182,9 +195,9 @@ def _load_file(model: nn.Module, name: str, path: Path) -> None:
         raise WeightsError(f"--weights {path}: expected a dict of tensors (model.state_dict())")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     expected = model.state_dict()
-    needed = [k for k in expected if not k.startswith(_UNUSED_PREFIXES)]
+    needed = spec.used_keys(expected, layers)
     missing = [k for k in needed if k not in state]
-    foreign = [k for k in state if k not in expected and not k.startswith(_UNUSED_PREFIXES)]
+    foreign = [k for k in spec.used_keys(state, layers) if k not in expected]
     if missing or foreign:
         detail = f"missing {missing[:3]}" if missing else f"unknown keys {foreign[:3]}"
         raise WeightsError(f"--weights {path}: not a {name} state_dict ({detail})")

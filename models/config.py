@@ -12,13 +12,17 @@ from typing import Any
 from padim.core.calibration import FALSE_ALARM_RATE_RANGE
 
 from .backbones import BACKBONES
+from .choices import DEVICES, PRECISION_DTYPES, REDUCTIONS
 
-REDUCTIONS = ("random", "semi_orthogonal")
-DEVICES = ("auto", "cpu", "cuda")
-PRECISION_DTYPES = ("auto", "float16", "float32")
-WEIGHT_KEYWORDS = ("imagenet", "random")
 #: Options of model format 1 (a held-out share for calibration), replaced by cross-fitting.
 RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
+#: Earlier spellings still read (YAML files, model format 1 headers).
+RENAMED = {"features": "embedding_dim"}
+#: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
+STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
+                     "calibration_folds")
+#: Fields that may differ from run to run of the same fit.
+RUNTIME_FIELDS = ("batch_size", "device", "workers")
 
 
 class ConfigError(ValueError):
@@ -37,8 +41,9 @@ class PadimConfig:
         image_size: side of the square model input, a multiple of 16.
         reduction: ``random`` channel subset (the paper) or ``semi_orthogonal`` projection
             (Kim et al. 2021).
-        features: embedding size ``D`` after reduction; ``None`` = the backbone's default
-            (100 for resnet18, 550 for wide_resnet50_2).
+        embedding_dim: embedding size ``D`` after reduction; ``None`` = the backbone's default
+            (100 for resnet18, 550 for wide_resnet50_2). Read ``D`` of a built detector from its
+            embedding.
         seed: seeds the channel subset / projection and ``random`` weights.
         epsilon: added to the covariance diagonal before the Cholesky factorisation.
         blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
@@ -58,7 +63,7 @@ class PadimConfig:
     layers: tuple[str, ...] = ("layer1", "layer2", "layer3")
     image_size: int = 224
     reduction: str = "random"
-    features: int | None = None
+    embedding_dim: int | None = None
     seed: int = 0
     epsilon: float = 0.01
     blur_sigma: float = 4.0
@@ -77,20 +82,24 @@ class PadimConfig:
     def spec(self):
         return BACKBONES[self.backbone]
 
-    @property
-    def embedding_dim(self) -> int:
-        """``D``: the configured feature count, or the backbone's default."""
-        return self.features if self.features is not None else self.spec.default_features
+    def embedding_dim_or_default(self) -> int:
+        """``D`` when :attr:`embedding_dim` is ``None``: the backbone's default."""
+        return self.embedding_dim if self.embedding_dim is not None else self.spec.default_embedding_dim
 
-    @property
-    def is_random_weights(self) -> bool:
-        return self.weights == "random"
+    def differences(self, other: PadimConfig, names: tuple[str, ...] = STATISTICS_FIELDS) -> list[str]:
+        """Which of ``names`` (default: the fields that decide the statistics) differ from ``other``'s."""
+        return [name for name in names if getattr(self, name) != getattr(other, name)]
+
+    def with_runtime(self, runtime: PadimConfig) -> PadimConfig:
+        """This configuration with ``runtime``'s options that do not change the statistics."""
+        return self.replace(**{k: getattr(runtime, k) for k in RUNTIME_FIELDS})
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "config") -> PadimConfig:
         """Build from a plain mapping (parsed YAML); unknown keys are an error."""
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(values).__name__}")
+        values = {RENAMED.get(k, k): v for k, v in values.items()}
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         retired = sorted(set(unknown) & set(RETIRED))
@@ -126,15 +135,19 @@ def _validate(c: PadimConfig) -> None:
         fail("layers", list(c.layers), "choose from: " + ", ".join(spec.layers))
     if list(c.layers) != sorted(c.layers, key=spec.layers.index) or len(set(c.layers)) != len(c.layers):
         fail("layers", list(c.layers), "list each layer once, shallowest first")
-    if not isinstance(c.image_size, int) or c.image_size < 32 or c.image_size % 16 or c.image_size > 2048:
-        fail("image_size", c.image_size, "use a multiple of 16 between 32 and 2048")
+    stride = max((spec.stride_of(layer) for layer in c.layers if layer in spec.layers), default=16)
+    multiple = max(stride, 16)  # every layer's grid must divide the first one's evenly
+    if not isinstance(c.image_size, int) or c.image_size < 2 * multiple or c.image_size % multiple or c.image_size > 2048:
+        fail("image_size", c.image_size, f"use a multiple of {multiple} between {2 * multiple} and 2048"
+             + (f" (layer {c.layers[-1]} has stride {stride})" if stride > 16 else ""))
     if c.reduction not in REDUCTIONS:
         fail("reduction", c.reduction, "choose one of: " + ", ".join(REDUCTIONS))
-    total = sum(spec.channels[spec.layers.index(layer)] for layer in c.layers)
-    if c.features is not None and (not isinstance(c.features, int) or not 1 <= c.features <= total):
-        fail("features", c.features, f"use an integer from 1 to {total} (the channels of {', '.join(c.layers)})")
-    if c.features is None and spec.default_features > total:
-        fail("features", None, f"set it: the default {spec.default_features} exceeds the {total} channels of {', '.join(c.layers)}")
+    total = sum(spec.channels_of(c.layers))
+    if c.embedding_dim is not None and (not isinstance(c.embedding_dim, int) or not 1 <= c.embedding_dim <= total):
+        fail("embedding_dim", c.embedding_dim, f"use an integer from 1 to {total} (the channels of {', '.join(c.layers)})")
+    if c.embedding_dim is None and spec.default_embedding_dim > total:
+        fail("embedding_dim", None, f"set it: the default {spec.default_embedding_dim} exceeds the {total} channels of "
+             f"{', '.join(c.layers)}")
     if not isinstance(c.seed, int):
         fail("seed", c.seed, "use an integer")
     if not c.epsilon >= 0:

@@ -73,28 +73,41 @@ class Embedding(nn.Module):
             for i, (o, c) in enumerate(zip(offsets, channels)):
                 local = channel_index[(channel_index >= o) & (channel_index < o + c)] - o
                 self.register_buffer(f"_part{i}", local.to(torch.int64), persistent=False)
-            self.dim = int(channel_index.numel())
+            self.embedding_dim = int(channel_index.numel())
         else:
             self.register_buffer("projection", projection.to(torch.float32))
             self.channel_index = None
             for i, (o, c) in enumerate(zip(offsets, channels)):  # (D, C_l, 1, 1) 1x1-convolution weights
                 weight = projection[o : o + c].T.contiguous()[:, :, None, None].to(torch.float32)
                 self.register_buffer(f"_part{i}", weight, persistent=False)
-            self.dim = int(projection.shape[1])
+            self.embedding_dim = int(projection.shape[1])
 
     @classmethod
-    def create(cls, spec: BackboneSpec, layers: tuple[str, ...], dim: int, reduction: str, seed: int) -> Embedding:
-        """A seeded random channel subset or semi-orthogonal projection of ``dim`` channels."""
-        channels = spec.channels_of(layers)
+    def for_layers(cls, spec: BackboneSpec, layers: tuple[str, ...], channel_index: torch.Tensor | None = None,
+                   projection: torch.Tensor | None = None) -> Embedding:
+        """The embedding of ``layers`` of ``spec`` with a given channel subset or projection."""
         strides = tuple(spec.stride_of(layer) for layer in layers)
-        total = sum(channels)
+        return cls(spec.channels_of(layers), strides, channel_index=channel_index, projection=projection)
+
+    @classmethod
+    def create(cls, spec: BackboneSpec, layers: tuple[str, ...], embedding_dim: int, reduction: str,
+               seed: int) -> Embedding:
+        """A seeded random channel subset or semi-orthogonal projection of ``embedding_dim`` channels."""
+        total = sum(spec.channels_of(layers))
         generator = torch.Generator().manual_seed(seed)
         if reduction == "random":
-            index = torch.randperm(total, generator=generator)[:dim].sort().values
-            return cls(channels, strides, channel_index=index)
-        gaussian = torch.randn(total, dim, generator=generator, dtype=torch.float64)
+            index = torch.randperm(total, generator=generator)[:embedding_dim].sort().values
+            return cls.for_layers(spec, layers, channel_index=index)
+        gaussian = torch.randn(total, embedding_dim, generator=generator, dtype=torch.float64)
         q, _ = torch.linalg.qr(gaussian)  # (C, D), orthonormal columns
-        return cls(channels, strides, projection=q.to(torch.float32))
+        return cls.for_layers(spec, layers, projection=q.to(torch.float32))
+
+    def same_reduction(self, other: Embedding) -> bool:
+        """Whether ``other`` keeps the same channels (or projects the same way)."""
+        if self.channel_index is not None and other.channel_index is not None:
+            return torch.equal(self.channel_index.cpu(), other.channel_index.cpu())
+        return self.projection is not None and other.projection is not None \
+            and torch.equal(self.projection.cpu(), other.projection.cpu())
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """``[(B, C_l, H_l, W_l)]`` -> ``(B, D, H_0, W_0)``."""
@@ -121,20 +134,21 @@ class FeatureEmbedder(nn.Module):
 
     Args:
         config: the detector configuration (backbone, layers, image size).
-        backbone_state: the parameters and buffers of the stages used (see :func:`used_state`).
+        backbone_weights: the parameters and buffers of the stages used
+            (:func:`padim.models.backbones.used_state`).
         embedding: the seeded channel subset or projection.
     """
 
-    def __init__(self, config, backbone_state: dict[str, torch.Tensor], embedding: Embedding):
+    def __init__(self, config, backbone_weights: dict[str, torch.Tensor], embedding: Embedding):
         super().__init__()
         self.image_size = config.image_size
         self.grid_shape = grid_shape(config)
-        self.extractor = build_extractor(config, backbone_state)
+        self.extractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
 
     @property
-    def dim(self) -> int:
-        return self.embedding.dim
+    def embedding_dim(self) -> int:
+        return self.embedding.embedding_dim
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +163,7 @@ class FeatureEmbedder(nn.Module):
         """``(B, 3, S, S)`` model input -> ``(B, P, D)`` embeddings."""
         features = self.extractor(batch.to(self.device, non_blocking=True))
         embedding = self.embedding(features)  # (B, D, H, W)
-        return embedding.permute(0, 2, 3, 1).reshape(batch.shape[0], -1, self.embedding.dim)
+        return embedding.permute(0, 2, 3, 1).reshape(batch.shape[0], -1, self.embedding.embedding_dim)
 
 
 def grid_shape(config) -> tuple[int, int]:
@@ -158,28 +172,14 @@ def grid_shape(config) -> tuple[int, int]:
     return side, side
 
 
-def used_keys(backbone: nn.Module, config) -> list[str]:
-    """State-dict keys of the stages up to the deepest configured layer (no ``fc``, no deeper stages)."""
-    deepest = config.layers[-1]
-    stages = list(config.spec.layers)
-    unused = tuple(f"{s}." for s in stages[stages.index(deepest) + 1 :]) + ("fc.",)
-    return [k for k in backbone.state_dict() if not k.startswith(unused)]
-
-
-def used_state(backbone: nn.Module, config) -> dict[str, torch.Tensor]:
-    """The parameters and buffers a detector of ``config`` uses, detached copies."""
-    state = backbone.state_dict()
-    return {k: state[k].detach().clone().contiguous() for k in used_keys(backbone, config)}
-
-
-def build_extractor(config, backbone_state: dict[str, torch.Tensor]) -> FeatureExtractor:
-    """The feature extractor of ``config.backbone`` with ``backbone_state`` loaded (no weights download)."""
+def build_extractor(config, backbone_weights: dict[str, torch.Tensor]) -> FeatureExtractor:
+    """The feature extractor of ``config.backbone`` with ``backbone_weights`` loaded (no weights download)."""
     from padim.core.artifact import ArtifactError
 
     with torch.device("meta"):
         backbone = getattr(torchvision.models, config.backbone)(weights=None)
-    missing = [k for k in used_keys(backbone, config) if k not in backbone_state]
+    missing = [k for k in config.spec.used_keys(backbone.state_dict(), config.layers) if k not in backbone_weights]
     if missing:
         raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
-    backbone.load_state_dict(backbone_state, strict=False, assign=True)
+    backbone.load_state_dict(backbone_weights, strict=False, assign=True)
     return FeatureExtractor(backbone, config.layers)

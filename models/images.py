@@ -28,6 +28,10 @@ class ImageError(ValueError):
         self.name, self.reason = name, reason
 
 
+class ImageTooLarge(ImageError):
+    """An image with more pixels than allowed (a decompression bomb, or just too big)."""
+
+
 def list_images(root: str | os.PathLike) -> list[Path]:
     """Every image under ``root`` (recursively), sorted; or ``[root]`` if it is an image file."""
     root = Path(root)
@@ -44,7 +48,8 @@ def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None)
     """Decode a file or bytes into an 8-bit RGB image with EXIF orientation applied.
 
     Raises:
-        ImageError: unreadable, truncated, or larger than ``max_pixels``.
+        ImageTooLarge: larger than ``max_pixels`` (or than Pillow's own bomb limit).
+        ImageError: unreadable or truncated.
     """
     name = "image" if isinstance(source, bytes) else str(source)
     try:
@@ -55,13 +60,13 @@ def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None)
         try:
             with Image.open(handle) as image:
                 if max_pixels is not None and image.width * image.height > max_pixels:
-                    raise ImageError(name, f"{image.width}x{image.height} pixels is over the limit of {max_pixels}")
+                    raise ImageTooLarge(name, f"{image.width}x{image.height} pixels is over the limit of {max_pixels}")
                 image.load()
                 return to_rgb(ImageOps.exif_transpose(image))
         except ImageError:
             raise
         except Image.DecompressionBombError as error:
-            raise ImageError(name, _without_reprs(str(error))) from None
+            raise ImageTooLarge(name, _without_reprs(str(error))) from None
         except Image.UnidentifiedImageError:
             raise ImageError(name, "not a readable image (not a format Pillow knows, or damaged)") from None
         except (OSError, ValueError, SyntaxError) as error:

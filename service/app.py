@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from padim import __version__
+from padim.core.version import __version__
 
 from .errors import install_error_handlers
 from .middleware import BodySizeLimit, RequestContext

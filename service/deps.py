@@ -34,5 +34,4 @@ async def require_api_key(request: Request, settings: Annotated[ServiceSettings,
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
-SettingsDep = Annotated[ServiceSettings, Depends(get_service_settings)]
 ApiKey = Depends(require_api_key)

@@ -6,25 +6,24 @@ import asyncio
 import base64
 import io
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from padim.core.artifact import file_sha256
 from padim.core.scoring import resize_map
-from padim.models import PadimDetector
-from padim.models.images import open_image
+from padim.models import NonFiniteScoreError, PadimDetector, verdict
+from padim.models.images import ImageError, ImageTooLarge, open_image
 from padim.models.visualize import mask_image, overlay
 
 from .batching import MicroBatcher
 from .errors import ApiError
 from .metrics import Metrics
+from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
 
 log = logging.getLogger("padim.service")
@@ -39,15 +38,15 @@ class ServedModel:
     batcher: MicroBatcher
     load_seconds: float
 
-    def info(self) -> dict:
+    def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
-        return {"name": self.name, "backbone": self.detector.config.backbone, "created": self.detector.info.get("created"),
-                "sha256": self.sha256, "weights": self.detector.weights.label}
+        return ModelInfo(name=self.name, backbone=self.detector.config.backbone,
+                         created=self.detector.provenance.created, sha256=self.sha256, weights=self.detector.weights.label)
 
-    def describe(self) -> dict:
-        d = self.detector
-        return {**self.info(), **d.describe(), "file": str(self.path), "threshold": 0.5,
-                "load_seconds": round(self.load_seconds, 3)}
+    def describe(self) -> ModelDescription:
+        """The model in full (``GET /models``); no server paths."""
+        return ModelDescription(**{**self.detector.describe(), **self.info().model_dump(), "threshold": 0.5,
+                                   "load_seconds": round(self.load_seconds, 3)})
 
     def score_batch(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
         """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S))]``."""
@@ -135,35 +134,24 @@ class Runtime:
 
     def decode_image(self, model: ServedModel, data: bytes) -> tuple[Image.Image, torch.Tensor]:
         """Runs on the decode pool: bytes -> RGB image and its ``(3, S, S)`` model input."""
-        from padim.models.images import ImageError
-
         try:
             image = open_image(data, max_pixels=self.settings.max_image_pixels)
+        except ImageTooLarge as error:
+            raise ApiError(413, "image_too_large", str(error)) from None
         except ImageError as error:
-            status, code = (413, "image_too_large") if "over the limit" in str(error) or "decompression bomb" in str(error) else (422, "invalid_image")
-            raise ApiError(status, code, str(error)) from None
+            raise ApiError(422, "invalid_image", str(error)) from None
         return image, model.detector.preprocess([image])[0]
 
     def build_result(self, model: ServedModel, image: Image.Image, raw: float, anomaly_map: torch.Tensor,
                      threshold: float | None, heatmap: bool, mask: bool) -> dict:
-        """Runs on the decode pool: scores, verdict and the requested images."""
-        # NumPy, not torch, on this thread (see padim.models.images.to_model_input)
-        map_array = anomaly_map.numpy()
-        if not math.isfinite(raw) or not np.isfinite(map_array).all():  # fail closed: never a verdict from NaN
+        """Runs on the decode pool: the verdict (the same as ``padim predict``'s) and the requested images."""
+        calibration = model.detector.calibration
+        try:
+            result = verdict(raw, anomaly_map, calibration, threshold).to_dict()
+        except NonFiniteScoreError:  # fail closed: never a verdict from a NaN
             log.error("non-finite score", extra={"model": model.name, "raw_score": str(raw)})
             raise ApiError(500, "non_finite_score", "the model gave a NaN or infinite score for this image, so no "
-                           "verdict is given; the model file may be damaged (check it with `padim info --verify`)")
-        calibration = model.detector.calibration
-        normalised_threshold = 0.5 if threshold is None else threshold
-        raw_threshold = calibration.raw_threshold(normalised_threshold)
-        score = float(calibration.normalise(torch.tensor(raw, dtype=torch.float64)))
-        result = {
-            "score": score,
-            "raw_score": raw,
-            "is_anomaly": bool(raw >= raw_threshold),
-            "threshold": normalised_threshold,
-            "anomalous_area": float(np.count_nonzero(map_array >= raw_threshold) / map_array.size),
-        }
+                           "verdict is given; the model file may be damaged (check it with `padim info --verify`)") from None
         if heatmap or mask:
             scale = min(1.0, self.settings.heatmap_max_side / max(image.size))
             width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
@@ -173,7 +161,7 @@ class Runtime:
                 shown = image.resize((width, height), Image.BILINEAR) if scale < 1 else image
                 result["heatmap"] = _png_base64(overlay(shown, normalised_map, label=model.detector.weights.stamp))
             if mask:
-                result["mask"] = _png_base64(mask_image(normalised_map, normalised_threshold))
+                result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))
         return result
 
 

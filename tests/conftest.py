@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import IMAGE_SIZE, run_cli, running_server
-from padim.synthetic import generate
+from padim.models.synthetic import generate
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,19 @@ def dataset(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     (category,) = generate(root, ("weave",), train=30, test_good=6, test_defect=4, size=96, seed=0)
     return category
+
+
+@pytest.fixture(scope="session")
+def weights_file(tmp_path_factory) -> Path:
+    """A resnet18 state_dict file of seeded random weights: the same weights whatever --seed a test passes."""
+    import torch
+    import torchvision
+
+    path = tmp_path_factory.mktemp("weights") / "resnet18-seed0.pth"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.save(torchvision.models.resnet18().state_dict(), path)
+    return path
 
 
 @pytest.fixture(scope="session")

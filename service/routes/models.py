@@ -1,12 +1,13 @@
 from fastapi import APIRouter
 
 from ..deps import ApiKey, RuntimeDep
+from ..schemas import ModelsResponse
 
 router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
 
 
 @router.get("", summary="metadata of every served model; the first listed is the default")
-async def list_models(runtime: RuntimeDep) -> dict:
+async def list_models(runtime: RuntimeDep) -> ModelsResponse:
     runtime.model(None)  # 503 while loading
     names = [runtime.default_name] + [n for n in runtime.models if n != runtime.default_name]
-    return {"default": runtime.default_name, "models": [runtime.models[n].describe() for n in names]}
+    return ModelsResponse(default=runtime.default_name, models=[runtime.models[n].describe() for n in names])

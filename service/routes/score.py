@@ -7,44 +7,15 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from ..deps import ApiKey, RuntimeDep
 from ..errors import ApiError
 from ..runtime import Runtime, ServedModel
+from ..schemas import BatchResponse, ScoreResponse
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
-
-
-class ModelInfo(BaseModel):
-    name: str
-    backbone: str
-    created: str | None
-    sha256: str
-    weights: str = Field(description="origin of the backbone weights; RANDOM weights are demo-only")
-
-
-class ScoreResult(BaseModel):
-    score: float = Field(description="0..1; the model's threshold is at 0.5")
-    raw_score: float = Field(description="maximum of the Mahalanobis distance map")
-    is_anomaly: bool
-    threshold: float = Field(description="threshold used, on the 0..1 score scale")
-    anomalous_area: float = Field(description="fraction of map pixels over the threshold")
-    heatmap: str | None = Field(None, description="PNG, base64: the map blended over the image (heatmap=true)")
-    mask: str | None = Field(None, description="PNG, base64: white where over the threshold (mask=true)")
-
-
-class ScoreResponse(ScoreResult):
-    model: ModelInfo
-    latency_ms: float
-
-
-class BatchResponse(BaseModel):
-    results: list[ScoreResult]
-    model: ModelInfo
-    latency_ms: float
 
 
 def _image_body(many: bool) -> dict:
@@ -96,8 +67,8 @@ async def _score(request: Request, runtime: Runtime, name: str | None, heatmap: 
     results = await _score_images(runtime, served, datas, threshold, heatmap, mask)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
-        return {"results": results, "model": served.info(), "latency_ms": latency_ms}
-    return {**results[0], "model": served.info(), "latency_ms": latency_ms}
+        return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
+    return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
 
 
 async def _score_images(runtime: Runtime, served: ServedModel, datas: list[bytes], threshold, heatmap, mask) -> list[dict]:

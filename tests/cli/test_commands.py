@@ -1,6 +1,7 @@
 """The real ``padim`` command line, end to end, on generated images with random weights."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -59,10 +60,15 @@ def test_predict_outputs(model_file, dataset, tmp_path):
     run_cli("-q", "predict", model_file, dataset / "test", "--output", out)
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 6 + 12
+    calibration = load_artifact(model_file)[1]["calibration"]
     for record in lines:
-        assert set(record) >= {"path", "score", "raw_score", "is_anomaly", "threshold", "weights"}
-        assert 0.0 <= record["score"] <= 1.0 and record["threshold"] == 0.5
-        assert record["is_anomaly"] == (record["score"] >= 0.5)
+        # the service's keys (tests/service), and the score recomputed from the file's header
+        assert set(record) == {"path", "score", "raw_score", "is_anomaly", "threshold", "raw_threshold",
+                               "anomalous_area", "weights", "map", "heatmap"}
+        logistic = 1 / (1 + math.exp(-(record["raw_score"] - calibration["threshold"]) / calibration["scale"]))
+        assert record["score"] == pytest.approx(logistic, rel=1e-12)
+        assert record["threshold"] == 0.5 and record["raw_threshold"] == pytest.approx(calibration["threshold"])
+        assert record["is_anomaly"] == (record["raw_score"] >= calibration["threshold"])
         assert "RANDOM" in record["weights"]
     first = lines[0]
     rel = os.path.relpath(first["path"], dataset / "test")
@@ -87,6 +93,8 @@ def test_predict_single_file(model_file, dataset, tmp_path):
 
 
 def test_evaluate_reports_metrics_and_leaves_model_alone(model_file, dataset, tmp_path):
+    from sklearn.metrics import f1_score
+
     before = model_file.read_bytes()
     out = tmp_path / "eval.json"
     result = run_cli("-q", "evaluate", model_file, dataset, "--output", out)
@@ -95,8 +103,11 @@ def test_evaluate_reports_metrics_and_leaves_model_alone(model_file, dataset, tm
     assert printed == saved
     assert saved["image_auroc"] >= IMAGE_AUROC_FLOOR
     assert saved["pixel_auroc"] > 0.8
-    assert 0.0 < saved["pro_0.3"] <= 1.0
-    assert 0.0 <= saved["f1_at_threshold"] <= 1.0
+    # F1 at the model's threshold, from predict's verdicts on the same images (PRO: tests/models)
+    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path / "p", "--no-maps", "--no-heatmaps")
+    records = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
+    labels = ["/good/" not in r["path"] for r in records]
+    assert saved["f1_at_threshold"] == pytest.approx(f1_score(labels, [r["is_anomaly"] for r in records]))
     assert "RANDOM" in saved["weights"]
     assert model_file.read_bytes() == before
 
@@ -106,9 +117,9 @@ def test_evaluate_calibrate_stores_f1_threshold(model_file, dataset, tmp_path):
     copy.write_bytes(model_file.read_bytes())
     result = json.loads(run_cli("-q", "evaluate", copy, dataset, "--calibrate", "--output", tmp_path / "e.json").stdout)
     _, header = load_artifact(copy)
-    assert header["calibration"]["threshold"] == pytest.approx(result["f1_optimal_threshold_raw"])
+    assert header["calibration"]["threshold"] == pytest.approx(result["f1_optimal_raw_threshold"])
     assert header["calibration"]["method"] == "manual" and header["calibration"]["false_alarm_rate"] is None
-    assert header["has_accumulators"] is True  # re-saving keeps what --resume and merge need
+    assert header["has_statistics"] is True  # re-saving keeps what --resume and merge need
 
 
 def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
@@ -126,8 +137,8 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
     whole, h2 = load_artifact(tmp_path / "ab.padim")
     assert h1["fit_image_count"] == h2["fit_image_count"] == 30
     assert h1["calibration"]["scores"] == 30 and h1["calibration"]["earlier_scores"] == 20
-    torch.testing.assert_close(resumed["accumulator.mean"], whole["accumulator.mean"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(resumed["accumulator.comoment"], whole["accumulator.comoment"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(resumed["statistics.mean"], whole["statistics.mean"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(resumed["statistics.comoment"], whole["statistics.comoment"], rtol=1e-5, atol=1e-5)
     # changing an architectural option on resume is refused
     clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
                     "--image-size", "128", check=False)
@@ -140,20 +151,16 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
     assert not (tmp_path / "x.padim").exists()
 
 
-def test_train_with_a_state_dict_file(dataset, tmp_path):
-    import torchvision
-
-    torch.manual_seed(0)
-    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pth")
+def test_train_with_a_state_dict_file(dataset, tmp_path, weights_file):
     run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "f.padim",
-            "--weights", tmp_path / "r18.pth", "--image-size", IMAGE_SIZE)
+            "--weights", weights_file, "--image-size", IMAGE_SIZE)
     _, header = load_artifact(tmp_path / "f.padim")
     assert header["weights"]["source"] == "file"
 
 
 def test_config_file_and_flag_precedence(dataset, tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("weights: random\nimage_size: 32\nfeatures: 20\n")
+    config.write_text("weights: random\nimage_size: 32\nembedding_dim: 20\n")
     run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "c.padim",
             "--config", config, "--image-size", IMAGE_SIZE)
     _, header = load_artifact(tmp_path / "c.padim")
@@ -234,7 +241,7 @@ def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path
 
     def poisoned(cls, *args, **kwargs):
         detector = load(cls, *args, **kwargs)
-        detector.mean[0, 0] = float("nan")
+        detector.model.mean[0, 0] = float("nan")
         return detector
 
     monkeypatch.setattr(PadimDetector, "load", classmethod(poisoned))
@@ -255,7 +262,7 @@ def test_offline_imagenet_is_a_clear_error(dataset, tmp_path):
 
 
 def test_interrupted_training_leaves_no_file(tmp_path):
-    from padim.synthetic import generate
+    from padim.models.synthetic import generate
 
     (category,) = generate(tmp_path / "data", ("carpet",), train=300, test_good=0, test_defect=0, size=64)
     output = tmp_path / "m.padim"

@@ -28,9 +28,9 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def assert_same_statistics(a: dict, b: dict) -> None:
-    assert int(a["accumulator.count"]) == int(b["accumulator.count"])
-    torch.testing.assert_close(a["accumulator.mean"], b["accumulator.mean"], rtol=1e-11, atol=1e-11)
-    torch.testing.assert_close(a["accumulator.comoment"], b["accumulator.comoment"], rtol=1e-9, atol=1e-9)
+    assert int(a["statistics.count"]) == int(b["statistics.count"])
+    torch.testing.assert_close(a["statistics.mean"], b["statistics.mean"], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(a["statistics.comoment"], b["statistics.comoment"], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("count, parity", [(29, "odd"), (30, "even")])
@@ -89,16 +89,12 @@ def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
 
 @pytest.mark.parametrize("flag, value, message", [("--image-size", "32", "image_size=32"), ("--seed", "1", "seed=1"),
                                                   ("--layers", "layer1,layer2", "layers=")])
-def test_mismatched_parts_are_refused(dataset, tmp_path, flag, value, message):
+def test_mismatched_parts_are_refused(dataset, tmp_path, weights_file, flag, value, message):
     data = tmp_path / "few"
     data.mkdir()
     for p in sorted((dataset / "train" / "good").glob("*.png"))[:6]:
         (data / p.name).write_bytes(p.read_bytes())
-    import torchvision
-
-    torch.manual_seed(0)
-    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pth")  # same weights whatever --seed
-    args = ["--weights", tmp_path / "r18.pth", "--image-size", str(IMAGE_SIZE), "--features", "50"]
+    args = ["--weights", weights_file, "--image-size", str(IMAGE_SIZE), "--embedding-dim", "50"]  # same weights whatever --seed
     run_cli("-q", "train", data, "--output", tmp_path / "a.part", "--partial", *args)
     run_cli("-q", "train", data, "--output", tmp_path / "b.part", "--partial", *args, flag, value)
     result = run_cli("merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",

@@ -18,14 +18,19 @@ def test_round_trip(tmp_path):
         assert torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype
 
 
-def test_file_is_safetensors_not_pickle(tmp_path):
+def test_file_is_safetensors_and_nothing_else(tmp_path):
+    """8-byte length, JSON header, then exactly the tensors' bytes: there is no room for a pickle."""
     path = tmp_path / "m.padim"
-    save_artifact(path, {"a": torch.zeros(2)}, {})
+    tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.float16)}
+    save_artifact(path, tensors, {})
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
     assert "padim" in header["__metadata__"]
-    assert b"\x80\x04" not in raw[:2]  # no pickle protocol marker
+    spans = sorted(tuple(e["data_offsets"]) for k, e in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no gaps
+    assert 8 + length + spans[-1][1] == len(raw)  # and nothing after them
+    assert raw[8 + length :] == tensors["a"].numpy().tobytes() + tensors["b"].numpy().tobytes()
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.95])

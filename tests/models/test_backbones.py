@@ -23,8 +23,8 @@ def test_feature_info_matches_the_network(name):
 def test_paper_dimensions():
     assert sum(BACKBONES["resnet18"].channels[:3]) == 448
     assert sum(BACKBONES["wide_resnet50_2"].channels[:3]) == 1792
-    assert BACKBONES["resnet18"].default_features == 100
-    assert BACKBONES["wide_resnet50_2"].default_features == 550
+    assert BACKBONES["resnet18"].default_embedding_dim == 100
+    assert BACKBONES["wide_resnet50_2"].default_embedding_dim == 550
 
 
 def test_random_weights_are_seeded():
@@ -46,6 +46,15 @@ def test_state_dict_file_with_extra_keys(tmp_path):
     for key, value in source.state_dict().items():
         if not key.startswith(("fc.", "layer4.")):
             assert torch.equal(loaded.state_dict()[key], value)
+
+
+def test_a_file_must_hold_every_stage_the_detector_uses(tmp_path):
+    source, _ = build_backbone("resnet18", "random", seed=7)
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("layer4.")}
+    torch.save(state, tmp_path / "r18-up-to-layer3.pth")
+    build_backbone("resnet18", str(tmp_path / "r18-up-to-layer3.pth"))  # layers 1-3: enough
+    with pytest.raises(WeightsError, match=r"missing \['layer4"):
+        build_backbone("resnet18", str(tmp_path / "r18-up-to-layer3.pth"), layers=("layer1", "layer4"))
 
 
 def test_state_dict_file_of_another_architecture(tmp_path):

@@ -5,8 +5,11 @@ from padim.models.config import ConfigError, PadimConfig
 
 def test_defaults_follow_the_paper():
     c = PadimConfig()
-    assert (c.backbone, c.layers, c.image_size, c.embedding_dim, c.epsilon) == ("resnet18", ("layer1", "layer2", "layer3"), 224, 100, 0.01)
-    assert PadimConfig(backbone="wide_resnet50_2").embedding_dim == 550
+    assert (c.backbone, c.layers, c.image_size, c.embedding_dim_or_default(), c.epsilon) == \
+        ("resnet18", ("layer1", "layer2", "layer3"), 224, 100, 0.01)
+    assert PadimConfig(backbone="wide_resnet50_2").embedding_dim_or_default() == 550
+    # the default follows the backbone, also when it is changed later
+    assert PadimConfig().replace(backbone="wide_resnet50_2").embedding_dim_or_default() == 550
 
 
 @pytest.mark.parametrize(
@@ -15,7 +18,8 @@ def test_defaults_follow_the_paper():
         ({"backbone": "vgg"}, "choose one of: resnet18, resnet34"),
         ({"image_size": 100}, "multiple of 16"),
         ({"reduction": "pca"}, "random, semi_orthogonal"),
-        ({"features": 500}, "from 1 to 448"),
+        ({"embedding_dim": 500}, "from 1 to 448"),
+        ({"layers": ("layer1", "layer4"), "image_size": 48}, "multiple of 32 .*layer4 has stride 32"),
         ({"layers": ("layer3", "layer1")}, "shallowest first"),
         ({"layers": ("layer9",)}, "choose from: layer1"),
         ({"device": "tpu"}, "auto, cpu, cuda"),
@@ -33,6 +37,17 @@ def test_bad_values_say_what_is_allowed(changes, message):
 def test_from_mapping_rejects_unknown_keys_listing_allowed():
     with pytest.raises(ConfigError, match="unknown option.*image_sise.*allowed: backbone, weights"):
         PadimConfig.from_mapping({"image_sise": 64})
+
+
+def test_the_earlier_spelling_of_embedding_dim_is_read():
+    assert PadimConfig.from_mapping({"features": 40}).embedding_dim == 40
+
+
+def test_which_fields_shape_the_statistics():
+    base = PadimConfig()
+    assert base.differences(base.replace(batch_size=4, device="cpu", false_alarm_rate=0.05)) == []
+    assert base.differences(base.replace(image_size=128, seed=3)) == ["image_size", "seed"]
+    assert base.with_runtime(PadimConfig(batch_size=4, workers=0)).batch_size == 4
 
 
 def test_retired_hold_out_options_say_what_replaced_them():

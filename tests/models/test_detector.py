@@ -34,7 +34,7 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
     for dtype in (torch.float32, torch.float16):
         path = tmp_path / f"{dtype}.padim"
         detector.save(path, precision_dtype=dtype)
-        loaded = PadimDetector.load(path, device="cpu", with_state=True)
+        loaded = PadimDetector.load(path, device="cpu", with_statistics=True)
         out = loaded.score(batch)
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # the README's promise for float16
         rel = ((out.raw_scores - exact.raw_scores).abs() / exact.raw_scores).max()
@@ -42,10 +42,10 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
         assert loaded.calibration == detector.calibration
         # what was saved is the lower triangle: compare that (the upper one may differ in the last
         # bit on some CPUs, and nothing reads it)
-        assert torch.equal(pack_lower(loaded.state.comoment), pack_lower(detector.state.comoment))
+        assert torch.equal(pack_lower(loaded.statistics.comoment), pack_lower(detector.statistics.comoment))
         assert torch.equal(loaded.image_digests, detector.image_digests)
     slim = tmp_path / "slim.padim"
-    detector.save(slim, include_state=False)
+    detector.save(slim, with_statistics=False)
     accumulator_bytes = 16 * 16 * (100 * 101 // 2) * 8  # packed float64 comoment, P=16x16, D=100
     saved = (tmp_path / "torch.float16.padim").stat().st_size - slim.stat().st_size
     assert accumulator_bytes <= saved < accumulator_bytes * 1.1
@@ -60,14 +60,14 @@ def test_a_flipped_bit_in_each_stored_tensor_is_refused(detector, tmp_path):
     detector.save(clean)
     data = clean.read_bytes()
     ranges = tensor_byte_ranges(clean)
-    assert {"mean", "precision_factor", "calibration.scores", "accumulator.comoment"} <= set(ranges)
+    assert {"mean", "precision_factor", "calibration.scores", "statistics.comoment"} <= set(ranges)
     broken = tmp_path / "broken.padim"
     for name, (start, end) in ranges.items():
         flipped = bytearray(data)
         flipped[(start + end) // 2] ^= 0x10
         broken.write_bytes(bytes(flipped))
         with pytest.raises(ArtifactError, match=f"tensor '{name}' does not match its digest"):
-            PadimDetector.load(broken, device="cpu", with_state=True)
+            PadimDetector.load(broken, device="cpu", with_statistics=True)
 
 
 def test_a_nan_in_the_mean_is_refused_even_with_a_valid_digest(detector, tmp_path):
@@ -82,12 +82,12 @@ def test_a_nan_in_the_mean_is_refused_even_with_a_valid_digest(detector, tmp_pat
 
 def test_non_finite_scores_are_found(detector, images):
     batch = detector.preprocess(pictures(images, 3))
-    mean = detector.mean.clone()
-    detector.mean[5, 0] = float("nan")
+    mean = detector.model.mean.clone()
+    detector.model.mean[5, 0] = float("nan")
     try:
         out = detector.score(batch)
     finally:
-        detector.mean.copy_(mean)
+        detector.model.mean.copy_(mean)
     assert out.non_finite() == [0, 1, 2]
     assert detector.score(batch).non_finite() == []
 
@@ -100,10 +100,10 @@ def test_scores_do_not_depend_on_the_batch(detector, images):
 
 
 def test_semi_orthogonal_reduction_fits(images):
-    config = CONFIG.replace(reduction="semi_orthogonal", features=40)
+    config = CONFIG.replace(reduction="semi_orthogonal", embedding_dim=40)
     detector, _ = fit_detector(config, images[:10], progress=False)
     assert detector.embedding.projection.shape == (448, 40)
-    assert detector.precision_factor.shape == (16 * 16, 40, 40)
+    assert detector.model.precision_factor.shape == (16 * 16, 40, 40)
 
 
 def test_format_one_models_still_load_and_resume(detector, images, tmp_path, caplog):
@@ -117,11 +117,15 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     tensors, header = load_artifact(path)
     tensors["calibration.normal_scores"] = tensors.pop("calibration.scores")[:5]
     del tensors["image_digests"]
+    for name in ("count", "mean", "comoment"):  # format 1 called the statistics accumulators
+        tensors[f"accumulator.{name}"] = tensors.pop(f"statistics.{name}")
     old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified", "calibration",
-                                                         "fits", "calibration_source", "unreadable_image_count")}
-    old["config"] = {k: v for k, v in old["config"].items() if k not in ("false_alarm_rate", "calibration_folds")}
-    old["config"].update(holdout_fraction=0.1, min_holdout=3, threshold_quantile=0.99)
-    old.update(format_version=1, training_image_count=30, holdout_image_count=5,
+                                                         "fits", "calibration_source", "unreadable_image_count",
+                                                         "has_statistics")}
+    old["config"] = {k: v for k, v in old["config"].items() if k not in ("false_alarm_rate", "calibration_folds",
+                                                                         "embedding_dim")}
+    old["config"].update(holdout_fraction=0.1, min_holdout=3, threshold_quantile=0.99, features=100)
+    old.update(format_version=1, training_image_count=30, holdout_image_count=5, has_accumulators=True,
                calibration={"quantile": 0.99, "threshold": 21.5, "scale": 1.5, "holdout_count": 5})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "old.padim"),
               metadata={"padim": json.dumps(old)})
@@ -129,8 +133,9 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
         loaded = PadimDetector.load(tmp_path / "old.padim", device="cpu")
     assert "integrity is not verified" in caplog.text and "train it again" in caplog.text
     assert loaded.calibration.threshold == 21.5 and loaded.calibration.method == "quantile"
-    assert loaded.describe()["verified"] is False and loaded.info["calibration_source"] == "held_out"
+    assert loaded.describe()["verified"] is False and loaded.provenance.calibration_source == "held_out"
     batch = detector.preprocess(pictures(images, 2))
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0)  # float16 factors
     resumed, report = fit_detector(CONFIG, images[:4], resume=Fit.load(tmp_path / "old.padim"), progress=False)
-    assert resumed.calibration.earlier_scores == 5 and int(resumed.state.count) == int(detector.state.count) + 4
+    assert resumed.calibration.earlier_scores == 5
+    assert int(resumed.statistics.count) == int(detector.statistics.count) + 4

@@ -39,18 +39,18 @@ def naive_embedding(features, scales):
 
 def test_random_subset_equals_select_after_concatenation():
     spec = BACKBONES["resnet18"]
-    emb = Embedding.create(spec, LAYERS, dim=100, reduction="random", seed=5)
+    emb = Embedding.create(spec, LAYERS, embedding_dim=100, reduction="random", seed=5)
     feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]
     full = naive_embedding(feats, emb.scales)
     assert full.shape[1] == 448
     torch.testing.assert_close(emb(feats), full.index_select(1, emb.channel_index))
-    again = Embedding.create(spec, LAYERS, dim=100, reduction="random", seed=5)
+    again = Embedding.create(spec, LAYERS, embedding_dim=100, reduction="random", seed=5)
     assert torch.equal(again.channel_index, emb.channel_index)
 
 
 def test_semi_orthogonal_projection_equals_projection_after_concatenation():
     spec = BACKBONES["resnet18"]
-    emb = Embedding.create(spec, LAYERS, dim=30, reduction="semi_orthogonal", seed=2)
+    emb = Embedding.create(spec, LAYERS, embedding_dim=30, reduction="semi_orthogonal", seed=2)
     w = emb.projection
     torch.testing.assert_close(w.T @ w, torch.eye(30), atol=1e-5, rtol=0)
     feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]

@@ -7,7 +7,7 @@ from PIL import Image
 from padim.core.calibration import Calibration, fold_of
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianAccumulator, finalise
-from padim.models import Fit, FitError, FitReport, PadimConfig, TrainingImage, fit_detector, fit_partial, list_images, merge_fits
+from padim.models import Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial, list_images, merge_fits
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 
@@ -23,11 +23,10 @@ def embed(fit: Fit, paths) -> torch.Tensor:
 
 def test_out_of_fold_scores_equal_models_fitted_from_scratch_without_the_fold(images):
     fit = Fit.start(CONFIG)
-    report = FitReport()
-    groups = fit.ordered(images, report)
-    fit.accumulate(groups, report, progress=False)
-    scores, _ = fit.out_of_fold_scores(groups, report, progress=False)
-    assert len(scores) == len(images) and not report.unscored
+    groups = fit.groups(images)
+    assert not fit.accumulate(groups, progress=False).unreadable
+    scores, unscored, _ = fit.out_of_fold_scores(groups, progress=False)
+    assert len(scores) == len(images) and not unscored
     position = 0
     for k, group in enumerate(groups):
         assert all(fold_of(i.name, CONFIG.calibration_folds) == k for i in group)
@@ -38,8 +37,8 @@ def test_out_of_fold_scores_equal_models_fitted_from_scratch_without_the_fold(im
         accumulator = GaussianAccumulator()
         for path in others:
             accumulator.partial_fit(embed(fit, [path]))
-        mean, factor = finalise(accumulator.state, CONFIG.epsilon, fit.embedder.grid_shape)
-        squared = squared_mahalanobis(embed(fit, [i.path for i in group]), mean, factor)
+        mean, precision_factor = finalise(accumulator.state, CONFIG.epsilon, fit.embedder.grid_shape)
+        squared = squared_mahalanobis(embed(fit, [i.path for i in group]), mean, precision_factor)
         reference = image_scores(anomaly_maps(squared, fit.embedder.grid_shape, CONFIG.image_size, CONFIG.blur_sigma))
         torch.testing.assert_close(scores[position : position + len(group)].float(), reference, rtol=1e-5, atol=0)
         position += len(group)
@@ -47,7 +46,7 @@ def test_out_of_fold_scores_equal_models_fitted_from_scratch_without_the_fold(im
 
 def test_threshold_comes_from_every_image_out_of_fold(images):
     detector, report = fit_detector(CONFIG, images, progress=False)
-    assert report.fitted == len(images) == detector.info["fit_image_count"] == int(detector.state.count)
+    assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count)
     cal = detector.calibration
     assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
     again = Calibration.from_scores(torch.tensor(cal.scores), CONFIG.false_alarm_rate)
@@ -63,12 +62,12 @@ def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     part.save(tmp_path / "part.padim")
     resumed, resumed_report = fit_detector(CONFIG, second, resume=Fit.load(tmp_path / "part.padim"), progress=False)
     assert {**part_report.folds, **resumed_report.folds} == whole_report.folds
-    assert int(resumed.state.count) == int(whole.state.count) == len(images)
+    assert int(resumed.statistics.count) == int(whole.statistics.count) == len(images)
     # the float32 backbone differs by ~1e-7 between batch compositions; the accumulators
     # themselves agree to float64 round-off (tests/core)
-    torch.testing.assert_close(resumed.state.mean, whole.state.mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(resumed.state.comoment.tril(), whole.state.comoment.tril(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(resumed.precision_factor, whole.precision_factor, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(resumed.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(resumed.statistics.comoment.tril(), whole.statistics.comoment.tril(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(resumed.model.precision_factor, whole.model.precision_factor, rtol=1e-4, atol=1e-4)
     # calibration: the earlier scores are kept as they were, and said to be earlier ones
     cal = resumed.calibration
     assert cal.count == len(images) and cal.earlier_scores == len(first)
@@ -76,8 +75,8 @@ def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     assert any("kept from the resumed model" in w for w in resumed_report.warnings)
     # resuming with every image again adds only those the model has not seen (by content)
     again, again_report = fit_detector(CONFIG, images, resume=Fit.load(tmp_path / "part.padim"), progress=False)
-    assert len(again_report.already_fitted) == len(first) and int(again.state.count) == len(images)
-    torch.testing.assert_close(again.state.mean, whole.state.mean, rtol=1e-5, atol=1e-6)
+    assert len(again_report.already_fitted) == len(first) and int(again.statistics.count) == len(images)
+    torch.testing.assert_close(again.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
 
 
 def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path):
@@ -85,17 +84,17 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     parts = []
     for name, chunk in (("a", a), ("b", b)):
         fit, _ = fit_partial(CONFIG, chunk, progress=False)
-        fit.save_partial(tmp_path / f"{name}.part", fit.history)
+        fit.save_partial(tmp_path / f"{name}.part")
         parts.append(Fit.load(tmp_path / f"{name}.part"))
     merged = merge_fits(parts, ["a.part", "b.part"], [i.path for i in held], CONFIG, progress=False)
     one_shot, _ = fit_partial(CONFIG, a + b, progress=False)
-    assert int(merged.state.count) == 24
-    torch.testing.assert_close(merged.state.mean, one_shot.state.mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(merged.state.comoment.tril(), one_shot.state.comoment.tril(), rtol=1e-5, atol=1e-5)
+    assert int(merged.statistics.count) == 24
+    torch.testing.assert_close(merged.statistics.mean, one_shot.statistics.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.statistics.comoment.tril(), one_shot.statistics.comoment.tril(), rtol=1e-5, atol=1e-5)
     held_scores = merged.score(merged.preprocess([Image.open(i.path).convert("RGB") for i in held])).raw_scores
     expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
     assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-6)
-    assert merged.info["calibration_source"] == "held_out"
+    assert merged.provenance.calibration_source == "held_out"
     with pytest.raises(FitError, match="were fitted in the parts"):
         merge_fits(parts, ["a.part", "b.part"], [i.path for i in a[:2] + held], CONFIG, progress=False)
 
@@ -135,7 +134,7 @@ def test_unreadable_images_are_left_out_and_named(images, tmp_path):
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     detector, report = fit_detector(CONFIG, images[:10] + [TrainingImage(bad, "broken.png")], progress=False)
-    assert int(detector.state.count) == 10 and [n for n, _ in report.unreadable] == ["broken.png"]
+    assert int(detector.statistics.count) == 10 and [n for n, _ in report.unreadable] == ["broken.png"]
     assert any("broken.png" in w for w in report.warnings)
     with pytest.raises(FitError, match=r"none of the 1 images could be read \(broken.png"):
         fit_detector(CONFIG, [TrainingImage(bad, "broken.png")], progress=False)

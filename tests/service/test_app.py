@@ -5,6 +5,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -55,7 +56,7 @@ def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, 
 
     def poisoned(self, path):  # a model damaged in memory, after its file was verified
         detector, sha256 = original(self, path)
-        detector.mean[0, 0] = float("nan")
+        detector.model.mean[0, 0] = float("nan")
         return detector, sha256
 
     monkeypatch.setattr(Runtime, "_load_one", poisoned)
@@ -127,18 +128,28 @@ def test_model_dir_from_environment_and_full_queue_answers_503(model_file, datas
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "I;16", "CMYK", "exif"])
 def test_image_modes_are_scored_like_rgb(server, dataset, mode):
+    """Each mode gets the score of the same picture made RGB by Pillow itself (sent as an RGB PNG)."""
     image = Image.open(dataset / "test" / "good" / "000.png").convert("RGB")
     buffer = io.BytesIO()
     if mode == "exif":
         exif = Image.Exif()
         exif[0x0112] = 3  # upside down
         image.save(buffer, format="JPEG", exif=exif.tobytes())
+        reference = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB").rotate(180)
     elif mode == "CMYK":
         image.convert("CMYK").save(buffer, format="JPEG")
+        reference = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
     elif mode == "I;16":
-        Image.fromarray((__import__("numpy").asarray(image.convert("L"), dtype="uint16") * 257)).save(buffer, format="PNG")
+        gray = image.convert("L")
+        Image.fromarray(np.asarray(gray, dtype=np.uint16) * 257).save(buffer, format="PNG")
+        reference = gray.convert("RGB")
     else:
-        image.convert(mode).save(buffer, format="PNG")
-    response = httpx.post(server.url + "/score", content=buffer.getvalue(), headers={"content-type": "image/*"}, timeout=60)
-    assert response.status_code == 200, response.text
-    assert 0.0 <= response.json()["score"] <= 1.0
+        converted = image.convert(mode)
+        converted.save(buffer, format="PNG")
+        reference = converted.convert("RGB")
+    rgb = io.BytesIO()
+    reference.save(rgb, format="PNG")
+    scores = [httpx.post(server.url + "/score", content=body, headers={"content-type": "image/png"}, timeout=60)
+              for body in (buffer.getvalue(), rgb.getvalue())]
+    assert [r.status_code for r in scores] == [200, 200], scores[0].text
+    assert scores[0].json()["raw_score"] == pytest.approx(scores[1].json()["raw_score"], rel=1e-5)

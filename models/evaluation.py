@@ -132,7 +132,7 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         "image_auroc": float(roc_auc_score(labels, scores)) if has_both else None,
         "pixel_auroc": float(roc_auc_score(mask_array.ravel(), maps.ravel())) if has_pixels else None,
         "pro_0.3": per_region_overlap(maps, mask_array) if has_pixels else None,
-        "threshold_raw": threshold,
+        "raw_threshold": threshold,
         "f1_at_threshold": float(f1_score(labels, scores >= threshold)) if threshold is not None and has_both else None,
     }
     if has_both:
@@ -140,7 +140,7 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-12), 0)[:-1]
         best = int(np.argmax(f1))
         result["f1_optimal"] = float(f1[best])
-        result["f1_optimal_threshold_raw"] = float(thresholds[best])
+        result["f1_optimal_raw_threshold"] = float(thresholds[best])
         result["image_auroc_by_defect"] = {
             d: float(roc_auc_score(labels[mask_d], scores[mask_d]))
             for d in sorted({s.defect for s in samples} - {"good"})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from padim.evaluation import per_region_overlap, read_mvtec_category
+from padim.models.evaluation import per_region_overlap, read_mvtec_category
 
 
 def reference_pro(maps, masks, max_fpr=0.3):

@@ -1,0 +1,42 @@
+"""What the ``padim`` commands share: the error a user can fix, and the options several commands take."""
+
+from __future__ import annotations
+
+import argparse
+
+from padim.models.choices import DEVICES
+
+#: Exit status of a command that stopped with a one-line error.
+ERROR_EXIT = 1
+#: Defaults of the run-time options (as :class:`padim.models.config.PadimConfig` has them).
+DEFAULT_BATCH_SIZE, DEFAULT_WORKERS = 16, 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line without a traceback."""
+
+
+def runtime_options() -> argparse.ArgumentParser:
+    """``--device``, ``--batch-size``, ``--workers``: how a command runs, never what it computes."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("how it runs")
+    group.add_argument("--device", choices=DEVICES, help="where the model runs (default auto: cuda when torch sees a GPU)")
+    group.add_argument("--batch-size", type=int, metavar="N", help=f"images per forward pass (default {DEFAULT_BATCH_SIZE})")
+    group.add_argument("--workers", type=int, metavar="N", help=f"image-decoding threads (default {DEFAULT_WORKERS})")
+    return parent
+
+
+def quiet_option() -> argparse.ArgumentParser:
+    """``-q`` after the command as well as before it."""
+    parent = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: without -q here, the value given before the command stands
+    parent.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no progress bars or info logs (warnings and errors still print)")
+    return parent
+
+
+def runtime_config(args: argparse.Namespace):
+    """A :class:`~padim.models.config.PadimConfig` carrying the run-time options given (defaults otherwise)."""
+    from padim.models import PadimConfig
+
+    return PadimConfig().replace(device=args.device, batch_size=args.batch_size, workers=args.workers)

@@ -1,0 +1,196 @@
+"""``padim train`` and ``padim merge``: making a detector."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from padim.models.choices import PRECISION_DTYPES, REDUCTIONS
+
+from .common import UserError, runtime_config
+
+
+def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
+    train = commands.add_parser(
+        "train", parents=[runtime, quiet], help="fit a detector on a folder of normal images",
+        description="Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
+        "Every image is fitted, and also scored by a model of the images outside its calibration fold "
+        "(folds come from file names); those out-of-fold scores set the threshold for the false-alarm rate "
+        "you ask for (--false-alarm-rate), and train says what that threshold can promise. Unreadable images "
+        "are left out and named. Memory does not grow with the number of images. Under torchrun "
+        "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
+        "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file.",
+    )
+    train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
+    train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
+    train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
+    model = train.add_argument_group("what the detector computes (fixed once fitted: --resume and merge keep them)")
+    model.add_argument("--backbone", help="torchvision ResNet-family name (default resnet18)")
+    model.add_argument("--weights", help="imagenet (default; torchvision cache), random (demo/tests only, seeded) "
+                       "or a state_dict path")
+    model.add_argument("--image-size", type=int, metavar="PX", help="side of the square model input, a multiple of 16 "
+                       "(of 32 with layer4) (default 224)")
+    model.add_argument("--layers", help="comma-separated stages, shallowest first (default layer1,layer2,layer3)")
+    model.add_argument("--embedding-dim", "--features", dest="embedding_dim", type=int, metavar="D",
+                       help="embedding size after reduction (default 100 for resnet18, 550 for wide_resnet50_2)")
+    model.add_argument("--reduction", choices=REDUCTIONS, help="channel subset (paper, default) or semi-orthogonal projection")
+    model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
+    model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
+    model.add_argument("--calibration-folds", type=int, metavar="K",
+                       help="folds of the cross-fitted calibration (default 20; more: less bias, one more finalisation each)")
+    verdicts = train.add_argument_group("the verdict and the file")
+    verdicts.add_argument("--false-alarm-rate", type=float, metavar="RATE",
+                          help="share of normal images the threshold may flag (default 0.01); may change on --resume")
+    verdicts.add_argument("--precision-dtype", choices=PRECISION_DTYPES,
+                          help="storage of the precision factors (default auto: float16 when scores stay within 1e-3)")
+    verdicts.add_argument("--resume", type=Path, metavar="MODEL",
+                          help="add DATA_DIR's images to this model's statistics (old images are not re-read; images it "
+                          "already fitted, by content, are left out); their out-of-fold scores join the model's")
+    verdicts.add_argument("--slim", action="store_true",
+                          help="leave the statistics out of the file (about 4x smaller for resnet18; cannot be resumed)")
+    verdicts.add_argument("--partial", action="store_true",
+                          help="fit every image and write only the statistics, to be combined later by `padim merge` "
+                          "(for shards fitted on separate machines or at separate times)")
+    train.set_defaults(handler=cmd_train)
+
+    merge = commands.add_parser(
+        "merge", parents=[runtime, quiet], help="combine partial fits (train --partial) into one model",
+        description="Add up the statistics of PARTS (refused unless every setting that shapes the statistics and "
+        "the backbone weights match), derive the precision factors, and set the threshold from the scores of the "
+        "normal images of --calibration-dir, which no part may have fitted (checked by content).",
+    )
+    merge.add_argument("parts", type=Path, nargs="+", metavar="PART", help="files written by `padim train --partial`")
+    merge.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
+    merge.add_argument("--calibration-dir", type=Path, required=True, metavar="DIR",
+                       help="normal images kept out of every part, to set the threshold")
+    merge.add_argument("--false-alarm-rate", type=float, metavar="RATE", help="default: the parts' setting (0.01)")
+    merge.add_argument("--slim", action="store_true", help="leave the statistics out of the merged file")
+    merge.set_defaults(handler=cmd_merge)
+
+
+def load_config(args: argparse.Namespace):
+    """The configuration from defaults, ``--config`` YAML and flags, and which fields were given explicitly."""
+    from padim.models import PadimConfig
+    from padim.models.config import RENAMED
+
+    config, given = PadimConfig(), set()
+    if args.config is not None:
+        import yaml
+
+        try:
+            values = yaml.safe_load(args.config.read_text()) or {}
+        except OSError as error:
+            raise UserError(f"--config {args.config}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise UserError(f"--config {args.config}: not valid YAML ({str(error).splitlines()[0]})") from None
+        config = PadimConfig.from_mapping(values, source=str(args.config))
+        given |= {RENAMED.get(key, key) for key in values}
+    layers = tuple(x.strip() for x in args.layers.split(",")) if args.layers else None
+    flags = dict(
+        backbone=args.backbone, weights=args.weights, image_size=args.image_size, device=args.device,
+        batch_size=args.batch_size, embedding_dim=args.embedding_dim, reduction=args.reduction, layers=layers,
+        epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
+        calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
+    )
+    given |= {k for k, v in flags.items() if v is not None}
+    return config.replace(**flags), given
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from padim.models import Fit, fit_detector, fit_partial, resolve_device, training_images
+    from padim.models import distributed
+    from padim.models.config import STATISTICS_FIELDS
+
+    config, given = load_config(args)
+    images = training_images(args.data_dir)
+    if not images:
+        raise UserError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
+    if args.partial and (args.resume or args.slim):
+        raise UserError("--partial writes statistics only: it cannot be combined with --resume or --slim")
+    resume = None
+    if args.resume is not None:
+        resume = Fit.load(args.resume, runtime=config)
+        clash = [k for k in config.differences(resume.config, STATISTICS_FIELDS) if k in given]
+        if clash:
+            k = clash[0]
+            source = "the flag" if getattr(args, k, None) is not None else "--config"
+            raise UserError(f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
+                            f"not {getattr(config, k)!r} (from {source}); drop it or train a new model")
+        if "false_alarm_rate" in given:
+            resume.config = resume.config.replace(false_alarm_rate=config.false_alarm_rate)
+    shard = distributed.from_environment(resolve_device(config.device))
+    main = shard is None or shard.main
+    progress = not args.quiet and main
+    started = time.perf_counter()
+    try:
+        if args.partial:  # every image is fitted: `merge` calibrates on images kept out of all parts
+            fit, report = fit_partial(config, images, progress, shard)
+            if main:
+                fit.save_partial(args.output)
+        else:
+            detector, report = fit_detector(config, images, resume, progress, shard)
+            if main:
+                detector.save(args.output, with_statistics=not args.slim)
+    finally:
+        distributed.leave(shard)
+    if not main:
+        return 0
+    if not args.partial and not args.quiet:
+        print(f"padim train: {verdict_line(detector)}", file=sys.stderr)
+    for warning in report.warnings:
+        print(f"padim train: warning: {warning}", file=sys.stderr)
+    summary = {
+        "model": str(args.output),
+        "kind": "partial" if args.partial else "detector",
+        "size_bytes": args.output.stat().st_size,
+        "images": report.listed,
+        "fitted": report.fitted,
+        "unreadable": len(report.unreadable),
+        "already_fitted": len(report.already_fitted),
+        "seconds": round(time.perf_counter() - started, 2),
+        "phase_seconds": report.seconds,
+        "world_size": shard.world if shard else 1,
+    }
+    if args.partial:
+        summary.update(fit_image_count=fit.count, weights=fit.weights.label)
+    else:
+        described = detector.describe()
+        summary.update(fit_image_count=detector.provenance.fit_image_count, calibration=described["calibration"],
+                       precision_dtype=str(detector.precision_dtype).removeprefix("torch."),
+                       weights=detector.weights.label,
+                       **{k: described[k] for k in ("backbone", "image_size", "embedding_dim")})
+    print(json.dumps(summary))
+    return 0
+
+
+def verdict_line(detector) -> str:
+    """What the threshold means, in one line."""
+    cal = detector.calibration
+    return (f"fitted {detector.provenance.fit_image_count} images; threshold {cal.threshold:.4g} (raw) from "
+            f"{cal.count} out-of-fold scores, aiming at {cal.false_alarm_rate:.2%} false alarms; promised "
+            f"{cal.promised_false_alarm_rate:.2%} on average and at most {cal.false_alarm_bound:.2%} with "
+            f"{cal.summary()['confidence']:.0%} confidence, whatever the score distribution")
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from padim.models import Fit, list_images, merge_fits
+
+    runtime = runtime_config(args)
+    parts = [Fit.load(p, runtime=runtime) for p in args.parts]
+    calibration = list_images(args.calibration_dir)
+    if not calibration:
+        raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
+    detector = merge_fits(parts, [str(p) for p in args.parts], calibration, runtime, args.false_alarm_rate,
+                          progress=not args.quiet)
+    detector.save(args.output, with_statistics=not args.slim)
+    print(json.dumps({"model": str(args.output), "parts": len(parts),
+                      "fit_image_count": detector.provenance.fit_image_count,
+                      "calibration": detector.describe()["calibration"], "size_bytes": args.output.stat().st_size,
+                      "weights": detector.weights.label}))
+    shortfall = detector.calibration.shortfall()
+    if shortfall:
+        print(f"padim merge: warning: {shortfall}", file=sys.stderr)
+    return 0

@@ -1,0 +1,103 @@
+"""Fitting across processes with ``torch.distributed`` (torchrun): who does what, and together.
+
+A :class:`Shard` says which rank this process is and how many there are. Every collective is
+preceded by an agreement on failure (:func:`together`), so that a rank that fails (an
+unreadable file, say) stops every rank with its message instead of leaving the others waiting
+in the collective forever.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed; its own message is in its output."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in a ``torch.distributed`` group."""
+
+    rank: int
+    world: int
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that finishes the fit and writes the file."""
+        return self.rank == 0
+
+
+def from_environment(device: torch.device) -> Shard | None:
+    """Join the group torchrun describes in the environment (NCCL on GPUs, Gloo on CPUs).
+
+    Returns ``None`` when the process was not started by torchrun with several processes.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def leave(shard: Shard | None) -> None:
+    """Leave the group joined by :func:`from_environment` (nothing without one)."""
+    if shard is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def shard_of(items: Sequence, shard: Shard | None) -> list:
+    """This rank's contiguous share of ``items`` (all of them without a shard)."""
+    if shard is None:
+        return list(items)
+    return list(items[shard.rank * len(items) // shard.world : (shard.rank + 1) * len(items) // shard.world])
+
+
+def together(run: Callable[[], None], shard: Shard | None, device: torch.device) -> None:
+    """Run ``run`` on every rank; a failure on any rank stops every rank before the next collective."""
+    if shard is None:
+        run()
+        return
+    import torch.distributed as dist
+
+    error: Exception | None = None
+    try:
+        run()
+    except Exception as caught:  # reported below, once every rank knows
+        error = caught
+    failed = torch.tensor([1.0 if error else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if float(failed) > 0:
+        raise RankFailed(f"{int(failed)} other rank(s) failed; see their messages")
+
+
+def gather(value, shard: Shard | None) -> list:
+    """Every rank's ``value`` (picklable, small), in rank order, on every rank."""
+    if shard is None:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list = [None] * shard.world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def sum_(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """``tensor`` summed over every rank, in place."""
+    if shard is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+    return tensor

@@ -1,0 +1,78 @@
+"""The scoring model: normalised images in, anomaly maps and image scores out (PaDiM, Sec. III-C).
+
+An ``nn.Module`` whose fitted statistics are buffers, so ``.to(device)`` moves everything and
+``state_dict()`` holds everything; fitting (:mod:`padim.models.fitting`), the model file
+(:mod:`padim.models.serialization`) and distributed code (:mod:`padim.models.distributed`) live
+elsewhere. Shapes: ``B`` images, ``S`` the input side, ``P = H * W`` feature-grid pixels, ``D``
+embedding channels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+
+from .features import FeatureEmbedder
+
+
+class ScoreOutput(NamedTuple):
+    """Scores of a batch.
+
+    Attributes:
+        raw_scores: ``(B,)`` maximum of each anomaly map (Mahalanobis distance units).
+        maps: ``(B, S, S)`` anomaly maps at the model's input size.
+    """
+
+    raw_scores: torch.Tensor
+    maps: torch.Tensor
+
+    def non_finite(self) -> list[int]:
+        """Indices of the images whose score or map holds a NaN or an infinity."""
+        finite = torch.isfinite(self.maps).flatten(1).all(dim=1) & torch.isfinite(self.raw_scores)
+        return torch.nonzero(~finite).flatten().tolist()
+
+
+class PadimModel(nn.Module):
+    """Backbone features, embedding, per-pixel Mahalanobis distance, map and score.
+
+    Args:
+        embedder: images -> ``(B, P, D)`` embeddings.
+        mean: ``(P, D)`` per-pixel mean.
+        precision_factor: ``(P, D, D)`` lower-triangular ``W`` with precision ``W^T W``.
+        blur_sigma: Gaussian smoothing of the map, in input pixels.
+    """
+
+    def __init__(self, embedder: FeatureEmbedder, mean: torch.Tensor, precision_factor: torch.Tensor, blur_sigma: float):
+        super().__init__()
+        self.embedder = embedder
+        self.blur_sigma = float(blur_sigma)
+        self.register_buffer("mean", mean.to(torch.float32))  # (P, D)
+        self.register_buffer("precision_factor", precision_factor.to(torch.float32))  # (P, D, D)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mean.device
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        return self.embedder.grid_shape
+
+    @property
+    def image_size(self) -> int:
+        return self.embedder.image_size
+
+    @torch.inference_mode()
+    def score_embeddings(self, embedding: torch.Tensor) -> ScoreOutput:
+        """``(B, P, D)`` embeddings -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
+        squared = squared_mahalanobis(embedding, self.mean, self.precision_factor)  # (B, P)
+        maps = anomaly_maps(squared, self.grid_shape, self.image_size, self.blur_sigma)
+        return ScoreOutput(image_scores(maps), maps)
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> ScoreOutput:
+        """``(B, 3, S, S)`` normalised images -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
+        return self.score_embeddings(self.embedder(batch))

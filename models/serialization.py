@@ -1,0 +1,228 @@
+"""The model file of a detector or a partial fit: its tensors, its header, and older formats.
+
+A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
+
+| tensor | shape | what |
+|---|---|---|
+| ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors) |
+| ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
+| ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
+| ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the streamed float64 statistics (resume, merge; not in ``--slim`` files) |
+| ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
+| ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
+| ``backbone.*`` | | the backbone weights used |
+
+and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
+``embedding_dim``, ``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
+:class:`~padim.models.detector.Provenance` fields. Format 1 files (no digests, a held-out
+calibration, ``accumulator.*`` tensors) are still read.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torchvision
+
+from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
+from padim.core.calibration import Calibration
+from padim.core.statistics import GaussianState
+from padim.core.version import __version__
+
+from .backbones import WeightsInfo
+from .config import RETIRED, PadimConfig
+from .detector import PadimDetector, Provenance, resolve_device
+from .features import Embedding, FeatureEmbedder
+from .model import PadimModel
+
+if TYPE_CHECKING:
+    from .fitting import Fit
+
+log = logging.getLogger(__name__)
+
+DETECTOR, PARTIAL = "padim-detector", "padim-partial"
+#: Tensor-name prefixes of the streamed statistics: this format's, and format 1's.
+STATISTICS_PREFIXES = ("statistics.", "accumulator.")
+
+
+# ---------------------------------------------------------------------- detectors
+def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bool = True,
+                  precision_dtype: torch.dtype | None = None) -> None:
+    """Write a detector's model file atomically.
+
+    Args:
+        with_statistics: keep the streamed statistics (needed by ``--resume`` and ``merge``).
+        precision_dtype: storage dtype of the precision factors; default: the detector's.
+    """
+    dtype = precision_dtype or detector.precision_dtype
+    with_statistics = with_statistics and detector.statistics is not None
+    model = detector.model
+    tensors = {
+        "mean": model.mean,
+        "precision_factor": pack_lower(model.precision_factor).to(dtype),
+        "calibration.scores": torch.tensor(detector.calibration.scores, dtype=torch.float64),
+        **_common_tensors(detector.embedding, detector.backbone_weights, detector.image_digests),
+        **(_statistics_tensors(detector.statistics) if with_statistics else {}),
+    }
+    header = {
+        "kind": DETECTOR,
+        **_common_header(detector.config, detector.weights, detector.embedding, model.grid_shape),
+        "precision_dtype": str(dtype).removeprefix("torch."),
+        "calibration": detector.calibration.summary(),
+        "has_statistics": with_statistics,
+        **detector.provenance.to_header(),
+    }
+    save_artifact(path, tensors, header)
+
+
+def load_detector(path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:
+    """Read a detector's model file, verified (digests) and checked (finite statistics).
+
+    Args:
+        with_statistics: also read the streamed statistics (to save the model again with them).
+
+    Raises:
+        ArtifactError: missing, damaged, partial, foreign or newer-format file (one line).
+    """
+    tensors, header = load_artifact(path, skip_prefixes=() if with_statistics else STATISTICS_PREFIXES)
+    kind = header.get("kind")
+    if kind == PARTIAL:
+        raise ArtifactError(f"{path}: a partial fit (train --partial); combine the parts with `padim merge` first")
+    if kind != DETECTOR:
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={kind!r})")
+    config, embedding, backbone_weights, weights = _read_common(path, tensors, header)
+    for name in ("mean", "precision_factor"):  # checked as stored: packed, and float16 where so saved
+        if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
+            raise ArtifactError(f"{path}: tensor {name!r} holds NaN or infinite values; this model cannot score")
+    try:
+        factor = unpack_lower(tensors["precision_factor"].to(torch.float32), embedding.embedding_dim)
+        mean = tensors["mean"]
+        calibration = _read_calibration(header, tensors)
+        statistics = _read_statistics(tensors, header, embedding.embedding_dim) if with_statistics else None
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    provenance = _read_provenance(path, header)
+    model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma)
+    precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
+    return PadimDetector(config, weights, backbone_weights, model.to(resolve_device(device)), calibration, provenance,
+                         statistics, tensors.get("image_digests"), precision_dtype)
+
+
+# ---------------------------------------------------------------------- fits
+def save_fit(fit: Fit, path: str | Path) -> None:
+    """Write a fit's statistics alone (``train --partial``), to be combined by ``padim merge``."""
+    tensors = {**_common_tensors(fit.embedding, fit.backbone_weights, fit.image_digests),
+               **_statistics_tensors(fit.statistics)}
+    header = {"kind": PARTIAL, **_common_header(fit.config, fit.weights, fit.embedding, fit.embedder.grid_shape),
+              "has_statistics": True, **fit.provenance.to_header()}
+    save_artifact(path, tensors, header)
+
+
+def load_fit(path: str | Path, runtime: PadimConfig | None = None) -> Fit:
+    """A fit from a model file with statistics (a detector, or a ``--partial`` file), to go on with.
+
+    Args:
+        runtime: batch size, device and workers to use (the rest comes from the file).
+
+    Raises:
+        ArtifactError: unreadable file, or one saved without statistics (``--slim``).
+    """
+    from .fitting import Fit
+
+    tensors, header = load_artifact(path, skip_prefixes=("mean", "precision_factor"))
+    if header.get("kind") not in (DETECTOR, PARTIAL):
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+    if not header.get("has_statistics", header.get("has_accumulators")):
+        raise ArtifactError(f"{path}: saved with --slim, without the statistics that resume and merge need; "
+                            "train a new model on all the images instead")
+    config, embedding, backbone_weights, weights = _read_common(path, tensors, header)
+    try:
+        statistics = _read_statistics(tensors, header, embedding.embedding_dim)
+        earlier = _read_calibration(header, tensors) if header.get("calibration") is not None else None
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    if runtime is not None:
+        config = config.with_runtime(runtime)
+    return Fit(config, weights, backbone_weights, embedding, statistics, tensors.get("image_digests"), earlier,
+               _read_provenance(path, header))
+
+
+# ---------------------------------------------------------------------- shared parts
+def _common_tensors(embedding: Embedding, backbone_weights: dict[str, torch.Tensor],
+                    image_digests: torch.Tensor) -> dict[str, torch.Tensor]:
+    reduction = ({"embedding.channel_index": embedding.channel_index} if embedding.channel_index is not None
+                 else {"embedding.projection": embedding.projection})
+    return {"image_digests": image_digests, **reduction, **{f"backbone.{k}": v for k, v in backbone_weights.items()}}
+
+
+def _statistics_tensors(statistics: GaussianState) -> dict[str, torch.Tensor]:
+    return {"statistics.count": statistics.count, "statistics.mean": statistics.mean,
+            "statistics.comoment": pack_lower(statistics.comoment)}
+
+
+def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embedding, grid: tuple[int, int]) -> dict:
+    stored = config.replace(embedding_dim=embedding.embedding_dim)  # D as built, not "the default"
+    return {
+        "padim_version": __version__,
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in stored.to_dict().items()},
+        "weights": weights.to_header(),
+        "embedding_dim": embedding.embedding_dim,
+        "grid": list(grid),
+    }
+
+
+def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[PadimConfig, Embedding, dict, WeightsInfo]:
+    """Configuration, embedding, backbone weights and their origin: what every model file holds."""
+    try:
+        values = dict(header["config"])
+        if not header["verified"]:  # format 1: a held-out share instead of folds
+            for key in RETIRED:
+                values.pop(key, None)
+        config = PadimConfig.from_mapping(values, source=str(path))
+        reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \
+            else {"projection": tensors["embedding.projection"]}
+        embedding = Embedding.for_layers(config.spec, config.layers, **reduction)
+        if embedding.embedding_dim != int(header["embedding_dim"]):
+            raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
+        backbone_weights = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}
+        weights = WeightsInfo(**header["weights"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    return config, embedding, backbone_weights, weights
+
+
+def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_dim: int) -> GaussianState | None:
+    prefix = "statistics." if header["verified"] else "accumulator."
+    if f"{prefix}count" not in tensors:
+        return None
+    return GaussianState(tensors[f"{prefix}count"], tensors[f"{prefix}mean"],
+                         unpack_lower(tensors[f"{prefix}comoment"], embedding_dim, symmetric=True))
+
+
+def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
+    if header["verified"]:
+        return Calibration.from_header(header["calibration"], tensors["calibration.scores"])
+    old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
+    scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
+    return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),
+                       "manual" if old.get("quantile") is None else "quantile", None)
+
+
+def _read_provenance(path, header: dict) -> Provenance:
+    provenance = Provenance.from_header(header)
+    provenance.verified = header["verified"]
+    if not provenance.verified:
+        log.warning("%s: model format %s has no digests, so its integrity is not verified, and its threshold "
+                    "comes from a few held-out images; train it again for an honest threshold",
+                    path, header["format_version"])
+        provenance.calibration_source = "held_out"
+    return provenance
+
+
+def _inconsistent(path, error: Exception) -> ArtifactError:
+    return ArtifactError(f"{path}: incomplete or inconsistent model file ({type(error).__name__}: {error})")

@@ -1,0 +1,76 @@
+"""The per-image result a line acts on, from a raw score, its map and the calibration.
+
+One function for ``padim predict`` and the HTTP service, so both give the same keys and the
+same verdict. It fails closed: a NaN or infinite score or map raises
+:class:`NonFiniteScoreError` instead of becoming "not anomalous".
+
+NumPy only (no torch op): the service runs this on decode threads beside the inference thread,
+where torch ops would each start an OpenMP team.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from padim.core.calibration import Calibration
+
+
+class NonFiniteScoreError(ArithmeticError):
+    """A score or map that is NaN or infinite: no verdict may be given from it."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What is known of one image.
+
+    Attributes:
+        score: 0 to 1, the calibrated score; ``threshold`` is where it is called anomalous.
+        raw_score: the maximum of the anomaly map (Mahalanobis distance units).
+        is_anomaly: ``score >= threshold`` (equivalently ``raw_score >= raw_threshold``).
+        threshold: the threshold on the score scale (0.5 unless a request overrides it).
+        raw_threshold: the same threshold in raw units.
+        anomalous_area: share of map pixels at or above ``raw_threshold``.
+    """
+
+    score: float
+    raw_score: float
+    is_anomaly: bool
+    threshold: float
+    raw_threshold: float
+    anomalous_area: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verdict(raw_score: float, anomaly_map: torch.Tensor | np.ndarray, calibration: Calibration,
+            threshold: float | None = None) -> Verdict:
+    """The verdict on one image.
+
+    Args:
+        raw_score: the image's raw score (the maximum of its map).
+        anomaly_map: ``(H, W)`` raw map, at any resolution (a CPU tensor or an array).
+        calibration: the model's calibration.
+        threshold: a threshold on the score scale for this image (default: the model's, 0.5).
+
+    Raises:
+        NonFiniteScoreError: the score or the map holds a NaN or an infinity.
+    """
+    values = anomaly_map.numpy() if isinstance(anomaly_map, torch.Tensor) else np.asarray(anomaly_map)
+    raw_score = float(raw_score)
+    if not math.isfinite(raw_score) or not np.isfinite(values).all():
+        raise NonFiniteScoreError("the model gave a NaN or infinite score; no verdict")
+    threshold = 0.5 if threshold is None else float(threshold)
+    raw_threshold = calibration.raw_threshold(threshold)
+    return Verdict(
+        score=calibration.score(raw_score),
+        raw_score=raw_score,
+        is_anomaly=raw_score >= raw_threshold,
+        threshold=threshold,
+        raw_threshold=raw_threshold,
+        anomalous_area=float(np.count_nonzero(values >= raw_threshold) / values.size),
+    )

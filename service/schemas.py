@@ -1,0 +1,78 @@
+"""What the service answers: one pydantic model per response shape (and the OpenAPI document's schemas)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ModelInfo(BaseModel):
+    """Which model answered: returned with every score."""
+
+    name: str = Field(description="the model file's stem")
+    backbone: str
+    created: str | None = Field(description="when the model's statistics were last extended (ISO 8601, UTC)")
+    sha256: str = Field(description="sha256 of the model file")
+    weights: str = Field(description="origin of the backbone weights; RANDOM weights are demo-only")
+
+
+class ScoreResult(BaseModel):
+    """The verdict on one image (the same keys as `padim predict`'s results.jsonl)."""
+
+    score: float = Field(description="0..1; the image is anomalous at or above `threshold`")
+    raw_score: float = Field(description="maximum of the anomaly map (Mahalanobis distance units)")
+    is_anomaly: bool
+    threshold: float = Field(description="threshold used, on the 0..1 score scale (0.5 unless the request set one)")
+    raw_threshold: float = Field(description="the same threshold in raw units")
+    anomalous_area: float = Field(description="share of map pixels at or above the threshold")
+    heatmap: str | None = Field(None, description="PNG, base64: the map blended over the image (heatmap=true)")
+    mask: str | None = Field(None, description="PNG, base64: white where at or above the threshold (mask=true)")
+
+
+class ScoreResponse(ScoreResult):
+    model: ModelInfo
+    latency_ms: float
+
+
+class BatchResponse(BaseModel):
+    results: list[ScoreResult] = Field(description="one per `file` part, in order")
+    model: ModelInfo
+    latency_ms: float
+
+
+class CalibrationInfo(BaseModel):
+    """How the threshold was set and what it promises (see the README's Calibration section)."""
+
+    method: str = Field(description="gumbel_tail, empirical, maximum, manual or quantile (format 1)")
+    threshold: float = Field(description="raw threshold (score 0.5)")
+    scale: float = Field(description="raw-score width of the logistic score")
+    scores: int = Field(description="out-of-fold (or held-out) normal scores it was set from")
+    earlier_scores: int = Field(description="how many of them were kept from an earlier fit (--resume)")
+    false_alarm_rate: float | None = Field(description="the rate asked for (none for a manual threshold)")
+    promised_false_alarm_rate: float = Field(description="distribution-free rate: (N + 1 - j) / (N + 1)")
+    false_alarm_bound: float = Field(description="upper bound of the rate at `confidence`")
+    confidence: float
+    source: str | None = Field(description="out_of_fold (the fit's images) or held_out (images no part fitted)")
+    folds: int
+
+
+class ModelDescription(ModelInfo):
+    """A served model in full (``GET /models``)."""
+
+    weights_source: str
+    layers: list[str]
+    image_size: int
+    embedding_dim: int
+    reduction: str
+    grid: list[int]
+    epsilon: float
+    fit_image_count: int
+    calibration: CalibrationInfo
+    verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
+    padim_version: str
+    threshold: float = Field(description="the threshold on the score scale: 0.5")
+    load_seconds: float
+
+
+class ModelsResponse(BaseModel):
+    default: str = Field(description="the model POST /score uses")
+    models: list[ModelDescription] = Field(description="the default first")

@@ -1,0 +1,41 @@
+"""The per-image verdict, recomputed by hand; it fails closed on NaN and infinity."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from padim.core.calibration import Calibration
+from padim.models.verdicts import NonFiniteScoreError, verdict
+
+CALIBRATION = Calibration.from_scores(torch.linspace(10.0, 20.0, 50, dtype=torch.float64), 0.01)
+
+
+def test_verdict_against_a_hand_computation():
+    anomaly_map = np.full((8, 8), 5.0, dtype=np.float32)
+    anomaly_map[:2, :3] = CALIBRATION.threshold + 1  # 6 of 64 pixels over the threshold
+    raw = float(anomaly_map.max())
+    result = verdict(raw, torch.from_numpy(anomaly_map), CALIBRATION)
+    assert result.is_anomaly and result.threshold == 0.5 and result.raw_threshold == pytest.approx(CALIBRATION.threshold)
+    assert result.score == pytest.approx(1 / (1 + math.exp(-(raw - CALIBRATION.threshold) / CALIBRATION.scale)))
+    assert result.anomalous_area == 6 / 64
+    assert set(result.to_dict()) == {"score", "raw_score", "is_anomaly", "threshold", "raw_threshold", "anomalous_area"}
+
+
+def test_a_stricter_threshold_for_one_image():
+    anomaly_map = np.full((4, 4), CALIBRATION.threshold + 0.1)
+    relaxed, strict = (verdict(float(anomaly_map.max()), anomaly_map, CALIBRATION, t) for t in (0.5, 0.9))
+    assert relaxed.is_anomaly and relaxed.anomalous_area == 1.0
+    assert not strict.is_anomaly and strict.anomalous_area == 0.0
+    assert strict.raw_threshold == pytest.approx(CALIBRATION.threshold + CALIBRATION.scale * math.log(9))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scores_or_maps_give_no_verdict(bad):
+    with pytest.raises(NonFiniteScoreError):
+        verdict(bad, np.zeros((4, 4)), CALIBRATION)
+    anomaly_map = np.zeros((4, 4))
+    anomaly_map[1, 2] = bad
+    with pytest.raises(NonFiniteScoreError):
+        verdict(1.0, anomaly_map, CALIBRATION)
