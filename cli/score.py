@@ -45,7 +45,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     from padim.core.scoring import resize_map
     from padim.models import NonFiniteScoreError, PadimDetector, list_images, verdict
-    from padim.models.images import iter_batches
+    from padim.models.images import decode_side, iter_batches
     from padim.models.visualize import overlay
 
     detector = PadimDetector.load(args.model, device=args.device or "auto")
@@ -66,7 +66,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     with open(args.output / "results.jsonl", "w") as results, \
             tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
         for chunk, images in iter_batches([p for p, _ in items], args.batch_size or DEFAULT_BATCH_SIZE,
-                                          DEFAULT_WORKERS if args.workers is None else args.workers):
+                                          DEFAULT_WORKERS if args.workers is None else args.workers,
+                                          draft_to=decode_side(detector.config.image_size)):
             out = detector.score(detector.preprocess(images))
             raw_scores, maps = out.raw_scores.cpu(), out.maps.cpu()
             for path, image, raw, anomaly_map in zip(chunk, images, raw_scores.tolist(), maps):

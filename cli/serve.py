@@ -11,18 +11,18 @@ from padim.models.choices import DEVICES
 
 from .common import UserError
 
-#: The service's settings, as PADIM_* environment variables (listed in ``padim serve --help``).
-SETTINGS = ("PADIM_MODELS, PADIM_MODEL_DIR, PADIM_DEFAULT_MODEL, PADIM_API_KEY, PADIM_HOST, PADIM_PORT, PADIM_DEVICE, "
-            "PADIM_MAX_BATCH_SIZE, PADIM_PREFERRED_BATCH_SIZE, PADIM_MAX_DELAY_MS, PADIM_MAX_QUEUE, "
-            "PADIM_REQUEST_TIMEOUT_S, PADIM_MAX_UPLOAD_BYTES, PADIM_MAX_IMAGE_PIXELS, PADIM_DECODE_WORKERS, "
-            "PADIM_HEATMAP_MAX_SIDE, PADIM_DRAIN_TIMEOUT_S, PADIM_LOG_LEVEL")
+def settings_names() -> str:
+    """Every service setting as its PADIM_* variable (pydantic only: ``padim --help`` stays torch-free)."""
+    from padim.service.settings import ServiceSettings
+
+    return ", ".join(f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields)
 
 
 def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
     serve = commands.add_parser(
         "serve", help="serve models over HTTP (FastAPI): POST /score",
         description="Serve one or more model files. Each is named by its file stem; the first is the default. "
-        f"Flags override PADIM_* environment variables ({SETTINGS}; see the README). "
+        f"Flags override PADIM_* environment variables ({settings_names()}; see the README's table). "
         "The API key is read from PADIM_API_KEY only, never from a flag.",
     )
     serve.add_argument("--model", type=Path, action="append", dest="models", metavar="FILE", help="model file (repeatable)")

@@ -22,7 +22,7 @@ from sklearn.metrics import f1_score, precision_recall_curve, roc_auc_score
 from tqdm.auto import tqdm
 
 from padim.models import PadimDetector
-from padim.models.images import IMAGE_SUFFIXES, iter_batches, list_images
+from padim.models.images import IMAGE_SUFFIXES, decode_side, iter_batches, list_images
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def evaluate(detector: PadimDetector, root: str | Path, batch_size: int = 16, wo
     samples = read_mvtec_category(root)
     raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
-        for chunk, images in iter_batches([s.path for s in samples], batch_size, workers):
+        for chunk, images in iter_batches([s.path for s in samples], batch_size, workers,
+                                          draft_to=decode_side(detector.config.image_size)):
             out = detector.score(detector.preprocess(images))
             raw_scores.append(out.raw_scores.cpu())
             maps.append(out.maps.cpu())

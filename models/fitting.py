@@ -39,7 +39,7 @@ from .config import PadimConfig
 from .detector import PadimDetector, Provenance, choose_precision_dtype, resolve_device
 from .distributed import Shard
 from .features import Embedding, FeatureEmbedder
-from .images import iter_decoded
+from .images import decode_side, iter_decoded
 from .model import PadimModel
 
 #: A fold's embeddings are kept between its two uses in the calibrate pass up to this size.
@@ -113,6 +113,11 @@ class Fit:
         save_fit(self, path)
 
     @property
+    def draft_to(self) -> int:
+        """JPEGs are decoded down to this side (see :func:`~padim.models.images.decode_side`)."""
+        return decode_side(self.config.image_size)
+
+    @property
     def count(self) -> int:
         """Images in the statistics."""
         return 0 if self.statistics is None else int(self.statistics.count)
@@ -142,7 +147,7 @@ class Fit:
 
         def run() -> None:
             with tqdm(total=len(mine), desc="fit", unit="img", disable=not progress, leave=False) as bar:
-                for paths, images in iter_decoded(batches, self.config.workers, unreadable):
+                for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to):
                     accumulator.partial_fit(self.embedder(self.embedder.preprocess(images)))
                     digests.extend((name_of[p], file_digest(p)) for p in paths)
                     bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
@@ -205,7 +210,7 @@ class Fit:
         cache: list[torch.Tensor] | None = []
         cached_bytes = 0
         part = GaussianAccumulator()
-        for _, pictures in iter_decoded(batches, self.config.workers, []):
+        for _, pictures in iter_decoded(batches, self.config.workers, [], self.draft_to):
             embedded = self.embedder(self.embedder.preprocess(pictures))  # (B, P, D)
             part.partial_fit(embedded)
             if cache is not None:
@@ -222,7 +227,7 @@ class Fit:
         del rest, part
         fold_model = PadimModel(self.embedder, mean, precision_factor, self.config.blur_sigma)
         embedded_batches = cache if cache is not None else (
-            self.embedder(self.embedder.preprocess(pictures)) for _, pictures in iter_decoded(batches, self.config.workers, []))
+            self.embedder(self.embedder.preprocess(pictures)) for _, pictures in iter_decoded(batches, self.config.workers, [], self.draft_to))
         values = []
         for embedded in embedded_batches:
             values.append(fold_model.score_embeddings(embedded).raw_scores.to(torch.float64))

@@ -25,7 +25,7 @@ from .config import PadimConfig
 from .detector import PadimDetector, Provenance, choose_precision_dtype, now
 from .distributed import Shard
 from .fitting import Fit, TrainingImage, batches_of, file_digest
-from .images import iter_decoded, list_images
+from .images import decode_side, iter_decoded, list_images
 from .model import PadimModel
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
@@ -194,7 +194,7 @@ def merge_fits(parts: Sequence[Fit], sources: Sequence[str], calibration_images:
     values, sample = [], None
     batches = batches_of([[TrainingImage(p, p.name) for p in calibration_images]], config.batch_size)
     with tqdm(total=len(calibration_images), desc="calibrate", unit="img", disable=not progress, leave=False) as bar:
-        for paths, pictures in iter_decoded(batches, config.workers, unreadable):
+        for paths, pictures in iter_decoded(batches, config.workers, unreadable, decode_side(config.image_size)):
             embedded = merged.embedder(merged.embedder.preprocess(pictures))
             sample = embedded if sample is None else sample
             values.append(model.score_embeddings(embedded).raw_scores.to(torch.float64).cpu())

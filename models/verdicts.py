@@ -32,7 +32,8 @@ class Verdict:
         raw_score: the maximum of the anomaly map (Mahalanobis distance units).
         is_anomaly: ``score >= threshold`` (equivalently ``raw_score >= raw_threshold``).
         threshold: the threshold on the score scale (0.5 unless a request overrides it).
-        raw_threshold: the same threshold in raw units.
+        raw_threshold: the same threshold in raw units (-inf at threshold 0, +inf at 1; ``None``
+            in :meth:`to_dict`, as JSON has no infinity).
         anomalous_area: share of map pixels at or above ``raw_threshold``.
     """
 
@@ -44,7 +45,10 @@ class Verdict:
     anomalous_area: float
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        result = asdict(self)
+        if not math.isfinite(self.raw_threshold):
+            result["raw_threshold"] = None
+        return result
 
 
 def verdict(raw_score: float, anomaly_map: torch.Tensor | np.ndarray, calibration: Calibration,

@@ -12,16 +12,23 @@ from fastapi import FastAPI
 from padim.core.version import __version__
 
 from .errors import install_error_handlers
-from .middleware import BodySizeLimit, RequestContext
+from .middleware import BodyGuard, RequestContext
+from .openapi import truthful_openapi
 from .routes import health, metrics, models, score
 from .runtime import Runtime
 from .settings import ServiceSettings, get_settings
 
 log = logging.getLogger("padim.service")
 
+#: Routers whose routes need the API key when one is set (see deps.require_api_key).
+PROTECTED_TAGS = {score.router.tags[0], models.router.tags[0]}
+
 DESCRIPTION = """PaDiM anomaly scoring. `POST /score` with an image (multipart field `file`, or the raw
-body with an `image/*` content type) returns its score (0..1, threshold at 0.5), the verdict, the
-anomalous area and, on request, a heat map and a mask. Errors are `{"error": {"code", "message"}}`."""
+body with an `image/*` or `application/octet-stream` content type) returns its score (0..1, threshold
+at 0.5), the verdict, the anomalous area and, on request, a heat map and a mask. Errors are
+`{"error": {"code", "message"}}`. Before a request reaches a route, the connection limits answer 431
+(headers over PADIM_MAX_HEADER_BYTES or PADIM_MAX_HEADERS), 408 (headers slower than
+PADIM_HEADER_TIMEOUT_S) and 503 `too_many_connections` (over PADIM_MAX_CONNECTIONS)."""
 
 
 def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:
@@ -44,13 +51,18 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
                 loading.cancel()
             await runtime.close()
 
+    settings = runtime.settings
     app = FastAPI(title="padim", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.runtime = runtime
     install_error_handlers(app)
     for module in (health, models, score, metrics):
         app.include_router(module.router)
-    app.add_middleware(BodySizeLimit, max_bytes=runtime.settings.max_upload_bytes)
-    app.add_middleware(RequestContext, metrics=runtime.metrics)  # outermost: sees every response
+    app.openapi = lambda: truthful_openapi(app, PROTECTED_TAGS, api_key_required=settings.api_key is not None,
+                                           batch_limit=settings.batch_limit())
+    app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
+                       max_discard_bytes=settings.max_discard_bytes)
+    # outermost: sees every response, and answers the requests a drain timeout cancels
+    app.add_middleware(RequestContext, metrics=runtime.metrics, draining=lambda: runtime.draining)
     return app
 
 

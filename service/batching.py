@@ -45,7 +45,8 @@ class MicroBatcher:
         max_batch_size: largest batch.
         max_delay: seconds the first image of a batch may wait for company.
         preferred_batch_size: send a batch as soon as it has this many images (default: max).
-        max_queue: images allowed to wait; beyond that, :meth:`submit` raises 503.
+        max_queue: images admitted and not yet taken into a batch; a request that would go
+            over gets 503 from :meth:`admit`, before its images are decoded.
         on_batch: ``(batch_size, queue_waits)`` callback for metrics.
     """
 
@@ -64,7 +65,9 @@ class MicroBatcher:
         self.max_batch_size = max_batch_size
         self.batch_limit = min(preferred_batch_size or max_batch_size, max_batch_size)
         self.max_delay = max_delay
-        self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()  # bounded by admission, not here
+        self.admitted = 0  # images admitted (reserved or queued) and not yet taken into a batch
         self.on_batch = on_batch
         self._task: asyncio.Task | None = None
 
@@ -80,25 +83,45 @@ class MicroBatcher:
                 pass
         while not self.queue.empty():  # nothing should be left after a drain; fail loudly if so
             item = self.queue.get_nowait()
+            self._taken(1)
             if not item.future.done():
                 item.future.set_exception(ApiError(503, "shutting_down", "the server is shutting down"))
 
-    def submit(self, tensor: torch.Tensor) -> asyncio.Future:
-        """Queue one ``(3, S, S)`` image; the future resolves to its result."""
+    def admit(self, count: int) -> Admission:
+        """Reserve queue places for ``count`` images, before they are decoded.
+
+        Raises:
+            ApiError: 503 ``overloaded`` (with ``Retry-After``) when the queue has no room now.
+        """
+        if self.admitted + count > self.max_queue:
+            raise ApiError(503, "overloaded", f"the queue is full ({self.admitted} of {self.max_queue} places taken); "
+                           "retry shortly", headers={"Retry-After": "1"})
+        self.admitted += count
+        return Admission(self, count)
+
+    def submit(self, tensor: torch.Tensor, admission: Admission | None = None) -> asyncio.Future:
+        """Queue one ``(3, S, S)`` image on a place ``admission`` reserved (or admit it now); the
+        future resolves to its result."""
+        admission = admission or self.admit(1)
+        if admission.unused <= 0:
+            raise RuntimeError("submit() beyond the places admitted")
+        admission.unused -= 1
         future = asyncio.get_running_loop().create_future()
-        try:
-            self.queue.put_nowait(Item(tensor, future))
-        except asyncio.QueueFull:
-            raise ApiError(503, "overloaded", f"the queue is full ({self.queue.maxsize} images waiting); retry shortly",
-                           headers={"Retry-After": "1"}) from None
+        self.queue.put_nowait(Item(tensor, future))
         return future
+
+    def _taken(self, count: int) -> None:
+        self.admitted -= count
+
 
     async def _gather(self) -> list[Item]:
         batch = [await self.queue.get()]
+        self._taken(1)
         deadline = time.perf_counter() + self.max_delay
         while len(batch) < self.batch_limit:
             if not self.queue.empty():
                 batch.append(self.queue.get_nowait())
+                self._taken(1)
                 continue
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
@@ -107,6 +130,7 @@ class MicroBatcher:
                 batch.append(await asyncio.wait_for(self.queue.get(), remaining))
             except TimeoutError:
                 break
+            self._taken(1)
         return [item for item in batch if not item.future.done()]  # skip requests that gave up
 
     async def _run(self) -> None:
@@ -130,3 +154,24 @@ class MicroBatcher:
             for item, result in zip(batch, results):
                 if not item.future.done():
                     item.future.set_result(result)
+
+
+class Admission:
+    """Queue places reserved for one request's images; :meth:`release` gives back the unused ones.
+
+    Use as a context manager around decoding and submitting, so a request that fails before
+    queueing all its images (a bad image, a disconnect) frees its places.
+    """
+
+    def __init__(self, batcher: MicroBatcher, count: int):
+        self.batcher, self.unused = batcher, count
+
+    def release(self) -> None:
+        self.batcher._taken(self.unused)
+        self.unused = 0
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

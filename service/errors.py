@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -18,7 +21,18 @@ class ApiError(Exception):
 
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int):
-        super().__init__(413, "payload_too_large", f"the request body is over the limit of {limit} bytes")
+        super().__init__(413, "payload_too_large", f"the request body is over the limit of "
+                         f"PADIM_MAX_UPLOAD_BYTES = {limit} bytes", headers={"Connection": "close"})
+
+
+class BodyTimeout(ApiError):
+    def __init__(self, seconds: float):
+        super().__init__(408, "body_timeout", f"the request body did not arrive within {seconds:g} s "
+                         "(PADIM_BODY_TIMEOUT_S)", headers={"Connection": "close"})
+
+
+#: Status recorded (metrics, access log) for a request whose client went away before the answer.
+CLIENT_CLOSED = 499
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -44,9 +58,12 @@ def install_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(x) for x in first.get("loc", ()))
         return error_response(422, "invalid_parameter", f"{where}: {first.get('msg', 'invalid')}")
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, error: ClientDisconnect) -> Response:
+        logging.getLogger("padim.service").info("client disconnected before sending the whole request")
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; metrics and the access log do
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        import logging
-
         logging.getLogger("padim.service").exception("unhandled error")
         return error_response(500, "internal_error", "internal error; see the server log (request id in X-Request-ID)")

@@ -1,56 +1,93 @@
-"""Pure ASGI middleware: upload limit (checked while streaming) and request context/logging."""
+"""Pure ASGI middleware: the request body's limits, and request context/logging/draining."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
-from .errors import BodyTooLarge
+from .errors import BodyTimeout, BodyTooLarge
 from .metrics import Metrics
 
 access_log = logging.getLogger("padim.access")
+log = logging.getLogger("padim.service")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-class BodySizeLimit:
-    """413 for bodies over ``max_bytes``: at once from Content-Length, else while streaming.
+class BodyGuard:
+    """The request body: at most ``max_bytes`` (413) and all of it within ``timeout_s`` (408).
 
-    Counting happens in ``receive``, so an over-long chunked body is refused after
-    ``max_bytes`` have arrived rather than after it has all been read.
+    An over-limit body is read and thrown away (up to ``max_discard_bytes``, within the same
+    deadline) before the 413 is sent: a client still writing its upload when the server closes
+    the connection gets a "connection reset" instead of the answer. The 413 comes at once from
+    ``Content-Length``, or from counting while a chunked body streams in.
     """
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float, max_discard_bytes: int):
+        self.app, self.max_bytes, self.timeout_s, self.max_discard_bytes = app, max_bytes, timeout_s, max_discard_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
+        deadline = time.monotonic() + self.timeout_s
+        declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_json(send, 413, "payload_too_large", f"the request body is over the limit of {self.max_bytes} bytes")
+            await self._discard(receive, deadline)
+            error = BodyTooLarge(self.max_bytes)
+            return await _send_json(send, error.status, error.code, error.message)
         seen = 0
+        done = False
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
+        async def guarded_receive():
+            nonlocal seen, done
+            if done:  # the body is in: what follows is a disconnect, however late
+                return await receive()
+            message = await self._receive_by(receive, deadline)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                done = not message.get("more_body", False)
                 if seen > self.max_bytes:
+                    if not done:
+                        await self._discard(receive, deadline)
                     raise BodyTooLarge(self.max_bytes)
             return message
 
-        return await self.app(scope, limited_receive, send)
+        return await self.app(scope, guarded_receive, send)
+
+    async def _receive_by(self, receive, deadline: float) -> dict:
+        try:
+            return await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise BodyTimeout(self.timeout_s) from None
+
+    async def _discard(self, receive, deadline: float) -> None:
+        """Read the rest of the body and throw it away, up to the bounds."""
+        discarded = 0
+        while discarded <= self.max_discard_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return
+            if message["type"] != "http.request":
+                return
+            discarded += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 class RequestContext:
-    """Request id (``X-Request-ID``), in-flight gauge, metrics by route and status, JSON access log."""
+    """Request id (``X-Request-ID``), in-flight gauge, metrics by route and status, JSON access log.
 
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    When the drain timeout runs out, uvicorn cancels the requests still running; they are
+    answered 503 ``shutting_down`` here (not uvicorn's bare 500) and logged.
+    """
+
+    def __init__(self, app, metrics: Metrics, draining: Callable[[], bool] = lambda: False):
+        self.app, self.metrics, self.draining = app, metrics, draining
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -72,6 +109,13 @@ class RequestContext:
         self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            if not self.draining():
+                raise
+            log.warning("request cancelled: the drain timeout ran out", extra={"request_id": request_id})
+            if status == 500:  # nothing sent yet
+                await _send_json(send_with_id, 503, "shutting_down",
+                                 "the server is shutting down and could not finish this request; retry")
         finally:
             self.metrics.in_flight.dec()
             latency = time.perf_counter() - started

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import io
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +21,8 @@ from PIL import Image
 from padim.core.artifact import file_sha256
 from padim.core.scoring import resize_map
 from padim.models import NonFiniteScoreError, PadimDetector, verdict
-from padim.models.images import ImageError, ImageTooLarge, open_image
+from padim.models.images import (ImageError, ImageTooLarge, bounded_copy, bounded_size, decode_side,
+                                 image_dimensions, open_image)
 from padim.models.visualize import mask_image, overlay
 
 from .batching import MicroBatcher
@@ -27,6 +32,65 @@ from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
 
 log = logging.getLogger("padim.service")
+
+#: After decoding an image at least this large, freed memory is handed back to the system at once.
+TRIM_AFTER_PIXELS = 4_000_000
+
+
+class PixelBudget:
+    """At most ``capacity`` decoded pixels in flight across the decode threads.
+
+    A thread waits (outside the event loop) until its image fits; an image larger than the
+    budget waits until it is alone. Decode memory is then about ``capacity`` x 4 bytes (Pillow
+    keeps RGB as 4 bytes a pixel) plus one conversion copy, whatever the number of requests.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = capacity, 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, pixels: int) -> Iterator[None]:
+        pixels = min(pixels, self.capacity)
+        with self._changed:
+            self._changed.wait_for(lambda: self.used + pixels <= self.capacity)
+            self.used += pixels
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.used -= pixels
+                self._changed.notify_all()
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent on musl and macOS
+    except (AttributeError, OSError):
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the system now (glibc ``malloc_trim``; a no-op elsewhere).
+
+    glibc serves large blocks from its heaps once a block of that size has been freed, so the
+    memory of decoded large images would otherwise stay with the process after a burst.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+@dataclass
+class Decoded:
+    """One request image, decoded: its model input and, when asked for, a bounded copy to draw on."""
+
+    tensor: torch.Tensor  # (3, S, S) model input
+    shown: Image.Image | None  # at most heatmap_max_side a side; None unless a heat map was asked for
+    shown_size: tuple[int, int]  # (width, height) of heat maps and masks
+    large: bool  # decoded from at least TRIM_AFTER_PIXELS: hand freed memory back once done with it
 
 
 @dataclass
@@ -72,6 +136,7 @@ class Runtime:
         self.startup_error: str | None = None
         self.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self.decode = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
+        self.pixels = PixelBudget(settings.pixel_budget())
 
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
@@ -132,17 +197,30 @@ class Runtime:
             raise ApiError(404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models)}")
         return self.models[key]
 
-    def decode_image(self, model: ServedModel, data: bytes) -> tuple[Image.Image, torch.Tensor]:
-        """Runs on the decode pool: bytes -> RGB image and its ``(3, S, S)`` model input."""
+    def decode_image(self, model: ServedModel, data: bytes, keep_image: bool) -> Decoded:
+        """Runs on the decode pool: bytes -> model input (and a bounded copy when ``keep_image``).
+
+        The full-size image lives only inside this call, within the pixel budget.
+        """
+        limits = {"max_pixels": self.settings.max_image_pixels, "limit_name": "PADIM_MAX_IMAGE_PIXELS"}
         try:
-            image = open_image(data, max_pixels=self.settings.max_image_pixels)
+            width, height = image_dimensions(data, **limits)
+            with self.pixels.hold(width * height):
+                image = open_image(data, draft_to=decode_side(model.detector.config.image_size), **limits)
+                tensor = model.detector.preprocess([image])[0]
+                shown = bounded_copy(image, self.settings.heatmap_max_side) if keep_image else None
+                shown_size = bounded_size(image.size, self.settings.heatmap_max_side)
+                del image
         except ImageTooLarge as error:
             raise ApiError(413, "image_too_large", str(error)) from None
         except ImageError as error:
             raise ApiError(422, "invalid_image", str(error)) from None
-        return image, model.detector.preprocess([image])[0]
+        large = width * height >= TRIM_AFTER_PIXELS
+        if large:
+            release_memory()
+        return Decoded(tensor, shown, shown_size, large)
 
-    def build_result(self, model: ServedModel, image: Image.Image, raw: float, anomaly_map: torch.Tensor,
+    def build_result(self, model: ServedModel, decoded: Decoded, raw: float, anomaly_map: torch.Tensor,
                      threshold: float | None, heatmap: bool, mask: bool) -> dict:
         """Runs on the decode pool: the verdict (the same as ``padim predict``'s) and the requested images."""
         calibration = model.detector.calibration
@@ -153,15 +231,15 @@ class Runtime:
             raise ApiError(500, "non_finite_score", "the model gave a NaN or infinite score for this image, so no "
                            "verdict is given; the model file may be damaged (check it with `padim info --verify`)") from None
         if heatmap or mask:
-            scale = min(1.0, self.settings.heatmap_max_side / max(image.size))
-            width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
+            width, height = decoded.shown_size
             resized = resize_map(anomaly_map, height, width)
             normalised_map = calibration.normalise(resized.double()).numpy()
             if heatmap:
-                shown = image.resize((width, height), Image.BILINEAR) if scale < 1 else image
-                result["heatmap"] = _png_base64(overlay(shown, normalised_map, label=model.detector.weights.stamp))
+                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, label=model.detector.weights.stamp))
             if mask:
                 result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))
+            if decoded.large:
+                release_memory()
         return result
 
 

@@ -22,7 +22,8 @@ class ScoreResult(BaseModel):
     raw_score: float = Field(description="maximum of the anomaly map (Mahalanobis distance units)")
     is_anomaly: bool
     threshold: float = Field(description="threshold used, on the 0..1 score scale (0.5 unless the request set one)")
-    raw_threshold: float = Field(description="the same threshold in raw units")
+    raw_threshold: float | None = Field(description="the same threshold in raw units; null when the threshold "
+                                        "is 0 or 1, which have no finite raw value")
     anomalous_area: float = Field(description="share of map pixels at or above the threshold")
     heatmap: str | None = Field(None, description="PNG, base64: the map blended over the image (heatmap=true)")
     mask: str | None = Field(None, description="PNG, base64: white where at or above the threshold (mask=true)")
@@ -76,3 +77,24 @@ class ModelDescription(ModelInfo):
 class ModelsResponse(BaseModel):
     default: str = Field(description="the model POST /score uses")
     models: list[ModelDescription] = Field(description="the default first")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable reason, e.g. `invalid_image`, `overloaded`")
+    message: str = Field(description="what went wrong and what to do, for people")
+
+
+class ErrorResponse(BaseModel):
+    """Every error the service answers, whatever its status."""
+
+    error: ErrorDetail
+
+
+class LiveResponse(BaseModel):
+    status: str = Field(description="always `alive`")
+
+
+class ReadyResponse(BaseModel):
+    status: str = Field(description="`ready`, or `not_ready` (with status 503)")
+    models: list[str] | None = Field(None, description="the served models, when ready")
+    reason: str | None = Field(None, description="`loading`, `draining` or `failed: ...`, when not ready")

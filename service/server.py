@@ -12,7 +12,11 @@ import uvicorn
 from padim.core.artifact import read_header
 
 from .app import create_app
+from .protocol import ConnectionLimits, guarded_protocol
 from .settings import ServiceSettings
+
+#: The ``Server`` header: the product, no version (uvicorn's own names the server software).
+SERVER_HEADER = "padim"
 
 GIL_SWITCH_INTERVAL = 0.0005  # seconds
 
@@ -77,8 +81,13 @@ def serve(settings: ServiceSettings) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=stop)
+    limits = ConnectionLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
+                              header_timeout_s=settings.header_timeout_s, max_connections=settings.max_connections,
+                              max_discard_bytes=settings.max_discard_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=settings.drain_timeout_s, lifespan="on")
+                            timeout_graceful_shutdown=settings.drain_timeout_s, lifespan="on",
+                            http=guarded_protocol(limits), timeout_keep_alive=settings.keep_alive_timeout_s,
+                            server_header=False, headers=[("server", SERVER_HEADER)])
     server = DrainingServer(config, app.state.runtime)
     # uvicorn re-raises the signal it drained on once its own handlers are gone; with these
     # no-op handlers in place a clean drain ends with exit code 0 instead of death by signal.

@@ -32,14 +32,36 @@ class ServiceSettings(BaseSettings):
         None, ge=1, le=1024,
         description="send a batch once it has this many images; default 8 on CPU (larger batches are no "
         "faster per image there), max_batch_size on CUDA")
-    max_queue: int = Field(256, ge=1, description="queued images per model before 503")
+    max_queue: int = Field(256, ge=1, description="images per model admitted and waiting for a batch; a request "
+                           "that would go over gets 503 before its images are decoded, and a batch request with "
+                           "more images than this (or than max_batch_size) gets 422 batch_too_large")
     request_timeout_s: float = Field(30.0, gt=0, description="a request waiting longer gets 504")
-    max_upload_bytes: int = Field(20_000_000, ge=1, description="larger bodies get 413, before being read")
+    max_upload_bytes: int = Field(20_000_000, ge=1, description="larger bodies get 413 (the body is read and "
+                                  "discarded up to max_discard_bytes so the client can read the answer)")
+    max_discard_bytes: int = Field(64_000_000, ge=0, description="how much of a refused body (or headers) is read "
+                                   "and thrown away before the connection is closed")
     max_image_pixels: int = Field(40_000_000, ge=1, description="larger images get 413 (decompression bombs)")
     decode_workers: int = Field(2, ge=1, description="threads decoding and resizing images")
+    decode_pixel_budget: int | None = Field(
+        None, ge=1, description="decoded pixels in flight at once across all requests, which bounds decode "
+        "memory (Pillow holds 4 bytes a pixel); default twice max_image_pixels: two images at the limit")
+    max_header_bytes: int = Field(32_768, ge=1024, description="request line and headers over this get 431")
+    max_headers: int = Field(100, ge=1, description="requests with more headers get 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="the request line and headers must arrive within this "
+                                    "(else 408, or a silent close if nothing was sent)")
+    body_timeout_s: float = Field(60.0, gt=0, description="the body must arrive within this after the headers, else 408")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    max_connections: int = Field(512, ge=1, description="open connections beyond this get 503 too_many_connections")
     heatmap_max_side: int = Field(1024, ge=16, description="heat maps and masks are at most this many pixels wide/high")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def pixel_budget(self) -> int:
+        return self.decode_pixel_budget or 2 * self.max_image_pixels
+
+    def batch_limit(self) -> int:
+        """Most images one /score/batch request may carry."""
+        return min(self.max_batch_size, self.max_queue)
 
     def batch_preference(self, device_type: str) -> int:
         """The preferred batch size on a device of this type (``cpu`` or ``cuda``)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,3 +87,26 @@ def tensor_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
     entries = json.loads(raw[8 : 8 + length])
     return {name: (8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
             for name, e in entries.items() if name != "__metadata__"}
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The value of one sample in the server's /metrics (0 when it is not there yet)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def large_png(side: int = 6300) -> bytes:
+    """A ~160 KB PNG that decodes to side x side pixels (about 160 MB as Pillow holds it)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = np.full((side, side, 3), (120, 110, 100), dtype=np.uint8)
+    pixels[rng.integers(0, side, 2000), rng.integers(0, side, 2000)] = rng.integers(0, 255, (2000, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -2,19 +2,21 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from ..deps import RuntimeDep
+from ..schemas import LiveResponse, ReadyResponse
 
 router = APIRouter(prefix="/health", tags=["health"])
 
 
 @router.get("/live", summary="the process is up (always open)")
-async def live() -> dict:
-    return {"status": "alive"}
+async def live() -> LiveResponse:
+    return LiveResponse(status="alive")
 
 
 @router.get("/ready", summary="every model is loaded and warm, and the server is not draining (always open)",
-            responses={503: {"description": "loading, failed, or draining"}})
+            response_model=ReadyResponse, response_model_exclude_none=True,
+            responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}})
 async def ready(runtime: RuntimeDep):
     if runtime.ready and not runtime.draining:
-        return {"status": "ready", "models": list(runtime.models)}
+        return ReadyResponse(status="ready", models=list(runtime.models))
     reason = "draining" if runtime.draining else ("failed: " + runtime.startup_error if runtime.startup_error else "loading")
     return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)

@@ -6,8 +6,10 @@ from ..deps import RuntimeDep
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", summary="Prometheus metrics (open, for scrapers)", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics (open, for scrapers)", response_class=Response,
+            responses={200: {"description": "Prometheus text format",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(runtime: RuntimeDep) -> Response:
     for name, model in runtime.models.items():
-        runtime.metrics.queue_depth.labels(name).set(model.batcher.queue.qsize())
+        runtime.metrics.queue_depth.labels(name).set(model.batcher.admitted)
     return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)

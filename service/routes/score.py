@@ -12,22 +12,32 @@ from starlette.exceptions import HTTPException
 
 from ..deps import ApiKey, RuntimeDep
 from ..errors import ApiError
+from ..openapi import error_responses
+from ..batching import Admission
 from ..runtime import Runtime, ServedModel
 from ..schemas import BatchResponse, ScoreResponse
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 
+#: Multipart parts (files or fields) read from one body before it is refused as malformed.
+MAX_PARTS = 1000
+
 
 def _image_body(many: bool) -> dict:
     file_schema = {"type": "string", "format": "binary"}
     properties = {
-        "file": {"type": "array", "items": file_schema} if many else file_schema,
+        # maxItems: the batch limit, a setting; filled in by service.openapi
+        "file": {"type": "array", "items": file_schema, "minItems": 1} if many else file_schema,
         "heatmap": {"type": "boolean"}, "mask": {"type": "boolean"}, "threshold": {"type": "number", "minimum": 0, "maximum": 1},
     }
     content = {"multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": ["file"]}}}
-    if not many:
+    if not many:  # the raw image as the body; its format is read from its bytes, not the content type
         content["image/*"] = {"schema": file_schema}
+        content["application/octet-stream"] = {"schema": file_schema}
     return {"requestBody": {"required": True, "content": content}}
+
+
+ERRORS = error_responses(404, 408, 413, 415, 422, 500, 503, 504)
 
 
 HeatmapQ = Annotated[bool, Query(description="return the heat map (PNG, base64)")]
@@ -35,21 +45,21 @@ MaskQ = Annotated[bool, Query(description="return the binary mask at the thresho
 ThresholdQ = Annotated[float | None, Query(ge=0, le=1, description="override the threshold (0..1 score scale) for this request")]
 
 
-@router.post("/score", response_model=ScoreResponse, response_model_exclude_none=True, openapi_extra=_image_body(False),
-             summary="score one image with the default model")
+@router.post("/score", response_model=ScoreResponse, response_model_exclude_unset=True, openapi_extra=_image_body(False),
+             responses=ERRORS, summary="score one image with the default model")
 async def score(request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None):
     return await _score(request, runtime, None, heatmap, mask, threshold, many=False)
 
 
-@router.post("/models/{name}/score", response_model=ScoreResponse, response_model_exclude_none=True,
-             openapi_extra=_image_body(False), summary="score one image with the named model")
+@router.post("/models/{name}/score", response_model=ScoreResponse, response_model_exclude_unset=True,
+             openapi_extra=_image_body(False), responses=ERRORS, summary="score one image with the named model")
 async def score_with(name: str, request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
                      threshold: ThresholdQ = None):
     return await _score(request, runtime, name, heatmap, mask, threshold, many=False)
 
 
-@router.post("/score/batch", response_model=BatchResponse, response_model_exclude_none=True, openapi_extra=_image_body(True),
-             summary="score several images (multipart 'file' parts), one result each, in order")
+@router.post("/score/batch", response_model=BatchResponse, response_model_exclude_unset=True, openapi_extra=_image_body(True),
+             responses=ERRORS, summary="score several images (multipart 'file' parts), one result each, in order")
 async def score_batch(request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
                       threshold: ThresholdQ = None, model: Annotated[str | None, Query(description="model name")] = None):
     return await _score(request, runtime, model, heatmap, mask, threshold, many=True)
@@ -60,24 +70,28 @@ async def _score(request: Request, runtime: Runtime, name: str | None, heatmap: 
     started = time.perf_counter()
     served = runtime.model(name)
     request.state.model = served.name
-    datas, form_options = await _read_images(request, many, runtime.settings.max_batch_size)
+    datas, form_options = await _read_images(request, many, runtime.settings.batch_limit())
     heatmap = form_options.get("heatmap", heatmap)
     mask = form_options.get("mask", mask)
     threshold = form_options.get("threshold", threshold)
-    results = await _score_images(runtime, served, datas, threshold, heatmap, mask)
+    with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
+        results = await _score_images(runtime, served, datas, admission, threshold, heatmap, mask)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
         return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
     return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
 
 
-async def _score_images(runtime: Runtime, served: ServedModel, datas: list[bytes], threshold, heatmap, mask) -> list[dict]:
+async def _score_images(runtime: Runtime, served: ServedModel, datas: list[bytes], admission: Admission,
+                        threshold, heatmap, mask) -> list[dict]:
     loop = asyncio.get_running_loop()
-    decoded = await asyncio.gather(*[loop.run_in_executor(runtime.decode, runtime.decode_image, served, d) for d in datas])
+    decoded = await asyncio.gather(*[loop.run_in_executor(runtime.decode, runtime.decode_image, served, d, heatmap)
+                                     for d in datas])
+    del datas  # the encoded bytes are not needed any more
     futures = []
     try:
-        for _, tensor in decoded:
-            futures.append(served.batcher.submit(tensor))
+        for image in decoded:
+            futures.append(served.batcher.submit(image.tensor, admission))
         scored = await asyncio.wait_for(asyncio.gather(*futures), timeout=runtime.settings.request_timeout_s)
     except TimeoutError:
         raise ApiError(504, "timeout", f"not scored within {runtime.settings.request_timeout_s:g} s; the server is overloaded") from None
@@ -87,17 +101,22 @@ async def _score_images(runtime: Runtime, served: ServedModel, datas: list[bytes
                 future.cancel()
     return list(await asyncio.gather(*[
         loop.run_in_executor(runtime.decode, runtime.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
-        for (image, _), (raw, anomaly_map) in zip(decoded, scored)
+        for image, (raw, anomaly_map) in zip(decoded, scored)
     ]))
 
 
-async def _read_images(request: Request, many: bool, max_files: int) -> tuple[list[bytes], dict]:
-    """The image bytes (one, or several for /score/batch) and options given as form fields."""
+async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[list[bytes], dict]:
+    """The image bytes (one, or several for /score/batch) and options given as form fields.
+
+    The body is at most ``PADIM_MAX_UPLOAD_BYTES``, so reading every part before counting them
+    is bounded; a batch over ``batch_limit`` images is then refused (422, as the schema's ``maxItems``
+    says) before decoding.
+    """
     content_type = request.headers.get("content-type", "")
     options: dict = {}
     if content_type.startswith("multipart/form-data"):
         try:
-            form = await request.form(max_files=max_files if many else 1)
+            form = await request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS)
         except HTTPException as error:
             raise ApiError(422, "invalid_multipart", f"the multipart body could not be read: {error.detail}") from None
         parts = form.getlist("file")
@@ -105,7 +124,14 @@ async def _read_images(request: Request, many: bool, max_files: int) -> tuple[li
             raise ApiError(422, "missing_file", "the multipart body has no 'file' field")
         if any(not isinstance(p, UploadFile) for p in parts):
             raise ApiError(422, "missing_file", "'file' must be a file part, not a text field")
+        if not many and len(parts) > 1:
+            raise ApiError(422, "too_many_files", f"{len(parts)} 'file' parts: /score takes one image "
+                           "(use /score/batch for several)")
+        if len(parts) > batch_limit:
+            raise ApiError(422, "batch_too_large", f"{len(parts)} images in one request; at most {batch_limit} "
+                           "(the smaller of PADIM_MAX_BATCH_SIZE and PADIM_MAX_QUEUE): split the batch")
         datas = [await p.read() for p in parts]
+        await form.close()
         options = _form_options(form)
     elif content_type.startswith(("image/", "application/octet-stream")):
         if many:
@@ -114,7 +140,7 @@ async def _read_images(request: Request, many: bool, max_files: int) -> tuple[li
     else:
         raise ApiError(415, "unsupported_media_type",
                        f"content type {content_type or 'none'!r}: send the image as multipart field 'file' "
-                       "or as the raw body with an image/* content type")
+                       "or as the raw body with an image/* (or application/octet-stream) content type")
     for i, data in enumerate(datas):
         if not data:
             raise ApiError(422, "empty_body", "the image is empty" + (f" (file part {i})" if many else ""))
@@ -126,9 +152,9 @@ def _form_options(form) -> dict:
     for key in ("heatmap", "mask"):
         value = form.get(key)
         if isinstance(value, str):
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            if value not in ("true", "false"):  # the JSON spellings, as the schema says
                 raise ApiError(422, "invalid_parameter", f"{key}: expected true or false, got {value!r}")
-            options[key] = value.lower() in ("true", "1", "yes")
+            options[key] = value == "true"
     value = form.get("threshold")
     if isinstance(value, str):
         try:

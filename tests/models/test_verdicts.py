@@ -1,5 +1,6 @@
 """The per-image verdict, recomputed by hand; it fails closed on NaN and infinity."""
 
+import json
 import math
 
 import numpy as np
@@ -39,3 +40,13 @@ def test_non_finite_scores_or_maps_give_no_verdict(bad):
     anomaly_map[1, 2] = bad
     with pytest.raises(NonFiniteScoreError):
         verdict(1.0, anomaly_map, CALIBRATION)
+
+
+def test_threshold_zero_and_one_have_no_finite_raw_value():
+    values = np.full((4, 4), 3.0)
+    everything = verdict(3.0, values, CALIBRATION, threshold=0.0)
+    nothing = verdict(3.0, values, CALIBRATION, threshold=1.0)
+    assert everything.is_anomaly and everything.anomalous_area == 1.0
+    assert not nothing.is_anomaly and nothing.anomalous_area == 0.0
+    assert everything.to_dict()["raw_threshold"] is None and nothing.to_dict()["raw_threshold"] is None
+    json.dumps(everything.to_dict(), allow_nan=False)  # valid JSON: no Infinity

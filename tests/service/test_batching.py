@@ -64,6 +64,25 @@ def test_full_queue_is_refused_with_retry_after():
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
 
 
+def test_admission_reserves_places_before_decoding_and_gives_back_the_unused():
+    async def main():
+        batcher, _ = make(max_queue=4)  # not started
+        with batcher.admit(3) as admission:
+            with pytest.raises(ApiError):
+                batcher.admit(2)  # 3 reserved + 2 > 4, though nothing is queued yet
+            batcher.submit(torch.zeros(3, 1, 1), admission)
+        # the request failed after one image: its two unused places come back, the queued one stays
+        assert batcher.admitted == 1
+        batcher.admit(3).release()
+        batcher.start()
+        result = await batcher.submit(torch.ones(3, 1, 1))
+        await batcher.stop()
+        return result, batcher.admitted
+
+    result, left = asyncio.run(main())
+    assert result == 3.0 and left == 0
+
+
 def test_cancelled_items_are_skipped_and_failures_do_not_stop_the_batcher():
     calls = []
 

@@ -58,6 +58,22 @@ def test_raw_body_and_named_model_and_threshold_override(server, dataset):
     assert lenient.json()["is_anomaly"] is True and lenient.json()["anomalous_area"] == 1.0
 
 
+def test_octet_stream_body_is_scored_like_an_image_body(server, dataset):
+    data = (dataset / "test" / "hole" / "000.png").read_bytes()
+    typed = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"})
+    untyped = httpx.post(server.url + "/score", content=data, headers={"content-type": "application/octet-stream"})
+    assert typed.status_code == untyped.status_code == 200
+    assert untyped.json()["raw_score"] == typed.json()["raw_score"]
+
+
+def test_threshold_zero_or_one_has_no_raw_value_and_says_so(server, dataset):
+    data = (dataset / "test" / "good" / "000.png").read_bytes()
+    for threshold, anomalous in ((0.0, True), (1.0, False)):
+        answer = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"},
+                            params={"threshold": threshold}).json()
+        assert answer["raw_threshold"] is None and answer["is_anomaly"] is anomalous
+
+
 def test_parity_with_padim_predict(server, dataset, model_file, tmp_path):
     run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path, "--no-heatmaps", "--no-maps")
     expected = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -119,6 +135,10 @@ def bomb_png(width: int, height: int) -> bytes:
     ("too_large", 413, "payload_too_large"),
     ("too_large_chunked", 413, "payload_too_large"),
     ("bomb", 413, "image_too_large"),
+    ("absurd_bomb", 413, "image_too_large"),
+    ("batch_over_limit", 422, "batch_too_large"),
+    ("two_files_to_score", 422, "too_many_files"),
+    ("form_flag_not_json_bool", 422, "invalid_parameter"),
     ("unknown_model", 404, "model_not_found"),
     ("threshold_query", 422, "invalid_parameter"),
     ("threshold_form", 422, "invalid_parameter"),
@@ -136,6 +156,11 @@ def test_bad_input_gets_a_clear_answer_and_the_server_stays_up(server, dataset, 
         "too_large": lambda: httpx.post(url, content=b"\0" * 21_000_000, headers={"content-type": "image/png"}),
         "too_large_chunked": lambda: httpx.post(url, content=(b"\0" * 1_000_000 for _ in range(25)), headers={"content-type": "image/png"}),
         "bomb": lambda: httpx.post(url, content=bomb_png(20000, 20000), headers={"content-type": "image/png"}),
+        # beyond Pillow's own bomb limit (2 x 89478485 pixels), which it refuses before we see the size
+        "absurd_bomb": lambda: httpx.post(url, content=bomb_png(100000, 100000), headers={"content-type": "image/png"}),
+        "batch_over_limit": lambda: httpx.post(server.url + "/score/batch", files=[("file", ("a.png", png))] * 33),
+        "two_files_to_score": lambda: httpx.post(url, files=[("file", ("a.png", png)), ("file", ("b.png", png))]),
+        "form_flag_not_json_bool": lambda: httpx.post(url, files={"file": ("a.png", png)}, data={"heatmap": "yes"}),
         "unknown_model": lambda: httpx.post(server.url + "/models/nope/score", content=png, headers={"content-type": "image/png"}),
         "threshold_query": lambda: httpx.post(url, content=png, headers={"content-type": "image/png"}, params={"threshold": 1.5}),
         "threshold_form": lambda: httpx.post(url, files={"file": ("a.png", png)}, data={"threshold": "-0.1"}),
@@ -147,16 +172,24 @@ def test_bad_input_gets_a_clear_answer_and_the_server_stays_up(server, dataset, 
     assert response.status_code == status, response.text
     body = response.json()
     assert body["error"]["code"] == code and body["error"]["message"]
+    assert " object at 0x" not in body["error"]["message"] and "Traceback" not in response.text  # no Python reprs
+    if status == 413 and code == "image_too_large":  # the limit as configured, not Pillow's
+        assert "PADIM_MAX_IMAGE_PIXELS = 40000000" in body["error"]["message"]
+        assert "178956970" not in body["error"]["message"] and "89478485" not in body["error"]["message"]
+    if code == "payload_too_large":
+        assert "PADIM_MAX_UPLOAD_BYTES = 20000000" in body["error"]["message"]
     assert httpx.get(server.url + "/health/live").status_code == 200
 
 
-def test_health_models_docs_and_metrics(server):
+def test_health_models_docs_and_metrics(server, model_file):
     assert httpx.get(server.url + "/health/ready").json()["models"] == ["weave"]
     models = httpx.get(server.url + "/models").json()
     assert models["default"] == "weave"
     (info,) = models["models"]
     assert info["backbone"] == "resnet18" and info["image_size"] == 64 and info["threshold"] == 0.5
     assert info["fit_image_count"] == 30 and info["verified"] is True
+    models_text = httpx.get(server.url + "/models").text
+    assert str(model_file.parent) not in models_text and "/tmp" not in models_text and ".padim" not in models_text
     calibration = info["calibration"]
     assert calibration["scores"] == 30 and calibration["source"] == "out_of_fold" and calibration["threshold"] > 0
     assert calibration["false_alarm_rate"] == 0.01 and 0 < calibration["promised_false_alarm_rate"] <= calibration["false_alarm_bound"]
@@ -174,6 +207,7 @@ def test_health_models_docs_and_metrics(server):
 
 def test_logs_are_json_lines_with_request_ids(server):
     response = httpx.get(server.url + "/health/live", headers={"X-Request-ID": "trace-abc-123"})
+    assert response.headers["server"] == "padim"  # neutral: no server software or version
     assert response.headers["x-request-id"] == "trace-abc-123"
     time.sleep(0.2)
     entries = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]

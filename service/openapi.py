@@ -1,0 +1,76 @@
+"""The OpenAPI document, made to tell the truth about what the service answers.
+
+FastAPI documents 200 and its own 422 shape; the service also answers 401, 404, 408, 413, 415,
+500, 503 and 504, all as :class:`~padim.service.schemas.ErrorResponse`. The routes declare
+their statuses with :func:`error_responses`; :func:`truthful_openapi` then replaces FastAPI's
+422 schema with the real one and, only when ``PADIM_API_KEY`` is set, declares the key as a
+security scheme on the routes that need it (a key the server does not check is not declared).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .schemas import ErrorResponse
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+_WHY = {
+    401: "missing or wrong API key (`unauthorized`)",
+    404: "no model of that name (`model_not_found`)",
+    408: "the body did not arrive within PADIM_BODY_TIMEOUT_S (`body_timeout`)",
+    413: "body over PADIM_MAX_UPLOAD_BYTES (`payload_too_large`) or image over PADIM_MAX_IMAGE_PIXELS "
+         "(`image_too_large`)",
+    415: "neither multipart/form-data nor a raw image body (`unsupported_media_type`)",
+    422: "not an image, an empty body, a malformed multipart body, more images than the batch limit or a bad "
+         "option (`invalid_image`, `empty_body`, `invalid_multipart`, `missing_file`, `too_many_files`, "
+         "`batch_too_large`, `invalid_parameter`)",
+    500: "the model gave a non-finite score, so no verdict (`non_finite_score`); or an internal error",
+    503: "models still loading (`not_ready`), the queue full (`overloaded`) or the server shutting down "
+         "(`shutting_down`)",
+    504: "not scored within PADIM_REQUEST_TIMEOUT_S (`timeout`)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: each status with its meaning and the error schema."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        responses[status] = {"model": ErrorResponse, "description": _WHY[status]}
+        if status == 503:
+            responses[status]["headers"] = RETRY_AFTER
+    return responses
+
+
+def truthful_openapi(app: FastAPI, protected_tags: set[str], api_key_required: bool, batch_limit: int) -> dict[str, Any]:
+    """The app's OpenAPI document with the real 422 schema, the batch limit and, when a key is
+    required, its security scheme."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = document.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path_item in document.get("paths", {}).values():
+        for operation in path_item.values():
+            responses = operation.get("responses", {})
+            if "422" in responses:
+                responses["422"] = {"description": _WHY[422], "content": {"application/json": {"schema": error_ref}}}
+            if api_key_required and protected_tags & set(operation.get("tags", [])):
+                operation["security"] = [{"ApiKey": []}, {"Bearer": []}]
+                responses["401"] = {"description": _WHY[401], "content": {"application/json": {"schema": error_ref}},
+                                    "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}}}
+    batch_body = document["paths"]["/score/batch"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    batch_body["schema"]["properties"]["file"]["maxItems"] = batch_limit
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    if api_key_required:
+        components["securitySchemes"] = {
+            "ApiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key", "description": "PADIM_API_KEY"},
+            "Bearer": {"type": "http", "scheme": "bearer", "description": "PADIM_API_KEY as a bearer token"},
+        }
+    app.openapi_schema = document
+    return document
