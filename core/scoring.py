@@ -39,7 +39,11 @@ def squared_mahalanobis(
     Returns:
         ``(B, P)`` squared distances, in the embedding's dtype.
     """
-    delta = (embedding - mean).transpose(0, 1)  # (P, B, D)
+    # (P, B, D) written contiguous in one pass: the embedding usually arrives channels-first
+    # ((B, D, P) in memory), and bmm would then copy every pixel's (B, D) matrix on its own.
+    batch, pixels, dim = embedding.shape
+    delta = torch.empty((pixels, batch, dim), dtype=torch.result_type(embedding, mean), device=embedding.device)
+    torch.sub(embedding.transpose(0, 1), mean.unsqueeze(1), out=delta)
     whitened_delta = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T, unit covariance
     return whitened_delta.square().sum(dim=-1).transpose(0, 1)  # (B, P)
 

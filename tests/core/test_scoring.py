@@ -33,6 +33,22 @@ def test_squared_mahalanobis_matches_scipy_and_sklearn():
         np.testing.assert_allclose(ours_biased[:, 0].numpy(), estimator.mahalanobis(queries[:, p]), rtol=1e-9)
 
 
+def test_mahalanobis_copies_no_pixel_matrix_one_by_one():
+    """A channels-first embedding (as the backbone gives it) must not make bmm copy per pixel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, pixels, dim = 4, 64, 10
+    embedding = torch.randn(batch, dim, pixels).transpose(1, 2)  # (B, P, D) view of (B, D, P) memory
+    mean = torch.randn(pixels, dim)
+    factor = precision_factor(torch.eye(dim).expand(pixels, dim, dim), epsilon=0.0)
+    reference = ((embedding - mean).unsqueeze(-2) @ factor.transpose(1, 2)).squeeze(-2).square().sum(-1)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        got = squared_mahalanobis(embedding, mean, factor)
+    copies = sum(e.count for e in trace.key_averages() if e.key in ("aten::copy_", "aten::clone"))
+    assert copies < 4, f"{copies} copies for {pixels} pixels: the product copies per pixel again"
+    torch.testing.assert_close(got, reference)
+
+
 def test_float32_scoring_close_to_float64():
     rng = np.random.default_rng(1)
     covs = np.stack([np.cov(rng.normal(size=(60, 10)), rowvar=False) for _ in range(8)])
