@@ -153,3 +153,14 @@ def test_image_modes_are_scored_like_rgb(server, dataset, mode):
               for body in (buffer.getvalue(), rgb.getvalue())]
     assert [r.status_code for r in scores] == [200, 200], scores[0].text
     assert scores[0].json()["raw_score"] == pytest.approx(scores[1].json()["raw_score"], rel=1e-5)
+
+
+def test_every_setting_is_in_the_readme_table():
+    from pathlib import Path
+
+    from padim.service.settings import ServiceSettings
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme[readme.index("**Settings** come from"):readme.index("## Deployment with Docker")]
+    missing = [f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table]
+    assert not missing, f"not in the README's settings table: {missing}"
