@@ -52,9 +52,12 @@ def image(docker_report) -> str:
         made = subprocess.run(["bash", str(ROOT / "docker" / "test-base.sh"), BASE], capture_output=True, text=True,
                               timeout=900)
         assert made.returncode == 0, f"docker/test-base.sh failed:\n{made.stderr[-3000:]}"
+    previous = docker("image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
     started = time.perf_counter()
     docker("build", "--network", "host", "--build-arg", f"CUDA_IMAGE={BASE}", "--build-arg", "BAKE_WEIGHTS=",
            "-t", IMAGE, str(ROOT), timeout=1800)
+    if previous and previous != docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
+        docker("rmi", previous, check=False)  # the untagged 6 GB image of the last local run, if unused
     size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout)
     docker_report.append(f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in "
                          f"{time.perf_counter() - started:.0f} s (layers cached between local runs)")

@@ -21,11 +21,12 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 SCHEMATHESIS = Path(sys.executable).with_name("st")
 
 
-def schemathesis(url: str, *options: str) -> subprocess.CompletedProcess:
+def schemathesis(url: str, workdir: Path, *options: str) -> subprocess.CompletedProcess:
+    """``st run`` in ``workdir``: a fresh Hypothesis database, so a run does not depend on earlier ones."""
     return subprocess.run(
         [str(SCHEMATHESIS), "--config-file", str(CONFIG), "run", url + "/openapi.json", "--checks", "all",
          "--max-examples", "25", "--seed", "20261122", "--workers", "2", *options],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=workdir)
 
 
 @pytest.mark.parametrize("key, sent", [(None, False), ("s3cret", True), ("s3cret", False)],
@@ -33,15 +34,21 @@ def schemathesis(url: str, *options: str) -> subprocess.CompletedProcess:
 def test_schemathesis_finds_no_failure(model_file, tmp_path, key, sent):
     env = {"PADIM_API_KEY": key} if key else {}
     with running_server(tmp_path, [model_file], env=env) as srv:
-        result = schemathesis(srv.url, *(["--header", f"X-API-Key: {key}"] if sent else []))
+        result = schemathesis(srv.url, tmp_path, *(["--header", f"X-API-Key: {key}"] if sent else []))
         logs = srv.logs()
     assert result.returncode == 0, result.stdout[-6000:]
-    generated, passed = map(int, re.search(r"(\d+) generated, (\d+) passed", result.stdout).groups())
-    assert generated == passed > 0
-    if key and not sent:  # the only thing said: the protected routes all answered 401, as documented
-        assert "4 operations returned only 401/403 responses" in result.stdout
-    else:
-        assert "No issues found" in result.stdout
+    summary = result.stdout[result.stdout.rindex("SUMMARY"):]
+    assert "Failures:" not in summary, summary
+    generated, passed = map(int, re.search(r"(\d+) generated, (\d+) passed", summary).groups())
+    assert generated == passed > 0, summary
+    warnings = re.findall(r"⚠️ (.+)", summary)
+    if key and not sent:  # the protected routes all answered 401, as documented
+        assert "Authentication failed: 4 operations returned only 401/403 responses" in warnings, summary
+    # Warnings are not failures; the only other one allowed is the known one: bytes that fit
+    # `format: binary` are mostly not images, so a score route rejects most generated bodies.
+    explained = re.compile(r"Authentication failed: 4 operations returned only 401/403 responses"
+                           r"|Schema validation mismatch: [1-3] operations? mostly rejected generated data")
+    assert all(explained.fullmatch(w.strip()) for w in warnings), summary
     assert "Traceback" not in logs
 
 
