@@ -3,6 +3,7 @@
 #
 #   docker build -t padim --build-arg BAKE_WEIGHTS="resnet18 wide_resnet50_2" .
 #   docker run --gpus all -p 8000:8000 -v $PWD/models:/models:ro padim            # serve /models/*.padim
+#   (without a GPU it scores with onnxruntime; the export it makes of each .padim is cached in ~/.cache/padim)
 #   docker stop -t 40 <container>                                                 # drains (PADIM_DRAIN_TIMEOUT_S=30)
 #   docker run --gpus all -v $PWD/data:/data:ro -v $PWD/models:/models padim train /data --output /models/line3.padim
 #
@@ -36,7 +37,7 @@ COPY core ./core
 COPY models ./models
 COPY service ./service
 RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
-        -c constraints.txt . \
+        -c constraints.txt ".[onnxruntime]" \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
 

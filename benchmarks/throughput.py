@@ -1,11 +1,15 @@
 """Scoring throughput of padim (CPU, or GPU with --device cuda) and where the time goes.
 
 A seeded resnet18 state_dict file (ImageNet weights cannot be downloaded here), 224-px
-generated images, layers 1-3, 100 channels; throughput is measured on model-input tensors
-(decoding and resizing excluded). The side-by-side comparison with anomalib is
-benchmarks/compare_anomalib.py.
+generated images, layers 1-3, 100 channels. The torch breakdown is measured on model-input
+tensors. Then every installed runtime (torch eager, onnxruntime, OpenVINO; see
+padim.models.runtimes) is timed side by side in interleaved rounds, at batch 1 and at
+--batch-size, two ways: the scorer alone (normalised tensor in, maps and scores out) and end to
+end (decoded images in: resize + normalise + scorer). It prints min / median img/s, the ratio
+to torch eager, and the largest score difference from torch. The side-by-side comparison with
+anomalib is benchmarks/compare_anomalib.py; with AnomaVision, benchmarks/compare_anomavision.py.
 
-    python benchmarks/throughput.py [--device cuda] [--batch-size 16]
+    python benchmarks/throughput.py [--device cuda] [--batch-size 16] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the runtime comparison")
     parser.add_argument("--workdir", type=Path, help="keep generated data and weights here")
     args = parser.parse_args()
 
@@ -110,7 +115,64 @@ def main() -> None:
     for name, seconds in parts.items():
         print(f"  {name:<18} {seconds * 1000:8.1f} ms/batch ({100 * seconds / total:4.1f}%)")
 
+    report["runtimes"] = compare_runtimes(detector, work, test_paths, args)
     print(json.dumps(report))
+
+
+def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
+    """Every installed runtime, interleaved: scorer alone and end to end, batch 1 and batch B."""
+    from padim.models.export import ExportError
+    from padim.models.runtimes import load_scorer
+
+    path = work / "throughput.padim"
+    detector.save(path)
+    scorers = {}
+    for runtime in ("torch", "onnxruntime", "openvino"):
+        try:
+            scorers[runtime] = load_scorer(path, runtime, args.device)
+        except ExportError as error:
+            print(f"  {runtime}: not measured ({error})")
+    images = [Image.open(p).convert("RGB") for p in test_paths[: args.batch_size]]
+    while len(images) < args.batch_size:
+        images += images[: args.batch_size - len(images)]
+    batch = scorers["torch"].preprocess(images)
+    reference = scorers["torch"].score(batch).raw_scores.cpu()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    cases = {}
+    for name, scorer in scorers.items():
+        difference = float(((scorer.score(batch).raw_scores.cpu() - reference).abs() / reference.abs()).max())
+        cases[name] = {"max_relative_score_difference": difference}
+        for b in sorted({1, args.batch_size}):
+            cases[name][f"scorer_b{b}"] = (lambda s=scorer, x=batch[:b]: s.score(x))
+            cases[name][f"end_to_end_b{b}"] = (lambda s=scorer, i=images[:b]: s.score(s.preprocess(i)))
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in cases}
+    for name, fns in cases.items():  # warm-up
+        for key, fn in fns.items():
+            if callable(fn):
+                fn()
+    for _ in range(args.rounds):
+        for name, fns in cases.items():
+            for key, fn in fns.items():
+                if not callable(fn):
+                    continue
+                time.sleep(0.3)  # each timing starts on idle cores: no runtime's pool still spinning
+                started = time.perf_counter()
+                fn()
+                sync()
+                times[name].setdefault(key, []).append(time.perf_counter() - started)
+    result = {}
+    print(f"runtimes, {args.rounds} interleaved rounds (img/s: median, best; ratio of medians to torch eager):")
+    for name in cases:
+        result[name] = {"max_relative_score_difference": cases[name]["max_relative_score_difference"]}
+        for key, seconds in times[name].items():
+            b = int(key.rsplit("b", 1)[1])
+            median, best = b / float(np.median(seconds)), b / min(seconds)
+            torch_median = b / float(np.median(times["torch"][key]))
+            result[name][key] = {"median_images_per_second": median, "best_images_per_second": best,
+                                 "ratio_to_torch": median / torch_median}
+            print(f"  {name:<12} {key:<14} {median:7.1f} {best:7.1f}  x{median / torch_median:4.2f}")
+        print(f"  {name:<12} largest score difference from torch: {result[name]['max_relative_score_difference']:.1e} relative")
+    return result
 
 
 if __name__ == "__main__":

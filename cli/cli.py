@@ -1,7 +1,7 @@
 """The ``padim`` command line: the parser, and running a command with one-line errors.
 
 Each command group lives in its own module: :mod:`padim.train` (train, merge),
-:mod:`padim.score` (predict, evaluate), :mod:`padim.serve` (serve, health) and
+:mod:`padim.score` (predict, evaluate), :mod:`padim.export` (export), :mod:`padim.serve` (serve, health) and
 :mod:`padim.tools` (info, fetch-weights, synth). The library they call is in
 :mod:`padim.models` and :mod:`padim.service`.
 """
@@ -14,7 +14,7 @@ import sys
 
 from padim.core.version import __version__
 
-from . import score, serve, tools, train
+from . import export, score, serve, tools, train
 from .common import ERROR_EXIT, UserError, quiet_option, runtime_options
 
 EXAMPLES = """\
@@ -24,6 +24,7 @@ examples:
   padim predict weave.padim demo-data/weave/test --output predictions
   padim evaluate weave.padim demo-data/weave
   padim serve --model weave.padim
+  padim export weave.padim --format onnx --output weave-onnx     # one graph for onnxruntime / OpenVINO / Triton
 """
 
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     runtime, quiet = runtime_options(), quiet_option()
-    for group in (train, score, serve, tools):
+    for group in (train, score, export, serve, tools):
         group.register(commands, runtime, quiet)
     return parser
 
@@ -63,6 +64,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user can act on, printed in one line (imported only once something was raised:
     ``padim health`` runs every few seconds in Docker and must not import torch)."""
     from padim.core import ArtifactError, CalibrationError, NotPositiveDefiniteError
-    from padim.models import ConfigError, FitError, ImageError, WeightsError
+    from padim.models import ConfigError, ExportError, FitError, ImageError, WeightsError
 
-    return UserError, ArtifactError, CalibrationError, ConfigError, FitError, WeightsError, ImageError, NotPositiveDefiniteError
+    return (UserError, ArtifactError, CalibrationError, ConfigError, ExportError, FitError, WeightsError, ImageError,
+            NotPositiveDefiniteError)

@@ -7,18 +7,19 @@ import json
 import time
 from pathlib import Path
 
-from .common import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, UserError
+from .common import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, UserError, scorer_option
 
 
 def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
+    scorer = scorer_option()
     predict = commands.add_parser(
-        "predict", parents=[runtime, quiet], help="score images and write results, maps and heat maps",
+        "predict", parents=[runtime, scorer, quiet], help="score images and write results, maps and heat maps",
         description="Score images. Writes OUT_DIR/results.jsonl (one line per image: the verdict), "
         "OUT_DIR/maps/<relative path>.npy (float32 anomaly map, raw units, at the image's own size) and "
         "OUT_DIR/heatmaps/<relative path>.png (heat map over the image; threshold = middle of the colour ramp). "
         "An image whose score is not finite gets an error line and no verdict, and predict exits 1.",
     )
-    predict.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
+    predict.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
     predict.add_argument("inputs", type=Path, nargs="+", metavar="IMAGE_OR_DIR", help="images, or folders of images")
     predict.add_argument("--output", "-o", type=Path, required=True, metavar="OUT_DIR", help="folder for the results")
     predict.add_argument("--no-heatmaps", action="store_true", help="skip the heat-map PNGs")
@@ -26,16 +27,17 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     predict.set_defaults(handler=cmd_predict)
 
     evaluate = commands.add_parser(
-        "evaluate", parents=[runtime, quiet], help="metrics on an MVTec AD-layout category",
+        "evaluate", parents=[runtime, scorer, quiet], help="metrics on an MVTec AD-layout category",
         description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30%% FPR) and F1 "
         "at the model's threshold, plus the F1-optimal threshold. The model file changes only with --calibrate.",
     )
-    evaluate.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
+    evaluate.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
     evaluate.add_argument("category_dir", type=Path, metavar="CATEGORY_DIR",
                           help="folder with test/<good|defect>/ and ground_truth/<defect>/")
     evaluate.add_argument("--output", "-o", type=Path, default=Path("evaluation.json"),
                           help="JSON file to write (default evaluation.json)")
-    evaluate.add_argument("--calibrate", action="store_true", help="store the F1-optimal threshold in the model file")
+    evaluate.add_argument("--calibrate", action="store_true",
+                          help="store the F1-optimal threshold in the model file (a .padim file, not an export)")
     evaluate.set_defaults(handler=cmd_evaluate)
 
 
@@ -44,11 +46,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from padim.core.scoring import resize_map
-    from padim.models import NonFiniteScoreError, PadimDetector, list_images, verdict
+    from padim.models import NonFiniteScoreError, list_images, verdict
     from padim.models.images import decode_side, iter_batches
     from padim.models.visualize import overlay
 
-    detector = PadimDetector.load(args.model, device=args.device or "auto")
+    detector = _load(args)
     items: list[tuple[Path, Path]] = []  # (path, path relative to its input)
     for source in args.inputs:
         found = list_images(source)
@@ -99,7 +101,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(json.dumps({"images": len(items), "anomalous": anomalous, "failed": len(failed),
                       "results": str(args.output / "results.jsonl"),
-                      "images_per_second": round(len(items) / elapsed, 2), "weights": detector.weights.label}))
+                      "images_per_second": round(len(items) / elapsed, 2), "runtime": detector.describe()["runtime"],
+                      "weights": detector.weights.label}))
     if failed:
         shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
         raise UserError(f"{len(failed)} of {len(items)} image(s) got a NaN or infinite score and no verdict ({shown}); "
@@ -110,16 +113,23 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from padim.models import PadimDetector
     from padim.models.evaluation import evaluate
+    from padim.models.runtimes import is_export
 
-    detector = PadimDetector.load(args.model, device=args.device or "auto", with_statistics=args.calibrate)
+    if args.calibrate and is_export(args.model):
+        raise UserError(f"{args.model}: --calibrate writes the threshold into the .padim model file; "
+                        "calibrate that file, then export it again")
+    detector = _load(args, with_statistics=args.calibrate)
     try:
         result = evaluate(detector, args.category_dir, args.batch_size or DEFAULT_BATCH_SIZE,
                           DEFAULT_WORKERS if args.workers is None else args.workers, progress=not args.quiet)
     except ValueError as error:
         raise UserError(str(error)) from None
     result["model"] = str(args.model)
+    result["runtime"] = detector.describe()["runtime"]
     result["weights"] = detector.weights.label
     if args.calibrate:
+        if not isinstance(detector, PadimDetector):  # scored on another runtime: write through the file's own
+            detector = PadimDetector.load(args.model, device="cpu", with_statistics=True)
         if "f1_optimal_raw_threshold" not in result:
             raise UserError("--calibrate needs both good and defective test images")
         detector.calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
@@ -129,3 +139,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _load(args: argparse.Namespace, with_statistics: bool = False):
+    """The detector of ``args.model`` on ``args.runtime`` (export errors become one-line errors)."""
+    from padim.models.export import ExportError
+    from padim.models.runtimes import load_scorer
+
+    try:
+        return load_scorer(args.model, args.runtime, args.device or "auto", with_statistics=with_statistics)
+    except ExportError as error:
+        raise UserError(str(error)) from None

@@ -7,9 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from padim.models.choices import DEVICES
+from padim.models.choices import DEVICES, RUNTIMES
 
-from .common import UserError
+from .common import RUNTIME_HELP, UserError
+
 
 def settings_names() -> str:
     """Every service setting as its PADIM_* variable (pydantic only: ``padim --help`` stays torch-free)."""
@@ -25,12 +26,14 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
         f"Flags override PADIM_* environment variables ({settings_names()}; see the README's table). "
         "The API key is read from PADIM_API_KEY only, never from a flag.",
     )
-    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="FILE", help="model file (repeatable)")
-    serve.add_argument("--model-dir", type=Path, help="serve every *.padim in this directory")
+    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="FILE",
+                       help="model file or export directory (repeatable)")
+    serve.add_argument("--model-dir", type=Path, help="serve every *.padim and export directory in this directory")
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
     serve.add_argument("--port", type=int, help="default 8000")
     serve.add_argument("--device", choices=DEVICES, help="default auto: cuda when torch sees a GPU")
+    serve.add_argument("--runtime", choices=RUNTIMES, help=RUNTIME_HELP)
     serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
     serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
@@ -52,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from padim.service.settings import ServiceSettings
 
     flags = {k: getattr(args, k) for k in ("models", "model_dir", "default_model", "host", "port", "device",
-                                           "max_batch_size", "max_delay_ms", "log_level")}
+                                           "runtime", "max_batch_size", "max_delay_ms", "log_level")}
     try:
         settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as error:

@@ -5,7 +5,8 @@ Where things are: ``backbones`` (which networks, which weights), ``config`` and 
 embedding), ``model`` (the scoring ``nn.Module``), ``detector`` (model + calibration +
 provenance), ``verdicts`` (the per-image result), ``fitting`` (a fit in progress), ``training``
 (whole runs: fit, resume, partial, merge), ``distributed`` (torchrun), ``serialization`` (the
-model file), ``evaluation`` (metrics), ``synthetic`` (generated data sets), ``visualize``
+model file), ``export`` (the scorer as one ONNX / OpenVINO graph), ``runtimes`` (torch,
+onnxruntime or OpenVINO behind one interface), ``evaluation`` (metrics), ``synthetic`` (generated data sets), ``visualize``
 (heat maps).
 
 Names are resolved on first use (PEP 562), so that ``padim.models.choices`` and the command
@@ -18,10 +19,12 @@ EXPORTS = {
     "backbones": ("BACKBONES", "BackboneSpec", "WeightsError", "WeightsInfo", "build_backbone"),
     "config": ("ConfigError", "PadimConfig"),
     "detector": ("PadimDetector", "Provenance", "resolve_device"),
+    "export": ("ExportError", "export_detector"),
     "features": ("Embedding", "FeatureEmbedder", "FeatureExtractor"),
     "fitting": ("Fit", "TrainingImage"),
     "images": ("ImageError", "ImageTooLarge", "list_images", "open_image"),
     "model": ("PadimModel", "ScoreOutput"),
+    "runtimes": ("DeployedDetector", "load_scorer"),
     "training": ("FitError", "FitReport", "fit_detector", "fit_partial", "merge_fits", "training_images"),
     "verdicts": ("NonFiniteScoreError", "Verdict", "verdict"),
 }

@@ -156,6 +156,7 @@ class PadimDetector:
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
                             "folds": self.config.calibration_folds},
             "verified": self.provenance.verified,
+            "runtime": "torch",
             "created": self.provenance.created,
             "padim_version": self.provenance.padim_version,
         }

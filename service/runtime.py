@@ -20,9 +20,10 @@ from PIL import Image
 
 from padim.core.artifact import file_sha256
 from padim.core.scoring import resize_map
-from padim.models import NonFiniteScoreError, PadimDetector, verdict
+from padim.models import DeployedDetector, NonFiniteScoreError, PadimDetector, verdict
 from padim.models.images import (ImageError, ImageTooLarge, bounded_copy, bounded_size, decode_side,
                                  image_dimensions, open_image)
+from padim.models.runtimes import load_scorer
 from padim.models.visualize import mask_image, overlay
 
 from .batching import MicroBatcher
@@ -98,7 +99,7 @@ class ServedModel:
     name: str
     path: Path
     sha256: str
-    detector: PadimDetector
+    detector: PadimDetector | DeployedDetector
     batcher: MicroBatcher
     load_seconds: float
 
@@ -170,11 +171,17 @@ class Runtime:
             raise ValueError(f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}")
         self.ready = True
 
-    def _load_one(self, path: Path) -> tuple[PadimDetector, str]:
-        detector = PadimDetector.load(path, device=self.settings.device)
+    def _load_one(self, path: Path) -> tuple[PadimDetector | DeployedDetector, str]:
+        from padim.models.export import ExportError
+
+        try:
+            detector = load_scorer(path, self.settings.runtime, self.settings.device)
+        except ExportError as error:
+            raise ValueError(f"{path}: {error}") from None
         size = detector.config.image_size
         detector.score(torch.zeros(min(2, self.settings.max_batch_size), 3, size, size))  # warm-up
-        return detector, file_sha256(path)
+        sha256 = detector.metadata["model"]["sha256"] if isinstance(detector, DeployedDetector) else file_sha256(path)
+        return detector, sha256
 
     async def close(self) -> None:
         self.ready = False

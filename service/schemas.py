@@ -69,6 +69,7 @@ class ModelDescription(ModelInfo):
     fit_image_count: int
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
+    runtime: str = Field(description="what runs the scorer: torch, onnxruntime or openvino")
     padim_version: str
     threshold: float = Field(description="the threshold on the score scale: 0.5")
     load_seconds: float

@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from padim.core.artifact import read_header
+from padim.models.export import METADATA_FILE, read_export
 
 from .app import create_app
 from .protocol import ConnectionLimits, guarded_protocol
@@ -66,8 +67,11 @@ def serve(settings: ServiceSettings) -> int:
     files = settings.model_files()
     if not files:
         raise ValueError("no model to serve: pass --model FILE (repeatable) or set PADIM_MODEL_DIR")
-    for path in files:
-        read_header(path)  # missing, truncated, foreign or newer: one-line ArtifactError now
+    for path in files:  # missing, truncated, foreign or newer: one-line ArtifactError now
+        if (path / METADATA_FILE).is_file():
+            read_export(path)
+        else:
+            read_header(path)
     configure_logging(settings.log_level)
     # The inference thread needs the GIL between every torch op of a forward pass; with the event
     # loop and decode threads busy, the default 5 ms switch interval makes it wait for the GIL

@@ -245,7 +245,8 @@ def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path
         return detector
 
     monkeypatch.setattr(PadimDetector, "load", classmethod(poisoned))
-    code = main(["-q", "predict", str(model_file), str(dataset / "test" / "hole"), "--output", str(tmp_path / "o")])
+    code = main(["-q", "predict", str(model_file), str(dataset / "test" / "hole"), "--output", str(tmp_path / "o"),
+                     "--runtime", "torch"])  # the poisoned torch model itself
     captured = capsys.readouterr()
     assert code == 1 and "4 of 4 image(s) got a NaN or infinite score and no verdict" in captured.err
     records = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]

@@ -51,16 +51,25 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
         assert client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).status_code == 200
 
 
-def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch):
+@pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
+def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch, runtime):
     original = Runtime._load_one
 
     def poisoned(self, path):  # a model damaged in memory, after its file was verified
         detector, sha256 = original(self, path)
-        detector.model.mean[0, 0] = float("nan")
+        if runtime == "torch":
+            detector.model.mean[0, 0] = float("nan")
+        else:  # the graph's output, as a damaged runtime would give it
+            run = detector._session.run
+
+            def nan_run(images):
+                maps, raw = run(images)
+                return maps * float("nan"), raw
+            detector._session.run = nan_run
         return detector, sha256
 
     monkeypatch.setattr(Runtime, "_load_one", poisoned)
-    with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
+    with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu", runtime=runtime))) as client:
         wait_ready(client)
         for response in (client.post("/score", content=png(dataset), headers={"content-type": "image/png"}),
                          client.post("/score/batch", files=[("file", ("a.png", png(dataset))),

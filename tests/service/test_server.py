@@ -86,6 +86,31 @@ def test_parity_with_padim_predict(server, dataset, model_file, tmp_path):
         assert got["is_anomaly"] == record["is_anomaly"]
 
 
+@pytest.mark.parametrize("runtime", ["torch", "onnxruntime", "openvino", "export"])
+def test_predict_and_serve_agree_under_every_runtime(runtime, model_file, dataset, tmp_path):
+    """Each runtime: serve equals predict on it (1e-5), and both equal torch (1e-4 relative)."""
+    from pathlib import Path
+
+    model, flags = model_file, ("--runtime", runtime)
+    if runtime == "export":  # an export directory, served and predicted as it is (auto: onnxruntime)
+        run_cli("-q", "export", model_file, "--output", tmp_path / "export")
+        model, flags = tmp_path / "export", ()
+    run_cli("-q", "predict", model, dataset / "test", "--output", tmp_path / "p", "--no-heatmaps", "--no-maps", *flags)
+    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path / "t", "--no-heatmaps", "--no-maps",
+            "--runtime", "torch")
+    records = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
+    torch_scores = {json.loads(line)["path"]: json.loads(line)["raw_score"]
+                    for line in (tmp_path / "t" / "results.jsonl").read_text().splitlines()}
+    with running_server(tmp_path, [model], args=flags) as served:
+        described = httpx.get(served.url + "/models").json()["models"][0]
+        assert described["runtime"] == ("onnxruntime" if runtime == "export" else runtime)
+        for record in records:
+            got = post_image(served.url, Path(record["path"])).json()
+            assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
+            assert got["is_anomaly"] == record["is_anomaly"]
+            assert record["raw_score"] == pytest.approx(torch_scores[record["path"]], rel=1e-4)
+
+
 def test_batch_endpoint_keeps_order(server, dataset):
     paths = [dataset / "test" / d / "000.png" for d in ("good", "hole", "scratch", "good")]
     files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths]

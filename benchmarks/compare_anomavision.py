@@ -1,0 +1,206 @@
+"""padim against AnomaVision's PaDiM, side by side in one run: each one's every runtime, interleaved.
+
+The same seeded resnet18 state_dict is loaded into both, at 224 px, layers 1-3 (AnomaVision's
+``layer_indices=[0, 1, 2]``; its default is layers 1-2), 100 channels, fitted on the same
+generated images. Both score the same normalised tensor batch (the scorer alone: tensor in,
+map and score out; decoding and resizing are the same PIL work for both and left out).
+AnomaVision runs in its own virtual environment (``pip install anomavision``), as a worker
+process that times its runtimes when told to, so that rounds alternate between the two:
+
+    python -m venv /tmp/avenv && /tmp/avenv/bin/pip install anomavision
+    python benchmarks/compare_anomavision.py --anomavision-python /tmp/avenv/bin/python [--rounds 9]
+
+AnomaVision is exported with its own ``ModelExporter`` (ONNX, fp32) and run by its own
+``ModelWrapper`` backends, with their default settings. Its ImageNet download is replaced by
+the state_dict (no network here). Prints img/s (median, best) per runtime and batch size and
+the ratio of padim's fastest to AnomaVision's fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORKER_FLAG = "--worker"
+#: Idle seconds before every timed call: the other process's (and runtime's) thread pools stop
+#: spinning, so that each measurement starts on idle cores.
+SETTLE_S = 0.3
+
+
+# ---------------------------------------------------------------------- AnomaVision side (its venv)
+def worker(work: Path, batch_size: int) -> None:
+    """Fit, export and time AnomaVision's PaDiM; one timing round per ``run`` line on stdin."""
+    import logging
+
+    import torch
+    import torchvision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    logging.disable(logging.INFO)
+    import anomavision.algorithm.common.feature_extraction as extraction
+    from anomavision.algorithm.padim import Padim
+    from anomavision.export import ModelExporter
+    from anomavision.inference.model import ModelWrapper
+
+    extraction.BACKBONES["resnet18"] = (torchvision.models.resnet18, None)  # no download; weights below
+    # AnomaVision calls torch.onnx.export(..., dynamic_axes=...) without `dynamo`: written for the
+    # TorchScript exporter (the default before torch 2.9). With torch's newer default its graph
+    # fails at any batch but the example's (a Resize of rank-3 scales), so give it what it was
+    # written for.
+    export = torch.onnx.export
+    torch.onnx.export = lambda *a, **k: export(*a, **{"dynamo": False, **k})
+    model = Padim("resnet18", torch.device("cpu"), layer_indices=[0, 1, 2], feat_dim=100)
+    model.embeddings_extractor.backbone.load_state_dict(torch.load(work / "resnet18-seed0.pth"))
+    model.embeddings_extractor.backbone.eval()
+    train = torch.from_numpy(np.load(work / "train.npy"))
+    model.fit(DataLoader(TensorDataset(train), batch_size=16))
+    torch.save(model, work / "anomavision.pt")
+    exporter = ModelExporter(work / "anomavision.pt", work / "anomavision-export", logging.getLogger("export"), "cpu")
+    onnx_path = exporter.export_onnx(input_shape=(1, 3, train.shape[-1], train.shape[-1]), output_name="model.onnx",
+                                     dynamic_batch=True, force_precision="fp32")
+    runtimes = {"torch": lambda x: model.predict(torch.from_numpy(x))}
+    wrapper = ModelWrapper(str(onnx_path), "cpu")
+    runtimes["onnxruntime"] = wrapper.predict
+    try:  # its own OpenVINO export needs openvino-dev's `mo` (gone since OpenVINO 2025): the same
+        import openvino as ov  # conversion of its ONNX graph, in fp32, then its own OpenVINO backend
+
+        xml = work / "anomavision-export" / "openvino" / "model.xml"
+        ov.save_model(ov.convert_model(str(onnx_path)), str(xml), compress_to_fp16=False)
+        runtimes["openvino"] = ModelWrapper(str(xml), "cpu").predict
+    except Exception as error:  # noqa: BLE001 - reported, the others still run (its backend imports
+        print(json.dumps({"note": f"openvino not measured: {error}"}), flush=True)  # openvino.runtime, gone in 2026)
+    batch = np.load(work / "test.npy")
+    scores = {}
+    with torch.no_grad():
+        for name, run in runtimes.items():
+            out = run(batch)
+            scores[name] = np.asarray(out[0] if not isinstance(out[0], torch.Tensor) else out[0].numpy()).tolist()
+            run(batch[:1])
+    print(json.dumps({"ready": list(runtimes), "scores": scores}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        times = {}
+        with torch.no_grad():
+            for name, run in runtimes.items():
+                for b in sorted({1, batch_size}):
+                    time.sleep(SETTLE_S)
+                    started = time.perf_counter()
+                    run(batch[:b])
+                    times[f"{name} b{b}"] = time.perf_counter() - started
+        print(json.dumps(times), flush=True)
+
+
+# ---------------------------------------------------------------------- padim side
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--anomavision-python", required=True, help="python of a venv with anomavision installed")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--train-images", type=int, default=60)
+    parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--output", type=Path, help="write the JSON report here too")
+    args = parser.parse_args()
+
+    import torch
+    import torchvision
+    from PIL import Image
+
+    from padim.models import PadimConfig, fit_detector, training_images
+    from padim.models.export import ExportError
+    from padim.models.runtimes import load_scorer
+    from padim.models.synthetic import generate
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-vs-anomavision-"))
+    work.mkdir(parents=True, exist_ok=True)
+    category = work / "data" / "carpet"
+    if not category.exists():
+        generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=224, seed=1)
+    weights = work / "resnet18-seed0.pth"
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18().state_dict(), weights)
+    config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100)
+    detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
+    detector.save(work / "padim.padim")
+    train_paths = sorted((category / "train" / "good").glob("*.png"))
+    test_paths = sorted((category / "test").rglob("*.png"))[: args.batch_size]
+    np.save(work / "train.npy", detector.preprocess([Image.open(p).convert("RGB") for p in train_paths]).numpy())
+    batch = detector.preprocess([Image.open(p).convert("RGB") for p in test_paths])
+    np.save(work / "test.npy", batch.numpy())
+
+    scorers = {}
+    for runtime in ("torch", "onnxruntime", "openvino"):
+        try:
+            scorers[runtime] = load_scorer(work / "padim.padim", runtime, "cpu")
+        except ExportError as error:
+            print(f"padim {runtime}: not measured ({error})")
+    for scorer in scorers.values():
+        scorer.score(batch)
+        scorer.score(batch[:1])
+
+    process = subprocess.Popen([args.anomavision_python, __file__, WORKER_FLAG, str(work), str(args.batch_size)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=work)
+    ready = None
+    for line in process.stdout:
+        if line.startswith("{"):
+            message = json.loads(line)
+            if "note" in message:
+                print("anomavision:", message["note"])
+            if "ready" in message:
+                ready = message
+                break
+    if ready is None:
+        print("the AnomaVision worker did not start", file=sys.stderr)
+        return 1
+    times: dict[str, list[float]] = {}
+    sizes = sorted({1, args.batch_size})
+    for _ in range(args.rounds):
+        process.stdin.write("run\n")
+        process.stdin.flush()
+        for key, seconds in json.loads(process.stdout.readline()).items():
+            times.setdefault(f"anomavision {key}", []).append(seconds)
+        for name, scorer in scorers.items():
+            for b in sizes:
+                time.sleep(SETTLE_S)
+                started = time.perf_counter()
+                scorer.score(batch[:b])
+                times.setdefault(f"padim {name} b{b}", []).append(time.perf_counter() - started)
+    process.stdin.close()
+    process.wait(60)
+
+    report = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "rounds": args.rounds,
+              "batch_size": args.batch_size, "image_size": 224, "layers": list(config.layers), "embedding_dim": 100,
+              "img_per_s": {}}
+    print(f"scorer alone (tensor in, map + score out), {args.rounds} interleaved rounds; img/s median (best)")
+    for key, seconds in times.items():
+        b = int(key.rsplit("b", 1)[1])
+        median, best = b / float(np.median(seconds)), b / min(seconds)
+        report["img_per_s"][key] = {"median": round(median, 2), "best": round(best, 2)}
+        print(f"  {key:<28} {median:7.1f} ({best:.1f})")
+    for b in sizes:
+        ours = max((v["median"], k) for k, v in report["img_per_s"].items() if k.startswith("padim") and k.endswith(f"b{b}"))
+        theirs = max((v["median"], k) for k, v in report["img_per_s"].items()
+                     if k.startswith("anomavision") and k.endswith(f"b{b}"))
+        report[f"fastest_ratio_b{b}"] = round(ours[0] / theirs[0], 3)
+        print(f"batch {b}: fastest padim ({ours[1]}, {ours[0]:.1f}) / fastest AnomaVision ({theirs[1]}, {theirs[0]:.1f})"
+              f" = {ours[0] / theirs[0]:.2f}x")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        worker(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit(main())
