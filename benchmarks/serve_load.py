@@ -2,8 +2,9 @@
 
 Starts a real uvicorn process (`padim serve`) on 127.0.0.1, sends 224-px PNGs as raw bodies
 from N concurrent keep-alive connections for a fixed time, and compares requests/s with the
-library's own batch-16 throughput (``detector.score`` on ready tensors, measured in this
-process while the server is idle). Loopback only.
+library's own throughput with the same runtime (``score`` on ready tensors, at batch 8, the
+service's CPU batch preference, and at batch 16; measured in this process while the server is
+idle). Loopback only.
 
 The load comes from ``wrk`` when it is installed (``apt-get install wrk``): it is written in C
 and takes about 0.5 ms of CPU per request. The fallback client (asyncio + httpx) takes about
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from padim.models import PadimConfig, PadimDetector, fit_detector, list_images, training_images
+from padim.models import PadimConfig, fit_detector, list_images, training_images
 from padim.models.synthetic import generate
 from timing import median_seconds
 
@@ -120,8 +121,11 @@ def batch_totals(url: str) -> tuple[float, float]:
     return samples.get("padim_batch_size_sum", 0.0), samples.get("padim_batch_size_count", 0.0)
 
 
-def library_throughput(model: Path, images: list[Path], batch_size: int = 16, repeats: int = 5) -> float:
-    detector = PadimDetector.load(model, device="cpu")
+def library_throughput(model: Path, images: list[Path], runtime: str, batch_size: int, repeats: int = 7) -> float:
+    """img/s of the scorer the server runs (same runtime), on ready tensors, at ``batch_size``."""
+    from padim.models.runtimes import load_scorer
+
+    detector = load_scorer(model, runtime, "cpu")
     batch = detector.preprocess([Image.open(p).convert("RGB") for p in (images * batch_size)[:batch_size]])
     return batch_size / median_seconds(lambda: detector.score(batch), repeats)
 
@@ -135,6 +139,7 @@ def main() -> None:
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")
+    parser.add_argument("--runtime", default="auto", help="the server's and the library's runtime (default auto)")
     args = parser.parse_args()
     use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
 
@@ -149,13 +154,15 @@ def main() -> None:
     test_images = list_images(category / "test")
     bodies = [p.read_bytes() for p in test_images]
 
-    library = library_throughput(model, test_images)
-    print(f"library: {library:.1f} img/s (detector.score, batch 16, {args.image_size} px, {torch.get_num_threads()} threads)")
+    library = library_throughput(model, test_images, args.runtime, 8)
+    library16 = library_throughput(model, test_images, args.runtime, 16)
+    print(f"library ({args.runtime} runtime): {library:.1f} img/s at batch 8, {library16:.1f} at batch 16 "
+          f"({args.image_size} px, {torch.get_num_threads()} threads)")
 
     port = free_port()
     env = {**os.environ, "PADIM_LOG_LEVEL": "warning"}
     server = subprocess.Popen([sys.executable, "-m", "padim", "serve", "--model", str(model), "--port", str(port),
-                               "--device", "cpu", "--max-batch-size", str(args.max_batch_size),
+                               "--device", "cpu", "--runtime", args.runtime, "--max-batch-size", str(args.max_batch_size),
                                "--max-delay-ms", str(args.max_delay_ms)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -183,12 +190,13 @@ def main() -> None:
             last_images, last_batches = images, batches
             rows.append(row)
             print(f"{clients:3d} clients: {row['requests_per_second']:6.1f} req/s, p50 {row['p50_ms']:7.1f} ms, "
-                  f"p99 {row['p99_ms']:7.1f} ms, {100 * row['ratio_to_library']:5.1f}% of library, "
+                  f"p99 {row['p99_ms']:7.1f} ms, {100 * row['ratio_to_library']:5.1f}% of library batch 8, "
                   f"mean device batch {row['mean_batch']:.1f}, errors {row['errors']}")
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    print(json.dumps({"library_images_per_second": library, "rows": rows}))
+    print(json.dumps({"runtime": args.runtime, "library_images_per_second_batch8": library,
+                      "library_images_per_second_batch16": library16, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 A seeded resnet18 state_dict file (ImageNet weights cannot be downloaded here), 224-px
 generated images, layers 1-3, 100 channels. The torch breakdown is measured on model-input
-tensors. Then every installed runtime (torch eager, onnxruntime, OpenVINO; see
+tensors, and set against this machine's roofs, measured on the spot (sgemm GFLOP/s of a 2048^2
+product, copy bandwidth of 256 MB): each stage's floor is its arithmetic at the sgemm roof or
+its bytes at the bandwidth roof, whichever is longer, and the share of the floor reached is
+printed per stage and for the whole scorer. Then every installed runtime (torch eager, onnxruntime, OpenVINO; see
 padim.models.runtimes) is timed side by side in interleaved rounds, at batch 1 and at
 --batch-size, two ways: the scorer alone (normalised tensor in, maps and scores out) and end to
 end (decoded images in: resize + normalise + scorer). It prints min / median img/s, the ratio
@@ -114,9 +117,61 @@ def main() -> None:
           f"({1 / single:.1f} img/s at batch 1), image AUROC {auroc:.3f}")
     for name, seconds in parts.items():
         print(f"  {name:<18} {seconds * 1000:8.1f} ms/batch ({100 * seconds / total:4.1f}%)")
+    with torch.inference_mode():
+        half = model.precision_factor.half()
+        parts16 = median_seconds(lambda: squared_mahalanobis(flat, model.mean, half), args.repeats)
+    print(f"  {'mahalanobis, float16 factors (chunked upcast)':<18} {parts16 * 1000:8.1f} ms/batch")
+    report["padim"]["mahalanobis_float16_seconds"] = parts16
+    report["floor"] = floor_report(detector, batch, features, flat, parts, total, args)
 
     report["runtimes"] = compare_runtimes(detector, work, test_paths, args)
     print(json.dumps(report))
+
+
+def machine_roofs(device: str, repeats: int) -> dict:
+    """This machine's roofs, measured on the spot: sgemm GFLOP/s and copy bandwidth GB/s."""
+    n = 2048
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sgemm = 2 * n**3 / median_seconds(lambda: a @ b, repeats) / 1e9
+    source = torch.randn(64 * 2**20, device=device)  # 256 MB, far beyond any cache
+    target = torch.empty_like(source)
+    bandwidth = 2 * source.numel() * 4 / median_seconds(lambda: target.copy_(source), repeats) / 1e9  # read + write
+    return {"sgemm_gflops": sgemm, "bandwidth_gbps": bandwidth}
+
+
+def floor_report(detector, batch, features, flat, parts: dict, total: float, args) -> dict:
+    """Each stage's floor (its arithmetic at the sgemm roof, or its bytes at the bandwidth roof,
+    whichever is longer) against what it took; and the share of the whole floor reached."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    roofs = machine_roofs(args.device, args.repeats)
+    model, embedder = detector.model, detector.model.embedder
+    b, (pixels, dim), size = batch.shape[0], model.mean.shape, args.image_size
+    height, width = model.grid_shape
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        embedder.extractor(batch)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    work = {  # (floating-point operations, bytes that must move)
+        "backbone": (counter.get_total_flops(), nbytes(batch) + sum(nbytes(f) for f in features)
+                     + sum(nbytes(p) for p in embedder.extractor.parameters())),
+        "embedding": (0, sum(nbytes(f) for f in features) + nbytes(flat)),
+        "mahalanobis": (2 * pixels * b * dim * dim, nbytes(model.precision_factor) + nbytes(model.mean) + 2 * nbytes(flat)),
+        "upsample_blur_max": (2 * b * (size * height * width + size * size * width), b * size * size * 4),
+    }
+    report = {"roofs": roofs, "stages": {}}
+    print(f"floor of this machine: sgemm {roofs['sgemm_gflops']:.0f} GFLOP/s, copy bandwidth {roofs['bandwidth_gbps']:.1f} GB/s")
+    floor_total = 0.0
+    for name, (flops, moved) in work.items():
+        floor = max(flops / (roofs["sgemm_gflops"] * 1e9), moved / (roofs["bandwidth_gbps"] * 1e9))
+        floor_total += floor
+        report["stages"][name] = {"gflop": flops / 1e9, "mbytes": moved / 1e6, "floor_seconds": floor,
+                                  "seconds": parts[name], "share_of_floor": floor / parts[name]}
+        print(f"  {name:<18} {parts[name] * 1000:8.1f} ms, floor {floor * 1000:7.1f} ms "
+              f"({flops / 1e9:6.2f} GFLOP, {moved / 1e6:6.1f} MB): {100 * floor / parts[name]:5.1f}% of the floor")
+    report["floor_seconds"], report["share_of_floor"] = floor_total, floor_total / total
+    print(f"  whole scorer       {total * 1000:8.1f} ms, floor {floor_total * 1000:7.1f} ms: "
+          f"{100 * floor_total / total:.1f}% of the floor ({b / floor_total:.1f} img/s would be the floor)")
+    return report
 
 
 def compare_runtimes(detector, work: Path, test_paths, args) -> dict:

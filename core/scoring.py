@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 
 def squared_mahalanobis(
-    embedding: torch.Tensor, mean: torch.Tensor, precision_factor: torch.Tensor
+    embedding: torch.Tensor, mean: torch.Tensor, precision_factor: torch.Tensor, chunk_pixels: int = 128
 ) -> torch.Tensor:
     """Squared Mahalanobis distance of every pixel of every image, in one batched product.
 
@@ -34,7 +34,11 @@ def squared_mahalanobis(
         embedding: ``(B, P, D)``.
         mean: ``(P, D)``.
         precision_factor: ``(P, D, D)`` lower-triangular ``W`` (see
-            :func:`padim.core.statistics.precision_factor`).
+            :func:`padim.core.statistics.precision_factor`), in the embedding's dtype or a
+            narrower one (float16 as a model file stores it): then it is upcast
+            ``chunk_pixels`` pixels at a time inside the product, never as a whole, which keeps
+            the factors at half the memory for the same result as upcasting them first.
+        chunk_pixels: pixels per upcast chunk (128 x D x D floats: 5 MB at D = 100, in cache).
 
     Returns:
         ``(B, P)`` squared distances, in the embedding's dtype.
@@ -42,10 +46,19 @@ def squared_mahalanobis(
     # (P, B, D) written contiguous in one pass: the embedding usually arrives channels-first
     # ((B, D, P) in memory), and bmm would then copy every pixel's (B, D) matrix on its own.
     batch, pixels, dim = embedding.shape
-    delta = torch.empty((pixels, batch, dim), dtype=torch.result_type(embedding, mean), device=embedding.device)
+    dtype = torch.result_type(embedding, mean)
+    delta = torch.empty((pixels, batch, dim), dtype=dtype, device=embedding.device)
     torch.sub(embedding.transpose(0, 1), mean.unsqueeze(1), out=delta)
-    whitened_delta = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T, unit covariance
-    return whitened_delta.square().sum(dim=-1).transpose(0, 1)  # (B, P)
+    if precision_factor.dtype == dtype:
+        whitened_delta = torch.bmm(delta, precision_factor.transpose(1, 2))  # (P, B, D): (W delta)^T, unit covariance
+        return whitened_delta.square().sum(dim=-1).transpose(0, 1)  # (B, P)
+    squared = torch.empty((pixels, batch), dtype=dtype, device=embedding.device)
+    for start in range(0, pixels, chunk_pixels):
+        stop = min(start + chunk_pixels, pixels)
+        factor = precision_factor[start:stop].to(dtype)  # (c, D, D), upcast in cache
+        whitened_delta = torch.bmm(delta[start:stop], factor.transpose(1, 2))  # (c, B, D)
+        torch.sum(whitened_delta.square_(), dim=-1, out=squared[start:stop])
+    return squared.transpose(0, 1)  # (B, P)
 
 
 def gaussian_kernel1d(sigma: float, dtype=torch.float32, device=None) -> torch.Tensor:

@@ -88,7 +88,7 @@ class ExportedScorer(nn.Module):
         # (D * D,) position of every entry of W in the packed row, or T (a zero column) above the diagonal
         index = torch.full((dim, dim), rows.numel(), dtype=torch.int64)
         index[rows, cols] = torch.arange(rows.numel())
-        factor = model.precision_factor.detach().cpu()  # (P, D, D) float32, exact copy of what is stored
+        factor = model.precision_factor.detach().cpu()  # (P, D, D) as stored (float16 or float32)
         packed = factor[:, rows, cols].to(detector.precision_dtype)  # (P, T), T = D (D + 1) / 2
         self.register_buffer("mean", model.mean.detach().cpu().clone())  # (P, D)
         self.register_buffer("precision_factor_packed", torch.cat([packed, packed.new_zeros(len(packed), 1)], 1))

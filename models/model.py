@@ -42,7 +42,10 @@ class PadimModel(nn.Module):
     Args:
         embedder: images -> ``(B, P, D)`` embeddings.
         mean: ``(P, D)`` per-pixel mean.
-        precision_factor: ``(P, D, D)`` lower-triangular ``W`` with precision ``W^T W``.
+        precision_factor: ``(P, D, D)`` lower-triangular ``W`` with precision ``W^T W``; float16
+            factors (as a model file may store them) are kept float16 and upcast chunk by chunk
+            when scoring (:func:`padim.core.scoring.squared_mahalanobis`), other dtypes become
+            float32.
         blur_sigma: Gaussian smoothing of the map, in input pixels.
     """
 
@@ -51,7 +54,8 @@ class PadimModel(nn.Module):
         self.embedder = embedder
         self.blur_sigma = float(blur_sigma)
         self.register_buffer("mean", mean.to(torch.float32))  # (P, D)
-        self.register_buffer("precision_factor", precision_factor.to(torch.float32))  # (P, D, D)
+        kept = torch.float16 if precision_factor.dtype == torch.float16 else torch.float32
+        self.register_buffer("precision_factor", precision_factor.to(kept))  # (P, D, D)
 
     @property
     def device(self) -> torch.device:

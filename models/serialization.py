@@ -98,7 +98,7 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
             raise ArtifactError(f"{path}: tensor {name!r} holds NaN or infinite values; this model cannot score")
     try:
-        factor = unpack_lower(tensors["precision_factor"].to(torch.float32), embedding.embedding_dim)
+        factor = unpack_lower(tensors["precision_factor"], embedding.embedding_dim)  # float16 stays float16
         mean = tensors["mean"]
         calibration = _read_calibration(header, tensors)
         statistics = _read_statistics(tensors, header, embedding.embedding_dim) if with_statistics else None

@@ -49,6 +49,28 @@ def test_mahalanobis_copies_no_pixel_matrix_one_by_one():
     torch.testing.assert_close(got, reference)
 
 
+def test_float16_factors_are_upcast_by_chunks_for_the_result_of_upcasting_first():
+    """Factors kept float16 (half the memory) score as the float32 upcast of the same values,
+    with one upcast per chunk of pixels, never per pixel and never the whole tensor at once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generator = torch.Generator().manual_seed(0)
+    batch, pixels, dim, chunk = 3, 300, 12, 128
+    embedding = torch.randn(batch, dim, pixels, generator=generator).transpose(1, 2)
+    mean = torch.randn(pixels, dim, generator=generator)
+    spread = torch.randn(pixels, dim, 2 * dim, generator=generator)
+    factor = precision_factor(spread @ spread.transpose(1, 2) / (2 * dim), epsilon=0.01).half()  # (P, D, D)
+    upcast_first = squared_mahalanobis(embedding, mean, factor.float())
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        got = squared_mahalanobis(embedding, mean, factor, chunk_pixels=chunk)
+    chunks = -(-pixels // chunk)
+    upcasts = sum(e.count for e in trace.key_averages() if e.key == "aten::_to_copy")
+    copies = sum(e.count for e in trace.key_averages() if e.key in ("aten::copy_", "aten::clone"))
+    assert upcasts == chunks and copies <= chunks + 3, (upcasts, copies)
+    assert got.dtype == torch.float32 and got.shape == (batch, pixels)
+    torch.testing.assert_close(got, upcast_first, rtol=1e-6, atol=0)
+
+
 def test_float32_scoring_close_to_float64():
     rng = np.random.default_rng(1)
     covs = np.stack([np.cov(rng.normal(size=(60, 10)), rowvar=False) for _ in range(8)])

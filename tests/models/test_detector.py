@@ -9,6 +9,7 @@ from PIL import Image
 
 from helpers import tensor_byte_ranges
 from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact
+from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
@@ -39,6 +40,13 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # the README's promise for float16
         rel = ((out.raw_scores - exact.raw_scores).abs() / exact.raw_scores).max()
         assert rel <= tolerance, (dtype, float(rel))
+        # kept as stored: float16 factors take half the memory when loaded, not only on disk
+        assert loaded.model.precision_factor.dtype == dtype
+        if dtype == torch.float16:  # chunked upcast == upcasting the same values first
+            embedding = loaded.model.embedder(batch)
+            first = squared_mahalanobis(embedding, loaded.model.mean, loaded.model.precision_factor.float())
+            torch.testing.assert_close(squared_mahalanobis(embedding, loaded.model.mean, loaded.model.precision_factor),
+                                       first, rtol=1e-6, atol=0)
         assert loaded.calibration == detector.calibration
         # what was saved is the lower triangle: compare that (the upper one may differ in the last
         # bit on some CPUs, and nothing reads it)
