@@ -26,7 +26,7 @@ def runtime_options() -> argparse.ArgumentParser:
     return parent
 
 
-RUNTIME_HELP = ("what runs the scorer (default auto: onnxruntime on a CPU when it is installed, about 1.6x faster "
+RUNTIME_HELP = ("what runs the scorer (default auto: onnxruntime on a CPU when it is installed, 1.2-1.45x faster "
                 "than torch there; torch on a GPU). A .padim file is exported once for onnxruntime/openvino and "
                 "the export cached beside it (or in $PADIM_CACHE_DIR); an export directory (padim export) runs as is")
 

@@ -11,8 +11,8 @@ and the export cached (:func:`cache_dir`), keyed by the file's sha256: the next 
 cache, and a changed file (``evaluate --calibrate``, a new fit) gets a new export.
 
 **Default** (``auto``): ONNX Runtime on a CPU when it is installed, torch otherwise. Measured on
-2-core AMD EPYC machines (README, "Runtimes"): ONNX Runtime scores about 1.6x faster than torch
-eager at batch 16 and at batch 1, equal to 1e-6 relative. OpenVINO in float32 was behind ONNX
+a 2-core AMD EPYC (README, "Runtimes"): ONNX Runtime scored 1.24x torch at batch 16 and 1.45x
+at batch 1 (the scorer alone; 1.17x and 1.26x end to end), equal to 1e-6 relative. OpenVINO in float32 was behind ONNX
 Runtime there; in its default bfloat16 on CPUs that have it, scores moved by 0.7%, so padim
 always asks it for float32. On a GPU, torch runs CUDA and stays the default.
 """
@@ -63,7 +63,7 @@ def resolve_runtime(runtime: str, device: torch.device) -> str:
             import onnxruntime  # noqa: F401
             import onnxscript  # noqa: F401
         except ImportError:
-            log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score about 1.6x faster on CPU)")
+            log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score 1.2-1.45x faster on CPU)")
             return "torch"
         return "onnxruntime"
     return "torch"

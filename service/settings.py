@@ -29,7 +29,7 @@ class ServiceSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
-        "auto", description="what runs the scorer; auto: onnxruntime on a CPU when installed (about 1.6x torch "
+        "auto", description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
         "there), torch otherwise. .padim files are exported once and cached (PADIM_CACHE_DIR, else beside them)")
     max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="longest wait for a batch to fill")
