@@ -15,6 +15,9 @@
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
+# marks this stage's ~6 GB intermediate image, so that it can be removed once the final image
+# exists: docker image prune --filter label=padim.stage=build (the final stage does not inherit it)
+LABEL padim.stage=build
 ARG DEBIAN_FRONTEND=noninteractive
 # Backbones whose ImageNet weights are baked into the image (empty: none), so that a node
 # without internet can train with --weights imagenet. Needs download.pytorch.org at build time.
