@@ -4,7 +4,8 @@ The import package ``padim`` is assembled from the top-level folders the project
 in: ``cli/`` is ``padim`` itself, ``core/`` is ``padim.core``, ``models/`` is ``padim.models``,
 ``service/`` is ``padim.service``. Every folder with an ``__init__.py`` below them becomes a
 subpackage, so a new module or subpackage cannot be left out of the wheel
-(``tests/test_packaging.py`` builds the wheel and compares it with the tree).
+(``tests/test_packaging.py`` builds the wheel and compares it with the tree). The inspection
+console's static files (``service/console/``) ship as package data.
 """
 
 from setuptools import find_packages, setup
@@ -19,4 +20,5 @@ def discover() -> list[str]:
     return packages
 
 
-setup(packages=discover(), package_dir=ROOTS)
+setup(packages=discover(), package_dir=ROOTS,
+      package_data={"padim.service": ["console/*.html", "console/*.js", "console/*.css"]})

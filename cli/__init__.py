@@ -1,11 +1,26 @@
 """padim: PaDiM visual anomaly detection (streaming fit, calibrated verdicts, HTTP service).
 
+The Python API (see the README, "Python API")::
+
+    import padim
+    detector = padim.fit("data/train/good", weights="random")   # or padim.load("line3.padim")
+    result = detector.predict("part.png")                       # score, is_anomaly, anomaly_map, heatmap()
+
 The package is assembled from the repository's top-level folders: ``padim.core`` is
 ``core/``, ``padim.models`` is ``models/``, ``padim.service`` is ``service/``, and this
 folder (``cli/``) is ``padim`` itself, which holds the command line (``padim.cli``).
-Imports point one way: cli -> service -> models -> core.
+Imports point one way: cli -> service -> models -> core. The API names are imported on first
+use, so that ``padim --help`` and ``padim health`` load no torch.
 """
 
+from padim.core.lazy import lazy_exports
 from padim.core.version import DISTRIBUTION, __version__
 
-__all__ = ["DISTRIBUTION", "__version__"]
+_API = {"models.api": ("Detector", "Prediction", "fit", "load"),
+        "models.config": ("PadimConfig",)}
+_names, __getattr__, _dir = lazy_exports(__name__, _API)
+__all__ = ["DISTRIBUTION", "__version__", *_names]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_names))

@@ -22,8 +22,8 @@ examples:
   padim synth demo-data --categories weave               # a small generated data set
   padim train demo-data/weave/train/good --output weave.padim --weights random
   padim predict weave.padim demo-data/weave/test --output predictions
-  padim evaluate weave.padim demo-data/weave
-  padim serve --model weave.padim
+  padim evaluate weave.padim demo-data/weave --report weave-report     # metrics, and an HTML report
+  padim serve weave.padim                                # then open http://127.0.0.1:8000/ in a browser
   padim export weave.padim --format onnx --output weave-onnx     # one graph for onnxruntime / OpenVINO / Triton
 """
 
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"padim {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     title="commands (padim COMMAND --help for each)")
     runtime, quiet = runtime_options(), quiet_option()
     for group in (train, score, export, serve, tools):
         group.register(commands, runtime, quiet)
@@ -45,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # `padim` alone: what it can do, not a usage error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

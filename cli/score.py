@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,91 +29,127 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
 
     evaluate = commands.add_parser(
         "evaluate", parents=[runtime, scorer, quiet], help="metrics on an MVTec AD-layout category",
-        description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30%% FPR) and F1 "
-        "at the model's threshold, plus the F1-optimal threshold. The model file changes only with --calibrate.",
+        description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30% FPR) and F1 "
+        "at the model's threshold, plus the F1-optimal threshold, as JSON on stdout. --output also writes it to a "
+        "file; --report DIR writes an HTML report (curves, histograms, the worst false alarms and misses with their "
+        "heat maps; images embedded, opens offline) and evaluation.json into DIR. "
+        "The model file changes only with --calibrate.",
     )
     evaluate.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
     evaluate.add_argument("category_dir", type=Path, metavar="CATEGORY_DIR",
                           help="folder with test/<good|defect>/ and ground_truth/<defect>/")
-    evaluate.add_argument("--output", "-o", type=Path, default=Path("evaluation.json"),
-                          help="JSON file to write (default evaluation.json)")
+    evaluate.add_argument("--output", "-o", type=Path, metavar="FILE",
+                          help="also write the JSON to this file (default: stdout only)")
+    evaluate.add_argument("--report", type=Path, metavar="DIR",
+                          help="write DIR/report.html and DIR/evaluation.json")
+    evaluate.add_argument("--gallery", type=int, default=6, metavar="N",
+                          help="worst false alarms and worst misses shown in the report, each (default 6)")
     evaluate.add_argument("--calibrate", action="store_true",
                           help="store the F1-optimal threshold in the model file (a .padim file, not an export)")
     evaluate.set_defaults(handler=cmd_evaluate)
+
+
+def output_names(inputs: list[Path]) -> list[tuple[Path, Path]]:
+    """``(image, name under --output)`` for every image of ``inputs``, each image once, in order.
+
+    Names mirror the inputs below the folder they have in common: ``test/hole test/scratch`` give
+    ``hole/000.png`` and ``scratch/000.png``; ``a/000.png b/000.png`` give ``a/000.png`` and
+    ``b/000.png``; one folder gives paths relative to it.
+    """
+    from padim.models import list_images
+
+    found: dict[str, Path] = {}
+    for source in inputs:
+        images = list_images(source)
+        if not images and source.is_dir():
+            raise UserError(f"{source}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
+        for image in images:
+            found.setdefault(os.path.abspath(image), image)
+    anchors = [os.path.abspath(s if s.is_dir() else s.parent) for s in inputs]
+    base = os.path.commonpath(anchors)
+    return [(image, Path(os.path.relpath(absolute, base))) for absolute, image in found.items()]
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm.auto import tqdm
 
-    from padim.core.scoring import resize_map
-    from padim.models import NonFiniteScoreError, list_images, verdict
-    from padim.models.images import decode_side, iter_batches
-    from padim.models.visualize import overlay
+    from padim.models import NonFiniteScoreError
+    from padim.models.api import Detector
 
-    detector = _load(args)
-    items: list[tuple[Path, Path]] = []  # (path, path relative to its input)
-    for source in args.inputs:
-        found = list_images(source)
-        if not found and source.is_dir():
-            raise UserError(f"{source}: no images found")
-        items += [(p, p.relative_to(source) if source.is_dir() else Path(p.name)) for p in found]
-    relatives = [r.as_posix() for _, r in items]
-    duplicates = sorted({r for r in relatives if relatives.count(r) > 1})
-    if duplicates:
-        raise UserError(f"two inputs give the same output name {duplicates[0]!r}; predict them into separate --output folders")
-    args.output.mkdir(parents=True, exist_ok=True)
-    calibration = detector.calibration
-    relative_of = dict(items)
-    anomalous, failed, started = 0, [], time.perf_counter()
-    with open(args.output / "results.jsonl", "w") as results, \
-            tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
-        for chunk, images in iter_batches([p for p, _ in items], args.batch_size or DEFAULT_BATCH_SIZE,
-                                          DEFAULT_WORKERS if args.workers is None else args.workers,
-                                          draft_to=decode_side(detector.config.image_size)):
-            out = detector.score(detector.preprocess(images))
-            raw_scores, maps = out.raw_scores.cpu(), out.maps.cpu()
-            for path, image, raw, anomaly_map in zip(chunk, images, raw_scores.tolist(), maps):
-                try:
-                    record = {"path": str(path), **verdict(raw, anomaly_map, calibration).to_dict(),
-                              "weights": detector.weights.label}
-                except NonFiniteScoreError as error:  # fail closed: no score, no verdict, exit 1 below
-                    failed.append(str(path))
-                    results.write(json.dumps({"path": str(path), "error": {"code": "non_finite_score",
-                                                                           "message": str(error)}}) + "\n")
+    detector = Detector(_load(args), batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                        workers=DEFAULT_WORKERS if args.workers is None else args.workers)
+    items = output_names(args.inputs)
+    name_of = {str(path): name for path, name in items}
+    out = args.output
+    counts = {"anomalous": 0, "non_finite": [], "unreadable": []}
+    results, results_path, started = None, out / "results.jsonl", time.perf_counter()
+
+    def write(record: dict) -> None:
+        nonlocal results
+        if results is None:  # nothing is created until there is a first line to write
+            out.mkdir(parents=True, exist_ok=True)
+            results = open(results_path, "w")
+        results.write(json.dumps(record) + "\n")
+
+    unreadable: list[tuple[Path, str]] = []
+    try:
+        with tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
+            for result in detector.iter_predict([path for path, _ in items], unreadable=unreadable):
+                for path, reason in unreadable:  # decoded ahead: reported as they are found
+                    counts["unreadable"].append(str(path))
+                    write({"path": str(path), "error": {"code": "unreadable_image", "message": reason}})
+                    bar.update(1)
+                unreadable.clear()
+                if isinstance(result, NonFiniteScoreError):  # fail closed: no score, no verdict, exit 1 below
+                    counts["non_finite"].append(result.source)
+                    write({"path": result.source, "error": {"code": "non_finite_score", "message": str(result)}})
+                    bar.update(1)
                     continue
-                rel = relative_of[path]
-                if not (args.no_maps and args.no_heatmaps):
-                    full = resize_map(anomaly_map, image.height, image.width)
+                name = name_of[result.source]
+                record = result.to_dict()
                 if not args.no_maps:
-                    map_path = args.output / "maps" / rel.with_suffix(".npy")
+                    map_path = out / "maps" / name.with_suffix(".npy")
                     map_path.parent.mkdir(parents=True, exist_ok=True)
-                    np.save(map_path, full.numpy().astype(np.float32))
+                    np.save(map_path, result.anomaly_map)
                     record["map"] = str(map_path)
                 if not args.no_heatmaps:
-                    heat_path = args.output / "heatmaps" / rel.with_suffix(".png")
+                    heat_path = out / "heatmaps" / name.with_suffix(".png")
                     heat_path.parent.mkdir(parents=True, exist_ok=True)
-                    overlay(image, calibration.normalise(full.double()).numpy(), label=detector.weights.stamp).save(heat_path)
+                    result.heatmap().save(heat_path)
                     record["heatmap"] = str(heat_path)
-                anomalous += record["is_anomaly"]
-                results.write(json.dumps(record) + "\n")
-            results.flush()
-            bar.update(len(chunk))
+                counts["anomalous"] += result.is_anomaly
+                write(record)
+                bar.update(1)
+            for path, reason in unreadable:
+                counts["unreadable"].append(str(path))
+                write({"path": str(path), "error": {"code": "unreadable_image", "message": reason}})
+    finally:
+        if results is not None:
+            results.close()
     elapsed = time.perf_counter() - started
-    print(json.dumps({"images": len(items), "anomalous": anomalous, "failed": len(failed),
-                      "results": str(args.output / "results.jsonl"),
-                      "images_per_second": round(len(items) / elapsed, 2), "runtime": detector.describe()["runtime"],
-                      "weights": detector.weights.label}))
-    if failed:
-        shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
-        raise UserError(f"{len(failed)} of {len(items)} image(s) got a NaN or infinite score and no verdict ({shown}); "
-                        "the model file may be damaged: check it with `padim info --verify`")
+    failed = counts["non_finite"] + counts["unreadable"]
+    print(json.dumps({"images": len(items), "anomalous": counts["anomalous"], "failed": len(failed),
+                      "unreadable": len(counts["unreadable"]),
+                      "results": str(results_path) if results is not None else None,
+                      "images_per_second": round(len(items) / elapsed, 2), "runtime": detector.runtime,
+                      "weights": detector.scorer.weights.label}))
+    if counts["non_finite"]:
+        raise UserError(f"{len(counts['non_finite'])} of {len(items)} image(s) got a NaN or infinite score and no verdict "
+                        f"({_some(counts['non_finite'])}); the model file may be damaged: check it with `padim info --verify`")
+    if counts["unreadable"]:
+        raise UserError(f"{len(counts['unreadable'])} of {len(items)} image(s) could not be read "
+                        f"({_some(counts['unreadable'])}); see their error lines in {results_path}")
     return 0
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from padim.models import PadimDetector
-    from padim.models.evaluation import evaluate
+    from padim.models.evaluation import compute_metrics, score_category
     from padim.models.runtimes import is_export
 
     if args.calibrate and is_export(args.model):
@@ -120,8 +157,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                         "calibrate that file, then export it again")
     detector = _load(args, with_statistics=args.calibrate)
     try:
-        result = evaluate(detector, args.category_dir, args.batch_size or DEFAULT_BATCH_SIZE,
-                          DEFAULT_WORKERS if args.workers is None else args.workers, progress=not args.quiet)
+        scored = score_category(detector, args.category_dir, args.batch_size or DEFAULT_BATCH_SIZE,
+                                DEFAULT_WORKERS if args.workers is None else args.workers, progress=not args.quiet)
+        result = {"category": str(args.category_dir),
+                  **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold)}
     except ValueError as error:
         raise UserError(str(error)) from None
     result["model"] = str(args.model)
@@ -134,9 +173,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise UserError("--calibrate needs both good and defective test images")
         detector.calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
         detector.save(args.model, with_statistics=detector.statistics is not None)
+        # what the new threshold gives on the same images (F1, confusion counts, the report's marks)
+        scored.raw_threshold = detector.calibration.threshold
+        result.update(compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold))
         result["calibrated"] = True
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    if args.report is not None:
+        from padim.models.report import write_report
+
+        result["report"] = str(write_report(args.report, scored, result, detector, str(args.model), args.gallery))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -21,13 +21,17 @@ def settings_names() -> str:
 
 def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
     serve = commands.add_parser(
-        "serve", help="serve models over HTTP (FastAPI): POST /score",
-        description="Serve one or more model files. Each is named by its file stem; the first is the default. "
+        "serve", parents=[quiet], help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
+        description="Serve one or more model files or export directories. Each is named by its file stem; the first "
+        "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
+        "/docs. "
         f"Flags override PADIM_* environment variables ({settings_names()}; see the README's table). "
         "The API key is read from PADIM_API_KEY only, never from a flag.",
     )
-    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="FILE",
-                       help="model file or export directory (repeatable)")
+    serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",
+                       help="model files (padim train) or export directories (padim export)")
+    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="MODEL",
+                       help="the same, as a flag (repeatable; the older spelling)")
     serve.add_argument("--model-dir", type=Path, help="serve every *.padim and export directory in this directory")
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
@@ -40,7 +44,7 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     serve.set_defaults(handler=cmd_serve)
 
     health = commands.add_parser(
-        "health", help="exit 0 when a local `padim serve` is ready (Docker HEALTHCHECK)",
+        "health", parents=[quiet], help="exit 0 when a local `padim serve` is ready (Docker HEALTHCHECK)",
         description="GET http://127.0.0.1:$PADIM_PORT/health/ready; exit 0 on 200, 1 otherwise. Imports no torch.",
     )
     health.add_argument("--url", help="default http://127.0.0.1:${PADIM_PORT:-8000}/health/ready")
@@ -54,6 +58,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from padim.service.server import serve
     from padim.service.settings import ServiceSettings
 
+    args.models = [*args.model_args, *(args.models or [])] or None
+    if args.quiet and args.log_level is None:
+        args.log_level = "warning"
     flags = {k: getattr(args, k) for k in ("models", "model_dir", "default_model", "host", "port", "device",
                                            "runtime", "max_batch_size", "max_delay_ms", "log_level")}
     try:

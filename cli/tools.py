@@ -11,7 +11,7 @@ from .common import UserError
 
 def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
     info = commands.add_parser(
-        "info", help="print a model file's metadata as JSON",
+        "info", parents=[quiet], help="print a model file's metadata as JSON",
         description="What a model file holds: images fitted, calibration (scores used, threshold, requested and "
         "promised false-alarm rates), backbone, and its full header. The header's digest is always checked.")
     info.add_argument("model", type=Path, metavar="MODEL", help="model file")
@@ -19,7 +19,7 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     info.set_defaults(handler=cmd_info)
 
     fetch = commands.add_parser(
-        "fetch-weights", help="download ImageNet backbone weights into torch's cache (for offline nodes and images)",
+        "fetch-weights", parents=[quiet], help="download ImageNet backbone weights into torch's cache (for offline nodes and images)",
         description="Download torchvision's IMAGENET1K_V1 weights of each BACKBONE into $TORCH_HOME/hub/checkpoints "
         "(default ~/.cache/torch). Run it where there is internet, then copy that directory, or bake it into "
         "the Docker image (build argument BAKE_WEIGHTS).",
@@ -28,7 +28,7 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     fetch.set_defaults(handler=cmd_fetch_weights)
 
     synth = commands.add_parser(
-        "synth", help="generate an MVTec-layout data set of textures with synthetic defects",
+        "synth", parents=[quiet], help="generate an MVTec-layout data set of textures with synthetic defects",
         description="Write OUT_DIR/<category>/{train/good,test/<good|defect>,ground_truth/<defect>}. "
         "For demos and tests; works offline.",
     )

@@ -6,8 +6,8 @@ embedding), ``model`` (the scoring ``nn.Module``), ``detector`` (model + calibra
 provenance), ``verdicts`` (the per-image result), ``fitting`` (a fit in progress), ``training``
 (whole runs: fit, resume, partial, merge), ``distributed`` (torchrun), ``serialization`` (the
 model file), ``export`` (the scorer as one ONNX / OpenVINO graph), ``runtimes`` (torch,
-onnxruntime or OpenVINO behind one interface), ``evaluation`` (metrics), ``synthetic`` (generated data sets), ``visualize``
-(heat maps).
+onnxruntime or OpenVINO behind one interface), ``evaluation`` (metrics), ``report`` (the HTML evaluation report), ``synthetic`` (generated data
+sets), ``visualize`` (heat maps), ``api`` (the Python API that ``import padim`` exposes).
 
 Names are resolved on first use (PEP 562), so that ``padim.models.choices`` and the command
 line's ``--help`` do not import torch.

@@ -21,7 +21,6 @@ from scipy import ndimage
 from sklearn.metrics import f1_score, precision_recall_curve, roc_auc_score
 from tqdm.auto import tqdm
 
-from padim.models import PadimDetector
 from padim.models.images import IMAGE_SUFFIXES, decode_side, iter_batches, list_images
 
 
@@ -55,8 +54,8 @@ def read_mvtec_category(root: str | Path) -> list[Sample]:
     return samples
 
 
-def per_region_overlap(maps: np.ndarray, masks: np.ndarray, max_fpr: float = 0.3) -> float:
-    """Normalised area under the PRO curve up to ``max_fpr``.
+def pro_curve(maps: np.ndarray, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The whole PRO curve: ``(fpr, pro)``, one point per distinct threshold, from (0, 0).
 
     Args:
         maps: ``(N, H, W)`` anomaly scores.
@@ -80,8 +79,17 @@ def per_region_overlap(maps: np.ndarray, masks: np.ndarray, max_fpr: float = 0.3
     fpr = np.cumsum(weights_normal.ravel()[order])
     # one point per distinct threshold: the last pixel of each run of equal scores
     last = np.r_[scores[1:] != scores[:-1], True]
-    fpr = np.r_[0.0, fpr[last]]
-    pro = np.r_[0.0, pro[last]]
+    return np.r_[0.0, fpr[last]], np.r_[0.0, pro[last]]
+
+
+def per_region_overlap(maps: np.ndarray, masks: np.ndarray, max_fpr: float = 0.3) -> float:
+    """Normalised area under the PRO curve up to ``max_fpr``.
+
+    Args:
+        maps: ``(N, H, W)`` anomaly scores.
+        masks: ``(N, H, W)`` boolean ground truth.
+    """
+    fpr, pro = pro_curve(maps, masks)
     cut = np.searchsorted(fpr, max_fpr, side="right")
     fpr_c, pro_c = fpr[:cut], pro[:cut]
     if cut < len(fpr):  # interpolate the curve at exactly max_fpr
@@ -91,8 +99,25 @@ def per_region_overlap(maps: np.ndarray, masks: np.ndarray, max_fpr: float = 0.3
     return float(np.trapezoid(pro_c, fpr_c) / max_fpr)
 
 
-def evaluate(detector: PadimDetector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> dict:
-    """Score every test image of a category and compute the metrics."""
+@dataclass
+class Scored:
+    """A category's test images, scored: what the metrics and the report are computed from.
+
+    Attributes:
+        samples: the test images, in order.
+        raw_scores: ``(N,)`` raw image scores.
+        maps: ``(N, S, S)`` raw maps at the model's input size.
+        raw_threshold: the model's threshold (raw units), ``None`` without a calibration.
+    """
+
+    samples: list[Sample]
+    raw_scores: np.ndarray
+    maps: np.ndarray
+    raw_threshold: float | None
+
+
+def score_category(detector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> Scored:
+    """Score every test image of a category (any runtime's detector)."""
     samples = read_mvtec_category(root)
     raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
@@ -103,9 +128,13 @@ def evaluate(detector: PadimDetector, root: str | Path, batch_size: int = 16, wo
             maps.append(out.maps.cpu())
             bar.update(len(chunk))
     threshold = detector.calibration.threshold if detector.calibration else None
-    result = {"category": str(root)}
-    result.update(compute_metrics(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold))
-    return result
+    return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold)
+
+
+def evaluate(detector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> dict:
+    """Score every test image of a category and compute the metrics."""
+    scored = score_category(detector, root, batch_size, workers, progress)
+    return {"category": str(root), **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold)}
 
 
 def load_masks(samples: list[Sample], size: int) -> np.ndarray:
@@ -136,6 +165,15 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         "raw_threshold": threshold,
         "f1_at_threshold": float(f1_score(labels, scores >= threshold)) if threshold is not None and has_both else None,
     }
+    if threshold is not None:
+        flagged = scores >= threshold
+        result["confusion_at_threshold"] = {
+            "true_negatives": int((~flagged & ~labels).sum()), "false_positives": int((flagged & ~labels).sum()),
+            "false_negatives": int((~flagged & labels).sum()), "true_positives": int((flagged & labels).sum()),
+        }
+        result["flagged_by_defect"] = {d: [int(flagged[mask_d].sum()), int(mask_d.sum())]
+                                       for d in sorted({s.defect for s in samples})
+                                       if (mask_d := np.array([s.defect == d for s in samples])).any()}
     if has_both:
         precision, recall, thresholds = precision_recall_curve(labels, scores)
         f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-12), 0)[:-1]

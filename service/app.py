@@ -7,7 +7,11 @@ import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+from pathlib import Path
+
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 
 from padim.core.version import __version__
 
@@ -57,6 +61,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     install_error_handlers(app)
     for module in (health, models, score, metrics):
         app.include_router(module.router)
+    _add_console(app)
     app.openapi = lambda: truthful_openapi(app, PROTECTED_TAGS, api_key_required=settings.api_key is not None,
                                            batch_limit=settings.batch_limit())
     app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
@@ -64,6 +69,29 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     # outermost: sees every response, and answers the requests a drain timeout cancels
     app.add_middleware(RequestContext, metrics=runtime.metrics, draining=lambda: runtime.draining)
     return app
+
+
+#: The inspection console: static files in the package, served at ``/`` (no build step, no CDN).
+CONSOLE = Path(__file__).parent / "console"
+#: The console loads nothing from elsewhere; images it shows are blob: (uploads) and data: (heat maps).
+CONSOLE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'; "
+                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _add_console(app: FastAPI) -> None:
+    """``GET /``: the console page; ``/console/*``: its script and style. Open, like ``/docs``:
+    the page holds no data, and its API calls carry the key the user types in."""
+
+    @app.get("/", include_in_schema=False)
+    async def console() -> FileResponse:
+        return FileResponse(CONSOLE / "index.html", media_type="text/html", headers=CONSOLE_HEADERS)
+
+    app.mount("/console", StaticFiles(directory=CONSOLE, html=False), name="console")
 
 
 async def _load(runtime: Runtime, on_fatal: Callable[[], None] | None) -> None:

@@ -242,7 +242,7 @@ class Runtime:
             resized = resize_map(anomaly_map, height, width)
             normalised_map = calibration.normalise(resized.double()).numpy()
             if heatmap:
-                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, label=model.detector.weights.stamp))
+                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, result["threshold"]))
             if mask:
                 result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))
             if decoded.large:

@@ -25,7 +25,9 @@ class ScoreResult(BaseModel):
     raw_threshold: float | None = Field(description="the same threshold in raw units; null when the threshold "
                                         "is 0 or 1, which have no finite raw value")
     anomalous_area: float = Field(description="share of map pixels at or above the threshold")
-    heatmap: str | None = Field(None, description="PNG, base64: the map blended over the image (heatmap=true)")
+    heatmap: str | None = Field(None, description="PNG, base64 (heatmap=true): the image, tinted only where the map "
+                                "nears or passes the threshold, with the outline of the area at or above it; at the "
+                                "image's size (at most PADIM_HEATMAP_MAX_SIDE a side)")
     mask: str | None = Field(None, description="PNG, base64: white where at or above the threshold (mask=true)")
 
 

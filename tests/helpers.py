@@ -19,11 +19,11 @@ import httpx
 IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
 
 
-def run_cli(*args, check: bool = True, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(*args, check: bool = True, env: dict | None = None, timeout: int = 300, cwd=None) -> subprocess.CompletedProcess:
     """Run the real ``padim`` command line in a subprocess."""
     result = subprocess.run(
         [sys.executable, "-m", "padim", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"padim {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr}")

@@ -99,3 +99,5 @@ def test_installed_command_trains_and_serves(installed, dataset, tmp_path):
         image = (dataset / "test" / "hole" / "000.png").read_bytes()
         answer = httpx.post(server.url + "/score", content=image, headers={"content-type": "image/png"}, timeout=60)
         assert answer.status_code == 200 and answer.json()["model"]["name"] == "weave"
+        for page in ("/", "/console/console.js", "/console/console.css"):  # the console ships in the wheel
+            assert httpx.get(server.url + page, timeout=10).status_code == 200, page

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,7 +75,8 @@ def test_predict_outputs(model_file, dataset, tmp_path):
     rel = os.path.relpath(first["path"], dataset / "test")
     heat = Image.open(out / "heatmaps" / (os.path.splitext(rel)[0] + ".png"))
     source = Image.open(first["path"])
-    assert heat.size == source.size
+    # band above, original | overlay, colour bar below (tests/models/test_visualize.py)
+    assert heat.width == 2 * source.width + max(4, source.width // 80) and heat.height > source.height
     anomaly_map = np.load(out / "maps" / (os.path.splitext(rel)[0] + ".npy"))
     assert anomaly_map.dtype == np.float32 and anomaly_map.shape == (source.height, source.width)
     # the map is at the image's resolution; its maximum is close to the raw score
@@ -281,3 +283,65 @@ def test_interrupted_training_leaves_no_file(tmp_path):
     assert process.returncode == 130, seen + rest
     assert "interrupted" in rest
     assert not output.exists() and not list(tmp_path.glob(".m.padim*"))
+
+
+def test_padim_alone_lists_the_commands_and_every_argument_is_explained():
+    from padim.cli import build_parser
+
+    result = run_cli(check=False)
+    assert result.returncode == 0
+    for command in ("train", "predict", "evaluate", "merge", "export", "serve", "info", "synth"):
+        assert f"    {command}" in result.stdout
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, sub in commands.choices.items():
+        text = sub.format_help()
+        assert "%%" not in text, name
+        for action in sub._actions:
+            assert action.help, f"padim {name} {action.dest} has no help"
+        assert "-q, --quiet" in text, name  # -q after the command too
+    assert "(default 16)" in commands.choices["predict"].format_help()
+
+
+def test_predict_mirrors_input_folders_under_output(model_file, dataset, tmp_path):
+    test = dataset / "test"
+    run_cli("-q", "predict", model_file, test / "hole", test / "scratch", "--output", tmp_path / "a", "--no-maps")
+    assert sorted(p.relative_to(tmp_path / "a" / "heatmaps").as_posix() for p in (tmp_path / "a").rglob("*.png")) == [
+        f"{d}/{i:03d}.png" for d in ("hole", "scratch") for i in range(4)]
+    run_cli("-q", "predict", model_file, test / "hole" / "000.png", test / "good" / "000.png", "--output", tmp_path / "b",
+            "--no-heatmaps")
+    assert sorted(p.relative_to(tmp_path / "b" / "maps").as_posix() for p in (tmp_path / "b").rglob("*.npy")) == [
+        "good/000.npy", "hole/000.npy"]
+
+
+def test_predict_reports_unreadable_images_and_scores_the_rest(model_file, dataset, tmp_path):
+    images = tmp_path / "in"
+    images.mkdir()
+    (images / "a.png").write_bytes((dataset / "test" / "good" / "000.png").read_bytes())
+    (images / "b.png").write_bytes(b"not a png")
+    result = run_cli("-q", "predict", model_file, images, "--output", tmp_path / "o", check=False)
+    assert result.returncode == 1 and "1 of 2 image(s) could not be read" in result.stderr
+    assert "BufferedReader" not in result.stderr
+    records = {Path(r["path"]).name: r for r in map(json.loads, (tmp_path / "o" / "results.jsonl").read_text().splitlines())}
+    assert "score" in records["a.png"] and records["b.png"]["error"]["code"] == "unreadable_image"
+    # a predict that fails before scoring anything leaves nothing behind
+    failed = run_cli("-q", "predict", tmp_path / "missing.padim", images, "--output", tmp_path / "none", check=False)
+    assert failed.returncode == 1 and not (tmp_path / "none").exists()
+
+
+def test_evaluate_writes_no_file_unless_asked_and_a_report_when_asked(model_file, dataset, tmp_path):
+    result = run_cli("-q", "evaluate", model_file, dataset, "--report", tmp_path / "report", "--gallery", "2",
+                     cwd=tmp_path)
+    printed = json.loads(result.stdout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no evaluation.json left in the cwd
+    saved = json.loads((tmp_path / "report" / "evaluation.json").read_text())
+    assert len(saved["per_image"]) == printed["images"] == 18
+    assert {k: v for k, v in saved.items() if k != "per_image"} == {k: v for k, v in printed.items() if k != "report"}
+    assert printed["report"] == str(tmp_path / "report" / "report.html")
+    confusion = printed["confusion_at_threshold"]
+    assert sum(confusion.values()) == 18 and confusion["true_positives"] + confusion["false_negatives"] == 12
+    page = (tmp_path / "report" / "report.html").read_text()
+    for heading in ("Image ROC", "Pixel ROC", "PRO", "Score histograms", "Worst false alarms", "Worst misses",
+                    "By defect type", "RANDOM WEIGHTS"):
+        assert heading in page, heading
+    assert page.count('src="data:image/png;base64,') == 4 + 2 + 2  # three curves and histograms, two cards each
+    assert "http://" not in page and "https://" not in page  # self-contained: opens offline

@@ -346,3 +346,11 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
         else:
             assert outcome in ("refused", "reset") and request_id not in received, (request_id, outcome)
     assert sum(1 for _, o in outcomes if o == 200) >= 16
+
+
+def test_serve_takes_models_positionally_like_the_other_commands(model_file, tmp_path):
+    copy = tmp_path / "line4.padim"
+    copy.write_bytes(model_file.read_bytes())
+    with running_server(tmp_path, [model_file], args=(str(copy),)) as running:  # `serve line4.padim --model weave.padim`
+        listing = httpx.get(running.url + "/models", timeout=10).json()
+    assert listing["default"] == "line4" and [m["name"] for m in listing["models"]] == ["line4", "weave"]

@@ -1,0 +1,318 @@
+"""The Python API, for notebooks and scripts: fit, load, predict; plain objects out.
+
+>>> import padim                                                    # doctest: +SKIP
+>>> detector = padim.fit("data/weave/train/good", weights="random")  # doctest: +SKIP
+>>> detector.save("weave.padim")                                    # doctest: +SKIP
+>>> detector = padim.load("weave.padim")                            # doctest: +SKIP
+>>> result = detector.predict("data/weave/test/hole/000.png")       # doctest: +SKIP
+>>> result.score, result.is_anomaly, result.anomaly_map.shape       # doctest: +SKIP
+(0.93, True, (256, 256))
+>>> result.heatmap().save("hole.png")                               # doctest: +SKIP
+
+The numbers are those of ``padim predict`` and ``POST /score``: the same scorer, the same
+:func:`~padim.models.verdicts.verdict`, the map resized to the image's size the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from PIL import Image
+
+from padim.core.calibration import Calibration
+from padim.core.scoring import resize_map
+
+from .config import ConfigError, PadimConfig
+from .images import decode_side, iter_batches, list_images, open_image, to_rgb
+from .training import FitError, FitReport, TrainingImage, fit_detector, training_images
+from .verdicts import NonFiniteScoreError, Verdict, verdict
+from .visualize import figure, mask_image, overlay
+
+#: What :meth:`Detector.predict` takes as one image: a path, a PIL image, or an ``(H, W)`` /
+#: ``(H, W, 3)`` / ``(H, W, 4)`` uint8 array (RGB order, as PIL and imageio give; 0..255).
+ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class Prediction:
+    """One image's result.
+
+    Attributes:
+        source: the path, or ``"<image N>"`` for an in-memory image (N: its place in the call).
+        score: calibrated score, 0 to 1; anomalous at or above ``threshold``.
+        raw_score: maximum of the anomaly map (Mahalanobis distance units).
+        is_anomaly: the verdict.
+        threshold: on the score scale (0.5 unless overridden).
+        raw_threshold: the same, in raw units.
+        anomalous_area: share of the image at or above the threshold.
+        anomaly_map: ``(H, W)`` float32 raw map at the image's own size.
+        image: the RGB image that was scored.
+        weights_label: where the backbone weights came from (a random-weights model says so).
+    """
+
+    source: str
+    score: float
+    raw_score: float
+    is_anomaly: bool
+    threshold: float
+    raw_threshold: float
+    anomalous_area: float
+    anomaly_map: np.ndarray = field(repr=False)
+    image: Image.Image = field(repr=False)
+    calibration: Calibration = field(repr=False)
+    weights_label: str = field(repr=False, default="")
+    stamp: str | None = field(repr=False, default=None)
+
+    @property
+    def normalised_map(self) -> np.ndarray:
+        """``(H, W)`` calibrated score of every pixel, 0..1 (the model's threshold at 0.5)."""
+        return self.calibration.normalise(torch.from_numpy(self.anomaly_map).double()).numpy()
+
+    def mask(self) -> Image.Image:
+        """White where the map is at or above the threshold (an ``L`` image at the image's size)."""
+        return mask_image(self.normalised_map, self.threshold)
+
+    def overlay(self) -> Image.Image:
+        """The image, tinted only where the map nears or passes the threshold, outline at the threshold."""
+        return overlay(self.image, self.normalised_map, self.threshold)
+
+    def heatmap(self, max_side: int | None = 1024) -> Image.Image:
+        """Verdict band, original beside overlay, colour bar with the threshold: what ``padim predict`` saves.
+
+        Args:
+            max_side: each half at most this many pixels a side (``None``: the image's own size);
+                :attr:`anomaly_map` keeps the full resolution.
+        """
+        image, values = self.image, self.normalised_map
+        if max_side is not None and max(image.size) > max_side:
+            scale = max_side / max(image.size)
+            size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+            image = image.resize(size, Image.BILINEAR)
+            values = resize_map(torch.from_numpy(values), size[1], size[0]).numpy()
+        return figure(image, values, self, label=self.stamp, title=self.source)
+
+    def to_dict(self) -> dict:
+        """The verdict keys of a ``results.jsonl`` line (no arrays)."""
+        result = Verdict(self.score, self.raw_score, self.is_anomaly, self.threshold, self.raw_threshold,
+                         self.anomalous_area).to_dict()
+        return {"path": self.source, **result, "weights": self.weights_label}
+
+    def _repr_png_(self) -> bytes:  # Jupyter shows the heat map
+        import io
+
+        buffer = io.BytesIO()
+        self.heatmap().save(buffer, format="PNG")
+        return buffer.getvalue()
+
+
+class Detector:
+    """A fitted detector on a runtime (torch, onnxruntime or OpenVINO).
+
+    Made by :func:`fit` or :func:`load`. ``scorer`` is the underlying
+    :class:`~padim.models.PadimDetector` or :class:`~padim.models.DeployedDetector`.
+    """
+
+    def __init__(self, scorer, report: FitReport | None = None, batch_size: int = 16, workers: int = 2):
+        self.scorer = scorer
+        self.report = report
+        self.batch_size, self.workers = batch_size, workers
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.scorer.calibration
+
+    @property
+    def config(self) -> PadimConfig:
+        return self.scorer.config
+
+    @property
+    def runtime(self) -> str:
+        return self.scorer.describe()["runtime"]
+
+    def describe(self) -> dict:
+        """What ``padim info`` shows: backbone, weights, calibration and its promises, runtime."""
+        return self.scorer.describe()
+
+    def __repr__(self) -> str:
+        d = self.describe()
+        return (f"Detector({d['backbone']}, {d['image_size']} px, {d['weights']}, runtime={d['runtime']}, "
+                f"fitted on {d['fit_image_count']} images)")
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the model file (atomically); only a torch-runtime detector has the statistics to write."""
+        from .detector import PadimDetector
+
+        if not isinstance(self.scorer, PadimDetector):
+            raise TypeError("an exported detector cannot be saved as a .padim file; save the one it was exported from")
+        self.scorer.save(path, with_statistics=self.scorer.statistics is not None)
+        return Path(path)
+
+    def predict(self, images: ImageInput | Sequence[ImageInput], threshold: float | None = None
+                ) -> Prediction | list[Prediction]:
+        """Score images: one input gives one :class:`Prediction`, a list (or a folder) gives a list.
+
+        Args:
+            images: a path (an image, or a folder: every image under it, sorted), a PIL image, an
+                ``(H, W[, C])`` uint8 array, or a list of these.
+            threshold: on the score scale, instead of the model's (0.5).
+
+        Raises:
+            ImageError: an image that cannot be read (its path is named).
+            NonFiniteScoreError: the model gave a NaN or infinite score (no verdict is made from it).
+        """
+        single = not isinstance(images, (list, tuple)) and not (
+            isinstance(images, (str, os.PathLike)) and Path(images).is_dir())
+        results = []
+        for item in self.iter_predict(images if isinstance(images, (list, tuple)) else [images], threshold):
+            if isinstance(item, NonFiniteScoreError):
+                raise item
+            results.append(item)
+        return results[0] if single else results
+
+    def scores(self, images: ImageInput | Sequence[ImageInput]) -> np.ndarray:
+        """``(N,)`` calibrated scores, in the order given (folders expanded, sorted)."""
+        predictions = self.predict(images if isinstance(images, (list, tuple)) else [images])
+        return np.array([p.score for p in predictions], dtype=np.float64)
+
+    def iter_predict(self, images: Sequence[ImageInput], threshold: float | None = None,
+                     unreadable: list[tuple[Path, str]] | None = None
+                     ) -> Iterator[Prediction | NonFiniteScoreError]:
+        """Predictions in order, batch by batch; a non-finite score comes as its error, not raised.
+
+        Args:
+            unreadable: when given, an image file that cannot be read is appended here as
+                ``(path, reason)`` and skipped, instead of raising.
+        """
+        paths: list[Path] = []
+        loaded: list[tuple[str, Image.Image]] = []
+        for i, item in enumerate(images):  # consecutive files, and consecutive in-memory images, share batches
+            if isinstance(item, (str, os.PathLike)):
+                yield from self._predict_memory(loaded, threshold)
+                loaded = []
+                paths += list_images(item)
+            else:
+                yield from self._predict_paths(paths, threshold, unreadable)
+                paths = []
+                loaded.append((f"<image {i}>", _as_image(item)))
+        yield from self._predict_paths(paths, threshold, unreadable)
+        yield from self._predict_memory(loaded, threshold)
+
+    def _predict_memory(self, loaded: list[tuple[str, Image.Image]], threshold
+                        ) -> Iterator[Prediction | NonFiniteScoreError]:
+        for start in range(0, len(loaded), self.batch_size):
+            chunk = loaded[start:start + self.batch_size]
+            yield from self._predict_loaded([image for _, image in chunk], [name for name, _ in chunk], threshold)
+
+    def _predict_paths(self, paths: list[Path], threshold, unreadable) -> Iterator[Prediction | NonFiniteScoreError]:
+        if not paths:
+            return
+        draft = decode_side(self.config.image_size)
+        for chunk, loaded in iter_batches(paths, self.batch_size, self.workers, unreadable, draft_to=draft):
+            yield from self._predict_loaded(loaded, [str(p) for p in chunk], threshold)
+
+    def _predict_loaded(self, loaded: list[Image.Image], names: list[str], threshold
+                        ) -> Iterator[Prediction | NonFiniteScoreError]:
+        out = self.scorer.score(self.scorer.preprocess(loaded))
+        raw_scores, maps = out.raw_scores.cpu().tolist(), out.maps.cpu()
+        calibration, weights = self.calibration, self.scorer.weights
+        for name, image, raw, small in zip(names, loaded, raw_scores, maps):
+            try:
+                found = verdict(raw, small, calibration, threshold)
+            except NonFiniteScoreError as error:
+                error.source = name
+                yield error
+                continue
+            full = resize_map(small, image.height, image.width).numpy().astype(np.float32)
+            yield Prediction(name, found.score, found.raw_score, found.is_anomaly, found.threshold,
+                             found.raw_threshold, found.anomalous_area, full, image, calibration,
+                             weights.label, weights.stamp)
+
+
+def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = 16,
+         workers: int = 2) -> Detector:
+    """A model file (``padim train``) or an export directory (``padim export``), verified, on a runtime.
+
+    Args:
+        runtime: ``auto`` (onnxruntime on a CPU when installed, else torch), ``torch``,
+            ``onnxruntime`` or ``openvino``.
+        device: ``auto``, ``cpu`` or ``cuda``.
+    """
+    from .runtimes import load_scorer
+
+    return Detector(load_scorer(Path(path), runtime, device), batch_size=batch_size, workers=workers)
+
+
+def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathLike | None = None, *,
+        config: PadimConfig | str | os.PathLike | None = None, progress: bool = True, **options: Any) -> Detector:
+    """Fit a detector on normal images, calibrated as ``padim train`` does (same folds, same threshold).
+
+    Args:
+        images: a folder (every image under it), or a list of image paths, PIL images or arrays
+            (in-memory images are written as PNG files to a temporary folder for the fit, named
+            ``image-00000.png`` ... in the order given, which decides their calibration folds).
+        output: write the model file here too.
+        config: a :class:`PadimConfig`, or a YAML file of options (as ``padim train --config``).
+        progress: progress bars on stderr.
+        **options: :class:`PadimConfig` fields, e.g. ``backbone="wide_resnet50_2"``,
+            ``weights="random"``, ``image_size=256``, ``false_alarm_rate=0.005``.
+
+    Raises:
+        FitError: too few readable images, or images that do not vary.
+        ConfigError: an unknown option or a value out of range (the message lists what is allowed).
+    """
+    if config is None:
+        config = PadimConfig()
+    elif not isinstance(config, PadimConfig):
+        import yaml
+
+        config = PadimConfig.from_mapping(yaml.safe_load(Path(config).read_text()) or {}, source=str(config))
+    allowed = list(PadimConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    config = config.replace(**options)
+    with tempfile.TemporaryDirectory(prefix="padim-fit-") as scratch:
+        found = _training_images(images, Path(scratch))
+        if not found:
+            raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
+        detector, report = fit_detector(config, found, progress=progress)
+    if output is not None:
+        detector.save(output)
+    return Detector(detector, report, batch_size=config.batch_size, workers=config.workers)
+
+
+def _training_images(images, scratch: Path) -> list[TrainingImage]:
+    if isinstance(images, (str, os.PathLike)):
+        return training_images(images)
+    found = []
+    for i, item in enumerate(images):
+        if isinstance(item, (str, os.PathLike)):
+            found += [TrainingImage(p, p.as_posix()) for p in list_images(item)]
+        else:
+            path = scratch / f"image-{i:05d}.png"
+            _as_image(item).save(path)
+            found.append(TrainingImage(path, path.name))
+    return found
+
+
+def _as_image(item) -> Image.Image:
+    if isinstance(item, Image.Image):
+        return to_rgb(item)
+    if isinstance(item, np.ndarray):
+        array = item
+        if array.dtype != np.uint8:
+            raise TypeError(f"an image array must be uint8 (0..255), got {array.dtype}; "
+                            "convert with (array * 255).round().astype('uint8') if it is 0..1")
+        if array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4)):
+            return to_rgb(Image.fromarray(array[..., 0] if array.ndim == 3 and array.shape[2] == 1 else array))
+        raise TypeError(f"an image array must be (H, W), (H, W, 3) or (H, W, 4), got shape {array.shape}")
+    if isinstance(item, (str, os.PathLike)):
+        return open_image(item)
+    raise TypeError(f"cannot read an image from {type(item).__name__}: give a path, a PIL image or a uint8 array")

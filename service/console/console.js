@@ -1,0 +1,271 @@
+// padim inspection console: plain JavaScript against the service's own API (no build step, no CDN).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "padim-api-key";
+const MODEL_THRESHOLD = 0.5; // the model's threshold is 0.5 on the score scale, always
+const HISTORY_LIMIT = 50;
+
+const state = {
+  models: [],
+  model: null,          // name
+  threshold: MODEL_THRESHOLD,
+  current: null,        // a history entry: {id, name, file, url, result, roundTripMs}
+  history: [],
+  busy: 0,
+};
+let nextId = 1;
+let rescoreTimer = null;
+
+function apiKey() { return sessionStorage.getItem(KEY_STORE) || ""; }
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  const key = apiKey();
+  if (key) headers.set("X-API-Key", key);
+  const response = await fetch(path, { ...options, headers });
+  let body = null;
+  try { body = await response.json(); } catch (_) { /* not JSON */ }
+  if (!response.ok) {
+    const error = new Error(body && body.error ? body.error.message : `HTTP ${response.status}`);
+    error.status = response.status;
+    error.code = body && body.error ? body.error.code : "http_error";
+    throw error;
+  }
+  return body;
+}
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message || "";
+  box.hidden = !message;
+}
+
+function explain(error) {
+  if (error.status === 401) {
+    $("key-section").classList.add("needed");
+    $("api-key").focus();
+    return "This server needs an API key: enter it on the left (it is kept for this tab only).";
+  }
+  if (error.status === 503 && error.code === "loading") return "The models are still loading; try again in a moment.";
+  return error.message;
+}
+
+// ------------------------------------------------------------------------------------ models
+async function loadModels() {
+  try {
+    const ready = await fetch("/health/ready");
+    if (!ready.ok) {
+      $("server").textContent = "models loading…";
+      setTimeout(loadModels, 1000);
+      return;
+    }
+    const listing = await api("/models");
+    state.models = listing.models;
+    const select = $("model");
+    select.replaceChildren(...listing.models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.name;
+      option.textContent = `${m.name} — ${m.backbone}, ${m.image_size} px`;
+      return option;
+    }));
+    select.disabled = false;
+    const wanted = sessionStorage.getItem("padim-model");
+    select.value = listing.models.some((m) => m.name === wanted) ? wanted : listing.default;
+    chooseModel(select.value);
+    $("server").textContent = `${listing.models.length} model${listing.models.length === 1 ? "" : "s"} ready`;
+    showError("");
+  } catch (error) {
+    $("server").textContent = "not connected";
+    showError(explain(error));
+  }
+}
+
+function chooseModel(name) {
+  state.model = name;
+  sessionStorage.setItem("padim-model", name);
+  const model = state.models.find((m) => m.name === name);
+  if (!model) return;
+  const c = model.calibration;
+  $("model-info").textContent =
+    `${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
+    `${(100 * c.promised_false_alarm_rate).toFixed(2)}% false alarms ` +
+    `(at most ${(100 * c.false_alarm_bound).toFixed(2)}% with ${(100 * c.confidence).toFixed(0)}% confidence). ` +
+    `Runtime ${model.runtime}.`;
+  const demo = /random/i.test(model.weights);
+  $("demo-warning").hidden = !demo;
+  $("demo-warning").textContent = demo ? "RANDOM WEIGHTS — demo only: these verdicts say nothing about real parts." : "";
+}
+
+// ----------------------------------------------------------------------------------- scoring
+async function score(entry) {
+  const params = new URLSearchParams({ heatmap: "true", mask: "true" });
+  if (Math.abs(state.threshold - MODEL_THRESHOLD) > 1e-9) params.set("threshold", state.threshold.toFixed(2));
+  const started = performance.now();
+  state.busy += 1;
+  document.body.setAttribute("aria-busy", "true");
+  try {
+    const result = await api(`/models/${encodeURIComponent(entry.model)}/score?${params}`, {
+      method: "POST",
+      headers: { "Content-Type": entry.file.type && entry.file.type.startsWith("image/") ? entry.file.type : "application/octet-stream" },
+      body: entry.file,
+    });
+    entry.result = result;
+    entry.roundTripMs = performance.now() - started;
+    entry.error = null;
+  } catch (error) {
+    entry.error = explain(error);
+  } finally {
+    state.busy -= 1;
+    if (!state.busy) document.body.removeAttribute("aria-busy");
+  }
+  return entry;
+}
+
+async function addFiles(files) {
+  const images = [...files].filter((f) => !f.type || f.type.startsWith("image/") || /\.(png|jpe?g|bmp|tiff?)$/i.test(f.name));
+  if (!images.length) { showError("No image among what was given (png, jpg, bmp, tif)."); return; }
+  if (!state.model) { showError("No model is loaded yet."); return; }
+  showError("");
+  for (const [i, file] of images.entries()) {
+    $("server").textContent = images.length > 1 ? `scoring ${i + 1} of ${images.length}…` : "scoring…";
+    const entry = { id: nextId++, name: file.name || "pasted image", file, url: URL.createObjectURL(file), model: state.model };
+    await score(entry);
+    state.history.unshift(entry);
+    for (const old of state.history.splice(HISTORY_LIMIT)) URL.revokeObjectURL(old.url);
+    show(entry);
+  }
+  $("server").textContent = "ready";
+}
+
+function rescoreSoon() {
+  clearTimeout(rescoreTimer);
+  rescoreTimer = setTimeout(async () => {
+    const entry = state.current;
+    if (!entry) return;
+    await score(entry);
+    if (state.current === entry) show(entry);
+  }, 150);
+}
+
+// ----------------------------------------------------------------------------------- display
+function percent(x) { return `${(100 * x).toFixed(x < 0.001 && x > 0 ? 3 : 1)}%`; }
+
+function show(entry) {
+  state.current = entry;
+  renderHistory();
+  $("empty").hidden = true;
+  if (entry.error) {
+    showError(`${entry.name}: ${entry.error}`);
+    $("summary").hidden = true;
+    $("views").hidden = true;
+    return;
+  }
+  showError("");
+  const r = entry.result;
+  $("summary").hidden = false;
+  $("views").hidden = false;
+  const verdict = $("verdict");
+  verdict.textContent = r.is_anomaly ? "ANOMALOUS" : "NORMAL";
+  verdict.className = `verdict ${r.is_anomaly ? "bad" : "ok"}`;
+  $("score").textContent = r.score.toFixed(4);
+  $("score").dataset.value = String(r.score);
+  $("area").textContent = percent(r.anomalous_area);
+  $("area").dataset.value = String(r.anomalous_area);
+  $("used-threshold").textContent = r.threshold.toFixed(2);
+  $("latency").textContent = `${r.latency_ms.toFixed(0)} ms on the server, ${entry.roundTripMs.toFixed(0)} ms round trip`;
+  $("name").textContent = `${entry.name} · ${r.model.name}`;
+  $("original").src = entry.url;
+  $("under").src = entry.url;
+  $("overlay").src = `data:image/png;base64,${r.heatmap}`;
+  $("mask").src = `data:image/png;base64,${r.mask}`;
+  applyView();
+}
+
+function applyView() {
+  const masked = $("show-mask").checked;
+  $("mask").hidden = !masked;
+  $("overlay").hidden = masked;
+  $("right-title").textContent = masked ? "mask (white: at or above the threshold)" : "heat map";
+  $("overlay").style.opacity = $("opacity").value;
+  $("mask").style.opacity = $("opacity").value;
+}
+
+function renderHistory() {
+  const list = $("history");
+  list.replaceChildren(...state.history.map((entry) => {
+    const item = document.createElement("li");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.setAttribute("aria-current", String(entry === state.current));
+    const thumb = document.createElement("img");
+    thumb.src = entry.url;
+    thumb.alt = "";
+    const title = document.createElement("span");
+    title.className = "title";
+    title.textContent = `${entry.id}. ${entry.name}`;
+    title.title = entry.name;
+    const tag = document.createElement("span");
+    if (entry.error) {
+      tag.className = "tag bad";
+      tag.textContent = "error";
+    } else {
+      tag.className = `tag ${entry.result.is_anomaly ? "bad" : "ok"}`;
+      tag.textContent = entry.result.score.toFixed(3);
+    }
+    button.append(thumb, title, tag);
+    button.addEventListener("click", () => show(entry));
+    item.append(button);
+    return item;
+  }));
+}
+
+function setThreshold(value) {
+  state.threshold = Math.min(0.99, Math.max(0.01, Math.round(value * 100) / 100));
+  $("threshold").value = String(state.threshold);
+  $("threshold-value").textContent = state.threshold.toFixed(2);
+  rescoreSoon();
+}
+
+// ------------------------------------------------------------------------------------ wiring
+function wire() {
+  $("api-key").value = apiKey();
+  $("api-key").addEventListener("change", (event) => {
+    sessionStorage.setItem(KEY_STORE, event.target.value.trim());
+    loadModels();
+  });
+  $("model").addEventListener("change", (event) => {
+    chooseModel(event.target.value);
+    if (state.current) { state.current.model = state.model; rescoreSoon(); }
+  });
+  $("drop").addEventListener("click", () => $("file-input").click());
+  $("file-input").addEventListener("change", (event) => { addFiles(event.target.files); event.target.value = ""; });
+  const drop = $("drop");
+  for (const type of ["dragenter", "dragover"]) {
+    document.addEventListener(type, (event) => { event.preventDefault(); drop.classList.add("over"); });
+  }
+  for (const type of ["dragleave", "drop"]) {
+    document.addEventListener(type, () => drop.classList.remove("over"));
+  }
+  document.addEventListener("drop", (event) => { event.preventDefault(); addFiles(event.dataTransfer.files); });
+  document.addEventListener("paste", (event) => {
+    if (event.clipboardData && event.clipboardData.files.length) addFiles(event.clipboardData.files);
+  });
+  $("threshold").addEventListener("input", (event) => setThreshold(Number(event.target.value)));
+  $("threshold-reset").addEventListener("click", () => setThreshold(MODEL_THRESHOLD));
+  $("opacity").addEventListener("input", applyView);
+  $("show-mask").addEventListener("change", applyView);
+  document.addEventListener("keydown", (event) => {
+    const typing = ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)
+      && document.activeElement.type !== "range" && document.activeElement.type !== "checkbox";
+    if (typing || event.ctrlKey || event.metaKey || event.altKey) return;
+    if (event.key === "o") { $("file-input").click(); event.preventDefault(); }
+    else if (event.key === "[") setThreshold(state.threshold - 0.01);
+    else if (event.key === "]") setThreshold(state.threshold + 0.01);
+    else if (event.key === "r") setThreshold(MODEL_THRESHOLD);
+    else if (event.key === "m") { $("show-mask").checked = !$("show-mask").checked; applyView(); }
+  });
+  loadModels();
+}
+
+document.addEventListener("DOMContentLoaded", wire);

@@ -1,0 +1,94 @@
+"""The Python API (``padim.fit``, ``padim.load``, ``Detector.predict``): the CLI's numbers, plain objects out."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import padim
+from helpers import IMAGE_SIZE, run_cli
+from padim.models import ConfigError, ImageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_predict_from_paths_pil_and_arrays_equals_padim_predict(model_file, dataset, tmp_path):
+    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path, "--runtime", "torch", "--no-heatmaps")
+    cli = {Path(r["path"]).resolve(): r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    detector = padim.load(model_file, runtime="torch")
+    folder = detector.predict(dataset / "test")  # a folder: every image, sorted, a list back
+    assert len(folder) == len(cli) == 18
+    for result in folder:
+        line = cli[Path(result.source).resolve()]
+        for key in ("score", "raw_score", "is_anomaly", "threshold", "anomalous_area"):
+            assert result.to_dict()[key] == line[key], key
+        saved = np.load(line["map"])
+        np.testing.assert_array_equal(result.anomaly_map, saved)
+    path = dataset / "test" / "hole" / "000.png"
+    one = detector.predict(path)  # one path: one result
+    pil = Image.open(path)
+    from_pil, from_array = detector.predict([pil, np.asarray(pil.convert("RGB"))])
+    assert from_pil.score == from_array.score  # one batch: the same input, the same numbers
+    # batches of other sizes may round differently in the last bits (the CPU's maths library)
+    assert one.score == pytest.approx(cli[path.resolve()]["score"], rel=1e-6)
+    assert from_pil.raw_score == pytest.approx(one.raw_score, rel=1e-6)
+    assert from_pil.source == "<image 0>" and from_array.source == "<image 1>"
+    assert one.anomaly_map.shape == (pil.height, pil.width) and one.anomaly_map.dtype == np.float32
+    assert one.mask().size == pil.size and one.overlay().size == pil.size
+    heat = one.heatmap()
+    assert heat.width == 2 * pil.width + max(4, pil.width // 80) and heat.height > pil.height
+    np.testing.assert_allclose(detector.scores([path, pil]), [one.score, one.score], rtol=1e-6)
+
+
+def test_a_threshold_changes_the_verdict_as_the_service_would(model_file, dataset):
+    detector = padim.load(model_file, runtime="torch")
+    path = dataset / "test" / "hole" / "000.png"
+    base = detector.predict(path)
+    stricter, never = detector.predict(path, threshold=0.999), detector.predict(path, threshold=1.0)
+    assert base.is_anomaly and stricter.anomalous_area < base.anomalous_area and stricter.raw_threshold > base.raw_threshold
+    assert not never.is_anomaly and never.anomalous_area == 0 and never.to_dict()["raw_threshold"] is None
+    good = detector.predict(dataset / "test" / "good" / "000.png", threshold=0.0)
+    assert good.is_anomaly and good.anomalous_area == 1.0
+
+
+def test_fit_from_a_folder_matches_padim_train(dataset, model_file, tmp_path):
+    detector = padim.fit(dataset / "train" / "good", tmp_path / "api.padim", weights="random",
+                         image_size=IMAGE_SIZE, batch_size=8, progress=False)
+    assert detector.report.fitted == 30
+    cli = padim.load(model_file, runtime="torch")
+    assert detector.calibration.threshold == pytest.approx(cli.calibration.threshold, rel=1e-5)
+    again = padim.load(tmp_path / "api.padim", runtime="torch")
+    path = dataset / "test" / "hole" / "001.png"
+    assert again.predict(path).score == pytest.approx(cli.predict(path).score, rel=1e-5)
+
+
+def test_fit_from_in_memory_images_and_bad_input_errors(dataset):
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((dataset / "train" / "good").glob("*.png"))]
+    detector = padim.fit(images, weights="random", image_size=IMAGE_SIZE, progress=False)
+    assert detector.report.fitted == len(images) and detector.runtime == "torch"
+    with pytest.raises(TypeError, match="uint8"):
+        detector.predict(images[0].astype(np.float32))
+    with pytest.raises(TypeError, match="shape"):
+        detector.predict(np.zeros((4, 4, 2), dtype=np.uint8))
+    with pytest.raises(ConfigError, match="allowed"):
+        padim.fit(images, weights="random", bogus=1)
+    with pytest.raises(ImageError, match="no such file"):
+        detector.predict("nowhere/part.png")
+
+
+def test_the_readme_python_example_runs(dataset, tmp_path, monkeypatch):
+    """The README's "Python API" block, run as written on the test data set."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(dataset.parent)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert (tmp_path / "weave.padim").exists() and (tmp_path / "hole.png").exists()
+    assert namespace["result"].is_anomaly in (True, False)

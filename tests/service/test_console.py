@@ -1,0 +1,156 @@
+"""The inspection console at ``/``, in a real browser (Debian's chromium + chromedriver, driven by Selenium)
+against a real ``padim serve`` on 127.0.0.1.
+
+Screenshots are saved as test artifacts in ``$PADIM_TEST_ARTIFACTS`` (default ``test-artifacts/`` in
+the repository, which git ignores). ``.ci/run`` installs the browser; without it these tests fail
+and say so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import running_server
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("PADIM_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.fail(f"no {CHROMIUM} / {CHROMEDRIVER}: apt-get install chromium chromium-driver (.ci/run does)",
+                    pytrace=False)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    # a closed network: no background connections, no first-run, a fresh profile
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1366,768"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(driver, condition, timeout: float = 60):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(condition)
+
+
+def text(driver, element_id: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element_id).text
+
+
+def api_score(url: str, path: Path, **params) -> dict:
+    response = httpx.post(f"{url}/models/weave/score", content=path.read_bytes(), params=params,
+                          headers={"content-type": "image/png"}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, server, dataset):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    defect = dataset / "test" / "hole" / "000.png"
+    browser.get(server.url + "/")
+    wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
+    assert browser.find_element(By.ID, "model").get_attribute("value") == "weave"
+    assert not browser.find_element(By.ID, "demo-warning").get_property("hidden")  # random weights say so
+
+    browser.find_element(By.ID, "file-input").send_keys(str(defect))
+    wait(browser, lambda d: d.find_element(By.ID, "score").text)
+    expected = api_score(server.url, defect)
+    shown = float(browser.find_element(By.ID, "score").get_attribute("data-value"))
+    assert shown == expected["score"]
+    assert text(browser, "score") == f"{expected['score']:.4f}"
+    assert text(browser, "verdict") == ("ANOMALOUS" if expected["is_anomaly"] else "NORMAL")
+    assert "ms on the server" in text(browser, "latency")
+    assert browser.find_element(By.ID, "overlay").get_attribute("src").startswith("data:image/png;base64,")
+    browser.save_screenshot(str(ARTIFACTS / "console-scored.png"))
+
+    # a threshold just above the image's score: the page re-scores and must agree with the API
+    above = min(0.99, round(expected["score"] + 0.005, 2) if expected["score"] < 0.985 else 0.99)
+    slider = browser.find_element(By.ID, "threshold")
+    slider.click()  # keyboard focus on the slider; Home then Right steps of 0.01 from 0.01
+    slider.send_keys(Keys.HOME)
+    for _ in range(round(above * 100) - 1):
+        slider.send_keys(Keys.ARROW_RIGHT)
+    wait(browser, lambda d: text(d, "used-threshold") == f"{above:.2f}")
+    moved = api_score(server.url, defect, threshold=above)
+    assert text(browser, "verdict") == ("ANOMALOUS" if moved["is_anomaly"] else "NORMAL")
+    assert float(browser.find_element(By.ID, "area").get_attribute("data-value")) == moved["anomalous_area"]
+    browser.find_element(By.ID, "show-mask").click()
+    assert browser.find_element(By.ID, "mask").is_displayed() and not browser.find_element(By.ID, "overlay").is_displayed()
+    browser.save_screenshot(str(ARTIFACTS / "console-threshold.png"))
+
+    # keyboard only: r resets to the model's threshold
+    browser.find_element(By.TAG_NAME, "body").send_keys("r")
+    wait(browser, lambda d: text(d, "used-threshold") == "0.50")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#history li")) == 1
+    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, severe
+
+
+def test_several_images_fill_the_session_history(browser, server, dataset):
+    from selenium.webdriver.common.by import By
+
+    paths = [dataset / "test" / "good" / "000.png", dataset / "test" / "hole" / "001.png", dataset / "test" / "good" / "001.png"]
+    browser.get(server.url + "/")
+    wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
+    browser.find_element(By.ID, "file-input").send_keys("\n".join(map(str, paths)))
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history li")) == 3)
+    tags = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#history .tag")]
+    expected = [f"{api_score(server.url, p)['score']:.3f}" for p in reversed(paths)]  # newest first
+    assert tags == expected
+    browser.find_elements(By.CSS_SELECTOR, "#history button")[2].click()  # the first image again
+    wait(browser, lambda d: d.find_element(By.ID, "score").get_attribute("data-value")
+         == str(api_score(server.url, paths[0])["score"]))
+
+
+def test_a_server_with_an_api_key_asks_for_it_and_the_key_stays_in_the_tab(browser, model_file, dataset, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    with running_server(tmp_path, [model_file], env={"PADIM_API_KEY": "s3cret-key"}) as keyed:
+        browser.get(keyed.url + "/")
+        wait(browser, lambda d: "API key" in text(d, "error"))
+        assert browser.switch_to.active_element.get_attribute("id") == "api-key"
+        field = browser.find_element(By.ID, "api-key")
+        field.send_keys("s3cret-key", Keys.TAB)
+        wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
+        assert browser.execute_script("return sessionStorage.getItem('padim-api-key')") == "s3cret-key"
+        assert browser.execute_script("return localStorage.length") == 0
+        browser.find_element(By.ID, "file-input").send_keys(str(dataset / "test" / "good" / "000.png"))
+        wait(browser, lambda d: d.find_element(By.ID, "score").text)
+        browser.save_screenshot(str(ARTIFACTS / "console-api-key.png"))
+
+
+def test_the_page_and_its_files_come_from_the_server_only(server):
+    page = httpx.get(server.url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN: works on a closed network
+    for asset in ("/console/console.js", "/console/console.css"):
+        response = httpx.get(server.url + asset, timeout=10)
+        assert response.status_code == 200 and "http://" not in response.text and "https://" not in response.text
+    missing = httpx.get(server.url + "/console/nothing.js", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert "/" not in httpx.get(server.url + "/openapi.json", timeout=10).json()["paths"]
