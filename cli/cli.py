@@ -28,6 +28,10 @@ examples:
 """
 
 
+#: Commands that draw progress bars.
+PROGRESS_COMMANDS = {"train", "merge", "predict", "evaluate", "export", "synth"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padim",
@@ -54,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return args.handler(args)
+        if args.quiet or args.command not in PROGRESS_COMMANDS:
+            return args.handler(args)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():  # a log line during a progress bar gets a line of its own
+            return args.handler(args)
     except KeyboardInterrupt:
         print(f"padim {args.command}: interrupted; no partial model file was written", file=sys.stderr)
         return 130

@@ -29,6 +29,8 @@ _ANCHORS = np.array(
 TINT_FROM, TINT_AT_THRESHOLD, TINT_MAX = 0.25, 0.55, 0.8
 ANOMALOUS_COLOUR, NORMAL_COLOUR, LABEL_COLOUR = (255, 92, 80), (80, 210, 130), (255, 214, 0)
 BAND_COLOUR, TEXT_COLOUR = (28, 28, 32), (235, 235, 235)
+#: Narrowest half of a :func:`figure`, in pixels: smaller images are enlarged to at least this.
+MIN_PANEL = 256
 
 
 class VerdictLike(Protocol):
@@ -96,8 +98,17 @@ def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, 
         normalised_map: ``(H, W)`` normalised scores at the image's size.
         result: the image's verdict (score, verdict, threshold, anomalous area).
         label: e.g. the random-weights warning, written in the band, never over the picture.
-        title: e.g. the file name, written in the band.
+        title: e.g. the file name, written in the band (shortened from the left when long).
+
+    Images under :data:`MIN_PANEL` pixels wide are enlarged for the picture (whole factors), so
+    that the band's text fits and a small defect stays visible.
     """
+    if image.width < MIN_PANEL:
+        factor = -(-MIN_PANEL // image.width)
+        size = (image.width * factor, image.height * factor)
+        image = image.convert("RGB").resize(size, Image.BILINEAR)
+        normalised_map = np.asarray(Image.fromarray(np.asarray(normalised_map, dtype=np.float32), mode="F")
+                                    .resize(size, Image.BILINEAR), dtype=np.float64)
     width, height = image.size
     gap = max(4, width // 80)
     total = 2 * width + gap
@@ -114,10 +125,14 @@ def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, 
     draw.text((x, pad), f"score {result.score:.3f}   threshold {result.threshold:.2f}   "
               f"area {100 * result.anomalous_area:.1f}%", font=font, fill=TEXT_COLOUR)
     second = 2 * pad + line
-    if title:
-        draw.text((pad, second), title, font=font, fill=(170, 170, 170))
+    room = total - 2 * pad
     if label:
+        room -= _text_size(font, label)[0] + 2 * pad
         draw.text((total - pad - _text_size(font, label)[0], second), label, font=font, fill=LABEL_COLOUR)
+    if title:
+        while len(title) > 1 and _text_size(font, title)[0] > room:
+            title = "…" + title[max(2, len(title) // 10):]
+        draw.text((pad, second), title, font=font, fill=(170, 170, 170))
 
     canvas.paste(image.convert("RGB"), (0, band))
     canvas.paste(overlay(image, normalised_map, result.threshold), (width + gap, band))

@@ -173,6 +173,7 @@ function show(entry) {
   $("area").textContent = percent(r.anomalous_area);
   $("area").dataset.value = String(r.anomalous_area);
   $("used-threshold").textContent = r.threshold.toFixed(2);
+  $("legend-tick").style.left = `${(100 * r.threshold).toFixed(1)}%`;
   $("latency").textContent = `${r.latency_ms.toFixed(0)} ms on the server, ${entry.roundTripMs.toFixed(0)} ms round trip`;
   $("name").textContent = `${entry.name} · ${r.model.name}`;
   $("original").src = entry.url;

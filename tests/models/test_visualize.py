@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 
 from padim.models.verdicts import Verdict
-from padim.models.visualize import (ANOMALOUS_COLOUR, TINT_AT_THRESHOLD, TINT_FROM, TINT_MAX, _ANCHORS,
+from padim.models.visualize import (ANOMALOUS_COLOUR, NORMAL_COLOUR, TINT_AT_THRESHOLD, TINT_FROM, TINT_MAX, _ANCHORS,
                                        colorize, figure, mask_image, overlay, tint_opacity)
 
 
@@ -40,17 +40,17 @@ def test_overlay_outlines_the_area_at_or_above_the_threshold():
 
 
 def test_figure_puts_the_verdict_and_label_in_a_band_outside_the_pictures():
-    image = Image.new("RGB", (120, 80), (90, 90, 90))
-    values = np.zeros((80, 120))
+    image = Image.new("RGB", (300, 80), (90, 90, 90))
+    values = np.zeros((80, 300))
     values[10:20, 10:20] = 0.9
     found = Verdict(score=0.8, raw_score=3.0, is_anomaly=True, threshold=0.5, raw_threshold=2.0, anomalous_area=0.01)
     plain = np.asarray(figure(image, values, found))
     labelled = np.asarray(figure(image, values, found, label="RANDOM WEIGHTS - DEMO ONLY"))
-    gap = max(4, 120 // 80)
+    gap = max(4, 300 // 80)
     band = plain.shape[0] - 80 - (plain.shape[0] - 80) // 2  # the band is as tall as the colour bar
-    assert plain.shape[1] == 2 * 120 + gap
-    np.testing.assert_array_equal(plain[band:band + 80, :120], np.asarray(image))  # the original, untouched
-    np.testing.assert_array_equal(plain[band:band + 80, 120 + gap:], np.asarray(overlay(image, values, 0.5)))
+    assert plain.shape[1] == 2 * 300 + gap
+    np.testing.assert_array_equal(plain[band:band + 80, :300], np.asarray(image))  # the original, untouched
+    np.testing.assert_array_equal(plain[band:band + 80, 300 + gap:], np.asarray(overlay(image, values, 0.5)))
     changed = np.argwhere((plain != labelled).any(axis=2))
     assert len(changed) and changed[:, 0].max() < band  # the label is in the band, never over a picture
     assert (plain[:band] == ANOMALOUS_COLOUR).all(axis=2).any()  # the verdict, in its colour
@@ -61,3 +61,12 @@ def test_mask_is_white_at_or_above_the_threshold():
     mask = mask_image(values, 0.5)
     assert mask.mode == "L"
     np.testing.assert_array_equal(np.asarray(mask), [[0, 255], [255, 0]])
+
+
+def test_small_images_are_enlarged_and_long_titles_shortened_to_fit():
+    image = Image.new("RGB", (64, 48), (90, 90, 90))
+    found = Verdict(score=0.2, raw_score=1.0, is_anomaly=False, threshold=0.5, raw_threshold=2.0, anomalous_area=0.0)
+    title = "/very/long/path/" * 20 + "part.png"
+    small = figure(image, np.zeros((48, 64)), found, label="RANDOM WEIGHTS - DEMO ONLY", title=title)
+    assert small.width == 2 * 64 * 4 + max(4, 256 // 80)  # 64 px -> 256 px halves (a whole factor)
+    assert (np.asarray(small)[:, :, :] == NORMAL_COLOUR).all(axis=2).any()  # the verdict is drawn
