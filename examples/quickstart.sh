@@ -12,7 +12,7 @@ padim -q synth "$out/data" --categories weave --train 40 --test-good 8 --test-de
 echo "2/4 training on $out/data/weave/train/good (RANDOM weights: demo only) ..."
 padim -q train "$out/data/weave/train/good" --output "$out/weave.padim" --config configs/demo.yaml > /dev/null
 echo "3/4 starting padim serve on 127.0.0.1:$port ..."
-padim serve --model "$out/weave.padim" --port "$port" --log-level warning 2> "$out/server.log" &
+padim serve "$out/weave.padim" --port "$port" --log-level warning 2> "$out/server.log" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
