@@ -37,7 +37,7 @@ from PIL import Image
 from padim.models.evaluation import compute_metrics, read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.synthetic import generate
-from timing import machine_name, median_seconds
+from timing import machine_name, median_seconds, seeded_resnet18
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("weave", "carpet", "tiles")
@@ -85,12 +85,7 @@ def main() -> None:
     if len(list(pool.glob("*.png"))) < max(args.memory_counts):
         print(f"generating {max(args.memory_counts)} images for the memory runs ...", flush=True)
         generate(work / "pool", ("carpet",), train=max(args.memory_counts), test_good=0, test_defect=0, size=size, seed=8)
-    weights = work / "resnet18-seed0.pth"
-    if not weights.exists():
-        import torchvision
-
-        torch.manual_seed(0)
-        torch.save(torchvision.models.resnet18().state_dict(), weights)
+    weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
     config = PadimConfig(weights=str(weights), image_size=size, batch_size=16, device="cpu")
     report: dict = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "cpu_count": os.cpu_count(),

@@ -111,22 +111,20 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    import torchvision
     from PIL import Image
 
     from padim.models import PadimConfig, fit_detector, training_images
     from padim.models.export import ExportError
     from padim.models.runtimes import load_scorer
     from padim.models.synthetic import generate
+    from timing import seeded_resnet18
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-vs-anomavision-"))
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
     if not category.exists():
         generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=224, seed=1)
-    weights = work / "resnet18-seed0.pth"
-    torch.manual_seed(0)
-    torch.save(torchvision.models.resnet18().state_dict(), weights)
+    weights = seeded_resnet18(work / "resnet18-seed0.pth")
     config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100)
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
     detector.save(work / "padim.padim")

@@ -34,7 +34,7 @@ from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.models.evaluation import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.synthetic import generate
-from timing import median_seconds
+from timing import median_seconds, seeded_resnet18
 
 def load_batch(paths, detector, batch_size):
     images = [Image.open(p).convert("RGB") for p in paths[:batch_size]]
@@ -59,12 +59,7 @@ def main() -> None:
     category = work / "data" / "carpet"
     if not category.exists():
         generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=args.image_size, seed=1)
-    weights = work / "resnet18-seed0.pth"
-    if not weights.exists():
-        import torchvision
-
-        torch.manual_seed(0)
-        torch.save(torchvision.models.resnet18().state_dict(), weights)
+    weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
     config = PadimConfig(weights=str(weights), image_size=args.image_size, batch_size=args.batch_size,
                          device=args.device, workers=2)

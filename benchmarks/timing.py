@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts (stdlib + torch only, so that the anomalib worker can
-use them from an environment without padim): timing, and a name for the machine."""
+use them from an environment without padim): timing, a name for the machine, and the seeded
+resnet18 weights every side of a comparison loads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -39,3 +41,14 @@ def machine_name() -> str:
         pass
     cpu = re.sub(r"\((R|TM)\)|CPU|Processor|@.*", "", cpu, flags=re.I)
     return re.sub(r"[^A-Za-z0-9]+", "-", f"{os.cpu_count()}core-{cpu}").strip("-")[:60]
+
+
+def seeded_resnet18(path: Path) -> Path:
+    """``path``, a resnet18 state_dict of random weights drawn after ``torch.manual_seed(0)`` (written
+    once): the same weights for padim, anomalib and AnomaVision in one comparison."""
+    if not path.exists():
+        import torchvision
+
+        torch.manual_seed(0)
+        torch.save(torchvision.models.resnet18().state_dict(), path)
+    return path

@@ -93,14 +93,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
         results.write(json.dumps(record) + "\n")
 
     unreadable: list[tuple[Path, str]] = []
+
+    def report_unreadable(bar) -> None:
+        """Error lines for the images found unreadable so far (decoding runs ahead of scoring)."""
+        for path, reason in unreadable:
+            counts["unreadable"].append(str(path))
+            write({"path": str(path), "error": {"code": "unreadable_image", "message": reason}})
+            bar.update(1)
+        unreadable.clear()
+
     try:
         with tqdm(total=len(items), desc="predict", unit="img", disable=args.quiet, leave=False) as bar:
             for result in detector.iter_predict([path for path, _ in items], unreadable=unreadable):
-                for path, reason in unreadable:  # decoded ahead: reported as they are found
-                    counts["unreadable"].append(str(path))
-                    write({"path": str(path), "error": {"code": "unreadable_image", "message": reason}})
-                    bar.update(1)
-                unreadable.clear()
+                report_unreadable(bar)
                 if isinstance(result, NonFiniteScoreError):  # fail closed: no score, no verdict, exit 1 below
                     counts["non_finite"].append(result.source)
                     write({"path": result.source, "error": {"code": "non_finite_score", "message": str(result)}})
@@ -121,9 +126,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 counts["anomalous"] += result.is_anomaly
                 write(record)
                 bar.update(1)
-            for path, reason in unreadable:
-                counts["unreadable"].append(str(path))
-                write({"path": str(path), "error": {"code": "unreadable_image", "message": reason}})
+            report_unreadable(bar)
     finally:
         if results is not None:
             results.close()
@@ -149,7 +152,7 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from padim.models import PadimDetector
-    from padim.models.evaluation import compute_metrics, score_category
+    from padim.models.evaluation import compute_metrics, score_category, threshold_metrics
     from padim.models.runtimes import is_export
 
     if args.calibrate and is_export(args.model):
@@ -160,7 +163,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         scored = score_category(detector, args.category_dir, args.batch_size or DEFAULT_BATCH_SIZE,
                                 DEFAULT_WORKERS if args.workers is None else args.workers, progress=not args.quiet)
         result = {"category": str(args.category_dir),
-                  **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold)}
+                  **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks)}
     except ValueError as error:
         raise UserError(str(error)) from None
     result["model"] = str(args.model)
@@ -175,7 +178,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         detector.save(args.model, with_statistics=detector.statistics is not None)
         # what the new threshold gives on the same images (F1, confusion counts, the report's marks)
         scored.raw_threshold = detector.calibration.threshold
-        result.update(compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold))
+        result.update(threshold_metrics(scored.samples, scored.raw_scores, scored.raw_threshold))
         result["calibrated"] = True
     if args.report is not None:
         from padim.models.report import write_report

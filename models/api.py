@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
@@ -41,29 +41,20 @@ ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray]
 
 
 @dataclass(frozen=True, eq=False)
-class Prediction:
-    """One image's result.
+class Prediction(Verdict):
+    """One image's result: its :class:`~padim.models.Verdict` (``score``, ``raw_score``,
+    ``is_anomaly``, ``threshold``, ``raw_threshold``, ``anomalous_area``), and:
 
     Attributes:
         source: the path, or ``"<image N>"`` for an in-memory image (N: its place in the call).
-        score: calibrated score, 0 to 1; anomalous at or above ``threshold``.
-        raw_score: maximum of the anomaly map (Mahalanobis distance units).
-        is_anomaly: the verdict.
-        threshold: on the score scale (0.5 unless overridden).
-        raw_threshold: the same, in raw units.
-        anomalous_area: share of the image at or above the threshold.
         anomaly_map: ``(H, W)`` float32 raw map at the image's own size.
         image: the RGB image that was scored.
+        calibration: the model's, which turns raw values into scores.
         weights_label: where the backbone weights came from (a random-weights model says so).
+        stamp: the label a heat map carries (random weights only).
     """
 
     source: str
-    score: float
-    raw_score: float
-    is_anomaly: bool
-    threshold: float
-    raw_threshold: float
-    anomalous_area: float
     anomaly_map: np.ndarray = field(repr=False)
     image: Image.Image = field(repr=False)
     calibration: Calibration = field(repr=False)
@@ -100,9 +91,7 @@ class Prediction:
 
     def to_dict(self) -> dict:
         """The verdict keys of a ``results.jsonl`` line (no arrays)."""
-        result = Verdict(self.score, self.raw_score, self.is_anomaly, self.threshold, self.raw_threshold,
-                         self.anomalous_area).to_dict()
-        return {"path": self.source, **result, "weights": self.weights_label}
+        return {"path": self.source, **super().to_dict(), "weights": self.weights_label}
 
     def _repr_png_(self) -> bytes:  # Jupyter shows the heat map
         import io
@@ -230,9 +219,8 @@ class Detector:
                 yield error
                 continue
             full = resize_map(small, image.height, image.width).numpy().astype(np.float32)
-            yield Prediction(name, found.score, found.raw_score, found.is_anomaly, found.threshold,
-                             found.raw_threshold, found.anomalous_area, full, image, calibration,
-                             weights.label, weights.stamp)
+            yield Prediction(**asdict(found), source=name, anomaly_map=full, image=image, calibration=calibration,
+                             weights_label=weights.label, stamp=weights.stamp)
 
 
 def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = 16,

@@ -11,6 +11,7 @@ adds ``1 / N_normal`` to the FPR.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,11 @@ class Scored:
     maps: np.ndarray
     raw_threshold: float | None
 
+    @cached_property
+    def masks(self) -> np.ndarray:
+        """``(N, S, S)`` ground truth at the maps' size, read once (metrics and report share it)."""
+        return load_masks(self.samples, self.maps.shape[-1])
+
 
 def score_category(detector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> Scored:
     """Score every test image of a category (any runtime's detector)."""
@@ -131,12 +137,6 @@ def score_category(detector, root: str | Path, batch_size: int = 16, workers: in
     return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold)
 
 
-def evaluate(detector, root: str | Path, batch_size: int = 16, workers: int = 2, progress: bool = True) -> dict:
-    """Score every test image of a category and compute the metrics."""
-    scored = score_category(detector, root, batch_size, workers, progress)
-    return {"category": str(root), **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold)}
-
-
 def load_masks(samples: list[Sample], size: int) -> np.ndarray:
     """Ground-truth masks ``(N, size, size)`` (nearest resize; all False for good images)."""
     masks = []
@@ -149,10 +149,15 @@ def load_masks(samples: list[Sample], size: int) -> np.ndarray:
     return torch.stack(masks).numpy()
 
 
-def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndarray, threshold: float | None = None) -> dict:
-    """Image AUROC, pixel AUROC, PRO and F1 from any detector's scores ``(N,)`` and maps ``(N, S, S)``."""
+def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndarray, threshold: float | None = None,
+                    masks: np.ndarray | None = None) -> dict:
+    """Image AUROC, pixel AUROC, PRO and F1 from any detector's scores ``(N,)`` and maps ``(N, S, S)``.
+
+    Args:
+        masks: ``(N, S, S)`` ground truth, if already read (:attr:`Scored.masks`).
+    """
     scores = np.asarray(raw_scores, dtype=np.float64)
-    mask_array = load_masks(samples, maps.shape[-1])
+    mask_array = load_masks(samples, maps.shape[-1]) if masks is None else masks
     labels = np.array([s.is_anomalous for s in samples])
     has_both = labels.any() and not labels.all()
     has_pixels = mask_array.any() and not mask_array.all()
@@ -162,6 +167,28 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         "image_auroc": float(roc_auc_score(labels, scores)) if has_both else None,
         "pixel_auroc": float(roc_auc_score(mask_array.ravel(), maps.ravel())) if has_pixels else None,
         "pro_0.3": per_region_overlap(maps, mask_array) if has_pixels else None,
+        **threshold_metrics(samples, scores, threshold),
+    }
+    if has_both:
+        precision, recall, thresholds = precision_recall_curve(labels, scores)
+        f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-12), 0)[:-1]
+        best = int(np.argmax(f1))
+        result["f1_optimal"] = float(f1[best])
+        result["f1_optimal_raw_threshold"] = float(thresholds[best])
+        result["image_auroc_by_defect"] = {
+            d: float(roc_auc_score(labels[mask_d], scores[mask_d]))
+            for d in sorted({s.defect for s in samples} - {"good"})
+            if (mask_d := np.array([s.defect in ("good", d) for s in samples])).any()
+        }
+    return result
+
+
+def threshold_metrics(samples: list[Sample], raw_scores: np.ndarray, threshold: float | None) -> dict:
+    """What a threshold gives on scores ``(N,)``: F1, the confusion counts, and how many of each type it flags."""
+    scores = np.asarray(raw_scores, dtype=np.float64)
+    labels = np.array([s.is_anomalous for s in samples])
+    has_both = labels.any() and not labels.all()
+    result: dict = {
         "raw_threshold": threshold,
         "f1_at_threshold": float(f1_score(labels, scores >= threshold)) if threshold is not None and has_both else None,
     }
@@ -174,15 +201,4 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         result["flagged_by_defect"] = {d: [int(flagged[mask_d].sum()), int(mask_d.sum())]
                                        for d in sorted({s.defect for s in samples})
                                        if (mask_d := np.array([s.defect == d for s in samples])).any()}
-    if has_both:
-        precision, recall, thresholds = precision_recall_curve(labels, scores)
-        f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-12), 0)[:-1]
-        best = int(np.argmax(f1))
-        result["f1_optimal"] = float(f1[best])
-        result["f1_optimal_raw_threshold"] = float(thresholds[best])
-        result["image_auroc_by_defect"] = {
-            d: float(roc_auc_score(labels[mask_d], scores[mask_d]))
-            for d in sorted({s.defect for s in samples} - {"good"})
-            if (mask_d := np.array([s.defect in ("good", d) for s in samples])).any()
-        }
     return result

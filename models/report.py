@@ -67,8 +67,6 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
     import matplotlib.pyplot as plt
     from sklearn.metrics import roc_curve
 
-    from .evaluation import load_masks
-
     plots: dict[str, str] = {}
     threshold = scored.raw_threshold
     scores = scored.raw_scores.astype(np.float64)
@@ -84,7 +82,7 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
         ax.legend(loc="lower right")
         plots["image_roc"] = _png(plt, fig)
 
-    masks = load_masks(scored.samples, scored.maps.shape[-1])
+    masks = scored.masks
     if masks.any() and not masks.all():
         fpr, tpr, _ = roc_curve(masks.ravel(), scored.maps.ravel())
         fig, ax = _axes(plt, "Pixel ROC", "false-positive rate (normal pixels)", "true-positive rate (defect pixels)")

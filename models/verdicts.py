@@ -11,7 +11,7 @@ where torch ops would each start an OpenMP team.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -45,7 +45,8 @@ class Verdict:
     anomalous_area: float
 
     def to_dict(self) -> dict:
-        result = asdict(self)
+        """The verdict's keys (only these: a subclass's other fields are left out)."""
+        result = {f.name: getattr(self, f.name) for f in fields(Verdict)}
         if not math.isfinite(self.raw_threshold):
             result["raw_threshold"] = None
         return result
