@@ -11,38 +11,43 @@ import pytest
 from PIL import Image
 
 import padim
-from helpers import IMAGE_SIZE, run_cli
+from helpers import IMAGE_SIZE, SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli
 from padim.models import ConfigError, ImageError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.load_sensitive
 def test_predict_from_paths_pil_and_arrays_equals_padim_predict(model_file, dataset, tmp_path):
     run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path, "--runtime", "torch", "--no-heatmaps")
     cli = {Path(r["path"]).resolve(): r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     detector = padim.load(model_file, runtime="torch")
     folder = detector.predict(dataset / "test")  # a folder: every image, sorted, a list back
     assert len(folder) == len(cli) == 18
+    # another process: the same batches, but not bit for bit (SCORE_RTOL)
     for result in folder:
-        line = cli[Path(result.source).resolve()]
-        for key in ("score", "raw_score", "is_anomaly", "threshold", "anomalous_area"):
-            assert result.to_dict()[key] == line[key], key
-        saved = np.load(line["map"])
-        np.testing.assert_array_equal(result.anomaly_map, saved)
+        line, got = cli[Path(result.source).resolve()], result.to_dict()
+        assert got["raw_score"] == pytest.approx(line["raw_score"], rel=SCORE_RTOL)
+        assert got["score"] == pytest.approx(line["score"], abs=SCORE_ATOL)
+        assert got["threshold"] == line["threshold"]  # the model's 0.5, stored, not computed
+        assert_same_verdict(got, line)
+        assert got["anomalous_area"] == pytest.approx(line["anomalous_area"], abs=1e-3)  # a few boundary pixels at most
+        np.testing.assert_allclose(result.anomaly_map, np.load(line["map"]), rtol=SCORE_RTOL, atol=1e-6)
     path = dataset / "test" / "hole" / "000.png"
     one = detector.predict(path)  # one path: one result
     pil = Image.open(path)
     from_pil, from_array = detector.predict([pil, np.asarray(pil.convert("RGB"))])
-    assert from_pil.score == from_array.score  # one batch: the same input, the same numbers
+    # one batch, the same pixels twice: the rows may still take other kernel paths
+    assert from_pil.raw_score == pytest.approx(from_array.raw_score, rel=SCORE_RTOL)
     # batches of other sizes may round differently in the last bits (the CPU's maths library)
-    assert one.score == pytest.approx(cli[path.resolve()]["score"], rel=1e-6)
-    assert from_pil.raw_score == pytest.approx(one.raw_score, rel=1e-6)
+    assert one.raw_score == pytest.approx(cli[path.resolve()]["raw_score"], rel=SCORE_RTOL)
+    assert from_pil.raw_score == pytest.approx(one.raw_score, rel=SCORE_RTOL)
     assert from_pil.source == "<image 0>" and from_array.source == "<image 1>"
     assert one.anomaly_map.shape == (pil.height, pil.width) and one.anomaly_map.dtype == np.float32
     assert one.mask().size == pil.size and one.overlay().size == pil.size
     heat = one.heatmap()
     assert heat.width >= 2 * pil.width and heat.height > pil.height
-    np.testing.assert_allclose(detector.scores([path, pil]), [one.score, one.score], rtol=1e-6)
+    np.testing.assert_allclose(detector.scores([path, pil]), [one.score, one.score], rtol=0, atol=SCORE_ATOL)
 
 
 def test_a_threshold_changes_the_verdict_as_the_service_would(model_file, dataset):

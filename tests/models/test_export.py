@@ -12,7 +12,7 @@ from google.protobuf import text_format
 from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
-from helpers import run_cli
+from helpers import assert_same_verdict, run_cli
 from padim.models import PadimDetector
 from padim.models.export import METADATA_FILE, export_detector, read_export
 from padim.models.runtimes import load_scorer
@@ -88,8 +88,7 @@ def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
         pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
         _, raw = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
         assert float(raw[0]) == pytest.approx(record["raw_score"], rel=1e-4)
-        calibration = meta["calibration"]
-        assert (float(raw[0]) >= calibration["threshold"]) == record["is_anomaly"]
+        assert_same_verdict({"is_anomaly": float(raw[0]) >= meta["calibration"]["threshold"]}, record, rel=1e-4)
     described = PadimDetector.load(model_file, device="cpu")
     assert meta["calibration"] == described.calibration.summary()
     assert meta["calibration_scores"] == list(described.calibration.scores)

@@ -80,6 +80,7 @@ def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, 
         assert client.get("/health/live").status_code == 200
 
 
+@pytest.mark.load_sensitive
 def test_slow_scoring_gets_504(model_file, dataset):
     settings = ServiceSettings(models=[model_file], device="cpu", request_timeout_s=0.001, max_delay_ms=50)
     with TestClient(create_app(settings)) as client:
@@ -89,6 +90,7 @@ def test_slow_scoring_gets_504(model_file, dataset):
         assert client.get("/health/live").status_code == 200
 
 
+@pytest.mark.load_sensitive
 def test_start_up_failure_turns_readiness_red(tmp_path):
     broken = tmp_path / "broken.padim"
     broken.write_bytes(b"nonsense")
@@ -118,6 +120,7 @@ def test_settings_from_environment(monkeypatch, tmp_path):
         ServiceSettings()
 
 
+@pytest.mark.load_sensitive
 def test_model_dir_from_environment_and_full_queue_answers_503(model_file, dataset, tmp_path):
     models = tmp_path / "models"
     models.mkdir()

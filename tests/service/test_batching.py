@@ -23,6 +23,7 @@ def make(max_batch=4, max_delay=0.05, max_queue=100, score=None, seen=None):
     return MicroBatcher(score or score_batch, executor, max_batch, max_delay, max_queue), seen
 
 
+@pytest.mark.load_sensitive
 def test_concurrent_items_share_batches_and_keep_their_results():
     async def main():
         batcher, seen = make(max_batch=4)
@@ -37,6 +38,7 @@ def test_concurrent_items_share_batches_and_keep_their_results():
     assert max(seen) == 4 and sum(seen) == 10 and len(seen) <= 4
 
 
+@pytest.mark.load_sensitive
 def test_a_lone_item_waits_at_most_about_max_delay():
     async def main():
         batcher, _ = make(max_batch=32, max_delay=0.05)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import running_server
+from helpers import SCORE_ATOL, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PADIM_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -77,11 +77,12 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
 
     browser.find_element(By.ID, "file-input").send_keys(str(defect))
     wait(browser, lambda d: d.find_element(By.ID, "score").text)
-    expected = api_score(server.url, defect)
+    expected = api_score(server.url, defect)  # another request than the page's: equal to SCORE_ATOL
     shown = float(browser.find_element(By.ID, "score").get_attribute("data-value"))
-    assert shown == expected["score"]
-    assert text(browser, "score") == f"{expected['score']:.4f}"
-    assert text(browser, "verdict") == ("ANOMALOUS" if expected["is_anomaly"] else "NORMAL")
+    assert shown == pytest.approx(expected["score"], abs=SCORE_ATOL)
+    assert text(browser, "score") == f"{shown:.4f}"  # the page shows what it was given
+    assert float(text(browser, "score")) == pytest.approx(expected["score"], abs=0.5e-4 + SCORE_ATOL)
+    assert text(browser, "verdict") == ("ANOMALOUS" if shown >= 0.5 else "NORMAL")
     assert "ms on the server" in text(browser, "latency")
     assert browser.find_element(By.ID, "overlay").get_attribute("src").startswith("data:image/png;base64,")
     browser.save_screenshot(str(ARTIFACTS / "console-scored.png"))
@@ -96,7 +97,8 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
     wait(browser, lambda d: text(d, "used-threshold") == f"{above:.2f}")
     moved = api_score(server.url, defect, threshold=above)
     assert text(browser, "verdict") == ("ANOMALOUS" if moved["is_anomaly"] else "NORMAL")
-    assert float(browser.find_element(By.ID, "area").get_attribute("data-value")) == moved["anomalous_area"]
+    assert float(browser.find_element(By.ID, "area").get_attribute("data-value")) == pytest.approx(
+        moved["anomalous_area"], abs=1e-3)  # a few pixels on the threshold may fall either way
     browser.find_element(By.ID, "show-mask").click()
     assert browser.find_element(By.ID, "mask").is_displayed() and not browser.find_element(By.ID, "overlay").is_displayed()
     browser.save_screenshot(str(ARTIFACTS / "console-threshold.png"))
@@ -109,6 +111,7 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
     assert not severe, severe
 
 
+@pytest.mark.load_sensitive
 def test_several_images_fill_the_session_history(browser, server, dataset):
     from selenium.webdriver.common.by import By
 
@@ -117,12 +120,14 @@ def test_several_images_fill_the_session_history(browser, server, dataset):
     wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
     browser.find_element(By.ID, "file-input").send_keys("\n".join(map(str, paths)))
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history li")) == 3)
-    tags = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#history .tag")]
-    expected = [f"{api_score(server.url, p)['score']:.3f}" for p in reversed(paths)]  # newest first
-    assert tags == expected
+    tags = [float(e.text) for e in browser.find_elements(By.CSS_SELECTOR, "#history .tag")]  # 3 decimals
+    expected = [api_score(server.url, p)["score"] for p in reversed(paths)]  # newest first
+    assert tags == pytest.approx(expected, abs=0.5e-3 + SCORE_ATOL)
     browser.find_elements(By.CSS_SELECTOR, "#history button")[2].click()  # the first image again
-    wait(browser, lambda d: d.find_element(By.ID, "score").get_attribute("data-value")
-         == str(api_score(server.url, paths[0])["score"]))
+    first = api_score(server.url, paths[0])["score"]
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#history button")[2].get_attribute("aria-current")
+         == "true")
+    assert float(browser.find_element(By.ID, "score").get_attribute("data-value")) == pytest.approx(first, abs=SCORE_ATOL)
 
 
 def test_a_server_with_an_api_key_asks_for_it_and_the_key_stays_in_the_tab(browser, model_file, dataset, tmp_path):

@@ -23,7 +23,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from helpers import large_png, metric, running_server
+from helpers import SCORE_RTOL, large_png, metric, running_server
+
+pytestmark = pytest.mark.load_sensitive  # timeouts, connection counts, memory
 
 STRICT = {"PADIM_HEADER_TIMEOUT_S": "1", "PADIM_BODY_TIMEOUT_S": "1", "PADIM_KEEP_ALIVE_TIMEOUT_S": "1",
           "PADIM_MAX_UPLOAD_BYTES": "1000000", "PADIM_MAX_CONNECTIONS": "24"}
@@ -217,7 +219,9 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
             sampler.join()
         after = rss_mb(srv.process.pid)
     assert [r.status_code for r in responses] == [200] * 16
-    assert len({r.json()["raw_score"] for r in responses}) == 1  # the same image, the same score
+    # the same image, the same score, to the last bits that the batch grouping moves (SCORE_RTOL)
+    raw = [r.json()["raw_score"] for r in responses]
+    assert max(raw) == pytest.approx(min(raw), rel=SCORE_RTOL)
     heat = Image.open(io.BytesIO(base64.b64decode(responses[0].json()["heatmap"])))
     assert heat.size == (1024, 1024)  # the bounded copy, not 6300 x 6300
     # 16 x 6300^2 images held at once would be 16 x 160 MB; the pixel budget allows two at a time

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import run_cli, running_server
+from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli, running_server
 from padim.core.artifact import FORMAT_VERSION
 
 
@@ -63,7 +63,7 @@ def test_octet_stream_body_is_scored_like_an_image_body(server, dataset):
     typed = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"})
     untyped = httpx.post(server.url + "/score", content=data, headers={"content-type": "application/octet-stream"})
     assert typed.status_code == untyped.status_code == 200
-    assert untyped.json()["raw_score"] == typed.json()["raw_score"]
+    assert untyped.json()["raw_score"] == pytest.approx(typed.json()["raw_score"], rel=SCORE_RTOL)  # two batches
 
 
 def test_threshold_zero_or_one_has_no_raw_value_and_says_so(server, dataset):
@@ -82,8 +82,8 @@ def test_parity_with_padim_predict(server, dataset, model_file, tmp_path):
 
         got = post_image(server.url, Path(record["path"])).json()
         assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
-        assert got["score"] == pytest.approx(record["score"], abs=1e-5)
-        assert got["is_anomaly"] == record["is_anomaly"]
+        assert got["score"] == pytest.approx(record["score"], abs=SCORE_ATOL)
+        assert_same_verdict(got, record)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "onnxruntime", "openvino", "export"])
@@ -107,7 +107,7 @@ def test_predict_and_serve_agree_under_every_runtime(runtime, model_file, datase
         for record in records:
             got = post_image(served.url, Path(record["path"])).json()
             assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
-            assert got["is_anomaly"] == record["is_anomaly"]
+            assert_same_verdict(got, record)
             assert record["raw_score"] == pytest.approx(torch_scores[record["path"]], rel=1e-4)
 
 
@@ -121,6 +121,7 @@ def test_batch_endpoint_keeps_order(server, dataset):
     assert [r["raw_score"] for r in results] == pytest.approx(singles, rel=1e-5)
 
 
+@pytest.mark.load_sensitive
 def test_64_concurrent_requests_equal_their_sequential_scores(server, dataset):
     paths = sorted((dataset / "test").rglob("*.png"))
     paths = (paths * 4)[:64]
@@ -297,6 +298,7 @@ def test_bad_model_file_stops_start_up_with_one_line(model_file, tmp_path, probl
     assert len(lines) == 1 and "bad.padim" in lines[0] and "Traceback" not in result.stderr
 
 
+@pytest.mark.load_sensitive
 def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_path):
     """Every request the server accepted is answered 200; the rest were refused, never half-done.
 
