@@ -1,12 +1,13 @@
 """anomalib's PaDiM torch model, driven on the same inputs as padim, for the benchmarks.
 
-Run by benchmarks/compare_anomalib.py and benchmarks/throughput.py with an interpreter that has
-anomalib (``pip install .[bench]``, or a separate virtual environment). Two modes:
+Run by benchmarks/compare_anomalib.py, benchmarks/fit_cost.py and benchmarks/throughput.py with an
+interpreter that has anomalib (``pip install .[bench]``, or a separate virtual environment). Two modes:
 
 - ``fit-score``: fit on --train-list, score --test-list, write ``scores.npy`` (N,),
   ``maps.npy`` (N, S, S) and ``result.json`` (fit time, throughput at batch 1 and 16, size of
   the saved state_dict) into --out;
-- ``fit-only``: fit on --train-list and exit (the parent reads this process's peak RSS).
+- ``fit-only``: fit on --train-list, print ``{"fit_seconds": ...}`` (embedding and ``fit()``, as
+  padim's fit phases count them) and exit (the parent reads this process's peak RSS).
 
 Inputs are resized and normalised exactly as padim does (bilinear, ImageNet mean/std), the
 backbone weights come from the same state_dict file, and the channel subset is padim's.
@@ -37,13 +38,15 @@ def to_input(paths, size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
-def build(weights: Path, channel_index: Path, device: str):
+def build(weights: Path, channel_index: Path, device: str, backbone: str = "resnet18"):
     from anomalib.models.image.padim.torch_model import PadimModel
 
-    model = PadimModel(backbone="resnet18", layers=["layer1", "layer2", "layer3"], pre_trained=False, n_features=100)
+    channels = json.loads(channel_index.read_text())
+    model = PadimModel(backbone=backbone, layers=["layer1", "layer2", "layer3"], pre_trained=False,
+                       n_features=len(channels))
     state = torch.load(weights, map_location="cpu", weights_only=True)
     model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
-    model.idx = torch.tensor(json.loads(channel_index.read_text()))
+    model.idx = torch.tensor(channels)
     return model.to(device)
 
 
@@ -64,8 +67,9 @@ def main() -> None:
     parser.add_argument("mode", choices=["fit-score", "fit-only"])
     parser.add_argument("--train-list", type=Path, required=True, help="JSON list of training image paths")
     parser.add_argument("--test-list", type=Path, help="JSON list of test image paths (fit-score)")
-    parser.add_argument("--weights", type=Path, required=True, help="resnet18 state_dict file")
-    parser.add_argument("--channel-index", type=Path, required=True, help="JSON list of the 100 channels")
+    parser.add_argument("--weights", type=Path, required=True, help="the backbone's state_dict file")
+    parser.add_argument("--channel-index", type=Path, required=True, help="JSON list of the channels kept")
+    parser.add_argument("--backbone", default="resnet18")
     parser.add_argument("--out", type=Path, help="output folder (fit-score)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=224)
@@ -75,10 +79,11 @@ def main() -> None:
 
     import anomalib
 
-    model = build(args.weights, args.channel_index, args.device)
+    model = build(args.weights, args.channel_index, args.device, args.backbone)
     fit_seconds = fit(model, json.loads(args.train_list.read_text()), args.image_size, args.batch_size, args.device)
     if args.mode == "fit-only":
-        print(json.dumps({"fit_seconds": fit_seconds}))
+        cuda = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
+        print(json.dumps({"fit_seconds": fit_seconds, "cuda_max_memory_allocated": cuda}))
         return
 
     test = json.loads(args.test_list.read_text())

@@ -46,9 +46,14 @@ def machine_name() -> str:
 def seeded_resnet18(path: Path) -> Path:
     """``path``, a resnet18 state_dict of random weights drawn after ``torch.manual_seed(0)`` (written
     once): the same weights for padim, anomalib and AnomaVision in one comparison."""
+    return seeded_backbone("resnet18", path)
+
+
+def seeded_backbone(name: str, path: Path) -> Path:
+    """``path``, a torchvision ``name`` state_dict of random weights drawn after ``torch.manual_seed(0)``."""
     if not path.exists():
         import torchvision
 
         torch.manual_seed(0)
-        torch.save(torchvision.models.resnet18().state_dict(), path)
+        torch.save(getattr(torchvision.models, name)().state_dict(), path)
     return path

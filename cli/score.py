@@ -151,14 +151,13 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from padim.models import PadimDetector
     from padim.models.evaluation import compute_metrics, score_category, threshold_metrics
     from padim.models.runtimes import is_export
 
     if args.calibrate and is_export(args.model):
         raise UserError(f"{args.model}: --calibrate writes the threshold into the .padim model file; "
                         "calibrate that file, then export it again")
-    detector = _load(args, with_statistics=args.calibrate)
+    detector = _load(args)
     try:
         scored = score_category(detector, args.category_dir, args.batch_size or DEFAULT_BATCH_SIZE,
                                 DEFAULT_WORKERS if args.workers is None else args.workers, progress=not args.quiet)
@@ -170,14 +169,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result["runtime"] = detector.describe()["runtime"]
     result["weights"] = detector.weights.label
     if args.calibrate:
-        if not isinstance(detector, PadimDetector):  # scored on another runtime: write through the file's own
-            detector = PadimDetector.load(args.model, device="cpu", with_statistics=True)
+        from padim.models.serialization import store_calibration
+
         if "f1_optimal_raw_threshold" not in result:
             raise UserError("--calibrate needs both good and defective test images")
-        detector.calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
-        detector.save(args.model, with_statistics=detector.statistics is not None)
+        calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
+        store_calibration(args.model, calibration)  # the file's tensors are copied as they are
+        detector.calibration = calibration  # the report shows the threshold now stored
         # what the new threshold gives on the same images (F1, confusion counts, the report's marks)
-        scored.raw_threshold = detector.calibration.threshold
+        scored.raw_threshold = calibration.threshold
         result.update(threshold_metrics(scored.samples, scored.raw_scores, scored.raw_threshold))
         result["calibrated"] = True
     if args.report is not None:
@@ -191,12 +191,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, with_statistics: bool = False):
+def _load(args: argparse.Namespace):
     """The detector of ``args.model`` on ``args.runtime`` (export errors become one-line errors)."""
     from padim.models.export import ExportError
     from padim.models.runtimes import load_scorer
 
     try:
-        return load_scorer(args.model, args.runtime, args.device or "auto", with_statistics=with_statistics)
+        return load_scorer(args.model, args.runtime, args.device or "auto")
     except ExportError as error:
         raise UserError(str(error)) from None

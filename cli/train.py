@@ -17,10 +17,13 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     train = commands.add_parser(
         "train", parents=[runtime, quiet], help="fit a detector on a folder of normal images",
         description="Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
-        "Every image is fitted, and also scored by a model of the images outside its calibration fold "
-        "(folds come from file names); those out-of-fold scores set the threshold for the false-alarm rate "
-        "you ask for (--false-alarm-rate), and train says what that threshold can promise. Unreadable images "
-        "are left out and named. Memory does not grow with the number of images. Under torchrun "
+        "Every image is read through the backbone once, fitted, and also scored by the model of the images "
+        "outside its calibration fold (folds come from file names; that model is derived from the fitted one, "
+        "not fitted again); those out-of-fold scores set the threshold for the false-alarm rate you ask for "
+        "(--false-alarm-rate), and train says what that threshold can promise. Unreadable images are left out "
+        "and named. Before it starts, train says how much memory the fit needs, and refuses one that would not "
+        "fit, naming what would. Memory does not grow with the number of images: their embeddings wait on disk "
+        "(--scratch-dir) until the calibration. Under torchrun "
         "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
         "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file.",
     )
@@ -39,8 +42,9 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     model.add_argument("--reduction", choices=REDUCTIONS, help="channel subset (paper, default) or semi-orthogonal projection")
     model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
     model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
-    model.add_argument("--calibration-folds", type=int, metavar="K",
-                       help="folds of the cross-fitted calibration (default 20; more: less bias, one more finalisation each)")
+    model.add_argument("--calibration-folds", type=folds_value, metavar="K",
+                       help="folds of the cross-fitted calibration: an integer from 2, or loo (leave-one-out: every "
+                       "image its own fold) (default 20); more folds: fold models closer to the fitted one")
     verdicts = train.add_argument_group("the verdict and the file")
     verdicts.add_argument("--false-alarm-rate", type=float, metavar="RATE",
                           help="share of normal images the threshold may flag (default 0.01); may change on --resume")
@@ -54,6 +58,10 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     verdicts.add_argument("--partial", action="store_true",
                           help="fit every image and write only the statistics, to be combined later by `padim merge` "
                           "(for shards fitted on separate machines or at separate times)")
+    train.add_argument("--scratch-dir", type=Path, metavar="DIR",
+                       help="where the images' embeddings (float32, P x D per image) and the precision factors wait "
+                       "during the fit, in files removed when it ends however it ends (default: the output's folder); "
+                       "when they would not fit on its disk, the calibration embeds the images again instead")
     train.set_defaults(handler=cmd_train)
 
     merge = commands.add_parser(
@@ -68,7 +76,19 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
                        help="normal images kept out of every part, to set the threshold")
     merge.add_argument("--false-alarm-rate", type=float, metavar="RATE", help="default: the parts' setting (0.01)")
     merge.add_argument("--slim", action="store_true", help="leave the statistics out of the merged file")
+    merge.add_argument("--scratch-dir", type=Path, metavar="DIR",
+                       help="where the calibration images' embeddings and the factors wait (default: the output's folder)")
     merge.set_defaults(handler=cmd_merge)
+
+
+def folds_value(text: str) -> int | str:
+    """``--calibration-folds``: an integer, or ``loo``."""
+    if text.strip().lower() == "loo":
+        return "loo"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or loo") from None
 
 
 def load_config(args: argparse.Namespace):
@@ -100,7 +120,8 @@ def load_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from padim.models import Fit, fit_detector, fit_partial, resolve_device, training_images
+    from padim.core.artifact import read_header
+    from padim.models import Fit, fit_partial, resolve_device, train, training_images
     from padim.models import distributed
     from padim.models.config import STATISTICS_FIELDS
 
@@ -125,21 +146,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     main = shard is None or shard.main
     progress = not args.quiet and main
     started = time.perf_counter()
+    scratch = args.scratch_dir or args.output.parent
+    announce = None if args.quiet else (lambda line: print(f"padim train: {line}", file=sys.stderr, flush=True))
     try:
         if args.partial:  # every image is fitted: `merge` calibrates on images kept out of all parts
-            fit, report = fit_partial(config, images, progress, shard)
+            fit, report = fit_partial(config, images, progress, shard, scratch, announce)
             if main:
                 fit.save_partial(args.output)
         else:
-            detector, report = fit_detector(config, images, resume, progress, shard)
-            if main:
-                detector.save(args.output, with_statistics=not args.slim)
+            report = train(config, images, args.output, resume, progress, shard, with_statistics=not args.slim,
+                           scratch_dir=scratch, announce=announce)
     finally:
         distributed.leave(shard)
     if not main:
         return 0
-    if not args.partial and not args.quiet:
-        print(f"padim train: {verdict_line(detector)}", file=sys.stderr)
+    header = None if args.partial else read_header(args.output)
+    if header is not None and not args.quiet:
+        print(f"padim train: {verdict_line(header)}", file=sys.stderr)
     for warning in report.warnings:
         print(f"padim train: warning: {warning}", file=sys.stderr)
     summary = {
@@ -153,44 +176,51 @@ def cmd_train(args: argparse.Namespace) -> int:
         "seconds": round(time.perf_counter() - started, 2),
         "phase_seconds": report.seconds,
         "world_size": shard.world if shard else 1,
+        "memory": None if report.plan is None else {"planned_bytes": report.plan.total, "free_bytes": report.free_memory,
+                                                    "device": report.plan.device},
+        "spooled_bytes": report.spool,
+        "cuda_max_memory_allocated": report.cuda_peak,
     }
     if args.partial:
         summary.update(fit_image_count=fit.count, weights=fit.weights.label)
     else:
-        described = detector.describe()
-        summary.update(fit_image_count=detector.provenance.fit_image_count, calibration=described["calibration"],
-                       precision_dtype=str(detector.precision_dtype).removeprefix("torch."),
-                       weights=detector.weights.label,
-                       **{k: described[k] for k in ("backbone", "image_size", "embedding_dim")})
+        from padim.models.backbones import WeightsInfo
+
+        summary.update(fit_image_count=header["fit_image_count"],
+                       calibration={**header["calibration"], "source": header["calibration_source"],
+                                    "folds": header["config"]["calibration_folds"], "fold_models": header["fold_models"]},
+                       precision_dtype=header["precision_dtype"], weights=WeightsInfo(**header["weights"]).label,
+                       backbone=header["config"]["backbone"], image_size=header["config"]["image_size"],
+                       embedding_dim=header["embedding_dim"])
     print(json.dumps(summary))
     return 0
 
 
-def verdict_line(detector) -> str:
-    """What the threshold means, in one line."""
-    cal = detector.calibration
-    return (f"fitted {detector.provenance.fit_image_count} images; threshold {cal.threshold:.4g} (raw) from "
-            f"{cal.count} out-of-fold scores, aiming at {cal.false_alarm_rate:.2%} false alarms; promised "
-            f"{cal.promised_false_alarm_rate:.2%} on average and at most {cal.false_alarm_bound:.2%} with "
-            f"{cal.summary()['confidence']:.0%} confidence, whatever the score distribution")
+def verdict_line(header: dict) -> str:
+    """What the threshold of a model file means, in one line."""
+    cal = header["calibration"]
+    return (f"fitted {header['fit_image_count']} images; threshold {cal['threshold']:.4g} (raw) from "
+            f"{cal['scores']} out-of-fold scores, aiming at {cal['false_alarm_rate']:.2%} false alarms; promised "
+            f"{cal['promised_false_alarm_rate']:.2%} on average and at most {cal['false_alarm_bound']:.2%} with "
+            f"{cal['confidence']:.0%} confidence, whatever the score distribution")
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from padim.core.artifact import read_header
     from padim.models import Fit, list_images, merge_fits
+    from padim.models.backbones import WeightsInfo
 
     runtime = runtime_config(args)
     parts = [Fit.load(p, runtime=runtime) for p in args.parts]
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
-    detector = merge_fits(parts, [str(p) for p in args.parts], calibration, runtime, args.false_alarm_rate,
-                          progress=not args.quiet)
-    detector.save(args.output, with_statistics=not args.slim)
-    print(json.dumps({"model": str(args.output), "parts": len(parts),
-                      "fit_image_count": detector.provenance.fit_image_count,
-                      "calibration": detector.describe()["calibration"], "size_bytes": args.output.stat().st_size,
-                      "weights": detector.weights.label}))
-    shortfall = detector.calibration.shortfall()
-    if shortfall:
-        print(f"padim merge: warning: {shortfall}", file=sys.stderr)
+    report = merge_fits(parts, [str(p) for p in args.parts], calibration, runtime, args.output, args.false_alarm_rate,
+                        progress=not args.quiet, with_statistics=not args.slim, scratch_dir=args.scratch_dir)
+    header = read_header(args.output)
+    print(json.dumps({"model": str(args.output), "parts": len(parts), "fit_image_count": header["fit_image_count"],
+                      "calibration": {**header["calibration"], "source": header["calibration_source"]},
+                      "size_bytes": args.output.stat().st_size, "weights": WeightsInfo(**header["weights"]).label}))
+    for warning in report.warnings:
+        print(f"padim merge: warning: {warning}", file=sys.stderr)
     return 0

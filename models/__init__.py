@@ -25,7 +25,7 @@ EXPORTS = {
     "images": ("ImageError", "ImageTooLarge", "list_images", "open_image"),
     "model": ("PadimModel", "ScoreOutput"),
     "runtimes": ("DeployedDetector", "load_scorer"),
-    "training": ("FitError", "FitReport", "fit_detector", "fit_partial", "merge_fits", "training_images"),
+    "training": ("FitError", "FitReport", "fit_detector", "fit_partial", "merge_fits", "train", "training_images"),
     "verdicts": ("NonFiniteScoreError", "Verdict", "verdict"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

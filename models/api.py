@@ -16,7 +16,9 @@ The numbers are those of ``padim predict`` and ``POST /score``: the same scorer,
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,8 +32,9 @@ from padim.core.calibration import Calibration
 from padim.core.scoring import resize_map
 
 from .config import ConfigError, PadimConfig
+from .detector import PadimDetector
 from .images import decode_side, iter_batches, list_images, open_image, to_rgb
-from .training import FitError, FitReport, TrainingImage, fit_detector, training_images
+from .training import FitError, FitReport, TrainingImage, train, training_images
 from .verdicts import NonFiniteScoreError, Verdict, verdict
 from .visualize import figure, mask_image, overlay
 
@@ -105,13 +108,17 @@ class Detector:
     """A fitted detector on a runtime (torch, onnxruntime or OpenVINO).
 
     Made by :func:`fit` or :func:`load`. ``scorer`` is the underlying
-    :class:`~padim.models.PadimDetector` or :class:`~padim.models.DeployedDetector`.
+    :class:`~padim.models.PadimDetector` or :class:`~padim.models.DeployedDetector`; ``source``
+    the model file it was read from (a temporary one, removed with the detector, after a
+    :func:`fit` without ``output``).
     """
 
-    def __init__(self, scorer, report: FitReport | None = None, batch_size: int = 16, workers: int = 2):
+    def __init__(self, scorer, report: FitReport | None = None, batch_size: int = 16, workers: int = 2,
+                 source: Path | None = None):
         self.scorer = scorer
         self.report = report
         self.batch_size, self.workers = batch_size, workers
+        self.source = source
 
     @property
     def calibration(self) -> Calibration:
@@ -135,12 +142,12 @@ class Detector:
                 f"fitted on {d['fit_image_count']} images)")
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the model file (atomically); only a torch-runtime detector has the statistics to write."""
-        from .detector import PadimDetector
+        """Write the model file (atomically): the file it was read from, statistics included, verified on the way."""
+        from padim.core.artifact import copy_artifact, read_header
 
-        if not isinstance(self.scorer, PadimDetector):
+        if self.source is None or self.source.is_dir():
             raise TypeError("an exported detector cannot be saved as a .padim file; save the one it was exported from")
-        self.scorer.save(path, with_statistics=self.scorer.statistics is not None)
+        copy_artifact(self.source, path, read_header(self.source))
         return Path(path)
 
     def predict(self, images: ImageInput | Sequence[ImageInput], threshold: float | None = None
@@ -234,7 +241,7 @@ def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", b
     """
     from .runtimes import load_scorer
 
-    return Detector(load_scorer(Path(path), runtime, device), batch_size=batch_size, workers=workers)
+    return Detector(load_scorer(Path(path), runtime, device), batch_size=batch_size, workers=workers, source=Path(path))
 
 
 def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathLike | None = None, *,
@@ -266,14 +273,25 @@ def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathL
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     config = config.replace(**options)
-    with tempfile.TemporaryDirectory(prefix="padim-fit-") as scratch:
-        found = _training_images(images, Path(scratch))
-        if not found:
-            raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
-        detector, report = fit_detector(config, found, progress=progress)
-    if output is not None:
-        detector.save(output)
-    return Detector(detector, report, batch_size=config.batch_size, workers=config.workers)
+    kept = None
+    if output is None:  # a model file all the same: the detector reads it, and save() copies it
+        kept = Path(tempfile.mkdtemp(prefix="padim-model-"))
+        output = kept / "model.padim"
+    try:
+        with tempfile.TemporaryDirectory(prefix="padim-fit-") as scratch:
+            found = _training_images(images, Path(scratch))
+            if not found:
+                raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
+            report = train(config, found, output, progress=progress, scratch_dir=scratch)
+        scorer = PadimDetector.load(output, device=config.device)
+    except BaseException:
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)
+        raise
+    detector = Detector(scorer, report, batch_size=config.batch_size, workers=config.workers, source=Path(output))
+    if kept is not None:
+        weakref.finalize(detector, shutil.rmtree, kept, True)
+    return detector
 
 
 def _training_images(images, scratch: Path) -> list[TrainingImage]:

@@ -49,7 +49,7 @@ class PadimConfig:
         blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
         calibration_folds: ``K``, the folds of cross-fitted calibration: every image is fitted,
             and scored by the model of every image outside its fold (see
-            :mod:`padim.core.calibration`).
+            :mod:`padim.core.calibration`); ``"loo"``: leave-one-out, every image its own fold.
         false_alarm_rate: share of normal images the threshold may flag (``alpha``).
         batch_size: images per forward pass.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
@@ -67,7 +67,7 @@ class PadimConfig:
     seed: int = 0
     epsilon: float = 0.01
     blur_sigma: float = 4.0
-    calibration_folds: int = 20
+    calibration_folds: int | str = 20
     false_alarm_rate: float = 0.01
     batch_size: int = 16
     device: str = "auto"
@@ -154,8 +154,9 @@ def _validate(c: PadimConfig) -> None:
         fail("epsilon", c.epsilon, "use a number >= 0 (the paper uses 0.01)")
     if not c.blur_sigma >= 0:
         fail("blur_sigma", c.blur_sigma, "use a number >= 0 (0 turns smoothing off)")
-    if not isinstance(c.calibration_folds, int) or not 2 <= c.calibration_folds <= 1000:
-        fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000 (default 20)")
+    if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
+                                         or not 2 <= c.calibration_folds <= 1000):
+        fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")
     low, high = FALSE_ALARM_RATE_RANGE
     if isinstance(c.false_alarm_rate, bool) or not isinstance(c.false_alarm_rate, (int, float)) \
             or not low <= c.false_alarm_rate <= high:

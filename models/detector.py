@@ -7,7 +7,6 @@ file is read and written by :mod:`padim.models.serialization`; it is made by
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import torch
 
 from padim.core.calibration import Calibration
-from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 
@@ -24,12 +22,13 @@ from .config import PadimConfig
 from .features import Embedding
 from .model import PadimModel, ScoreOutput
 
-log = logging.getLogger(__name__)
-
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
 #: Where out-of-fold scores come from: a fit's own images, or images no part fitted (merge).
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
+#: How fold models were regularised: ``same_lambda`` (format 3: the fitted model's lambda, see
+#: :mod:`padim.core.statistics`), ``same_epsilon`` (format 2: refitted with its epsilon).
+FOLD_MODELS = ("same_lambda", "same_epsilon")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,6 +62,8 @@ class Provenance:
         fit_seconds: wall time of the last fit.
         fits: one record per fit run (images, unreadable, already fitted, resumed, world size).
         merged_from: the partial files a merge combined.
+        fold_models: how the fold models of out-of-fold scores were regularised (``FOLD_MODELS``;
+            ``None`` without out-of-fold scores).
         verified: whether the file's digests were checked when it was read (format 2).
     """
 
@@ -74,6 +75,7 @@ class Provenance:
     fit_seconds: float | None = None
     fits: list[dict] = field(default_factory=list)
     merged_from: list[str] = field(default_factory=list)
+    fold_models: str | None = None
     verified: bool = True
 
     def to_header(self) -> dict:
@@ -154,7 +156,7 @@ class PadimDetector:
             "epsilon": self.config.epsilon,
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
-                            "folds": self.config.calibration_folds},
+                            "folds": self.config.calibration_folds, "fold_models": self.provenance.fold_models},
             "verified": self.provenance.verified,
             "runtime": "torch",
             "created": self.provenance.created,
@@ -174,26 +176,3 @@ class PadimDetector:
         from .serialization import load_detector
 
         return load_detector(path, device, with_statistics)
-
-
-def choose_precision_dtype(model: PadimModel, sample: torch.Tensor | None, choice: str) -> torch.dtype:
-    """float16 storage when it keeps image scores within ``FLOAT16_TOLERANCE`` of float32.
-
-    Checked on a batch of out-of-fold embeddings ``(B, P, D)``, rounding the factors a slice of
-    pixels at a time so that no second full-size copy is made.
-    """
-    if choice != "auto":
-        return getattr(torch, choice)
-    if sample is None:
-        return torch.float32
-    mean, factor = model.mean, model.precision_factor
-    exact = squared_mahalanobis(sample, mean, factor)  # (B, P)
-    rounded = torch.cat([
-        squared_mahalanobis(sample[:, i : i + 256], mean[i : i + 256], factor[i : i + 256].half().float())
-        for i in range(0, factor.shape[0], 256)
-    ], dim=1)
-    exact, rounded = (image_scores(anomaly_maps(sq, model.grid_shape, model.image_size, model.blur_sigma))
-                      for sq in (exact, rounded))
-    worst = float(((rounded - exact).abs() / exact.abs().clamp_min(1e-12)).max())
-    log.info("float16 precision factors change out-of-fold scores by at most %.2e (relative)", worst)
-    return torch.float16 if worst <= FLOAT16_TOLERANCE else torch.float32

@@ -56,11 +56,22 @@ def leave(shard: Shard | None) -> None:
         dist.destroy_process_group()
 
 
-def shard_of(items: Sequence, shard: Shard | None) -> list:
-    """This rank's contiguous share of ``items`` (all of them without a shard)."""
+def folds_of(groups: Sequence[Sequence], shard: Shard | None) -> list[list]:
+    """This rank's share of ``groups`` (calibration folds): whole folds, contiguous, about equal in images.
+
+    Out-of-fold scores need every image of a fold on one rank. Rank ``r`` takes the folds that
+    start within its ``1 / world`` of the images (all of them without a shard).
+    """
+    groups = [list(g) for g in groups]
     if shard is None:
-        return list(items)
-    return list(items[shard.rank * len(items) // shard.world : (shard.rank + 1) * len(items) // shard.world])
+        return groups
+    total = sum(len(g) for g in groups)
+    mine, seen = [], 0
+    for group in groups:
+        if shard.rank * total <= seen * shard.world < (shard.rank + 1) * total:
+            mine.append(group)
+        seen += len(group)
+    return mine
 
 
 def together(run: Callable[[], None], shard: Shard | None, device: torch.device) -> None:

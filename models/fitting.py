@@ -1,49 +1,76 @@
-"""A fit in progress (:class:`Fit`): the embedder and the streamed statistics, until they become a detector.
+"""A fit in progress (:class:`Fit`): the embedder, the statistics and the spooled embeddings.
 
-A fit runs in two passes over the normal images, each streaming, so memory does not depend on
-how many images there are:
+A fit reads every normal image through the backbone **once**:
 
-1. **fit** (:meth:`Fit.accumulate`): every image is embedded and added to the per-pixel
-   statistics ``T``, in the order of its calibration fold (batches never straddle two folds).
-2. **calibrate** (:meth:`Fit.out_of_fold_scores`): for each fold ``k``, its images are embedded
-   again into ``S_k``; the model of "every image but fold ``k``" is ``T - S_k`` (an exact
-   downdate, the reverse of the Chan merge), finalised, and scores fold ``k``'s images. A
-   fold's embeddings are kept between the two uses when they fit in :data:`FOLD_CACHE_BYTES`;
-   otherwise they are computed again.
+1. **fit** (:meth:`Fit.accumulate`): every image is embedded, in the order of its calibration
+   fold, and its float32 embeddings go to an :class:`~padim.core.spool.EmbeddingSpool` on disk,
+   while their count and sum are kept. When the spool does not fit on the disk
+   (:meth:`Fit.spool_or_none` says so), the statistics are streamed into memory instead (the
+   Chan update) and the calibration embeds the images again, in groups that fit in memory.
+2. **finish** (:meth:`Fit.finish`), a slice of pixels at a time: the comoment of the spooled
+   images (two passes over the spool, centred on their exact mean) merged into the earlier
+   statistics (``--resume``); the Cholesky factor ``L`` of the fitted model; its precision
+   factor ``W = L^-1``, written to a scratch file in float32 and checked against float16; and
+   the out-of-fold distance of every image from ``L`` itself
+   (:func:`padim.core.out_of_fold.out_of_fold_squared_distances`: no fold model is fitted).
+   The distances become maps and out-of-fold raw scores.
 
-:meth:`Fit.finish` derives the precision factors of ``T`` and returns the
-:class:`~padim.models.detector.PadimDetector`. Whole runs (a new fit, resume, partial fits and
-their merge) are in :mod:`padim.models.training`.
+Memory holds the statistics (the packed comoment, when they are kept) and one slice's
+temporaries; the precision factors stay on disk until the model file is written
+(:func:`padim.models.serialization.save_fitted`). Whole runs (a new fit, resume, partial fits
+and their merge) are in :mod:`padim.models.training`.
 
-Under ``torch.distributed`` each rank fits a contiguous share of the fold-ordered images and
-the statistics are all-reduced; then each rank calibrates whole folds (fold ``k`` on rank
-``k mod world``), and the scores are summed into place on every rank.
+Under ``torch.distributed`` each rank fits whole folds (a balanced, contiguous share of them) into
+its own spool; count and sum are all-reduced after pass 1, and every slice's comoment during
+the finish. Every rank derives the factor of every slice and scores its own folds; rank 0 writes
+the factors, and the scores are gathered.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, fold_of
-from padim.core.statistics import GaussianAccumulator, GaussianState, all_reduce_state_, empty_state, finalise, subtract_states
+from padim.core.out_of_fold import held_out_squared_distances, out_of_fold_squared_distances
+from padim.core.packing import pack_lower, packed_length, unpack_lower
+from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+from padim.core.spool import EmbeddingSpool, ScratchFile
+from padim.core.statistics import (
+    ACCUMULATOR_DTYPE,
+    GaussianAccumulator,
+    GaussianState,
+    all_reduce_state_,
+    empty_state,
+    regularised_cholesky,
+    triangular_inverse,
+)
 
 from . import distributed
 from .backbones import WeightsInfo, build_backbone, used_state, weights_sha256
 from .config import PadimConfig
-from .detector import PadimDetector, Provenance, choose_precision_dtype, resolve_device
+from .detector import FLOAT16_TOLERANCE, Provenance, resolve_device
 from .distributed import Shard
 from .features import Embedding, FeatureEmbedder
 from .images import decode_side, iter_decoded
-from .model import PadimModel
 
-#: A fold's embeddings are kept between its two uses in the calibrate pass up to this size.
-FOLD_CACHE_BYTES = 256 * 2**20
+#: Bytes of one ``(c, D, D)`` float64 buffer of the finish: sets the pixels per slice. Three or
+#: four such buffers are alive at once.
+SLICE_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
+#: Bytes of float64 embeddings worked on at once within a slice (spool rows, fold blocks).
+BLOCK_BYTES = 32 * 2**20
+#: Bytes of embeddings held in memory per group when the calibration must embed images again.
+REEMBED_GROUP_BYTES = 512 * 2**20
+#: Images of the float16 check (one batch of out-of-fold embeddings, as before the finish was sliced).
+FLOAT16_SAMPLE = 16
+#: Bytes of held batches added to the in-memory statistics at once (no spool).
+UPDATE_BLOCK_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -62,14 +89,76 @@ class Accumulated:
     digests: list[tuple[str, int]]  # (name, digest)
 
 
+@dataclass
+class Spooled:
+    """This rank's images of pass 1, waiting in the spool: rows in fold order, and their sum.
+
+    Attributes:
+        spool: their ``(rows, P, D)`` float32 embeddings.
+        names: the image of every row.
+        folds: rows per fold, one entry per non-empty fold of this rank, in row order.
+        total: ``(P, D)`` float64 sum of this rank's rows.
+        count, mean: of every rank's rows, set once pass 1 is over (after the all-reduce).
+    """
+
+    spool: EmbeddingSpool
+    names: list[str] = field(default_factory=list)
+    folds: list[int] = field(default_factory=list)
+    total: torch.Tensor | None = None
+    count: int = 0
+    mean: torch.Tensor | None = None
+
+
+@dataclass
+class Scored:
+    """Images to score in the finish, whole folds one after another.
+
+    Attributes:
+        read: ``(slice index, start, stop, first row, stop row) -> (rows, c, D)`` embeddings.
+        names: the image of every row.
+        folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
+            model itself (held-out images).
+    """
+
+    read: Callable[[int, int, int, int, int], torch.Tensor]
+    names: list[str]
+    folds: list[int] | None
+
+
+@dataclass
+class Finished:
+    """What a finished fit leaves for the model file: everything but the threshold.
+
+    Attributes:
+        mean: ``(P, D)`` float32 fitted mean.
+        factors: the packed ``(P, T)`` float32 precision factors, on disk, row-major (``None``
+            for a partial fit, which has no factors).
+        precision_dtype: their storage dtype in the file (the float16 check's answer, or the config's).
+        scores: ``(N,)`` float64 raw scores of the images scored (out-of-fold, or held-out).
+        scored: the names of those images, in the order of ``scores``.
+        unscored: names of fitted images left without an out-of-fold score (their fold holds all
+            but fewer than two of the images).
+        float16_change: largest relative change of the checked scores with float16 factors.
+    """
+
+    mean: torch.Tensor
+    factors: ScratchFile | None
+    precision_dtype: torch.dtype
+    scores: torch.Tensor
+    scored: list[str]
+    unscored: list[str]
+    float16_change: float | None = None
+
+
 class Fit:
-    """A fit in progress: the embedder and the streamed statistics; no precision factors, no threshold.
+    """A fit in progress: the embedder, the statistics and pass 1's spool; no factors, no threshold.
 
     Attributes:
         config: the detector configuration.
         weights, backbone_weights, embedding: what the embedder is built from (saved with the model).
         embedder: images -> ``(B, P, D)`` embeddings, on :attr:`device`.
-        statistics: the streamed statistics ``T`` (``None`` before the first image).
+        statistics: the statistics of every image whose comoment has been formed (``None`` before).
+        spooled: pass 1's images still in the spool (their comoment is formed by :meth:`finish`).
         image_digests: content digests of every image fitted so far (for resume and merge).
         earlier: the calibration of the model this fit resumes (``None`` for a new fit).
         provenance: what earlier fits recorded (image counts, fits).
@@ -85,6 +174,8 @@ class Fit:
         self.device = resolve_device(config.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
         self.statistics = None if statistics is None else statistics.to(self.device)
+        self.spooled: Spooled | None = None
+        self._slim_count = 0  # images fitted into a slim fit, which keeps no statistics
         self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
         self.earlier = earlier
         self.provenance = provenance or Provenance()
@@ -119,133 +210,417 @@ class Fit:
 
     @property
     def count(self) -> int:
-        """Images in the statistics."""
-        return 0 if self.statistics is None else int(self.statistics.count)
+        """Images fitted: in the statistics, and in the spool waiting for :meth:`finish`."""
+        held = int(self.statistics.count) if self.statistics is not None else self._slim_count
+        return held + (self.spooled.count if self.spooled is not None else 0)
+
+    @property
+    def pixels(self) -> int:
+        grid = self.embedder.grid_shape
+        return grid[0] * grid[1]
+
+    @property
+    def slice_pixels(self) -> int:
+        """Pixels per slice of the finish: one ``(c, D, D)`` float64 buffer in :data:`SLICE_BYTES`."""
+        budget = SLICE_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
+        return max(1, min(self.pixels, budget // (8 * self.embedder.embedding_dim ** 2)))
 
     def groups(self, images: Sequence[TrainingImage]) -> list[list[TrainingImage]]:
-        """``images`` grouped by calibration fold (fold order, then name)."""
-        groups: list[list[TrainingImage]] = [[] for _ in range(self.config.calibration_folds)]
-        for image in sorted(images, key=lambda i: i.name):
-            groups[fold_of(image.name, self.config.calibration_folds)].append(image)
+        """``images`` grouped by calibration fold (fold order, then name); one image a fold for ``loo``."""
+        ordered = sorted(images, key=lambda i: i.name)
+        folds = self.config.calibration_folds
+        if folds == "loo":
+            return [[image] for image in ordered]
+        groups: list[list[TrainingImage]] = [[] for _ in range(folds)]
+        for image in ordered:
+            groups[fold_of(image.name, folds)].append(image)
         return groups
 
-    # ------------------------------------------------------------------ pass 1
-    def accumulate(self, groups: Sequence[Sequence[TrainingImage]], progress: bool = True,
-                   shard: Shard | None = None) -> Accumulated:
-        """Pass 1: add every image of ``groups`` to :attr:`statistics` (this rank's share under ``shard``).
+    def spool_or_none(self, directory: Path, rows: int) -> EmbeddingSpool | None:
+        """A spool for ``rows`` images in ``directory``, or ``None`` when they would not fit its free disk."""
+        from .sizing import spool_fits
 
-        Unreadable images are left out and returned. Under ``shard`` the statistics of every
-        rank are merged on every rank afterwards.
+        if not spool_fits(directory, rows, self.pixels, self.embedder.embedding_dim):
+            return None
+        return EmbeddingSpool(directory, rows, self.pixels, self.embedder.embedding_dim, self.slice_pixels)
+
+    # ------------------------------------------------------------------ pass 1
+    def accumulate(self, groups: Sequence[Sequence[TrainingImage]], progress: bool = True, shard: Shard | None = None,
+                   spool: EmbeddingSpool | None = None) -> Accumulated:
+        """Pass 1: embed every image of ``groups`` (this rank's whole folds under ``shard``).
+
+        With a ``spool``, the embeddings go there (:attr:`spooled`) and :meth:`finish` forms
+        their comoment; without one, they are added to :attr:`statistics` at once. Unreadable
+        images are left out and returned.
         """
-        ordered = [image for group in groups for image in group]
-        mine = {i.path for i in distributed.shard_of(ordered, shard)}
-        name_of = {i.path: i.name for i in ordered}
-        batches = batches_of([[i for i in group if i.path in mine] for group in groups], self.config.batch_size)
-        accumulator = GaussianAccumulator(self.statistics if shard is None or shard.main else None)
+        mine = distributed.folds_of(groups, shard)
+        name_of = {i.path: i.name for group in groups for i in group}
+        batches = batches_of(mine, self.config.batch_size)
         unreadable: list[tuple[Path, str]] = []
         digests: list[tuple[str, int]] = []
+        spooled = Spooled(spool) if spool is not None else None
+        accumulator = None
+        if spooled is None:  # the statistics in memory, as before spooling
+            base = self.statistics if shard is None or shard.main else None
+            accumulator = GaussianAccumulator(base, block_bytes=UPDATE_BLOCK_BYTES)
+        fold_of_path = {i.path: k for k, group in enumerate(mine) for i in group}
+        total = sum(len(g) for g in mine)
 
         def run() -> None:
-            with tqdm(total=len(mine), desc="fit", unit="img", disable=not progress, leave=False) as bar:
+            with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
                 for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to):
-                    accumulator.partial_fit(self.embedder(self.embedder.preprocess(images)))
+                    embedded = self.embedder(self.embedder.preprocess(images))  # (B, P, D)
+                    if spooled is not None:
+                        spooled.spool.append(embedded)
+                        batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
+                        spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
+                        spooled.names += [name_of[p] for p in paths]
+                        for p in paths:  # rows of one fold are consecutive: batches never straddle folds
+                            if not spooled.folds or fold_of_path[p] != last_fold[0]:
+                                spooled.folds.append(0)
+                                last_fold[0] = fold_of_path[p]
+                            spooled.folds[-1] += 1
+                        bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
+                    else:
+                        accumulator.partial_fit(embedded)
                     digests.extend((name_of[p], file_digest(p)) for p in paths)
                     bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
 
+        last_fold = [None]
         distributed.together(run, shard, self.device)
-        statistics = accumulator.state
-        if statistics is None:
-            grid = self.embedder.grid_shape
-            statistics = empty_state(grid[0] * grid[1], self.embedder.embedding_dim, self.device)
-        if shard is not None:
-            statistics = all_reduce_state_(statistics)
+        if spooled is not None:
+            dim = self.embedder.embedding_dim
+            total_sum = spooled.total if spooled.total is not None else torch.zeros(
+                self.pixels, dim, dtype=ACCUMULATOR_DTYPE, device=self.device)
+            count = torch.tensor(float(spooled.spool.rows), dtype=ACCUMULATOR_DTYPE, device=self.device)
+            distributed.sum_(total_sum, shard)
+            distributed.sum_(count, shard)
+            spooled.count = int(count)
+            spooled.mean = total_sum / max(spooled.count, 1)
+            spooled.total = None
+            self.spooled = spooled
+        else:
+            statistics = accumulator.state
+            if statistics is None:
+                statistics = empty_state(self.pixels, self.embedder.embedding_dim, self.device)
+            if shard is not None:
+                statistics = all_reduce_state_(statistics)
+            self.statistics = statistics
         found = distributed.gather(([(name_of[p], reason) for p, reason in unreadable], digests), shard)
-        self.statistics = statistics
         new = [d for _, part in found for d in part]
         self.image_digests = torch.cat([self.image_digests, torch.tensor([d for _, d in new], dtype=torch.int64)]).sort().values
         return Accumulated(sorted(x for part, _ in found for x in part), new)
 
-    # ------------------------------------------------------------------ pass 2
-    def out_of_fold_scores(self, groups: Sequence[Sequence[TrainingImage]], progress: bool = True,
-                           shard: Shard | None = None) -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
-        """Pass 2: score every image of ``groups`` with the model of every image outside its fold.
+    def embed_again(self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
+                    ) -> Iterator[Scored]:
+        """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time."""
+        mine = [[i for i in g] for g in distributed.folds_of(groups, shard) if g]
+        per_image = self.pixels * self.embedder.embedding_dim * 4
+        group: list[list[TrainingImage]] = []
+        chunks = []
+        for fold in mine:
+            if group and (sum(len(g) for g in group) + len(fold)) * per_image > REEMBED_GROUP_BYTES:
+                chunks.append(group)
+                group = []
+            group.append(fold)
+        if group:
+            chunks.append(group)
+        with tqdm(total=sum(len(f) for f in mine), desc="calibrate: embedding again", unit="img",
+                  disable=not progress, leave=False) as bar:
+            for chunk in chunks:
+                names, folds, parts = [], [], []
+                for fold in chunk:
+                    kept = 0
+                    for paths, images in iter_decoded(batches_of([fold], self.config.batch_size), self.config.workers,
+                                                      [], self.draft_to):
+                        parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
+                        names += [i.name for i in fold if i.path in set(paths)]
+                        kept += len(paths)
+                        bar.update(len(paths))
+                    if kept:
+                        folds.append(kept)
+                embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
+                yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names, folds)
 
-        ``groups`` are the fitted images (unreadable ones left out), as pass 1 saw them.
+    # ------------------------------------------------------------------ finish
+    def finish(self, scored: Iterator[Scored] | Sequence[Scored], scratch: Path | None, keep_statistics: bool = True,
+               progress: bool = True, shard: Shard | None = None, timing: dict[str, float] | None = None) -> Finished:
+        """Statistics, factors and scores, a slice of pixels at a time (module docstring).
 
-        Returns:
-            ``(N,)`` float64 out-of-fold raw scores (on every rank), the names of the images that
-            could not be scored (their fold holds all but fewer than two of the images), and a
-            ``(B, P, D)`` batch of out-of-fold embeddings for the float16 check (``None`` where
-            this rank scored none).
+        Args:
+            scored: the images to score, one :class:`Scored` after another (spooled images, or
+                groups embedded again; each after the first costs another Cholesky of every pixel).
+            scratch: where the precision factors wait for the file (``None``: no factors, a partial fit).
+            keep_statistics: form the whole comoment in memory (for a file with statistics).
+            timing: adds ``finish`` (statistics and factors) and ``calibrate`` (distances) seconds.
+
+        Raises:
+            NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
-        if self.statistics is None:
-            raise ValueError("nothing has been fitted")
-        rank, world = (shard.rank, shard.world) if shard else (0, 1)
-        offsets = [sum(len(g) for g in groups[:k]) for k in range(len(groups))]
-        total = sum(len(g) for g in groups)
-        scores = torch.zeros(total, dtype=torch.float64, device=self.device)
-        scored = torch.zeros(total, dtype=torch.float64, device=self.device)
-        sample: list[torch.Tensor] = []
-        mine = [k for k in range(len(groups)) if groups[k] and k % world == rank]
+        config, dim, pixels = self.config, self.embedder.embedding_dim, self.pixels
+        grid, device = self.embedder.grid_shape, self.device
+        timing = {} if timing is None else timing
+        timing.setdefault("finish", 0.0), timing.setdefault("calibrate", 0.0)
+        state = self._merged_statistics(keep_statistics)
+        count = state.count
+        if count < 2:
+            raise ValueError(f"need at least 2 fitted images, have {count}")
+        slices = self.spooled.spool.slices if self.spooled else _slices(pixels, self.slice_pixels)
+        main = shard is None or shard.main
+        factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
+        sample_exact = sample_half = None
+        distances: list[torch.Tensor] = []
+        names: list[str] = []
+        unscored: list[str] = []
+        float16_change = None
+        try:
+            for number, source in enumerate(scored if scored is not None else []):
+                keep = _scoreable(source, count, unscored)
+                rows = sum(len(r) for r in keep)
+                squared = torch.zeros(rows, pixels, dtype=torch.float64)
+                first_pass = number == 0
+                with tqdm(total=pixels, desc="finish" if first_pass else "calibrate", unit="px", disable=not progress,
+                          leave=False) as bar:
+                    for index, (start, stop) in enumerate(slices):
+                        cholesky = self._cholesky(state, index, start, stop, first_pass, shard, grid, timing)
+                        started = time.perf_counter()
+                        if first_pass and factors is not None:
+                            factor = triangular_inverse(cholesky)  # (c, D, D) W
+                            stored = factor.to(torch.float32)
+                            factors.write(start * packed_length(dim) * 4, pack_lower(stored))
+                            sample = _sample(source, index, start, stop)
+                            if sample is not None:
+                                exact, half = _float16_check(sample.to(device), state.mean[start:stop], stored)
+                                sample_exact = exact if sample_exact is None else torch.cat([sample_exact, exact], 1)
+                                sample_half = half if sample_half is None else torch.cat([sample_half, half], 1)
+                        timing["finish"] += time.perf_counter() - started
+                        started = time.perf_counter()
+                        distributed.together(lambda: self._score_slice(source, keep, cholesky, state, count, index,
+                                                                       start, stop, squared), shard, device)
+                        timing["calibrate"] += time.perf_counter() - started
+                        bar.update(stop - start)
+                if first_pass:
+                    self._formed(state, keep_statistics)
+                started = time.perf_counter()
+                distances.append(self._image_scores(squared))
+                names += [n for r in keep for n in r]
+                timing["calibrate"] += time.perf_counter() - started
+            if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
+                self._statistics_only(state, slices, factors, shard, grid, timing, keep_statistics, progress)
+        except BaseException:
+            if factors is not None:
+                factors.close()
+            raise
+        if sample_exact is not None:
+            float16_change = _relative_change(sample_exact, sample_half, grid, config.image_size, config.blur_sigma)
+        scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
+        if shard is not None:  # every rank scored its own folds
+            gathered = distributed.gather((names, scores.tolist(), unscored), shard)
+            names = [n for part, _, _ in gathered for n in part]
+            scores = torch.tensor([s for _, part, _ in gathered for s in part], dtype=torch.float64)
+            unscored = [n for _, _, part in gathered for n in part]
+        return Finished(state.mean.to(torch.float32).cpu(), factors, self._precision_dtype(float16_change), scores,
+                        names, unscored, float16_change)
 
-        def run() -> None:
-            with tqdm(total=sum(len(groups[k]) for k in mine), desc="calibrate", unit="img", disable=not progress,
-                      leave=False) as bar:
-                for k in mine:
-                    values = self._score_fold(groups[k], bar, sample)
-                    if values is not None:
-                        scores[offsets[k] : offsets[k] + len(values)] = values.to(self.device)
-                        scored[offsets[k] : offsets[k] + len(values)] = 1.0
+    # ------------------------------------------------------------------ finish, by part
+    def _merged_statistics(self, keep: bool) -> _State:
+        """Count and mean of every image (earlier statistics and the spool), and where the comoment goes."""
+        dim, pixels = self.embedder.embedding_dim, self.pixels
+        base = self.statistics
+        spooled = self.spooled
+        if spooled is None:
+            if base is None:
+                raise ValueError("nothing has been fitted")
+            return _State(int(base.count), base.mean, base, None, None)
+        n_b = 0 if base is None else int(base.count)
+        n_s = spooled.count
+        n = n_b + n_s
+        if base is None:
+            mean = spooled.mean
+        else:
+            mean = base.mean + (spooled.mean - base.mean) * (n_s / n)
+        target = None
+        if keep:
+            target = base if base is not None else empty_state(pixels, dim, self.device)
+        return _State(n, mean, target, base, spooled)
 
-        distributed.together(run, shard, self.device)
-        distributed.sum_(scores, shard)
-        distributed.sum_(scored, shard)
-        names = [i.name for group in groups for i in group]
-        unscored = [n for n, ok in zip(names, scored.tolist()) if not ok]
-        return scores[scored.bool()].cpu(), unscored, (sample[0] if sample else None)
+    def _cholesky(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None,
+                  grid, timing: dict[str, float]) -> torch.Tensor:
+        """``L`` of pixels ``start .. stop``, forming (and keeping) their comoment on the first pass."""
+        started = time.perf_counter()
+        square = self._comoment(state, index, start, stop, forming, shard)  # (c, D, D)
+        square.div_(state.count - 1)
+        cholesky = regularised_cholesky(square, self.config.epsilon, grid, start)
+        timing["finish"] += time.perf_counter() - started
+        return cholesky
 
-    def _score_fold(self, images: Sequence[TrainingImage], bar, sample: list) -> torch.Tensor | None:
-        """Out-of-fold raw scores ``(n_k,)`` of one fold, or ``None`` if too few images lie outside it."""
-        batches = batches_of([images], self.config.batch_size)
-        cache: list[torch.Tensor] | None = []
-        cached_bytes = 0
-        part = GaussianAccumulator()
-        for _, pictures in iter_decoded(batches, self.config.workers, [], self.draft_to):
-            embedded = self.embedder(self.embedder.preprocess(pictures))  # (B, P, D)
-            part.partial_fit(embedded)
-            if cache is not None:
-                cached_bytes += embedded.numel() * embedded.element_size()
-                if cached_bytes <= FOLD_CACHE_BYTES:
-                    cache.append(embedded)
+    def _comoment(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
+                  ) -> torch.Tensor:
+        """Symmetric ``(c, D, D)`` float64 comoment of every image, for pixels ``start .. stop``."""
+        dim = self.embedder.embedding_dim
+        spooled = state.spooled
+        if spooled is None or (not forming and state.target is not None):
+            holder = state.target if state.target is not None else state.base
+            return unpack_lower(holder.comoment[start:stop], dim, symmetric=True)
+        mean = spooled.mean[start:stop]  # (c, D) of the spooled images: centred on their exact mean
+        square = torch.zeros(stop - start, dim, dim, dtype=torch.float64, device=self.device)
+
+        def local() -> None:
+            rows = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+            for first in range(0, spooled.spool.rows, rows):
+                x = spooled.spool.read(index, first, min(first + rows, spooled.spool.rows)).to(self.device)
+                centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
+                square.baddbmm_(centred.transpose(1, 2), centred)
+
+        distributed.together(local, shard, self.device)
+        distributed.sum_(square, shard)
+        if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
+            n_b, n_s = int(state.base.count), spooled.count
+            delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
+            square.add_(unpack_lower(state.base.comoment[start:stop], dim, symmetric=True))
+            square.baddbmm_(delta, delta.transpose(1, 2), alpha=n_b * n_s / (n_b + n_s))
+        if forming and state.target is not None:
+            state.target.comoment[start:stop] = pack_lower(square)
+        return square
+
+    def _formed(self, state: _State, keep: bool) -> None:
+        """The spool's images are in the statistics now (kept in memory, or not at all for a slim file)."""
+        if self.spooled is None:
+            return
+        if keep:
+            state.target.mean.copy_(state.mean)
+            state.target.count.fill_(state.count)
+            self.statistics = state.target
+        else:
+            self.statistics = None  # a slim file: no statistics, only their count
+            self._slim_count = state.count
+        self.spooled = None
+        state.base = None  # the comoment is formed: a second scoring pass reads it, not the spool
+        state.spooled = None
+
+    def _statistics_only(self, state, slices, factors, shard, grid, timing, keep, progress) -> None:
+        """The comoment (and factors) when nothing is scored: a partial fit, or images all unscoreable."""
+        if state.spooled is None and factors is None:
+            return
+        with tqdm(total=self.pixels, desc="finish", unit="px", disable=not progress, leave=False) as bar:
+            for index, (start, stop) in enumerate(slices):
+                if factors is None:
+                    self._comoment(state, index, start, stop, True, shard)
                 else:
-                    cache = None  # too large to keep: embedded again below
-        if part.state is None or self.count - part.count < 2:
-            bar.update(len(images))
-            return None
-        rest = subtract_states(self.statistics, part.state, out=part.state)  # reuses S_k's buffer
-        mean, precision_factor = finalise(rest, self.config.epsilon, self.embedder.grid_shape)
-        del rest, part
-        fold_model = PadimModel(self.embedder, mean, precision_factor, self.config.blur_sigma)
-        embedded_batches = cache if cache is not None else (
-            self.embedder(self.embedder.preprocess(pictures)) for _, pictures in iter_decoded(batches, self.config.workers, [], self.draft_to))
-        values = []
-        for embedded in embedded_batches:
-            values.append(fold_model.score_embeddings(embedded).raw_scores.to(torch.float64))
-            if not sample:
-                sample.append(embedded)
-            bar.update(embedded.shape[0])
-        return torch.cat(values)
+                    cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
+                    factors.write(start * packed_length(self.embedder.embedding_dim) * 4,
+                                  pack_lower(triangular_inverse(cholesky).to(torch.float32)))
+                bar.update(stop - start)
+        self._formed(state, keep)
 
-    # ------------------------------------------------------------------ the detector
-    def finish(self, calibration: Calibration, sample: torch.Tensor | None, provenance: Provenance) -> PadimDetector:
-        """Precision factors from :attr:`statistics`, and the detector with ``calibration``."""
-        if self.count < 2:
-            raise ValueError(f"need at least 2 fitted images, have {self.count}")
-        mean, precision_factor = finalise(self.statistics, self.config.epsilon, self.embedder.grid_shape)
-        model = PadimModel(self.embedder, mean, precision_factor, self.config.blur_sigma)
-        precision_dtype = choose_precision_dtype(model, sample, self.config.precision_dtype)
-        return PadimDetector(self.config, self.weights, self.backbone_weights, model, calibration, provenance,
-                             self.statistics, self.image_digests, precision_dtype)
+    def _score_slice(self, source: Scored, keep: list[list[str]], cholesky: torch.Tensor, state: _State, count: int,
+                     index: int, start: int, stop: int, squared: torch.Tensor) -> None:
+        """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``."""
+        dim = self.embedder.embedding_dim
+        mean = state.mean[start:stop]
+        if source.folds is None:  # held-out images: the fitted model itself
+            rows = len(source.names)
+            step = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+            for first in range(0, rows, step):
+                x = source.read(index, start, stop, first, min(first + step, rows)).to(self.device)
+                squared[first : first + len(x), start:stop] = held_out_squared_distances(cholesky, mean, x).cpu()
+            return
+        row, out = 0, 0
+        block: list[tuple[int, int]] = []  # (first row, size) of the folds of one block
+        limit = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+
+        def flush() -> None:
+            nonlocal out
+            if not block:
+                return
+            x = source.read(index, start, stop, block[0][0], block[-1][0] + block[-1][1]).to(self.device)
+            sizes = [m for _, m in block]
+            values = out_of_fold_squared_distances(cholesky, mean, count, x, sizes, self.config.epsilon, start)
+            squared[out : out + len(x), start:stop] = values.cpu()
+            out += len(x)
+            block.clear()
+
+        for m, kept in zip(source.folds, keep):
+            if kept:
+                if block and (block[-1][0] + block[-1][1] != row or (row + m - block[0][0]) > limit):
+                    flush()
+                block.append((row, m))
+            else:
+                flush()
+            row += m
+        flush()
+
+    def _image_scores(self, squared: torch.Tensor) -> torch.Tensor:
+        """Raw scores ``(N,)`` float64 from distances ``(N, P)``: maps, as the scorer makes them, and their maxima."""
+        scores = []
+        for first in range(0, squared.shape[0], 64):
+            maps = anomaly_maps(squared[first : first + 64], self.embedder.grid_shape, self.config.image_size,
+                                self.config.blur_sigma)
+            scores.append(image_scores(maps))
+        return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+
+    def _precision_dtype(self, change: float | None) -> torch.dtype:
+        choice = self.config.precision_dtype
+        if choice != "auto":
+            return getattr(torch, choice)
+        return torch.float16 if change is not None and change <= FLOAT16_TOLERANCE else torch.float32
+
+
+@dataclass
+class _State:
+    """The statistics as the finish sees them: every image's count and mean, and where the comoment is.
+
+    ``target`` receives the comoment as it is formed (``None`` for a slim file); ``base`` holds the
+    earlier statistics; ``spooled`` the images whose comoment is still to form.
+    """
+
+    count: int
+    mean: torch.Tensor
+    target: GaussianState | None
+    base: GaussianState | None
+    spooled: Spooled | None
+
+
+def _scoreable(source: Scored, count: int, unscored: list[str]) -> list[list[str]]:
+    """The names of each fold that can be scored (its model keeps two images), the rest named in ``unscored``."""
+    if source.folds is None:
+        return [source.names]
+    keep, row = [], 0
+    for m in source.folds:
+        names = source.names[row : row + m]
+        if count - m >= 2:
+            keep.append(names)
+        else:
+            keep.append([])
+            unscored += names
+        row += m
+    return keep
+
+
+def _sample(source: Scored, index: int, start: int, stop: int) -> torch.Tensor | None:
+    rows = min(FLOAT16_SAMPLE, len(source.names))
+    return source.read(index, start, stop, 0, rows) if rows else None
+
+
+def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, c)`` squared distances of ``sample`` with float32 and float16-rounded factors, as the scorer computes them."""
+    mean = mean.to(torch.float32)
+    return (squared_mahalanobis(sample, mean, factor).cpu(),
+            squared_mahalanobis(sample, mean, factor.half().float()).cpu())
+
+
+def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, int], size: int, sigma: float) -> float:
+    """Largest relative change of image scores from ``(B, P)`` distances (float16 against float32 factors)."""
+    first, second = (image_scores(anomaly_maps(d, grid, size, sigma)) for d in (exact, half))
+    return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
+
+
+def _slices(pixels: int, step: int) -> list[tuple[int, int]]:
+    return [(p, min(p + step, pixels)) for p in range(0, pixels, step)]
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.0f} MB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:,.1f} GB"
 
 
 def file_digest(path: Path) -> int:
@@ -256,5 +631,5 @@ def file_digest(path: Path) -> int:
 
 
 def batches_of(groups: Sequence[Sequence[TrainingImage]], batch_size: int) -> list[list[Path]]:
-    """Batches of paths that never straddle two groups (folds): the same batches in both passes."""
+    """Batches of paths that never straddle two groups (folds)."""
     return [[i.path for i in group[s : s + batch_size]] for group in groups for s in range(0, len(group), batch_size)]

@@ -7,15 +7,23 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 | ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors) |
 | ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
 | ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
-| ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the streamed float64 statistics (resume, merge; not in ``--slim`` files) |
+| ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
 | ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
 | ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
 | ``backbone.*`` | | the backbone weights used |
 
 and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
 ``embedding_dim``, ``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
-:class:`~padim.models.detector.Provenance` fields. Format 1 files (no digests, a held-out
-calibration, ``accumulator.*`` tensors) are still read.
+:class:`~padim.models.detector.Provenance` fields.
+
+Formats, all still read:
+
+- **3** (this one): ``config.calibration_folds`` may be ``"loo"`` (leave-one-out), and the
+  out-of-fold scores come from fold models with the fitted model's ``lambda``
+  (:mod:`padim.core.out_of_fold`; the header's ``fold_models`` says ``same_lambda``). A fit writes the file from its statistics and its factors' scratch file
+  as streams (:func:`save_fitted`), never holding both in memory.
+- **2**: digests of every tensor and of the header; fold models had the fitted model's ``epsilon``.
+- **1**: no digests, a held-out calibration, ``accumulator.*`` tensors.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 import torchvision
 
-from padim.core.artifact import ArtifactError, load_artifact, pack_lower, save_artifact, unpack_lower
+from padim.core.artifact import (FORMAT_VERSION, ArtifactError, TensorStream, copy_artifact, load_artifact, read_header,
+                                 save_artifact)
 from padim.core.calibration import Calibration
+from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 
@@ -39,19 +49,21 @@ from .features import Embedding, FeatureEmbedder
 from .model import PadimModel
 
 if TYPE_CHECKING:
-    from .fitting import Fit
+    from .fitting import Finished, Fit
 
 log = logging.getLogger(__name__)
 
 DETECTOR, PARTIAL = "padim-detector", "padim-partial"
 #: Tensor-name prefixes of the streamed statistics: this format's, and format 1's.
 STATISTICS_PREFIXES = ("statistics.", "accumulator.")
+#: Rows of precision factors converted and written at a time.
+FACTOR_CHUNK_BYTES = 32 * 2**20
 
 
 # ---------------------------------------------------------------------- detectors
 def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bool = True,
                   precision_dtype: torch.dtype | None = None) -> None:
-    """Write a detector's model file atomically.
+    """Write a detector held in memory to a model file, atomically.
 
     Args:
         with_statistics: keep the streamed statistics (needed by ``--resume`` and ``merge``).
@@ -60,20 +72,69 @@ def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bo
     dtype = precision_dtype or detector.precision_dtype
     with_statistics = with_statistics and detector.statistics is not None
     model = detector.model
+    factor = model.precision_factor
+    packed = TensorStream(dtype, (factor.shape[0], packed_length(factor.shape[-1])),
+                          lambda: (pack_lower(factor[p : p + 256]).to(dtype) for p in range(0, factor.shape[0], 256)))
+    _write(path, detector.config, detector.weights, detector.backbone_weights, detector.embedding, model.grid_shape,
+           model.mean, packed, detector.calibration, detector.provenance, detector.image_digests,
+           detector.statistics if with_statistics else None)
+
+
+def save_fitted(path: str | Path, fit: Fit, finished: Finished, calibration: Calibration, provenance: Provenance,
+                with_statistics: bool = True) -> None:
+    """Write a finished fit's model file, atomically: its factors streamed from their scratch file.
+
+    The factors are read a chunk of pixels at a time and converted to their storage dtype on
+    the way, so that neither a second copy of them nor the float32 and float16 forms at once
+    are ever in memory beside the statistics.
+    """
+    dtype = finished.precision_dtype
+    pixels, length = finished.mean.shape[0], packed_length(finished.mean.shape[1])
+    rows = max(1, FACTOR_CHUNK_BYTES // (4 * length))
+
+    def chunks():
+        for first in range(0, pixels, rows):
+            count = min(rows, pixels - first)
+            yield finished.factors.read(first * length * 4, (count, length), torch.float32).to(dtype)
+
+    _write(path, fit.config, fit.weights, fit.backbone_weights, fit.embedding, fit.embedder.grid_shape, finished.mean,
+           TensorStream(dtype, (pixels, length), chunks), calibration, provenance, fit.image_digests,
+           fit.statistics if with_statistics else None)
+
+
+def store_calibration(path: str | Path, calibration: Calibration) -> None:
+    """Store another threshold in a model file (``evaluate --calibrate``), atomically.
+
+    A file of this format keeps its tensors, streamed from the old file to the new; an older one
+    is read whole and written again in this format.
+    """
+    header = read_header(path)
+    if header["format_version"] >= FORMAT_VERSION:
+        header["calibration"] = calibration.summary()
+        copy_artifact(path, path, header)
+        return
+    detector = load_detector(path, "cpu", with_statistics=True)
+    detector.calibration = calibration
+    save_detector(detector, path, with_statistics=detector.statistics is not None)
+
+
+def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, embedding: Embedding, grid, mean,
+           factors: TensorStream, calibration: Calibration, provenance: Provenance, image_digests,
+           statistics: GaussianState | None) -> None:
     tensors = {
-        "mean": model.mean,
-        "precision_factor": pack_lower(model.precision_factor).to(dtype),
-        "calibration.scores": torch.tensor(detector.calibration.scores, dtype=torch.float64),
-        **_common_tensors(detector.embedding, detector.backbone_weights, detector.image_digests),
-        **(_statistics_tensors(detector.statistics) if with_statistics else {}),
+        "mean": mean.to(torch.float32),
+        "precision_factor": factors,
+        "calibration.scores": torch.tensor(calibration.scores, dtype=torch.float64),
+        **_common_tensors(embedding, backbone_weights, image_digests),
+        **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
     header = {
         "kind": DETECTOR,
-        **_common_header(detector.config, detector.weights, detector.embedding, model.grid_shape),
-        "precision_dtype": str(dtype).removeprefix("torch."),
-        "calibration": detector.calibration.summary(),
-        "has_statistics": with_statistics,
-        **detector.provenance.to_header(),
+        **_common_header(config, weights, embedding, grid),
+        "precision_dtype": str(factors.dtype).removeprefix("torch."),
+        "calibration": calibration.summary(),
+        "has_statistics": statistics is not None,
+        **provenance.to_header(),
     }
     save_artifact(path, tensors, header)
 
@@ -160,7 +221,7 @@ def _common_tensors(embedding: Embedding, backbone_weights: dict[str, torch.Tens
 
 def _statistics_tensors(statistics: GaussianState) -> dict[str, torch.Tensor]:
     return {"statistics.count": statistics.count, "statistics.mean": statistics.mean,
-            "statistics.comoment": pack_lower(statistics.comoment)}
+            "statistics.comoment": statistics.comoment}  # packed in memory as in the file
 
 
 def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embedding, grid: tuple[int, int]) -> dict:
@@ -200,8 +261,10 @@ def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_d
     prefix = "statistics." if header["verified"] else "accumulator."
     if f"{prefix}count" not in tensors:
         return None
-    return GaussianState(tensors[f"{prefix}count"], tensors[f"{prefix}mean"],
-                         unpack_lower(tensors[f"{prefix}comoment"], embedding_dim, symmetric=True))
+    comoment = tensors[f"{prefix}comoment"]
+    if comoment.shape[-1] != packed_length(embedding_dim):
+        raise ValueError(f"the comoment holds {comoment.shape[-1]} entries a pixel, not {packed_length(embedding_dim)}")
+    return GaussianState(tensors[f"{prefix}count"], tensors[f"{prefix}mean"], comoment)
 
 
 def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
@@ -216,6 +279,8 @@ def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibra
 def _read_provenance(path, header: dict) -> Provenance:
     provenance = Provenance.from_header(header)
     provenance.verified = header["verified"]
+    if header["format_version"] == 2 and provenance.calibration_source == "out_of_fold":
+        provenance.fold_models = "same_epsilon"  # format 2 fitted each fold model with the full model's epsilon
     if not provenance.verified:
         log.warning("%s: model format %s has no digests, so its integrity is not verified, and its threshold "
                     "comes from a few held-out images; train it again for an honest threshold",

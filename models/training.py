@@ -1,32 +1,33 @@
 """Training runs: a new fit, a resumed one, partial fits and their merge, with what happened to each image.
 
 These are what ``padim train`` and ``padim merge`` run (and the Python API). Each turns a list of
-:class:`~padim.models.fitting.TrainingImage` into a
-:class:`~padim.models.detector.PadimDetector` through a :class:`~padim.models.fitting.Fit`,
-and says in a :class:`FitReport` which images were left out and why, and what the threshold
-can promise.
+:class:`~padim.models.fitting.TrainingImage` into a model file through a
+:class:`~padim.models.fitting.Fit`, and says in a :class:`FitReport` which images were left
+out and why, what the threshold can promise, and what the fit cost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, CalibrationError, fold_of
-from padim.core.statistics import finalise, merge_states_
+from padim.core.spool import EmbeddingSpool
+from padim.core.statistics import NotPositiveDefiniteError, merge_states_
 
 from .config import PadimConfig
-from .detector import PadimDetector, Provenance, choose_precision_dtype, now
+from .detector import PadimDetector, Provenance, now
 from .distributed import Shard
-from .fitting import Fit, TrainingImage, batches_of, file_digest
-from .images import decode_side, iter_decoded, list_images
-from .model import PadimModel
+from .fitting import Finished, Fit, Scored, TrainingImage, file_digest
+from .images import list_images
+from .serialization import load_detector, save_fitted
+from .sizing import DoesNotFit, FitPlan, check, free_memory, plan_fit
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
 MIN_IMAGES = 3
@@ -51,21 +52,33 @@ class FitReport:
         unreadable: ``(name, reason)`` of images that could not be decoded (left out).
         already_fitted: names of images whose content the resumed model had fitted (left out).
         copies: groups of names of images with the same content (each fitted, in any folds).
-        folds: fold of every image given, by name.
+        folds: fold of every image given, by name (``None``: leave-one-out, its own fold).
         unscored: names of fitted images without an out-of-fold score (their fold held all
             but fewer than two of the images).
         warnings: one line each.
-        seconds: wall time of each phase (``fit``, ``calibrate``, ``finish``) on this rank.
+        seconds: wall time of each phase on this rank: ``fit`` (pass 1), ``finish`` (statistics
+            and factors), ``calibrate`` (out-of-fold distances and the threshold), ``write``.
+        plan: the memory the fit was sized for, and the free memory then.
+        spool: bytes of embeddings spooled to disk (0 when the calibration embedded them again).
+        precision_dtype: storage dtype of the precision factors written.
+        float16_change: the float16 check's largest relative change of image scores.
+        cuda_peak: ``torch.cuda.max_memory_allocated`` of the fit on a GPU (``None`` on a CPU).
     """
 
     listed: int = 0
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     already_fitted: list[str] = field(default_factory=list)
     copies: list[list[str]] = field(default_factory=list)
-    folds: dict[str, int] = field(default_factory=dict)
+    folds: dict[str, int | None] = field(default_factory=dict)
     unscored: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    plan: FitPlan | None = None
+    free_memory: int | None = None
+    spool: int = 0
+    precision_dtype: str | None = None
+    float16_change: float | None = None
+    cuda_peak: int | None = None
 
     @property
     def fitted(self) -> int:
@@ -77,28 +90,30 @@ class FitReport:
         try:
             yield
         finally:
-            self.seconds[phase] = round(time.perf_counter() - started, 3)
+            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
 
 
-def fit_detector(config: PadimConfig, images: Sequence[TrainingImage], resume: Fit | None = None,
-                 progress: bool = True, shard: Shard | None = None) -> tuple[PadimDetector | None, FitReport]:
-    """Fit (or go on fitting) a detector on normal images, with cross-fitted calibration.
+def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Path, resume: Fit | None = None,
+          progress: bool = True, shard: Shard | None = None, with_statistics: bool = True,
+          scratch_dir: str | Path | None = None, announce=None) -> FitReport:
+    """Fit (or go on fitting) a detector on normal images, with cross-fitted calibration, into ``output``.
 
     Args:
         config: the configuration (ignored for ``resume``, which keeps its own).
         images: every rank's images, each with its name (path relative to the data directory).
+        output: the model file to write (atomically; rank 0 only).
         resume: a fit loaded from a model file: the images are added to its statistics, and
             their out-of-fold scores to its calibration scores. Images it already fitted (same
             content) are left out.
         progress: progress bars on stderr.
         shard: this process's place under ``torch.distributed`` (see :mod:`padim.models.distributed`).
-
-    Returns:
-        The detector (``None`` on ranks other than 0) and what happened to the images.
+        with_statistics: keep the statistics in the file (``False``: ``--slim``).
+        scratch_dir: where pass 1's embeddings and the factors wait (default: ``output``'s folder).
+        announce: called with one line before pass 1 (the memory plan, where the spool goes).
 
     Raises:
-        FitError: too few readable images, none that could be scored out-of-fold, or images
-            that do not vary.
+        FitError: too few readable images, none that could be scored out-of-fold, images that
+            do not vary, or a fit that would not fit in memory (naming what would).
     """
     started = time.perf_counter()
     fit = resume if resume is not None else Fit.start(config)
@@ -107,53 +122,89 @@ def fit_detector(config: PadimConfig, images: Sequence[TrainingImage], resume: F
     images = _leave_out_fitted(fit, images, report)
     groups = fit.groups(images)
     earlier_count = fit.count
-    with report.timed("fit"):
-        found = fit.accumulate(groups, progress, shard)
-    _record(report, found)
-    _check_enough(fit, report, earlier_count)
-    unreadable = {name for name, _ in report.unreadable}
-    with report.timed("calibrate"):
-        scores, report.unscored, sample = fit.out_of_fold_scores(
-            [[i for i in group if i.name not in unreadable] for group in groups], progress, shard)
-    if shard is not None and not shard.main:
-        return None, report
-    earlier = fit.earlier.scores if fit.earlier is not None else ()
-    if not len(scores) and not earlier:
-        raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of the "
-                       f"{config.calibration_folds} calibration folds (folds come from file names); add images")
+    scratch = Path(scratch_dir or Path(output).parent)
+    spool = _prepare(fit, report, len(images), scratch, with_statistics, resume is not None, shard, announce)
     try:
-        calibration = Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
-                                              config.false_alarm_rate, earlier_scores=len(earlier))
-    except CalibrationError as error:
-        raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
-                       "Train on images of different parts or shots, as the line will see them") from None
-    _warn(report, calibration, fit)
-    provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
-    with report.timed("finish"):
-        detector = fit.finish(calibration, sample, provenance)
-    return detector, report
+        with report.timed("fit"):
+            found = fit.accumulate(groups, progress, shard, spool)
+        _record(report, found)
+        _check_enough(fit, report, earlier_count)
+        unreadable = {name for name, _ in report.unreadable}
+        readable = [[i for i in group if i.name not in unreadable] for group in groups]
+        scored = ([_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard))
+        finished = _finish(fit, report, scored, scratch, with_statistics, progress, shard)
+    finally:
+        if spool is not None:
+            spool.close()
+    try:
+        if shard is not None and not shard.main:
+            return report
+        earlier = fit.earlier.scores if fit.earlier is not None else ()
+        if not len(finished.scores) and not earlier:
+            raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
+                           f"the {config.calibration_folds} calibration folds (folds come from file names); add images")
+        with report.timed("calibrate"):
+            try:
+                calibration = Calibration.from_scores(
+                    torch.cat([torch.tensor(earlier, dtype=torch.float64), finished.scores]),
+                    config.false_alarm_rate, earlier_scores=len(earlier))
+            except CalibrationError as error:
+                raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
+                               "Train on images of different parts or shots, as the line will see them") from None
+        _warn(report, calibration, fit)
+        provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
+        with report.timed("write"):
+            save_fitted(output, fit, finished, calibration, provenance, with_statistics)
+        return report
+    finally:
+        if finished.factors is not None:
+            finished.factors.close()
+
+
+def fit_detector(config: PadimConfig, images: Sequence[TrainingImage], resume: Fit | None = None,
+                 progress: bool = True, shard: Shard | None = None, scratch_dir: str | Path | None = None
+                 ) -> tuple[PadimDetector | None, FitReport]:
+    """:func:`train` into a temporary file, then that file's detector with its statistics (rank 0; ``None`` elsewhere).
+
+    The detector is the one ``padim predict`` would load: float16 factors where the fit chose them.
+    """
+    with tempfile.TemporaryDirectory(prefix="padim-fit-", dir=scratch_dir) as folder:
+        path = Path(folder) / "model.padim"
+        report = train(config, images, path, resume, progress, shard, scratch_dir=folder)
+        if shard is not None and not shard.main:
+            return None, report
+        return load_detector(path, "cpu" if config.device == "cpu" else config.device, with_statistics=True), report
 
 
 def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: bool = True,
-                shard: Shard | None = None) -> tuple[Fit, FitReport]:
-    """Pass 1 alone, for ``train --partial``: the statistics of every image, no calibration."""
+                shard: Shard | None = None, scratch_dir: str | Path | None = None, announce=None) -> tuple[Fit, FitReport]:
+    """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
     fit = Fit.start(config)
     report = FitReport()
     report.listed = len(images)
-    report.folds = {i.name: fold_of(i.name, config.calibration_folds) for i in images}
-    with report.timed("fit"):
-        found = fit.accumulate(fit.groups(images), progress, shard)
-    _record(report, found)
-    if not fit.count:
-        raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)})")
+    report.folds = {i.name: _fold(i.name, config) for i in images}
+    spool = _prepare(fit, report, len(images), Path(scratch_dir or tempfile.gettempdir()), True, False, shard,
+                     announce)
+    try:
+        with report.timed("fit"):
+            found = fit.accumulate(fit.groups(images), progress, shard, spool)
+        _record(report, found)
+        if not fit.count:
+            raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)})")
+        with report.timed("finish"):
+            fit.finish(None, None, keep_statistics=True, progress=progress, shard=shard)
+    finally:
+        if spool is not None:
+            spool.close()
     fit.provenance = _next_provenance(fit, report, started, shard, resumed=False, source=None)
     return fit, report
 
 
 def merge_fits(parts: Sequence[Fit], sources: Sequence[str], calibration_images: Sequence[Path],
-               runtime: PadimConfig, false_alarm_rate: float | None = None, progress: bool = True) -> PadimDetector:
-    """Combine fits of disjoint images (``train --partial``) and calibrate on images none of them fitted.
+               runtime: PadimConfig, output: str | Path, false_alarm_rate: float | None = None, progress: bool = True,
+               with_statistics: bool = True, scratch_dir: str | Path | None = None) -> FitReport:
+    """Combine fits of disjoint images (``train --partial``), calibrate on images none of them fitted, write ``output``.
 
     The merged statistics equal a one-shot fit of every part's images. The threshold comes from
     the scores of ``calibration_images`` under the merged model: images it has not seen, so
@@ -188,38 +239,124 @@ def merge_fits(parts: Sequence[Fit], sources: Sequence[str], calibration_images:
     if seen:
         raise FitError(f"{len(seen)} calibration image(s) were fitted in the parts ({_some([(str(p), '') for p in seen])}); "
                        "calibration needs normal images that no part has seen")
-    mean, precision_factor = finalise(merged.statistics, config.epsilon, merged.embedder.grid_shape)
-    model = PadimModel(merged.embedder, mean, precision_factor, config.blur_sigma)
-    unreadable: list[tuple[Path, str]] = []
-    values, sample = [], None
-    batches = batches_of([[TrainingImage(p, p.name) for p in calibration_images]], config.batch_size)
-    with tqdm(total=len(calibration_images), desc="calibrate", unit="img", disable=not progress, leave=False) as bar:
-        for paths, pictures in iter_decoded(batches, config.workers, unreadable, decode_side(config.image_size)):
-            embedded = merged.embedder(merged.embedder.preprocess(pictures))
-            sample = embedded if sample is None else sample
-            values.append(model.score_embeddings(embedded).raw_scores.to(torch.float64).cpu())
-            bar.update(len(paths))
-    if not values:
-        raise FitError(f"none of the {len(calibration_images)} calibration images could be read "
-                       f"({_some([(str(p), m) for p, m in unreadable])})")
+    report = FitReport(listed=len(calibration_images))
+    scratch = Path(scratch_dir or Path(output).parent)
+    held = [TrainingImage(p, p.name) for p in calibration_images]
+    spool = merged.spool_or_none(scratch, len(held))
     try:
-        calibration = Calibration.from_scores(torch.cat(values), config.false_alarm_rate)
-    except CalibrationError as error:
-        raise FitError(f"the calibration images cannot set a threshold: {error}") from None
-    provenance = Provenance(
-        fit_image_count=merged.count, calibration_source="held_out",
-        unreadable_image_count=sum(p.provenance.unreadable_image_count for p in parts),
-        fit_seconds=round(time.perf_counter() - started, 3), merged_from=list(sources),
-        fits=[f for p in parts for f in p.provenance.fits])
-    return PadimDetector(config, merged.weights, merged.backbone_weights, model, calibration, provenance,
-                         merged.statistics, merged.image_digests, choose_precision_dtype(model, sample, config.precision_dtype))
+        with report.timed("fit"):
+            scored = _held_out(merged, held, spool, progress, report)
+        if not scored.names:
+            raise FitError(f"none of the {len(calibration_images)} calibration images could be read "
+                           f"({_some(report.unreadable)})")
+        finished = _finish(merged, report, [scored], scratch, with_statistics, progress, None)
+    finally:
+        if spool is not None:
+            spool.close()
+    try:
+        try:
+            calibration = Calibration.from_scores(finished.scores, config.false_alarm_rate)
+        except CalibrationError as error:
+            raise FitError(f"the calibration images cannot set a threshold: {error}") from None
+        provenance = Provenance(
+            fit_image_count=merged.count, calibration_source="held_out",
+            unreadable_image_count=sum(p.provenance.unreadable_image_count for p in parts),
+            fit_seconds=round(time.perf_counter() - started, 3), merged_from=list(sources),
+            fits=[f for p in parts for f in p.provenance.fits])
+        with report.timed("write"):
+            save_fitted(output, merged, finished, calibration, provenance, with_statistics)
+        shortfall = calibration.shortfall()
+        if shortfall:
+            report.warnings.append(shortfall)
+        return report
+    finally:
+        finished.factors.close()
 
 
 # ---------------------------------------------------------------------- helpers
+def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_statistics: bool, resume: bool,
+             shard: Shard | None, announce) -> EmbeddingSpool | None:
+    """The memory plan (refused when it does not fit), and the spool when it fits on the disk."""
+    spool = fit.spool_or_none(scratch, images)
+    plan = plan_fit(fit.config, images, spool is not None, with_statistics, resume, fit.device.type)
+    free = free_memory(fit.device.type)
+    report.plan, report.free_memory = plan, free
+    try:
+        check(fit.config, plan, free, images, spool is not None, with_statistics, resume)
+    except DoesNotFit as error:
+        if spool is not None:
+            spool.close()
+        raise FitError(str(error)) from None
+    where = (f"embeddings spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)" if spool is not None
+             else f"the embeddings of {images} images ({_size(EmbeddingSpool.size(images, fit.pixels, fit.embedder.embedding_dim))}) "
+                  f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it")
+    if spool is None:
+        report.warnings.append(where)
+    if announce is not None and (shard is None or shard.main):
+        announce(f"this fit {plan.describe(free)}; {where}")
+    return spool
+
+
+def _spooled_scores(fit: Fit) -> Scored:
+    spooled = fit.spooled
+    return Scored(lambda index, start, stop, r0, r1: spooled.spool.read(index, r0, r1), spooled.names, spooled.folds)
+
+
+def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool | None, progress: bool,
+              report: FitReport) -> Scored:
+    """Embed the images scored by the fitted model (merge's calibration images): into a spool, or memory."""
+    from .fitting import batches_of
+    from .images import iter_decoded
+    from tqdm.auto import tqdm
+
+    names, parts = [], []
+    unreadable: list[tuple[Path, str]] = []
+    with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
+        for paths, pictures in iter_decoded(batches_of([images], fit.config.batch_size), fit.config.workers,
+                                            unreadable, fit.draft_to):
+            embedded = fit.embedder(fit.embedder.preprocess(pictures))
+            if spool is not None:
+                spool.append(embedded)
+            else:
+                parts.append(embedded.cpu())
+            names += [p.name for p in paths]
+            bar.update(len(paths))
+    report.unreadable = [(str(p), reason) for p, reason in unreadable]
+    if spool is not None:
+        report.spool = spool.nbytes
+        return Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, None)
+    embedded = torch.cat(parts) if parts else torch.zeros(0)
+    return Scored(lambda index, start, stop, r0, r1: embedded[r0:r1, start:stop], names, None)
+
+
+def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics: bool, progress: bool,
+            shard: Shard | None) -> Finished:
+    if fit.spooled is not None:
+        report.spool = fit.spooled.spool.nbytes
+    timing: dict[str, float] = {}
+    try:
+        finished = fit.finish(scored, scratch, keep_statistics=with_statistics, progress=progress, shard=shard,
+                              timing=timing)
+    except NotPositiveDefiniteError as error:
+        raise FitError(str(error)) from None
+    for phase, seconds in timing.items():
+        report.seconds[phase] = round(report.seconds.get(phase, 0.0) + seconds, 3)
+    report.unscored = finished.unscored
+    report.precision_dtype = str(finished.precision_dtype).removeprefix("torch.")
+    report.float16_change = finished.float16_change
+    if fit.device.type == "cuda":
+        report.cuda_peak = torch.cuda.max_memory_allocated(fit.device)
+    return finished
+
+
+def _fold(name: str, config: PadimConfig) -> int | None:
+    return None if config.calibration_folds == "loo" else fold_of(name, config.calibration_folds)
+
+
 def _leave_out_fitted(fit: Fit, images: Sequence[TrainingImage], report: FitReport) -> list[TrainingImage]:
     """Record every image's fold, and drop those whose content ``fit`` has fitted already."""
     report.listed = len(images)
-    report.folds = {i.name: fold_of(i.name, fit.config.calibration_folds) for i in images}
+    report.folds = {i.name: _fold(i.name, fit.config) for i in images}
     if not fit.image_digests.numel():
         return list(images)
     known = set(fit.image_digests.tolist())
@@ -284,11 +421,16 @@ def _next_provenance(fit: Fit, report: FitReport, started: float, shard: Shard |
     return Provenance(fit_image_count=fit.count, calibration_source=source,
                       unreadable_image_count=earlier.unreadable_image_count + len(report.unreadable),
                       fit_seconds=round(time.perf_counter() - started, 3), fits=[*earlier.fits, run],
-                      merged_from=list(earlier.merged_from))
+                      merged_from=list(earlier.merged_from),
+                      fold_models="same_lambda" if source == "out_of_fold" else None)
 
 
 def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:
     """``a.png: reason; b.png: reason and 5 more``."""
     text = "; ".join(f"{name}: {reason}" if reason else name for name, reason in items[:shown])
     return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**30 / 10 else f"{nbytes / 2**20:.0f} MB"
 

@@ -6,7 +6,8 @@ import torch
 
 from helpers import tensor_byte_ranges
 from padim.core import artifact
-from padim.core.artifact import ArtifactError, load_artifact, pack_lower, read_header, save_artifact, unpack_lower
+from padim.core.artifact import ArtifactError, load_artifact, read_header, save_artifact
+from padim.core.packing import pack_lower, unpack_lower
 
 
 def test_round_trip(tmp_path):
@@ -71,14 +72,12 @@ def test_failed_write_keeps_previous_file_and_leaves_no_temp(tmp_path, monkeypat
     save_artifact(path, {"a": torch.ones(3)}, {"v": 1})
     before = path.read_bytes()
 
-    def broken(tensors, filename, metadata):
-        with open(filename, "wb") as handle:
-            handle.write(b"half a file")
+    def broken():  # the first chunk is written, then the user presses Ctrl-C
+        yield torch.zeros(2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("safetensors.torch.save_file", broken)
     with pytest.raises(KeyboardInterrupt):
-        save_artifact(path, {"a": torch.zeros(3)}, {"v": 2})
+        save_artifact(path, {"a": torch.zeros(3), "b": artifact.TensorStream(torch.float32, (4,), broken)}, {"v": 2})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]
 
@@ -139,3 +138,32 @@ def test_format_one_files_still_load_unverified(tmp_path):
     save_file({"a": torch.ones(2)}, str(path), metadata={"padim": json.dumps({"format_version": 1, "kind": "x"})})
     tensors, header = load_artifact(path)
     assert header["verified"] is False and torch.equal(tensors["a"], torch.ones(2))
+
+
+def test_streamed_tensors_are_written_chunk_by_chunk_and_any_safetensors_reader_agrees(tmp_path):
+    from safetensors import safe_open
+
+    big = torch.randn(10, 7, dtype=torch.float64)
+    stream = artifact.TensorStream(torch.float16, (6, 5), lambda: (torch.arange(i * 10, i * 10 + 10).half() for i in range(3)))
+    tensors = {"count": torch.tensor(3), "big": big, "factor": stream, "flag": torch.tensor([True, False])}
+    save_artifact(tmp_path / "m.padim", tensors, {"kind": "test"})
+    loaded, header = load_artifact(tmp_path / "m.padim")
+    assert torch.equal(loaded["factor"], torch.arange(30).half().view(6, 5)) and torch.equal(loaded["big"], big)
+    assert header["tensor_sha256"]["factor"] == artifact.tensor_sha256(torch.arange(30).half().view(6, 5))
+    with safe_open(str(tmp_path / "m.padim"), framework="pt") as handle:  # the library itself reads it
+        assert json.loads(handle.metadata()["padim"])["kind"] == "test"
+        for name in ("count", "big", "factor", "flag"):
+            assert torch.equal(handle.get_tensor(name), loaded[name])
+    with pytest.raises(ValueError, match="declared"):
+        save_artifact(tmp_path / "short.padim", {"f": artifact.TensorStream(torch.float16, (6, 5), lambda: [torch.zeros(3).half()])}, {})
+    assert not (tmp_path / "short.padim").exists()
+
+
+def test_copy_with_a_new_header_streams_the_tensors_and_keeps_them(tmp_path):
+    tensors = {"a": torch.randn(300, 5), "b": torch.arange(7)}
+    save_artifact(tmp_path / "m.padim", tensors, {"calibration": {"threshold": 1.0}})
+    before = load_artifact(tmp_path / "m.padim")[0]
+    artifact.copy_artifact(tmp_path / "m.padim", tmp_path / "m.padim", {"calibration": {"threshold": 2.0}})
+    after, header = load_artifact(tmp_path / "m.padim")
+    assert header["calibration"]["threshold"] == 2.0 and all(torch.equal(after[k], before[k]) for k in tensors)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]

@@ -15,6 +15,7 @@ from padim.core.statistics import (
     precision_factor,
     subtract_states,
 )
+from padim.core.packing import pack_lower, unpack_lower
 
 
 def reference_moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +121,7 @@ def test_finalise_in_slices_equals_whole():
     mean, factor = finalise(cov_state, 0.01, dtype=torch.float64, chunk_pixels=3)
     torch.testing.assert_close(factor, precision_factor(covariance(cov_state), 0.01))
     torch.testing.assert_close(mean, cov_state.mean)
-    cov_state.comoment[7] = -torch.eye(4, dtype=torch.float64)
+    cov_state.comoment[7] = pack_lower(-torch.eye(4, dtype=torch.float64)[None])[0]
     with pytest.raises(NotPositiveDefiniteError, match="pixel 7"):
         finalise(cov_state, 0.0, chunk_pixels=3)
 
@@ -149,7 +150,8 @@ def test_subtract_is_the_exact_reverse_of_merge(removed):
     centred = x[keep].numpy() - mean
     comoment = np.einsum("npd,npe->pde", centred, centred)
     # round-off is relative to what was subtracted (the total), not to what is left
-    np.testing.assert_allclose(rest.comoment.numpy(), comoment, rtol=1e-8, atol=1e-12 * float(total.comoment.abs().max()))
+    unpacked = unpack_lower(rest.comoment, 4, symmetric=True).numpy()
+    np.testing.assert_allclose(unpacked, comoment, rtol=1e-8, atol=1e-12 * float(total.comoment.abs().max()))
     # into the part's own buffer, which a fit reuses to save a (P, D, D) copy
     again = subtract_states(total, part, out=part)
     assert again is part
@@ -160,3 +162,27 @@ def test_subtract_refuses_more_than_the_total():
     x = torch.randn(5, 2, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="cannot remove 5 images from statistics of 3"):
         subtract_states(batch_state(x[:3]), batch_state(x))
+
+
+@pytest.mark.parametrize("block_bytes", [0, 1, 10**9])
+def test_held_batches_added_as_one_block_equal_batch_by_batch(block_bytes):
+    """Holding batches until a block is full changes only how often the comoment is passed over."""
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.normal(loc=3.0, size=(41, 7, 6)).astype(np.float32))
+    acc = GaussianAccumulator(block_bytes=block_bytes)
+    for chunk in torch.split(x, [5, 16, 16, 4]):
+        acc.partial_fit(chunk)
+    mean, cov = reference_moments(x.numpy())
+    assert acc.count == 41
+    np.testing.assert_allclose(acc.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(acc.covariance().numpy(), cov, rtol=1e-10, atol=1e-12)
+
+
+def test_comoment_is_the_packed_lower_triangle_of_the_square():
+    x = torch.randn(9, 3, 5, dtype=torch.float64)
+    state = batch_state(x)
+    centred = (x - x.mean(0)).permute(1, 0, 2)
+    square = centred.transpose(1, 2) @ centred
+    assert state.comoment.shape == (3, 15)
+    torch.testing.assert_close(state.comoment, pack_lower(square))
+    torch.testing.assert_close(unpack_lower(state.comoment, 5, symmetric=True), square)

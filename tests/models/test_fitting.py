@@ -1,13 +1,17 @@
-"""Fitting: cross-fitted scores against models fitted from scratch, resume and merge against one-shot fits."""
+"""Fitting: out-of-fold scores against brute-force refits, resume and merge against one-shot fits, the spool."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from padim.core.calibration import Calibration, fold_of
-from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.core.statistics import GaussianAccumulator, finalise
-from padim.models import Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial, list_images, merge_fits
+from padim.core.scoring import anomaly_maps, image_scores
+from padim.core.spool import EmbeddingSpool
+from padim.models import (Fit, FitError, PadimConfig, PadimDetector, TrainingImage, fit_detector, fit_partial,
+                          list_images, merge_fits, train)
+from padim.models.fitting import Scored
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 
@@ -17,31 +21,50 @@ def images(dataset) -> list[TrainingImage]:
     return [TrainingImage(p, p.name) for p in list_images(dataset / "train" / "good")]
 
 
-def embed(fit: Fit, paths) -> torch.Tensor:
-    return fit.embedder(fit.embedder.preprocess([Image.open(p).convert("RGB") for p in paths]))
+def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
+    """Every row of the spool, ``(N, P, D)`` float64: exactly what the fit accumulated."""
+    return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
 
 
-def test_out_of_fold_scores_equal_models_fitted_from_scratch_without_the_fold(images):
-    fit = Fit.start(CONFIG)
+def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float) -> np.ndarray:
+    """Each fold's images scored by a model fitted from scratch on the others, same lambda, in float64."""
+    n, pixels, dim = x.shape
+    lam = epsilon * (n - 1)
+    squared = np.empty((n, pixels))
+    start = 0
+    for m in folds:
+        rest = np.delete(x, np.arange(start, start + m), axis=0)
+        mean = rest.mean(axis=0)  # (P, D)
+        for p in range(pixels):
+            centred = rest[:, p] - mean[p]
+            cov = (centred.T @ centred + lam * np.eye(dim)) / (len(rest) - 1)
+            delta = x[start : start + m, p] - mean[p]
+            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
+        start += m
+    return image_scores(anomaly_maps(torch.from_numpy(squared), grid, size, sigma)).numpy()
+
+
+@pytest.mark.parametrize("folds", [5, "loo"])
+def test_out_of_fold_scores_equal_same_lambda_refits_on_the_real_pipeline(images, tmp_path, folds):
+    config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds)
+    fit = Fit.start(config)
     groups = fit.groups(images)
-    assert not fit.accumulate(groups, progress=False).unreadable
-    scores, unscored, _ = fit.out_of_fold_scores(groups, progress=False)
-    assert len(scores) == len(images) and not unscored
-    position = 0
-    for k, group in enumerate(groups):
-        assert all(fold_of(i.name, CONFIG.calibration_folds) == k for i in group)
-        if not group:
-            continue
-        # from scratch: accumulate every image outside the fold, one at a time, in another order
-        others = [i.path for i in images if fold_of(i.name, CONFIG.calibration_folds) != k][::-1]
-        accumulator = GaussianAccumulator()
-        for path in others:
-            accumulator.partial_fit(embed(fit, [path]))
-        mean, precision_factor = finalise(accumulator.state, CONFIG.epsilon, fit.embedder.grid_shape)
-        squared = squared_mahalanobis(embed(fit, [i.path for i in group]), mean, precision_factor)
-        reference = image_scores(anomaly_maps(squared, fit.embedder.grid_shape, CONFIG.image_size, CONFIG.blur_sigma))
-        torch.testing.assert_close(scores[position : position + len(group)].float(), reference, rtol=1e-5, atol=0)
-        position += len(group)
+    spool = fit.spool_or_none(tmp_path, len(images))
+    assert spool is not None
+    assert not fit.accumulate(groups, progress=False, spool=spool).unreadable
+    assert all(fold_of(i.name, 5) == k for k, g in enumerate(groups) for i in g) if folds == 5 else \
+        all(len(g) == 1 for g in groups)
+    x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
+    scored = Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)
+    finished = fit.finish([scored], tmp_path, progress=False)
+    spool.close()
+    assert finished.scored == names and not finished.unscored
+    expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma)
+    np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
+    # the fitted model: statistics of every image, factors on disk in float32, packed
+    assert int(fit.statistics.count) == len(images)
+    np.testing.assert_allclose(fit.statistics.mean.numpy(), x.mean(axis=0), rtol=1e-10, atol=1e-10)
+    finished.factors.close()
 
 
 def test_threshold_comes_from_every_image_out_of_fold(images):
@@ -49,29 +72,32 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count)
     cal = detector.calibration
     assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
-    again = Calibration.from_scores(torch.tensor(cal.scores), CONFIG.false_alarm_rate)
-    assert again.threshold == cal.threshold
+    again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
+    assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
     assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(cal.promised_false_alarm_rate)
+    assert detector.provenance.fold_models == "same_lambda"
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
+    assert report.spool == len(images) * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
 
 
 def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     first, second = images[:18], images[18:]
     whole, whole_report = fit_detector(CONFIG, images, progress=False)
-    part, part_report = fit_detector(CONFIG, first, progress=False)
-    part.save(tmp_path / "part.padim")
+    part_report = train(CONFIG, first, tmp_path / "part.padim", progress=False)
+    part = PadimDetector.load(tmp_path / "part.padim", device="cpu")
     resumed, resumed_report = fit_detector(CONFIG, second, resume=Fit.load(tmp_path / "part.padim"), progress=False)
     assert {**part_report.folds, **resumed_report.folds} == whole_report.folds
     assert int(resumed.statistics.count) == int(whole.statistics.count) == len(images)
-    # the float32 backbone differs by ~1e-7 between batch compositions; the accumulators
+    # the float32 backbone differs by ~1e-7 between batch compositions; the statistics
     # themselves agree to float64 round-off (tests/core)
     torch.testing.assert_close(resumed.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(resumed.statistics.comoment.tril(), whole.statistics.comoment.tril(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(resumed.model.precision_factor, whole.model.precision_factor, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(resumed.statistics.comoment, whole.statistics.comoment, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(resumed.model.precision_factor.float(), whole.model.precision_factor.float(),
+                               rtol=1e-3, atol=1e-3)  # float16 as stored
     # calibration: the earlier scores are kept as they were, and said to be earlier ones
     cal = resumed.calibration
     assert cal.count == len(images) and cal.earlier_scores == len(first)
-    assert set(part.calibration.scores) <= set(cal.scores)
+    assert set(part.calibration.scores) <= set(cal.scores)  # read back from the file: exact
     assert any("kept from the resumed model" in w for w in resumed_report.warnings)
     # resuming with every image again adds only those the model has not seen (by content)
     again, again_report = fit_detector(CONFIG, images, resume=Fit.load(tmp_path / "part.padim"), progress=False)
@@ -83,20 +109,74 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     a, b, held = images[:11], images[11:24], images[24:]
     parts = []
     for name, chunk in (("a", a), ("b", b)):
-        fit, _ = fit_partial(CONFIG, chunk, progress=False)
+        fit, _ = fit_partial(CONFIG, chunk, progress=False, scratch_dir=tmp_path)
         fit.save_partial(tmp_path / f"{name}.part")
         parts.append(Fit.load(tmp_path / f"{name}.part"))
-    merged = merge_fits(parts, ["a.part", "b.part"], [i.path for i in held], CONFIG, progress=False)
-    one_shot, _ = fit_partial(CONFIG, a + b, progress=False)
+    merge_fits(parts, ["a.part", "b.part"], [i.path for i in held], CONFIG, tmp_path / "merged.padim", progress=False)
+    merged = PadimDetector.load(tmp_path / "merged.padim", device="cpu", with_statistics=True)
+    one_shot, _ = fit_partial(CONFIG, a + b, progress=False, scratch_dir=tmp_path)
     assert int(merged.statistics.count) == 24
     torch.testing.assert_close(merged.statistics.mean, one_shot.statistics.mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(merged.statistics.comoment.tril(), one_shot.statistics.comoment.tril(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged.statistics.comoment, one_shot.statistics.comoment, rtol=1e-5, atol=1e-5)
+    from PIL import Image
+
     held_scores = merged.score(merged.preprocess([Image.open(i.path).convert("RGB") for i in held])).raw_scores
     expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
-    assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-6)
-    assert merged.provenance.calibration_source == "held_out"
+    assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-3)  # float16 factors score them here
+    assert merged.provenance.calibration_source == "held_out" and merged.provenance.fold_models is None
     with pytest.raises(FitError, match="were fitted in the parts"):
-        merge_fits(parts, ["a.part", "b.part"], [i.path for i in a[:2] + held], CONFIG, progress=False)
+        merge_fits(parts, ["a.part", "b.part"], [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim",
+                   progress=False)
+
+
+def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch):
+    spooled, _ = fit_detector(CONFIG, images, progress=False)
+    monkeypatch.setattr("padim.models.sizing.free_disk", lambda directory: 0)
+    again, report = fit_detector(CONFIG, images, progress=False)
+    assert report.spool == 0 and any("embeds them again" in w for w in report.warnings)
+    # the same batches of the same images in one process: the same float32 embeddings
+    torch.testing.assert_close(again.statistics.comoment, spooled.statistics.comoment, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(again.calibration.scores, spooled.calibration.scores, rtol=1e-6)
+
+
+def padim_files_open() -> list[str]:
+    """This process's open files that are padim scratch files (unlinked, so named ``... (deleted)``)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if ".padim-" in target:
+            found.append(target)
+    return found
+
+
+def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_path, monkeypatch):
+    train(CONFIG, images[:12], tmp_path / "ok.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the finish
+
+    monkeypatch.setattr("padim.models.fitting.out_of_fold_squared_distances", broken)
+    with pytest.raises(KeyboardInterrupt):
+        train(CONFIG, images[:12], tmp_path / "never.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
+    assert not (tmp_path / "never.padim").exists()
+
+
+def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_what_would(images, tmp_path, monkeypatch):
+    from padim.models.sizing import plan_fit
+
+    room = plan_fit(CONFIG.replace(image_size=128), len(images), spool=True, device="cpu").total
+    monkeypatch.setattr("padim.models.training.free_memory", lambda device: room)
+    with pytest.raises(FitError) as info:
+        train(CONFIG.replace(image_size=256), images, tmp_path / "big.padim", progress=False)
+    message = str(info.value)
+    assert "needs about" in message and "free" in message and "--image-size 128" in message
+    assert "--embedding-dim" in message
+    assert "\n" not in message and not (tmp_path / "big.padim").exists()
 
 
 @pytest.mark.parametrize("count", [1, 2])
