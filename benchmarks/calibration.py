@@ -1,4 +1,4 @@
-"""Verdicts on unseen images: the old hold-out rule against cross-fitted calibration.
+"""Verdicts on unseen images: the old hold-out rule against cross-fitted calibration, fold by fold setting.
 
 For each generated category and each training-set size M, fit on M normal images and count,
 on images no model has seen:
@@ -6,19 +6,18 @@ on images no model has seen:
 - false alarms: fresh normal images flagged (the requested rate is ``--false-alarm-rate``);
 - defects flagged: images with a scratch, stain or hole that are flagged.
 
-Two rules, same backbone weights, same channels, same images:
+Rules, same backbone weights, same channels, same images:
 
-- **old** (model format 1): hold out ~10% of the images (at least 3) by a hash of their name,
-  fit the rest, threshold = the 0.99 quantile of the held-out scores;
-- **new**: ``padim.models.fit_detector`` as ``padim train`` runs it: fit every image,
-  threshold from the out-of-fold scores of all of them (:mod:`padim.core.calibration`).
+- **holdout** (model format 1): hold out ~10% of the images (at least 3) by a hash of their
+  name, fit the rest, threshold = the 0.99 quantile of the held-out scores;
+- **folds=K** for each ``--folds`` entry (an integer, or ``loo``): ``padim.models.fit_detector``
+  as ``padim train`` runs it with ``--calibration-folds K``: fit every image, threshold from the
+  out-of-fold scores of all of them (:mod:`padim.core.calibration`, :mod:`padim.core.out_of_fold`).
 
-Also prints the cost of cross-fitting for each ``--cost-backbones`` entry: seconds per image of
-a feature pass and seconds per finalisation, measured here, and what they add to a fit.
+The fit costs are :mod:`benchmarks.fit_cost`'s. Writes
+``benchmarks/results/<date>-<machine>-calibration.{json,md}``.
 
-Writes ``benchmarks/results/<date>-<machine>-calibration.{json,md}``.
-
-    python benchmarks/calibration.py                       # 5 categories, M = 10..160, ~15 min on 2 cores
+    python benchmarks/calibration.py                       # 5 categories, M = 10..160, folds 20 and loo
     python benchmarks/calibration.py --quick               # 2 categories, M = 10, 40; a few minutes
 """
 
@@ -30,7 +29,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -82,24 +80,6 @@ def embed_all(fit: Fit, paths: list[Path], batch: int = 16) -> torch.Tensor:
                       for i in range(0, len(paths), batch)])
 
 
-def measure_cost(backbone: str, size: int, images: list[Path], weights: str) -> dict:
-    """Seconds per image of a feature pass and seconds per finalisation, for one backbone."""
-    config = PadimConfig(backbone=backbone, weights=weights, image_size=size, workers=0, device="cpu")
-    fit = Fit.start(config)
-    batch = fit.embedder.preprocess([Image.open(p).convert("RGB") for p in images[:16]])
-    fit.embedder(batch)  # warm-up
-    started = time.perf_counter()
-    embedded = fit.embedder(batch)
-    per_image = (time.perf_counter() - started) / batch.shape[0]
-    accumulator = GaussianAccumulator().partial_fit(embedded)
-    started = time.perf_counter()
-    finalise(accumulator.state, config.epsilon, fit.embedder.grid_shape)
-    finalisation = time.perf_counter() - started
-    pixels, dim = accumulator.state.mean.shape
-    return {"backbone": backbone, "image_size": size, "embedding_dim": dim, "feature_seconds_per_image": per_image,
-            "finalisation_seconds": finalisation, "extra_memory_mb": (pixels * dim * dim * (8 + 4)) / 2**20}  # S_k, W_k
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--categories", default=",".join(CATEGORIES))
@@ -109,7 +89,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--false-alarm-rate", type=float, default=0.01)
     parser.add_argument("--weights", default="random", help="random (seeded) or a resnet18 state_dict file")
-    parser.add_argument("--cost-backbones", default="resnet18,wide_resnet50_2")
+    parser.add_argument("--folds", default="20,loo", help="calibration folds to compare (integers or loo)")
     parser.add_argument("--quick", action="store_true", help="2 categories, M = 10 and 40, 60 fresh images")
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
@@ -117,6 +97,8 @@ def main() -> None:
         args.categories, args.sizes, args.fresh, args.defects = "weave,leather", "10,40", 60, 6
     categories = [c for c in args.categories.split(",") if c]
     sizes = sorted(int(m) for m in args.sizes.split(","))
+    folds = [f if f == "loo" else int(f) for f in args.folds.split(",") if f]
+    rules = ["holdout", *(f"folds={k}" for k in folds)]
     torch.set_num_threads(os.cpu_count() or 1)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-calibration-"))
     data = work / "data"
@@ -135,34 +117,29 @@ def main() -> None:
                                                           ([i.path for i in train], fresh, defects))
         for m in sizes:
             mean, factor, threshold = old_rule_threshold(fit, [i.name for i in train[:m]], train_embedded[:m])
-            old = (scores_of(fit, fresh_embedded, mean, factor), scores_of(fit, defect_embedded, mean, factor), threshold)
-            detector, report = fit_detector(config, train[:m], progress=False)
-            cal = detector.calibration
-            new = (scores_of(fit, fresh_embedded, detector.model.mean, detector.model.precision_factor),
-                   scores_of(fit, defect_embedded, detector.model.mean, detector.model.precision_factor), cal.threshold)
+            found = {"holdout": (scores_of(fit, fresh_embedded, mean, factor), scores_of(fit, defect_embedded, mean, factor),
+                                 threshold, None, None)}
+            for k in folds:
+                detector, report = fit_detector(config.replace(calibration_folds=k), train[:m], progress=False)
+                cal = detector.calibration
+                found[f"folds={k}"] = (scores_of(fit, fresh_embedded, detector.model.mean, detector.model.precision_factor),
+                                       scores_of(fit, defect_embedded, detector.model.mean, detector.model.precision_factor),
+                                       cal.threshold, cal, report)
             row = {}
-            for rule, (good, bad, t) in (("old", old), ("new", new)):
+            for rule, (good, bad, t, cal, report) in found.items():
                 row[rule] = {"false_alarms": int((good >= t).sum()), "fresh": len(good),
                              "flagged": int((bad >= t).sum()), "defects": len(bad), "threshold": t}
-            row["new"].update(method=cal.method, promised=cal.promised_false_alarm_rate, bound=cal.false_alarm_bound,
-                              seconds=report.seconds)
+                if cal is not None:
+                    row[rule].update(method=cal.method, promised=cal.promised_false_alarm_rate,
+                                     bound=cal.false_alarm_bound, seconds=report.seconds)
             rows.setdefault(m, {})[category] = row
-            print(f"{category:8s} M={m:4d}  old: {row['old']['false_alarms']:3d}/{len(old[0])} false alarms, "
-                  f"{row['old']['flagged']:3d}/{len(old[1])} defects | new: {row['new']['false_alarms']:3d}/{len(new[0])}, "
-                  f"{row['new']['flagged']:3d}/{len(new[1])} ({cal.method}, promised {cal.promised_false_alarm_rate:.1%}, "
-                  f"bound {cal.false_alarm_bound:.1%})", flush=True)
-
-    costs = []
-    pool = [i.path for i in training_images(data / categories[0] / "train" / "good")]
-    for backbone in [b for b in args.cost_backbones.split(",") if b]:
-        costs.append(measure_cost(backbone, args.image_size, pool, "random"))
-        c = costs[-1]
-        print(f"cost {backbone}: feature pass {1000 * c['feature_seconds_per_image']:.0f} ms/image, "
-              f"finalisation {c['finalisation_seconds']:.1f} s, extra memory {c['extra_memory_mb']:.0f} MB", flush=True)
+            print(f"{category:8s} M={m:4d}  " + " | ".join(
+                f"{rule}: {r['false_alarms']:3d}/{r['fresh']} false alarms, {r['flagged']:3d}/{r['defects']} defects"
+                for rule, r in row.items()), flush=True)
 
     report = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "torch": torch.__version__,
               "image_size": args.image_size, "weights": args.weights, "false_alarm_rate": args.false_alarm_rate,
-              "folds": config.calibration_folds, "categories": categories, "sizes": rows, "costs": costs}
+              "rules": rules, "categories": categories, "sizes": rows}
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     stem = results / f"{report['date']}-{report['machine']}-calibration"
@@ -174,32 +151,28 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     rate = report["false_alarm_rate"]
+    rules = report["rules"]
     lines = [f"Calibration on unseen images: {len(report['categories'])} generated categories "
              f"({', '.join(report['categories'])}), resnet18 {report['image_size']} px, {report['weights']} weights, "
-             f"requested false-alarm rate {rate:.0%}, {report['folds']} folds; {report['machine']}, {report['date']}", "",
-             "| M | old: false alarms | old: defects flagged | new: false alarms | new: defects flagged | "
-             "new: worst category | new: promised (mean) | new: 95% bound (mean) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"requested false-alarm rate {rate:.0%}; {report['machine']}, {report['date']}", "",
+             "| M | " + " | ".join(f"{r}: false alarms | {r}: defects flagged" for r in rules)
+             + " | " + " | ".join(f"{r}: worst category | {r}: promised (mean)" for r in rules if r != "holdout") + " |",
+             "|---|" + "---|---|" * len(rules) + "---|---|" * (len(rules) - 1)]
     for m, by_category in sorted(report["sizes"].items(), key=lambda kv: int(kv[0])):
         cells = [str(m)]
-        for rule in ("old", "new"):
+        for rule in rules:
             fa = sum(r[rule]["false_alarms"] for r in by_category.values())
             fresh = sum(r[rule]["fresh"] for r in by_category.values())
             flagged = sum(r[rule]["flagged"] for r in by_category.values())
             defects = sum(r[rule]["defects"] for r in by_category.values())
             cells += [f"{fa}/{fresh} ({fa / fresh:.1%})", f"{flagged}/{defects} ({flagged / defects:.0%})"]
-        worst = max(by_category.items(), key=lambda kv: kv[1]["new"]["false_alarms"] / kv[1]["new"]["fresh"])
-        cells.append(f"{worst[1]['new']['false_alarms']}/{worst[1]['new']['fresh']} ({worst[0]})")
-        cells.append(f"{sum(r['new']['promised'] for r in by_category.values()) / len(by_category):.1%}")
-        cells.append(f"{sum(r['new']['bound'] for r in by_category.values()) / len(by_category):.1%}")
+        for rule in rules:
+            if rule == "holdout":
+                continue
+            worst = max(by_category.items(), key=lambda kv: kv[1][rule]["false_alarms"] / kv[1][rule]["fresh"])
+            cells.append(f"{worst[1][rule]['false_alarms']}/{worst[1][rule]['fresh']} ({worst[0]})")
+            cells.append(f"{sum(r[rule]['promised'] for r in by_category.values()) / len(by_category):.1%}")
         lines.append("| " + " | ".join(cells) + " |")
-    if report["costs"]:
-        lines += ["", "| backbone | feature pass per image | one finalisation | calibrate-pass memory beside T: S_k (float64) + factors (float32) |",
-                  "|---|---|---|---|"]
-        for c in report["costs"]:
-            lines.append(f"| {c['backbone']} ({c['embedding_dim']} channels, {c['image_size']} px) | "
-                         f"{1000 * c['feature_seconds_per_image']:.0f} ms | {c['finalisation_seconds']:.1f} s | "
-                         f"{c['extra_memory_mb']:.0f} MB |")
     return "\n".join(lines) + "\n"
 
 

@@ -99,6 +99,7 @@ def main() -> None:
                         run["own_seconds"] = round(sum(phases.get(k, 0.0) for k in ("fit", "finish", "calibrate")), 2)
                         run["calibration_share"] = round(phases.get("calibrate", 0.0) / max(run["own_seconds"], 1e-9), 3)
                         run["cuda_max_memory_allocated"] = run["output"].get("cuda_max_memory_allocated")
+                        run["planned_mb"] = round(run["output"]["memory"]["planned_bytes"] / 2**20)
                         run.pop("output")
                 elif args.anomalib_python:
                     channels = work / f"{backbone}-channels.json"
@@ -133,6 +134,7 @@ def summary(runs: list[dict]) -> dict:
             "wall_seconds": statistics.median(r["wall_seconds"] for r in ok),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
             "calibration_share": statistics.median(r["calibration_share"] for r in ok) if "calibration_share" in ok[0] else None,
+            "planned_mb": ok[0].get("planned_mb"),
             "cuda": max((r.get("cuda_max_memory_allocated") or 0) for r in ok) or None}
 
 
@@ -141,8 +143,9 @@ def write(report: dict, results: Path) -> None:
              f"median of {report['rounds']} interleaved runs, {report['date']}"
              + (f", padim {' '.join(report['padim_args'])}" if report["padim_args"] else ""), "",
              "| case | padim fit+finish+calibrate (s) | calibrate share | padim wall (s) | padim peak RSS (MB) | "
-             "anomalib embed+fit (s) | anomalib wall (s) | anomalib peak RSS (MB) | time padim / anomalib |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "padim planned (MB) | anomalib embed+fit (s) | anomalib wall (s) | anomalib peak RSS (MB) | "
+             "time padim / anomalib |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
         ours, theirs = summary(case["padim"]), summary(case["anomalib"])
         case["summary"] = {"padim": ours, "anomalib": theirs}
@@ -152,9 +155,9 @@ def write(report: dict, results: Path) -> None:
         else:
             their_cells = f"{theirs['own_seconds']:.1f} | {theirs['wall_seconds']:.1f} | {theirs['peak_rss_mb']} |"
             ratio = f"{ours['own_seconds'] / theirs['own_seconds']:.2f}" if "crashed" not in ours else ""
-        our_cells = (f"crashed: {ours['crashed'][:80]} | | | |" if "crashed" in ours else
+        our_cells = (f"crashed: {ours['crashed'][:80]} | | | | |" if "crashed" in ours else
                      f"{ours['own_seconds']:.1f} | {ours['calibration_share']:.0%} | {ours['wall_seconds']:.1f} | "
-                     f"{ours['peak_rss_mb']} |")
+                     f"{ours['peak_rss_mb']} | {ours['planned_mb']} |")
         lines.append(f"| {case['backbone']}, {case['image_size']} px, {case['images']} images | {our_cells} "
                      f"{their_cells} {ratio} |")
     results.mkdir(parents=True, exist_ok=True)

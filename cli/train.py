@@ -43,8 +43,9 @@ def register(commands, runtime: argparse.ArgumentParser, quiet: argparse.Argumen
     model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
     model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
-                       help="folds of the cross-fitted calibration: an integer from 2, or loo (leave-one-out: every "
-                       "image its own fold) (default 20); more folds: fold models closer to the fitted one")
+                       help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
+                       "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
+                       "fewer images, so a more cautious threshold; one more factorisation per distinct fold size)")
     verdicts = train.add_argument_group("the verdict and the file")
     verdicts.add_argument("--false-alarm-rate", type=float, metavar="RATE",
                           help="share of normal images the threshold may flag (default 0.01); may change on --resume")
@@ -188,7 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         summary.update(fit_image_count=header["fit_image_count"],
                        calibration={**header["calibration"], "source": header["calibration_source"],
-                                    "folds": header["config"]["calibration_folds"], "fold_models": header["fold_models"]},
+                                    "folds": header["config"]["calibration_folds"]},
                        precision_dtype=header["precision_dtype"], weights=WeightsInfo(**header["weights"]).label,
                        backbone=header["config"]["backbone"], image_size=header["config"]["image_size"],
                        embedding_dim=header["embedding_dim"])
@@ -207,18 +208,17 @@ def verdict_line(header: dict) -> str:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from padim.core.artifact import read_header
-    from padim.models import Fit, list_images, merge_fits
+    from padim.models import list_images, merge_fits
     from padim.models.backbones import WeightsInfo
 
     runtime = runtime_config(args)
-    parts = [Fit.load(p, runtime=runtime) for p in args.parts]
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UserError(f"--calibration-dir {args.calibration_dir}: no images found")
-    report = merge_fits(parts, [str(p) for p in args.parts], calibration, runtime, args.output, args.false_alarm_rate,
+    report = merge_fits(args.parts, calibration, runtime, args.output, args.false_alarm_rate,
                         progress=not args.quiet, with_statistics=not args.slim, scratch_dir=args.scratch_dir)
     header = read_header(args.output)
-    print(json.dumps({"model": str(args.output), "parts": len(parts), "fit_image_count": header["fit_image_count"],
+    print(json.dumps({"model": str(args.output), "parts": len(args.parts), "fit_image_count": header["fit_image_count"],
                       "calibration": {**header["calibration"], "source": header["calibration_source"]},
                       "size_bytes": args.output.stat().st_size, "weights": WeightsInfo(**header["weights"]).label}))
     for warning in report.warnings:

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,19 +164,36 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 # ---------------------------------------------------------------------- writing
 def _stream_of(tensor: torch.Tensor) -> TensorStream:
+    """A tensor in memory as its chunks: views of its flat storage (no copy of a contiguous CPU tensor)."""
     tensor = tensor.detach()
-    return TensorStream(tensor.dtype, tuple(tensor.shape), lambda: [tensor.contiguous().cpu()])
+
+    def chunks():
+        flat = tensor.contiguous().cpu().reshape(-1)
+        step = max(1, CHUNK_BYTES // max(1, flat.element_size()))
+        for first in range(0, flat.numel(), step):
+            yield flat[first : first + step]
+        if not flat.numel():
+            yield flat
+
+    return TensorStream(tensor.dtype, tuple(tensor.shape), chunks)
 
 
 def _write_stream(handle, name: str, entry: TensorStream) -> str:
+    """Write the chunks and return their sha256, hashed on a second thread while the disk writes (both free the GIL)."""
     digest, written = hashlib.sha256(), 0
-    for chunk in entry.chunks():
-        if chunk.dtype != entry.dtype:
-            raise ValueError(f"tensor {name!r}: a chunk of {chunk.dtype}, declared {entry.dtype}")
-        data = _bytes_of(chunk.detach().contiguous().cpu())
-        digest.update(data)
-        handle.write(data)
-        written += len(data)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        hashing = None
+        for chunk in entry.chunks():
+            if chunk.dtype != entry.dtype:
+                raise ValueError(f"tensor {name!r}: a chunk of {chunk.dtype}, declared {entry.dtype}")
+            data = _bytes_of(chunk.detach().contiguous().cpu())
+            if hashing is not None:
+                hashing.result()  # one chunk at a time, in order
+            hashing = hasher.submit(digest.update, data)
+            handle.write(data)
+            written += len(data)
+        if hashing is not None:
+            hashing.result()
     if written != entry.nbytes:
         raise ValueError(f"tensor {name!r}: {written} bytes written for a declared {entry.nbytes}")
     return digest.hexdigest()

@@ -1,39 +1,47 @@
-"""Out-of-fold distances from the fitted model's Cholesky factor, without fitting any fold model.
+"""Out-of-fold distances without fitting any fold model: a rank-``m + 1`` correction per fold.
 
 Calibration scores every training image with the model of "every image but its fold"
-(:mod:`padim.core.calibration`). Fitting that model for each fold costs a Cholesky
-factorisation of every pixel's ``(D, D)`` matrix per fold. It is not needed: removing a fold
-of ``m`` images from the comoment ``C`` of ``n`` images is a rank-``m + 1`` downdate
+(:mod:`padim.core.calibration`): the model of the ``n_k = n - m`` other images, with the
+fitted model's regularisation ``epsilon`` (``Sigma_k = C_k / (n_k - 1) + epsilon I``). Fitting
+it costs a downdate of the ``(D, D)`` comoment and a Cholesky factorisation per pixel per fold,
+and embedding the fold again. Neither is needed. Removing a fold of ``m`` images from the
+comoment ``C`` of ``n`` images is a rank-``m + 1`` downdate
 
-    ``C_rest = C - U U^T``,  ``U = [x_1 - mu_f, ..., x_m - mu_f, k (mu_f - mu_rest)]``,
-    ``k = sqrt(n_rest m / n)``
+    ``C_k = C - U U^T``,  ``U = [x_1 - mu_f, ..., x_m - mu_f, k (mu_f - mu_k)]``,
+    ``k = sqrt(n_k m / n)``
 
-(the fold's centred embeddings and one column for the shift of the mean), and with the
-regulariser defined on the comoment (:mod:`padim.core.statistics`: the model of ``n`` images is
-``(C + lambda I) / (n - 1)``, the same ``lambda`` for every fold model) the Woodbury identity
-gives the fold model's inverse from the fitted one's. With ``L L^T = (C + lambda I) / (n - 1)``
-(the fitted model's Cholesky factor), ``Z = L^-1 U / sqrt(n - 1)`` and ``G = Z^T Z``, the
-squared distance of the fold's image ``i`` under the fold model is
+(the fold's centred embeddings and one column for the shift of the mean). With the *base*
+``B_m = C + epsilon (n_k - 1) I`` (so that ``B_m - U U^T = (n_k - 1) Sigma_k``), its Cholesky
+factor ``L_m L_m^T = B_m / (n - 1)``, ``Z = L_m^-1 U / sqrt(n - 1)`` and ``G = Z^T Z``, the
+Woodbury identity gives the squared distance of the fold's image ``i`` under the fold model:
 
-    ``d_i^2 = (n_rest - 1) a_i^T G (I - G)^-1 a_i``,  ``a_i = e_i + e_(m+1) / k``,
+    ``d_i^2 = (n_k - 1) a_i^T G (I - G)^-1 a_i``,  ``a_i = e_i + e_(m+1) / k``,
 
-because ``x_i - mu_rest = U a_i``. Per pixel a fold costs one triangular solve with ``m + 1``
-right-hand sides (``D^2 (m + 1)``) and an ``(m + 1) x (m + 1)`` Cholesky, against
-``2 D^3 / 3`` for a refit. The correction cancels strongly when the fold spans directions the
-rest of the images do not (``I - G`` nearly singular), so it runs in float64: in float32 it
-lost 3e-4 relative at ``D = 100``. Folds with ``m + 1`` comparable to ``D`` are cheaper to refit
-from the downdated matrix; :func:`out_of_fold_squared_distances` does so by itself.
+because ``x_i - mu_k = U a_i``. ``B_m`` depends on the fold only through its size, so one
+Cholesky factorisation per distinct fold size serves every fold of that size (one, for
+leave-one-out, where the correction is a closed form in ``q = ||L_1^-1 (x - mu)||^2``:
+``d^2 = (n - 2) n^2 q / ((n - 1) ((n - 1)^2 - n q))``). Per pixel a fold then costs one triangular solve with ``m + 1`` right-hand
+sides (``D^2 (m + 1)``) and an ``(m + 1) x (m + 1)`` Cholesky, against a downdate and a
+factorisation (``D^3 / 3``) for a refit. The correction cancels strongly when the fold spans
+directions the other images do not (``I - G`` nearly singular), so it runs in float64: in
+float32 it lost 3e-4 relative at ``D = 100``. Folds with ``m + 1`` comparable to ``D`` are
+cheaper to refit from the downdated matrix; :func:`out_of_fold_squared_distances` does so by
+itself.
 
-Example (every fold of two images, against a brute-force refit with the same lambda):
+Why not one ``B`` for every fold (the fitted model's ``C + epsilon (n - 1) I``)? Its fold
+models would carry ``epsilon (n - 1) / (n_k - 1)``, up to 12% more than the fitted model at 10
+images, and with fewer images than channels a distance scales as ``1 / epsilon``: measured on
+``benchmarks/calibration.py``, such scores ran low and the threshold flagged 4.1% of unseen
+normal images at 10 training images for a requested 1% (0.8% with the fitted ``epsilon``).
+
+Example (every fold of two images, against a brute-force refit):
     >>> import torch
-    >>> from padim.core.statistics import batch_state, cholesky_slice, covariance, regularised_cholesky
+    >>> from padim.core.statistics import batch_state, covariance, regularised_cholesky
     >>> x = torch.randn(12, 3, 5, dtype=torch.float64)                  # (N, P, D)
     >>> full = batch_state(x)
-    >>> L = cholesky_slice(full, 0, 3, epsilon=0.1)
-    >>> ours = out_of_fold_squared_distances(L, full.mean, 12, x, [2] * 6, epsilon=0.1)
+    >>> ours = out_of_fold_squared_distances(covariance(full), full.mean, 12, x, [2] * 6, epsilon=0.1)
     >>> rest = batch_state(x[2:])                                        # without the first fold
-    >>> eps = 0.1 * (12 - 1) / (10 - 1)                                  # the same lambda
-    >>> Lr = regularised_cholesky(covariance(rest), eps)
+    >>> Lr = regularised_cholesky(covariance(rest), 0.1)
     >>> y = torch.linalg.solve_triangular(Lr, (x[:2] - rest.mean).permute(1, 2, 0), upper=False)
     >>> torch.allclose(ours[:2], y.square().sum(1).T)
     True
@@ -46,7 +54,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .statistics import NotPositiveDefiniteError, regulariser
+from .statistics import NotPositiveDefiniteError, regularised_cholesky
 
 #: A fold is refitted instead of corrected when its correction would cost more than this share
 #: of a refit (both counted in multiply-adds per pixel).
@@ -69,20 +77,23 @@ def held_out_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, embed
     return whitened.square().sum(dim=1).T
 
 
-def out_of_fold_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, count: int, embeddings: torch.Tensor,
-                                  fold_sizes: Sequence[int], epsilon: float, pixel_offset: int = 0) -> torch.Tensor:
+def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, embeddings: torch.Tensor,
+                                  fold_sizes: Sequence[int], epsilon: float, pixel_offset: int = 0,
+                                  grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """Squared distance of every image under the model of every image outside its fold.
 
+    Groups the folds by size and calls :func:`fold_base` and :func:`fold_squared_distances` (or
+    :func:`refit_squared_distances`, where that is cheaper) once per size.
+
     Args:
-        cholesky: ``(c, D, D)`` lower ``L`` of the fitted model, ``L L^T = C / (n - 1) + epsilon I``,
-            float64 (see :func:`padim.core.statistics.cholesky_slice`).
+        covariance: ``(c, D, D)`` ``C / (n - 1)`` of the fitted model (unregularised), float64.
         mean: ``(c, D)`` the fitted mean of all ``n`` images.
         count: ``n``, the images the model was fitted on.
         embeddings: ``(R, c, D)`` images of whole folds, one fold after another, any float dtype.
         fold_sizes: images per fold, in order; they add up to ``R``. A fold's model must keep
             at least two images (``n - m >= 2``).
-        epsilon: the fitted model's regularisation; every fold model keeps its ``lambda``.
-        pixel_offset: index of the first pixel in the whole grid, to name one in an error.
+        epsilon: the regularisation of the fitted model, and of every fold model.
+        pixel_offset, grid_shape: where ``covariance[0]`` is in the grid, to name a pixel in an error.
 
     Returns:
         ``(R, c)`` float64.
@@ -98,11 +109,8 @@ def out_of_fold_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, co
     if sum(sizes) != embeddings.shape[0] or any(m < 1 or n - m < 2 for m in sizes):
         raise ValueError(f"fold sizes {sizes} do not split {embeddings.shape[0]} images of a model of {n} "
                          "into folds that leave at least two images each")
-    dtype = cholesky.dtype
-    x = embeddings.to(dtype).transpose(0, 1)  # (c, R, D)
-    mean = mean.to(dtype)
-    lam = regulariser(n, epsilon)
-    out = torch.empty(pixels, x.shape[1], dtype=dtype, device=x.device)  # (c, R)
+    x = embeddings.to(covariance.dtype).transpose(0, 1)  # (c, R, D)
+    out = torch.empty(pixels, x.shape[1], dtype=covariance.dtype, device=x.device)  # (c, R)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     by_size: dict[int, list[int]] = {}
     for k, m in enumerate(sizes):
@@ -110,30 +118,43 @@ def out_of_fold_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, co
     for m, folds in by_size.items():
         rows = torch.tensor([starts[k] + i for k in folds for i in range(m)], device=x.device)
         members = x.index_select(1, rows).view(pixels, len(folds), m, dim)  # (c, F, m, D)
-        if _refit_is_cheaper(m, dim):
-            values = _refit(cholesky, mean, n, members, lam, pixel_offset)
+        if refit_is_cheaper(m, dim, len(folds)):
+            values = refit_squared_distances(covariance, mean, n, members, epsilon, pixel_offset, grid_shape)
         else:
-            values = _woodbury(cholesky, mean, n, members, pixel_offset)
+            base = fold_base(covariance, n, m, epsilon, pixel_offset, grid_shape)
+            values = fold_squared_distances(base, mean, n, members, pixel_offset)
         out.index_copy_(1, rows, values.reshape(pixels, -1))
     return out.T
 
 
-def _columns(mean: torch.Tensor, n: int, members: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """``U`` of every fold as rows ``(c, F, m + 1, D)``, ``k``, and ``mu_rest`` ``(c, F, D)``."""
-    m = members.shape[2]
-    fold_mean = members.mean(dim=2)  # (c, F, D)
-    rest_mean = (n * mean.unsqueeze(1) - m * fold_mean) / (n - m)
-    k = math.sqrt((n - m) * m / n)
-    u = torch.cat([members - fold_mean.unsqueeze(2), (k * (fold_mean - rest_mean)).unsqueeze(2)], dim=2)
-    return u, k, rest_mean
+def fold_base(covariance: torch.Tensor, count: int, size: int, epsilon: float, pixel_offset: int = 0,
+              grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """``L_m``, ``L_m L_m^T = B_m / (n - 1)``: the base of every fold of ``size`` images, ``(c, D, D)``."""
+    return regularised_cholesky(covariance, epsilon * (count - size - 1) / (count - 1), grid_shape, pixel_offset)
 
 
-def _woodbury(cholesky, mean, n, members, pixel_offset) -> torch.Tensor:
-    """``(c, F, m)`` distances by the rank-``m + 1`` correction (module docstring)."""
+def fold_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
+                           pixel_offset: int = 0) -> torch.Tensor:
+    """Distances of folds of ``m`` images under their fold models, by the rank-``m + 1`` correction.
+
+    Args:
+        base: :func:`fold_base` for this fold size.
+        mean: ``(c, D)`` the fitted mean of all ``n = count`` images.
+        members: ``(c, F, m, D)`` float64: ``F`` folds of ``m`` images each.
+
+    Returns:
+        ``(c, F, m)`` float64.
+    """
     pixels, folds, m, dim = members.shape
-    u, k, _ = _columns(mean, n, members)  # (c, F, m + 1, D)
-    z = torch.linalg.solve_triangular(cholesky, u.reshape(pixels, -1, dim).transpose(1, 2), upper=False)
-    z = z.transpose(1, 2).reshape(pixels, folds, m + 1, dim) / math.sqrt(n - 1)  # rows: (L^-1 u_j)^T / sqrt(n-1)
+    n = int(count)
+    if m == 1:  # leave-one-out: U's first column is zero, and the correction has a closed form
+        q = held_out_squared_distances(base, mean, members[:, :, 0].transpose(0, 1)).T  # (c, F) under B_1
+        room = (n - 1) ** 2 - n * q  # (n - 1)^2 (1 - g): positive iff the fold model is positive definite
+        _raise_if_not_positive((room <= 0).to(torch.int32), pixel_offset)
+        return ((n - 2) * n**2 * q / ((n - 1) * room)).unsqueeze(2)
+    u, k, _ = _columns(mean.to(members.dtype), n, members)  # (c, F, m + 1, D)
+    z = torch.linalg.solve_triangular(base, u.reshape(pixels, -1, dim).transpose(1, 2), upper=False)
+    z = z.transpose(1, 2).reshape(pixels, folds, m + 1, dim) / math.sqrt(n - 1)  # rows: (L_m^-1 u_j)^T / sqrt(n-1)
     gram = z @ z.transpose(2, 3)  # (c, F, m + 1, m + 1) G
     eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
     factor, info = torch.linalg.cholesky_ex(eye - gram)  # I - G is positive definite iff the fold model is
@@ -144,25 +165,38 @@ def _woodbury(cholesky, mean, n, members, pixel_offset) -> torch.Tensor:
     return (n - m - 1) * ((gram @ a) * solved).sum(dim=2)  # a_i^T G (I - G)^-1 a_i
 
 
-def _refit(cholesky, mean, n, members, lam, pixel_offset) -> torch.Tensor:
-    """``(c, F, m)`` distances from the downdated matrix itself, factorised again (large folds)."""
+def refit_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
+                            epsilon: float, pixel_offset: int = 0, grid_shape: tuple[int, int] | None = None
+                            ) -> torch.Tensor:
+    """:func:`fold_squared_distances` by downdating and factorising each fold model itself (large folds)."""
     pixels, folds, m, dim = members.shape
-    u, _, rest_mean = _columns(mean, n, members)
-    scaled = cholesky @ cholesky.transpose(1, 2) * (n - 1)  # C + lambda I, (c, D, D)
+    n = int(count)
+    u, _, rest_mean = _columns(mean.to(members.dtype), n, members)
     values = []
     for f in range(folds):
-        rest = (scaled - u[:, f].transpose(1, 2) @ u[:, f]) / (n - m - 1)  # (C_rest + lambda I) / (n_rest - 1)
-        factor, info = torch.linalg.cholesky_ex(rest)
-        _raise_if_not_positive(info, pixel_offset)
+        rest = (covariance * (n - 1) - u[:, f].transpose(1, 2) @ u[:, f]) / (n - m - 1)  # C_k / (n_k - 1)
+        factor = regularised_cholesky(rest, epsilon, grid_shape, pixel_offset, overwrite=True)
         delta = (members[:, f] - rest_mean[:, f].unsqueeze(1)).transpose(1, 2)  # (c, D, m)
         values.append(torch.linalg.solve_triangular(factor, delta, upper=False).square().sum(dim=1))
     return torch.stack(values, dim=1)
 
 
-def _refit_is_cheaper(m: int, dim: int) -> bool:
-    woodbury = dim * (m + 1) ** 2 + (m + 1) ** 3 / 3 + (m + 1) ** 2 * m
-    refit = dim ** 3 + dim ** 2 * (m + 1) + dim ** 3 / 3  # L L^T, U U^T, Cholesky (the solves cost both the same)
+def refit_is_cheaper(m: int, dim: int, folds: int) -> bool:
+    """Whether refitting ``folds`` folds of ``m`` images costs less than correcting them (multiply-adds per pixel)."""
+    per_fold = dim * (m + 1) ** 2 + (m + 1) ** 3 / 3 + (m + 1) ** 2 * m  # G, the small Cholesky, the solves
+    woodbury = dim**3 / 3 + folds * per_fold  # one base per size
+    refit = folds * (dim**2 * (m + 1) + dim**3 / 3)  # U U^T and a Cholesky per fold (the big solves cost both alike)
     return woodbury > REFIT_WHEN_CHEAPER_BY * refit
+
+
+def _columns(mean: torch.Tensor, n: int, members: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """``U`` of every fold as rows ``(c, F, m + 1, D)``, ``k``, and ``mu_k`` ``(c, F, D)``."""
+    m = members.shape[2]
+    fold_mean = members.mean(dim=2)  # (c, F, D)
+    rest_mean = (n * mean.unsqueeze(1) - m * fold_mean) / (n - m)
+    k = math.sqrt((n - m) * m / n)
+    u = torch.cat([members - fold_mean.unsqueeze(2), (k * (fold_mean - rest_mean)).unsqueeze(2)], dim=2)
+    return u, k, rest_mean
 
 
 def _raise_if_not_positive(info: torch.Tensor, pixel_offset: int) -> None:

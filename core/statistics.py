@@ -9,12 +9,9 @@ LeVeque (1979). The comoment is symmetric, so only its lower triangle is kept, p
 half the square. The result does not depend on the batch size, and two accumulators fed
 disjoint images merge into the one that would have seen them all.
 
-**The model and its regulariser.** The Gaussian of ``n`` images is
-``Sigma = (C + lambda I) / (n - 1)`` with ``lambda = epsilon (n - 1)``: for the fitted model
-that is the sample covariance plus ``epsilon I``, as in the paper. The regulariser is defined
-on the comoment so that a model of fewer images (the out-of-fold models of
-:mod:`padim.core.out_of_fold`) keeps the same ``lambda``: its own ``epsilon`` is then
-``lambda / (n_k - 1)``, slightly larger (5% at 20 folds).
+**The model.** The Gaussian of ``n`` images has the sample covariance plus ``epsilon I``
+(the paper's regularisation, Sec. III-B): ``Sigma = C / (n - 1) + epsilon I``; so has every
+model of fewer images, the out-of-fold models of :mod:`padim.core.out_of_fold` included.
 
 Shapes: ``B`` images, ``P`` pixels (patch positions, ``H * W`` of the feature grid),
 ``D`` embedding channels, ``T = D (D + 1) / 2`` packed entries.
@@ -246,16 +243,12 @@ def covariance(state: GaussianState, start: int = 0, stop: int | None = None) ->
     return unpack_lower(state.comoment[start:stop], state.embedding_dim, symmetric=True) / (n - 1)
 
 
-def regulariser(count: int, epsilon: float) -> float:
-    """``lambda = epsilon (n - 1)``: the model of ``n`` images is ``(C + lambda I) / (n - 1)``."""
-    return epsilon * (count - 1)
-
-
 def regularised_cholesky(
     covariance: torch.Tensor,
     epsilon: float,
     grid_shape: tuple[int, int] | None = None,
     pixel_offset: int = 0,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Lower Cholesky factor ``L`` of ``Sigma + eps I`` for every pixel (Sec. III-B).
 
@@ -264,6 +257,7 @@ def regularised_cholesky(
         epsilon: regularisation added to the diagonal (the paper uses 0.01).
         grid_shape: ``(H, W)`` of the feature grid, to name a failing pixel by row and column.
         pixel_offset: index of ``covariance[0]`` in the whole grid (when given a slice).
+        overwrite: add ``epsilon`` to ``covariance``'s own diagonal (no second buffer).
 
     Returns:
         ``(P, D, D)`` lower-triangular ``L`` with ``L L^T = Sigma + eps I``.
@@ -271,9 +265,9 @@ def regularised_cholesky(
     Raises:
         NotPositiveDefiniteError: naming the first pixel whose matrix is not positive definite.
     """
-    dim = covariance.shape[-1]
-    eye = torch.eye(dim, dtype=covariance.dtype, device=covariance.device)
-    cholesky, info = torch.linalg.cholesky_ex(covariance + epsilon * eye)
+    regularised = covariance if overwrite else covariance.clone()
+    regularised.diagonal(dim1=-2, dim2=-1).add_(epsilon)
+    cholesky, info = torch.linalg.cholesky_ex(regularised)
     bad = torch.nonzero(info).flatten()
     if bad.numel():
         pixel = int(bad[0]) + pixel_offset

@@ -47,9 +47,11 @@ class PadimConfig:
         seed: seeds the channel subset / projection and ``random`` weights.
         epsilon: added to the covariance diagonal before the Cholesky factorisation.
         blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
-        calibration_folds: ``K``, the folds of cross-fitted calibration: every image is fitted,
-            and scored by the model of every image outside its fold (see
-            :mod:`padim.core.calibration`); ``"loo"``: leave-one-out, every image its own fold.
+        calibration_folds: the folds of cross-fitted calibration: every image is fitted, and
+            scored by the model of every image outside its fold (see :mod:`padim.core.calibration`).
+            ``"loo"`` (leave-one-out, the default): every image is its own fold; an integer ``K``:
+            ``K`` folds by a hash of the image's name (more conservative thresholds, one more
+            factorisation per distinct fold size; see :mod:`padim.core.out_of_fold`).
         false_alarm_rate: share of normal images the threshold may flag (``alpha``).
         batch_size: images per forward pass.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
@@ -67,7 +69,7 @@ class PadimConfig:
     seed: int = 0
     epsilon: float = 0.01
     blur_sigma: float = 4.0
-    calibration_folds: int | str = 20
+    calibration_folds: int | str = "loo"
     false_alarm_rate: float = 0.01
     batch_size: int = 16
     device: str = "auto"
@@ -106,7 +108,7 @@ class PadimConfig:
         if retired:
             raise ConfigError(f"{source}: {', '.join(retired)} no longer exist{'s' if len(retired) == 1 else ''}: "
                               "every image is now fitted and calibrated out-of-fold; set false_alarm_rate "
-                              "(default 0.01) and calibration_folds (default 20) instead")
+                              "(default 0.01) and calibration_folds (default loo) instead")
         if unknown:
             raise ConfigError(
                 f"{source}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"

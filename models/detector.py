@@ -26,9 +26,6 @@ from .model import PadimModel, ScoreOutput
 FLOAT16_TOLERANCE = 1e-3
 #: Where out-of-fold scores come from: a fit's own images, or images no part fitted (merge).
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
-#: How fold models were regularised: ``same_lambda`` (format 3: the fitted model's lambda, see
-#: :mod:`padim.core.statistics`), ``same_epsilon`` (format 2: refitted with its epsilon).
-FOLD_MODELS = ("same_lambda", "same_epsilon")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,8 +59,6 @@ class Provenance:
         fit_seconds: wall time of the last fit.
         fits: one record per fit run (images, unreadable, already fitted, resumed, world size).
         merged_from: the partial files a merge combined.
-        fold_models: how the fold models of out-of-fold scores were regularised (``FOLD_MODELS``;
-            ``None`` without out-of-fold scores).
         verified: whether the file's digests were checked when it was read (format 2).
     """
 
@@ -75,7 +70,6 @@ class Provenance:
     fit_seconds: float | None = None
     fits: list[dict] = field(default_factory=list)
     merged_from: list[str] = field(default_factory=list)
-    fold_models: str | None = None
     verified: bool = True
 
     def to_header(self) -> dict:
@@ -156,7 +150,7 @@ class PadimDetector:
             "epsilon": self.config.epsilon,
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
-                            "folds": self.config.calibration_folds, "fold_models": self.provenance.fold_models},
+                            "folds": self.config.calibration_folds},
             "verified": self.provenance.verified,
             "runtime": "torch",
             "created": self.provenance.created,

@@ -11,9 +11,9 @@ A fit reads every normal image through the backbone **once**:
    images (two passes over the spool, centred on their exact mean) merged into the earlier
    statistics (``--resume``); the Cholesky factor ``L`` of the fitted model; its precision
    factor ``W = L^-1``, written to a scratch file in float32 and checked against float16; and
-   the out-of-fold distance of every image from ``L`` itself
-   (:func:`padim.core.out_of_fold.out_of_fold_squared_distances`: no fold model is fitted).
-   The distances become maps and out-of-fold raw scores.
+   the out-of-fold distance of every image, by a rank-``m + 1`` correction of one
+   factorisation per fold size (:mod:`padim.core.out_of_fold`: no fold model is fitted, no
+   image is embedded again). The distances become maps and out-of-fold raw scores.
 
 Memory holds the statistics (the packed comoment, when they are kept) and one slice's
 temporaries; the precision factors stay on disk until the model file is written
@@ -38,7 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, fold_of
-from padim.core.out_of_fold import held_out_squared_distances, out_of_fold_squared_distances
+from padim.core.out_of_fold import (fold_base, fold_squared_distances, held_out_squared_distances,
+                                    refit_squared_distances, refit_is_cheaper)
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.spool import EmbeddingSpool, ScratchFile
@@ -255,10 +256,14 @@ class Fit:
         """
         mine = distributed.folds_of(groups, shard)
         name_of = {i.path: i.name for group in groups for i in group}
-        batches = batches_of(mine, self.config.batch_size)
+        if spool is None:  # batched as the calibration will embed them again: the same embeddings, bit for bit
+            batches = [b for chunk in self._memory_groups(mine) for b in batches_of(chunk, self.config.batch_size)]
+        else:
+            batches = batches_of(mine, self.config.batch_size)
         unreadable: list[tuple[Path, str]] = []
         digests: list[tuple[str, int]] = []
         spooled = Spooled(spool) if spool is not None else None
+        rows_fold: list[int] = []
         accumulator = None
         if spooled is None:  # the statistics in memory, as before spooling
             base = self.statistics if shard is None or shard.main else None
@@ -275,18 +280,13 @@ class Fit:
                         batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
                         spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
                         spooled.names += [name_of[p] for p in paths]
-                        for p in paths:  # rows of one fold are consecutive: batches never straddle folds
-                            if not spooled.folds or fold_of_path[p] != last_fold[0]:
-                                spooled.folds.append(0)
-                                last_fold[0] = fold_of_path[p]
-                            spooled.folds[-1] += 1
+                        rows_fold.extend(fold_of_path[p] for p in paths)
                         bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
                     else:
                         accumulator.partial_fit(embedded)
                     digests.extend((name_of[p], file_digest(p)) for p in paths)
                     bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
 
-        last_fold = [None]
         distributed.together(run, shard, self.device)
         if spooled is not None:
             dim = self.embedder.embedding_dim
@@ -298,6 +298,7 @@ class Fit:
             spooled.count = int(count)
             spooled.mean = total_sum / max(spooled.count, 1)
             spooled.total = None
+            spooled.folds = run_lengths(rows_fold)
             self.spooled = spooled
         else:
             statistics = accumulator.state
@@ -313,34 +314,40 @@ class Fit:
 
     def embed_again(self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
                     ) -> Iterator[Scored]:
-        """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time."""
-        mine = [[i for i in g] for g in distributed.folds_of(groups, shard) if g]
-        per_image = self.pixels * self.embedder.embedding_dim * 4
-        group: list[list[TrainingImage]] = []
-        chunks = []
-        for fold in mine:
-            if group and (sum(len(g) for g in group) + len(fold)) * per_image > REEMBED_GROUP_BYTES:
-                chunks.append(group)
-                group = []
-            group.append(fold)
-        if group:
-            chunks.append(group)
+        """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time.
+
+        Batched as pass 1 batched them without a spool, so that every image's embedding is the
+        one its statistics hold (the out-of-fold correction removes exactly those).
+        """
+        mine = distributed.folds_of(groups, shard)
         with tqdm(total=sum(len(f) for f in mine), desc="calibrate: embedding again", unit="img",
                   disable=not progress, leave=False) as bar:
-            for chunk in chunks:
-                names, folds, parts = [], [], []
-                for fold in chunk:
-                    kept = 0
-                    for paths, images in iter_decoded(batches_of([fold], self.config.batch_size), self.config.workers,
-                                                      [], self.draft_to):
-                        parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
-                        names += [i.name for i in fold if i.path in set(paths)]
-                        kept += len(paths)
-                        bar.update(len(paths))
-                    if kept:
-                        folds.append(kept)
+            for chunk in self._memory_groups(mine):
+                fold_of_path = {i.path: k for k, fold in enumerate(chunk) for i in fold}
+                name_of = {i.path: i.name for fold in chunk for i in fold}
+                names, rows_fold, parts = [], [], []
+                for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
+                                                  self.draft_to):
+                    parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
+                    names += [name_of[p] for p in paths]
+                    rows_fold += [fold_of_path[p] for p in paths]
+                    bar.update(len(paths))
                 embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
-                yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names, folds)
+                yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names,
+                             run_lengths(rows_fold))
+
+    def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
+        """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
+        per_image = self.pixels * self.embedder.embedding_dim * 4
+        chunks: list[list[list[TrainingImage]]] = []
+        size = 0
+        for fold in (f for f in folds if f):
+            if not chunks or (size + len(fold)) * per_image > REEMBED_GROUP_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(list(fold))
+            size += len(fold)
+        return chunks
 
     # ------------------------------------------------------------------ finish
     def finish(self, scored: Iterator[Scored] | Sequence[Scored], scratch: Path | None, keep_statistics: bool = True,
@@ -377,16 +384,15 @@ class Fit:
             for number, source in enumerate(scored if scored is not None else []):
                 keep = _scoreable(source, count, unscored)
                 rows = sum(len(r) for r in keep)
-                squared = torch.zeros(rows, pixels, dtype=torch.float64)
+                squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
                 first_pass = number == 0
                 with tqdm(total=pixels, desc="finish" if first_pass else "calibrate", unit="px", disable=not progress,
                           leave=False) as bar:
                     for index, (start, stop) in enumerate(slices):
-                        cholesky = self._cholesky(state, index, start, stop, first_pass, shard, grid, timing)
+                        covariance, cholesky = self._cholesky(state, index, start, stop, first_pass, shard, grid, timing)
                         started = time.perf_counter()
                         if first_pass and factors is not None:
-                            factor = triangular_inverse(cholesky)  # (c, D, D) W
-                            stored = factor.to(torch.float32)
+                            stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
                             factors.write(start * packed_length(dim) * 4, pack_lower(stored))
                             sample = _sample(source, index, start, stop)
                             if sample is not None:
@@ -395,8 +401,9 @@ class Fit:
                                 sample_half = half if sample_half is None else torch.cat([sample_half, half], 1)
                         timing["finish"] += time.perf_counter() - started
                         started = time.perf_counter()
-                        distributed.together(lambda: self._score_slice(source, keep, cholesky, state, count, index,
+                        distributed.together(lambda: self._score_slice(source, keep, cholesky, covariance, state, index,
                                                                        start, stop, squared), shard, device)
+                        del covariance, cholesky
                         timing["calibrate"] += time.perf_counter() - started
                         bar.update(stop - start)
                 if first_pass:
@@ -445,14 +452,13 @@ class Fit:
         return _State(n, mean, target, base, spooled)
 
     def _cholesky(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None,
-                  grid, timing: dict[str, float]) -> torch.Tensor:
-        """``L`` of pixels ``start .. stop``, forming (and keeping) their comoment on the first pass."""
+                  grid, timing: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Covariance ``C / (n - 1)`` and ``L`` of pixels ``start .. stop``, forming (and keeping) the comoment first."""
         started = time.perf_counter()
-        square = self._comoment(state, index, start, stop, forming, shard)  # (c, D, D)
-        square.div_(state.count - 1)
-        cholesky = regularised_cholesky(square, self.config.epsilon, grid, start)
+        covariance = self._comoment(state, index, start, stop, forming, shard).div_(state.count - 1)  # (c, D, D)
+        cholesky = regularised_cholesky(covariance, self.config.epsilon, grid, start)
         timing["finish"] += time.perf_counter() - started
-        return cholesky
+        return covariance, cholesky
 
     def _comoment(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
                   ) -> torch.Tensor:
@@ -463,17 +469,20 @@ class Fit:
             holder = state.target if state.target is not None else state.base
             return unpack_lower(holder.comoment[start:stop], dim, symmetric=True)
         mean = spooled.mean[start:stop]  # (c, D) of the spooled images: centred on their exact mean
-        square = torch.zeros(stop - start, dim, dim, dtype=torch.float64, device=self.device)
+        square = torch.empty(stop - start, dim, dim, dtype=torch.float64, device=self.device)
 
         def local() -> None:
             rows = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+            if not spooled.spool.rows:  # a rank without images
+                square.zero_()
             for first in range(0, spooled.spool.rows, rows):
                 x = spooled.spool.read(index, first, min(first + rows, spooled.spool.rows)).to(self.device)
                 centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
-                square.baddbmm_(centred.transpose(1, 2), centred)
+                square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
 
         distributed.together(local, shard, self.device)
-        distributed.sum_(square, shard)
+        if shard is not None:  # the lower triangle travels: half the bytes
+            square = unpack_lower(distributed.sum_(pack_lower(square), shard), dim, symmetric=True)
         if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
             n_b, n_s = int(state.base.count), spooled.count
             delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
@@ -507,48 +516,52 @@ class Fit:
                 if factors is None:
                     self._comoment(state, index, start, stop, True, shard)
                 else:
-                    cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
+                    _, cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
                     factors.write(start * packed_length(self.embedder.embedding_dim) * 4,
                                   pack_lower(triangular_inverse(cholesky).to(torch.float32)))
                 bar.update(stop - start)
         self._formed(state, keep)
 
-    def _score_slice(self, source: Scored, keep: list[list[str]], cholesky: torch.Tensor, state: _State, count: int,
-                     index: int, start: int, stop: int, squared: torch.Tensor) -> None:
-        """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``."""
-        dim = self.embedder.embedding_dim
+    def _score_slice(self, source: Scored, keep: list[list[str]], cholesky: torch.Tensor, covariance: torch.Tensor,
+                     state: _State, index: int, start: int, stop: int, squared: torch.Tensor) -> None:
+        """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``.
+
+        Out-of-fold: the folds of each size share one base (one Cholesky factorisation of the
+        slice per fold size, :func:`padim.core.out_of_fold.fold_base`), and are read and
+        corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
+        """
+        dim, count, epsilon = self.embedder.embedding_dim, state.count, self.config.epsilon
         mean = state.mean[start:stop]
+        limit = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))  # rows per block
         if source.folds is None:  # held-out images: the fitted model itself
             rows = len(source.names)
-            step = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
-            for first in range(0, rows, step):
-                x = source.read(index, start, stop, first, min(first + step, rows)).to(self.device)
+            for first in range(0, rows, limit):
+                x = source.read(index, start, stop, first, min(first + limit, rows)).to(self.device)
                 squared[first : first + len(x), start:stop] = held_out_squared_distances(cholesky, mean, x).cpu()
             return
-        row, out = 0, 0
-        block: list[tuple[int, int]] = []  # (first row, size) of the folds of one block
-        limit = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
-
-        def flush() -> None:
-            nonlocal out
-            if not block:
-                return
-            x = source.read(index, start, stop, block[0][0], block[-1][0] + block[-1][1]).to(self.device)
-            sizes = [m for _, m in block]
-            values = out_of_fold_squared_distances(cholesky, mean, count, x, sizes, self.config.epsilon, start)
-            squared[out : out + len(x), start:stop] = values.cpu()
-            out += len(x)
-            block.clear()
-
+        folds, row, out = {}, 0, 0  # size -> [(first row in the source, first row in squared)]
         for m, kept in zip(source.folds, keep):
             if kept:
-                if block and (block[-1][0] + block[-1][1] != row or (row + m - block[0][0]) > limit):
-                    flush()
-                block.append((row, m))
-            else:
-                flush()
+                folds.setdefault(m, []).append((row, out))
+                out += m
             row += m
-        flush()
+        grid = self.embedder.grid_shape
+        for m, places in sorted(folds.items()):
+            refit = refit_is_cheaper(m, dim, len(places))
+            base = None if refit else fold_base(covariance, count, m, epsilon, start, grid)
+            per_block = max(1, limit // m)
+            for first in range(0, len(places), per_block):
+                block = places[first : first + per_block]
+                x = torch.cat([source.read(index, start, stop, a, b) for a, b in _runs(block, m)]).to(self.device)
+                members = x.to(torch.float64).transpose(0, 1).reshape(stop - start, len(block), m, dim)
+                if refit:
+                    values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
+                else:
+                    values = fold_squared_distances(base, mean, count, members, start)
+                values = values.cpu()  # (c, F, m)
+                for f, (_, target) in enumerate(block):
+                    squared[target : target + m, start:stop] = values[:, f].T
+            del base
 
     def _image_scores(self, squared: torch.Tensor) -> torch.Tensor:
         """Raw scores ``(N,)`` float64 from distances ``(N, P)``: maps, as the scorer makes them, and their maxima."""
@@ -615,12 +628,33 @@ def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, i
     return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
 
 
+def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``(first, stop)`` source rows of folds of ``size`` rows, adjacent folds read as one span."""
+    spans: list[list[int]] = []
+    for row, _ in places:
+        if spans and spans[-1][1] == row:
+            spans[-1][1] = row + size
+        else:
+            spans.append([row, row + size])
+    return [(first, stop) for first, stop in spans]
+
+
+def run_lengths(labels: Sequence) -> list[int]:
+    """Lengths of the runs of equal consecutive ``labels``: rows per fold, the folds coming one after another."""
+    runs: list[int] = []
+    for i, label in enumerate(labels):
+        if i == 0 or label != labels[i - 1]:
+            runs.append(0)
+        runs[-1] += 1
+    return runs
+
+
 def _slices(pixels: int, step: int) -> list[tuple[int, int]]:
     return [(p, min(p + step, pixels)) for p in range(0, pixels, step)]
 
 
 def _megabytes(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.0f} MB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:,.1f} GB"
+    return f"{nbytes / 1e6:,.0f} MB" if nbytes < 1e10 else f"{nbytes / 1e9:,.1f} GB"
 
 
 def file_digest(path: Path) -> int:
@@ -631,5 +665,6 @@ def file_digest(path: Path) -> int:
 
 
 def batches_of(groups: Sequence[Sequence[TrainingImage]], batch_size: int) -> list[list[Path]]:
-    """Batches of paths that never straddle two groups (folds)."""
-    return [[i.path for i in group[s : s + batch_size]] for group in groups for s in range(0, len(group), batch_size)]
+    """The paths of ``groups``, in order, in batches of ``batch_size`` (which may span groups: rows stay in order)."""
+    paths = [i.path for group in groups for i in group]
+    return [paths[s : s + batch_size] for s in range(0, len(paths), batch_size)]

@@ -18,11 +18,12 @@ and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``
 
 Formats, all still read:
 
-- **3** (this one): ``config.calibration_folds`` may be ``"loo"`` (leave-one-out), and the
-  out-of-fold scores come from fold models with the fitted model's ``lambda``
-  (:mod:`padim.core.out_of_fold`; the header's ``fold_models`` says ``same_lambda``). A fit writes the file from its statistics and its factors' scratch file
-  as streams (:func:`save_fitted`), never holding both in memory.
-- **2**: digests of every tensor and of the header; fold models had the fitted model's ``epsilon``.
+- **3** (this one): ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
+  from this format on). Out-of-fold scores are computed in float64 from one factorisation
+  per fold size (:mod:`padim.core.out_of_fold`), for the same fold models as before. A fit
+  writes the file from its statistics and its factors' scratch file as streams
+  (:func:`save_fitted`), never holding both in memory.
+- **2**: digests of every tensor and of the header.
 - **1**: no digests, a held-out calibration, ``accumulator.*`` tensors.
 """
 
@@ -279,8 +280,6 @@ def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibra
 def _read_provenance(path, header: dict) -> Provenance:
     provenance = Provenance.from_header(header)
     provenance.verified = header["verified"]
-    if header["format_version"] == 2 and provenance.calibration_source == "out_of_fold":
-        provenance.fold_models = "same_epsilon"  # format 2 fitted each fold model with the full model's epsilon
     if not provenance.verified:
         log.warning("%s: model format %s has no digests, so its integrity is not verified, and its threshold "
                     "comes from a few held-out images; train it again for an honest threshold",

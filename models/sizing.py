@@ -11,13 +11,14 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
   distances of every image (``N P`` float32).
 - **backbone**: its weights (kept, and folded for inference) and one batch's activations,
   measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
-- **runtime**: torch itself (671 MB resident after ``import torch, torchvision``, CUDA build).
+- **runtime**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
+  what the process keeps besides (:data:`RUNTIME_BYTES`).
 
 Example:
     >>> from padim.models.config import PadimConfig
     >>> plan = plan_fit(PadimConfig(backbone="wide_resnet50_2", weights="random"), images=40, spool=True)
-    >>> round(plan.statistics / 2**30, 2)                             # the packed comoment, float64
-    3.55
+    >>> round(plan.statistics / 1e9, 2)                               # the packed comoment, float64 (GB)
+    3.83
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ from .config import PadimConfig
 from .features import grid_shape
 
 GB = 2**30
-#: Resident memory of the interpreter with torch and torchvision imported (CUDA build), and padim's own.
-RUNTIME_BYTES = {"cpu": 700 * 2**20, "cuda": 500 * 2**20}
+#: Resident memory besides the parts: the interpreter with torch and torchvision imported (CUDA
+#: build: 673 MB measured), padim's modules, the decoding threads and what the allocator keeps after
+#: pass 1 (resnet18 at 224 px: 873 MB resident after pass 1, of which 160 MB are backbone). On a GPU:
+#: the CUDA context.
+RUNTIME_BYTES = {"cpu": 800 * 2**20, "cuda": 500 * 2**20}
 #: Peak activation bytes per input pixel per image, over the feature map sizes' sum: measured
 #: 162 B/px on resnet18 (1.5x its stage outputs) and 710 B/px on wide_resnet50_2 (3.7x).
 ACTIVATION_FACTOR = {"basic": 1.5, "bottleneck": 3.7}
@@ -92,7 +96,7 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
     pixels, dim = rows * cols, config.embedding_dim_or_default()
     held = keep_statistics or not spool or resume
     statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
-    from .fitting import BLOCK_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES
+    from .fitting import BLOCK_BYTES, REEMBED_GROUP_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES
 
     slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
     finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * pixels * 4
@@ -101,7 +105,7 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
     per_pixel = 4 * (64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides)))
     activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size)
     embedding = config.batch_size * pixels * dim * 4 * (1 if spool else 3)  # without a spool: float64 slices and held batches
-    update = 0 if spool else UPDATE_BLOCK_BYTES
+    update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
     backbone = 2 * _weights_bytes(config) + activations + embedding + update
     return FitPlan(device, statistics, finish, backbone, RUNTIME_BYTES[device],
                    EmbeddingSpool.size(images, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
@@ -202,5 +206,6 @@ def _cgroup_room() -> int | None:
 
 
 def _gb(nbytes: int) -> str:
-    return f"{nbytes / GB:.1f} GB" if nbytes >= GB / 10 else f"{nbytes / 2**20:.0f} MB"
+    """Decimal units, as disks and the README count them: 1 GB = 10^9 bytes."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
 

@@ -201,39 +201,44 @@ def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: 
     return fit, report
 
 
-def merge_fits(parts: Sequence[Fit], sources: Sequence[str], calibration_images: Sequence[Path],
-               runtime: PadimConfig, output: str | Path, false_alarm_rate: float | None = None, progress: bool = True,
+def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], runtime: PadimConfig,
+               output: str | Path, false_alarm_rate: float | None = None, progress: bool = True,
                with_statistics: bool = True, scratch_dir: str | Path | None = None) -> FitReport:
-    """Combine fits of disjoint images (``train --partial``), calibrate on images none of them fitted, write ``output``.
+    """Combine fits of disjoint images (``train --partial`` files), calibrate on images none of them fitted, write ``output``.
 
-    The merged statistics equal a one-shot fit of every part's images. The threshold comes from
-    the scores of ``calibration_images`` under the merged model: images it has not seen, so
-    their scores are held out as out-of-fold ones are (no fold needs removing).
+    The merged statistics equal a one-shot fit of every part's images. The parts are read one
+    at a time and added to the first, so that two parts' statistics at most are in memory. The
+    threshold comes from the scores of ``calibration_images`` under the merged model: images it
+    has not seen, so their scores are held out as out-of-fold ones are (no fold needs removing).
 
     Raises:
         FitError: parts whose settings or weights differ (naming the first two), calibration
             images that a part fitted, or none readable.
+        ArtifactError: a part that cannot be read, or has no statistics.
     """
     if not parts:
         raise FitError("nothing to merge")
-    first = parts[0]
-    for part, source in zip(parts, sources):
-        clash = first.config.differences(part.config)
+    started = time.perf_counter()
+    merged = Fit.load(parts[0], runtime=runtime)
+    merged.config = merged.config.replace(false_alarm_rate=false_alarm_rate)
+    provenances = [merged.provenance]
+    for source in parts[1:]:
+        part = Fit.load(source, runtime=runtime)
+        clash = merged.config.differences(part.config)
         if clash:
             key = clash[0]
-            raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {sources[0]} has "
-                           f"{getattr(first.config, key)!r}; parts must come from the same configuration")
-        if part.weights.sha256 != first.weights.sha256:
-            raise FitError(f"{source}: other backbone weights than {sources[0]} (sha256 {part.weights.sha256[:12]} vs "
-                           f"{first.weights.sha256[:12]})")
-        if not first.embedding.same_reduction(part.embedding):
-            raise FitError(f"{source}: another channel selection than {sources[0]} (different --seed or --embedding-dim)")
-    started = time.perf_counter()
-    config = first.config.with_runtime(runtime).replace(false_alarm_rate=false_alarm_rate)
-    merged = Fit(config, first.weights, first.backbone_weights, first.embedding, first.statistics.clone(),
-                 torch.cat([p.image_digests for p in parts]).sort().values)
-    for part in parts[1:]:
-        merge_states_(merged.statistics, part.statistics.to(merged.device))
+            raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
+                           f"{getattr(merged.config, key)!r}; parts must come from the same configuration")
+        if part.weights.sha256 != merged.weights.sha256:
+            raise FitError(f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
+                           f"{merged.weights.sha256[:12]})")
+        if not merged.embedding.same_reduction(part.embedding):
+            raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
+        merge_states_(merged.statistics, part.statistics)
+        merged.image_digests = torch.cat([merged.image_digests, part.image_digests]).sort().values
+        provenances.append(part.provenance)
+        del part
+    config = merged.config
     fitted = set(merged.image_digests.tolist())
     seen = [p for p in calibration_images if file_digest(p) in fitted]
     if seen:
@@ -260,9 +265,9 @@ def merge_fits(parts: Sequence[Fit], sources: Sequence[str], calibration_images:
             raise FitError(f"the calibration images cannot set a threshold: {error}") from None
         provenance = Provenance(
             fit_image_count=merged.count, calibration_source="held_out",
-            unreadable_image_count=sum(p.provenance.unreadable_image_count for p in parts),
-            fit_seconds=round(time.perf_counter() - started, 3), merged_from=list(sources),
-            fits=[f for p in parts for f in p.provenance.fits])
+            unreadable_image_count=sum(p.unreadable_image_count for p in provenances),
+            fit_seconds=round(time.perf_counter() - started, 3), merged_from=[str(p) for p in parts],
+            fits=[f for p in provenances for f in p.fits])
         with report.timed("write"):
             save_fitted(output, merged, finished, calibration, provenance, with_statistics)
         shortfall = calibration.shortfall()
@@ -421,8 +426,7 @@ def _next_provenance(fit: Fit, report: FitReport, started: float, shard: Shard |
     return Provenance(fit_image_count=fit.count, calibration_source=source,
                       unreadable_image_count=earlier.unreadable_image_count + len(report.unreadable),
                       fit_seconds=round(time.perf_counter() - started, 3), fits=[*earlier.fits, run],
-                      merged_from=list(earlier.merged_from),
-                      fold_models="same_lambda" if source == "out_of_fold" else None)
+                      merged_from=list(earlier.merged_from))
 
 
 def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:
@@ -432,5 +436,5 @@ def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**30 / 10 else f"{nbytes / 2**20:.0f} MB"
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
 

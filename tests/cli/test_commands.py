@@ -38,7 +38,7 @@ def test_train_writes_a_labelled_self_contained_model(model_file):
     assert info["backbone"] == "resnet18" and info["size_bytes"] == model_file.stat().st_size
     assert info["fit_image_count"] == 30 and info["verified"] == "header"
     assert info["calibration"]["scores"] == 30 and info["calibration"]["false_alarm_rate"] == 0.01
-    assert info["calibration"]["folds"] == 20 and info["calibration"]["false_alarm_bound"] > 0
+    assert info["calibration"]["folds"] == "loo" and info["calibration"]["false_alarm_bound"] > 0
     assert json.loads(run_cli("info", "--verify", model_file).stdout)["verified"] == "every tensor"
 
 
@@ -54,6 +54,26 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     (warning,) = [line for line in result.stderr.splitlines() if "warning:" in line]
     assert "cannot promise 2.00% false alarms" in warning and "49 normal images would" in warning
     assert "threshold" in result.stderr and "from 30 out-of-fold scores, aiming at 2.00%" in result.stderr
+    # what it costs, said before pass 1: the memory plan and where the embeddings wait
+    (plan,) = [line for line in result.stderr.splitlines() if "this fit needs about" in line]
+    assert "GB free" in plan and f"embeddings spooled to {tmp_path}" in plan and "removed when the fit ends" in plan
+    assert summary["spooled_bytes"] == 30 * (IMAGE_SIZE // 4) ** 2 * 100 * 4
+    assert summary["memory"]["planned_bytes"] < summary["memory"]["free_bytes"]
+    assert set(summary["phase_seconds"]) == {"fit", "finish", "calibrate", "write"}
+
+
+def test_hashed_folds_slim_with_a_scratch_dir(dataset, tmp_path):
+    scratch = tmp_path / "scratch"
+    result = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
+                     "--image-size", IMAGE_SIZE, "--calibration-folds", "7", "--slim", "--scratch-dir", scratch)
+    summary = json.loads(result.stdout)
+    assert summary["calibration"]["folds"] == 7 and summary["calibration"]["scores"] == 30
+    _, header = load_artifact(tmp_path / "m.padim")
+    assert header["has_statistics"] is False and header["config"]["calibration_folds"] == 7
+    assert list(scratch.iterdir()) == []  # the spool and the factors had no names, and are gone
+    bad = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "x.padim", "--calibration-folds", "1",
+                  check=False)
+    assert bad.returncode == 1 and "calibration_folds: 1 is not allowed" in bad.stderr and "loo" in bad.stderr
 
 
 def test_predict_outputs(model_file, dataset, tmp_path):
@@ -282,7 +302,7 @@ def test_interrupted_training_leaves_no_file(tmp_path):
     rest = process.communicate(timeout=60)[1]
     assert process.returncode == 130, seen + rest
     assert "interrupted" in rest
-    assert not output.exists() and not list(tmp_path.glob(".m.padim*"))
+    assert not output.exists() and not list(tmp_path.glob(".m.padim*")) and not list(tmp_path.glob(".padim-*"))
 
 
 def test_padim_alone_lists_the_commands_and_every_argument_is_explained():

@@ -4,18 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from padim.core.out_of_fold import _refit_is_cheaper, held_out_squared_distances, out_of_fold_squared_distances
-from padim.core.statistics import NotPositiveDefiniteError, batch_state, cholesky_slice
+from padim.core.out_of_fold import (fold_base, held_out_squared_distances, out_of_fold_squared_distances,
+                                    refit_is_cheaper)
+from padim.core.statistics import NotPositiveDefiniteError, batch_state, cholesky_slice, covariance
 
 
 def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float) -> np.ndarray:
-    """Each fold's images under a model fitted from scratch on the other images, with the same lambda.
+    """Each fold's images under a model fitted from scratch on the other images, with the same epsilon.
 
-    The full model of n images is (C + lambda I) / (n - 1) with lambda = epsilon (n - 1); a fold
-    model of n_rest images keeps lambda: its covariance is (C_rest + lambda I) / (n_rest - 1).
+    The fold model of n_rest images is np.cov of them plus epsilon I, as the fitted model of all n is.
     """
     n, pixels, dim = x.shape
-    lam = epsilon * (n - 1)
     out = np.empty((n, pixels))
     start = 0
     for m in sizes:
@@ -24,7 +23,7 @@ def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float) -> np.ndarr
         for p in range(pixels):
             mean = rest[:, p].mean(axis=0)
             centred = rest[:, p] - mean
-            cov = (centred.T @ centred + lam * np.eye(dim)) / (len(rest) - 1)
+            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
             delta = x[fold, p] - mean
             out[fold, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
@@ -39,9 +38,8 @@ def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2) -> np
     parts = []
     for start in range(0, pixels, -(-pixels // slices)):
         stop = min(start + -(-pixels // slices), pixels)
-        factor = cholesky_slice(state, start, stop, epsilon)
-        parts.append(out_of_fold_squared_distances(factor, state.mean[start:stop], len(x), tensor[:, start:stop],
-                                                   sizes, epsilon, pixel_offset=start))
+        parts.append(out_of_fold_squared_distances(covariance(state, start, stop), state.mean[start:stop], len(x),
+                                                   tensor[:, start:stop], sizes, epsilon, pixel_offset=start))
     return torch.cat(parts, dim=1).numpy()
 
 
@@ -51,7 +49,7 @@ def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2) -> np
     (9, 5, [1] * 9),                      # leave-one-out
     (40, 4, [30, 10]),                    # a fold as large as the embedding: refitted
 ])
-def test_out_of_fold_equals_same_lambda_refit_in_float64(n, dim, sizes):
+def test_out_of_fold_equals_same_epsilon_refit_in_float64(n, dim, sizes):
     rng = np.random.default_rng(n + dim)
     x = rng.normal(size=(n, 3, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 3, dim)) * 5
     expected = refit_distances(x, sizes, epsilon=0.01)
@@ -59,20 +57,20 @@ def test_out_of_fold_equals_same_lambda_refit_in_float64(n, dim, sizes):
 
 
 def test_large_folds_take_the_refit_and_small_ones_the_correction():
-    assert _refit_is_cheaper(30, 4) and not _refit_is_cheaper(5, 100) and not _refit_is_cheaper(1, 550)
+    assert refit_is_cheaper(30, 4, 1) and not refit_is_cheaper(5, 100, 4) and not refit_is_cheaper(1, 550, 40)
 
 
-def test_leave_one_out_has_the_closed_form_of_the_full_distance():
-    """With m = 1: d_loo^2 = (n - 2) n^2 q / ((n - 1)((n - 1)^2 - n q)), q the full model's distance."""
+def test_leave_one_out_has_a_closed_form_in_the_distance_under_its_base():
+    """With m = 1: d_loo^2 = (n - 2) n^2 q / ((n - 1)((n - 1)^2 - n q)), q the distance under the base B_1."""
     rng = np.random.default_rng(7)
     n, dim = 15, 8
     x = torch.from_numpy(rng.normal(size=(n, 2, dim)))
     state = batch_state(x)
-    factor = cholesky_slice(state, 0, 2, 0.05)
-    q = held_out_squared_distances(factor, state.mean, x).numpy()
+    q = held_out_squared_distances(fold_base(covariance(state), n, 1, 0.05), state.mean, x).numpy()
     closed = (n - 2) * n**2 * q / ((n - 1) * ((n - 1) ** 2 - n * q))
-    np.testing.assert_allclose(out_of_fold_squared_distances(factor, state.mean, n, x, [1] * n, 0.05).numpy(), closed,
-                               rtol=1e-10)
+    ours = out_of_fold_squared_distances(covariance(state), state.mean, n, x, [1] * n, 0.05).numpy()
+    np.testing.assert_allclose(ours, closed, rtol=1e-10)
+    np.testing.assert_allclose(ours, refit_distances(x.numpy(), [1] * n, 0.05), rtol=1e-9)
 
 
 def test_held_out_distances_equal_numpy():
@@ -91,11 +89,10 @@ def test_held_out_distances_equal_numpy():
 def test_bad_fold_sizes_and_singular_fold_models_are_refused():
     x = torch.randn(6, 2, 8, dtype=torch.float64)
     state = batch_state(x)
-    factor = cholesky_slice(state, 0, 2, 0.1)
     with pytest.raises(ValueError, match="do not split"):
-        out_of_fold_squared_distances(factor, state.mean, 6, x, [3, 2], 0.1)
+        out_of_fold_squared_distances(covariance(state), state.mean, 6, x, [3, 2], 0.1)
     with pytest.raises(ValueError, match="at least two images"):
-        out_of_fold_squared_distances(factor, state.mean, 6, x[:5], [5], 0.1)
+        out_of_fold_squared_distances(covariance(state), state.mean, 6, x[:5], [5], 0.1)
     # epsilon 0 and fewer images than channels: the full model is already singular
     with pytest.raises(NotPositiveDefiniteError):
         cholesky_slice(state, 0, 2, 0.0)

@@ -155,24 +155,31 @@ def older_format(path, target, version: int) -> None:
     from padim.core import artifact
 
     tensors, header = load_artifact(path)
-    old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified", "fold_models")}
+    old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified")}
     old["format_version"] = version
     old["tensor_sha256"] = {name: artifact.tensor_sha256(t) for name, t in tensors.items()}
     old["header_sha256"] = artifact._header_sha256(old)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(target), metadata={"padim": json.dumps(old, sort_keys=True)})
 
 
-def test_format_two_models_load_score_and_resume_and_say_how_their_folds_were_fitted(detector, images, dataset, tmp_path):
+def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, images, dataset, tmp_path):
     from padim.models import Fit
 
     detector.save(tmp_path / "new.padim")
     older_format(tmp_path / "new.padim", tmp_path / "two.padim", 2)
     loaded = PadimDetector.load(tmp_path / "two.padim", device="cpu", with_statistics=True)
-    assert loaded.provenance.verified and loaded.provenance.fold_models == "same_epsilon"
+    assert loaded.provenance.verified
     assert loaded.calibration == detector.calibration and torch.equal(loaded.statistics.comoment, detector.statistics.comoment)
     batch = detector.preprocess(pictures(images, 2))
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
+    # evaluate --calibrate on it: written again, in this format
+    from padim.core.artifact import read_header
+    from padim.models.serialization import store_calibration
+
+    store_calibration(tmp_path / "two.padim", loaded.calibration.with_threshold(21.5))
+    header = read_header(tmp_path / "two.padim")
+    assert header["format_version"] == 3 and header["has_statistics"]
+    assert header["calibration"]["threshold"] == 21.5 and header["calibration"]["method"] == "manual"
     fresh = [TrainingImage(p, f"more/{p.name}") for p in list_images(dataset / "test" / "good")]
     resumed, _ = fit_detector(CONFIG, fresh, resume=Fit.load(tmp_path / "two.padim"), progress=False)
     assert int(resumed.statistics.count) == 30 + len(fresh) and resumed.calibration.earlier_scores == 30
-    assert resumed.provenance.fold_models == "same_lambda"  # the new scores; the earlier ones are said to be kept

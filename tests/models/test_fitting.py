@@ -27,9 +27,8 @@ def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
 
 
 def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float) -> np.ndarray:
-    """Each fold's images scored by a model fitted from scratch on the others, same lambda, in float64."""
+    """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
     n, pixels, dim = x.shape
-    lam = epsilon * (n - 1)
     squared = np.empty((n, pixels))
     start = 0
     for m in folds:
@@ -37,7 +36,7 @@ def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: in
         mean = rest.mean(axis=0)  # (P, D)
         for p in range(pixels):
             centred = rest[:, p] - mean[p]
-            cov = (centred.T @ centred + lam * np.eye(dim)) / (len(rest) - 1)
+            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
             delta = x[start : start + m, p] - mean[p]
             squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
@@ -45,7 +44,7 @@ def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: in
 
 
 @pytest.mark.parametrize("folds", [5, "loo"])
-def test_out_of_fold_scores_equal_same_lambda_refits_on_the_real_pipeline(images, tmp_path, folds):
+def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds):
     config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds)
     fit = Fit.start(config)
     groups = fit.groups(images)
@@ -75,7 +74,6 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
     assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
     assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(cal.promised_false_alarm_rate)
-    assert detector.provenance.fold_models == "same_lambda"
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
     assert report.spool == len(images) * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
 
@@ -111,8 +109,8 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     for name, chunk in (("a", a), ("b", b)):
         fit, _ = fit_partial(CONFIG, chunk, progress=False, scratch_dir=tmp_path)
         fit.save_partial(tmp_path / f"{name}.part")
-        parts.append(Fit.load(tmp_path / f"{name}.part"))
-    merge_fits(parts, ["a.part", "b.part"], [i.path for i in held], CONFIG, tmp_path / "merged.padim", progress=False)
+        parts.append(tmp_path / f"{name}.part")
+    merge_fits(parts, [i.path for i in held], CONFIG, tmp_path / "merged.padim", progress=False)
     merged = PadimDetector.load(tmp_path / "merged.padim", device="cpu", with_statistics=True)
     one_shot, _ = fit_partial(CONFIG, a + b, progress=False, scratch_dir=tmp_path)
     assert int(merged.statistics.count) == 24
@@ -123,10 +121,9 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     held_scores = merged.score(merged.preprocess([Image.open(i.path).convert("RGB") for i in held])).raw_scores
     expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
     assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-3)  # float16 factors score them here
-    assert merged.provenance.calibration_source == "held_out" and merged.provenance.fold_models is None
+    assert merged.provenance.calibration_source == "held_out"
     with pytest.raises(FitError, match="were fitted in the parts"):
-        merge_fits(parts, ["a.part", "b.part"], [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim",
-                   progress=False)
+        merge_fits(parts, [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim", progress=False)
 
 
 def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch):
@@ -159,7 +156,7 @@ def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_pa
     def broken(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of the finish
 
-    monkeypatch.setattr("padim.models.fitting.out_of_fold_squared_distances", broken)
+    monkeypatch.setattr("padim.models.fitting.fold_squared_distances", broken)
     with pytest.raises(KeyboardInterrupt):
         train(CONFIG, images[:12], tmp_path / "never.padim", progress=False, scratch_dir=tmp_path / "scratch")
     assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
