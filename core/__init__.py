@@ -11,6 +11,6 @@ EXPORTS = {
     "calibration": ("Calibration", "CalibrationError", "fold_of"),
     "scoring": ("anomaly_maps", "image_scores", "squared_mahalanobis"),
     "statistics": ("GaussianAccumulator", "GaussianState", "NotPositiveDefiniteError", "covariance", "merge_states",
-                   "precision", "precision_factor", "subtract_states"),
+                   "precision", "precision_factor"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

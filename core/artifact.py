@@ -127,9 +127,11 @@ def copy_artifact(source: str | os.PathLike, target: str | os.PathLike, header: 
 
     The tensors are streamed from one file to the other; ``target`` may be ``source``.
     """
-    table, _, data_start = _read_table(Path(source))
+    source = Path(source)
+    table, _, data_start = _read_table(source)
+    digests = _open(source, load_tensors=False)[1].get("tensor_sha256")  # None for format 1
     names = [n for n in table if n != "__metadata__"]
-    tensors = {name: _file_stream(Path(source), table, data_start, name) for name in names}
+    tensors = {name: _file_stream(source, table, data_start, name, (digests or {}).get(name)) for name in names}
     save_artifact(target, tensors, header)
 
 
@@ -167,13 +169,13 @@ def _stream_of(tensor: torch.Tensor) -> TensorStream:
     """A tensor in memory as its chunks: views of its flat storage (no copy of a contiguous CPU tensor)."""
     tensor = tensor.detach()
 
-    def chunks():
-        flat = tensor.contiguous().cpu().reshape(-1)
+    def chunks():  # a GPU tensor comes to the host a chunk at a time
+        flat = tensor.contiguous().reshape(-1)
         step = max(1, CHUNK_BYTES // max(1, flat.element_size()))
         for first in range(0, flat.numel(), step):
-            yield flat[first : first + step]
+            yield flat[first : first + step].cpu()
         if not flat.numel():
-            yield flat
+            yield flat.cpu()
 
     return TensorStream(tensor.dtype, tuple(tensor.shape), chunks)
 
@@ -256,7 +258,8 @@ def _read_table(path: Path) -> tuple[dict, int, int]:
     return table, size, data_start
 
 
-def _file_stream(path: Path, table: dict, data_start: int, name: str) -> TensorStream:
+def _file_stream(path: Path, table: dict, data_start: int, name: str, expected: str | None) -> TensorStream:
+    """A tensor of a model file as chunks read from it, checked against its digest (``expected``) at the end."""
     entry = table[name]
     dtype, shape = DTYPE_OF[entry["dtype"]], tuple(entry["shape"])
     begin, stop = entry["data_offsets"]
@@ -264,12 +267,17 @@ def _file_stream(path: Path, table: dict, data_start: int, name: str) -> TensorS
     def chunks():
         itemsize = _itemsize(dtype)
         step = max(1, CHUNK_BYTES // itemsize)
+        digest = hashlib.sha256()
         with open(path, "rb") as handle:
             for first in range(0, (stop - begin) // itemsize, step):
                 count = min(step, (stop - begin) // itemsize - first)
                 out = torch.empty(count, dtype=dtype)
                 _read_into(handle.fileno(), out, data_start + begin + first * itemsize, path)
+                digest.update(_bytes_of(out))
                 yield out
+        if expected is not None and digest.hexdigest() != expected:
+            raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
+                                "(copy it again, or retrain)")
 
     return TensorStream(dtype, shape, chunks)
 
@@ -281,32 +289,44 @@ def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -
         raise ArtifactError(f"{path}: a safetensors file, but not a padim model")
     header = _parse_header(path, metadata[HEADER_KEY])
     tensors = {}
-    if load_tensors:
-        with open(path, "rb") as handle:
-            for name, entry in table.items():
-                if name == "__metadata__" or name.startswith(skip_prefixes):
-                    continue
-                out = torch.empty([int(d) for d in entry["shape"]], dtype=DTYPE_OF[entry["dtype"]])
-                _read_into(handle.fileno(), out, data_start + entry["data_offsets"][0], path)
-                tensors[name] = out
-    if header["verified"]:
-        digests = header["tensor_sha256"]
-        for name, tensor in tensors.items():
-            if name not in digests:
+    if not load_tensors:
+        return tensors, header
+    digests = header["tensor_sha256"] if header["verified"] else None
+    with open(path, "rb") as handle, ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        for name, entry in table.items():
+            if name == "__metadata__" or name.startswith(skip_prefixes):
+                continue
+            if digests is not None and name not in digests:
                 raise ArtifactError(f"{path}: tensor {name!r} has no digest in the header; the file was altered")
-            if tensor_sha256(tensor) != digests[name]:
+            out = torch.empty([int(d) for d in entry["shape"]], dtype=DTYPE_OF[entry["dtype"]])
+            digest = _read_into(handle.fileno(), out, data_start + entry["data_offsets"][0], path,
+                                hasher if digests is not None else None)
+            if digests is not None and digest != digests[name]:
                 raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
                                     "(copy it again, or retrain)")
+            tensors[name] = out
     return tensors, header
 
 
-def _read_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+def _read_into(fd: int, out: torch.Tensor, offset: int, path: Path, hasher: ThreadPoolExecutor | None = None
+               ) -> str | None:
+    """Fill ``out`` from the file at ``offset``; with a ``hasher``, its sha256, hashed chunk by chunk while reading."""
     view, done = _bytes_of(out), 0
+    digest, hashing = hashlib.sha256(), None
     while done < len(view):
         got = os.preadv(fd, [view[done : done + CHUNK_BYTES]], offset + done)
         if got <= 0:
             raise ArtifactError(f"{path}: not a readable padim model file (truncated or foreign: it ends early)")
+        if hasher is not None:
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, view[done : done + got])
         done += got
+    if hasher is None:
+        return None
+    if hashing is not None:
+        hashing.result()
+    return digest.hexdigest()
 
 
 def _parse_header(path: Path, text: str) -> dict:

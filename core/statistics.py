@@ -134,46 +134,6 @@ def merge_states(a: GaussianState, b: GaussianState) -> GaussianState:
     return merge_states_(a.clone(), b)
 
 
-def subtract_states(total: GaussianState, part: GaussianState, out: GaussianState | None = None) -> GaussianState:
-    """``total`` without ``part``: the exact reverse of the Chan et al. merge (a *downdate*).
-
-    If ``total = merge(A, part)``, this returns ``A``: with ``n_a = n - n_b``,
-    ``mean_a = (n mean - n_b mean_b) / n_a``, ``delta = mean_b - mean_a`` and
-    ``M2_a = M2 - M2_b - delta delta^T * n_a * n_b / n``. Used to score a calibration fold with
-    "every image but this fold" without fitting that model from scratch.
-
-    Args:
-        total: statistics of every image.
-        part: statistics of some of those images (``part.count <= total.count``).
-        out: where to write the result (may be ``part`` itself, to save a ``(P, D, D)`` buffer);
-            a new state by default.
-
-    Returns:
-        The statistics of the images in ``total`` but not in ``part``.
-    """
-    _check_compatible(total, part)
-    n, n_b = int(total.count), int(part.count)
-    if n_b > n:
-        raise ValueError(f"cannot remove {n_b} images from statistics of {n}")
-    if out is None:
-        out = empty_state(total.num_pixels, total.embedding_dim, total.mean.device)
-    n_a = n - n_b
-    if n_a == 0:
-        out.count.zero_(), out.mean.zero_(), out.comoment.zero_()
-        return out
-    if n_b == 0:
-        out.count.copy_(total.count), out.mean.copy_(total.mean), out.comoment.copy_(total.comoment)
-        return out
-    mean_a = (total.mean * n - part.mean * n_b) / n_a  # (P, D)
-    delta = part.mean - mean_a  # (P, D)
-    # out may alias part: read part.comoment before overwriting it
-    torch.sub(total.comoment, part.comoment, out=out.comoment)
-    add_lower_products_(out.comoment, delta.unsqueeze(1), alpha=-n_a * n_b / n)
-    out.mean.copy_(mean_a)
-    out.count.fill_(n_a)
-    return out
-
-
 def update_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES) -> GaussianState:
     """Add one batch of ``(B, P, D)`` embeddings to ``state`` in place.
 

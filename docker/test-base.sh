@@ -12,7 +12,8 @@
 set -euo pipefail
 tag=${1:-padim-test-base:bookworm}
 need=()
-command -v docker >/dev/null || need+=(docker.io)
+# dockerd, not docker: some machines have the client alone, and the engine is what the tests need
+if ! command -v dockerd >/dev/null || ! command -v docker >/dev/null; then need+=(docker.io); fi
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -20,7 +21,11 @@ fi
 if ! docker info >/dev/null 2>&1; then
   (dockerd >/tmp/dockerd.log 2>&1 &)
   for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /tmp/dockerd.log" >&2; exit 1; }
+  if ! docker info >/dev/null 2>&1; then
+    echo "dockerd did not start; the end of /tmp/dockerd.log:" >&2
+    tail -20 /tmp/dockerd.log >&2 || true
+    exit 1
+  fi
 fi
 if docker image inspect "$tag" >/dev/null 2>&1; then echo "$tag exists"; exit 0; fi
 work=$(mktemp -d)

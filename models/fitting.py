@@ -63,9 +63,9 @@ from .images import decode_side, iter_decoded
 
 #: Bytes of one ``(c, D, D)`` float64 buffer of the finish: sets the pixels per slice. Three or
 #: four such buffers are alive at once.
-SLICE_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
+SLICE_BYTES = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
 #: Bytes of float64 embeddings worked on at once within a slice (spool rows, fold blocks).
-BLOCK_BYTES = 32 * 2**20
+BLOCK_BYTES = 16 * 2**20
 #: Bytes of embeddings held in memory per group when the calibration must embed images again.
 REEMBED_GROUP_BYTES = 512 * 2**20
 #: Images of the float16 check (one batch of out-of-fold embeddings, as before the finish was sliced).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -55,7 +57,8 @@ class CalibrationInfo(BaseModel):
     false_alarm_bound: float = Field(description="upper bound of the rate at `confidence`")
     confidence: float
     source: str | None = Field(description="out_of_fold (the fit's images) or held_out (images no part fitted)")
-    folds: int
+    folds: int | Literal["loo"] = Field(description="calibration folds: `loo` (leave-one-out, each image its own fold) "
+                                                    "or the number of folds K")
 
 
 class ModelDescription(ModelInfo):

@@ -167,3 +167,12 @@ def test_copy_with_a_new_header_streams_the_tensors_and_keeps_them(tmp_path):
     after, header = load_artifact(tmp_path / "m.padim")
     assert header["calibration"]["threshold"] == 2.0 and all(torch.equal(after[k], before[k]) for k in tensors)
     assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]
+
+
+def test_a_damaged_file_is_not_copied(tmp_path):
+    save_artifact(tmp_path / "m.padim", {"a": torch.randn(1000)}, {"v": 1})
+    (start, end), = tensor_byte_ranges(tmp_path / "m.padim").values()
+    flip_bit(tmp_path / "m.padim", (start + end) // 2)
+    with pytest.raises(ArtifactError, match="'a' does not match its digest"):
+        artifact.copy_artifact(tmp_path / "m.padim", tmp_path / "copy.padim", {"v": 2})
+    assert not (tmp_path / "copy.padim").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.padim"]

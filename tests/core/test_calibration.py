@@ -21,7 +21,7 @@ from padim.core.calibration import (
     promised_false_alarm_rate,
 )
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.core.statistics import batch_state, finalise, subtract_states
+from padim.core.statistics import batch_state, finalise
 
 
 def test_fold_is_a_function_of_the_name_and_uniform():
@@ -166,9 +166,9 @@ def _realised_rate(count: int, rate: float, repeats: int, fresh: int = 4000) -> 
         total = batch_state(x)
         scores = []
         for k in range(FOLDS):
-            members = torch.nonzero(folds == k).flatten()
-            if len(members):
-                mean, factor = finalise(subtract_states(total, batch_state(x[members])), 0.01, GRID)
+            members = folds == k
+            if members.any():
+                mean, factor = finalise(batch_state(x[~members]), 0.01, GRID)
                 scores.append(_image_scores(x[members], mean, factor))
         cal = Calibration.from_scores(torch.cat(scores), rate)
         methods.add(cal.method)

@@ -13,7 +13,6 @@ from padim.core.statistics import (
     merge_states,
     precision,
     precision_factor,
-    subtract_states,
 )
 from padim.core.packing import pack_lower, unpack_lower
 
@@ -130,38 +129,6 @@ def test_in_place_update_rejects_other_shapes():
     acc = GaussianAccumulator().partial_fit(torch.randn(3, 2, 4))
     with pytest.raises(ValueError, match="cannot add a batch"):
         acc.partial_fit(torch.randn(3, 2, 5))
-
-
-@pytest.mark.parametrize("removed", [slice(0, 1), slice(3, 11), slice(0, 29), slice(0, 30)])
-def test_subtract_is_the_exact_reverse_of_merge(removed):
-    # large offset too: the downdate must not lose digits where a sum-of-squares formula would
-    rng = np.random.default_rng(4)
-    x = torch.from_numpy(1e3 + rng.normal(size=(30, 5, 4)) @ rng.normal(size=(4, 4)))
-    keep = torch.ones(30, dtype=torch.bool)
-    keep[removed] = False
-    total, part = stream(x, 7).state, stream(x[removed], 3).state
-    rest = subtract_states(total, part)
-    assert int(rest.count) == int(keep.sum())
-    if int(rest.count) == 0:
-        assert not rest.mean.any() and not rest.comoment.any()
-        return
-    mean = x[keep].numpy().mean(axis=0)
-    np.testing.assert_allclose(rest.mean.numpy(), mean, rtol=1e-12)
-    centred = x[keep].numpy() - mean
-    comoment = np.einsum("npd,npe->pde", centred, centred)
-    # round-off is relative to what was subtracted (the total), not to what is left
-    unpacked = unpack_lower(rest.comoment, 4, symmetric=True).numpy()
-    np.testing.assert_allclose(unpacked, comoment, rtol=1e-8, atol=1e-12 * float(total.comoment.abs().max()))
-    # into the part's own buffer, which a fit reuses to save a (P, D, D) copy
-    again = subtract_states(total, part, out=part)
-    assert again is part
-    torch.testing.assert_close(again.comoment, rest.comoment, rtol=1e-12, atol=1e-12 * float(total.comoment.abs().max()))
-
-
-def test_subtract_refuses_more_than_the_total():
-    x = torch.randn(5, 2, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cannot remove 5 images from statistics of 3"):
-        subtract_states(batch_state(x[:3]), batch_state(x))
 
 
 @pytest.mark.parametrize("block_bytes", [0, 1, 10**9])

@@ -11,6 +11,7 @@ import re
 from importlib import resources
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -161,3 +162,35 @@ def test_dockerignore_keeps_data_out_and_every_copied_source_in():
     for source in copied:
         for path in ([p for p in (ROOT / source).rglob("*.py")] if (ROOT / source).is_dir() else [ROOT / source]):
             assert not ignored(path.relative_to(ROOT).as_posix()), path  # e.g. "models" once hid models/
+
+
+@pytest.mark.parametrize("client", [True, False], ids=["docker-client-alone", "no-docker"])
+def test_test_base_installs_the_engine_when_dockerd_is_missing(tmp_path, client):
+    """``docker/test-base.sh`` installs Debian's docker.io when there is no ``dockerd``, even with a
+    ``docker`` client on PATH (CI machines with the client alone failed with 'dockerd did not start').
+
+    Run on a PATH of its own: the shell tools it uses, a fake ``apt-get`` that records what it is
+    asked to install and then fails (so that the script stops there), and, in one case, a fake
+    ``docker`` client whose ``docker info`` fails as it does without an engine.
+    """
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "env", "cat", "sleep", "seq", "tail"):
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_dir / tool).symlink_to(found)
+    log = tmp_path / "apt.log"
+    fake_apt = bin_dir / "apt-get"
+    fake_apt.write_text(f'#!{shutil.which("bash")}\necho "$*" >> {log}\ncase " $* " in *" install "*) exit 3;; esac\n')
+    fake_apt.chmod(0o755)
+    if client:
+        fake_docker = bin_dir / "docker"
+        fake_docker.write_text(f'#!{shutil.which("bash")}\nexit 1\n')
+        fake_docker.chmod(0o755)
+    done = subprocess.run([str(bin_dir / "bash"), str(ROOT / "docker" / "test-base.sh")], capture_output=True,
+                          text=True, env={"PATH": str(bin_dir)}, timeout=60)
+    assert done.returncode != 0, "the fake apt-get fails, so the script must stop there"
+    installs = [line for line in log.read_text().splitlines() if "install" in line.split()]
+    assert installs, log.read_text()
+    assert "docker.io" in installs[0].split(), installs
+    assert "debootstrap" in installs[0].split(), installs

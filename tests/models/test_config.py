@@ -60,3 +60,15 @@ def test_replace_ignores_none_and_is_frozen():
     assert c.image_size == 64 and c.backbone == "resnet18"
     with pytest.raises(AttributeError):
         c.image_size = 32
+
+
+@pytest.mark.parametrize("name", ["demo", "resnet18", "wide_resnet50_2"])
+def test_the_shipped_configs_load_with_current_names(name):
+    import yaml
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+    values = yaml.safe_load(path.read_text())
+    assert set(values) <= set(PadimConfig.__dataclass_fields__), "configs use the current option names"
+    config = PadimConfig.from_mapping(values, source=str(path))
+    assert config.calibration_folds == "loo" and config.embedding_dim_or_default() == values["embedding_dim"]
