@@ -142,8 +142,8 @@ def write(report: dict, results: Path) -> None:
     lines = [f"padim train vs anomalib 2.7 PaDiM fit: {report['machine']}, torch {report['torch']}, {report['device']}, "
              f"median of {report['rounds']} interleaved runs, {report['date']}"
              + (f", padim {' '.join(report['padim_args'])}" if report["padim_args"] else ""), "",
-             "| case | padim fit+finish+calibrate (s) | calibrate share | padim wall (s) | padim peak RSS (MB) | "
-             "padim planned (MB) | anomalib embed+fit (s) | anomalib wall (s) | anomalib peak RSS (MB) | "
+             "| case | padim fit+finish+calibrate (s) | calibrate share | padim wall (s) | padim peak RSS (MiB) | "
+             "padim planned (MiB) | anomalib embed+fit (s) | anomalib wall (s) | anomalib peak RSS (MiB) | "
              "time padim / anomalib |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
