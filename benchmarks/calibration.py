@@ -28,7 +28,6 @@ import datetime
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianAccumulator, finalise
 from padim.models import Fit, PadimConfig, fit_detector, training_images
 from padim.models.synthetic import CATEGORIES, DEFECTS, generate
-from timing import machine_name
+from timing import machine_name, work_folder
 
 HERE = Path(__file__).resolve().parent
 
@@ -100,7 +99,7 @@ def main() -> None:
     folds = [f if f == "loo" else int(f) for f in args.folds.split(",") if f]
     rules = ["holdout", *(f"folds={k}" for k in folds)]
     torch.set_num_threads(os.cpu_count() or 1)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-calibration-"))
+    work = work_folder(args.workdir, "padim-calibration-")
     data = work / "data"
     if not all((data / c).exists() for c in categories):
         generate(data, tuple(categories), train=max(sizes), test_good=args.fresh, test_defect=args.defects, size=256, seed=11)

@@ -37,7 +37,7 @@ from PIL import Image
 from padim.models.evaluation import compute_metrics, read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.synthetic import generate
-from timing import machine_name, median_seconds, seeded_resnet18
+from timing import machine_name, median_seconds, seeded_resnet18, work_folder
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("weave", "carpet", "tiles")
@@ -75,7 +75,7 @@ def main() -> None:
                          "pip install -c constraints.txt '.[bench]' or point --anomalib-python to a venv that has it")
     anomalib_version = check.stdout.strip()
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-vs-anomalib-"))
+    work = work_folder(args.workdir, "padim-vs-anomalib-")
     size = args.image_size
     data = work / "data"
     if not (data / CATEGORIES[-1]).exists():

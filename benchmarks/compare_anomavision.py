@@ -23,7 +23,6 @@ import json
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -117,9 +116,9 @@ def main() -> int:
     from padim.models.export import ExportError
     from padim.models.runtimes import load_scorer
     from padim.models.synthetic import generate
-    from timing import seeded_resnet18
+    from timing import seeded_resnet18, work_folder
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-vs-anomavision-"))
+    work = work_folder(args.workdir, "padim-vs-anomavision-")
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
     if not category.exists():

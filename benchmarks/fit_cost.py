@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from timing import machine_name, seeded_backbone
+from timing import machine_name, seeded_backbone, work_folder
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CASES = ("resnet18:224:60", "resnet18:224:200", "wide_resnet50_2:128:40", "wide_resnet50_2:224:40")
@@ -72,7 +72,7 @@ def main() -> None:
     from padim.core.artifact import load_artifact
     from padim.models.synthetic import generate
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-fit-cost-"))
+    work = work_folder(args.workdir, "padim-fit-cost-")
     report = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "torch": torch.__version__,
               "device": args.device, "rounds": args.rounds, "padim_args": args.padim_args, "cases": []}
     for case in args.cases:

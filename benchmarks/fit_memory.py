@@ -12,11 +12,11 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from padim.models.synthetic import generate
+from timing import work_folder
 
 
 def fit_once(data: Path, output: Path, args: argparse.Namespace) -> dict:
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-mem-"))
+    work = work_folder(args.workdir, "padim-mem-")
     pool = work / "data" / "carpet" / "train" / "good"
     if len(list(pool.glob("*.png"))) < max(args.counts):
         generate(work / "data", ("carpet",), train=max(args.counts), test_good=0, test_defect=0, size=args.image_size, seed=2)

@@ -11,7 +11,6 @@ times loading it as ``padim serve`` does (training accumulators skipped) and as
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from padim.core import artifact
 from padim.core.artifact import load_artifact, save_artifact, tensor_sha256
 from padim.models import PadimConfig
 from padim.models.backbones import build_backbone, used_state
+from timing import work_folder
 
 
 def model_tensors(backbone: str, size: int = 224) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--backbones", default="resnet18,wide_resnet50_2")
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-load-check-"))
+    work = work_folder(args.workdir, "padim-load-check-")
     print("| model (224 px) | file | bytes read when serving | load when serving | of which the check | "
           "every tensor (`info --verify`) | of which the check |")
     print("|---|---|---|---|---|---|---|")

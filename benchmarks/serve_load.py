@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from PIL import Image
 
 from padim.models import PadimConfig, fit_detector, list_images, training_images
 from padim.models.synthetic import generate
-from timing import median_seconds
+from timing import median_seconds, work_folder
 
 
 def free_port() -> int:
@@ -143,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-serve-bench-"))
+    work = work_folder(args.workdir, "padim-serve-bench-")
     category = work / "data" / "carpet"
     if not category.exists():
         generate(work / "data", ("carpet",), train=40, test_good=16, test_defect=4, size=args.image_size, seed=3)

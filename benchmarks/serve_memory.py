@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
+from timing import work_folder
 
 
 def free_port() -> int:
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--heatmap", action="store_true", help="ask for heat maps too")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="padim-serve-memory-"))
+    work = work_folder(None, "padim-serve-memory-")
     model = args.model or train_model(work)
     bodies = [large_png(args.side, seed) for seed in range(args.concurrent)]
     port = free_port()

@@ -21,7 +21,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.models.evaluation import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.synthetic import generate
-from timing import median_seconds, seeded_resnet18
+from timing import median_seconds, seeded_resnet18, work_folder
 
 def load_batch(paths, detector, batch_size):
     images = [Image.open(p).convert("RGB") for p in paths[:batch_size]]
@@ -54,7 +53,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="keep generated data and weights here")
     args = parser.parse_args()
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="padim-bench-"))
+    work = work_folder(args.workdir, "padim-bench-")
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
     if not category.exists():

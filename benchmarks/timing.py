@@ -4,14 +4,28 @@ resnet18 weights every side of a comparison loads."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def work_folder(workdir: Path | None, prefix: str) -> Path:
+    """``workdir`` when given (kept), else a new temporary folder removed when the script exits,
+    however it exits short of a kill (the benchmarks generate gigabytes of images and models)."""
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return workdir
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
