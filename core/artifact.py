@@ -128,10 +128,8 @@ def copy_artifact(source: str | os.PathLike, target: str | os.PathLike, header: 
     The tensors are streamed from one file to the other; ``target`` may be ``source``.
     """
     source = Path(source)
-    table, _, data_start = _read_table(source)
-    digests = _open(source, load_tensors=False)[1].get("tensor_sha256")  # None for format 1
-    names = [n for n in table if n != "__metadata__"]
-    tensors = {name: _file_stream(source, table, data_start, name, (digests or {}).get(name)) for name in names}
+    table, data_start, old = _model_table(source)
+    tensors = {name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name)) for name in table}
     save_artifact(target, tensors, header)
 
 
@@ -181,24 +179,49 @@ def _stream_of(tensor: torch.Tensor) -> TensorStream:
 
 
 def _write_stream(handle, name: str, entry: TensorStream) -> str:
-    """Write the chunks and return their sha256, hashed on a second thread while the disk writes (both free the GIL)."""
-    digest, written = hashlib.sha256(), 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
-        hashing = None
+    """Write the chunks and return their sha256, hashed while the disk writes (:class:`_Sha256`)."""
+    written = 0
+    with _Sha256() as digest:
         for chunk in entry.chunks():
             if chunk.dtype != entry.dtype:
                 raise ValueError(f"tensor {name!r}: a chunk of {chunk.dtype}, declared {entry.dtype}")
             data = _bytes_of(chunk.detach().contiguous().cpu())
-            if hashing is not None:
-                hashing.result()  # one chunk at a time, in order
-            hashing = hasher.submit(digest.update, data)
+            digest.update(data)
             handle.write(data)
             written += len(data)
-        if hashing is not None:
-            hashing.result()
+        hexdigest = digest.hexdigest()
     if written != entry.nbytes:
         raise ValueError(f"tensor {name!r}: {written} bytes written for a declared {entry.nbytes}")
-    return digest.hexdigest()
+    return hexdigest
+
+
+class _Sha256:
+    """sha256 of pieces fed in order, each hashed on a worker thread while the caller reads or
+    writes the next one (hashlib and file I/O both release the GIL). A context manager: the
+    thread ends with it."""
+
+    def __init__(self):
+        self._digest, self._pending = hashlib.sha256(), None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+
+    def update(self, data) -> None:
+        self._wait()  # one piece at a time, in order; ``data`` must not change until hashed
+        self._pending = self._pool.submit(self._digest.update, data)
+
+    def hexdigest(self) -> str:
+        self._wait()
+        return self._digest.hexdigest()
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def __enter__(self) -> "_Sha256":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _table_bytes(table: dict, header: dict) -> bytes:
@@ -267,66 +290,73 @@ def _file_stream(path: Path, table: dict, data_start: int, name: str, expected: 
     def chunks():
         itemsize = _itemsize(dtype)
         step = max(1, CHUNK_BYTES // itemsize)
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
+        with open(path, "rb") as handle, _Sha256() as digest:
             for first in range(0, (stop - begin) // itemsize, step):
                 count = min(step, (stop - begin) // itemsize - first)
                 out = torch.empty(count, dtype=dtype)
-                _read_into(handle.fileno(), out, data_start + begin + first * itemsize, path)
-                digest.update(_bytes_of(out))
+                _read_into(handle.fileno(), out, data_start + begin + first * itemsize, path,
+                           digest if expected is not None else None)
                 yield out
-        if expected is not None and digest.hexdigest() != expected:
-            raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
-                                "(copy it again, or retrain)")
+            if expected is not None:
+                _check_digest(path, name, digest.hexdigest(), expected)
 
     return TensorStream(dtype, shape, chunks)
 
 
-def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+def _model_table(path: Path) -> tuple[dict, int, dict]:
+    """The tensor table (``__metadata__`` left out), where the tensor data starts, and the padim header."""
     table, _, data_start = _read_table(path)
-    metadata = table.get("__metadata__") or {}
+    metadata = table.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or HEADER_KEY not in metadata:
         raise ArtifactError(f"{path}: a safetensors file, but not a padim model")
-    header = _parse_header(path, metadata[HEADER_KEY])
+    return table, data_start, _parse_header(path, metadata[HEADER_KEY])
+
+
+def _expected_digest(path: Path, header: dict, name: str) -> str | None:
+    """The sha256 the header gives tensor ``name`` (``None`` for an unverified format-1 file)."""
+    if not header["verified"]:
+        return None
+    if name not in header["tensor_sha256"]:
+        raise ArtifactError(f"{path}: tensor {name!r} has no digest in the header; the file was altered")
+    return header["tensor_sha256"][name]
+
+
+def _check_digest(path: Path, name: str, got: str, expected: str) -> None:
+    if got != expected:
+        raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
+                            "(copy it again, or retrain)")
+
+
+def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+    table, data_start, header = _model_table(path)
     tensors = {}
     if not load_tensors:
         return tensors, header
-    digests = header["tensor_sha256"] if header["verified"] else None
-    with open(path, "rb") as handle, ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+    with open(path, "rb") as handle:
         for name, entry in table.items():
-            if name == "__metadata__" or name.startswith(skip_prefixes):
+            if name.startswith(skip_prefixes):
                 continue
-            if digests is not None and name not in digests:
-                raise ArtifactError(f"{path}: tensor {name!r} has no digest in the header; the file was altered")
+            expected = _expected_digest(path, header, name)
             out = torch.empty([int(d) for d in entry["shape"]], dtype=DTYPE_OF[entry["dtype"]])
-            digest = _read_into(handle.fileno(), out, data_start + entry["data_offsets"][0], path,
-                                hasher if digests is not None else None)
-            if digests is not None and digest != digests[name]:
-                raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
-                                    "(copy it again, or retrain)")
+            with _Sha256() as digest:
+                _read_into(handle.fileno(), out, data_start + entry["data_offsets"][0], path,
+                           digest if expected is not None else None)
+                if expected is not None:
+                    _check_digest(path, name, digest.hexdigest(), expected)
             tensors[name] = out
     return tensors, header
 
 
-def _read_into(fd: int, out: torch.Tensor, offset: int, path: Path, hasher: ThreadPoolExecutor | None = None
-               ) -> str | None:
-    """Fill ``out`` from the file at ``offset``; with a ``hasher``, its sha256, hashed chunk by chunk while reading."""
+def _read_into(fd: int, out: torch.Tensor, offset: int, path: Path, digest: _Sha256 | None = None) -> None:
+    """Fill ``out`` from the file at ``offset``, feeding each chunk read to ``digest`` (hashed while the next is read)."""
     view, done = _bytes_of(out), 0
-    digest, hashing = hashlib.sha256(), None
     while done < len(view):
         got = os.preadv(fd, [view[done : done + CHUNK_BYTES]], offset + done)
         if got <= 0:
             raise ArtifactError(f"{path}: not a readable padim model file (truncated or foreign: it ends early)")
-        if hasher is not None:
-            if hashing is not None:
-                hashing.result()
-            hashing = hasher.submit(digest.update, view[done : done + got])
+        if digest is not None:
+            digest.update(view[done : done + got])
         done += got
-    if hasher is None:
-        return None
-    if hashing is not None:
-        hashing.result()
-    return digest.hexdigest()
 
 
 def _parse_header(path: Path, text: str) -> dict:

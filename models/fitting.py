@@ -29,6 +29,7 @@ the factors, and the scores are gathered.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -641,12 +642,7 @@ def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]
 
 def run_lengths(labels: Sequence) -> list[int]:
     """Lengths of the runs of equal consecutive ``labels``: rows per fold, the folds coming one after another."""
-    runs: list[int] = []
-    for i, label in enumerate(labels):
-        if i == 0 or label != labels[i - 1]:
-            runs.append(0)
-        runs[-1] += 1
-    return runs
+    return [len(list(run)) for _, run in itertools.groupby(labels)]
 
 
 def _slices(pixels: int, step: int) -> list[tuple[int, int]]:

@@ -176,3 +176,23 @@ def test_a_damaged_file_is_not_copied(tmp_path):
     with pytest.raises(ArtifactError, match="'a' does not match its digest"):
         artifact.copy_artifact(tmp_path / "m.padim", tmp_path / "copy.padim", {"v": 2})
     assert not (tmp_path / "copy.padim").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.padim"]
+
+
+def test_a_tensor_without_a_digest_is_refused_by_load_and_by_copy(tmp_path):
+    """A verified header (its own digest consistent) that leaves one tensor's digest out: the
+    file was altered. Loading refuses it, and so does copying (which would otherwise give the
+    unchecked tensor a fresh digest in the copy)."""
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.ones(3), "b": torch.zeros(2)}
+    header = {"format_version": artifact.FORMAT_VERSION, "kind": "test",
+              "tensor_sha256": {"a": artifact.tensor_sha256(tensors["a"])}}
+    header["header_sha256"] = artifact._header_sha256(header)
+    path = tmp_path / "altered.padim"
+    save_file(tensors, str(path), metadata={artifact.HEADER_KEY: json.dumps(header, sort_keys=True)})
+    assert read_header(path)["verified"] is True  # the header itself is consistent
+    with pytest.raises(ArtifactError, match="tensor 'b' has no digest in the header; the file was altered"):
+        load_artifact(path)
+    with pytest.raises(ArtifactError, match="tensor 'b' has no digest in the header; the file was altered"):
+        artifact.copy_artifact(path, tmp_path / "copy.padim", {"v": 2})
+    assert not (tmp_path / "copy.padim").exists()
