@@ -9,7 +9,7 @@
 #
 # Behind a TLS-inspecting proxy: put its CA certificate(s) in docker/extra-ca/*.crt, and give a
 # package index with --build-arg PACKAGE_INDEX=https://pypi.example.corp/simple (and/or
-# EXTRA_PACKAGE_INDEX). Both are used by the build stage only; see README.
+# EXTRA_PACKAGE_INDEX). Both are used by the build stage only; see docs/deployment.md.
 # Plain `docker build` and BuildKit both build this file (no `# syntax=` line: that would make
 # BuildKit fetch a frontend image from a registry).
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04

@@ -5,7 +5,8 @@ in: ``cli/`` is ``padim`` itself, ``core/`` is ``padim.core``, ``models/`` is ``
 ``service/`` is ``padim.service``. Every folder with an ``__init__.py`` below them becomes a
 subpackage, so a new module or subpackage cannot be left out of the wheel
 (``tests/test_packaging.py`` builds the wheel and compares it with the tree). The inspection
-console's static files (``service/console/``) ship as package data.
+console's static files (``service/console/``) and the report's template
+(``models/evaluation/report.html``) ship as package data.
 """
 
 from setuptools import find_packages, setup
@@ -21,4 +22,5 @@ def discover() -> list[str]:
 
 
 setup(packages=discover(), package_dir=ROOTS,
-      package_data={"padim.service": ["console/*.html", "console/*.js", "console/*.css"]})
+      package_data={"padim.service": ["console/*.html", "console/*.js", "console/*.css"],
+                    "padim.models.evaluation": ["*.html"]})

@@ -36,7 +36,7 @@ from PIL import Image
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianAccumulator, finalise
 from padim.models import Fit, PadimConfig, fit_detector, training_images
-from padim.models.synthetic import CATEGORIES, DEFECTS, generate
+from padim.models.data.synthetic import CATEGORIES, DEFECTS, generate
 from timing import machine_name, work_folder
 
 HERE = Path(__file__).resolve().parent

@@ -113,9 +113,10 @@ def main() -> int:
     from PIL import Image
 
     from padim.models import PadimConfig, fit_detector, training_images
-    from padim.models.export import ExportError
-    from padim.models.runtimes import load_scorer
-    from padim.models.synthetic import generate
+    from padim.models.deploy.export import ExportError
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.data.synthetic import generate
+    from padim.models.model_file import save_detector
     from timing import seeded_resnet18, work_folder
 
     work = work_folder(args.workdir, "padim-vs-anomavision-")
@@ -126,7 +127,7 @@ def main() -> int:
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
     config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100)
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
-    detector.save(work / "padim.padim")
+    save_detector(detector, work / "padim.padim")
     train_paths = sorted((category / "train" / "good").glob("*.png"))
     test_paths = sorted((category / "test").rglob("*.png"))[: args.batch_size]
     np.save(work / "train.npy", detector.preprocess([Image.open(p).convert("RGB") for p in train_paths]).numpy())

@@ -70,7 +70,7 @@ def main() -> None:
                         help="more `padim train` flags, e.g. --calibration-folds loo (last)")
     args = parser.parse_args()
     from padim.core.artifact import load_artifact
-    from padim.models.synthetic import generate
+    from padim.models.data.synthetic import generate
 
     work = work_folder(args.workdir, "padim-fit-cost-")
     report = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "torch": torch.__version__,

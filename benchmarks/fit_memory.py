@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.synthetic import generate
+from padim.models.data.synthetic import generate
 from timing import work_folder
 
 

@@ -19,7 +19,7 @@ import torch
 from padim.core import artifact
 from padim.core.artifact import load_artifact, save_artifact, tensor_sha256
 from padim.models import PadimConfig
-from padim.models.backbones import build_backbone, used_state
+from padim.models.features.backbones import build_backbone, used_state
 from timing import work_folder
 
 

@@ -33,7 +33,8 @@ import torch
 from PIL import Image
 
 from padim.models import PadimConfig, fit_detector, list_images, training_images
-from padim.models.synthetic import generate
+from padim.models.data.synthetic import generate
+from padim.models.model_file import save_detector
 from timing import median_seconds, work_folder
 
 
@@ -122,7 +123,7 @@ def batch_totals(url: str) -> tuple[float, float]:
 
 def library_throughput(model: Path, images: list[Path], runtime: str, batch_size: int, repeats: int = 7) -> float:
     """img/s of the scorer the server runs (same runtime), on ready tensors, at ``batch_size``."""
-    from padim.models.runtimes import load_scorer
+    from padim.models.deploy.runtimes import load_scorer
 
     detector = load_scorer(model, runtime, "cpu")
     batch = detector.preprocess([Image.open(p).convert("RGB") for p in (images * batch_size)[:batch_size]])
@@ -149,7 +150,7 @@ def main() -> None:
     model = work / "carpet.padim"
     if not model.exists():
         config = PadimConfig(weights="random", image_size=args.image_size, device="cpu")
-        fit_detector(config, training_images(category / "train" / "good"), progress=False)[0].save(model)
+        save_detector(fit_detector(config, training_images(category / "train" / "good"), progress=False)[0], model)
     test_images = list_images(category / "test")
     bodies = [p.read_bytes() for p in test_images]
 

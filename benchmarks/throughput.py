@@ -6,7 +6,7 @@ tensors, and set against this machine's roofs, measured on the spot (sgemm GFLOP
 product, copy bandwidth of 256 MB): each stage's floor is its arithmetic at the sgemm roof or
 its bytes at the bandwidth roof, whichever is longer, and the share of the floor reached is
 printed per stage and for the whole scorer. Then every installed runtime (torch eager, onnxruntime, OpenVINO; see
-padim.models.runtimes) is timed side by side in interleaved rounds, at batch 1 and at
+padim.models.deploy.runtimes) is timed side by side in interleaved rounds, at batch 1 and at
 --batch-size, two ways: the scorer alone (normalised tensor in, maps and scores out) and end to
 end (decoded images in: resize + normalise + scorer). It prints min / median img/s, the ratio
 to torch eager, and the largest score difference from torch. The side-by-side comparison with
@@ -30,9 +30,9 @@ from PIL import Image
 from sklearn.metrics import roc_auc_score
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.models.evaluation import read_mvtec_category
+from padim.models.evaluation.metrics import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
-from padim.models.synthetic import generate
+from padim.models.data.synthetic import generate
 from timing import median_seconds, seeded_resnet18, work_folder
 
 def load_batch(paths, detector, batch_size):
@@ -170,11 +170,12 @@ def floor_report(detector, batch, features, flat, parts: dict, total: float, arg
 
 def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
     """Every installed runtime, interleaved: scorer alone and end to end, batch 1 and batch B."""
-    from padim.models.export import ExportError
-    from padim.models.runtimes import load_scorer
+    from padim.models.deploy.export import ExportError
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.model_file import save_detector
 
     path = work / "throughput.padim"
-    detector.save(path)
+    save_detector(detector, path)
     scorers = {}
     for runtime in ("torch", "onnxruntime", "openvino"):
         try:

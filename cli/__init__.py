@@ -1,6 +1,6 @@
 """padim: PaDiM visual anomaly detection (streaming fit, calibrated verdicts, HTTP service).
 
-The Python API (see the README, "Python API")::
+The Python API (see docs/python-api.md)::
 
     import padim
     detector = padim.fit("data/train/good", weights="random")   # or padim.load("line3.padim")
@@ -8,9 +8,10 @@ The Python API (see the README, "Python API")::
 
 The package is assembled from the repository's top-level folders: ``padim.core`` is
 ``core/``, ``padim.models`` is ``models/``, ``padim.service`` is ``service/``, and this
-folder (``cli/``) is ``padim`` itself, which holds the command line (``padim.cli``).
-Imports point one way: cli -> service -> models -> core. The API names are imported on first
-use, so that ``padim --help`` and ``padim health`` load no torch.
+folder (``cli/``) is ``padim`` itself: the command line's entry point (``padim.cli``) and
+its commands (``padim.commands``, one module each). Imports point one way: cli -> service ->
+models -> core (``tests/test_layers.py`` checks it). The API names are imported on first use,
+so that ``padim --help`` and ``padim health`` load no torch.
 """
 
 from padim.core.lazy import lazy_exports

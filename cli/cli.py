@@ -1,9 +1,9 @@
-"""The ``padim`` command line: the parser, and running a command with one-line errors.
+"""The ``padim`` command line: the parser with every command registered, and one way errors end.
 
-Each command group lives in its own module: :mod:`padim.train` (train, merge),
-:mod:`padim.score` (predict, evaluate), :mod:`padim.export` (export), :mod:`padim.serve` (serve, health) and
-:mod:`padim.tools` (info, fetch-weights, synth). The library they call is in
-:mod:`padim.models` and :mod:`padim.service`.
+The commands are :mod:`padim.commands` (one module each); the library they call is
+:mod:`padim.models` and :mod:`padim.service`. An error of the family
+(:class:`~padim.core.errors.PadimError`) is printed as one line and exits with the status of
+:data:`padim.models.errors.OUTCOMES`; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import argparse
 import logging
 import sys
 
+from padim.core.errors import PadimError
 from padim.core.version import __version__
+from padim.models.errors import outcome
 
-from . import export, score, serve, tools, train
-from .common import ERROR_EXIT, UserError, quiet_option, runtime_options
+from .commands import COMMANDS
 
 EXAMPLES = """\
 examples:
@@ -26,7 +27,6 @@ examples:
   padim serve weave.padim                                # then open http://127.0.0.1:8000/ in a browser
   padim export weave.padim --format onnx --output weave-onnx     # one graph for onnxruntime / OpenVINO / Triton
 """
-
 
 #: Commands that draw progress bars.
 PROGRESS_COMMANDS = {"train", "merge", "predict", "evaluate", "export", "synth"}
@@ -43,9 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      title="commands (padim COMMAND --help for each)")
-    runtime, quiet = runtime_options(), quiet_option()
-    for group in (train, score, export, serve, tools):
-        group.register(commands, runtime, quiet)
+    for command in COMMANDS:
+        command.register(commands)
     return parser
 
 
@@ -60,25 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.quiet or args.command not in PROGRESS_COMMANDS:
             return args.handler(args)
-        from tqdm.contrib.logging import logging_redirect_tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm  # tqdm only for commands that draw bars
 
         with logging_redirect_tqdm():  # a log line during a progress bar gets a line of its own
             return args.handler(args)
     except KeyboardInterrupt:
         print(f"padim {args.command}: interrupted; no partial model file was written", file=sys.stderr)
         return 130
-    except Exception as error:
-        if not isinstance(error, _user_errors()):
-            raise
+    except PadimError as error:
         print(f"padim {args.command}: error: {error}", file=sys.stderr)
-        return ERROR_EXIT
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    """Errors a user can act on, printed in one line (imported only once something was raised:
-    ``padim health`` runs every few seconds in Docker and must not import torch)."""
-    from padim.core import ArtifactError, CalibrationError, NotPositiveDefiniteError
-    from padim.models import ConfigError, ExportError, FitError, ImageError, WeightsError
-
-    return (UserError, ArtifactError, CalibrationError, ConfigError, ExportError, FitError, WeightsError, ImageError,
-            NotPositiveDefiniteError)
+        return outcome(error).exit_status

@@ -7,10 +7,11 @@ do not import torch.
 from .lazy import lazy_exports
 
 EXPORTS = {
-    "artifact": ("ArtifactError", "load_artifact", "read_header", "save_artifact"),
-    "calibration": ("Calibration", "CalibrationError", "fold_of"),
+    "errors": ("ArtifactError", "CalibrationError", "NotPositiveDefiniteError", "PadimError"),
+    "artifact": ("load_artifact", "read_header", "save_artifact"),
+    "calibration": ("Calibration", "fold_of"),
     "scoring": ("anomaly_maps", "image_scores", "squared_mahalanobis"),
-    "statistics": ("GaussianAccumulator", "GaussianState", "NotPositiveDefiniteError", "covariance", "merge_states",
+    "statistics": ("GaussianAccumulator", "GaussianState", "covariance", "merge_states",
                    "precision", "precision_factor"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ArtifactError  # noqa: F401 (part of this module's interface)
+
 FORMAT_VERSION = 3
 #: Header keys added by this module (never part of what the caller saved).
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
@@ -54,10 +56,6 @@ DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: Bytes read or hashed at a time.
 CHUNK_BYTES = 64 * 2**20
-
-
-class ArtifactError(Exception):
-    """A model file that cannot be used; the message is one line meant for the user."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ scoring model has not seen, as a new image on the line will be.
 a Gumbel distribution fitted to those scores by its moments (an image score is the maximum of
 a map, and maxima have Gumbel tails); once there are enough of them for about
 :data:`EMPIRICAL_EXCEEDANCES` to lie above it, their own (conformal) quantile instead. This
-was chosen by measurement (``benchmarks/calibration.py``, README): a normal fit gave up to
+was chosen by measurement (``benchmarks/calibration.py``, docs/calibration.md): a normal fit gave up to
 2.4% false alarms for a requested 1% where the out-of-fold scores are unbiased, the maximum of
 a few scores up to 8% in one category; the Gumbel fit stayed at or below the requested rate.
 Out-of-fold models hold ``1/K`` fewer images than the final one, so their scores run slightly
@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import CalibrationError  # noqa: F401 (part of this module's interface)
+
 #: Confidence of the upper bound stored with every model.
 CONFIDENCE = 0.95
 #: The empirical quantile is used once about this many scores lie above the threshold.
@@ -66,10 +68,6 @@ FALSE_ALARM_RATE_RANGE = (1e-6, 0.5)
 
 #: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores.
 METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile")
-
-
-class CalibrationError(ValueError):
-    """Scores that cannot give a threshold; the message says why."""
 
 
 def fold_of(name: str, folds: int) -> int:

@@ -34,16 +34,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from .errors import NotPositiveDefiniteError  # noqa: F401 (part of this module's interface)
 from .packing import add_lower_products_, packed_length, unpack_lower
 
 ACCUMULATOR_DTYPE = torch.float64
 #: Bytes of float64 embeddings converted at a time when a batch is added (a slice of pixels).
 UPDATE_SLICE_BYTES = 8 * 2**20
-
-
-class NotPositiveDefiniteError(ValueError):
-    """A regularised covariance matrix has no Cholesky factorisation."""
 
 
 @dataclass
@@ -174,8 +172,6 @@ def all_reduce_state_(state: GaussianState, group=None) -> GaussianState:
     ``(P, D)`` and one ``(P, D, D)`` float64 tensor, once. A rank that saw no images passes
     an :func:`empty_state` of the same shape.
     """
-    import torch.distributed as dist
-
     count = state.count.to(ACCUMULATOR_DTYPE)
     dist.all_reduce(count, group=group)
     total = float(count)
@@ -275,7 +271,7 @@ def finalise(
     """Mean and precision factors for scoring, computed in float64 a slice of pixels at a time.
 
     Holds the whole ``(P, D, D)`` result: for a model of any size, a fit derives its factors
-    slice by slice instead (:meth:`padim.models.fitting.Fit.finish`).
+    slice by slice instead (:meth:`padim.models.fit.in_progress.Fit.finish`).
 
     Returns:
         ``mean`` ``(P, D)`` and ``precision_factor`` ``(P, D, D)``, both in ``dtype``.

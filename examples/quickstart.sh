@@ -2,7 +2,7 @@
 # Offline quick start, end to end: generate a small textured data set with synthetic defects,
 # fit a detector with RANDOM (seeded, demo-only) backbone weights, start the HTTP service,
 # score one good and one defective image over HTTP, print both answers, stop the service.
-# Everything lands in ./demo/ (or the folder given as $1). Real use: --weights imagenet (README).
+# Everything lands in ./demo/ (or the folder given as $1). Real use: --weights imagenet (docs/training.md).
 set -euo pipefail
 out=${1:-demo}
 port=${PADIM_DEMO_PORT:-8765}

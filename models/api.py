@@ -15,6 +15,7 @@ The numbers are those of ``padim predict`` and ``POST /score``: the same scorer,
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -28,15 +29,18 @@ import numpy as np
 import torch
 from PIL import Image
 
+from padim.core.artifact import copy_artifact, read_header
 from padim.core.calibration import Calibration
 from padim.core.scoring import resize_map
-
-from .config import ConfigError, PadimConfig
-from .detector import PadimDetector
-from .images import decode_side, iter_batches, list_images, open_image, to_rgb
-from .training import FitError, FitReport, TrainingImage, train, training_images
-from .verdicts import NonFiniteScoreError, Verdict, verdict
-from .visualize import figure, mask_image, overlay
+from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
+from padim.models.config import ConfigError, PadimConfig, read_config_file
+from padim.models.data.images import decode_side, iter_batches, list_images, open_image, to_rgb
+from padim.models.deploy.runtimes import load_scorer
+from padim.models.heatmaps import figure, mask_image, overlay
+from padim.models.model_file import load_detector
+from padim.models.scorer import Scorer
+from padim.models.training import FitError, FitReport, TrainingImage, train, training_images
+from padim.models.verdicts import NonFiniteScoreError, Verdict, verdict
 
 #: What :meth:`Detector.predict` takes as one image: a path, a PIL image, or an ``(H, W)`` /
 #: ``(H, W, 3)`` / ``(H, W, 4)`` uint8 array (RGB order, as PIL and imageio give; 0..255).
@@ -97,8 +101,6 @@ class Prediction(Verdict):
         return {"path": self.source, **super().to_dict(), "weights": self.weights_label}
 
     def _repr_png_(self) -> bytes:  # Jupyter shows the heat map
-        import io
-
         buffer = io.BytesIO()
         self.heatmap().save(buffer, format="PNG")
         return buffer.getvalue()
@@ -113,7 +115,7 @@ class Detector:
     :func:`fit` without ``output``).
     """
 
-    def __init__(self, scorer, report: FitReport | None = None, batch_size: int = 16, workers: int = 2,
+    def __init__(self, scorer: Scorer, report: FitReport | None = None, batch_size: int = DEFAULT_BATCH_SIZE, workers: int = DEFAULT_WORKERS,
                  source: Path | None = None):
         self.scorer = scorer
         self.report = report
@@ -130,7 +132,7 @@ class Detector:
 
     @property
     def runtime(self) -> str:
-        return self.scorer.describe()["runtime"]
+        return self.scorer.runtime
 
     def describe(self) -> dict:
         """What ``padim info`` shows: backbone, weights, calibration and its promises, runtime."""
@@ -143,8 +145,6 @@ class Detector:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the model file (atomically): the file it was read from, statistics included, verified on the way."""
-        from padim.core.artifact import copy_artifact, read_header
-
         if self.source is None or self.source.is_dir():
             raise TypeError("an exported detector cannot be saved as a .padim file; save the one it was exported from")
         copy_artifact(self.source, path, read_header(self.source))
@@ -230,8 +230,8 @@ class Detector:
                              weights_label=weights.label, stamp=weights.stamp)
 
 
-def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = 16,
-         workers: int = 2) -> Detector:
+def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = DEFAULT_BATCH_SIZE,
+         workers: int = DEFAULT_WORKERS) -> Detector:
     """A model file (``padim train``) or an export directory (``padim export``), verified, on a runtime.
 
     Args:
@@ -239,8 +239,6 @@ def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", b
             ``onnxruntime`` or ``openvino``.
         device: ``auto``, ``cpu`` or ``cuda``.
     """
-    from .runtimes import load_scorer
-
     return Detector(load_scorer(Path(path), runtime, device), batch_size=batch_size, workers=workers, source=Path(path))
 
 
@@ -265,9 +263,7 @@ def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathL
     if config is None:
         config = PadimConfig()
     elif not isinstance(config, PadimConfig):
-        import yaml
-
-        config = PadimConfig.from_mapping(yaml.safe_load(Path(config).read_text()) or {}, source=str(config))
+        config = read_config_file(config, label="config")[0]
     allowed = list(PadimConfig.__dataclass_fields__)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -283,7 +279,7 @@ def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathL
             if not found:
                 raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
             report = train(config, found, output, progress=progress, scratch_dir=scratch)
-        scorer = PadimDetector.load(output, device=config.device)
+        scorer = load_detector(output, device=config.device)
     except BaseException:
         if kept is not None:
             shutil.rmtree(kept, ignore_errors=True)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from padim.core.calibration import FALSE_ALARM_RATE_RANGE
+import yaml
 
-from .backbones import BACKBONES
-from .choices import DEVICES, PRECISION_DTYPES, REDUCTIONS
+from padim.core.calibration import FALSE_ALARM_RATE_RANGE
+from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, DEVICES, PRECISION_DTYPES, REDUCTIONS
+from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
+from padim.models.features.backbones import BACKBONES
 
 #: Options of model format 1 (a held-out share for calibration), replaced by cross-fitting.
 RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
@@ -22,11 +25,7 @@ RENAMED = {"features": "embedding_dim"}
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
                      "calibration_folds")
 #: Fields that may differ from run to run of the same fit.
-RUNTIME_FIELDS = ("batch_size", "device", "workers")
-
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed; the message says which values are."""
+RUN_OPTIONS = ("batch_size", "device", "workers")
 
 
 @dataclass(frozen=True)
@@ -71,10 +70,10 @@ class PadimConfig:
     blur_sigma: float = 4.0
     calibration_folds: int | str = "loo"
     false_alarm_rate: float = 0.01
-    batch_size: int = 16
+    batch_size: int = DEFAULT_BATCH_SIZE
     device: str = "auto"
     precision_dtype: str = "auto"
-    workers: int = 2
+    workers: int = DEFAULT_WORKERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -92,9 +91,9 @@ class PadimConfig:
         """Which of ``names`` (default: the fields that decide the statistics) differ from ``other``'s."""
         return [name for name in names if getattr(self, name) != getattr(other, name)]
 
-    def with_runtime(self, runtime: PadimConfig) -> PadimConfig:
-        """This configuration with ``runtime``'s options that do not change the statistics."""
-        return self.replace(**{k: getattr(runtime, k) for k in RUNTIME_FIELDS})
+    def with_run_options(self, options: PadimConfig) -> PadimConfig:
+        """This configuration with ``options``' run options (they do not change the statistics)."""
+        return self.replace(**{k: getattr(options, k) for k in RUN_OPTIONS})
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "config") -> PadimConfig:
@@ -122,6 +121,23 @@ class PadimConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def read_config_file(path: str | Path, label: str = "--config") -> tuple[PadimConfig, set[str]]:
+    """A configuration from a YAML file (as ``configs/*.yaml``), and the option names it sets.
+
+    Raises:
+        ConfigError: an unreadable file, invalid YAML, or an option or value not allowed; the
+            message starts with ``label`` and the path.
+    """
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as error:
+        raise ConfigError(f"{label} {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{label} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    config = PadimConfig.from_mapping(values, source=str(path))
+    return config, {RENAMED.get(key, key) for key in values}
 
 
 def _validate(c: PadimConfig) -> None:

@@ -1,7 +1,7 @@
 """A fitted detector: the scoring model, its calibration, and what it was made from.
 
 :class:`PadimDetector` is what ``padim predict``, ``evaluate`` and the service use. Its model
-file is read and written by :mod:`padim.models.serialization`; it is made by
+file is read and written by :mod:`padim.models.model_file`; it is made by
 :mod:`padim.models.training`.
 """
 
@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
-
-from .backbones import WeightsInfo
-from .config import PadimConfig
-from .features import Embedding
-from .model import PadimModel, ScoreOutput
+from padim.models.config import PadimConfig
+from padim.models.features.backbones import WeightsInfo
+from padim.models.features.embedding import Embedding
+from padim.models.model import PadimModel, ScoreOutput
 
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
@@ -94,7 +92,10 @@ class PadimDetector:
         statistics: the fit's streamed statistics, kept for ``--resume`` (``None`` when not read).
         image_digests: content digests of the fitted images (``--resume`` leaves them out).
         precision_dtype: dtype of the precision factors in the file.
+        runtime: ``torch``, what runs it (see :class:`~padim.models.scorer.Scorer`).
     """
+
+    runtime = "torch"
 
     def __init__(
         self,
@@ -152,21 +153,7 @@ class PadimDetector:
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
                             "folds": self.config.calibration_folds},
             "verified": self.provenance.verified,
-            "runtime": "torch",
+            "runtime": self.runtime,
             "created": self.provenance.created,
             "padim_version": self.provenance.padim_version,
         }
-
-    # ------------------------------------------------------------------ file
-    def save(self, path: str | Path, with_statistics: bool = True, precision_dtype: torch.dtype | None = None) -> None:
-        """Write the model file atomically (see :func:`padim.models.serialization.save_detector`)."""
-        from .serialization import save_detector
-
-        save_detector(self, path, with_statistics, precision_dtype)
-
-    @classmethod
-    def load(cls, path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:
-        """Read a model file, verified (see :func:`padim.models.serialization.load_detector`)."""
-        from .serialization import load_detector
-
-        return load_detector(path, device, with_statistics)

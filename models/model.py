@@ -1,8 +1,8 @@
 """The scoring model: normalised images in, anomaly maps and image scores out (PaDiM, Sec. III-C).
 
 An ``nn.Module`` whose fitted statistics are buffers, so ``.to(device)`` moves everything and
-``state_dict()`` holds everything; fitting (:mod:`padim.models.fitting`), the model file
-(:mod:`padim.models.serialization`) and distributed code (:mod:`padim.models.distributed`) live
+``state_dict()`` holds everything; fitting (:mod:`padim.models.fit.in_progress`), the model file
+(:mod:`padim.models.model_file`) and distributed code (:mod:`padim.models.fit.distributed`) live
 elsewhere. Shapes: ``B`` images, ``S`` the input side, ``P = H * W`` feature-grid pixels, ``D``
 embedding channels.
 """
@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-
-from .features import FeatureEmbedder
+from padim.models.features.embedding import FeatureEmbedder
 
 
 class ScoreOutput(NamedTuple):

@@ -1,8 +1,8 @@
 """Training runs: a new fit, a resumed one, partial fits and their merge, with what happened to each image.
 
 These are what ``padim train`` and ``padim merge`` run (and the Python API). Each turns a list of
-:class:`~padim.models.fitting.TrainingImage` into a model file through a
-:class:`~padim.models.fitting.Fit`, and says in a :class:`FitReport` which images were left
+:class:`~padim.models.fit.in_progress.TrainingImage` into a model file through a
+:class:`~padim.models.fit.in_progress.Fit`, and says in a :class:`FitReport` which images were left
 out and why, what the threshold can promise, and what the fit cost.
 """
 
@@ -16,25 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
-
-from .config import PadimConfig
-from .detector import PadimDetector, Provenance, now
-from .distributed import Shard
-from .fitting import Finished, Fit, Scored, TrainingImage, file_digest
-from .images import list_images
-from .serialization import load_detector, save_fitted
-from .sizing import DoesNotFit, FitPlan, check, free_memory, plan_fit
+from padim.models.config import PadimConfig
+from padim.models.data.images import iter_decoded, list_images
+from padim.models.detector import PadimDetector, Provenance, now
+from padim.models.errors import FitError  # noqa: F401 (part of this module's interface)
+from padim.models.fit.distributed import Shard
+from padim.models.fit.in_progress import Finished, Fit, Scored, TrainingImage, batches_of, file_digest
+from padim.models.fit.memory_plan import DoesNotFit, FitPlan, check, free_memory, plan_fit
+from padim.models.model_file import load_detector, load_fit, save_fitted
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
 MIN_IMAGES = 3
-
-
-class FitError(ValueError):
-    """A fit that cannot go on; the message is one line that says what to do."""
 
 
 def training_images(root: str | Path) -> list[TrainingImage]:
@@ -106,7 +103,7 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
             their out-of-fold scores to its calibration scores. Images it already fitted (same
             content) are left out.
         progress: progress bars on stderr.
-        shard: this process's place under ``torch.distributed`` (see :mod:`padim.models.distributed`).
+        shard: this process's place under ``torch.distributed`` (see :mod:`padim.models.fit.distributed`).
         with_statistics: keep the statistics in the file (``False``: ``--slim``).
         scratch_dir: where pass 1's embeddings and the factors wait (default: ``output``'s folder).
         announce: called with one line before pass 1 (the memory plan, where the spool goes).
@@ -139,18 +136,8 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
     try:
         if shard is not None and not shard.main:
             return report
-        earlier = fit.earlier.scores if fit.earlier is not None else ()
-        if not len(finished.scores) and not earlier:
-            raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
-                           f"the {config.calibration_folds} calibration folds (folds come from file names); add images")
         with report.timed("calibrate"):
-            try:
-                calibration = Calibration.from_scores(
-                    torch.cat([torch.tensor(earlier, dtype=torch.float64), finished.scores]),
-                    config.false_alarm_rate, earlier_scores=len(earlier))
-            except CalibrationError as error:
-                raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
-                               "Train on images of different parts or shots, as the line will see them") from None
+            calibration = _out_of_fold_calibration(fit, finished.scores)
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
         with report.timed("write"):
@@ -201,7 +188,7 @@ def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: 
     return fit, report
 
 
-def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], runtime: PadimConfig,
+def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], run_options: PadimConfig,
                output: str | Path, false_alarm_rate: float | None = None, progress: bool = True,
                with_statistics: bool = True, scratch_dir: str | Path | None = None) -> FitReport:
     """Combine fits of disjoint images (``train --partial`` files), calibrate on images none of them fitted, write ``output``.
@@ -219,25 +206,8 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
     if not parts:
         raise FitError("nothing to merge")
     started = time.perf_counter()
-    merged = Fit.load(parts[0], runtime=runtime)
+    merged, provenances = _merged_parts(parts, run_options)
     merged.config = merged.config.replace(false_alarm_rate=false_alarm_rate)
-    provenances = [merged.provenance]
-    for source in parts[1:]:
-        part = Fit.load(source, runtime=runtime)
-        clash = merged.config.differences(part.config)
-        if clash:
-            key = clash[0]
-            raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
-                           f"{getattr(merged.config, key)!r}; parts must come from the same configuration")
-        if part.weights.sha256 != merged.weights.sha256:
-            raise FitError(f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
-                           f"{merged.weights.sha256[:12]})")
-        if not merged.embedding.same_reduction(part.embedding):
-            raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
-        merge_states_(merged.statistics, part.statistics)
-        merged.image_digests = torch.cat([merged.image_digests, part.image_digests]).sort().values
-        provenances.append(part.provenance)
-        del part
     config = merged.config
     fitted = set(merged.image_digests.tolist())
     seen = [p for p in calibration_images if file_digest(p) in fitted]
@@ -279,6 +249,29 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
 
 
 # ---------------------------------------------------------------------- helpers
+def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tuple[Fit, list[Provenance]]:
+    """The parts' statistics added into the first one's, read one at a time; refused unless they match."""
+    merged = load_fit(parts[0], run_options=run_options)
+    provenances = [merged.provenance]
+    for source in parts[1:]:
+        part = load_fit(source, run_options=run_options)
+        clash = merged.config.differences(part.config)
+        if clash:
+            key = clash[0]
+            raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
+                           f"{getattr(merged.config, key)!r}; parts must come from the same configuration")
+        if part.weights.sha256 != merged.weights.sha256:
+            raise FitError(f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
+                           f"{merged.weights.sha256[:12]})")
+        if not merged.embedding.same_reduction(part.embedding):
+            raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
+        merge_states_(merged.statistics, part.statistics)
+        merged.image_digests = torch.cat([merged.image_digests, part.image_digests]).sort().values
+        provenances.append(part.provenance)
+        del part
+    return merged, provenances
+
+
 def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_statistics: bool, resume: bool,
              shard: Shard | None, announce) -> EmbeddingSpool | None:
     """The memory plan (refused when it does not fit), and the spool when it fits on the disk."""
@@ -310,9 +303,6 @@ def _spooled_scores(fit: Fit) -> Scored:
 def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool | None, progress: bool,
               report: FitReport) -> Scored:
     """Embed the images scored by the fitted model (merge's calibration images): into a spool, or memory."""
-    from .fitting import batches_of
-    from .images import iter_decoded
-    from tqdm.auto import tqdm
 
     names, parts = [], []
     unreadable: list[tuple[Path, str]] = []
@@ -352,6 +342,20 @@ def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics:
     if fit.device.type == "cuda":
         report.cuda_peak = torch.cuda.max_memory_allocated(fit.device)
     return finished
+
+
+def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor) -> Calibration:
+    """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``)."""
+    earlier = fit.earlier.scores if fit.earlier is not None else ()
+    if not len(scores) and not earlier:
+        raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
+                       f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images")
+    try:
+        return Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
+                                       fit.config.false_alarm_rate, earlier_scores=len(earlier))
+    except CalibrationError as error:
+        raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
+                       "Train on images of different parts or shots, as the line will see them") from None
 
 
 def _fold(name: str, config: PadimConfig) -> int | None:

@@ -17,10 +17,7 @@ import numpy as np
 import torch
 
 from padim.core.calibration import Calibration
-
-
-class NonFiniteScoreError(ArithmeticError):
-    """A score or map that is NaN or infinite: no verdict may be given from it."""
+from padim.models.errors import NonFiniteScoreError  # noqa: F401 (part of this module's interface)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -19,8 +18,8 @@ from .errors import install_error_handlers
 from .middleware import BodyGuard, RequestContext
 from .openapi import truthful_openapi
 from .routes import health, metrics, models, score
-from .runtime import Runtime
 from .settings import ServiceSettings, get_settings
+from .state import ServiceState
 
 log = logging.getLogger("padim.service")
 
@@ -42,22 +41,22 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         settings: defaults to :func:`get_settings` (environment).
         on_fatal: called when start-up fails (the server uses it to exit non-zero).
     """
-    runtime = Runtime(settings or get_settings())
+    state = ServiceState(settings or get_settings())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loading = asyncio.create_task(_load(runtime, on_fatal), name="load-models")
+        loading = asyncio.create_task(_load(state, on_fatal), name="load-models")
         try:
             yield
         finally:
-            runtime.draining = True
+            state.draining = True
             if not loading.done():
                 loading.cancel()
-            await runtime.close()
+            await state.close()
 
-    settings = runtime.settings
+    settings = state.settings
     app = FastAPI(title="padim", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.runtime = runtime
+    app.state.service = state
     install_error_handlers(app)
     for module in (health, models, score, metrics):
         app.include_router(module.router)
@@ -67,7 +66,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
                        max_discard_bytes=settings.max_discard_bytes)
     # outermost: sees every response, and answers the requests a drain timeout cancels
-    app.add_middleware(RequestContext, metrics=runtime.metrics, draining=lambda: runtime.draining)
+    app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
     return app
 
 
@@ -94,11 +93,11 @@ def _add_console(app: FastAPI) -> None:
     app.mount("/console", StaticFiles(directory=CONSOLE, html=False), name="console")
 
 
-async def _load(runtime: Runtime, on_fatal: Callable[[], None] | None) -> None:
+async def _load(state: ServiceState, on_fatal: Callable[[], None] | None) -> None:
     try:
-        await runtime.load()
+        await state.load()
     except Exception as error:  # any failure here means the service cannot do its job
-        runtime.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
-        log.error("start-up failed: %s", runtime.startup_error)
+        state.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
+        log.error("start-up failed: %s", state.startup_error)
         if on_fatal is not None:
             on_fatal()

@@ -8,16 +8,16 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from .errors import ApiError
-from .runtime import Runtime
 from .settings import ServiceSettings
+from .state import ServiceState
 
 
-async def get_runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
+async def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
 
 
 async def get_service_settings(request: Request) -> ServiceSettings:
-    return request.app.state.runtime.settings
+    return request.app.state.service.settings
 
 
 async def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
@@ -33,5 +33,5 @@ async def require_api_key(request: Request, settings: Annotated[ServiceSettings,
                        headers={"WWW-Authenticate": "Bearer"})
 
 
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+StateDep = Annotated[ServiceState, Depends(get_state)]
 ApiKey = Depends(require_api_key)

@@ -7,8 +7,11 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from padim.core.errors import PadimError
+from padim.models.errors import outcome
 
 
 class ApiError(Exception):
@@ -17,6 +20,12 @@ class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers
+
+
+def api_error(error: PadimError, message: str | None = None) -> ApiError:
+    """The answer to ``error``: its HTTP status and code from :data:`padim.models.errors.OUTCOMES`."""
+    row = outcome(error)
+    return ApiError(row.http_status, row.code, message or str(error))
 
 
 class BodyTooLarge(ApiError):
@@ -47,6 +56,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return error_response(error.status, error.code, error.message, error.headers)
+
+    @app.exception_handler(PadimError)
+    async def padim_error(request: Request, error: PadimError) -> JSONResponse:
+        if outcome(error).http_status >= 500:
+            logging.getLogger("padim.service").exception("request failed")
+        answer = api_error(error)
+        return error_response(answer.status, answer.code, answer.message)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -45,7 +45,7 @@ class BatchResponse(BaseModel):
 
 
 class CalibrationInfo(BaseModel):
-    """How the threshold was set and what it promises (see the README's Calibration section)."""
+    """How the threshold was set and what it promises (see docs/calibration.md)."""
 
     method: str = Field(description="gumbel_tail, empirical, maximum, manual or quantile (format 1)")
     threshold: float = Field(description="raw threshold (score 0.5)")

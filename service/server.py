@@ -10,7 +10,8 @@ import sys
 import uvicorn
 
 from padim.core.artifact import read_header
-from padim.models.export import METADATA_FILE, read_export
+from padim.models.deploy.export import METADATA_FILE, read_export
+from padim.models.errors import UsageError
 
 from .app import create_app
 from .protocol import ConnectionLimits, guarded_protocol
@@ -53,12 +54,12 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: readiness goes red first, then uvicorn stops accepting and lets
     in-flight requests finish (up to ``drain_timeout_s``), then the models are released."""
 
-    def __init__(self, config: uvicorn.Config, runtime):
+    def __init__(self, config: uvicorn.Config, state):
         super().__init__(config)
-        self.runtime = runtime
+        self.state = state
 
     def handle_exit(self, sig, frame) -> None:
-        self.runtime.draining = True
+        self.state.draining = True
         super().handle_exit(sig, frame)
 
 
@@ -66,7 +67,7 @@ def serve(settings: ServiceSettings) -> int:
     """Validate the model files, then serve until a signal; returns the exit code."""
     files = settings.model_files()
     if not files:
-        raise ValueError("no model to serve: pass --model FILE (repeatable) or set PADIM_MODEL_DIR")
+        raise UsageError("no model to serve: pass --model FILE (repeatable) or set PADIM_MODEL_DIR")
     for path in files:  # missing, truncated, foreign or newer: one-line ArtifactError now
         if (path / METADATA_FILE).is_file():
             read_export(path)
@@ -92,7 +93,7 @@ def serve(settings: ServiceSettings) -> int:
                             timeout_graceful_shutdown=settings.drain_timeout_s, lifespan="on",
                             http=guarded_protocol(limits), timeout_keep_alive=settings.keep_alive_timeout_s,
                             server_header=False, headers=[("server", SERVER_HEADER)])
-    server = DrainingServer(config, app.state.runtime)
+    server = DrainingServer(config, app.state.service)
     # uvicorn re-raises the signal it drained on once its own handlers are gone; with these
     # no-op handlers in place a clean drain ends with exit code 0 instead of death by signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -101,4 +102,4 @@ def serve(settings: ServiceSettings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 1 if app.state.runtime.startup_error else 0
+    return 1 if app.state.service.startup_error else 0

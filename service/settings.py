@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from padim.models.choices import DEFAULT_WORKERS
 
 #: Measured on 2-16 core x86 CPUs: throughput per image is flat from batch 8 upwards.
 CPU_PREFERRED_BATCH = 8
@@ -46,7 +47,7 @@ class ServiceSettings(BaseSettings):
     max_discard_bytes: int = Field(64_000_000, ge=0, description="how much of a refused body (or headers) is read "
                                    "and thrown away before the connection is closed")
     max_image_pixels: int = Field(40_000_000, ge=1, description="larger images get 413 (decompression bombs)")
-    decode_workers: int = Field(2, ge=1, description="threads decoding and resizing images")
+    decode_workers: int = Field(DEFAULT_WORKERS, ge=1, description="threads decoding and resizing images")
     decode_pixel_budget: int | None = Field(
         None, ge=1, description="decoded pixels in flight at once across all requests, which bounds decode "
         "memory (Pillow holds 4 bytes a pixel); default twice max_image_pixels: two images at the limit")

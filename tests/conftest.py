@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import IMAGE_SIZE, run_cli, running_server
-from padim.models.synthetic import generate
+from padim.models.data.synthetic import generate
 
 
 @pytest.fixture(scope="session")

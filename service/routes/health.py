@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from ..deps import RuntimeDep
+from ..deps import StateDep
 from ..schemas import LiveResponse, ReadyResponse
 
 router = APIRouter(prefix="/health", tags=["health"])
@@ -15,8 +15,8 @@ async def live() -> LiveResponse:
 @router.get("/ready", summary="every model is loaded and warm, and the server is not draining (always open)",
             response_model=ReadyResponse, response_model_exclude_none=True,
             responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}})
-async def ready(runtime: RuntimeDep):
-    if runtime.ready and not runtime.draining:
-        return ReadyResponse(status="ready", models=list(runtime.models))
-    reason = "draining" if runtime.draining else ("failed: " + runtime.startup_error if runtime.startup_error else "loading")
+async def ready(state: StateDep):
+    if state.ready and not state.draining:
+        return ReadyResponse(status="ready", models=list(state.models))
+    reason = "draining" if state.draining else ("failed: " + state.startup_error if state.startup_error else "loading")
     return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)

@@ -1,7 +1,7 @@
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..deps import RuntimeDep
+from ..deps import StateDep
 
 router = APIRouter(tags=["metrics"])
 
@@ -9,7 +9,7 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", summary="Prometheus metrics (open, for scrapers)", response_class=Response,
             responses={200: {"description": "Prometheus text format",
                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
-async def metrics(runtime: RuntimeDep) -> Response:
-    for name, model in runtime.models.items():
-        runtime.metrics.queue_depth.labels(name).set(model.batcher.admitted)
-    return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(state: StateDep) -> Response:
+    for name, model in state.models.items():
+        state.metrics.queue_depth.labels(name).set(model.batcher.admitted)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -10,12 +10,12 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from ..deps import ApiKey, RuntimeDep
+from ..batching import Admission
+from ..deps import ApiKey, StateDep
 from ..errors import ApiError
 from ..openapi import error_responses
-from ..batching import Admission
-from ..runtime import Runtime, ServedModel
 from ..schemas import BatchResponse, ScoreResponse
+from ..state import ServedModel, ServiceState
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 
@@ -47,60 +47,60 @@ ThresholdQ = Annotated[float | None, Query(ge=0, le=1, description="override the
 
 @router.post("/score", response_model=ScoreResponse, response_model_exclude_unset=True, openapi_extra=_image_body(False),
              responses=ERRORS, summary="score one image with the default model")
-async def score(request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None):
-    return await _score(request, runtime, None, heatmap, mask, threshold, many=False)
+async def score(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None):
+    return await _score(request, state, None, heatmap, mask, threshold, many=False)
 
 
 @router.post("/models/{name}/score", response_model=ScoreResponse, response_model_exclude_unset=True,
              openapi_extra=_image_body(False), responses=ERRORS, summary="score one image with the named model")
-async def score_with(name: str, request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
+async def score_with(name: str, request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
                      threshold: ThresholdQ = None):
-    return await _score(request, runtime, name, heatmap, mask, threshold, many=False)
+    return await _score(request, state, name, heatmap, mask, threshold, many=False)
 
 
 @router.post("/score/batch", response_model=BatchResponse, response_model_exclude_unset=True, openapi_extra=_image_body(True),
              responses=ERRORS, summary="score several images (multipart 'file' parts), one result each, in order")
-async def score_batch(request: Request, runtime: RuntimeDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
+async def score_batch(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
                       threshold: ThresholdQ = None, model: Annotated[str | None, Query(description="model name")] = None):
-    return await _score(request, runtime, model, heatmap, mask, threshold, many=True)
+    return await _score(request, state, model, heatmap, mask, threshold, many=True)
 
 
-async def _score(request: Request, runtime: Runtime, name: str | None, heatmap: bool, mask: bool,
+async def _score(request: Request, state: ServiceState, name: str | None, heatmap: bool, mask: bool,
                  threshold: float | None, many: bool) -> dict:
     started = time.perf_counter()
-    served = runtime.model(name)
+    served = state.model(name)
     request.state.model = served.name
-    datas, form_options = await _read_images(request, many, runtime.settings.batch_limit())
+    datas, form_options = await _read_images(request, many, state.settings.batch_limit())
     heatmap = form_options.get("heatmap", heatmap)
     mask = form_options.get("mask", mask)
     threshold = form_options.get("threshold", threshold)
     with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-        results = await _score_images(runtime, served, datas, admission, threshold, heatmap, mask)
+        results = await _score_images(state, served, datas, admission, threshold, heatmap, mask)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
         return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
     return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
 
 
-async def _score_images(runtime: Runtime, served: ServedModel, datas: list[bytes], admission: Admission,
+async def _score_images(state: ServiceState, served: ServedModel, datas: list[bytes], admission: Admission,
                         threshold, heatmap, mask) -> list[dict]:
     loop = asyncio.get_running_loop()
-    decoded = await asyncio.gather(*[loop.run_in_executor(runtime.decode, runtime.decode_image, served, d, heatmap)
+    decoded = await asyncio.gather(*[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap)
                                      for d in datas])
     del datas  # the encoded bytes are not needed any more
     futures = []
     try:
         for image in decoded:
             futures.append(served.batcher.submit(image.tensor, admission))
-        scored = await asyncio.wait_for(asyncio.gather(*futures), timeout=runtime.settings.request_timeout_s)
+        scored = await asyncio.wait_for(asyncio.gather(*futures), timeout=state.settings.request_timeout_s)
     except TimeoutError:
-        raise ApiError(504, "timeout", f"not scored within {runtime.settings.request_timeout_s:g} s; the server is overloaded") from None
+        raise ApiError(504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded") from None
     finally:
         for future in futures:  # a failed or abandoned request leaves nothing for the batcher to do
             if not future.done():
                 future.cancel()
     return list(await asyncio.gather(*[
-        loop.run_in_executor(runtime.decode, runtime.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
+        loop.run_in_executor(state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
         for image, (raw, anomaly_map) in zip(decoded, scored)
     ]))
 

@@ -95,7 +95,7 @@ def test_predict_outputs(model_file, dataset, tmp_path):
     rel = os.path.relpath(first["path"], dataset / "test")
     heat = Image.open(out / "heatmaps" / (os.path.splitext(rel)[0] + ".png"))
     source = Image.open(first["path"])
-    # band above, original | overlay, colour bar below (tests/models/test_visualize.py)
+    # band above, original | overlay, colour bar below (tests/models/test_heatmaps.py)
     assert heat.width >= 2 * source.width and heat.height > source.height
     anomaly_map = np.load(out / "maps" / (os.path.splitext(rel)[0] + ".npy"))
     assert anomaly_map.dtype == np.float32 and anomaly_map.shape == (source.height, source.width)
@@ -257,16 +257,16 @@ def test_identical_images_are_a_clear_refusal(dataset, tmp_path):
 
 def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path, monkeypatch, capsys):
     from padim.cli import main
-    from padim.models import PadimDetector
+    from padim.models.deploy import runtimes
 
-    load = PadimDetector.load.__func__
+    load = runtimes.load_detector
 
-    def poisoned(cls, *args, **kwargs):
-        detector = load(cls, *args, **kwargs)
+    def poisoned(*args, **kwargs):
+        detector = load(*args, **kwargs)
         detector.model.mean[0, 0] = float("nan")
         return detector
 
-    monkeypatch.setattr(PadimDetector, "load", classmethod(poisoned))
+    monkeypatch.setattr(runtimes, "load_detector", poisoned)
     code = main(["-q", "predict", str(model_file), str(dataset / "test" / "hole"), "--output", str(tmp_path / "o"),
                      "--runtime", "torch"])  # the poisoned torch model itself
     captured = capsys.readouterr()
@@ -285,7 +285,7 @@ def test_offline_imagenet_is_a_clear_error(dataset, tmp_path):
 
 
 def test_interrupted_training_leaves_no_file(tmp_path):
-    from padim.models.synthetic import generate
+    from padim.models.data.synthetic import generate
 
     (category,) = generate(tmp_path / "data", ("carpet",), train=300, test_good=0, test_defect=0, size=64)
     output = tmp_path / "m.padim"
@@ -365,3 +365,24 @@ def test_evaluate_writes_no_file_unless_asked_and_a_report_when_asked(model_file
         assert heading in page, heading
     assert page.count('src="data:image/png;base64,') == 4 + 2 + 2  # three curves and histograms, two cards each
     assert "http://" not in page and "https://" not in page  # self-contained: opens offline
+
+
+def test_help_and_health_load_no_torch():
+    """``padim --help``, every ``padim COMMAND --help`` and ``padim health`` (Docker runs it every few seconds)
+    import no torch: the commands import the library inside ``run``."""
+    script = (
+        "import sys, contextlib, io\n"
+        "from padim.cli import main\n"
+        "from padim.commands import COMMANDS\n"
+        "names = [c.__name__.rpartition('.')[2].replace('_', '-') for c in COMMANDS]\n"
+        "for argv in [['--help'], *[[n, '--help'] for n in names]]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n"
+        "    status = main(['health', '--url', 'http://127.0.0.1:9/health/ready', '--timeout', '1'])\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'numpy', 'PIL', 'fastapi') if m in sys.modules)\n"
+        "print(status, len(names), heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "10", "[]"], result.stdout

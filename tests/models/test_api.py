@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ import padim
 from helpers import IMAGE_SIZE, SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli
 from padim.models import ConfigError, ImageError
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.load_sensitive
@@ -84,16 +82,3 @@ def test_fit_from_in_memory_images_and_bad_input_errors(dataset):
         padim.fit(images, weights="random", bogus=1)
     with pytest.raises(ImageError, match="no such file"):
         detector.predict("nowhere/part.png")
-
-
-def test_the_readme_python_example_runs(dataset, tmp_path, monkeypatch):
-    """The README's "Python API" block, run as written on the test data set."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Python API"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").symlink_to(dataset.parent)
-    namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
-    assert (tmp_path / "weave.padim").exists() and (tmp_path / "hole.png").exists()
-    assert namespace["result"].is_anomaly in (True, False)

@@ -47,7 +47,7 @@ def test_which_fields_shape_the_statistics():
     base = PadimConfig()
     assert base.differences(base.replace(batch_size=4, device="cpu", false_alarm_rate=0.05)) == []
     assert base.differences(base.replace(image_size=128, seed=3)) == ["image_size", "seed"]
-    assert base.with_runtime(PadimConfig(batch_size=4, workers=0)).batch_size == 4
+    assert base.with_run_options(PadimConfig(batch_size=4, workers=0)).batch_size == 4
 
 
 def test_retired_hold_out_options_say_what_replaced_them():

@@ -11,6 +11,7 @@ from helpers import tensor_byte_ranges
 from padim.core.artifact import ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
+from padim.models.model_file import load_detector, load_fit, save_detector
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 
@@ -34,8 +35,8 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
     exact = detector.score(batch)
     for dtype in (torch.float32, torch.float16):
         path = tmp_path / f"{dtype}.padim"
-        detector.save(path, precision_dtype=dtype)
-        loaded = PadimDetector.load(path, device="cpu", with_statistics=True)
+        save_detector(detector, path, precision_dtype=dtype)
+        loaded = load_detector(path, device="cpu", with_statistics=True)
         out = loaded.score(batch)
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # the README's promise for float16
         rel = ((out.raw_scores - exact.raw_scores).abs() / exact.raw_scores).max()
@@ -52,19 +53,18 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
         assert torch.equal(loaded.statistics.comoment, detector.statistics.comoment)
         assert torch.equal(loaded.image_digests, detector.image_digests)
     slim = tmp_path / "slim.padim"
-    detector.save(slim, with_statistics=False)
+    save_detector(detector, slim, with_statistics=False)
     accumulator_bytes = 16 * 16 * (100 * 101 // 2) * 8  # packed float64 comoment, P=16x16, D=100
     saved = (tmp_path / "torch.float16.padim").stat().st_size - slim.stat().st_size
     assert accumulator_bytes <= saved < accumulator_bytes * 1.1
-    from padim.models import Fit
 
     with pytest.raises(ArtifactError, match="slim"):
-        Fit.load(slim)
+        load_fit(slim)
 
 
 def test_a_flipped_bit_in_each_stored_tensor_is_refused(detector, tmp_path):
     clean = tmp_path / "clean.padim"
-    detector.save(clean)
+    save_detector(detector, clean)
     data = clean.read_bytes()
     ranges = tensor_byte_ranges(clean)
     assert {"mean", "precision_factor", "calibration.scores", "statistics.comoment"} <= set(ranges)
@@ -74,17 +74,17 @@ def test_a_flipped_bit_in_each_stored_tensor_is_refused(detector, tmp_path):
         flipped[(start + end) // 2] ^= 0x10
         broken.write_bytes(bytes(flipped))
         with pytest.raises(ArtifactError, match=f"tensor '{name}' does not match its digest"):
-            PadimDetector.load(broken, device="cpu", with_statistics=True)
+            load_detector(broken, device="cpu", with_statistics=True)
 
 
 def test_a_nan_in_the_mean_is_refused_even_with_a_valid_digest(detector, tmp_path):
     path = tmp_path / "m.padim"
-    detector.save(path)
+    save_detector(detector, path)
     tensors, header = load_artifact(path)
     tensors["mean"][3, 7] = float("nan")
     save_artifact(path, tensors, header)  # digests now match the NaN
     with pytest.raises(ArtifactError, match="'mean' holds NaN"):
-        PadimDetector.load(path, device="cpu")
+        load_detector(path, device="cpu")
 
 
 def test_non_finite_scores_are_found(detector, images):
@@ -117,10 +117,9 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     """A file as the first version wrote it: held-out calibration, no digests."""
     from safetensors.torch import save_file
 
-    from padim.models import Fit
 
     path = tmp_path / "new.padim"
-    detector.save(path)
+    save_detector(detector, path)
     tensors, header = load_artifact(path)
     tensors["calibration.normal_scores"] = tensors.pop("calibration.scores")[:5]
     del tensors["image_digests"]
@@ -137,13 +136,13 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "old.padim"),
               metadata={"padim": json.dumps(old)})
     with caplog.at_level("WARNING"):
-        loaded = PadimDetector.load(tmp_path / "old.padim", device="cpu")
+        loaded = load_detector(tmp_path / "old.padim", device="cpu")
     assert "integrity is not verified" in caplog.text and "train it again" in caplog.text
     assert loaded.calibration.threshold == 21.5 and loaded.calibration.method == "quantile"
     assert loaded.describe()["verified"] is False and loaded.provenance.calibration_source == "held_out"
     batch = detector.preprocess(pictures(images, 2))
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0)  # float16 factors
-    resumed, report = fit_detector(CONFIG, images[:4], resume=Fit.load(tmp_path / "old.padim"), progress=False)
+    resumed, report = fit_detector(CONFIG, images[:4], resume=load_fit(tmp_path / "old.padim"), progress=False)
     assert resumed.calibration.earlier_scores == 5
     assert int(resumed.statistics.count) == int(detector.statistics.count) + 4
 
@@ -163,23 +162,22 @@ def older_format(path, target, version: int) -> None:
 
 
 def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, images, dataset, tmp_path):
-    from padim.models import Fit
 
-    detector.save(tmp_path / "new.padim")
+    save_detector(detector, tmp_path / "new.padim")
     older_format(tmp_path / "new.padim", tmp_path / "two.padim", 2)
-    loaded = PadimDetector.load(tmp_path / "two.padim", device="cpu", with_statistics=True)
+    loaded = load_detector(tmp_path / "two.padim", device="cpu", with_statistics=True)
     assert loaded.provenance.verified
     assert loaded.calibration == detector.calibration and torch.equal(loaded.statistics.comoment, detector.statistics.comoment)
     batch = detector.preprocess(pictures(images, 2))
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
     # evaluate --calibrate on it: written again, in this format
     from padim.core.artifact import read_header
-    from padim.models.serialization import store_calibration
+    from padim.models.model_file import store_calibration
 
     store_calibration(tmp_path / "two.padim", loaded.calibration.with_threshold(21.5))
     header = read_header(tmp_path / "two.padim")
     assert header["format_version"] == 3 and header["has_statistics"]
     assert header["calibration"]["threshold"] == 21.5 and header["calibration"]["method"] == "manual"
     fresh = [TrainingImage(p, f"more/{p.name}") for p in list_images(dataset / "test" / "good")]
-    resumed, _ = fit_detector(CONFIG, fresh, resume=Fit.load(tmp_path / "two.padim"), progress=False)
+    resumed, _ = fit_detector(CONFIG, fresh, resume=load_fit(tmp_path / "two.padim"), progress=False)
     assert int(resumed.statistics.count) == 30 + len(fresh) and resumed.calibration.earlier_scores == 30

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from helpers import running_server
 from padim.service.app import create_app
-from padim.service.runtime import Runtime
+from padim.service.state import ServiceState
 from padim.service.settings import ServiceSettings
 
 
@@ -33,13 +33,13 @@ def wait_ready(client: TestClient) -> None:
 
 def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeypatch):
     release = threading.Event()
-    original = Runtime._load_one
+    original = ServiceState._load_one
 
     def slow_load(self, path):
         assert release.wait(30)
         return original(self, path)
 
-    monkeypatch.setattr(Runtime, "_load_one", slow_load)
+    monkeypatch.setattr(ServiceState, "_load_one", slow_load)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
         assert client.get("/health/live").status_code == 200
         ready = client.get("/health/ready")
@@ -53,7 +53,7 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
 
 @pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
 def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch, runtime):
-    original = Runtime._load_one
+    original = ServiceState._load_one
 
     def poisoned(self, path):  # a model damaged in memory, after its file was verified
         detector, sha256 = original(self, path)
@@ -68,7 +68,7 @@ def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, 
             detector._session.run = nan_run
         return detector, sha256
 
-    monkeypatch.setattr(Runtime, "_load_one", poisoned)
+    monkeypatch.setattr(ServiceState, "_load_one", poisoned)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu", runtime=runtime))) as client:
         wait_ready(client)
         for response in (client.post("/score", content=png(dataset), headers={"content-type": "image/png"}),
@@ -167,12 +167,12 @@ def test_image_modes_are_scored_like_rgb(server, dataset, mode):
     assert scores[0].json()["raw_score"] == pytest.approx(scores[1].json()["raw_score"], rel=1e-5)
 
 
-def test_every_setting_is_in_the_readme_table():
+def test_every_setting_is_in_the_docs_settings_table():
     from pathlib import Path
 
     from padim.service.settings import ServiceSettings
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme[readme.index("**Settings** come from"):readme.index("## Deployment with Docker")]
+    page = (Path(__file__).parents[2] / "docs" / "http-api.md").read_text()
+    table = page[page.index("**Settings** come from"):]
     missing = [f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table]
-    assert not missing, f"not in the README's settings table: {missing}"
+    assert not missing, f"not in the settings table of docs/http-api.md: {missing}"

@@ -1,0 +1,75 @@
+"""``padim evaluate``: metrics on an MVTec AD-layout category, and an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from padim.models.errors import UsageError
+
+from ..options import batch_size, quiet_option, run_options, runtime_option, workers
+from .predict import load
+
+
+def register(commands) -> None:
+    evaluate = commands.add_parser(
+        "evaluate", parents=[run_options(), runtime_option(), quiet_option()], help="metrics on an MVTec AD-layout category",
+        description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30% FPR) and F1 "
+        "at the model's threshold, plus the F1-optimal threshold, as JSON on stdout. --output also writes it to a "
+        "file; --report DIR writes an HTML report (curves, histograms, the worst false alarms and misses with their "
+        "heat maps; images embedded, opens offline) and evaluation.json into DIR. "
+        "The model file changes only with --calibrate.",
+    )
+    evaluate.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
+    evaluate.add_argument("category_dir", type=Path, metavar="CATEGORY_DIR",
+                          help="folder with test/<good|defect>/ and ground_truth/<defect>/")
+    evaluate.add_argument("--output", "-o", type=Path, metavar="FILE",
+                          help="also write the JSON to this file (default: stdout only)")
+    evaluate.add_argument("--report", type=Path, metavar="DIR",
+                          help="write DIR/report.html and DIR/evaluation.json")
+    evaluate.add_argument("--gallery", type=int, default=6, metavar="N",
+                          help="worst false alarms and worst misses shown in the report, each (default 6)")
+    evaluate.add_argument("--calibrate", action="store_true",
+                          help="store the F1-optimal threshold in the model file (a .padim file, not an export)")
+    evaluate.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` and `padim health` load no torch
+    from padim.models.deploy.runtimes import is_export
+    from padim.models.evaluation.metrics import compute_metrics, score_category
+    from padim.models.evaluation.report import write_report
+
+    if args.calibrate and is_export(args.model):
+        raise UsageError(f"{args.model}: --calibrate writes the threshold into the .padim model file; "
+                         "calibrate that file, then export it again")
+    detector = load(args)
+    scored = score_category(detector, args.category_dir, batch_size(args), workers(args), progress=not args.quiet)
+    result = {"category": str(args.category_dir),
+              **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks),
+              "model": str(args.model), "runtime": detector.runtime, "weights": detector.weights.label}
+    if args.calibrate:
+        _calibrate(args.model, detector, scored, result)
+    if args.report is not None:
+        result["report"] = str(write_report(args.report, scored, result, detector, str(args.model), args.gallery))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _calibrate(model: Path, detector, scored, result: dict) -> None:
+    """Store the F1-optimal threshold in ``model``; what it gives on the same images goes into ``result``."""
+    from padim.models.evaluation.metrics import threshold_metrics  # torch: not for --help
+    from padim.models.model_file import store_calibration
+
+    if "f1_optimal_raw_threshold" not in result:
+        raise UsageError("--calibrate needs both good and defective test images")
+    calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
+    store_calibration(model, calibration)  # the file's tensors are copied as they are
+    detector.calibration = calibration  # the report shows the threshold now stored
+    scored.raw_threshold = calibration.threshold  # F1, confusion counts, the report's marks at the new threshold
+    result.update(threshold_metrics(scored.samples, scored.raw_scores, scored.raw_threshold))
+    result["calibrated"] = True

@@ -1,0 +1,45 @@
+"""``padim info``: a model file's metadata as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..options import quiet_option
+
+
+def register(commands) -> None:
+    info = commands.add_parser(
+        "info", parents=[quiet_option()], help="print a model file's metadata as JSON",
+        description="What a model file holds: images fitted, calibration (scores used, threshold, requested and "
+        "promised false-alarm rates), backbone, and its full header. The header's digest is always checked.")
+    info.add_argument("model", type=Path, metavar="MODEL", help="model file")
+    info.add_argument("--verify", action="store_true", help="also check every tensor against its digest (reads the whole file)")
+    info.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` and `padim health` load no torch
+    from padim.core.artifact import load_artifact, read_header
+    from padim.models.features.backbones import WeightsInfo
+
+    header = load_artifact(args.model)[1] if args.verify else read_header(args.model)
+    config = header.get("config", {})
+    calibration = header.get("calibration") or {}
+    summary = {
+        "file": str(args.model),
+        "size_bytes": args.model.stat().st_size,
+        "kind": header.get("kind"),
+        "verified": "every tensor" if args.verify and header["verified"] else ("header" if header["verified"] else False),
+        "backbone": config.get("backbone"),
+        "image_size": config.get("image_size"),
+        "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
+        "fit_image_count": header.get("fit_image_count"),
+        "unreadable_image_count": header.get("unreadable_image_count"),
+        "calibration": {**calibration, "source": header.get("calibration_source"),
+                        "folds": config.get("calibration_folds")} if calibration else None,
+        "header": header,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0

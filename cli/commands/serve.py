@@ -1,0 +1,64 @@
+"""``padim serve``: the HTTP service (FastAPI) and its inspection console."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from padim.models.choices import DEVICES, RUNTIMES
+from padim.models.errors import UsageError
+
+from ..options import RUNTIME_HELP, quiet_option
+
+
+def settings_names() -> str:
+    """Every service setting as its PADIM_* variable (pydantic only: ``padim --help`` stays torch-free)."""
+    from padim.service.settings import ServiceSettings  # pydantic only, no torch: --help lists the variables
+
+    return ", ".join(f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields)
+
+
+def register(commands) -> None:
+    serve = commands.add_parser(
+        "serve", parents=[quiet_option()], help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
+        description="Serve one or more model files or export directories. Each is named by its file stem; the first "
+        "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
+        "/docs. "
+        f"Flags override PADIM_* environment variables ({settings_names()}; see docs/deployment.md). "
+        "The API key is read from PADIM_API_KEY only, never from a flag.",
+    )
+    serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",
+                       help="model files (padim train) or export directories (padim export)")
+    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="MODEL",
+                       help="the same, as a flag (repeatable; the older spelling)")
+    serve.add_argument("--model-dir", type=Path, help="serve every *.padim and export directory in this directory")
+    serve.add_argument("--default-model", help="name of the default model (default: the first)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
+    serve.add_argument("--port", type=int, help="default 8000")
+    serve.add_argument("--device", choices=DEVICES, help="default auto: cuda when torch sees a GPU")
+    serve.add_argument("--runtime", choices=RUNTIMES, help=RUNTIME_HELP)
+    serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
+    serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    serve.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` and `padim health` load no torch
+    from pydantic import ValidationError
+
+    from padim.service.server import serve
+    from padim.service.settings import ServiceSettings
+
+    args.models = [*args.model_args, *(args.models or [])] or None
+    if args.quiet and args.log_level is None:
+        args.log_level = "warning"
+    flags = {k: getattr(args, k) for k in ("models", "model_dir", "default_model", "host", "port", "device",
+                                           "runtime", "max_batch_size", "max_delay_ms", "log_level")}
+    try:
+        settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise UsageError(f"{'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']} "
+                         f"(given {first.get('input')!r})") from None
+    return serve(settings)

@@ -1,0 +1,203 @@
+"""``padim train``: fit a detector on a folder of normal images."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from padim.models.choices import PRECISION_DTYPES, REDUCTIONS
+from padim.models.errors import UsageError
+
+from ..options import quiet_option, run_options
+
+DESCRIPTION = (
+    "Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
+    "Every image is read through the backbone once, fitted, and also scored by the model of the images "
+    "outside its calibration fold (folds come from file names; that model is derived from the fitted one, "
+    "not fitted again); those out-of-fold scores set the threshold for the false-alarm rate you ask for "
+    "(--false-alarm-rate), and train says what that threshold can promise. Unreadable images are left out "
+    "and named. Before it starts, train says how much memory the fit needs, and refuses one that would not "
+    "fit, naming what would. Memory does not grow with the number of images: their embeddings wait on disk "
+    "(--scratch-dir) until the calibration. Under torchrun "
+    "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
+    "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file.")
+
+
+def register(commands) -> None:
+    train = commands.add_parser("train", parents=[run_options(), quiet_option()],
+                                help="fit a detector on a folder of normal images", description=DESCRIPTION)
+    train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
+    train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
+    train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
+    _model_options(train.add_argument_group("what the detector computes (fixed once fitted: --resume and merge keep them)"))
+    _file_options(train.add_argument_group("the verdict and the file"))
+    train.add_argument("--scratch-dir", type=Path, metavar="DIR",
+                       help="where the images' embeddings (float32, P x D per image) and the precision factors wait "
+                       "during the fit, in files removed when it ends however it ends (default: the output's folder); "
+                       "when they would not fit on its disk, the calibration embeds the images again instead")
+    train.set_defaults(handler=run)
+
+
+def _model_options(model) -> None:
+    model.add_argument("--backbone", help="torchvision ResNet-family name (default resnet18)")
+    model.add_argument("--weights", help="imagenet (default; torchvision cache), random (demo/tests only, seeded) "
+                       "or a state_dict path")
+    model.add_argument("--image-size", type=int, metavar="PX", help="side of the square model input, a multiple of 16 "
+                       "(of 32 with layer4) (default 224)")
+    model.add_argument("--layers", help="comma-separated stages, shallowest first (default layer1,layer2,layer3)")
+    model.add_argument("--embedding-dim", "--features", dest="embedding_dim", type=int, metavar="D",
+                       help="embedding size after reduction (default 100 for resnet18, 550 for wide_resnet50_2)")
+    model.add_argument("--reduction", choices=REDUCTIONS, help="channel subset (paper, default) or semi-orthogonal projection")
+    model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
+    model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
+    model.add_argument("--calibration-folds", type=folds_value, metavar="K",
+                       help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
+                       "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
+                       "fewer images, so a more cautious threshold; one more factorisation per distinct fold size)")
+
+
+def _file_options(verdicts) -> None:
+    verdicts.add_argument("--false-alarm-rate", type=float, metavar="RATE",
+                          help="share of normal images the threshold may flag (default 0.01); may change on --resume")
+    verdicts.add_argument("--precision-dtype", choices=PRECISION_DTYPES,
+                          help="storage of the precision factors (default auto: float16 when scores stay within 1e-3)")
+    verdicts.add_argument("--resume", type=Path, metavar="MODEL",
+                          help="add DATA_DIR's images to this model's statistics (old images are not re-read; images it "
+                          "already fitted, by content, are left out); their out-of-fold scores join the model's")
+    verdicts.add_argument("--slim", action="store_true",
+                          help="leave the statistics out of the file (about 4x smaller for resnet18; cannot be resumed)")
+    verdicts.add_argument("--partial", action="store_true",
+                          help="fit every image and write only the statistics, to be combined later by `padim merge` "
+                          "(for shards fitted on separate machines or at separate times)")
+
+
+def folds_value(text: str) -> int | str:
+    """``--calibration-folds``: an integer, or ``loo``."""
+    if text.strip().lower() == "loo":
+        return "loo"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or loo") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` and `padim health` load no torch
+    from padim.core.artifact import read_header
+    from padim.models.detector import resolve_device
+    from padim.models.fit import distributed
+    from padim.models.model_file import save_fit
+    from padim.models.training import fit_partial, train, training_images
+
+    config, given = configuration(args)
+    images = training_images(args.data_dir)
+    if not images:
+        raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
+    if args.partial and (args.resume or args.slim):
+        raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
+    resume = None if args.resume is None else _resumed(args, config, given)
+    shard = distributed.from_environment(resolve_device(config.device))
+    main = shard is None or shard.main
+    started = time.perf_counter()
+    scratch = args.scratch_dir or args.output.parent
+    announce = None if args.quiet else (lambda line: print(f"padim train: {line}", file=sys.stderr, flush=True))
+    fit = None
+    try:
+        if args.partial:  # every image is fitted: `merge` calibrates on images kept out of all parts
+            fit, report = fit_partial(config, images, not args.quiet and main, shard, scratch, announce)
+            if main:
+                save_fit(fit, args.output)
+        else:
+            report = train(config, images, args.output, resume, not args.quiet and main, shard,
+                           with_statistics=not args.slim, scratch_dir=scratch, announce=announce)
+    finally:
+        distributed.leave(shard)
+    if not main:
+        return 0
+    header = None if args.partial else read_header(args.output)
+    if header is not None and not args.quiet:
+        print(f"padim train: {verdict_line(header)}", file=sys.stderr)
+    for warning in report.warnings:
+        print(f"padim train: warning: {warning}", file=sys.stderr)
+    print(json.dumps(_summary(args, report, header, fit, shard, time.perf_counter() - started)))
+    return 0
+
+
+def configuration(args: argparse.Namespace):
+    """The configuration from defaults, ``--config`` YAML and flags, and which fields were given explicitly."""
+    from padim.models.config import PadimConfig, read_config_file  # torch comes with the backbones table
+
+    config, given = PadimConfig(), set()
+    if args.config is not None:
+        config, given = read_config_file(args.config)
+    layers = tuple(x.strip() for x in args.layers.split(",")) if args.layers else None
+    flags = dict(
+        backbone=args.backbone, weights=args.weights, image_size=args.image_size, device=args.device,
+        batch_size=args.batch_size, embedding_dim=args.embedding_dim, reduction=args.reduction, layers=layers,
+        epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
+        calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
+    )
+    given |= {k for k, v in flags.items() if v is not None}
+    return config.replace(**flags), given
+
+
+def _resumed(args: argparse.Namespace, config, given: set[str]):
+    """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
+    # imported here: `padim --help` and `padim health` load no torch
+    from padim.models.config import STATISTICS_FIELDS
+    from padim.models.model_file import load_fit
+
+    resume = load_fit(args.resume, run_options=config)
+    clash = [k for k in config.differences(resume.config, STATISTICS_FIELDS) if k in given]
+    if clash:
+        k = clash[0]
+        source = "the flag" if getattr(args, k, None) is not None else "--config"
+        raise UsageError(f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
+                         f"not {getattr(config, k)!r} (from {source}); drop it or train a new model")
+    if "false_alarm_rate" in given:
+        resume.config = resume.config.replace(false_alarm_rate=config.false_alarm_rate)
+    return resume
+
+
+def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, seconds: float) -> dict:
+    """The JSON line ``padim train`` prints on stdout."""
+    from padim.models.features.backbones import WeightsInfo  # torch: not for --help
+
+    summary = {
+        "model": str(args.output),
+        "kind": "partial" if args.partial else "detector",
+        "size_bytes": args.output.stat().st_size,
+        "images": report.listed,
+        "fitted": report.fitted,
+        "unreadable": len(report.unreadable),
+        "already_fitted": len(report.already_fitted),
+        "seconds": round(seconds, 2),
+        "phase_seconds": report.seconds,
+        "world_size": shard.world if shard else 1,
+        "memory": None if report.plan is None else {"planned_bytes": report.plan.total, "free_bytes": report.free_memory,
+                                                    "device": report.plan.device},
+        "spooled_bytes": report.spool,
+        "cuda_max_memory_allocated": report.cuda_peak,
+    }
+    if header is None:
+        summary.update(fit_image_count=fit.count, weights=fit.weights.label)
+    else:
+        summary.update(fit_image_count=header["fit_image_count"],
+                       calibration={**header["calibration"], "source": header["calibration_source"],
+                                    "folds": header["config"]["calibration_folds"]},
+                       precision_dtype=header["precision_dtype"], weights=WeightsInfo(**header["weights"]).label,
+                       backbone=header["config"]["backbone"], image_size=header["config"]["image_size"],
+                       embedding_dim=header["embedding_dim"])
+    return summary
+
+
+def verdict_line(header: dict) -> str:
+    """What the threshold of a model file means, in one line."""
+    cal = header["calibration"]
+    return (f"fitted {header['fit_image_count']} images; threshold {cal['threshold']:.4g} (raw) from "
+            f"{cal['scores']} out-of-fold scores, aiming at {cal['false_alarm_rate']:.2%} false alarms; promised "
+            f"{cal['promised_false_alarm_rate']:.2%} on average and at most {cal['false_alarm_bound']:.2%} with "
+            f"{cal['confidence']:.0%} confidence, whatever the score distribution")

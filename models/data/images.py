@@ -1,0 +1,223 @@
+"""Reading images and turning them into model input.
+
+Every mode Pillow reads (grayscale, RGBA, palette, 16-bit, CMYK, float) becomes 8-bit RGB,
+and the EXIF orientation is applied, so a photo from a phone is scored the way it is seen.
+
+Large JPEGs are decoded at a reduced scale (Pillow's draft mode: 1/2, 1/4 or 1/8, done inside
+the JPEG decoder) as long as both sides stay at least :func:`decode_side` pixels, twice the
+model's input size. Fitting, ``padim predict`` and the service decode the same way, so they
+score an image alike; other formats are decoded at full size.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from padim.models.errors import ImageError, ImageTooLarge  # noqa: F401 (part of this module's interface)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+
+
+def list_images(root: str | os.PathLike) -> list[Path]:
+    """Every image under ``root`` (recursively), sorted; or ``[root]`` if it is an image file."""
+    root = Path(root)
+    if root.is_file():
+        if root.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ImageError(str(root), f"not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
+        return [root]
+    if not root.is_dir():
+        raise ImageError(str(root), "no such file or directory")
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def decode_side(image_size: int) -> int:
+    """Smallest side a JPEG is drafted down to for a model of input size ``image_size``."""
+    return 2 * image_size
+
+
+def image_dimensions(source: bytes, max_pixels: int | None = None, limit_name: str | None = None) -> tuple[int, int]:
+    """``(width, height)`` from the header alone, nothing decoded.
+
+    Raises:
+        ImageTooLarge: over ``max_pixels`` (the message names the limit as ``limit_name`` when given).
+        ImageError: not an image Pillow can identify.
+    """
+    with _opened(source, max_pixels, limit_name) as (name, image):
+        _check_pixels(name, image, max_pixels, limit_name)
+        return image.size
+
+
+def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None, draft_to: int | None = None,
+               limit_name: str | None = None) -> Image.Image:
+    """Decode a file or bytes into an 8-bit RGB image with EXIF orientation applied.
+
+    Args:
+        max_pixels: refuse larger images before decoding them.
+        draft_to: decode a JPEG at the smallest scale that keeps both sides at least this long.
+        limit_name: how the limit is named in the error (e.g. ``PADIM_MAX_IMAGE_PIXELS``).
+
+    Raises:
+        ImageTooLarge: larger than ``max_pixels`` (or than Pillow's own bomb limit).
+        ImageError: unreadable or truncated.
+    """
+    with _opened(source, max_pixels, limit_name) as (name, image):
+        _check_pixels(name, image, max_pixels, limit_name)
+        if draft_to is not None and image.format == "JPEG" and min(image.size) >= 2 * draft_to:
+            image.draft("RGB", (draft_to, draft_to))
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # not a copy: that would double the peak memory
+        return to_rgb(image)
+
+
+@contextmanager
+def _opened(source: str | os.PathLike | bytes, max_pixels: int | None = None,
+            limit_name: str | None = None) -> Iterator[tuple[str, Image.Image]]:
+    """The image with its header read, and Pillow's errors as :class:`ImageError` without object reprs."""
+    name = "image" if isinstance(source, bytes) else str(source)
+    try:
+        handle = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")
+    except OSError as error:
+        raise ImageError(name, error.strerror or type(error).__name__) from None
+    with handle:
+        try:
+            with Image.open(handle) as image:
+                yield name, image
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as error:
+            if max_pixels is not None:  # Pillow refuses absurd sizes before we see them: quote our limit
+                raise ImageTooLarge(name, f"over the limit of {_limit(max_pixels, limit_name)} pixels") from None
+            raise ImageTooLarge(name, _without_reprs(str(error))) from None
+        except Image.UnidentifiedImageError:
+            raise ImageError(name, "not a readable image (not a format Pillow knows, or damaged)") from None
+        except (OSError, ValueError, SyntaxError) as error:
+            raise ImageError(name, f"not a readable image ({_without_reprs(str(error))})") from None
+
+
+def _check_pixels(name: str, image: Image.Image, max_pixels: int | None, limit_name: str | None) -> None:
+    if max_pixels is not None and image.width * image.height > max_pixels:
+        raise ImageTooLarge(name, f"{image.width}x{image.height} pixels is over the limit of "
+                            f"{_limit(max_pixels, limit_name)} pixels")
+
+
+def _limit(max_pixels: int, limit_name: str | None) -> str:
+    return f"{limit_name} = {max_pixels}" if limit_name else str(max_pixels)
+
+
+def bounded_copy(image: Image.Image, max_side: int) -> Image.Image:
+    """``image`` itself if both sides are at most ``max_side``, else a copy scaled down to fit."""
+    width, height = bounded_size(image.size, max_side)
+    if (width, height) == image.size:
+        return image
+    return image.resize((width, height), Image.BILINEAR, reducing_gap=2.0)
+
+
+def bounded_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
+    """``(width, height)`` scaled down (never up) so that neither is over ``max_side``."""
+    scale = min(1.0, max_side / max(size))
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+
+
+def _without_reprs(message: str) -> str:
+    """Pillow quotes file objects (``<_io.BytesIO object at 0x...>``); users need none of that."""
+    return re.sub(r"<[^<>]*(?: object at 0x|_io\.)[^<>]*>", "the data", message)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB from any Pillow mode; 16-bit and float images are rescaled, not clipped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        if image.mode.startswith("I;16"):
+            array = array / 257.0
+        else:
+            low, high = float(array.min()), float(array.max())
+            array = (array - low) / (high - low) * 255.0 if high > low else np.zeros_like(array)
+        image = Image.fromarray(np.clip(array + 0.5, 0, 255).astype(np.uint8), mode="L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, image)
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def to_model_input(
+    images: Sequence[Image.Image], size: int, mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
+    """Resize to ``size x size`` (bilinear, antialiased) and normalise: ``(B, 3, S, S)`` float32.
+
+    NumPy only until the final ``from_numpy``: this runs on decode threads beside the inference
+    thread, and torch ops there would each start an OpenMP team and oversubscribe the cores.
+    """
+    scale = (1.0 / (255.0 * np.asarray(std, dtype=np.float32))).reshape(1, 1, 3)
+    offset = (np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, 1, 3)
+    arrays = []
+    for image in images:
+        pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.float32)  # (S, S, 3)
+        arrays.append((pixels * scale - offset).transpose(2, 0, 1))  # (3, S, S)
+    return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
+
+
+def iter_batches(
+    paths: Sequence[Path], batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
+    draft_to: int | None = None,
+) -> Iterator[tuple[list[Path], list[Image.Image]]]:
+    """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch.
+
+    Args:
+        unreadable: when given, an image that cannot be read is appended here as
+            ``(path, reason)`` and left out of its batch, instead of raising :class:`ImageError`.
+        draft_to: as for :func:`open_image`.
+    """
+    chunks = [list(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+    return iter_decoded(chunks, workers, unreadable, draft_to)
+
+
+def iter_decoded(
+    batches: Sequence[Sequence[Path]], workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
+    draft_to: int | None = None,
+) -> Iterator[tuple[list[Path], list[Image.Image]]]:
+    """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds)."""
+    def decode(path: Path) -> Image.Image | ImageError:
+        try:
+            return open_image(path, draft_to=draft_to)
+        except ImageError as error:
+            if unreadable is None:
+                raise
+            return error
+
+    def sort_out(chunk: Sequence[Path], decoded) -> tuple[list[Path], list[Image.Image]]:
+        kept_paths, kept = [], []
+        for path, image in zip(chunk, decoded):
+            if isinstance(image, ImageError):
+                unreadable.append((path, image.reason))
+            else:
+                kept_paths.append(path)
+                kept.append(image)
+        return kept_paths, kept
+
+    batches = [list(b) for b in batches if len(b)]
+    if workers <= 0:
+        for chunk in batches:
+            kept_paths, kept = sort_out(chunk, [decode(p) for p in chunk])
+            if kept:
+                yield kept_paths, kept
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
+        pending = [pool.map(decode, chunk) for chunk in batches[:2]]
+        for i, chunk in enumerate(batches):
+            decoded = list(pending[i])
+            if i + 2 < len(batches):
+                pending.append(pool.map(decode, batches[i + 2]))
+            kept_paths, kept = sort_out(chunk, decoded)
+            if kept:
+                yield kept_paths, kept

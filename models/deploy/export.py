@@ -1,0 +1,353 @@
+"""The whole scorer as one graph, for other runtimes: ONNX, OpenVINO IR, a Triton model repository.
+
+One graph takes a normalised image batch and gives the anomaly maps and raw scores, with
+everything in between inside it: the backbone (BatchNorm folded, as the torch path runs it),
+the channel subset or projection, the Mahalanobis distance with the stored precision factors,
+upsampling + blur (as the two precomputed matrices :func:`padim.core.scoring.anomaly_maps`
+uses) and the maximum. Nothing a client could get wrong is left outside but the resize and the
+normalisation, which ``padim.json`` spells out and :class:`padim.models.deploy.runtimes.DeployedDetector`
+does exactly as training did.
+
+| graph tensor | shape | dtype |
+|---|---|---|
+| input ``images`` | ``(B, 3, S, S)``, ``B`` dynamic | float32, RGB, ImageNet-normalised |
+| output ``anomaly_map`` | ``(B, S, S)`` | float32, raw units (Mahalanobis distance) |
+| output ``raw_score`` | ``(B,)`` | float32, the maximum of each map |
+
+The precision factors travel packed (lower triangle only) in the dtype the model file stores
+(float16 where ``train`` chose it), and are unpacked and cast to float32 by the graph's first
+constant nodes, which the runtimes fold once at load. Graphs whose weights pass
+:data:`EXTERNAL_DATA_BYTES` keep them in ONNX's external-data file (``model.onnx.data``).
+
+Beside the graph, ``padim.json`` (:data:`METADATA_FILE`) holds what a client needs: the input
+size and normalisation, the calibration and threshold, the model's identity, and the sha256 of
+every file of the export, checked when it is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from padim.core.artifact import ArtifactError, file_sha256
+from padim.core.scoring import upsample_blur_operator
+from padim.core.version import __version__
+from padim.models.choices import EXPORT_FORMATS
+from padim.models.detector import PadimDetector
+from padim.models.errors import ExportError  # noqa: F401 (part of this module's interface)
+from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "padim.json"
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 1
+INPUT_NAME = "images"
+OUTPUT_NAMES = ("anomaly_map", "raw_score")
+ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
+#: Graphs with more weight bytes than this keep them in ONNX external data (protobuf stops at 2 GiB).
+EXTERNAL_DATA_BYTES = 1_500_000_000
+#: ONNX operator set of the exported graphs (onnxruntime >= 1.16, OpenVINO >= 2023.1, Triton >= 23.10).
+OPSET = 18
+#: Largest batch the Triton configuration accepts.
+TRITON_MAX_BATCH = 32
+
+
+class ExportedScorer(nn.Module):
+    """What goes into the graph: ``(B, 3, S, S)`` images -> ``(B, S, S)`` maps and ``(B,)`` raw scores.
+
+    The same operations as :class:`padim.models.model.PadimModel`, written without in-place
+    or ``out=`` ops so that the exporters can trace them.
+
+    Args:
+        detector: the fitted detector (its torch model, any device).
+    """
+
+    def __init__(self, detector: PadimDetector):
+        super().__init__()
+        model = detector.model
+        self.extractor = model.embedder.extractor.body
+        self.layers = model.embedder.extractor.layers
+        self.embedding = model.embedder.embedding
+        self.grid_shape = model.grid_shape
+        dim = self.embedding.embedding_dim
+        rows, cols = torch.tril_indices(dim, dim)
+        # (D * D,) position of every entry of W in the packed row, or T (a zero column) above the diagonal
+        index = torch.full((dim, dim), rows.numel(), dtype=torch.int64)
+        index[rows, cols] = torch.arange(rows.numel())
+        factor = model.precision_factor.detach().cpu()  # (P, D, D) as stored (float16 or float32)
+        packed = factor[:, rows, cols].to(detector.precision_dtype)  # (P, T), T = D (D + 1) / 2
+        self.register_buffer("mean", model.mean.detach().cpu().clone())  # (P, D)
+        self.register_buffer("precision_factor_packed", torch.cat([packed, packed.new_zeros(len(packed), 1)], 1))
+        self.register_buffer("unpack_index", index.flatten())  # (D * D,)
+        height, width = self.grid_shape
+        size, sigma = model.image_size, model.blur_sigma
+        self.register_buffer("rows", upsample_blur_operator(height, size, sigma).clone())  # (S, H)
+        self.register_buffer("cols_t", upsample_blur_operator(width, size, sigma).T.contiguous())  # (W, S)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.extractor(images)
+        embedding = self.embedding([features[layer] for layer in self.layers])  # (B, D, H, W)
+        batch, dim = embedding.shape[0], embedding.shape[1]
+        pixels = self.mean.shape[0]
+        # constant subgraph, folded at load: (P, T + 1) packed -> (P, D, D) float32
+        factor = self.precision_factor_packed.to(torch.float32).index_select(1, self.unpack_index)
+        factor = factor.reshape(pixels, dim, dim)
+        delta = embedding.reshape(batch, dim, pixels).permute(2, 0, 1) - self.mean.unsqueeze(1)  # (P, B, D)
+        whitened = torch.matmul(delta, factor.transpose(1, 2))  # (P, B, D)
+        squared = whitened.square().sum(-1)  # (P, B)
+        distance = squared.clamp_min(0).sqrt().transpose(0, 1).reshape(batch, *self.grid_shape)  # (B, H, W)
+        maps = self.rows @ distance @ self.cols_t  # (B, S, S)
+        return maps, maps.flatten(1).amax(1)
+
+
+# ---------------------------------------------------------------------- writing
+def export_detector(detector: PadimDetector, output: str | Path, fmt: str, source: str | Path,
+                    source_sha256: str | None = None, name: str | None = None,
+                    external_data: bool | None = None) -> Path:
+    """Write ``detector`` as ``fmt`` into the directory ``output`` (created; replaced atomically).
+
+    Args:
+        fmt: ``onnx`` (``model.onnx``), ``openvino`` (``model.xml`` + ``model.bin``) or
+            ``triton`` (a model repository: ``output/NAME/config.pbtxt``, ``output/NAME/1/model.onnx``).
+        source: the model file it came from (its name and digest go into ``padim.json``).
+        name: the Triton model name (default: the model file's stem).
+        external_data: force ONNX external data on or off (default: by size).
+
+    Returns:
+        The directory holding the graph and ``padim.json`` (``output/NAME`` for Triton).
+
+    Raises:
+        ExportError: an unknown format, or a runtime package that is not installed.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "openvino":
+        require("openvino")
+    require("onnx")
+    require("onnxscript")
+    output, source = Path(output), Path(source)
+    name = name or source.stem
+    source_sha256 = source_sha256 or file_sha256(source)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    staging.chmod(0o755)  # readable by a server running as another user, as model files are
+    try:
+        graph_dir = staging / name / "1" if fmt == "triton" else staging
+        graph_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
+        files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else [])
+        if fmt == "openvino":
+            files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
+            for leftover in (onnx_path, Path(f"{onnx_path}.data")):
+                leftover.unlink(missing_ok=True)
+        meta_dir = staging / name if fmt == "triton" else staging
+        prefix = "1/" if fmt == "triton" else ""
+        metadata = export_metadata(detector, fmt, source, source_sha256,
+                                   {prefix + f: file_sha256(graph_dir / f) for f in files})
+        if fmt == "triton":
+            (meta_dir / "config.pbtxt").write_text(triton_config(name, detector.model.image_size))
+        (meta_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        log.info("exported %s as %s in %.1f s", source, fmt, time.perf_counter() - started)
+        _replace_dir(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output / name if fmt == "triton" else output
+
+
+def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None) -> Path:
+    scorer = ExportedScorer(detector).eval().to("cpu")
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
+    external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
+    size = detector.model.image_size
+    example = torch.zeros(2, 3, size, size)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        for noisy in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        program = torch.onnx.export(
+            scorer, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
+            dynamic_shapes={"images": {0: batch}}, opset_version=OPSET, optimize=True, verbose=False)
+        program.save(str(path), external_data=external)
+    return path
+
+
+class _quiet_exporter:
+    """The dynamo exporter prints its progress with ``print``; keep stdout for JSON."""
+
+    def __enter__(self):
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+
+    def __exit__(self, *exc):
+        return self._redirect.__exit__(*exc)
+
+
+def _convert_openvino(onnx_path: Path, xml_path: Path) -> list[str]:
+    import openvino as ov  # an optional extra: imported only when asked for
+
+    model = ov.convert_model(str(onnx_path))
+    ov.save_model(model, str(xml_path), compress_to_fp16=False)  # weights exactly as exported
+    return [xml_path.name, xml_path.with_suffix(".bin").name]
+
+
+def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str]) -> dict:
+    """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs."""
+    size = detector.model.image_size
+    calibration = detector.calibration
+    metadata = {
+        "kind": EXPORT_KIND,
+        "export_version": EXPORT_VERSION,
+        "format": fmt,
+        "padim_version": __version__,
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "model": {"file": source.name, "sha256": source_sha256, "created": detector.provenance.created},
+        "files_sha256": files,
+        "input": {
+            "name": INPUT_NAME, "shape": ["batch", 3, size, size], "dtype": "float32", "layout": "NCHW",
+            "channels": "RGB",
+            "resize": f"to {size}x{size} pixels, bilinear with antialiasing (PIL Image.resize, BILINEAR); "
+                      "the aspect ratio is not kept",
+            "normalisation": "(pixel / 255 - mean) / std, per channel",
+            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
+        },
+        "outputs": {
+            "anomaly_map": {"shape": ["batch", size, size], "dtype": "float32",
+                            "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)"},
+            "raw_score": {"shape": ["batch"], "dtype": "float32", "meaning": "maximum of each anomaly_map"},
+        },
+        "verdict": {
+            "rule": "anomalous when raw_score >= calibration.threshold",
+            "score": "1 / (1 + exp(-(raw_score - calibration.threshold) / calibration.scale))",
+        },
+        "precision_dtype": str(detector.precision_dtype).removeprefix("torch."),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in
+                   detector.config.replace(embedding_dim=detector.embedding.embedding_dim).to_dict().items()},
+        "weights": detector.weights.to_header(),
+        "provenance": detector.provenance.to_header(),
+        "description": detector.describe(),
+        "calibration": calibration.summary(),
+        "calibration_scores": list(calibration.scores),
+    }
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
+    return metadata
+
+
+def metadata_sha256(metadata: dict) -> str:
+    """sha256 of ``padim.json``'s canonical JSON without its own digest."""
+    rest = {k: v for k, v in metadata.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH) -> str:
+    """``config.pbtxt`` of the ONNX graph on Triton's onnxruntime backend, with dynamic batching.
+
+    Triton adds the batch dimension itself (``max_batch_size > 0``), so ``dims`` leave it out;
+    ``raw_score`` has no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
+    """
+    return f"""# padim {__version__}: the whole scorer (backbone, Mahalanobis, map, maximum) on onnxruntime.
+# Feed RGB images resized to {size}x{size} and normalised as padim.json says.
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {max_batch_size}
+input [
+  {{
+    name: "{INPUT_NAME}"
+    data_type: TYPE_FP32
+    dims: [ 3, {size}, {size} ]
+  }}
+]
+output [
+  {{
+    name: "anomaly_map"
+    data_type: TYPE_FP32
+    dims: [ {size}, {size} ]
+  }},
+  {{
+    name: "raw_score"
+    data_type: TYPE_FP32
+    dims: [ 1 ]
+    reshape: {{ shape: [ ] }}
+  }}
+]
+dynamic_batching {{
+  max_queue_delay_microseconds: 2000
+}}
+instance_group [
+  {{
+    kind: KIND_AUTO
+    count: 1
+  }}
+]
+"""
+
+
+def _replace_dir(staging: Path, output: Path) -> None:
+    """Move ``staging`` to ``output``; an existing export there is replaced only once the new one is complete."""
+    if output.exists():
+        if output.is_dir() and (any(output.glob(f"*/{METADATA_FILE}")) or (output / METADATA_FILE).exists()
+                                or not any(output.iterdir())):
+            old = output.with_name(f".{output.name}.old-{os.getpid()}")
+            output.rename(old)
+            staging.rename(output)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        raise ExportError(f"{output} exists and is not a padim export; choose another --output")
+    staging.rename(output)
+
+
+# ---------------------------------------------------------------------- reading
+def read_export(directory: str | Path) -> dict:
+    """``padim.json`` of an export directory, with every file's digest checked.
+
+    Raises:
+        ArtifactError: not an export, a newer export version, or a file that does not match its digest.
+    """
+    directory = Path(directory)
+    path = directory / METADATA_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{directory}: not a padim export (no {METADATA_FILE}); make one with `padim export`")
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ArtifactError(f"{path}: unreadable ({error})") from None
+    if not isinstance(metadata, dict) or metadata.get("kind") != EXPORT_KIND:
+        raise ArtifactError(f"{path}: not a padim export description")
+    if int(metadata.get("export_version", 0)) > EXPORT_VERSION:
+        raise ArtifactError(f"{path}: export version {metadata['export_version']} is newer than this padim "
+                            f"({__version__}) reads; upgrade padim")
+    if metadata.get("metadata_sha256") != metadata_sha256(metadata):
+        raise ArtifactError(f"{path}: its contents do not match its digest (edited or damaged); export again")
+    for name, digest in metadata["files_sha256"].items():
+        file = directory / name
+        if not file.is_file():
+            raise ArtifactError(f"{directory}: {name} is missing; export again")
+        if file_sha256(file) != digest:
+            raise ArtifactError(f"{directory}: {name} does not match its sha256 (damaged or replaced); export again")
+    return metadata
+
+
+def require(package: str):
+    """Import an optional runtime package, or stop with the line that says how to install it."""
+    extra = {"onnxruntime": "onnxruntime", "openvino": "openvino", "onnx": "onnx", "onnxscript": "onnx"}[package]
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ExportError(f"{package} is not installed; install it with: pip install 'padim-inspect[{extra}]'") from None

@@ -1,0 +1,97 @@
+"""The error family's cases above the core, and the one table of what each case becomes.
+
+Every error here is a :class:`~padim.core.errors.PadimError`: the command line catches
+``PadimError`` once and exits with :attr:`Outcome.exit_status`; the service catches it once and
+answers :attr:`Outcome.http_status` with :attr:`Outcome.code`. A new case is a subclass here
+and, where it should not be answered as its parent is, a row in :data:`OUTCOMES`.
+
+This module imports no torch: ``padim --help`` and ``padim health`` load it.
+
+Example:
+    >>> outcome(ImageTooLarge("a.png", "too many pixels")).http_status
+    413
+    >>> outcome(ImageError("a.png", "not an image")).code
+    'invalid_image'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from padim.core.errors import ArtifactError, CalibrationError, NotPositiveDefiniteError, PadimError
+
+
+class UsageError(PadimError, ValueError):
+    """What was asked cannot be done as asked: a missing file, options that contradict each other."""
+
+
+class ConfigError(PadimError, ValueError):
+    """A configuration value is not allowed; the message says which values are."""
+
+
+class WeightsError(PadimError, RuntimeError):
+    """Backbone weights that cannot be had or do not fit; the message says what to do."""
+
+
+class ImageError(PadimError, ValueError):
+    """An input that is not a readable image: ``"<name>: <reason>"``, with both parts as attributes."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"{name}: {reason}")
+        self.name, self.reason = name, reason
+
+
+class ImageTooLarge(ImageError):
+    """An image with more pixels than allowed (a decompression bomb, or just too big)."""
+
+
+class FitError(PadimError, ValueError):
+    """A fit that cannot go on; the message is one line that says what to do."""
+
+
+class DoesNotFit(FitError):
+    """A fit that would run out of memory; the message says what would fit."""
+
+
+class RankFailed(PadimError, RuntimeError):
+    """Another rank of a distributed fit failed; its own message is in its output."""
+
+
+class ExportError(PadimError):
+    """An export that cannot be made or an export directory that cannot be used (one line)."""
+
+
+class NonFiniteScoreError(PadimError, ArithmeticError):
+    """A score or map that is NaN or infinite: no verdict may be given from it."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a case becomes: the command line's exit status, the service's HTTP status and error code."""
+
+    exit_status: int
+    http_status: int
+    code: str
+
+
+#: One row per case; a subclass without a row is answered as its nearest parent with one.
+OUTCOMES: dict[type[PadimError], Outcome] = {
+    PadimError: Outcome(1, 500, "error"),
+    UsageError: Outcome(1, 422, "invalid_request"),
+    ConfigError: Outcome(1, 422, "invalid_config"),
+    ImageError: Outcome(1, 422, "invalid_image"),
+    ImageTooLarge: Outcome(1, 413, "image_too_large"),
+    ArtifactError: Outcome(1, 500, "invalid_model_file"),
+    ExportError: Outcome(1, 500, "invalid_export"),
+    WeightsError: Outcome(1, 500, "weights_unavailable"),
+    CalibrationError: Outcome(1, 500, "calibration_failed"),
+    NotPositiveDefiniteError: Outcome(1, 500, "not_positive_definite"),
+    FitError: Outcome(1, 500, "fit_failed"),
+    RankFailed: Outcome(1, 500, "rank_failed"),
+    NonFiniteScoreError: Outcome(1, 500, "non_finite_score"),
+}
+
+
+def outcome(error: PadimError) -> Outcome:
+    """The row of ``error``'s class, or of its nearest parent that has one."""
+    return next(OUTCOMES[cls] for cls in type(error).__mro__ if cls in OUTCOMES)

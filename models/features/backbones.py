@@ -1,0 +1,209 @@
+"""torchvision ResNet-family backbones and their three weight sources.
+
+- ``imagenet``: torchvision's ``WeightsEnum`` (``IMAGENET1K_V1``) through its own download
+  and cache (``torch.hub.get_dir()/checkpoints``). Offline without the cached file it fails with
+  a message saying where to put the file; it never falls back to other weights.
+- ``random``: torchvision's own initialisation under a fixed seed. For tests and demos only.
+- a path: a ``state_dict`` saved with ``torch.save(model.state_dict(), path)`` for the same
+  architecture, read with ``weights_only=True``; keys of stages the detector does not use
+  (``fc.*``, and stages deeper than its deepest layer) are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from padim.models.errors import WeightsError  # noqa: F401 (part of this module's interface)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """What a backbone gives, per stage (as timm's ``FeatureInfo``).
+
+    Attributes:
+        name: torchvision model name.
+        layers: stage names usable as features.
+        channels: output channels of each stage.
+        strides: spatial stride of each stage relative to the input.
+        default_embedding_dim: embedding size ``D`` after reduction used by default.
+    """
+
+    name: str
+    layers: tuple[str, ...]
+    channels: tuple[int, ...]
+    strides: tuple[int, ...]
+    default_embedding_dim: int
+
+    def channels_of(self, layers: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.channels[self.layers.index(layer)] for layer in layers)
+
+    def stride_of(self, layer: str) -> int:
+        return self.strides[self.layers.index(layer)]
+
+    def used_keys(self, keys, layers: tuple[str, ...]) -> list[str]:
+        """The state-dict ``keys`` a detector on ``layers`` uses: none of ``fc`` or of deeper stages."""
+        deepest = max(self.layers.index(layer) for layer in layers)
+        unused = tuple(f"{stage}." for stage in self.layers[deepest + 1 :]) + ("fc.",)
+        return [k for k in keys if not k.startswith(unused)]
+
+
+_STAGES = ("layer1", "layer2", "layer3", "layer4")
+_STRIDES = (4, 8, 16, 32)
+_BASIC = (64, 128, 256, 512)
+_BOTTLENECK = (256, 512, 1024, 2048)
+
+BACKBONES: dict[str, BackboneSpec] = {
+    name: BackboneSpec(name, _STAGES, channels, _STRIDES, default)
+    for name, channels, default in [
+        ("resnet18", _BASIC, 100),
+        ("resnet34", _BASIC, 100),
+        ("resnet50", _BOTTLENECK, 550),
+        ("resnet101", _BOTTLENECK, 550),
+        ("resnet152", _BOTTLENECK, 550),
+        ("resnext50_32x4d", _BOTTLENECK, 550),
+        ("resnext101_32x8d", _BOTTLENECK, 550),
+        ("resnext101_64x4d", _BOTTLENECK, 550),
+        ("wide_resnet50_2", _BOTTLENECK, 550),
+        ("wide_resnet101_2", _BOTTLENECK, 550),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """Where a backbone's weights came from.
+
+    Attributes:
+        source: ``imagenet``, ``random`` or ``file``.
+        detail: the torchvision weights name, the seed, or the file path.
+        sha256: hash of the parameters and buffers the detector uses.
+    """
+
+    source: str
+    detail: str
+    sha256: str
+
+    @property
+    def label(self) -> str:
+        """Human-readable origin; random weights say loudly that they are a demo."""
+        if self.source == "random":
+            return f"RANDOM weights (seed {self.detail}) - demo/test only, not for real inspection"
+        return f"{self.source}: {self.detail}"
+
+    @property
+    def stamp(self) -> str | None:
+        """Text stamped on every heat map made with these weights (random ones only)."""
+        return "RANDOM WEIGHTS - DEMO ONLY" if self.source == "random" else None
+
+    def to_header(self) -> dict:
+        return {"source": self.source, "detail": self.detail, "sha256": self.sha256}
+
+
+def build_backbone(name: str, weights: str, seed: int = 0,
+                   layers: tuple[str, ...] = ("layer1", "layer2", "layer3")) -> tuple[nn.Module, WeightsInfo]:
+    """A torchvision backbone in eval mode with the requested weights.
+
+    Args:
+        name: a key of ``BACKBONES``.
+        weights: ``imagenet``, ``random`` or a state_dict path.
+        seed: seed for ``random`` weights.
+        layers: the stages a detector will use: a state_dict file must hold these (and may
+            lack ``fc`` and deeper stages).
+
+    Raises:
+        WeightsError: weights unavailable (offline), unreadable, or of another architecture.
+    """
+    if name not in BACKBONES:
+        raise WeightsError(f"unknown backbone {name!r}; choose one of: {', '.join(BACKBONES)}")
+    builder = getattr(torchvision.models, name)
+    if weights == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = builder(weights=None)
+        source, detail = "random", str(seed)
+    elif weights == "imagenet":
+        model = builder(weights=None)
+        enum = torchvision.models.get_model_weights(name).IMAGENET1K_V1
+        model.load_state_dict(_imagenet_state_dict(name, enum))
+        source, detail = "imagenet", f"torchvision {name} {enum.name}"
+    else:
+        model = builder(weights=None)
+        _load_file(model, BACKBONES[name], Path(weights), layers)
+        source, detail = "file", str(Path(weights).resolve())
+    model.eval()
+    return model, WeightsInfo(source, detail, "")
+
+
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+    """Hash of a ``state_dict``'s names and values, in its order."""
+    digest = hashlib.sha256()
+    for key, tensor in state.items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _imagenet_state_dict(name: str, enum) -> dict[str, torch.Tensor]:
+    filename = os.path.basename(enum.url)
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
+    try:
+        return enum.get_state_dict(progress=True, check_hash=True)
+    except Exception as error:  # network errors come in many types (URLError, OSError, ...)
+        raise WeightsError(
+            f"cannot get the ImageNet weights for {name} ({type(error).__name__}: {error}). "
+            f"On a machine with internet, download {enum.url} and copy it to {cached} "
+            f"(or set TORCH_HOME to a directory holding hub/checkpoints/{filename}), "
+            f"or pass --weights /path/to/{name}_state_dict.pth. "
+            "Use --weights random only for demos."
+        ) from None
+
+
+def used_state(backbone: nn.Module, spec: BackboneSpec, layers: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Detached copies of the parameters and buffers a detector on ``layers`` uses."""
+    state = backbone.state_dict()
+    return {k: state[k].detach().clone().contiguous() for k in spec.used_keys(state, layers)}
+
+
+def _load_file(model: nn.Module, spec: BackboneSpec, path: Path, layers: tuple[str, ...]) -> None:
+    name = spec.name
+    if not path.is_file():
+        raise WeightsError(
+            f"--weights {path}: no such file (use imagenet, random, or the path of a state_dict)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise WeightsError(
+            f"--weights {path}: not a torch state_dict file readable with weights_only=True "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"--weights {path}: expected a dict of tensors (model.state_dict())")
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    expected = model.state_dict()
+    needed = spec.used_keys(expected, layers)
+    missing = [k for k in needed if k not in state]
+    foreign = [k for k in spec.used_keys(state, layers) if k not in expected]
+    if missing or foreign:
+        detail = f"missing {missing[:3]}" if missing else f"unknown keys {foreign[:3]}"
+        raise WeightsError(f"--weights {path}: not a {name} state_dict ({detail})")
+    wrong = [k for k in needed if state[k].shape != expected[k].shape]
+    if wrong:
+        k = wrong[0]
+        raise WeightsError(
+            f"--weights {path}: not a {name} state_dict ({k} has shape {tuple(state[k].shape)}, "
+            f"{name} needs {tuple(expected[k].shape)})"
+        )
+    model.load_state_dict({k: state[k] for k in needed}, strict=False)

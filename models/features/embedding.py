@@ -1,0 +1,184 @@
+"""Multi-layer feature extraction and PaDiM embeddings (Sec. III-A).
+
+The backbone is cut after the deepest requested stage by torchvision's
+``create_feature_extractor`` (torch.fx), its BatchNorms are folded into the preceding
+convolutions for inference, and it runs channels_last. Deeper maps are brought to the first
+layer's grid by nearest upsampling with an integer scale factor and concatenated; the channel
+reduction (random subset, or semi-orthogonal projection) is applied per layer *before*
+upsampling, which gives the same embedding for less work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.fx.experimental.optimization import fuse
+from torchvision.models.feature_extraction import create_feature_extractor
+
+from padim.core.errors import ArtifactError
+from padim.models.data.images import to_model_input
+from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
+
+
+class FeatureExtractor(nn.Module):
+    """Backbone stages as a list of feature maps.
+
+    Args:
+        backbone: a torchvision ResNet-family model (eval mode).
+        layers: stages to return, shallowest first.
+        fold_batchnorm: fold conv+BN pairs (inference only; changes outputs by < 1e-4).
+    """
+
+    def __init__(self, backbone: nn.Module, layers: tuple[str, ...], fold_batchnorm: bool = True):
+        super().__init__()
+        self.layers = tuple(layers)
+        graph = create_feature_extractor(backbone.eval(), return_nodes={l: l for l in layers})
+        # in place: deep-copying torchvision's DualGraphModule puts it back in training mode
+        self.body = fuse(graph, inplace=True) if fold_batchnorm else graph
+        self.body.eval()
+
+    @torch.inference_mode()
+    def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """``(B, 3, S, S)`` normalised images -> ``[(B, C_l, S / stride_l, S / stride_l)]``."""
+        outputs = self.body(images.contiguous(memory_format=torch.channels_last))
+        return [outputs[layer] for layer in self.layers]
+
+
+class Embedding(nn.Module):
+    """Concatenated, reduced multi-layer embedding ``(B, D, H, W)`` on the first layer's grid.
+
+    Exactly one of ``channel_index`` (sorted indices into the concatenated channels, the
+    paper's random subset) and ``projection`` (``(C, D)`` with orthonormal columns, Kim et al.
+    2021) is set.
+    """
+
+    def __init__(
+        self,
+        channels: tuple[int, ...],
+        strides: tuple[int, ...],
+        channel_index: torch.Tensor | None = None,
+        projection: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        if (channel_index is None) == (projection is None):
+            raise ValueError("give exactly one of channel_index and projection")
+        self.channels = tuple(channels)
+        self.scales = tuple(s // strides[0] for s in strides)
+        offsets = [sum(channels[:i]) for i in range(len(channels))]
+        if channel_index is not None:
+            self.register_buffer("channel_index", channel_index.to(torch.int64))
+            self.projection = None
+            # per-layer pieces as (non-saved) buffers, so that .to(device) moves them once
+            for i, (o, c) in enumerate(zip(offsets, channels)):
+                local = channel_index[(channel_index >= o) & (channel_index < o + c)] - o
+                self.register_buffer(f"_part{i}", local.to(torch.int64), persistent=False)
+            self.embedding_dim = int(channel_index.numel())
+        else:
+            self.register_buffer("projection", projection.to(torch.float32))
+            self.channel_index = None
+            for i, (o, c) in enumerate(zip(offsets, channels)):  # (D, C_l, 1, 1) 1x1-convolution weights
+                weight = projection[o : o + c].T.contiguous()[:, :, None, None].to(torch.float32)
+                self.register_buffer(f"_part{i}", weight, persistent=False)
+            self.embedding_dim = int(projection.shape[1])
+
+    @classmethod
+    def for_layers(cls, spec: BackboneSpec, layers: tuple[str, ...], channel_index: torch.Tensor | None = None,
+                   projection: torch.Tensor | None = None) -> Embedding:
+        """The embedding of ``layers`` of ``spec`` with a given channel subset or projection."""
+        strides = tuple(spec.stride_of(layer) for layer in layers)
+        return cls(spec.channels_of(layers), strides, channel_index=channel_index, projection=projection)
+
+    @classmethod
+    def create(cls, spec: BackboneSpec, layers: tuple[str, ...], embedding_dim: int, reduction: str,
+               seed: int) -> Embedding:
+        """A seeded random channel subset or semi-orthogonal projection of ``embedding_dim`` channels."""
+        total = sum(spec.channels_of(layers))
+        generator = torch.Generator().manual_seed(seed)
+        if reduction == "random":
+            index = torch.randperm(total, generator=generator)[:embedding_dim].sort().values
+            return cls.for_layers(spec, layers, channel_index=index)
+        gaussian = torch.randn(total, embedding_dim, generator=generator, dtype=torch.float64)
+        q, _ = torch.linalg.qr(gaussian)  # (C, D), orthonormal columns
+        return cls.for_layers(spec, layers, projection=q.to(torch.float32))
+
+    def same_reduction(self, other: Embedding) -> bool:
+        """Whether ``other`` keeps the same channels (or projects the same way)."""
+        if self.channel_index is not None and other.channel_index is not None:
+            return torch.equal(self.channel_index.cpu(), other.channel_index.cpu())
+        return self.projection is not None and other.projection is not None \
+            and torch.equal(self.projection.cpu(), other.projection.cpu())
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """``[(B, C_l, H_l, W_l)]`` -> ``(B, D, H_0, W_0)``."""
+        parts = []
+        for i, (feature, scale) in enumerate(zip(features, self.scales)):
+            part = getattr(self, f"_part{i}")
+            if self.channel_index is not None:
+                reduced = feature.index_select(1, part)
+            else:
+                reduced = F.conv2d(feature, part.to(feature.dtype))
+            if scale != 1:
+                reduced = F.interpolate(reduced, scale_factor=scale, mode="nearest")
+            parts.append(reduced)
+        if self.channel_index is not None:
+            return torch.cat(parts, dim=1)
+        return torch.stack(parts).sum(0)
+
+
+class FeatureEmbedder(nn.Module):
+    """Images to PaDiM embeddings ``(B, P, D)``: the backbone's stages, then the channel reduction.
+
+    What a fitted detector and a fit in progress share. ``P = H * W`` is the first layer's
+    feature grid (:attr:`grid_shape`), ``D`` the reduced embedding size.
+
+    Args:
+        config: the detector configuration (backbone, layers, image size).
+        backbone_weights: the parameters and buffers of the stages used
+            (:func:`padim.models.features.backbones.used_state`).
+        embedding: the seeded channel subset or projection.
+    """
+
+    def __init__(self, config, backbone_weights: dict[str, torch.Tensor], embedding: Embedding):
+        super().__init__()
+        self.image_size = config.image_size
+        self.grid_shape = grid_shape(config)
+        self.extractor = build_extractor(config, backbone_weights)
+        self.embedding = embedding
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.embedding.embedding_dim
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.extractor.parameters()).device
+
+    def preprocess(self, images) -> torch.Tensor:
+        """PIL images -> ``(B, 3, S, S)`` normalised model input."""
+        return to_model_input(images, self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, S, S)`` model input -> ``(B, P, D)`` embeddings."""
+        features = self.extractor(batch.to(self.device, non_blocking=True))
+        embedding = self.embedding(features)  # (B, D, H, W)
+        return embedding.permute(0, 2, 3, 1).reshape(batch.shape[0], -1, self.embedding.embedding_dim)
+
+
+def grid_shape(config) -> tuple[int, int]:
+    """``(H, W)`` of the first layer's feature grid at the configured input size."""
+    side = config.image_size // config.spec.stride_of(config.layers[0])
+    return side, side
+
+
+def build_extractor(config, backbone_weights: dict[str, torch.Tensor]) -> FeatureExtractor:
+    """The feature extractor of ``config.backbone`` with ``backbone_weights`` loaded (no weights download)."""
+    with torch.device("meta"):
+        backbone = getattr(torchvision.models, config.backbone)(weights=None)
+    missing = [k for k in config.spec.used_keys(backbone.state_dict(), config.layers) if k not in backbone_weights]
+    if missing:
+        raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
+    backbone.load_state_dict(backbone_weights, strict=False, assign=True)
+    return FeatureExtractor(backbone, config.layers)

@@ -1,0 +1,648 @@
+"""A fit in progress (:class:`Fit`): the embedder, the statistics and the spooled embeddings.
+
+A fit reads every normal image through the backbone **once**:
+
+1. **fit** (:meth:`Fit.accumulate`): every image is embedded, in the order of its calibration
+   fold, and its float32 embeddings go to an :class:`~padim.core.spool.EmbeddingSpool` on disk,
+   while their count and sum are kept. When the spool does not fit on the disk
+   (:meth:`Fit.spool_or_none` says so), the statistics are streamed into memory instead (the
+   Chan update) and the calibration embeds the images again, in groups that fit in memory.
+2. **finish** (:meth:`Fit.finish`), a slice of pixels at a time: the comoment of the spooled
+   images (two passes over the spool, centred on their exact mean) merged into the earlier
+   statistics (``--resume``); the Cholesky factor ``L`` of the fitted model; its precision
+   factor ``W = L^-1``, written to a scratch file in float32 and checked against float16; and
+   the out-of-fold distance of every image, by a rank-``m + 1`` correction of one
+   factorisation per fold size (:mod:`padim.core.out_of_fold`: no fold model is fitted, no
+   image is embedded again). The distances become maps and out-of-fold raw scores.
+
+Memory holds the statistics (the packed comoment, when they are kept) and one slice's
+temporaries; the precision factors stay on disk until the model file is written
+(:func:`padim.models.model_file.save_fitted`). Whole runs (a new fit, resume, partial fits
+and their merge) are in :mod:`padim.models.training`.
+
+Under ``torch.distributed`` each rank fits whole folds (a balanced, contiguous share of them) into
+its own spool; count and sum are all-reduced after pass 1, and every slice's comoment during
+the finish. Every rank derives the factor of every slice and scores its own folds; rank 0 writes
+the factors, and the scores are gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from padim.core.calibration import Calibration, fold_of
+from padim.core.out_of_fold import (
+    fold_base,
+    fold_squared_distances,
+    held_out_squared_distances,
+    refit_is_cheaper,
+    refit_squared_distances,
+)
+from padim.core.packing import pack_lower, packed_length, unpack_lower
+from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+from padim.core.spool import EmbeddingSpool, ScratchFile
+from padim.core.statistics import (
+    ACCUMULATOR_DTYPE,
+    GaussianAccumulator,
+    GaussianState,
+    all_reduce_state_,
+    empty_state,
+    regularised_cholesky,
+    triangular_inverse,
+)
+from padim.models.config import PadimConfig
+from padim.models.data.images import decode_side, iter_decoded
+from padim.models.detector import FLOAT16_TOLERANCE, Provenance, resolve_device
+from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
+from padim.models.features.embedding import Embedding, FeatureEmbedder
+from padim.models.fit import distributed
+from padim.models.fit.distributed import Shard
+from padim.models.fit.memory_plan import BLOCK_BYTES, REEMBED_GROUP_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES, spool_fits
+
+#: Images of the float16 check (one batch of out-of-fold embeddings, as before the finish was sliced).
+FLOAT16_SAMPLE = 16
+
+
+@dataclass(frozen=True)
+class TrainingImage:
+    """A normal image and its name (path relative to the data directory), which decides its fold."""
+
+    path: Path
+    name: str
+
+
+@dataclass
+class Accumulated:
+    """What pass 1 found: images that could not be read, and the content digest of each image fitted."""
+
+    unreadable: list[tuple[str, str]]  # (name, reason)
+    digests: list[tuple[str, int]]  # (name, digest)
+
+
+@dataclass
+class Spooled:
+    """This rank's images of pass 1, waiting in the spool: rows in fold order, and their sum.
+
+    Attributes:
+        spool: their ``(rows, P, D)`` float32 embeddings.
+        names: the image of every row.
+        folds: rows per fold, one entry per non-empty fold of this rank, in row order.
+        total: ``(P, D)`` float64 sum of this rank's rows.
+        count, mean: of every rank's rows, set once pass 1 is over (after the all-reduce).
+    """
+
+    spool: EmbeddingSpool
+    names: list[str] = field(default_factory=list)
+    folds: list[int] = field(default_factory=list)
+    total: torch.Tensor | None = None
+    count: int = 0
+    mean: torch.Tensor | None = None
+
+
+@dataclass
+class Scored:
+    """Images to score in the finish, whole folds one after another.
+
+    Attributes:
+        read: ``(slice index, start, stop, first row, stop row) -> (rows, c, D)`` embeddings.
+        names: the image of every row.
+        folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
+            model itself (held-out images).
+    """
+
+    read: Callable[[int, int, int, int, int], torch.Tensor]
+    names: list[str]
+    folds: list[int] | None
+
+
+@dataclass
+class Finished:
+    """What a finished fit leaves for the model file: everything but the threshold.
+
+    Attributes:
+        mean: ``(P, D)`` float32 fitted mean.
+        factors: the packed ``(P, T)`` float32 precision factors, on disk, row-major (``None``
+            for a partial fit, which has no factors).
+        precision_dtype: their storage dtype in the file (the float16 check's answer, or the config's).
+        scores: ``(N,)`` float64 raw scores of the images scored (out-of-fold, or held-out).
+        scored: the names of those images, in the order of ``scores``.
+        unscored: names of fitted images left without an out-of-fold score (their fold holds all
+            but fewer than two of the images).
+        float16_change: largest relative change of the checked scores with float16 factors.
+    """
+
+    mean: torch.Tensor
+    factors: ScratchFile | None
+    precision_dtype: torch.dtype
+    scores: torch.Tensor
+    scored: list[str]
+    unscored: list[str]
+    float16_change: float | None = None
+
+
+class Fit:
+    """A fit in progress: the embedder, the statistics and pass 1's spool; no factors, no threshold.
+
+    Attributes:
+        config: the detector configuration.
+        weights, backbone_weights, embedding: what the embedder is built from (saved with the model).
+        embedder: images -> ``(B, P, D)`` embeddings, on :attr:`device`.
+        statistics: the statistics of every image whose comoment has been formed (``None`` before).
+        spooled: pass 1's images still in the spool (their comoment is formed by :meth:`finish`).
+        image_digests: content digests of every image fitted so far (for resume and merge).
+        earlier: the calibration of the model this fit resumes (``None`` for a new fit).
+        provenance: what earlier fits recorded (image counts, fits).
+    """
+
+    def __init__(self, config: PadimConfig, weights: WeightsInfo, backbone_weights: dict[str, torch.Tensor],
+                 embedding: Embedding, statistics: GaussianState | None = None, image_digests: torch.Tensor | None = None,
+                 earlier: Calibration | None = None, provenance: Provenance | None = None):
+        self.config = config
+        self.weights = weights
+        self.backbone_weights = backbone_weights
+        self.embedding = embedding
+        self.device = resolve_device(config.device)
+        self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
+        self.statistics = None if statistics is None else statistics.to(self.device)
+        self.spooled: Spooled | None = None
+        self._slim_count = 0  # images fitted into a slim fit, which keeps no statistics
+        self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
+        self.earlier = earlier
+        self.provenance = provenance or Provenance()
+
+    @classmethod
+    def start(cls, config: PadimConfig) -> Fit:
+        """A new fit: the backbone with its weights, the seeded channel reduction, no statistics."""
+        backbone, weights = build_backbone(config.backbone, config.weights, config.seed, config.layers)
+        backbone_weights = used_state(backbone, config.spec, config.layers)
+        weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_weights))
+        embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), config.reduction,
+                                     config.seed)
+        return cls(config, weights, backbone_weights, embedding)
+
+    @property
+    def draft_to(self) -> int:
+        """JPEGs are decoded down to this side (see :func:`~padim.models.data.images.decode_side`)."""
+        return decode_side(self.config.image_size)
+
+    @property
+    def count(self) -> int:
+        """Images fitted: in the statistics, and in the spool waiting for :meth:`finish`."""
+        held = int(self.statistics.count) if self.statistics is not None else self._slim_count
+        return held + (self.spooled.count if self.spooled is not None else 0)
+
+    @property
+    def pixels(self) -> int:
+        grid = self.embedder.grid_shape
+        return grid[0] * grid[1]
+
+    @property
+    def slice_pixels(self) -> int:
+        """Pixels per slice of the finish: one ``(c, D, D)`` float64 buffer in :data:`SLICE_BYTES`."""
+        budget = SLICE_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
+        return max(1, min(self.pixels, budget // (8 * self.embedder.embedding_dim ** 2)))
+
+    def groups(self, images: Sequence[TrainingImage]) -> list[list[TrainingImage]]:
+        """``images`` grouped by calibration fold (fold order, then name); one image a fold for ``loo``."""
+        ordered = sorted(images, key=lambda i: i.name)
+        folds = self.config.calibration_folds
+        if folds == "loo":
+            return [[image] for image in ordered]
+        groups: list[list[TrainingImage]] = [[] for _ in range(folds)]
+        for image in ordered:
+            groups[fold_of(image.name, folds)].append(image)
+        return groups
+
+    def spool_or_none(self, directory: Path, rows: int) -> EmbeddingSpool | None:
+        """A spool for ``rows`` images in ``directory``, or ``None`` when they would not fit its free disk."""
+        if not spool_fits(directory, rows, self.pixels, self.embedder.embedding_dim):
+            return None
+        return EmbeddingSpool(directory, rows, self.pixels, self.embedder.embedding_dim, self.slice_pixels)
+
+    # ------------------------------------------------------------------ pass 1
+    def accumulate(self, groups: Sequence[Sequence[TrainingImage]], progress: bool = True, shard: Shard | None = None,
+                   spool: EmbeddingSpool | None = None) -> Accumulated:
+        """Pass 1: embed every image of ``groups`` (this rank's whole folds under ``shard``).
+
+        With a ``spool``, the embeddings go there (:attr:`spooled`) and :meth:`finish` forms
+        their comoment; without one, they are added to :attr:`statistics` at once. Unreadable
+        images are left out and returned.
+        """
+        mine = distributed.folds_of(groups, shard)
+        name_of = {i.path: i.name for group in groups for i in group}
+        if spool is None:  # batched as the calibration will embed them again: the same embeddings, bit for bit
+            batches = [b for chunk in self._memory_groups(mine) for b in batches_of(chunk, self.config.batch_size)]
+        else:
+            batches = batches_of(mine, self.config.batch_size)
+        unreadable: list[tuple[Path, str]] = []
+        digests: list[tuple[str, int]] = []
+        spooled = Spooled(spool) if spool is not None else None
+        rows_fold: list[int] = []
+        accumulator = None
+        if spooled is None:  # the statistics in memory, as before spooling
+            base = self.statistics if shard is None or shard.main else None
+            accumulator = GaussianAccumulator(base, block_bytes=UPDATE_BLOCK_BYTES)
+        fold_of_path = {i.path: k for k, group in enumerate(mine) for i in group}
+        total = sum(len(g) for g in mine)
+
+        def run() -> None:
+            with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
+                for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to):
+                    embedded = self.embedder(self.embedder.preprocess(images))  # (B, P, D)
+                    if spooled is not None:
+                        spooled.spool.append(embedded)
+                        batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
+                        spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
+                        spooled.names += [name_of[p] for p in paths]
+                        rows_fold.extend(fold_of_path[p] for p in paths)
+                        bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
+                    else:
+                        accumulator.partial_fit(embedded)
+                    digests.extend((name_of[p], file_digest(p)) for p in paths)
+                    bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
+
+        distributed.together(run, shard, self.device)
+        if spooled is not None:
+            dim = self.embedder.embedding_dim
+            total_sum = spooled.total if spooled.total is not None else torch.zeros(
+                self.pixels, dim, dtype=ACCUMULATOR_DTYPE, device=self.device)
+            count = torch.tensor(float(spooled.spool.rows), dtype=ACCUMULATOR_DTYPE, device=self.device)
+            distributed.sum_(total_sum, shard)
+            distributed.sum_(count, shard)
+            spooled.count = int(count)
+            spooled.mean = total_sum / max(spooled.count, 1)
+            spooled.total = None
+            spooled.folds = run_lengths(rows_fold)
+            self.spooled = spooled
+        else:
+            statistics = accumulator.state
+            if statistics is None:
+                statistics = empty_state(self.pixels, self.embedder.embedding_dim, self.device)
+            if shard is not None:
+                statistics = all_reduce_state_(statistics)
+            self.statistics = statistics
+        found = distributed.gather(([(name_of[p], reason) for p, reason in unreadable], digests), shard)
+        new = [d for _, part in found for d in part]
+        self.image_digests = torch.cat([self.image_digests, torch.tensor([d for _, d in new], dtype=torch.int64)]).sort().values
+        return Accumulated(sorted(x for part, _ in found for x in part), new)
+
+    def embed_again(self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
+                    ) -> Iterator[Scored]:
+        """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time.
+
+        Batched as pass 1 batched them without a spool, so that every image's embedding is the
+        one its statistics hold (the out-of-fold correction removes exactly those).
+        """
+        mine = distributed.folds_of(groups, shard)
+        with tqdm(total=sum(len(f) for f in mine), desc="calibrate: embedding again", unit="img",
+                  disable=not progress, leave=False) as bar:
+            for chunk in self._memory_groups(mine):
+                fold_of_path = {i.path: k for k, fold in enumerate(chunk) for i in fold}
+                name_of = {i.path: i.name for fold in chunk for i in fold}
+                names, rows_fold, parts = [], [], []
+                for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
+                                                  self.draft_to):
+                    parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
+                    names += [name_of[p] for p in paths]
+                    rows_fold += [fold_of_path[p] for p in paths]
+                    bar.update(len(paths))
+                embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
+                yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names,
+                             run_lengths(rows_fold))
+
+    def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
+        """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
+        per_image = self.pixels * self.embedder.embedding_dim * 4
+        chunks: list[list[list[TrainingImage]]] = []
+        size = 0
+        for fold in (f for f in folds if f):
+            if not chunks or (size + len(fold)) * per_image > REEMBED_GROUP_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(list(fold))
+            size += len(fold)
+        return chunks
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, scored: Iterator[Scored] | Sequence[Scored], scratch: Path | None, keep_statistics: bool = True,
+               progress: bool = True, shard: Shard | None = None, timing: dict[str, float] | None = None) -> Finished:
+        """Statistics, factors and scores, a slice of pixels at a time (module docstring).
+
+        Args:
+            scored: the images to score, one :class:`Scored` after another (spooled images, or
+                groups embedded again; each after the first costs another Cholesky of every pixel).
+            scratch: where the precision factors wait for the file (``None``: no factors, a partial fit).
+            keep_statistics: form the whole comoment in memory (for a file with statistics).
+            timing: adds ``finish`` (statistics and factors) and ``calibrate`` (distances) seconds.
+
+        Raises:
+            NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
+        """
+        config, dim, pixels = self.config, self.embedder.embedding_dim, self.pixels
+        grid, device = self.embedder.grid_shape, self.device
+        timing = {} if timing is None else timing
+        timing.setdefault("finish", 0.0), timing.setdefault("calibrate", 0.0)
+        state = self._merged_statistics(keep_statistics)
+        count = state.count
+        if count < 2:
+            raise ValueError(f"need at least 2 fitted images, have {count}")
+        slices = self.spooled.spool.slices if self.spooled else _slices(pixels, self.slice_pixels)
+        main = shard is None or shard.main
+        factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
+        sample_exact = sample_half = None
+        distances: list[torch.Tensor] = []
+        names: list[str] = []
+        unscored: list[str] = []
+        float16_change = None
+        try:
+            for number, source in enumerate(scored if scored is not None else []):
+                keep = _scoreable(source, count, unscored)
+                rows = sum(len(r) for r in keep)
+                squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
+                first_pass = number == 0
+                with tqdm(total=pixels, desc="finish" if first_pass else "calibrate", unit="px", disable=not progress,
+                          leave=False) as bar:
+                    for index, (start, stop) in enumerate(slices):
+                        covariance, cholesky = self._cholesky(state, index, start, stop, first_pass, shard, grid, timing)
+                        started = time.perf_counter()
+                        if first_pass and factors is not None:
+                            stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
+                            factors.write(start * packed_length(dim) * 4, pack_lower(stored))
+                            sample = _sample(source, index, start, stop)
+                            if sample is not None:
+                                exact, half = _float16_check(sample.to(device), state.mean[start:stop], stored)
+                                sample_exact = exact if sample_exact is None else torch.cat([sample_exact, exact], 1)
+                                sample_half = half if sample_half is None else torch.cat([sample_half, half], 1)
+                        timing["finish"] += time.perf_counter() - started
+                        started = time.perf_counter()
+                        distributed.together(functools.partial(self._score_slice, source, keep, cholesky, covariance, state,
+                                                                 index, start, stop, squared), shard, device)
+                        del covariance, cholesky
+                        timing["calibrate"] += time.perf_counter() - started
+                        bar.update(stop - start)
+                if first_pass:
+                    self._formed(state, keep_statistics)
+                started = time.perf_counter()
+                distances.append(self._image_scores(squared))
+                names += [n for r in keep for n in r]
+                timing["calibrate"] += time.perf_counter() - started
+            if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
+                self._statistics_only(state, slices, factors, shard, grid, timing, keep_statistics, progress)
+        except BaseException:
+            if factors is not None:
+                factors.close()
+            raise
+        if sample_exact is not None:
+            float16_change = _relative_change(sample_exact, sample_half, grid, config.image_size, config.blur_sigma)
+        scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
+        if shard is not None:  # every rank scored its own folds
+            gathered = distributed.gather((names, scores.tolist(), unscored), shard)
+            names = [n for part, _, _ in gathered for n in part]
+            scores = torch.tensor([s for _, part, _ in gathered for s in part], dtype=torch.float64)
+            unscored = [n for _, _, part in gathered for n in part]
+        return Finished(state.mean.to(torch.float32).cpu(), factors, self._precision_dtype(float16_change), scores,
+                        names, unscored, float16_change)
+
+    # ------------------------------------------------------------------ finish, by part
+    def _merged_statistics(self, keep: bool) -> _State:
+        """Count and mean of every image (earlier statistics and the spool), and where the comoment goes."""
+        dim, pixels = self.embedder.embedding_dim, self.pixels
+        base = self.statistics
+        spooled = self.spooled
+        if spooled is None:
+            if base is None:
+                raise ValueError("nothing has been fitted")
+            return _State(int(base.count), base.mean, base, None, None)
+        n_b = 0 if base is None else int(base.count)
+        n_s = spooled.count
+        n = n_b + n_s
+        if base is None:
+            mean = spooled.mean
+        else:
+            mean = base.mean + (spooled.mean - base.mean) * (n_s / n)
+        target = None
+        if keep:
+            target = base if base is not None else empty_state(pixels, dim, self.device)
+        return _State(n, mean, target, base, spooled)
+
+    def _cholesky(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None,
+                  grid, timing: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Covariance ``C / (n - 1)`` and ``L`` of pixels ``start .. stop``, forming (and keeping) the comoment first."""
+        started = time.perf_counter()
+        covariance = self._comoment(state, index, start, stop, forming, shard).div_(state.count - 1)  # (c, D, D)
+        cholesky = regularised_cholesky(covariance, self.config.epsilon, grid, start)
+        timing["finish"] += time.perf_counter() - started
+        return covariance, cholesky
+
+    def _comoment(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
+                  ) -> torch.Tensor:
+        """Symmetric ``(c, D, D)`` float64 comoment of every image, for pixels ``start .. stop``."""
+        dim = self.embedder.embedding_dim
+        spooled = state.spooled
+        if spooled is None or (not forming and state.target is not None):
+            holder = state.target if state.target is not None else state.base
+            return unpack_lower(holder.comoment[start:stop], dim, symmetric=True)
+        mean = spooled.mean[start:stop]  # (c, D) of the spooled images: centred on their exact mean
+        square = torch.empty(stop - start, dim, dim, dtype=torch.float64, device=self.device)
+
+        def local() -> None:
+            rows = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+            if not spooled.spool.rows:  # a rank without images
+                square.zero_()
+            for first in range(0, spooled.spool.rows, rows):
+                x = spooled.spool.read(index, first, min(first + rows, spooled.spool.rows)).to(self.device)
+                centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
+                square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
+
+        distributed.together(local, shard, self.device)
+        if shard is not None:  # the lower triangle travels: half the bytes
+            square = unpack_lower(distributed.sum_(pack_lower(square), shard), dim, symmetric=True)
+        if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
+            n_b, n_s = int(state.base.count), spooled.count
+            delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
+            square.add_(unpack_lower(state.base.comoment[start:stop], dim, symmetric=True))
+            square.baddbmm_(delta, delta.transpose(1, 2), alpha=n_b * n_s / (n_b + n_s))
+        if forming and state.target is not None:
+            state.target.comoment[start:stop] = pack_lower(square)
+        return square
+
+    def _formed(self, state: _State, keep: bool) -> None:
+        """The spool's images are in the statistics now (kept in memory, or not at all for a slim file)."""
+        if self.spooled is None:
+            return
+        if keep:
+            state.target.mean.copy_(state.mean)
+            state.target.count.fill_(state.count)
+            self.statistics = state.target
+        else:
+            self.statistics = None  # a slim file: no statistics, only their count
+            self._slim_count = state.count
+        self.spooled = None
+        state.base = None  # the comoment is formed: a second scoring pass reads it, not the spool
+        state.spooled = None
+
+    def _statistics_only(self, state, slices, factors, shard, grid, timing, keep, progress) -> None:
+        """The comoment (and factors) when nothing is scored: a partial fit, or images all unscoreable."""
+        if state.spooled is None and factors is None:
+            return
+        with tqdm(total=self.pixels, desc="finish", unit="px", disable=not progress, leave=False) as bar:
+            for index, (start, stop) in enumerate(slices):
+                if factors is None:
+                    self._comoment(state, index, start, stop, True, shard)
+                else:
+                    _, cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
+                    factors.write(start * packed_length(self.embedder.embedding_dim) * 4,
+                                  pack_lower(triangular_inverse(cholesky).to(torch.float32)))
+                bar.update(stop - start)
+        self._formed(state, keep)
+
+    def _score_slice(self, source: Scored, keep: list[list[str]], cholesky: torch.Tensor, covariance: torch.Tensor,
+                     state: _State, index: int, start: int, stop: int, squared: torch.Tensor) -> None:
+        """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``.
+
+        Out-of-fold: the folds of each size share one base (one Cholesky factorisation of the
+        slice per fold size, :func:`padim.core.out_of_fold.fold_base`), and are read and
+        corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
+        """
+        dim, count, epsilon = self.embedder.embedding_dim, state.count, self.config.epsilon
+        mean = state.mean[start:stop]
+        limit = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))  # rows per block
+        if source.folds is None:  # held-out images: the fitted model itself
+            rows = len(source.names)
+            for first in range(0, rows, limit):
+                x = source.read(index, start, stop, first, min(first + limit, rows)).to(self.device)
+                squared[first : first + len(x), start:stop] = held_out_squared_distances(cholesky, mean, x).cpu()
+            return
+        folds, row, out = {}, 0, 0  # size -> [(first row in the source, first row in squared)]
+        for m, kept in zip(source.folds, keep):
+            if kept:
+                folds.setdefault(m, []).append((row, out))
+                out += m
+            row += m
+        grid = self.embedder.grid_shape
+        for m, places in sorted(folds.items()):
+            refit = refit_is_cheaper(m, dim, len(places))
+            base = None if refit else fold_base(covariance, count, m, epsilon, start, grid)
+            per_block = max(1, limit // m)
+            for first in range(0, len(places), per_block):
+                block = places[first : first + per_block]
+                x = torch.cat([source.read(index, start, stop, a, b) for a, b in _runs(block, m)]).to(self.device)
+                members = x.to(torch.float64).transpose(0, 1).reshape(stop - start, len(block), m, dim)
+                if refit:
+                    values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
+                else:
+                    values = fold_squared_distances(base, mean, count, members, start)
+                values = values.cpu()  # (c, F, m)
+                for f, (_, target) in enumerate(block):
+                    squared[target : target + m, start:stop] = values[:, f].T
+            del base
+
+    def _image_scores(self, squared: torch.Tensor) -> torch.Tensor:
+        """Raw scores ``(N,)`` float64 from distances ``(N, P)``: maps, as the scorer makes them, and their maxima."""
+        scores = []
+        for first in range(0, squared.shape[0], 64):
+            maps = anomaly_maps(squared[first : first + 64], self.embedder.grid_shape, self.config.image_size,
+                                self.config.blur_sigma)
+            scores.append(image_scores(maps))
+        return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+
+    def _precision_dtype(self, change: float | None) -> torch.dtype:
+        choice = self.config.precision_dtype
+        if choice != "auto":
+            return getattr(torch, choice)
+        return torch.float16 if change is not None and change <= FLOAT16_TOLERANCE else torch.float32
+
+
+@dataclass
+class _State:
+    """The statistics as the finish sees them: every image's count and mean, and where the comoment is.
+
+    ``target`` receives the comoment as it is formed (``None`` for a slim file); ``base`` holds the
+    earlier statistics; ``spooled`` the images whose comoment is still to form.
+    """
+
+    count: int
+    mean: torch.Tensor
+    target: GaussianState | None
+    base: GaussianState | None
+    spooled: Spooled | None
+
+
+def _scoreable(source: Scored, count: int, unscored: list[str]) -> list[list[str]]:
+    """The names of each fold that can be scored (its model keeps two images), the rest named in ``unscored``."""
+    if source.folds is None:
+        return [source.names]
+    keep, row = [], 0
+    for m in source.folds:
+        names = source.names[row : row + m]
+        if count - m >= 2:
+            keep.append(names)
+        else:
+            keep.append([])
+            unscored += names
+        row += m
+    return keep
+
+
+def _sample(source: Scored, index: int, start: int, stop: int) -> torch.Tensor | None:
+    rows = min(FLOAT16_SAMPLE, len(source.names))
+    return source.read(index, start, stop, 0, rows) if rows else None
+
+
+def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, c)`` squared distances of ``sample`` with float32 and float16-rounded factors, as the scorer computes them."""
+    mean = mean.to(torch.float32)
+    return (squared_mahalanobis(sample, mean, factor).cpu(),
+            squared_mahalanobis(sample, mean, factor.half().float()).cpu())
+
+
+def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, int], size: int, sigma: float) -> float:
+    """Largest relative change of image scores from ``(B, P)`` distances (float16 against float32 factors)."""
+    first, second = (image_scores(anomaly_maps(d, grid, size, sigma)) for d in (exact, half))
+    return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
+
+
+def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``(first, stop)`` source rows of folds of ``size`` rows, adjacent folds read as one span."""
+    spans: list[list[int]] = []
+    for row, _ in places:
+        if spans and spans[-1][1] == row:
+            spans[-1][1] = row + size
+        else:
+            spans.append([row, row + size])
+    return [(first, stop) for first, stop in spans]
+
+
+def run_lengths(labels: Sequence) -> list[int]:
+    """Lengths of the runs of equal consecutive ``labels``: rows per fold, the folds coming one after another."""
+    return [len(list(run)) for _, run in itertools.groupby(labels)]
+
+
+def _slices(pixels: int, step: int) -> list[tuple[int, int]]:
+    return [(p, min(p + step, pixels)) for p in range(0, pixels, step)]
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.0f} MB" if nbytes < 1e10 else f"{nbytes / 1e9:,.1f} GB"
+
+
+def file_digest(path: Path) -> int:
+    """First 8 bytes of the sha256 of a file's content, as a signed int64 (a fitted image's identity)."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def batches_of(groups: Sequence[Sequence[TrainingImage]], batch_size: int) -> list[list[Path]]:
+    """The paths of ``groups``, in order, in batches of ``batch_size`` (which may span groups: rows stay in order)."""
+    paths = [i.path for group in groups for i in group]
+    return [paths[s : s + batch_size] for s in range(0, len(paths), batch_size)]

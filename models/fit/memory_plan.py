@@ -1,0 +1,215 @@
+"""What a fit will cost, said before it starts: memory by part, the device's free memory, the spool's disk.
+
+``padim train`` prints a :class:`FitPlan` before pass 1 and refuses, with the options that would
+fit, a fit that would not (:func:`check`), instead of dying in the middle. The parts:
+
+- **statistics**: the packed float64 comoment ``P D (D + 1) / 2 * 8`` bytes and the means. A
+  fit with a spool forms the comoment slice by slice after pass 1 (and not at all for a
+  ``--slim`` file); without a spool it is streamed during pass 1.
+- **finish**: one slice's float64 buffers (comoment, Cholesky factor, inverse; see
+  :data:`SLICE_BYTES`), a block of embeddings and the out-of-fold
+  distances of every image (``N P`` float32).
+- **backbone**: its weights (kept, and folded for inference) and one batch's activations,
+  measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
+- **process**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
+  what the process keeps besides (:data:`PROCESS_BYTES`).
+
+Example:
+    >>> from padim.models.config import PadimConfig
+    >>> plan = plan_fit(PadimConfig(backbone="wide_resnet50_2", weights="random"), images=40, spool=True)
+    >>> round(plan.statistics / 1e9, 2)                               # the packed comoment, float64 (GB)
+    3.83
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torchvision
+
+from padim.core.packing import packed_length
+from padim.core.spool import EmbeddingSpool, free_disk
+from padim.models.config import PadimConfig
+from padim.models.errors import DoesNotFit  # noqa: F401 (part of this module's interface)
+from padim.models.features.backbones import BACKBONES
+from padim.models.features.embedding import grid_shape
+
+GB = 2**30
+
+# What the finish works on at once (the fit in progress reads these; the plan counts them).
+#: Bytes of one ``(c, D, D)`` float64 buffer of the finish: sets the pixels per slice. Three or
+#: four such buffers are alive at once.
+SLICE_BYTES = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
+#: Bytes of float64 embeddings worked on at once within a slice (spool rows, fold blocks).
+BLOCK_BYTES = 16 * 2**20
+#: Bytes of embeddings held in memory per group when the calibration must embed images again.
+REEMBED_GROUP_BYTES = 512 * 2**20
+#: Bytes of held batches added to the in-memory statistics at once (no spool).
+UPDATE_BLOCK_BYTES = 256 * 2**20
+#: Resident memory besides the parts: the interpreter with torch and torchvision imported (CUDA
+#: build: 673 MB measured), padim's modules, the decoding threads and what the allocator keeps after
+#: pass 1 (resnet18 at 224 px: 873 MB resident after pass 1, of which 160 MB are backbone). On a GPU:
+#: the CUDA context.
+PROCESS_BYTES = {"cpu": 850 * 2**20, "cuda": 500 * 2**20}
+#: Peak activation bytes per input pixel per image, over the feature map sizes' sum: measured
+#: 162 B/px on resnet18 (1.5x its stage outputs) and 710 B/px on wide_resnet50_2 (3.7x).
+ACTIVATION_FACTOR = {"basic": 1.5, "bottleneck": 3.7}
+#: Disk left free beside the spool and the factors.
+DISK_RESERVE = GB
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """Bytes a fit needs, by part, on its device, and the disk its spool takes.
+
+    Attributes:
+        device: ``cpu`` or ``cuda``.
+        statistics, finish, backbone, process: memory (see the module docstring).
+        spool: disk bytes of pass 1's embeddings (0 without a spool).
+        factors: disk bytes of the float32 precision factors waiting for the file.
+    """
+
+    device: str
+    statistics: int
+    finish: int
+    backbone: int
+    process: int
+    spool: int
+    factors: int
+
+    @property
+    def total(self) -> int:
+        return self.statistics + self.finish + self.backbone + self.process
+
+    def describe(self, free: int | None) -> str:
+        """One line: the total, its parts and the free memory."""
+        parts = (f"statistics {_gb(self.statistics)}, finish {_gb(self.finish)}, backbone {_gb(self.backbone)}, "
+                 f"process {_gb(self.process)}")
+        room = f" of {_gb(free)} free" if free is not None else ""
+        return f"needs about {_gb(self.total)} on the {self.device.upper()}{room} ({parts})"
+
+
+def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: bool = True, resume: bool = False,
+             device: str | None = None) -> FitPlan:
+    """The memory a fit of ``images`` images will need (see the module docstring).
+
+    Args:
+        spool: whether pass 1's embeddings go to disk (else the statistics are streamed in memory).
+        keep_statistics: ``False`` for ``--slim`` (no comoment is formed, given a spool).
+        resume: statistics are read from a file (they are then held whatever ``keep_statistics``).
+        device: ``cpu`` or ``cuda`` (default: the config's, resolved).
+    """
+    device = device or ("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+                        else "cpu")
+    spec = BACKBONES[config.backbone]
+    rows, cols = grid_shape(config)
+    pixels, dim = rows * cols, config.embedding_dim_or_default()
+    held = keep_statistics or not spool or resume
+    statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
+    slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
+    finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * pixels * 4
+    deepest = max(spec.layers.index(layer) for layer in config.layers)
+    kind = "basic" if spec.channels[0] == 64 else "bottleneck"
+    per_pixel = 4 * (64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides)))
+    activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size)
+    embedding = config.batch_size * pixels * dim * 4 * (1 if spool else 3)  # without a spool: float64 slices and held batches
+    update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
+    backbone = 2 * _weights_bytes(config) + activations + embedding + update
+    return FitPlan(device, statistics, finish, backbone, PROCESS_BYTES[device],
+                   EmbeddingSpool.size(images, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for this process on ``device``: ``MemAvailable`` (and the cgroup's limit) or the GPU's free memory."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limit = _cgroup_room()
+    if limit is not None:
+        available = limit if available is None else min(available, limit)
+    return available
+
+
+def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
+    """Whether ``rows`` rows of embeddings and the float32 factors fit in ``directory``'s free disk."""
+    needed = EmbeddingSpool.size(rows, pixels, dim) + pixels * packed_length(dim) * 4 + DISK_RESERVE
+    return free_disk(directory) >= needed
+
+
+def check(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool,
+          resume: bool) -> None:
+    """Raise :class:`DoesNotFit` naming the options that would fit, when ``plan`` exceeds ``free``."""
+    if free is None or plan.total <= free:
+        return
+
+    def fits(changed: PadimConfig, **kwargs) -> int | None:
+        options = dict(images=images, spool=spool, keep_statistics=keep_statistics, resume=resume, device=plan.device)
+        options.update(kwargs)
+        total = plan_fit(changed, **options).total
+        return total if total <= free else None
+
+    options = []
+    spec = BACKBONES[config.backbone]
+    multiple = max(16, max(spec.stride_of(layer) for layer in config.layers))
+    for size in range(config.image_size - multiple, 2 * multiple - 1, -multiple):
+        try:
+            total = fits(config.replace(image_size=size))
+        except ValueError:
+            continue
+        if total is not None:
+            options.append(f"--image-size {size} ({_gb(total)})")
+            break
+    dim = config.embedding_dim_or_default()
+    for fewer in sorted({d for d in (dim * 3 // 4, dim // 2, dim // 4, 100, 50) if 1 <= d < dim}, reverse=True):
+        total = fits(config.replace(embedding_dim=fewer))
+        if total is not None:
+            options.append(f"--embedding-dim {fewer} ({_gb(total)})")
+            break
+    if keep_statistics and spool and not resume:
+        total = fits(config, keep_statistics=False)
+        if total is not None:
+            options.append(f"--slim (no statistics in the file; {_gb(total)})")
+    if plan.device == "cuda":
+        cpu_free = free_memory("cpu")
+        total = plan_fit(config, images, spool, keep_statistics, resume, device="cpu").total
+        if cpu_free is not None and total <= cpu_free:
+            options.append(f"--device cpu ({_gb(total)} of {_gb(cpu_free)} free)")
+    advice = "; ".join(options) if options else "a machine with more memory"
+    raise DoesNotFit(f"this fit {plan.describe(free)}, so it would run out of memory; what would fit: {advice}")
+
+
+def _weights_bytes(config: PadimConfig) -> int:
+    """Parameters of the backbone's used stages, counted on a meta-device model (nothing allocated)."""
+    with torch.device("meta"):
+        model = getattr(torchvision.models, config.backbone)(weights=None)
+    keys = set(BACKBONES[config.backbone].used_keys(model.state_dict().keys(), config.layers))
+    return sum(t.numel() * 4 for k, t in model.state_dict().items() if k in keys)
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under a cgroup v2 memory limit (a container's), or ``None`` without one."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _gb(nbytes: int) -> str:
+    """Decimal units, as disks and the docs count them: 1 GB = 10^9 bytes."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
+

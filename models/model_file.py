@@ -1,0 +1,293 @@
+"""The model file of a detector or a partial fit: its tensors, its header, and older formats.
+
+A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
+
+| tensor | shape | what |
+|---|---|---|
+| ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors) |
+| ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
+| ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
+| ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
+| ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
+| ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
+| ``backbone.*`` | | the backbone weights used |
+
+and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
+``embedding_dim``, ``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
+:class:`~padim.models.detector.Provenance` fields.
+
+Formats, all still read:
+
+- **3** (this one): ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
+  from this format on). Out-of-fold scores are computed in float64 from one factorisation
+  per fold size (:mod:`padim.core.out_of_fold`), for the same fold models as before. A fit
+  writes the file from its statistics and its factors' scratch file as streams
+  (:func:`save_fitted`), never holding both in memory.
+- **2**: digests of every tensor and of the header.
+- **1**: no digests, a held-out calibration, ``accumulator.*`` tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torchvision
+
+from padim.core.artifact import (
+    FORMAT_VERSION,
+    ArtifactError,
+    TensorStream,
+    copy_artifact,
+    load_artifact,
+    read_header,
+    save_artifact,
+)
+from padim.core.calibration import Calibration
+from padim.core.packing import pack_lower, packed_length, unpack_lower
+from padim.core.statistics import GaussianState
+from padim.core.version import __version__
+from padim.models.config import RETIRED, PadimConfig
+from padim.models.detector import PadimDetector, Provenance, resolve_device
+from padim.models.features.backbones import WeightsInfo
+from padim.models.features.embedding import Embedding, FeatureEmbedder
+from padim.models.fit.in_progress import Finished, Fit
+from padim.models.model import PadimModel
+
+log = logging.getLogger(__name__)
+
+DETECTOR, PARTIAL = "padim-detector", "padim-partial"
+#: Tensor-name prefixes of the streamed statistics: this format's, and format 1's.
+STATISTICS_PREFIXES = ("statistics.", "accumulator.")
+#: Rows of precision factors converted and written at a time.
+FACTOR_CHUNK_BYTES = 32 * 2**20
+
+
+# ---------------------------------------------------------------------- detectors
+def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bool = True,
+                  precision_dtype: torch.dtype | None = None) -> None:
+    """Write a detector held in memory to a model file, atomically.
+
+    Args:
+        with_statistics: keep the streamed statistics (needed by ``--resume`` and ``merge``).
+        precision_dtype: storage dtype of the precision factors; default: the detector's.
+    """
+    dtype = precision_dtype or detector.precision_dtype
+    with_statistics = with_statistics and detector.statistics is not None
+    model = detector.model
+    factor = model.precision_factor
+    packed = TensorStream(dtype, (factor.shape[0], packed_length(factor.shape[-1])),
+                          lambda: (pack_lower(factor[p : p + 256]).to(dtype) for p in range(0, factor.shape[0], 256)))
+    _write(path, detector.config, detector.weights, detector.backbone_weights, detector.embedding, model.grid_shape,
+           model.mean, packed, detector.calibration, detector.provenance, detector.image_digests,
+           detector.statistics if with_statistics else None)
+
+
+def save_fitted(path: str | Path, fit: Fit, finished: Finished, calibration: Calibration, provenance: Provenance,
+                with_statistics: bool = True) -> None:
+    """Write a finished fit's model file, atomically: its factors streamed from their scratch file.
+
+    The factors are read a chunk of pixels at a time and converted to their storage dtype on
+    the way, so that neither a second copy of them nor the float32 and float16 forms at once
+    are ever in memory beside the statistics.
+    """
+    dtype = finished.precision_dtype
+    pixels, length = finished.mean.shape[0], packed_length(finished.mean.shape[1])
+    rows = max(1, FACTOR_CHUNK_BYTES // (4 * length))
+
+    def chunks():
+        for first in range(0, pixels, rows):
+            count = min(rows, pixels - first)
+            yield finished.factors.read(first * length * 4, (count, length), torch.float32).to(dtype)
+
+    _write(path, fit.config, fit.weights, fit.backbone_weights, fit.embedding, fit.embedder.grid_shape, finished.mean,
+           TensorStream(dtype, (pixels, length), chunks), calibration, provenance, fit.image_digests,
+           fit.statistics if with_statistics else None)
+
+
+def store_calibration(path: str | Path, calibration: Calibration) -> None:
+    """Store another threshold in a model file (``evaluate --calibrate``), atomically.
+
+    A file of this format keeps its tensors, streamed from the old file to the new; an older one
+    is read whole and written again in this format.
+    """
+    header = read_header(path)
+    if header["format_version"] >= FORMAT_VERSION:
+        header["calibration"] = calibration.summary()
+        copy_artifact(path, path, header)
+        return
+    detector = load_detector(path, "cpu", with_statistics=True)
+    detector.calibration = calibration
+    save_detector(detector, path, with_statistics=detector.statistics is not None)
+
+
+def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, embedding: Embedding, grid, mean,
+           factors: TensorStream, calibration: Calibration, provenance: Provenance, image_digests,
+           statistics: GaussianState | None) -> None:
+    tensors = {
+        "mean": mean.to(torch.float32),
+        "precision_factor": factors,
+        "calibration.scores": torch.tensor(calibration.scores, dtype=torch.float64),
+        **_common_tensors(embedding, backbone_weights, image_digests),
+        **(_statistics_tensors(statistics) if statistics is not None else {}),
+    }
+    header = {
+        "kind": DETECTOR,
+        **_common_header(config, weights, embedding, grid),
+        "precision_dtype": str(factors.dtype).removeprefix("torch."),
+        "calibration": calibration.summary(),
+        "has_statistics": statistics is not None,
+        **provenance.to_header(),
+    }
+    save_artifact(path, tensors, header)
+
+
+def load_detector(path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:
+    """Read a detector's model file, verified (digests) and checked (finite statistics).
+
+    Args:
+        with_statistics: also read the streamed statistics (to save the model again with them).
+
+    Raises:
+        ArtifactError: missing, damaged, partial, foreign or newer-format file (one line).
+    """
+    tensors, header = load_artifact(path, skip_prefixes=() if with_statistics else STATISTICS_PREFIXES)
+    kind = header.get("kind")
+    if kind == PARTIAL:
+        raise ArtifactError(f"{path}: a partial fit (train --partial); combine the parts with `padim merge` first")
+    if kind != DETECTOR:
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={kind!r})")
+    config, embedding, backbone_weights, weights = _read_common(path, tensors, header)
+    for name in ("mean", "precision_factor"):  # checked as stored: packed, and float16 where so saved
+        if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
+            raise ArtifactError(f"{path}: tensor {name!r} holds NaN or infinite values; this model cannot score")
+    try:
+        factor = unpack_lower(tensors["precision_factor"], embedding.embedding_dim)  # float16 stays float16
+        mean = tensors["mean"]
+        calibration = _read_calibration(header, tensors)
+        statistics = _read_statistics(tensors, header, embedding.embedding_dim) if with_statistics else None
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    provenance = _read_provenance(path, header)
+    model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma)
+    precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
+    return PadimDetector(config, weights, backbone_weights, model.to(resolve_device(device)), calibration, provenance,
+                         statistics, tensors.get("image_digests"), precision_dtype)
+
+
+# ---------------------------------------------------------------------- fits
+def save_fit(fit: Fit, path: str | Path) -> None:
+    """Write a fit's statistics alone (``train --partial``), to be combined by ``padim merge``."""
+    tensors = {**_common_tensors(fit.embedding, fit.backbone_weights, fit.image_digests),
+               **_statistics_tensors(fit.statistics)}
+    header = {"kind": PARTIAL, **_common_header(fit.config, fit.weights, fit.embedding, fit.embedder.grid_shape),
+              "has_statistics": True, **fit.provenance.to_header()}
+    save_artifact(path, tensors, header)
+
+
+def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
+    """A fit from a model file with statistics (a detector, or a ``--partial`` file), to go on with.
+
+    Args:
+        run_options: batch size, device and workers to use (the rest comes from the file).
+
+    Raises:
+        ArtifactError: unreadable file, or one saved without statistics (``--slim``).
+    """
+    tensors, header = load_artifact(path, skip_prefixes=("mean", "precision_factor"))
+    if header.get("kind") not in (DETECTOR, PARTIAL):
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+    if not header.get("has_statistics", header.get("has_accumulators")):
+        raise ArtifactError(f"{path}: saved with --slim, without the statistics that resume and merge need; "
+                            "train a new model on all the images instead")
+    config, embedding, backbone_weights, weights = _read_common(path, tensors, header)
+    try:
+        statistics = _read_statistics(tensors, header, embedding.embedding_dim)
+        earlier = _read_calibration(header, tensors) if header.get("calibration") is not None else None
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    if run_options is not None:
+        config = config.with_run_options(run_options)
+    return Fit(config, weights, backbone_weights, embedding, statistics, tensors.get("image_digests"), earlier,
+               _read_provenance(path, header))
+
+
+# ---------------------------------------------------------------------- shared parts
+def _common_tensors(embedding: Embedding, backbone_weights: dict[str, torch.Tensor],
+                    image_digests: torch.Tensor) -> dict[str, torch.Tensor]:
+    reduction = ({"embedding.channel_index": embedding.channel_index} if embedding.channel_index is not None
+                 else {"embedding.projection": embedding.projection})
+    return {"image_digests": image_digests, **reduction, **{f"backbone.{k}": v for k, v in backbone_weights.items()}}
+
+
+def _statistics_tensors(statistics: GaussianState) -> dict[str, torch.Tensor]:
+    return {"statistics.count": statistics.count, "statistics.mean": statistics.mean,
+            "statistics.comoment": statistics.comoment}  # packed in memory as in the file
+
+
+def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embedding, grid: tuple[int, int]) -> dict:
+    stored = config.replace(embedding_dim=embedding.embedding_dim)  # D as built, not "the default"
+    return {
+        "padim_version": __version__,
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in stored.to_dict().items()},
+        "weights": weights.to_header(),
+        "embedding_dim": embedding.embedding_dim,
+        "grid": list(grid),
+    }
+
+
+def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[PadimConfig, Embedding, dict, WeightsInfo]:
+    """Configuration, embedding, backbone weights and their origin: what every model file holds."""
+    try:
+        values = dict(header["config"])
+        if not header["verified"]:  # format 1: a held-out share instead of folds
+            for key in RETIRED:
+                values.pop(key, None)
+        config = PadimConfig.from_mapping(values, source=str(path))
+        reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \
+            else {"projection": tensors["embedding.projection"]}
+        embedding = Embedding.for_layers(config.spec, config.layers, **reduction)
+        if embedding.embedding_dim != int(header["embedding_dim"]):
+            raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
+        backbone_weights = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}
+        weights = WeightsInfo(**header["weights"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise _inconsistent(path, error) from None
+    return config, embedding, backbone_weights, weights
+
+
+def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_dim: int) -> GaussianState | None:
+    prefix = "statistics." if header["verified"] else "accumulator."
+    if f"{prefix}count" not in tensors:
+        return None
+    comoment = tensors[f"{prefix}comoment"]
+    if comoment.shape[-1] != packed_length(embedding_dim):
+        raise ValueError(f"the comoment holds {comoment.shape[-1]} entries a pixel, not {packed_length(embedding_dim)}")
+    return GaussianState(tensors[f"{prefix}count"], tensors[f"{prefix}mean"], comoment)
+
+
+def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
+    if header["verified"]:
+        return Calibration.from_header(header["calibration"], tensors["calibration.scores"])
+    old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
+    scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
+    return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),
+                       "manual" if old.get("quantile") is None else "quantile", None)
+
+
+def _read_provenance(path, header: dict) -> Provenance:
+    provenance = Provenance.from_header(header)
+    provenance.verified = header["verified"]
+    if not provenance.verified:
+        log.warning("%s: model format %s has no digests, so its integrity is not verified, and its threshold "
+                    "comes from a few held-out images; train it again for an honest threshold",
+                    path, header["format_version"])
+        provenance.calibration_source = "held_out"
+    return provenance
+
+
+def _inconsistent(path, error: Exception) -> ArtifactError:
+    return ArtifactError(f"{path}: incomplete or inconsistent model file ({type(error).__name__}: {error})")

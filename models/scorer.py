@@ -1,0 +1,56 @@
+"""The one interface every scorer implements: the torch detector and each exported runtime.
+
+:class:`Scorer` is shaped as its callers use it. The service decodes on a pool of threads and
+calls :meth:`Scorer.preprocess` there, scores a stacked batch with :meth:`Scorer.score` on its
+single inference thread, and gives verdicts from :attr:`Scorer.calibration`; ``padim predict``,
+``padim evaluate`` and :class:`padim.Detector` do the same in one thread. Implementations:
+:class:`~padim.models.detector.PadimDetector` (torch) and
+:class:`~padim.models.deploy.runtimes.DeployedDetector` (ONNX Runtime, OpenVINO);
+:func:`~padim.models.deploy.runtimes.load_scorer` gives the one asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from PIL import Image
+
+from padim.core.calibration import Calibration
+from padim.models.config import PadimConfig
+from padim.models.detector import Provenance
+from padim.models.features.backbones import WeightsInfo
+from padim.models.model import ScoreOutput
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """What scores images: model input in, raw scores and anomaly maps out, with what makes verdicts.
+
+    Attributes:
+        config: what the detector was fitted with (``image_size`` decides the input).
+        calibration: normal scores, threshold and what it promises; verdicts come from it.
+        weights: where the backbone weights came from (its ``label`` is shown with every result).
+        provenance: image counts, fits, creation time.
+        runtime: what runs it: ``torch``, ``onnxruntime`` or ``openvino``.
+    """
+
+    config: PadimConfig
+    calibration: Calibration
+    weights: WeightsInfo
+    provenance: Provenance
+    runtime: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`score`'s outputs land."""
+
+    def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """RGB images -> ``(B, 3, S, S)`` float32 normalised model input (thread-safe; the decode pool)."""
+
+    def score(self, batch: torch.Tensor) -> ScoreOutput:
+        """``(B, 3, S, S)`` model input -> raw image scores ``(B,)`` and anomaly maps ``(B, S, S)``."""
+
+    def describe(self) -> dict:
+        """What a user sees of it (``padim info``, ``GET /models``, results files)."""

@@ -1,0 +1,102 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from padim.models.data.images import (ImageError, ImageTooLarge, bounded_copy, image_dimensions, list_images, open_image,
+                                 to_model_input)
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK", "LA", "1"])
+def test_modes_become_rgb(mode):
+    image = Image.new("RGB", (8, 6), (200, 100, 50)).convert(mode)
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    out = open_image(encode(image, fmt))
+    assert out.mode == "RGB" and out.size == (8, 6)
+
+
+def test_sixteen_bit_is_rescaled_not_clipped():
+    array = np.full((4, 4), 32768, dtype=np.uint16)
+    out = open_image(encode(Image.fromarray(array)))
+    assert abs(int(np.asarray(out)[0, 0, 0]) - 128) <= 1
+
+
+def test_exif_orientation_is_applied():
+    image = Image.new("RGB", (20, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    out = open_image(encode(image, "JPEG", exif=exif.tobytes()))
+    assert out.size == (10, 20)
+
+
+def test_transparent_pixels_become_white():
+    out = open_image(encode(Image.new("RGBA", (2, 2), (0, 0, 0, 0))))
+    assert np.asarray(out)[0, 0].tolist() == [255, 255, 255]
+
+
+def test_bad_inputs():
+    good = encode(Image.new("RGB", (64, 64), (1, 2, 3)))
+    with pytest.raises(ImageError, match="not a readable image"):
+        open_image(b"")
+    with pytest.raises(ImageError, match="not a readable image"):
+        open_image(b"hello, not an image")
+    with pytest.raises(ImageError):
+        open_image(good[: len(good) // 2])
+    with pytest.raises(ImageError, match="over the limit"):
+        open_image(good, max_pixels=100)
+
+
+def test_model_input_is_normalised(tmp_path):
+    image = Image.new("RGB", (30, 20), (124, 116, 104))  # ~ the ImageNet mean
+    batch = to_model_input([image, image], 32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert batch.shape == (2, 3, 32, 32)
+    assert batch.abs().max() < 0.02
+
+
+def test_list_images_recursive_sorted(tmp_path):
+    for name in ["b/2.PNG", "a/1.jpg", "c.bmp", "notes.txt", "z.tif"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.relative_to(tmp_path).as_posix() for p in list_images(tmp_path)] == ["a/1.jpg", "b/2.PNG", "c.bmp", "z.tif"]
+    with pytest.raises(ImageError, match="no such file"):
+        list_images(tmp_path / "missing")
+
+
+def test_large_jpeg_is_drafted_down_but_never_below_the_asked_side():
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 255, (1500, 2000, 3), dtype=np.uint8))
+    data = encode(photo, "JPEG", quality=90)
+    full = open_image(data)
+    drafted = open_image(data, draft_to=200)
+    assert full.size == (2000, 1500)
+    assert drafted.size == (500, 375)  # 1/4: the 1/8 scale would make the short side 188 < 200
+    # the DCT-scaled decode is a low-pass of the full one: model input from both is close
+    a = to_model_input([full], 64, (0, 0, 0), (1, 1, 1))
+    b = to_model_input([drafted], 64, (0, 0, 0), (1, 1, 1))
+    assert float((a - b).abs().mean()) < 0.02
+    small = encode(Image.new("RGB", (300, 300)), "JPEG")
+    assert open_image(small, draft_to=200).size == (300, 300)  # under twice the side: decoded as is
+    png = encode(Image.new("RGB", (2000, 1500)))
+    assert open_image(png, draft_to=200).size == (2000, 1500)  # not a JPEG: full size
+
+
+def test_size_from_the_header_alone_and_the_limit_named_as_configured():
+    data = encode(Image.new("RGB", (300, 200)))
+    assert image_dimensions(data) == (300, 200)
+    with pytest.raises(ImageTooLarge, match="300x200 pixels is over the limit of PADIM_MAX_IMAGE_PIXELS = 1000 pixels"):
+        image_dimensions(data, max_pixels=1000, limit_name="PADIM_MAX_IMAGE_PIXELS")
+
+
+def test_bounded_copy_keeps_the_aspect_ratio_and_small_images_as_they_are():
+    wide = Image.new("RGB", (3000, 1000))
+    copy = bounded_copy(wide, 1024)
+    assert copy.size == (1024, 341)
+    small = Image.new("RGB", (100, 50))
+    assert bounded_copy(small, 1024) is small

@@ -1,0 +1,175 @@
+"""Every runtime scores as torch does: parity at two sizes, both reductions, both factor dtypes.
+
+The issue's bar: image scores within 1e-4 relative and maps within 1e-3 of the torch path on the
+same images, for onnxruntime and OpenVINO, on the .padim file (exported and cached) and on an
+export directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from padim.core.artifact import ArtifactError
+from padim.models.deploy.export import ExportError, read_export
+from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime
+from padim.models.model_file import load_detector, save_detector
+
+from helpers import run_cli
+
+#: (image size, reduction, stored factor dtype): each size with both reductions and both dtypes.
+CASES = [(224, "random", "float32"), (224, "semi_orthogonal", "float16"),
+         (320, "random", "float16"), (320, "semi_orthogonal", "float32")]
+RUNTIMES = ("onnxruntime", "openvino")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}px-{c[1]}-{c[2]}")
+def case_model(request, dataset, tmp_path_factory):
+    size, reduction, dtype = request.param
+    path = tmp_path_factory.mktemp("runtimes") / f"m{size}.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", size,
+            "--reduction", reduction, "--precision-dtype", dtype, "--calibration-folds", 2, "--batch-size", 8,
+            "--embedding-dim", 64)
+    return path, size, dtype
+
+
+def test_torch_reference_checks_its_inputs(case_model):
+    path, size, dtype = case_model
+    detector = load_detector(path, device="cpu")
+    assert detector.config.image_size == size and str(detector.precision_dtype) == f"torch.{dtype}"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
+    path, size, dtype = case_model
+    reference = load_detector(path, device="cpu")
+    paths = sorted((dataset / "test").rglob("*.png"))[::3][:5]
+    batch = reference.preprocess([Image.open(p).convert("RGB") for p in paths])  # (5, 3, S, S)
+    expected = reference.score(batch)
+    deployed = load_scorer(path, runtime, "cpu")
+    assert isinstance(deployed, DeployedDetector) and deployed.describe()["runtime"] == runtime
+    assert deployed.precision_dtype == reference.precision_dtype
+    got = deployed.score(batch)
+    assert got.maps.shape == expected.maps.shape == (5, size, size)
+    relative = ((got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs()).max()
+    assert relative <= 1e-4, f"{runtime}: image scores differ by {float(relative):.2e} relative"
+    assert (got.maps - expected.maps).abs().max() <= 1e-3
+    # batch of one: the dynamic batch dimension, not only the exported example's
+    single = deployed.score(batch[:1])
+    assert torch.allclose(single.raw_scores, got.raw_scores[:1], rtol=1e-5)
+    # the same verdict inputs: threshold and calibration travel with the graph
+    assert deployed.calibration == reference.calibration
+    assert deployed.describe()["calibration"] == reference.describe()["calibration"]
+
+
+def test_an_export_directory_runs_on_both_runtimes(case_model, tmp_path):
+    path, size, _ = case_model
+    run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
+    reference = load_detector(path, device="cpu")
+    batch = torch.randn(3, 3, size, size)
+    expected = reference.score(batch).raw_scores
+    for runtime in RUNTIMES:
+        got = load_scorer(tmp_path / "onnx", runtime, "cpu").score(batch).raw_scores
+        assert torch.allclose(got, expected, rtol=1e-4), runtime
+
+
+def test_auto_picks_onnxruntime_on_cpu_and_torch_on_cuda():
+    assert resolve_runtime("auto", torch.device("cpu")) == "onnxruntime"
+    assert resolve_runtime("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ExportError, match="choose one of auto, torch, onnxruntime, openvino"):
+        resolve_runtime("tensorrt", torch.device("cpu"))
+
+
+def test_the_export_of_a_model_file_is_cached_and_renewed_when_the_file_changes(model_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_scorer(model_file, "onnxruntime", "cpu")
+    entries = sorted((tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and first.directory == entries[0]
+    stamp = (entries[0] / "model.onnx").stat().st_mtime_ns
+    again = load_scorer(model_file, "onnxruntime", "cpu")  # read from the cache, not exported again
+    assert again.directory == entries[0] and (entries[0] / "model.onnx").stat().st_mtime_ns == stamp
+    # a changed model file (as evaluate --calibrate leaves it) gets its own export; the old one goes
+    changed = tmp_path / model_file.name
+    detector = load_detector(model_file, device="cpu", with_statistics=True)
+    detector.calibration = detector.calibration.with_threshold(detector.calibration.threshold * 2)
+    save_detector(detector, changed)
+    renewed = load_scorer(changed, "onnxruntime", "cpu")
+    assert renewed.calibration.threshold == pytest.approx(detector.calibration.threshold)
+    assert renewed.metadata["model"]["sha256"] != first.metadata["model"]["sha256"]
+
+
+def test_a_damaged_cache_is_exported_again(model_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_scorer(model_file, "onnxruntime", "cpu")
+    with open(first.directory / "model.onnx", "r+b") as handle:  # one flipped byte in the graph
+        handle.seek(1000)
+        byte = handle.read(1)
+        handle.seek(1000)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    again = load_scorer(model_file, "onnxruntime", "cpu")
+    assert again.score(torch.zeros(1, 3, again.image_size, again.image_size)).raw_scores.isfinite().all()
+
+
+def test_a_read_only_model_folder_caches_elsewhere(model_file, tmp_path, monkeypatch):
+    monkeypatch.delenv("PADIM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path).startswith(str(tmp_path)))
+    place = cache_dir(model_file, "ab" * 32, "onnx")
+    assert place.parent == tmp_path / "xdg" / "padim" and place.name == f"{model_file.name}.onnx-{'ab' * 8}"
+
+
+def test_a_damaged_export_directory_is_refused(model_file, tmp_path):
+    run_cli("-q", "export", model_file, "--output", tmp_path / "e")
+    meta = json.loads((tmp_path / "e" / "padim.json").read_text())
+    meta["calibration"]["threshold"] = 0.0  # an edited threshold must not pass for the trained one
+    (tmp_path / "e" / "padim.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match="do not match its digest"):
+        load_scorer(tmp_path / "e", "onnxruntime", "cpu")
+    (tmp_path / "f").mkdir()
+    with pytest.raises(ArtifactError, match="not a padim export"):
+        read_export(tmp_path / "f")
+
+
+def test_torch_cannot_run_an_export_and_onnxruntime_cannot_run_openvino_ir(model_file, tmp_path):
+    run_cli("-q", "export", model_file, "--format", "openvino", "--output", tmp_path / "ov")
+    with pytest.raises(ExportError, match="torch needs the .padim file"):
+        load_scorer(tmp_path / "ov", "torch", "cpu")
+    with pytest.raises(ExportError, match="run it with --runtime openvino"):
+        load_scorer(tmp_path / "ov", "onnxruntime", "cpu")
+    deployed = load_scorer(tmp_path / "ov", "openvino", "cpu")
+    reference = load_detector(model_file, device="cpu")
+    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    assert np.allclose(deployed.score(batch).raw_scores, reference.score(batch).raw_scores, rtol=1e-4)
+
+
+def test_a_missing_runtime_says_what_to_install(model_file, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_openvino(name, *args, **kwargs):
+        if name == "openvino" or name.startswith("openvino."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_openvino)
+    monkeypatch.setattr("importlib.import_module", lambda name: no_openvino(name))
+    with pytest.raises(ExportError, match=r"openvino is not installed; install it with: pip install 'padim-inspect\[openvino\]'"):
+        load_scorer(model_file, "openvino", "cpu")
+
+
+def test_cuda_with_a_cpu_only_onnxruntime_is_an_error_not_a_silent_cpu_run(model_file, tmp_path):
+    from padim.models.deploy.runtimes import OnnxRuntimeSession
+
+    run_cli("-q", "export", model_file, "--output", tmp_path / "e")
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    with pytest.raises(ExportError, match="needs onnxruntime-gpu"):
+        OnnxRuntimeSession(tmp_path / "e" / "model.onnx", torch.device("cuda"))

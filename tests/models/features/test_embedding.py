@@ -1,0 +1,59 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from padim.models.features.backbones import BACKBONES, build_backbone
+from padim.models.features.embedding import Embedding, FeatureExtractor
+
+LAYERS = ("layer1", "layer2", "layer3")
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    model, _ = build_backbone("resnet18", "random", seed=0)
+    # give BatchNorm non-trivial statistics so that folding has something to fold
+    g = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=g) * 0.1)
+            module.running_var.copy_(torch.rand(module.num_features, generator=g) + 0.5)
+            module.weight.data.copy_(torch.rand(module.num_features, generator=g) + 0.5)
+            module.bias.data.copy_(torch.randn(module.num_features, generator=g) * 0.1)
+    return model.eval()
+
+
+def test_batchnorm_folding_changes_outputs_by_less_than_1e_4(backbone):
+    images = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    folded = FeatureExtractor(backbone, LAYERS, fold_batchnorm=True)
+    plain = FeatureExtractor(backbone, LAYERS, fold_batchnorm=False)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    for a, b in zip(folded(images), plain(images)):
+        assert (a - b).abs().max() < 1e-4
+
+
+def naive_embedding(features, scales):
+    """anomalib-style: upsample every layer fully, concatenate, then reduce."""
+    upsampled = [F.interpolate(f, scale_factor=s, mode="nearest") if s > 1 else f for f, s in zip(features, scales)]
+    return torch.cat(upsampled, dim=1)
+
+
+def test_random_subset_equals_select_after_concatenation():
+    spec = BACKBONES["resnet18"]
+    emb = Embedding.create(spec, LAYERS, embedding_dim=100, reduction="random", seed=5)
+    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    full = naive_embedding(feats, emb.scales)
+    assert full.shape[1] == 448
+    torch.testing.assert_close(emb(feats), full.index_select(1, emb.channel_index))
+    again = Embedding.create(spec, LAYERS, embedding_dim=100, reduction="random", seed=5)
+    assert torch.equal(again.channel_index, emb.channel_index)
+
+
+def test_semi_orthogonal_projection_equals_projection_after_concatenation():
+    spec = BACKBONES["resnet18"]
+    emb = Embedding.create(spec, LAYERS, embedding_dim=30, reduction="semi_orthogonal", seed=2)
+    w = emb.projection
+    torch.testing.assert_close(w.T @ w, torch.eye(30), atol=1e-5, rtol=0)
+    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    full = naive_embedding(feats, emb.scales)
+    expected = torch.einsum("bchw,cd->bdhw", full, w)
+    torch.testing.assert_close(emb(feats), expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,45 @@
+"""The memory plan said before a fit: its parts, and what is offered when it does not fit."""
+
+import pytest
+
+from padim.models import PadimConfig
+from padim.models.fit.memory_plan import DoesNotFit, check, free_memory, plan_fit
+
+WIDE = PadimConfig(backbone="wide_resnet50_2", weights="random")
+
+
+def test_statistics_are_the_packed_float64_comoment_and_the_means():
+    plan = plan_fit(WIDE, images=40, spool=True, device="cpu")
+    pixels, dim = 56 * 56, 550
+    assert plan.statistics == pixels * dim * (dim + 1) // 2 * 8 + 2 * pixels * dim * 8  # 3.8 GB, not 7.6
+    assert plan.spool == 40 * pixels * dim * 4 and plan.factors == pixels * dim * (dim + 1) // 2 * 4
+    assert plan.total == plan.statistics + plan.finish + plan.backbone + plan.process
+    assert 4.5e9 < plan.total < 6e9  # the target for this fit: at most 6 GB (measured: 5.3 GB)
+
+
+def test_slim_drops_the_comoment_only_when_the_embeddings_are_spooled():
+    kept = plan_fit(WIDE, images=40, spool=True, device="cpu")
+    slim = plan_fit(WIDE, images=40, spool=True, keep_statistics=False, device="cpu")
+    streamed = plan_fit(WIDE, images=40, spool=False, keep_statistics=False, device="cpu")
+    assert slim.statistics < kept.statistics / 100
+    assert streamed.statistics == kept.statistics  # without a spool the statistics are streamed into memory
+    assert plan_fit(WIDE, images=40, spool=True, keep_statistics=False, resume=True).statistics == kept.statistics
+
+
+def test_the_plan_grows_with_images_only_by_their_distances():
+    few, many = (plan_fit(PadimConfig(weights="random"), images=n, spool=True, device="cpu") for n in (100, 800))
+    assert many.total - few.total == 700 * 56 * 56 * 4  # (N, P) float32 out-of-fold distances: 8.8 MB
+
+
+def test_a_plan_over_the_free_memory_names_what_would_fit():
+    plan = plan_fit(WIDE, images=40, spool=True, device="cpu")
+    check(WIDE, plan, plan.total, 40, True, True, False)  # fits exactly: nothing said
+    with pytest.raises(DoesNotFit) as info:
+        check(WIDE, plan, 4 * 2**30, 40, True, True, False)
+    message = str(info.value)
+    assert "needs about 5.8 GB" in message and "of 4.3 GB free" in message
+    assert "--image-size 176" in message and "--embedding-dim 412" in message and "--slim" in message
+
+
+def test_free_memory_of_this_machine_is_known():
+    assert free_memory("cpu") > 2**28

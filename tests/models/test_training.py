@@ -1,0 +1,218 @@
+"""Fitting: out-of-fold scores against brute-force refits, resume and merge against one-shot fits, the spool."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from padim.core.calibration import Calibration, fold_of
+from padim.core.scoring import anomaly_maps, image_scores
+from padim.core.spool import EmbeddingSpool
+from padim.models import (Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial,
+                          list_images, merge_fits, train)
+from padim.models.fit.in_progress import Scored
+from padim.models.model_file import load_detector, load_fit, save_fit
+
+CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
+
+
+@pytest.fixture(scope="module")
+def images(dataset) -> list[TrainingImage]:
+    return [TrainingImage(p, p.name) for p in list_images(dataset / "train" / "good")]
+
+
+def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
+    """Every row of the spool, ``(N, P, D)`` float64: exactly what the fit accumulated."""
+    return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
+
+
+def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float) -> np.ndarray:
+    """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
+    n, pixels, dim = x.shape
+    squared = np.empty((n, pixels))
+    start = 0
+    for m in folds:
+        rest = np.delete(x, np.arange(start, start + m), axis=0)
+        mean = rest.mean(axis=0)  # (P, D)
+        for p in range(pixels):
+            centred = rest[:, p] - mean[p]
+            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
+            delta = x[start : start + m, p] - mean[p]
+            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
+        start += m
+    return image_scores(anomaly_maps(torch.from_numpy(squared), grid, size, sigma)).numpy()
+
+
+@pytest.mark.parametrize("folds", [5, "loo"])
+def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds):
+    config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds)
+    fit = Fit.start(config)
+    groups = fit.groups(images)
+    spool = fit.spool_or_none(tmp_path, len(images))
+    assert spool is not None
+    assert not fit.accumulate(groups, progress=False, spool=spool).unreadable
+    assert all(fold_of(i.name, 5) == k for k, g in enumerate(groups) for i in g) if folds == 5 else \
+        all(len(g) == 1 for g in groups)
+    x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
+    scored = Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)
+    finished = fit.finish([scored], tmp_path, progress=False)
+    spool.close()
+    assert finished.scored == names and not finished.unscored
+    expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma)
+    np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
+    # the fitted model: statistics of every image, factors on disk in float32, packed
+    assert int(fit.statistics.count) == len(images)
+    np.testing.assert_allclose(fit.statistics.mean.numpy(), x.mean(axis=0), rtol=1e-10, atol=1e-10)
+    finished.factors.close()
+
+
+def test_threshold_comes_from_every_image_out_of_fold(images):
+    detector, report = fit_detector(CONFIG, images, progress=False)
+    assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count)
+    cal = detector.calibration
+    assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
+    again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
+    assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
+    assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(cal.promised_false_alarm_rate)
+    assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
+    assert report.spool == len(images) * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
+
+
+def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
+    first, second = images[:18], images[18:]
+    whole, whole_report = fit_detector(CONFIG, images, progress=False)
+    part_report = train(CONFIG, first, tmp_path / "part.padim", progress=False)
+    part = load_detector(tmp_path / "part.padim", device="cpu")
+    resumed, resumed_report = fit_detector(CONFIG, second, resume=load_fit(tmp_path / "part.padim"), progress=False)
+    assert {**part_report.folds, **resumed_report.folds} == whole_report.folds
+    assert int(resumed.statistics.count) == int(whole.statistics.count) == len(images)
+    # the float32 backbone differs by ~1e-7 between batch compositions; the statistics
+    # themselves agree to float64 round-off (tests/core)
+    torch.testing.assert_close(resumed.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(resumed.statistics.comoment, whole.statistics.comoment, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(resumed.model.precision_factor.float(), whole.model.precision_factor.float(),
+                               rtol=1e-3, atol=1e-3)  # float16 as stored
+    # calibration: the earlier scores are kept as they were, and said to be earlier ones
+    cal = resumed.calibration
+    assert cal.count == len(images) and cal.earlier_scores == len(first)
+    assert set(part.calibration.scores) <= set(cal.scores)  # read back from the file: exact
+    assert any("kept from the resumed model" in w for w in resumed_report.warnings)
+    # resuming with every image again adds only those the model has not seen (by content)
+    again, again_report = fit_detector(CONFIG, images, resume=load_fit(tmp_path / "part.padim"), progress=False)
+    assert len(again_report.already_fitted) == len(first) and int(again.statistics.count) == len(images)
+    torch.testing.assert_close(again.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path):
+    a, b, held = images[:11], images[11:24], images[24:]
+    parts = []
+    for name, chunk in (("a", a), ("b", b)):
+        fit, _ = fit_partial(CONFIG, chunk, progress=False, scratch_dir=tmp_path)
+        save_fit(fit, tmp_path / f"{name}.part")
+        parts.append(tmp_path / f"{name}.part")
+    merge_fits(parts, [i.path for i in held], CONFIG, tmp_path / "merged.padim", progress=False)
+    merged = load_detector(tmp_path / "merged.padim", device="cpu", with_statistics=True)
+    one_shot, _ = fit_partial(CONFIG, a + b, progress=False, scratch_dir=tmp_path)
+    assert int(merged.statistics.count) == 24
+    torch.testing.assert_close(merged.statistics.mean, one_shot.statistics.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.statistics.comoment, one_shot.statistics.comoment, rtol=1e-5, atol=1e-5)
+    from PIL import Image
+
+    held_scores = merged.score(merged.preprocess([Image.open(i.path).convert("RGB") for i in held])).raw_scores
+    expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
+    assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-3)  # float16 factors score them here
+    assert merged.provenance.calibration_source == "held_out"
+    with pytest.raises(FitError, match="were fitted in the parts"):
+        merge_fits(parts, [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim", progress=False)
+
+
+def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch):
+    spooled, _ = fit_detector(CONFIG, images, progress=False)
+    monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 0)
+    again, report = fit_detector(CONFIG, images, progress=False)
+    assert report.spool == 0 and any("embeds them again" in w for w in report.warnings)
+    # the same batches of the same images in one process: the same float32 embeddings
+    torch.testing.assert_close(again.statistics.comoment, spooled.statistics.comoment, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(again.calibration.scores, spooled.calibration.scores, rtol=1e-6)
+
+
+def padim_files_open() -> list[str]:
+    """This process's open files that are padim scratch files (unlinked, so named ``... (deleted)``)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if ".padim-" in target:
+            found.append(target)
+    return found
+
+
+def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_path, monkeypatch):
+    train(CONFIG, images[:12], tmp_path / "ok.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the finish
+
+    monkeypatch.setattr("padim.models.fit.in_progress.fold_squared_distances", broken)
+    with pytest.raises(KeyboardInterrupt):
+        train(CONFIG, images[:12], tmp_path / "never.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
+    assert not (tmp_path / "never.padim").exists()
+
+
+def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_what_would(images, tmp_path, monkeypatch):
+    from padim.models.fit.memory_plan import plan_fit
+
+    room = plan_fit(CONFIG.replace(image_size=128), len(images), spool=True, device="cpu").total
+    monkeypatch.setattr("padim.models.training.free_memory", lambda device: room)
+    with pytest.raises(FitError) as info:
+        train(CONFIG.replace(image_size=256), images, tmp_path / "big.padim", progress=False)
+    message = str(info.value)
+    assert "needs about" in message and "free" in message and "--image-size 128" in message
+    assert "--embedding-dim" in message
+    assert "\n" not in message and not (tmp_path / "big.padim").exists()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_too_few_images_is_a_one_line_error(images, count):
+    with pytest.raises(FitError, match=r"needs at least 3 normal images") as info:
+        fit_detector(CONFIG, images[:count], progress=False)
+    assert "\n" not in str(info.value)
+
+
+def test_three_images_give_a_working_model_that_says_what_it_cannot_promise(images):
+    detector, report = fit_detector(CONFIG.replace(calibration_folds=20), images[:3], progress=False)
+    assert detector.calibration.count + len(report.unscored) == 3
+    assert any("cannot promise" in w for w in report.warnings)
+
+
+def test_identical_images_are_refused(images, tmp_path):
+    copies = []
+    for i in range(12):
+        path = tmp_path / f"{i:03d}.png"
+        path.write_bytes(images[0].path.read_bytes())
+        copies.append(TrainingImage(path, path.name))
+    with pytest.raises(FitError, match="do not vary"):
+        fit_detector(CONFIG, copies, progress=False)
+
+
+def test_copies_are_named(images, tmp_path):
+    copy = tmp_path / "copy-of-003.png"
+    copy.write_bytes(images[3].path.read_bytes())
+    _, report = fit_detector(CONFIG, images[:8] + [TrainingImage(copy, copy.name)], progress=False)
+    assert report.copies == [["003.png", "copy-of-003.png"]]
+    assert any("1 image(s) are copies of others (same content: 003.png = copy-of-003.png)" in w for w in report.warnings)
+
+
+def test_unreadable_images_are_left_out_and_named(images, tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    detector, report = fit_detector(CONFIG, images[:10] + [TrainingImage(bad, "broken.png")], progress=False)
+    assert int(detector.statistics.count) == 10 and [n for n, _ in report.unreadable] == ["broken.png"]
+    assert any("broken.png" in w for w in report.warnings)
+    with pytest.raises(FitError, match=r"none of the 1 images could be read \(broken.png"):
+        fit_detector(CONFIG, [TrainingImage(bad, "broken.png")], progress=False)

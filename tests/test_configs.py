@@ -1,0 +1,57 @@
+"""Every file in configs/ is read as written and trains a tiny model through the real CLI.
+
+ImageNet weights cannot be fetched in tests, so ``--weights random`` and a small ``--image-size``
+override the file; every other option is the file's own, and the model file says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import run_cli
+from padim.core.artifact import read_header
+from padim.models.config import RENAMED, PadimConfig, read_config_file
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+#: What a test must override: ImageNet weights are out of reach, and small images keep it quick.
+OVERRIDDEN = {"weights", "image_size"}
+
+
+def test_there_are_configs():
+    assert {p.stem for p in CONFIGS} >= {"demo", "resnet18", "wide_resnet50_2"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_config_uses_current_names_and_allowed_values(path):
+    values = yaml.safe_load(path.read_text())
+    assert not set(values) & set(RENAMED), f"{path.name} uses an old name: {set(values) & set(RENAMED)}"
+    config, given = read_config_file(path)
+    assert given == set(values)
+    fields = {f.name for f in dataclasses.fields(PadimConfig)}
+    assert given <= fields
+    for key, value in values.items():
+        assert getattr(config, key) == (tuple(value) if isinstance(value, list) else value)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_config_trains_a_tiny_model(path, dataset, tmp_path):
+    images = tmp_path / "good"
+    images.mkdir()
+    for source in sorted((dataset / "train" / "good").glob("*.png"))[:6]:
+        shutil.copy(source, images / source.name)
+    output = tmp_path / f"{path.stem}.padim"
+    result = run_cli("-q", "train", images, "--config", path, "--weights", "random", "--image-size", 64,
+                     "--output", output, "--device", "cpu", timeout=600)
+    summary = json.loads(result.stdout)
+    assert summary["fit_image_count"] == 6
+    stored = read_header(output)["config"]
+    written = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k not in OVERRIDDEN | {"device"}}
+    for key, value in written.items():
+        assert stored[key] == value, (key, stored[key], value)
+    assert stored["weights"] == "random" and stored["image_size"] == 64

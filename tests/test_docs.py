@@ -1,0 +1,89 @@
+"""The docs: a README a newcomer reads first, pages that build with no broken link, examples that run.
+
+Every ``python`` block of the README and of ``docs/`` is run as written (on a generated data set
+at ``data/weave``, as the examples assume), each page's blocks in order in one namespace; every
+``padim ...`` line of a ``bash`` block is parsed by the real command line, so a renamed flag or
+command fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from padim.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def blocks(path: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def test_the_readme_is_a_front_door():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", readme))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert linked == pages, f"pages the README does not lead to: {pages - linked}; links to no page: {linked - pages}"
+
+
+def test_the_site_builds_with_no_broken_link(tmp_path):
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
+    assert mkdocs, "mkdocs is a test dependency (pip install -e '.[test]')"
+    result = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "site" / "calibration" / "index.html").is_file()
+
+
+def command_lines(path: Path) -> list[str]:
+    """Every ``padim ...`` line of the page's bash blocks (continuations joined, comments dropped)."""
+    lines = []
+    for block in blocks(path, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["padim"]:
+                lines.append(words[1:])
+    return lines
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_in_the_docs_parses(page):
+    parser = build_parser()
+    for words in command_lines(page):
+        if words[-1:] == ["--help"] or not words:
+            continue
+        try:
+            parser.parse_args(words)
+        except SystemExit:
+            pytest.fail(f"{page.name}: `padim {' '.join(words)}` does not parse")
+
+
+def test_the_command_checker_catches_a_renamed_flag():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "data", "--output", "m.padim", "--no-such-flag"])
+
+
+PYTHON_PAGES = [p for p in PAGES if blocks(p, "python")]
+
+
+def test_the_docs_have_python_examples():
+    assert {p.name for p in PYTHON_PAGES} >= {"README.md", "python-api.md"}
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: p.name)
+def test_every_python_example_runs(page, dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(dataset.parent)
+    namespace: dict = {}
+    for number, code in enumerate(blocks(page, "python")):
+        exec(compile(code, f"{page.name} block {number + 1}", "exec"), namespace)  # noqa: S102 - our own docs
+    assert any(isinstance(v, object) and type(v).__name__ == "Prediction" for v in namespace.values())

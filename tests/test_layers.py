@@ -1,0 +1,173 @@
+"""The package's shape: imports point one way (core <- models <- service <- cli), with no cycle.
+
+Every module's imports are read from its source (AST), those inside functions included, so a
+deferred import cannot hide a cycle. Imports inside functions are allowed only where they keep
+torch out of ``padim --help`` / ``padim health`` or load an optional extra, and each says so in
+a comment.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Folder -> the package it is installed as (setup.py's ROOTS).
+FOLDERS = {"core": "padim.core", "models": "padim.models", "service": "padim.service", "cli": "padim"}
+#: Lower layers first; a module may import its own layer and those before it.
+LAYERS = ("padim.core", "padim.models", "padim.service", "padim")
+
+
+def module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [p for p in rest if p != "__init__"]
+    return ".".join([FOLDERS[folder], *parts])
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+MODULES = modules()
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def imports(name: str) -> list[tuple[str, ast.stmt, bool]]:
+    """``(imported padim module, node, inside a function)`` for every import of a padim module in ``name``."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if is_package(name) else name.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child, in_function) for a in child.names if a.name.split(".")[0] == "padim")
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                if base.split(".")[0] != "padim":
+                    continue
+                for alias in child.names:  # `from padim.models import fit`: the submodule, when it is one
+                    sub = f"{base}.{alias.name}"
+                    found.append((sub if sub in MODULES else base, child, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return [(target, node, inside) for target, node, inside in found if target in MODULES and target != name]
+
+
+def layer(name: str) -> int:
+    return max(i for i, prefix in enumerate(LAYERS) if name == prefix or name.startswith(prefix + "."))
+
+
+GRAPH = {name: sorted({target for target, _, _ in imports(name)}) for name in MODULES}
+
+
+def test_every_source_file_is_a_module_of_the_package():
+    assert "padim.models.fit.in_progress" in MODULES and "padim.commands.train" in MODULES
+    assert len(MODULES) > 60
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_import_from_a_higher_layer(name):
+    higher = [t for t in GRAPH[name] if layer(t) > layer(name)]
+    assert not higher, f"{name} ({LAYERS[layer(name)]}) imports {higher} from a higher layer"
+
+
+def strongly_connected(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's components of more than one node, or with a self-loop."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_cycle_between_modules():
+    assert strongly_connected(GRAPH) == []
+
+
+def room(name: str) -> str:
+    """A module's room: the subpackage of ``padim.models`` (or of the service) it is in, or itself."""
+    parts = name.split(".")
+    if parts[:2] == ["padim", "models"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    return name
+
+
+def test_no_cycle_between_the_rooms_of_models():
+    rooms: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        rooms.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
+    assert strongly_connected({k: sorted(v) for k, v in rooms.items()}) == []
+
+
+def test_the_cycle_checker_finds_a_cycle():
+    assert strongly_connected({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": ["b"], "b": []}) == []
+
+
+def function_imports() -> list[tuple[str, int, str]]:
+    """``(module, line, source line)`` of every import inside a function, of any package."""
+    found = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        found.append((name, inner.lineno, lines, inner))
+    return found
+
+
+def says_why(lines: list[str], lineno: int) -> bool:
+    """A comment on a line of the import's block of imports, or on the line just above the block."""
+    above = lineno - 1
+    while above >= 0 and (not lines[above].strip() or lines[above].strip().startswith(("import ", "from "))):
+        if "#" in lines[above]:
+            return True
+        above -= 1
+    return above >= 0 and lines[above].strip().startswith("#")
+
+
+def test_imports_inside_functions_say_why_and_never_dodge_a_cycle():
+    unexplained, library = [], []
+    for name, lineno, lines, node in function_imports():
+        if not says_why(lines, lineno):
+            unexplained.append(f"{MODULES[name].relative_to(ROOT)}:{lineno}")
+        if layer(name) < layer("padim") and isinstance(node, ast.ImportFrom) and (node.level or
+                                                                                (node.module or "").startswith("padim")):
+            library.append(f"{MODULES[name].relative_to(ROOT)}:{lineno}")
+    assert not unexplained, f"imports inside functions without a comment saying why: {unexplained}"
+    assert not library, f"the library imports its own modules inside functions: {library}"
