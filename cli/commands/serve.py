@@ -24,7 +24,7 @@ def register(commands) -> None:
         description="Serve one or more model files or export directories. Each is named by its file stem; the first "
         "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
         "/docs. "
-        f"Flags override PADIM_* environment variables ({settings_names()}; see docs/deployment.md). "
+        f"Flags override PADIM_* environment variables ({settings_names()}; see docs/http-api.md). "
         "The API key is read from PADIM_API_KEY only, never from a flag.",
     )
     serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",

@@ -38,7 +38,7 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
         save_detector(detector, path, precision_dtype=dtype)
         loaded = load_detector(path, device="cpu", with_statistics=True)
         out = loaded.score(batch)
-        tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # the README's promise for float16
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # the promise for float16 (docs/file-format.md)
         rel = ((out.raw_scores - exact.raw_scores).abs() / exact.raw_scores).max()
         assert rel <= tolerance, (dtype, float(rel))
         # kept as stored: float16 factors take half the memory when loaded, not only on disk
