@@ -1,9 +1,14 @@
-# padim on an NVIDIA GPU node. The torch wheels carry CUDA 13.0 (torch 2.14.1+cu130), so the
-# base is the CUDA 13.0 runtime; tests/docker checks that the two versions agree.
+# padim on an NVIDIA GPU node. The torch wheels carry CUDA 13.0 (torch 2.14.1+cu130) and bring
+# their own CUDA libraries (cuBLAS, cuDNN, NCCL, ...), so the base is NVIDIA's *base* CUDA 13.0
+# image (the driver hooks and a CUDA version check, no second copy of the libraries that the
+# -runtime- tag would add); tests/docker checks that the two versions agree. The host needs an
+# NVIDIA driver >= 580 (CUDA 13.0) and a GPU of compute capability 7.5 or newer (T4, A10, L4, A100,
+# H100, ...; not V100/P100), and the NVIDIA Container Toolkit for --gpus. See docs/gpu.md.
 #
 #   docker build -t padim --build-arg BAKE_WEIGHTS="resnet18 wide_resnet50_2" .
 #   docker run --gpus all -p 8000:8000 -v $PWD/models:/models:ro padim            # serve /models/*.padim
-#   (without a GPU it scores with onnxruntime; the export it makes of each .padim is cached in ~/.cache/padim)
+#   (without a GPU it scores with onnxruntime; the export it makes of each .padim is cached in ~/.cache/padim;
+#    with one, .padim files run on torch + CUDA and export directories on onnxruntime's CPU provider)
 #   docker stop -t 40 <container>                                                 # drains (PADIM_DRAIN_TIMEOUT_S=30)
 #   docker run --gpus all -v $PWD/data:/data:ro -v $PWD/models:/models padim train /data --output /models/line3.padim
 #
@@ -12,7 +17,7 @@
 # EXTRA_PACKAGE_INDEX). Both are used by the build stage only; see docs/deployment.md.
 # Plain `docker build` and BuildKit both build this file (no `# syntax=` line: that would make
 # BuildKit fetch a frontend image from a registry).
-ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+ARG CUDA_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
 # marks this stage's ~6 GB intermediate image, so that it can be removed once the final image
@@ -41,6 +46,7 @@ COPY models ./models
 COPY service ./service
 RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
         -c constraints.txt ".[onnxruntime]" \
+    && pip uninstall -y triton \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
 

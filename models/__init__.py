@@ -8,6 +8,7 @@ At the top, what a detector *is* and how it is kept:
 - ``detector``: the model with its calibration and provenance (:class:`PadimDetector`).
 - ``scorer``: the :class:`~padim.models.scorer.Scorer` protocol every scorer implements (torch,
   ONNX Runtime, OpenVINO), shaped as the service and the command line use it.
+- ``devices``: which device runs what (per runtime), and the CUDA settings (TF32 off).
 - ``verdicts``: the per-image result from a score and a calibration.
 - ``heatmaps``: the anomaly map drawn over the picture, for people.
 - ``model_file``: the file format, above the types it saves (detectors, fits in progress).
@@ -32,7 +33,8 @@ from padim.core.lazy import lazy_exports
 EXPORTS = {
     "features.backbones": ("BACKBONES", "BackboneSpec", "WeightsInfo", "build_backbone"),
     "config": ("PadimConfig",),
-    "detector": ("PadimDetector", "Provenance", "resolve_device"),
+    "detector": ("PadimDetector", "Provenance"),
+    "devices": ("CROSS_DEVICE_RTOL", "resolve_device", "runtime_device"),
     "deploy.export": ("export_detector",),
     "deploy.runtimes": ("DeployedDetector", "load_scorer"),
     "errors": ("ConfigError", "DoesNotFit", "ExportError", "FitError", "ImageError", "ImageTooLarge",

@@ -16,6 +16,7 @@ from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import PadimConfig
+from padim.models.devices import resolve_device  # noqa: F401 (its old home; padim.models.devices has it)
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding
 from padim.models.model import PadimModel, ScoreOutput
@@ -24,19 +25,6 @@ from padim.models.model import PadimModel, ScoreOutput
 FLOAT16_TOLERANCE = 1e-3
 #: Where out-of-fold scores come from: a fit's own images, or images no part fitted (merge).
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "--device cuda was asked for, but torch sees no CUDA device "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-            "check the NVIDIA driver (nvidia-smi) and, in Docker, --gpus all; or use --device cpu"
-        )
-    return torch.device(device)
 
 
 def now() -> str:

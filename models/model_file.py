@@ -49,7 +49,8 @@ from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import RETIRED, PadimConfig
-from padim.models.detector import PadimDetector, Provenance, resolve_device
+from padim.models.detector import PadimDetector, Provenance
+from padim.models.devices import resolve_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit.in_progress import Finished, Fit
@@ -172,7 +173,10 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
     provenance = _read_provenance(path, header)
     model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma)
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
-    return PadimDetector(config, weights, backbone_weights, model.to(resolve_device(device)), calibration, provenance,
+    model = model.to(resolve_device(device))
+    if model.device.type == "cuda":  # float16 factors: upcast once here, not on every batch
+        model.upcast_factors()
+    return PadimDetector(config, weights, backbone_weights, model, calibration, provenance,
                          statistics, tensors.get("image_digests"), precision_dtype)
 
 

@@ -44,7 +44,7 @@ class Scorer(Protocol):
 
     @property
     def device(self) -> torch.device:
-        """Where :meth:`score`'s outputs land."""
+        """Where it computes (``cuda`` or ``cpu``); :meth:`score`'s outputs are there or on the CPU."""
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """RGB images -> ``(B, 3, S, S)`` float32 normalised model input (thread-safe; the decode pool)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +24,11 @@ from padim.core.statistics import NotPositiveDefiniteError, merge_states_
 from padim.models.config import PadimConfig
 from padim.models.data.images import iter_decoded, list_images
 from padim.models.detector import PadimDetector, Provenance, now
+from padim.models.devices import float64_is_slow
 from padim.models.errors import FitError  # noqa: F401 (part of this module's interface)
 from padim.models.fit.distributed import Shard
 from padim.models.fit.in_progress import Finished, Fit, Scored, TrainingImage, batches_of, file_digest
-from padim.models.fit.memory_plan import DoesNotFit, FitPlan, check, free_memory, plan_fit
+from padim.models.fit.memory_plan import DoesNotFit, FitPlan, check, free_memory, plan_fit, ran_out
 from padim.models.model_file import load_detector, load_fit, save_fitted
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
@@ -113,23 +114,25 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
             do not vary, or a fit that would not fit in memory (naming what would).
     """
     started = time.perf_counter()
-    fit = resume if resume is not None else Fit.start(config)
-    config = fit.config
     report = FitReport()
+    with _out_of_memory_as_error(None, report, len(images), None, with_statistics, resume is not None):
+        fit = resume if resume is not None else Fit.start(config)
+    config = fit.config
     images = _leave_out_fitted(fit, images, report)
     groups = fit.groups(images)
     earlier_count = fit.count
     scratch = Path(scratch_dir or Path(output).parent)
     spool = _prepare(fit, report, len(images), scratch, with_statistics, resume is not None, shard, announce)
     try:
-        with report.timed("fit"):
-            found = fit.accumulate(groups, progress, shard, spool)
-        _record(report, found)
-        _check_enough(fit, report, earlier_count)
-        unreadable = {name for name, _ in report.unreadable}
-        readable = [[i for i in group if i.name not in unreadable] for group in groups]
-        scored = ([_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard))
-        finished = _finish(fit, report, scored, scratch, with_statistics, progress, shard)
+        with _out_of_memory_as_error(fit, report, len(images), spool, with_statistics, resume is not None):
+            with report.timed("fit"):
+                found = fit.accumulate(groups, progress, shard, spool)
+            _record(report, found)
+            _check_enough(fit, report, earlier_count)
+            unreadable = {name for name, _ in report.unreadable}
+            readable = [[i for i in group if i.name not in unreadable] for group in groups]
+            scored = ([_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard))
+            finished = _finish(fit, report, scored, scratch, with_statistics, progress, shard)
     finally:
         if spool is not None:
             spool.close()
@@ -167,20 +170,22 @@ def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: 
                 shard: Shard | None = None, scratch_dir: str | Path | None = None, announce=None) -> tuple[Fit, FitReport]:
     """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
-    fit = Fit.start(config)
     report = FitReport()
+    with _out_of_memory_as_error(None, report, len(images), None, True, False):
+        fit = Fit.start(config)
     report.listed = len(images)
     report.folds = {i.name: _fold(i.name, config) for i in images}
     spool = _prepare(fit, report, len(images), Path(scratch_dir or tempfile.gettempdir()), True, False, shard,
                      announce)
     try:
-        with report.timed("fit"):
-            found = fit.accumulate(fit.groups(images), progress, shard, spool)
-        _record(report, found)
-        if not fit.count:
-            raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)})")
-        with report.timed("finish"):
-            fit.finish(None, None, keep_statistics=True, progress=progress, shard=shard)
+        with _out_of_memory_as_error(fit, report, len(images), spool, True, False):
+            with report.timed("fit"):
+                found = fit.accumulate(fit.groups(images), progress, shard, spool)
+            _record(report, found)
+            if not fit.count:
+                raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)})")
+            with report.timed("finish"):
+                fit.finish(None, None, keep_statistics=True, progress=progress, shard=shard)
     finally:
         if spool is not None:
             spool.close()
@@ -292,7 +297,26 @@ def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_stati
         report.warnings.append(where)
     if announce is not None and (shard is None or shard.main):
         announce(f"this fit {plan.describe(free)}; {where}")
+        if float64_is_slow(fit.device):
+            announce(f"{torch.cuda.get_device_name(fit.device)} runs float64 at 1/32-1/64 of its float32 rate: the "
+                     "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md")
     return spool
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_error(fit: Fit | None, report: FitReport, images: int, spool: EmbeddingSpool | None,
+                            with_statistics: bool, resume: bool) -> Iterator[None]:
+    """A GPU out of memory in the fit becomes :class:`DoesNotFit` with its plan and what to try (not a traceback)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        if report.plan is None:
+            raise DoesNotFit("the GPU ran out of memory before the fit started (putting the backbone on it): other "
+                             "processes hold its memory (nvidia-smi shows them); free it, or use --device cpu") from None
+        raise ran_out(fit.config, report.plan, report.free_memory, images, spool is not None, with_statistics,
+                      resume) from None
 
 
 def _spooled_scores(fit: Fit) -> Scored:

@@ -144,10 +144,15 @@ class MicroBatcher:
                 stacked = torch.stack([item.tensor for item in batch])
                 results = await loop.run_in_executor(self.executor, self.score_batch, stacked)
             except Exception as error:  # a failed batch fails its requests, not the server
-                log.exception("scoring a batch of %d failed", len(batch))
+                if isinstance(error, ApiError):  # an answer chosen by score_batch (503 out of GPU memory)
+                    log.warning("a batch of %d answered %d: %s", len(batch), error.status, error.code)
+                    answer = error
+                else:
+                    log.exception("scoring a batch of %d failed", len(batch))
+                    answer = ApiError(500, "scoring_failed", f"scoring failed: {type(error).__name__}")
                 for item in batch:
                     if not item.future.done():
-                        item.future.set_exception(ApiError(500, "scoring_failed", f"scoring failed: {type(error).__name__}"))
+                        item.future.set_exception(answer)
                 continue
             if self.on_batch is not None:
                 self.on_batch(len(batch), [started - item.enqueued for item in batch])

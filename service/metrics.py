@@ -16,5 +16,8 @@ class Metrics:
         self.queue_wait = Histogram("padim_queue_wait_seconds", "time an image waits for its batch", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.batch_size = Histogram("padim_batch_size", "images per device batch", ["model"], buckets=BATCH_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("padim_requests_in_flight", "HTTP requests being handled", registry=self.registry)
+        self.device_errors = Counter("padim_device_errors_total", "scoring batches that hit a device error, by "
+                                     "outcome: split (out of memory, then scored in two halves), out_of_memory "
+                                     "(503), error (500)", ["model", "outcome"], registry=self.registry)
         self.model_load = Gauge("padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry)
         self.queue_depth = Gauge("padim_queue_depth", "images waiting for a batch", ["model"], registry=self.registry)

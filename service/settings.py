@@ -32,7 +32,13 @@ class ServiceSettings(BaseSettings):
     runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
         "auto", description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
         "there), torch otherwise. .padim files are exported once and cached (PADIM_CACHE_DIR, else beside them)")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch (each model is warmed up with "
+                                "the largest batch it will form, so a batch that does not fit fails at start, not under load)")
+    max_device_errors: int = Field(3, ge=1, description="scoring batches failing in a row on the GPU (an error that "
+                                   "splitting the batch did not cure) after which the service reports itself unready "
+                                   "(/health/ready 503), so that an orchestrator restarts it")
+    cuda_memory_fraction: float | None = Field(None, gt=0, le=1, description="most of the GPU's memory this process "
+                                               "may take (torch.cuda.set_per_process_memory_fraction), to share a GPU")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="longest wait for a batch to fill")
     preferred_batch_size: int | None = Field(
         None, ge=1, le=1024,

@@ -22,6 +22,7 @@ from padim.core.artifact import file_sha256
 from padim.core.scoring import resize_map
 from padim.models.data.images import bounded_copy, bounded_size, decode_side, image_dimensions, open_image
 from padim.models.deploy.runtimes import DeployedDetector, load_scorer
+from padim.models.devices import is_cuda_error, probe
 from padim.models.errors import ExportError, ImageError, NonFiniteScoreError, UsageError
 from padim.models.heatmaps import mask_image, overlay
 from padim.models.scorer import Scorer
@@ -34,6 +35,9 @@ from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
 
 log = logging.getLogger("padim.service")
+
+#: Seconds /health/ready waits for its CUDA probe before it says not ready (a hung GPU).
+PROBE_TIMEOUT_S = 5.0
 
 #: After decoding an image at least this large, freed memory is handed back to the system at once.
 TRIM_AFTER_PIXELS = 4_000_000
@@ -114,11 +118,39 @@ class ServedModel:
         return ModelDescription(**{**self.detector.describe(), **self.info().model_dump(), "threshold": 0.5,
                                    "load_seconds": round(self.load_seconds, 3)})
 
-    def score_batch(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
-        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S))]``."""
+    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor]]:
+        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S))]``.
+
+        Out of GPU memory, the cache is emptied and the batch scored again in two halves
+        (``on_split`` is told); a half that still does not fit raises ``torch.OutOfMemoryError``.
+        """
+        try:
+            return self._score(batch)
+        except torch.OutOfMemoryError:
+            release_device_memory()
+            if batch.shape[0] == 1:
+                raise
+            log.warning("out of GPU memory at batch %d; scoring it in two halves", batch.shape[0],
+                        extra={"model": self.name})
+            if on_split is not None:
+                on_split()
+            half = (batch.shape[0] + 1) // 2
+            try:
+                return self._score(batch[:half]) + self._score(batch[half:])
+            except torch.OutOfMemoryError:
+                release_device_memory()
+                raise
+
+    def _score(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
         out = self.detector.score(batch)
         raw, maps = out.raw_scores.cpu(), out.maps.cpu()
         return [(float(raw[i]), maps[i]) for i in range(batch.shape[0])]
+
+
+def release_device_memory() -> None:
+    """Hand the blocks torch's CUDA allocator caches back to the GPU (nothing without CUDA)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def model_name(path: Path) -> str:
@@ -136,6 +168,8 @@ class ServiceState:
         self.ready = False
         self.draining = False
         self.startup_error: str | None = None
+        self.failure: str | None = None  # why a ready service became unready (its GPU failed)
+        self.device_errors = 0  # scoring batches failed in a row on the GPU
         self.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self.decode = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
         self.pixels = PixelBudget(settings.pixel_budget())
@@ -155,7 +189,7 @@ class ServiceState:
             detector, sha256 = await loop.run_in_executor(self.inference, self._load_one, path)
             seconds = time.perf_counter() - started
             batcher = MicroBatcher(
-                score_batch=lambda batch, n=name: self.models[n].score_batch(batch),
+                score_batch=lambda batch, n=name: self.score(n, batch),
                 executor=self.inference,
                 max_batch_size=self.settings.max_batch_size,
                 max_delay=self.settings.max_delay_ms / 1000,
@@ -177,8 +211,18 @@ class ServiceState:
             detector = load_scorer(path, self.settings.runtime, self.settings.device)
         except ExportError as error:
             raise ExportError(f"{path}: {error}") from None
+        if detector.device.type == "cuda" and self.settings.cuda_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self.settings.cuda_memory_fraction, detector.device)
         size = detector.config.image_size
-        detector.score(torch.zeros(min(2, self.settings.max_batch_size), 3, size, size))  # warm-up
+        largest = self.settings.batch_preference(detector.device.type)  # the largest batch the batcher forms
+        try:
+            detector.score(torch.zeros(largest, 3, size, size))  # warm-up (and cudnn's tuning) at that size
+        except torch.OutOfMemoryError:
+            release_device_memory()
+            raise UsageError(f"{path}: a batch of {largest} images does not fit in the GPU's memory; lower "
+                             "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU") from None
+        log.info("warmed up", extra={"model": model_name(path), "batch": largest, "device": str(detector.device),
+                                     "runtime": detector.runtime})
         sha256 = detector.metadata["model"]["sha256"] if isinstance(detector, DeployedDetector) else file_sha256(path)
         return detector, sha256
 
@@ -189,6 +233,55 @@ class ServiceState:
         self.inference.shutdown(wait=True)
         self.decode.shutdown(wait=True)
 
+    def score(self, name: str, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+        """Runs on the inference thread: one batch of model ``name``; counts the GPU's failures.
+
+        A batch that is out of GPU memory even in two halves answers 503 (retry); after
+        ``max_device_errors`` failing batches in a row the service turns unready.
+        """
+        model = self.models[name]
+        try:
+            results = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
+        except Exception as error:
+            if not is_cuda_error(error):
+                raise
+            oom = isinstance(error, torch.OutOfMemoryError)
+            self.metrics.device_errors.labels(name, "out_of_memory" if oom else "error").inc()
+            self._device_failed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            if oom:
+                raise ApiError(503, "device_out_of_memory", "the GPU ran out of memory scoring this batch, even split "
+                               "in two; retry shortly", headers={"Retry-After": "1"}) from None
+            raise
+        self.device_errors = 0
+        return results
+
+    def _device_failed(self, what: str) -> None:
+        self.device_errors += 1
+        log.error("device error", extra={"error": what, "in_a_row": self.device_errors})
+        if self.device_errors >= self.settings.max_device_errors and self.failure is None:
+            self.failure = (f"{self.device_errors} scoring batches in a row failed on the GPU (last: {what}); "
+                            "restart the service")
+            self.ready = False
+
+    async def check_devices(self) -> str | None:
+        """Why the GPU cannot serve now (a tiny operation on every CUDA device in use fails or hangs); ``None`` if it can.
+
+        A failed operation (the GPU in an error state) turns the service unready for good; a probe
+        that times out is reported but not kept (the GPU may be busy).
+        """
+        devices = {m.detector.device for m in self.models.values() if m.detector.device.type == "cuda"}
+        for device in devices:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(probe, device), PROBE_TIMEOUT_S)
+            except TimeoutError:
+                return f"the CUDA probe on {device} took over {PROBE_TIMEOUT_S:g} s"
+            except Exception as error:  # a sticky CUDA error: nothing on this GPU will work again
+                self.failure = f"the CUDA probe on {device} failed ({type(error).__name__}: {error}); restart the service"
+                self.ready = False
+                log.error("device probe failed", extra={"device": str(device), "error": str(error)})
+                return self.failure
+        return None
+
     def _record_batch(self, name: str, size: int, waits: list[float]) -> None:
         self.metrics.batch_size.labels(name).observe(size)
         for wait in waits:
@@ -197,6 +290,8 @@ class ServiceState:
     # ----------------------------------------------------------------- requests
     def model(self, name: str | None) -> ServedModel:
         if not self.ready:
+            if self.failure is not None:
+                raise ApiError(503, "not_ready", f"the service failed: {self.failure}", headers={"Retry-After": "30"})
             raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
         key = name or self.default_name
         if key not in self.models:

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from helpers import IMAGE_SIZE, run_cli, running_server
 from padim.models.data.synthetic import generate
+
+
+def pytest_configure(config):
+    """The default suite runs on the CPU on every machine; ``pytest -m cuda`` runs the CUDA suite (tests/cuda).
+
+    Tests that leave ``--device`` at ``auto`` would otherwise run on a GPU where there is one, and
+    compare with CPU references that were never meant for it. Hidden before torch first asks CUDA
+    (torch reads ``CUDA_VISIBLE_DEVICES`` then), and inherited by every CLI and server subprocess.
+    """
+    expression = (config.option.markexpr or "").replace("not cuda", "")
+    if "cuda" not in expression:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     scored = score_category(detector, args.category_dir, batch_size(args), workers(args), progress=not args.quiet)
     result = {"category": str(args.category_dir),
               **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks),
-              "model": str(args.model), "runtime": detector.runtime, "weights": detector.weights.label}
+              "model": str(args.model), "runtime": detector.runtime, "device": detector.device.type,
+              "weights": detector.weights.label}
     if args.calibrate:
         _calibrate(args.model, detector, scored, result)
     if args.report is not None:

@@ -31,6 +31,9 @@ def register(commands) -> None:
     export.add_argument("--output", "-o", type=Path, required=True, metavar="DIR",
                         help="directory to write (an earlier export there is replaced once the new one is complete)")
     export.add_argument("--name", help="Triton model name (default: the model file's stem)")
+    export.add_argument("--triton-device", choices=("gpu", "cpu"), default="gpu",
+                        help="--format triton: where Triton runs the model (default gpu: KIND_GPU, one instance on "
+                        "each GPU; cpu: KIND_CPU)")
     export.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
                         help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
                         "as protobuf stops at 2 GB)")
@@ -45,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.name is not None and args.format != "triton":
         raise UsageError("--name is the Triton model name; it needs --format triton")
+    if args.triton_device != "gpu" and args.format != "triton":
+        raise UsageError("--triton-device is for --format triton")
     started = time.perf_counter()
     detector = load_detector(args.model, device="cpu")
     external = {"auto": None, "always": True, "never": False}[args.external_data]
     directory = export_detector(detector, args.output, args.format, args.model, source_sha256=file_sha256(args.model),
-                                name=args.name, external_data=external)
+                                name=args.name, external_data=external, triton_device=args.triton_device)
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     report = {"model": str(args.model), "format": args.format, "output": str(directory),
               "files": {str(p.relative_to(directory)): p.stat().st_size for p in files},

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                       "failed": len(results.non_finite) + len(results.unreadable), "unreadable": len(results.unreadable),
                       "results": str(results.path) if results.file is not None else None,
                       "images_per_second": round(len(items) / elapsed, 2), "runtime": detector.runtime,
-                      "weights": detector.scorer.weights.label}))
+                      "device": str(detector.scorer.device.type), "weights": detector.scorer.weights.label}))
     _fail_on_errors(results, len(items))
     return 0
 

@@ -87,7 +87,7 @@ def folds_value(text: str) -> int | str:
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import read_header
-    from padim.models.detector import resolve_device
+    from padim.models.devices import resolve_device
     from padim.models.fit import distributed
     from padim.models.model_file import save_fit
     from padim.models.training import fit_partial, train, training_images
@@ -98,9 +98,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
     if args.partial and (args.resume or args.slim):
         raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
-    resume = None if args.resume is None else _resumed(args, config, given)
+    # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
     shard = distributed.from_environment(resolve_device(config.device))
     main = shard is None or shard.main
+    try:
+        resume = None if args.resume is None else _resumed(args, config, given)
+    except BaseException:
+        distributed.leave(shard)
+        raise
     started = time.perf_counter()
     scratch = args.scratch_dir or args.output.parent
     announce = None if args.quiet else (lambda line: print(f"padim train: {line}", file=sys.stderr, flush=True))

@@ -64,6 +64,8 @@ EXTERNAL_DATA_BYTES = 1_500_000_000
 OPSET = 18
 #: Largest batch the Triton configuration accepts.
 TRITON_MAX_BATCH = 32
+#: Where Triton runs the model (``instance_group`` kind): ``gpu`` (``KIND_GPU``) or ``cpu``.
+TRITON_DEVICES = ("gpu", "cpu")
 
 
 class ExportedScorer(nn.Module):
@@ -117,7 +119,7 @@ class ExportedScorer(nn.Module):
 # ---------------------------------------------------------------------- writing
 def export_detector(detector: PadimDetector, output: str | Path, fmt: str, source: str | Path,
                     source_sha256: str | None = None, name: str | None = None,
-                    external_data: bool | None = None) -> Path:
+                    external_data: bool | None = None, triton_device: str = "gpu") -> Path:
     """Write ``detector`` as ``fmt`` into the directory ``output`` (created; replaced atomically).
 
     Args:
@@ -126,6 +128,7 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
         source: the model file it came from (its name and digest go into ``padim.json``).
         name: the Triton model name (default: the model file's stem).
         external_data: force ONNX external data on or off (default: by size).
+        triton_device: ``gpu`` (one instance on each GPU, ``KIND_GPU``) or ``cpu`` (``KIND_CPU``).
 
     Returns:
         The directory holding the graph and ``padim.json`` (``output/NAME`` for Triton).
@@ -135,6 +138,8 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    if triton_device not in TRITON_DEVICES:
+        raise ExportError(f"unknown Triton device {triton_device!r}; choose one of {', '.join(TRITON_DEVICES)}")
     if fmt == "openvino":
         require("openvino")
     require("onnx")
@@ -160,7 +165,8 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
         metadata = export_metadata(detector, fmt, source, source_sha256,
                                    {prefix + f: file_sha256(graph_dir / f) for f in files})
         if fmt == "triton":
-            (meta_dir / "config.pbtxt").write_text(triton_config(name, detector.model.image_size))
+            (meta_dir / "config.pbtxt").write_text(triton_config(name, detector.model.image_size,
+                                                                   device=triton_device))
         (meta_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
         log.info("exported %s as %s in %.1f s", source, fmt, time.perf_counter() - started)
         _replace_dir(staging, output)
@@ -256,8 +262,12 @@ def metadata_sha256(metadata: dict) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH) -> str:
+def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH, device: str = "gpu") -> str:
     """``config.pbtxt`` of the ONNX graph on Triton's onnxruntime backend, with dynamic batching.
+
+    ``device`` ``gpu``: one instance on every GPU Triton sees (``KIND_GPU``; Triton refuses to load
+    it without one); ``cpu``: ``KIND_CPU``. ``KIND_AUTO`` is not used: it silently runs on the
+    CPU when Triton's GPU backend is missing.
 
     Triton adds the batch dimension itself (``max_batch_size > 0``), so ``dims`` leave it out;
     ``raw_score`` has no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
@@ -292,7 +302,7 @@ dynamic_batching {{
 }}
 instance_group [
   {{
-    kind: KIND_AUTO
+    kind: {"KIND_GPU" if device == "gpu" else "KIND_CPU"}
     count: 1
   }}
 ]

@@ -10,7 +10,11 @@ A ``.padim`` file asked for with another runtime is verified and loaded as usual
 and the export cached (:func:`cache_dir`), keyed by the file's sha256: the next load reads the
 cache, and a changed file (``evaluate --calibrate``, a new fit) gets a new export.
 
-**Default** (``auto``): ONNX Runtime on a CPU when it is installed, torch otherwise. Measured on
+**Default** (``auto``): for a ``.padim`` file, ONNX Runtime on a CPU when it is installed, torch
+otherwise (and torch on a GPU); for an export directory, the runtime its graph was made for
+(ONNX Runtime for ``model.onnx``, OpenVINO for ``model.xml``). The device of ``auto`` is chosen per
+runtime (:func:`padim.models.devices.runtime_device`): a GPU only where that runtime can use it
+here. Measured on
 a 2-core AMD EPYC (docs/runtimes.md): ONNX Runtime scored 1.24x torch at batch 16 and 1.45x
 at batch 1 (the scorer alone; 1.17x and 1.26x end to end), equal to 1e-6 relative. OpenVINO in float32 was behind ONNX
 Runtime there; in its default bfloat16 on CPUs that have it, scores moved by 0.7%, so padim
@@ -44,7 +48,8 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.detector import Provenance, resolve_device
+from padim.models.detector import Provenance
+from padim.models.devices import runtime_device
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.model import ScoreOutput
 from padim.models.model_file import load_detector
@@ -62,21 +67,36 @@ def is_export(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def resolve_runtime(runtime: str, device: torch.device) -> str:
-    """``auto`` -> ``onnxruntime`` on a CPU when installed, else ``torch``; other names are checked."""
+def resolve_runtime(runtime: str, device: str) -> str:
+    """The runtime of a ``.padim`` file: ``auto`` -> ``onnxruntime`` on a CPU when installed, else ``torch``.
+
+    ``device`` is the asked one (``auto``, ``cpu``, ``cuda``): ``auto`` runs torch wherever torch
+    sees a GPU (ONNX Runtime's CPU path would leave it idle). Other names are checked.
+    """
     if runtime not in RUNTIMES:
         raise ExportError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if runtime != "auto":
         return runtime
-    if device.type == "cpu":
-        try:
-            import onnxruntime  # noqa: F401 (optional extras: is it installed?)
-            import onnxscript  # noqa: F401
-        except ImportError:
-            log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score 1.2-1.45x faster on CPU)")
-            return "torch"
-        return "onnxruntime"
-    return "torch"
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "torch"
+    try:
+        import onnxruntime  # noqa: F401 (optional extras: is it installed?)
+        import onnxscript  # noqa: F401
+    except ImportError:
+        log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score 1.2-1.45x faster on CPU)")
+        return "torch"
+    return "onnxruntime"
+
+
+def export_runtime(path: Path, runtime: str) -> str:
+    """The runtime of an export directory: ``auto`` -> the one its graph is for; others are checked."""
+    if runtime not in RUNTIMES:
+        raise ExportError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime == "torch":
+        raise ExportError(f"{path}: an export runs on onnxruntime or openvino; torch needs the .padim file")
+    if runtime == "auto":
+        return "onnxruntime" if (path / ONNX_FILE).is_file() else "openvino"
+    return runtime
 
 
 def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", with_statistics: bool = False) -> Scorer:
@@ -85,27 +105,28 @@ def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", w
     Args:
         path: a ``.padim`` model file, or an export directory (``padim export``).
         runtime: one of :data:`padim.models.choices.RUNTIMES`.
-        device: ``auto``, ``cpu`` or ``cuda``.
+        device: ``auto``, ``cpu`` or ``cuda``; ``auto`` is a GPU only where ``runtime`` can use one here.
         with_statistics: torch only: also read the streamed statistics.
 
     Raises:
         ArtifactError: a damaged or foreign file or export.
         ExportError: a runtime that is not installed or cannot read ``path``.
+        UsageError: ``cuda`` asked for where this runtime cannot use it.
     """
     path = Path(path)
-    target = resolve_device(device)
     if is_export(path):
         metadata = read_export(path)
-        chosen = resolve_runtime(runtime, torch.device("cpu") if runtime == "auto" else target)
-        if chosen == "torch":
-            if runtime == "torch":
-                raise ExportError(f"{path}: an export runs on onnxruntime or openvino; torch needs the .padim file")
-            chosen = "onnxruntime"
+        chosen = export_runtime(path, runtime)
+        require(chosen)
+        target = runtime_device(chosen, device)
+        log.debug("%s: %s on %s", path, chosen, target)
         return DeployedDetector(path, metadata, chosen, target)
-    chosen = resolve_runtime(runtime, target)
+    chosen = resolve_runtime(runtime, device)
     if chosen == "torch":
         return load_detector(path, device=device, with_statistics=with_statistics)
     require(chosen)
+    target = runtime_device(chosen, device)
+    log.debug("%s: %s on %s", path, chosen, target)
     sha256 = file_sha256(path)
     cached = cache_dir(path, sha256, "onnx")  # both runtimes read the ONNX graph
     with _export_lock:
@@ -157,6 +178,38 @@ def _prune(current: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
+#: Folder of TensorRT engines; when set, ONNX Runtime on a GPU tries TensorRT first.
+TENSORRT_ENV = "PADIM_TENSORRT_CACHE"
+#: Largest batch of the TensorRT optimisation profile (the service's default max batch is 32).
+TENSORRT_MAX_BATCH = 64
+
+
+def onnxruntime_providers(available: list[str], device: torch.device, image_size: int | None,
+                          tensorrt_cache: str | None) -> list:
+    """ONNX Runtime's providers, best first, for ``device`` (see :class:`OnnxRuntimeSession`).
+
+    Raises:
+        ExportError: ``cuda`` without the CUDA provider (onnxruntime-gpu).
+    """
+    if device.type != "cuda":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in available:
+        raise ExportError("--device cuda with --runtime onnxruntime needs onnxruntime-gpu "
+                          f"(this onnxruntime has {', '.join(available)}); or use --runtime torch")
+    cuda = ("CUDAExecutionProvider", {"device_id": device.index or 0, "cudnn_conv_algo_search": "EXHAUSTIVE",
+                                      "use_tf32": 0})
+    providers: list = [cuda, "CPUExecutionProvider"]
+    if tensorrt_cache and "TensorrtExecutionProvider" in available and image_size:
+        Path(tensorrt_cache).mkdir(parents=True, exist_ok=True)
+        shape = lambda batch: f"{INPUT_NAME}:{batch}x3x{image_size}x{image_size}"  # noqa: E731
+        providers.insert(0, ("TensorrtExecutionProvider", {
+            "device_id": device.index or 0, "trt_engine_cache_enable": True, "trt_engine_cache_path": str(tensorrt_cache),
+            "trt_timing_cache_enable": True, "trt_timing_cache_path": str(tensorrt_cache), "trt_fp16_enable": False,
+            "trt_profile_min_shapes": shape(1), "trt_profile_opt_shapes": shape(16),
+            "trt_profile_max_shapes": shape(TENSORRT_MAX_BATCH)}))
+    return providers
+
+
 class DeployedDetector:
     """A detector whose scorer is an exported graph, run by ONNX Runtime or OpenVINO.
 
@@ -187,7 +240,7 @@ class DeployedDetector:
             if graph.suffix != ".onnx":
                 raise ExportError(f"{directory}: an OpenVINO export; run it with --runtime openvino, "
                                   "or export with --format onnx for onnxruntime")
-            self._session = OnnxRuntimeSession(graph, device)
+            self._session = OnnxRuntimeSession(graph, device, self.image_size)
         elif runtime == "openvino":
             self._session = OpenVinoSession(graph, device)
         else:
@@ -195,8 +248,8 @@ class DeployedDetector:
 
     @property
     def device(self) -> torch.device:
-        """Where the outputs land (always the CPU: the runtimes return host arrays)."""
-        return torch.device("cpu")
+        """Where the graph runs; the outputs are always CPU tensors (the runtimes return host arrays)."""
+        return self._device
 
     @property
     def providers(self) -> list[str]:
@@ -221,11 +274,15 @@ class DeployedDetector:
 class OnnxRuntimeSession:
     """An ONNX Runtime inference session of the exported graph (thread-safe ``run``).
 
-    On ``cuda`` it asks for the TensorRT and CUDA providers that the installed onnxruntime has
-    (``onnxruntime-gpu``); a GPU asked for without them is an error, not a silent CPU run.
+    On ``cuda`` the CUDA provider runs it (``onnxruntime-gpu``; :func:`runtime_device` only picks
+    ``cuda`` where it is installed), with cuDNN's convolution search done once per shape and TF32
+    off, as padim's torch path. TensorRT is opt-in: with ``$PADIM_TENSORRT_CACHE`` set to a folder,
+    the TensorRT provider goes first, with one optimisation profile for batches 1 to
+    :data:`TENSORRT_MAX_BATCH` and its engines cached in that folder (built once, not per new batch
+    size or process start). Unverified on a GPU so far (docs/gpu.md).
     """
 
-    def __init__(self, graph: Path, device: torch.device):
+    def __init__(self, graph: Path, device: torch.device, image_size: int | None = None):
         ort = require("onnxruntime")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -233,15 +290,7 @@ class OnnxRuntimeSession:
         # Its threads otherwise spin after each run, taking the cores from image decoding and
         # torch's own ops around it (measured, 2 cores: end to end at batch 1, 47.5 -> 53.4 img/s).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        available = ort.get_available_providers()
-        if device.type == "cuda":
-            providers = [p for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") if p in available]
-            if not providers:
-                raise ExportError("--device cuda with --runtime onnxruntime needs onnxruntime-gpu "
-                                  f"(this onnxruntime has {', '.join(available)}); or use --runtime torch")
-            providers.append("CPUExecutionProvider")
-        else:
-            providers = ["CPUExecutionProvider"]
+        providers = onnxruntime_providers(ort.get_available_providers(), device, image_size, os.environ.get(TENSORRT_ENV))
         self.session = ort.InferenceSession(str(graph), options, providers=providers)
         self.providers = self.session.get_providers()
 

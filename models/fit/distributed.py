@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from padim.models.errors import RankFailed  # noqa: F401 (part of this module's interface)
+from padim.models.errors import RankFailed, UsageError  # noqa: F401 (RankFailed: part of this module's interface)
 
 
 @dataclass(frozen=True)
@@ -31,18 +32,47 @@ class Shard:
         return self.rank == 0
 
 
+#: Seconds a collective may wait for the other ranks before the group fails (``$PADIM_DIST_TIMEOUT_S``).
+#: The longest wait is one slice of the finish on the slowest rank, or rank 0 writing the file.
+DEFAULT_TIMEOUT_S = 1800
+
+
 def from_environment(device: torch.device) -> Shard | None:
     """Join the group torchrun describes in the environment (NCCL on GPUs, Gloo on CPUs).
+
+    On GPUs this rank's device is ``cuda:LOCAL_RANK`` from here on (call it before anything is
+    put on ``cuda``), and NCCL is bound to it. Collectives time out after ``$PADIM_DIST_TIMEOUT_S``
+    seconds (default :data:`DEFAULT_TIMEOUT_S`).
 
     Returns ``None`` when the process was not started by torchrun with several processes.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
+    timeout = timedelta(seconds=timeout_seconds(os.environ.get("PADIM_DIST_TIMEOUT_S")))
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} GPU(s); "
+                             "start torchrun with --nproc-per-node at most the GPU count")
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def timeout_seconds(text: str | None) -> float:
+    """``$PADIM_DIST_TIMEOUT_S`` as seconds (:data:`DEFAULT_TIMEOUT_S` when unset)."""
+    if text is None or not text.strip():
+        return float(DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UsageError(f"PADIM_DIST_TIMEOUT_S={text!r}: give a positive number of seconds")
+    return seconds
 
 
 def leave(shard: Shard | None) -> None:

@@ -61,7 +61,8 @@ from padim.core.statistics import (
 )
 from padim.models.config import PadimConfig
 from padim.models.data.images import decode_side, iter_decoded
-from padim.models.detector import FLOAT16_TOLERANCE, Provenance, resolve_device
+from padim.models.detector import FLOAT16_TOLERANCE, Provenance
+from padim.models.devices import resolve_device
 from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit import distributed

@@ -153,6 +153,31 @@ def check(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spo
     """Raise :class:`DoesNotFit` naming the options that would fit, when ``plan`` exceeds ``free``."""
     if free is None or plan.total <= free:
         return
+    advice = "; ".join(_alternatives(config, plan, free, images, spool, keep_statistics, resume)) or "a machine with more memory"
+    raise DoesNotFit(f"this fit {plan.describe(free)}, so it would run out of memory; what would fit: {advice}")
+
+
+def ran_out(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool,
+            resume: bool) -> DoesNotFit:
+    """The error for a fit that ran out of GPU memory although its plan fitted: what to try, smallest change first.
+
+    The plan's parts are estimates and other processes may hold the GPU's memory; the options
+    named are those whose plan fits in three quarters of this one.
+    """
+    options = []
+    if config.batch_size > 1:
+        options.append(f"--batch-size {max(1, config.batch_size // 2)} (the backbone's activations)")
+    options += _alternatives(config, plan, plan.total * 3 // 4, images, spool, keep_statistics, resume)
+    room = f"; {_gb(free)} was free before it started" if free is not None else ""
+    where = "GPU" if plan.device == "cuda" else "CPU"
+    others = "; other processes on the GPU take from it too" if plan.device == "cuda" else ""
+    return DoesNotFit(f"the {where} ran out of memory during the fit (its plan: {_gb(plan.total)}{room}{others}); "
+                      f"try: {'; '.join(options)}")
+
+
+def _alternatives(config: PadimConfig, plan: FitPlan, free: int, images: int, spool: bool, keep_statistics: bool,
+                  resume: bool) -> list[str]:
+    """Options (as flags, with their totals) whose plan fits in ``free``: a smaller image, fewer dims, --slim, the CPU."""
 
     def fits(changed: PadimConfig, **kwargs) -> int | None:
         options = dict(images=images, spool=spool, keep_statistics=keep_statistics, resume=resume, device=plan.device)
@@ -186,8 +211,7 @@ def check(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spo
         total = plan_fit(config, images, spool, keep_statistics, resume, device="cpu").total
         if cpu_free is not None and total <= cpu_free:
             options.append(f"--device cpu ({_gb(total)} of {_gb(cpu_free)} free)")
-    advice = "; ".join(options) if options else "a machine with more memory"
-    raise DoesNotFit(f"this fit {plan.describe(free)}, so it would run out of memory; what would fit: {advice}")
+    return options
 
 
 def _weights_bytes(config: PadimConfig) -> int:

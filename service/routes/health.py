@@ -12,11 +12,18 @@ async def live() -> LiveResponse:
     return LiveResponse(status="alive")
 
 
-@router.get("/ready", summary="every model is loaded and warm, and the server is not draining (always open)",
+@router.get("/ready", summary="every model is loaded and warm, the GPU (if any) answers a tiny operation, and the "
+            "server is not draining (always open)",
             response_model=ReadyResponse, response_model_exclude_none=True,
             responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}})
 async def ready(state: StateDep):
-    if state.ready and not state.draining:
+    device_problem = await state.check_devices() if state.ready and not state.draining else None
+    if state.ready and not state.draining and device_problem is None:
         return ReadyResponse(status="ready", models=list(state.models))
-    reason = "draining" if state.draining else ("failed: " + state.startup_error if state.startup_error else "loading")
+    if state.draining:
+        reason = "draining"
+    elif device_problem is not None or state.failure is not None:
+        reason = "failed: " + (device_problem or state.failure)
+    else:
+        reason = "failed: " + state.startup_error if state.startup_error else "loading"
     return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)

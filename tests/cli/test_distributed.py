@@ -15,7 +15,7 @@ import torch
 from helpers import IMAGE_SIZE, free_port, run_cli
 from padim.core import load_artifact
 
-COMMON = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--batch-size", "1"]
+COMMON = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--batch-size", "1", "--device", "cpu"]  # Gloo, on any machine
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
@@ -101,3 +101,43 @@ def test_mismatched_parts_are_refused(dataset, tmp_path, weights_file, flag, val
                      "--calibration-dir", data, check=False)
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "m.padim").exists()
+
+
+def test_a_rank_joins_its_group_and_gpu_before_it_loads_the_model_it_resumes(dataset, model_file, tmp_path, monkeypatch):
+    """Loading --resume first put every rank's statistics on cuda:0 (finding 2 of the GPU review)."""
+    from padim.cli import main
+    from padim.models.errors import UsageError
+    from padim.models.fit import distributed
+
+    events = []
+
+    def join(device):
+        events.append("join")
+        return distributed.Shard(0, 2)
+
+    def load_fit(path, **kwargs):
+        events.append("load")
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(distributed, "from_environment", join)
+    monkeypatch.setattr(distributed, "leave", lambda shard: events.append("leave"))
+    monkeypatch.setattr("padim.models.model_file.load_fit", load_fit)
+    status = main(["-q", "train", str(dataset / "train" / "good"), "--output", str(tmp_path / "m.padim"),
+                   "--resume", str(model_file), "--device", "cpu"])
+    assert status == 1 and events == ["join", "load", "leave"]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [(None, 1800.0), ("", 1800.0), ("90", 90.0), ("2.5", 2.5)])
+def test_collectives_time_out_after_padim_dist_timeout_s(text, seconds):
+    from padim.models.fit.distributed import timeout_seconds
+
+    assert timeout_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "soon", "nan"])
+def test_a_bad_padim_dist_timeout_s_is_a_usage_error(text):
+    from padim.models.errors import UsageError
+    from padim.models.fit.distributed import timeout_seconds
+
+    with pytest.raises(UsageError, match="PADIM_DIST_TIMEOUT_S"):
+        timeout_seconds(text)

@@ -50,9 +50,10 @@ def test_hadolint_passes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_cuda_base_matches_the_torch_wheels():
+def test_cuda_base_matches_the_torch_wheels_and_adds_no_second_copy_of_their_libraries():
+    """The -base- tag: the torch wheels bring cuBLAS, cuDNN and the rest; -runtime- would add them again."""
     (default,) = [a.split("=", 1)[1] for a in instructions("ARG") if a.startswith("CUDA_IMAGE=")]
-    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu\d+\.\d+", default)
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-base-ubuntu\d+\.\d+", default)
     assert match, default
     assert f"{match[1]}.{match[2]}" == torch.version.cuda
     assert instructions("FROM") == ["${CUDA_IMAGE} AS build", "${CUDA_IMAGE}"]  # multi-stage, same base

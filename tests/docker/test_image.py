@@ -113,6 +113,12 @@ def test_served_score_equals_padim_predict_on_the_host(container, trained, datas
     assert "RANDOM" in served["model"]["weights"]
 
 
+def test_the_image_leaves_out_triton(image):
+    """torch's triton (0.9 GB, for torch.compile) is not used by padim: the image uninstalls it (serving a .padim on the CPU still exports it to ONNX: see the score test)."""
+    shown = docker("run", "--rm", "--entrypoint", "pip", image, "show", "triton", check=False)
+    assert shown.returncode != 0 and "not found" in (shown.stderr + shown.stdout).lower()
+
+
 def test_runs_as_uid_10001_with_the_model_read_only(container):
     name, _ = container
     assert docker("exec", name, "id", "-u").stdout.strip() == "10001"
@@ -146,3 +152,25 @@ def test_docker_stop_drains_in_flight_requests_and_exits_0(container, dataset):
     stopping = next(i for i, m in enumerate(messages) if m[0] == "Shutting down")
     finished = next(i for i, m in enumerate(messages) if m[1] == "/score/batch")
     assert stopping < finished and messages[finished][2] == 200, messages[-12:]
+
+
+@pytest.mark.cuda
+def test_the_image_scores_on_the_gpu_with_gpus_all(image, trained, dataset, tmp_path):
+    """``docker run --gpus all``: the image's torch finds the GPU and scores as the host's CPU does."""
+    import torch
+
+    from padim.models.devices import CROSS_DEVICE_RTOL
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (run with -m cuda on a GPU)")
+    if "nvidia" not in docker("info", "-f", "{{json .Runtimes}}").stdout:
+        pytest.skip("Docker has no NVIDIA runtime (install the NVIDIA Container Toolkit)")
+    image_path = dataset / "test" / "good" / "000.png"
+    result = docker("run", "--rm", "--gpus", "all", "-v", f"{trained.parent}:/models:ro", "-v", f"{image_path}:/in.png:ro",
+                    "--entrypoint", "sh", image, "-c", "padim -q predict /models/weave.padim /in.png --device cuda "
+                    "--runtime torch --no-heatmaps --output /tmp/out && cat /tmp/out/results.jsonl")
+    on_gpu = json.loads(result.stdout.strip().splitlines()[-1])
+    run_cli("-q", "predict", trained, image_path, "--output", tmp_path, "--no-heatmaps", "--device", "cpu",
+            "--runtime", "torch")
+    on_cpu = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
+    assert on_gpu["raw_score"] == pytest.approx(on_cpu["raw_score"], rel=CROSS_DEVICE_RTOL)

@@ -9,7 +9,7 @@ import torch
 from padim.core.calibration import Calibration, fold_of
 from padim.core.scoring import anomaly_maps, image_scores
 from padim.core.spool import EmbeddingSpool
-from padim.models import (Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial,
+from padim.models import (DoesNotFit, Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial,
                           list_images, merge_fits, train)
 from padim.models.fit.in_progress import Scored
 from padim.models.model_file import load_detector, load_fit, save_fit
@@ -175,6 +175,23 @@ def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_w
     assert "needs about" in message and "free" in message and "--image-size 128" in message
     assert "--embedding-dim" in message
     assert "\n" not in message and not (tmp_path / "big.padim").exists()
+
+
+@pytest.mark.parametrize("phase", ["accumulate", "finish"])
+def test_running_out_of_gpu_memory_mid_fit_is_an_error_with_the_plan_and_what_to_try(images, tmp_path, monkeypatch, phase):
+    """torch raises OutOfMemoryError on a GPU; the fit answers with its plan and smaller options, leaving nothing behind."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Fit, phase, out_of_memory)
+    with pytest.raises(DoesNotFit) as info:
+        train(CONFIG.replace(image_size=96), images[:12], tmp_path / "m.padim", progress=False,
+              scratch_dir=tmp_path / "scratch")
+    message = str(info.value)
+    assert message.startswith("the CPU ran out of memory during the fit (its plan: ")
+    assert "--batch-size 4" in message and "\n" not in message
+    assert isinstance(info.value, FitError)  # the CLI's one error family: exit 1 with this line, no traceback
+    assert not (tmp_path / "m.padim").exists() and list((tmp_path / "scratch").iterdir()) == []
 
 
 @pytest.mark.parametrize("count", [1, 2])

@@ -13,7 +13,7 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
 from helpers import assert_same_verdict, run_cli
-from padim.models.deploy.export import METADATA_FILE, export_detector, read_export
+from padim.models.deploy.export import METADATA_FILE, export_detector, read_export, triton_config
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.model_file import load_detector
 
@@ -56,6 +56,13 @@ def test_triton_config_matches_the_graphs_real_inputs_and_outputs(triton_repo):
         assert isinstance(batch, str)
         # a batch-only output is declared [1] and reshaped to [] (Triton's rule for max_batch_size > 0)
         assert rest == (list(declared.reshape.shape) if declared.HasField("reshape") else list(declared.dims))
+
+
+def test_triton_runs_the_model_on_the_gpu_by_default_and_on_the_cpu_when_asked(triton_repo):
+    written = text_format.Parse((triton_repo / "weave_line3" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert [g.kind for g in written.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    on_cpu = text_format.Parse(triton_config("m", 64, device="cpu"), model_config_pb2.ModelConfig())
+    assert [g.kind for g in on_cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
 
 
 def test_the_triton_graph_runs_batched_as_triton_would_feed_it(triton_repo, model_file):

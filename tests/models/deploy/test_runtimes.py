@@ -78,11 +78,25 @@ def test_an_export_directory_runs_on_both_runtimes(case_model, tmp_path):
         assert torch.allclose(got, expected, rtol=1e-4), runtime
 
 
-def test_auto_picks_onnxruntime_on_cpu_and_torch_on_cuda():
-    assert resolve_runtime("auto", torch.device("cpu")) == "onnxruntime"
-    assert resolve_runtime("auto", torch.device("cuda")) == "torch"
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_picks_onnxruntime_on_cpu_and_torch_where_torch_sees_a_gpu(monkeypatch, gpu):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert resolve_runtime("auto", "cpu") == "onnxruntime"
+    assert resolve_runtime("auto", "cuda") == "torch"
+    assert resolve_runtime("auto", "auto") == ("torch" if gpu else "onnxruntime")
     with pytest.raises(ExportError, match="choose one of auto, torch, onnxruntime, openvino"):
-        resolve_runtime("tensorrt", torch.device("cpu"))
+        resolve_runtime("tensorrt", "cpu")
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "openvino"])
+def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(model_file, tmp_path, fmt, monkeypatch):
+    """An OpenVINO export with --runtime auto used to go to ONNX Runtime and fail; on a GPU node too."""
+    run_cli("-q", "export", model_file, "--format", fmt, "--output", tmp_path / fmt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node whose runtimes have no CUDA provider
+    monkeypatch.setattr("padim.models.devices.onnxruntime_has_cuda", lambda: False)
+    scorer = load_scorer(tmp_path / fmt, "auto", "auto")
+    assert scorer.runtime == ("onnxruntime" if fmt == "onnx" else "openvino") and scorer.device.type == "cpu"
+    assert scorer.providers[-1] in ("CPUExecutionProvider", "CPU")
 
 
 def test_the_export_of_a_model_file_is_cached_and_renewed_when_the_file_changes(model_file, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 import pytest
 
 from padim.models import PadimConfig
-from padim.models.fit.memory_plan import DoesNotFit, check, free_memory, plan_fit
+from padim.models.fit.memory_plan import DoesNotFit, check, free_memory, plan_fit, ran_out
 
 WIDE = PadimConfig(backbone="wide_resnet50_2", weights="random")
 
@@ -43,3 +43,16 @@ def test_a_plan_over_the_free_memory_names_what_would_fit():
 
 def test_free_memory_of_this_machine_is_known():
     assert free_memory("cpu") > 2**28
+
+
+def test_a_gpu_that_ran_out_mid_fit_is_told_options_well_under_its_plan(monkeypatch):
+    monkeypatch.setattr("padim.models.fit.memory_plan.free_memory", lambda device: 64 * 2**30)  # the host's
+    config = PadimConfig(backbone="wide_resnet50_2", weights="random", device="cuda", batch_size=16)
+    plan = plan_fit(config, images=200, spool=True, device="cuda")
+    error = ran_out(config, plan, 8 * 10**9, images=200, spool=True, keep_statistics=True, resume=False)
+    message = str(error)
+    assert isinstance(error, DoesNotFit) and message.startswith("the GPU ran out of memory during the fit")
+    assert "8.0 GB was free before it started" in message and "--batch-size 8" in message
+    assert "--image-size " in message and "--slim" in message and "--device cpu" in message
+    size = int(message.split("--image-size ")[1].split()[0])
+    assert plan_fit(config.replace(image_size=size), 200, True, device="cuda").total <= plan.total * 3 // 4

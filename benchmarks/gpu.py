@@ -1,0 +1,157 @@
+"""What padim costs on a GPU: fit time and peak memory, scoring speed per runtime, CPU-vs-GPU differences.
+
+For each backbone (resnet18 and wide_resnet50_2 by default), on generated images with random
+weights:
+
+- **fit**: ``padim train``'s own function on the GPU: seconds by phase and
+  ``torch.cuda.max_memory_allocated``;
+- **scoring**: images per second at batch 1, 16 and 64 with torch (the model as served),
+  ONNX Runtime's CUDA provider (needs ``onnxruntime-gpu``) and TensorRT through ONNX Runtime
+  (needs its TensorRT provider; engines cached in the work folder), each skipped with the reason
+  when it cannot run here;
+- **CPU vs GPU**: the largest relative difference of image scores of the same model and images,
+  scored on the CPU and on the GPU (padim's stated tolerance is ``CROSS_DEVICE_RTOL``); and, with
+  ``--cpu-fit``, the threshold of a CPU fit of the same images against the GPU fit's.
+
+It prints one line per measurement and, with ``--save``, writes them to
+``benchmarks/results/<date>-<machine>-gpu.json``. ``--device cpu`` runs the same steps on the
+CPU (to check the script where there is no GPU; the figures are then the CPU's).
+
+    python benchmarks/gpu.py                                  # on a GPU machine
+    python benchmarks/gpu.py --backbones resnet18 --images 40 --size 128 --device cpu   # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import machine_name, median_seconds, work_folder  # noqa: E402 (the benchmarks' own helpers)
+
+from padim.models import CROSS_DEVICE_RTOL, PadimConfig, train, training_images  # noqa: E402
+from padim.models.data.synthetic import generate  # noqa: E402
+from padim.models.deploy.runtimes import TENSORRT_ENV, load_scorer  # noqa: E402
+from padim.models.devices import onnxruntime_has_cuda  # noqa: E402
+from padim.models.model_file import load_detector  # noqa: E402
+
+
+def say(record: dict, results: list[dict]) -> None:
+    results.append(record)
+    print(json.dumps(record), flush=True)
+
+
+def fit(backbone: str, data: Path, out: Path, size: int, device: str, batch: int) -> tuple[float, dict]:
+    config = PadimConfig(backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    report = train(config, training_images(data), out, progress=False)
+    seconds = time.perf_counter() - started
+    return seconds, {"phases": report.seconds, "cuda_max_memory_allocated": report.cuda_peak,
+                     "planned_bytes": report.plan.total if report.plan else None}
+
+
+def throughput(scorer, size: int, batch: int, repeats: int) -> float:
+    images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+    seconds = median_seconds(lambda: scorer.score(images), repeats)
+    return batch / seconds
+
+
+def scorers(path: Path, device: str, tensorrt_cache: Path):
+    """``(runtime name, scorer or the reason it cannot run)`` for each runtime measured."""
+    yield "torch", load_detector(path, device=device)
+    if device != "cuda":
+        yield "onnxruntime-cuda", "no GPU"
+        yield "tensorrt", "no GPU"
+        return
+    if not onnxruntime_has_cuda():
+        yield "onnxruntime-cuda", "onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu)"
+        yield "tensorrt", "onnxruntime has no CUDAExecutionProvider"
+        return
+    yield "onnxruntime-cuda", load_scorer(path, "onnxruntime", "cuda")
+    import onnxruntime
+
+    if "TensorrtExecutionProvider" not in onnxruntime.get_available_providers():
+        yield "tensorrt", "onnxruntime has no TensorrtExecutionProvider"
+        return
+    os.environ[TENSORRT_ENV] = str(tensorrt_cache)
+    try:
+        scorer = load_scorer(path, "onnxruntime", "cuda")
+    finally:
+        del os.environ[TENSORRT_ENV]
+    yield "tensorrt", scorer if scorer.providers[0] == "TensorrtExecutionProvider" else "TensorRT did not take the graph"
+
+
+def cpu_vs_gpu(path: Path, size: int) -> float:
+    batch = torch.randn(16, 3, size, size, generator=torch.Generator().manual_seed(7))
+    on_cpu = load_detector(path, device="cpu").score(batch).raw_scores.double()
+    on_gpu = load_detector(path, device="cuda").score(batch).raw_scores.double().cpu()
+    return float(((on_gpu - on_cpu).abs() / on_cpu.abs()).max())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backbones", default="resnet18,wide_resnet50_2")
+    parser.add_argument("--images", type=int, default=100, help="training images (default 100)")
+    parser.add_argument("--size", type=int, default=224, help="image size (default 224)")
+    parser.add_argument("--batches", default="1,16,64", help="scoring batch sizes (default 1,16,64)")
+    parser.add_argument("--fit-batch", type=int, default=32, help="batch size of the fit (default 32)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats per scoring figure (median)")
+    parser.add_argument("--cpu-fit", action="store_true", help="also fit on the CPU and compare thresholds")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--workdir", type=Path, help="keep the data and models here (default: a temporary folder)")
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/<date>-<machine>-gpu.json")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/gpu.py: torch sees no GPU here; run it on a GPU machine (or --device cpu for a dry run)",
+              file=sys.stderr)
+        return 2
+    folder = work_folder(args.workdir, "padim-gpu-bench-")
+    (category,) = generate(folder / "data", ("weave",), train=args.images, test_good=1, test_defect=1,
+                           size=args.size, seed=0)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    results: list[dict] = []
+    for backbone in args.backbones.split(","):
+        model = folder / f"{backbone}-{args.device}.padim"
+        seconds, detail = fit(backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch)
+        say({"backbone": backbone, "step": "fit", "device": device_name, "images": args.images, "size": args.size,
+             "seconds": round(seconds, 2), **detail}, results)
+        for runtime, scorer in scorers(model, args.device, folder / "tensorrt"):
+            if isinstance(scorer, str):
+                say({"backbone": backbone, "step": "score", "runtime": runtime, "skipped": scorer}, results)
+                continue
+            for batch in (int(b) for b in args.batches.split(",")):
+                rate = throughput(scorer, args.size, batch, args.repeats)
+                say({"backbone": backbone, "step": "score", "runtime": runtime, "batch": batch,
+                     "images_per_second": round(rate, 1)}, results)
+            del scorer
+        if args.device == "cuda":
+            say({"backbone": backbone, "step": "cpu_vs_gpu", "largest_relative_score_difference": cpu_vs_gpu(model, args.size),
+                 "stated_tolerance": CROSS_DEVICE_RTOL}, results)
+        if args.cpu_fit:
+            on_cpu = folder / f"{backbone}-cpu-fit.padim"
+            cpu_seconds, _ = fit(backbone, category / "train" / "good", on_cpu, args.size, "cpu", args.fit_batch)
+            from padim.core.artifact import read_header
+
+            first, second = (read_header(p)["calibration"]["threshold"] for p in (model, on_cpu))
+            say({"backbone": backbone, "step": "threshold", "fit_device": device_name, "cpu_fit_seconds": round(cpu_seconds, 2),
+                 "relative_threshold_difference": abs(first - second) / abs(second)}, results)
+    if args.save:
+        name = f"{datetime.date.today()}-{machine_name()}-gpu.json"
+        target = Path(__file__).resolve().parent / "results" / name
+        target.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "results": results}, indent=2) + "\n")
+        print(f"wrote {target}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

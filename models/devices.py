@@ -1,0 +1,158 @@
+"""Which device runs what, and the CUDA settings every padim process uses there.
+
+Every ``--device`` / ``PADIM_DEVICE`` goes through here:
+
+- :func:`resolve_device`: ``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda``
+  without one is a :class:`~padim.models.errors.UsageError` that says what to check.
+- :func:`runtime_device`: the same, per inference runtime. ``auto`` becomes ``cuda`` only where
+  that runtime can run on the GPU here: torch when torch sees one, ONNX Runtime when its
+  ``CUDAExecutionProvider`` is installed (the ``onnxruntime-gpu`` wheel) as well, OpenVINO never
+  (padim runs it on the CPU). An explicit ``cuda`` that the runtime cannot honour is an error,
+  never a silent CPU run.
+- :func:`configure_cuda`: TF32 off for convolutions and matrix products, so that scores on a GPU
+  are within :data:`CROSS_DEVICE_RTOL` of the CPU's and a threshold calibrated on one holds on
+  the other; ``cudnn.benchmark`` on (image size fixed, so each batch size is tuned once).
+
+This module reads the state of the machine (``torch.cuda``, the installed ONNX Runtime); the
+decisions are pure functions of what it read, tested with that state patched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from padim.models.choices import DEVICES
+from padim.models.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+#: Largest relative difference allowed between image scores of one model on a CPU and on a GPU
+#: (TF32 off; float32 sums in another order). The CUDA suite (tests/cuda) checks it wherever a
+#: GPU is; a threshold is moved by at most this much, so only images within this distance of it
+#: can change verdict.
+CROSS_DEVICE_RTOL = 1e-4
+
+#: Compute capabilities whose float64 rate is half of float32 or better (P100, V100, A100/A30,
+#: H100/H200, B200): there the fit's float64 finish belongs on the GPU. Others (T4 7.5, A10/A40/
+#: RTX 30 8.6, L4/L40/RTX 40 8.9, RTX 50 12.0) run float64 at 1/32-1/64 of float32.
+FULL_FLOAT64 = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without a GPU is an error.
+
+    A CUDA device chosen here gets :func:`configure_cuda` (TF32 off, cudnn autotuning on).
+
+    Raises:
+        UsageError: an unknown device, or ``cuda`` where torch sees no GPU.
+    """
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda was asked for, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+            "check the NVIDIA driver (nvidia-smi) and, in Docker, --gpus all; or use --device cpu")
+    if device == "cuda":
+        configure_cuda()
+    return torch.device(device)
+
+
+def onnxruntime_has_cuda() -> bool:
+    """Whether the installed ONNX Runtime has its CUDA provider (``onnxruntime-gpu``)."""
+    try:
+        import onnxruntime  # optional extra: is it installed, and which wheel?
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def runtime_device(runtime: str, device: str) -> torch.device:
+    """The device ``runtime`` (``torch``, ``onnxruntime`` or ``openvino``) runs on for ``--device device``.
+
+    ``auto``: CUDA only where this runtime can use the GPU here (module docstring); the choice
+    is logged with its reason.
+
+    Raises:
+        UsageError: ``cuda`` asked for a runtime that cannot run on it here.
+    """
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if runtime == "torch":
+        return resolve_device(device)
+    if runtime == "openvino":
+        if device == "cuda":
+            raise UsageError("--runtime openvino runs on the CPU in padim; use --device cpu, "
+                             "or --runtime torch for the GPU")
+        return torch.device("cpu")
+    if runtime != "onnxruntime":
+        raise UsageError(f"no device rule for runtime {runtime!r}")
+    gpu = torch.cuda.is_available()
+    provider = onnxruntime_has_cuda()
+    if device == "cuda":
+        if not provider:
+            raise UsageError("--device cuda with --runtime onnxruntime needs the onnxruntime-gpu wheel (the installed "
+                             "onnxruntime has no CUDAExecutionProvider); or use --runtime torch on the GPU")
+        return resolve_device("cuda")
+    if device == "auto" and gpu and provider:
+        log.debug("device auto: cuda for onnxruntime (CUDAExecutionProvider installed)")
+        return resolve_device("cuda")
+    if device == "auto" and gpu:
+        log.info("device auto: cpu for onnxruntime: this onnxruntime has no CUDAExecutionProvider "
+                 "(install onnxruntime-gpu, or serve the .padim file with --runtime torch to use the GPU)")
+    return torch.device("cpu")
+
+
+def configure_cuda() -> None:
+    """TF32 off (convolutions and matrix products in true float32) and cudnn autotuning on.
+
+    TF32 convolutions (cuDNN's default) move features by about 1e-3 relative, more than
+    :data:`CROSS_DEVICE_RTOL`: a model calibrated on a CPU would lose its threshold's promise on a
+    GPU and the reverse. It costs convolution speed on Ampere and newer (see docs/gpu.md).
+    """
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9
+        conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+
+
+def float64_is_slow(device: torch.device, capability: tuple[int, int] | None = None) -> bool:
+    """Whether ``device`` is a GPU that runs float64 at 1/32-1/64 of its float32 rate (not in :data:`FULL_FLOAT64`).
+
+    The fit's finish (comoment, Cholesky, triangular inverse, out-of-fold corrections) is float64
+    and stays where the statistics are; on such a GPU it runs about as fast as a 16-core host
+    would (docs/gpu.md has the calculation), and ``padim train`` says so before pass 1.
+    """
+    if device.type != "cuda":
+        return False
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return tuple(capability) not in FULL_FLOAT64
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """Whether ``error`` comes from the CUDA device (out of memory, a launch failure, a lost GPU)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(error, accelerator):
+        return True
+    return isinstance(error, RuntimeError) and ("CUDA" in str(error) or "cuDNN" in str(error) or "CUBLAS" in str(error))
+
+
+def probe(device: torch.device) -> None:
+    """A tiny operation on ``device``, waited for: raises when the GPU is in an error state."""
+    if device.type != "cuda":
+        return
+    value = torch.ones(8, device=device).sum()
+    torch.cuda.synchronize(device)
+    if float(value) != 8.0:
+        raise RuntimeError(f"CUDA probe on {device} gave {float(value)} for 8.0")

@@ -1,0 +1,142 @@
+"""The CUDA suite: fit, save, load and score on a GPU; CPU-vs-GPU parity; out of GPU memory; ONNX Runtime CUDA.
+
+Runs with ``pytest -m cuda`` on a machine with an NVIDIA GPU (the default run hides GPUs, see
+tests/conftest.py) and skips cleanly elsewhere. The device decisions themselves are tested on any
+machine in tests/models/test_devices.py; the image with ``--gpus all`` in tests/docker/test_image.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import IMAGE_SIZE, run_cli
+from padim.models.devices import CROSS_DEVICE_RTOL
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run with -m cuda on a GPU)")]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max())
+
+
+@pytest.fixture(scope="module")
+def gpu_model(dataset, tmp_path_factory):
+    """A model fitted on the GPU through the real CLI."""
+    path = tmp_path_factory.mktemp("gpu") / "weave.padim"
+    result = run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random",
+                     "--image-size", IMAGE_SIZE, "--batch-size", 8, "--device", "cuda")
+    return path, json.loads(result.stdout)
+
+
+def test_fit_save_load_score_on_the_gpu(gpu_model, dataset, tmp_path):
+    path, summary = gpu_model
+    assert summary["memory"]["device"] == "cuda" and summary["cuda_max_memory_allocated"] > 0
+    run_cli("-q", "predict", path, dataset / "test", "--device", "cuda", "--runtime", "torch", "--output", tmp_path,
+            "--no-heatmaps")
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 18 and all(r["raw_score"] > 0 for r in rows)
+
+
+def test_scores_on_the_cpu_and_the_gpu_agree_within_the_stated_tolerance(model_file):
+    from padim.models.model_file import load_detector
+
+    cpu, gpu = load_detector(model_file, device="cpu"), load_detector(model_file, device="cuda")
+    batch = torch.randn(8, 3, cpu.config.image_size, cpu.config.image_size, generator=torch.Generator().manual_seed(0))
+    on_cpu, on_gpu = cpu.score(batch), gpu.score(batch)
+    assert relative(on_gpu.raw_scores, on_cpu.raw_scores) <= CROSS_DEVICE_RTOL
+    largest = float(on_cpu.maps.abs().max())  # maps: relative to their peak (pixel values near 0 have no scale)
+    assert float((on_gpu.maps.cpu() - on_cpu.maps).abs().max()) <= CROSS_DEVICE_RTOL * largest
+
+
+def test_a_model_fitted_on_the_gpu_keeps_the_cpu_fits_threshold(model_file, gpu_model):
+    from padim.core.artifact import read_header
+
+    cpu, gpu = read_header(model_file)["calibration"], read_header(gpu_model[0])["calibration"]
+    assert abs(gpu["threshold"] - cpu["threshold"]) <= 1e-3 * abs(cpu["threshold"])
+
+
+def test_float16_factors_are_upcast_once_at_load_on_the_gpu(model_file):
+    from padim.models.model_file import load_detector
+
+    gpu = load_detector(model_file, device="cuda")
+    assert gpu.model.precision_factor.dtype == torch.float32 and gpu.model.precision_factor.is_cuda
+    assert load_detector(model_file, device="cpu").model.precision_factor.dtype == gpu.precision_dtype
+    assert torch.backends.cudnn.benchmark and torch.backends.cudnn.conv.fp32_precision == "ieee"  # TF32 off
+
+
+def test_a_fit_out_of_gpu_memory_is_a_clear_error(dataset, tmp_path):
+    from padim.models import DoesNotFit, PadimConfig, train, training_images
+
+    images = training_images(dataset / "train" / "good")
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(16 * 2**20 / total)  # 16 MB: less than resnet18's weights
+    try:
+        with pytest.raises(DoesNotFit, match="the GPU ran out of memory"):
+            train(PadimConfig(weights="random", image_size=64, device="cuda"), images, tmp_path / "m.padim",
+                  progress=False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert not (tmp_path / "m.padim").exists()
+
+
+def test_the_service_refuses_to_start_when_its_largest_batch_does_not_fit(model_file):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from padim.service.app import create_app
+    from padim.service.settings import ServiceSettings
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    settings = ServiceSettings(models=[model_file], device="cuda", runtime="torch",
+                               cuda_memory_fraction=16 * 2**20 / total)
+    try:
+        with TestClient(create_app(settings)) as client:
+            for _ in range(600):
+                reason = client.get("/health/ready").json().get("reason")
+                if reason != "loading":
+                    break
+                time.sleep(0.05)
+            assert reason is not None and "does not fit in the GPU's memory" in reason
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_the_service_is_ready_on_the_gpu_and_its_probe_passes(model_file):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from padim.service.app import create_app
+    from padim.service.settings import ServiceSettings
+
+    with TestClient(create_app(ServiceSettings(models=[model_file], device="cuda", runtime="torch"))) as client:
+        for _ in range(600):
+            ready = client.get("/health/ready")
+            if ready.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert ready.status_code == 200
+        assert client.app.state.service.models["weave"].detector.device.type == "cuda"
+
+
+def test_onnxruntime_on_cuda_matches_torch(model_file):
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.devices import onnxruntime_has_cuda
+    from padim.models.model_file import load_detector
+
+    if not onnxruntime_has_cuda():
+        pytest.skip("this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu)")
+    scorer = load_scorer(model_file, "onnxruntime", "cuda")
+    assert scorer.providers[0] == "CUDAExecutionProvider" and scorer.device.type == "cuda"
+    reference = load_detector(model_file, device="cpu")
+    batch = torch.randn(4, 3, reference.config.image_size, reference.config.image_size)
+    assert relative(scorer.score(batch).raw_scores, reference.score(batch).raw_scores) <= 1e-4
