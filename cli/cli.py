@@ -69,3 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except PadimError as error:
         print(f"padim {args.command}: error: {error}", file=sys.stderr)
         return outcome(error).exit_status
+    except RuntimeError as error:
+        if type(error).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
+            raise
+        print(f"padim {args.command}: error: the GPU ran out of memory ({str(error).splitlines()[0]}); use a smaller "
+              "--batch-size, free the GPU (nvidia-smi shows who holds it), or --device cpu", file=sys.stderr)
+        return 1

@@ -386,3 +386,21 @@ def test_help_and_health_load_no_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "10", "[]"], result.stdout
+
+
+def test_a_gpu_out_of_memory_outside_the_fit_is_one_line_with_what_to_do(monkeypatch, capsys, model_file, tmp_path):
+    """predict/evaluate on a GPU that runs out: torch.OutOfMemoryError becomes one line and exit 1, not a traceback."""
+    import torch
+
+    from padim.cli import main
+    from padim.commands import predict
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB\nmore detail")
+
+    monkeypatch.setattr(predict, "run", out_of_memory)
+    assert main(["-q", "predict", str(model_file), str(tmp_path), "--output", str(tmp_path / "o")]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert "padim predict: error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 1.50 GiB)" in error
+    assert "--batch-size" in error and "--device cpu" in error
