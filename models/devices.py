@@ -114,13 +114,10 @@ def configure_cuda() -> None:
     :data:`CROSS_DEVICE_RTOL`: a model calibrated on a CPU would lose its threshold's promise on a
     GPU and the reverse. It costs convolution speed on Ampere and newer (see docs/gpu.md).
     """
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9
-        conv.fp32_precision = "ieee"
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-    else:
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+    # The flags every torch reads: torch 2.14's newer fp32_precision = "ieee" would make any later
+    # read of cudnn.allow_tf32 (torch.backends.cudnn.flags() does one) raise, as a mix of the two APIs.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
 
 

@@ -66,7 +66,7 @@ def test_float16_factors_are_upcast_once_at_load_on_the_gpu(model_file):
     gpu = load_detector(model_file, device="cuda")
     assert gpu.model.precision_factor.dtype == torch.float32 and gpu.model.precision_factor.is_cuda
     assert load_detector(model_file, device="cpu").model.precision_factor.dtype == gpu.precision_dtype
-    assert torch.backends.cudnn.benchmark and torch.backends.cudnn.conv.fp32_precision == "ieee"  # TF32 off
+    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.allow_tf32  # TF32 off
 
 
 def test_a_fit_out_of_gpu_memory_is_a_clear_error(dataset, tmp_path):

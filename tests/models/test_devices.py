@@ -105,15 +105,18 @@ def test_what_counts_as_a_cuda_error():
 
 
 def test_configure_cuda_turns_tf32_off_and_cudnn_tuning_on():
-    conv = torch.backends.cudnn.conv
-    before = (conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark)
+    flags = torch.backends.cudnn
+    before = (flags.allow_tf32, torch.backends.cuda.matmul.allow_tf32, flags.benchmark)
     try:
-        conv.fp32_precision = "tf32"  # cuDNN's default for convolutions
+        flags.allow_tf32 = True  # cuDNN's default for convolutions
         devices.configure_cuda()
-        assert conv.fp32_precision == "ieee" and torch.backends.cuda.matmul.fp32_precision == "ieee"
-        assert torch.backends.cudnn.benchmark is True
+        assert flags.allow_tf32 is False and torch.backends.cuda.matmul.allow_tf32 is False
+        assert flags.conv.fp32_precision != "tf32" and torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert flags.benchmark is True
+        with torch.backends.cudnn.flags(enabled=True):  # torch's own readers of the flags still work
+            pass
     finally:
-        conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark = before
+        flags.allow_tf32, torch.backends.cuda.matmul.allow_tf32, flags.benchmark = before
 
 
 def test_the_probe_is_nothing_on_a_cpu():
