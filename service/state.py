@@ -111,7 +111,8 @@ class ServedModel:
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
         return ModelInfo(name=self.name, backbone=self.detector.config.backbone,
-                         created=self.detector.provenance.created, sha256=self.sha256, weights=self.detector.weights.label)
+                         created=self.detector.provenance.created, sha256=self.sha256,
+                         weights=self.detector.weights.public_label)  # no server paths for clients
 
     def describe(self) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""

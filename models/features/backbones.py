@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 import torchvision
@@ -99,6 +99,13 @@ class WeightsInfo:
         if self.source == "random":
             return f"RANDOM weights (seed {self.detail}) - demo/test only, not for real inspection"
         return f"{self.source}: {self.detail}"
+
+    @property
+    def public_label(self) -> str:
+        """:attr:`label` without server paths, for clients of the service: a weights file by its name and digest."""
+        if self.source == "file":
+            return f"file: {PurePath(self.detail).name} (parameters sha256 {self.sha256[:12]})"
+        return self.label
 
     @property
     def stamp(self) -> str | None:

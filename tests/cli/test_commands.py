@@ -36,10 +36,26 @@ def test_train_writes_a_labelled_self_contained_model(model_file):
     assert header["precision_dtype"] in ("float16", "float32")
     info = json.loads(run_cli("info", model_file).stdout)
     assert info["backbone"] == "resnet18" and info["size_bytes"] == model_file.stat().st_size
-    assert info["fit_image_count"] == 30 and info["verified"] == "header"
+    assert info["fit_image_count"] == 30 and info["verified"] == "every tensor"  # small files: checked by default
     assert info["calibration"]["scores"] == 30 and info["calibration"]["false_alarm_rate"] == 0.01
     assert info["calibration"]["folds"] == "loo" and info["calibration"]["false_alarm_bound"] > 0
     assert json.loads(run_cli("info", "--verify", model_file).stdout)["verified"] == "every tensor"
+
+
+def test_info_finds_a_flipped_bit_without_being_asked_and_says_when_it_checked_the_header_only(model_file, tmp_path,
+                                                                                               monkeypatch, capsys):
+    from padim.cli import main
+    from padim.commands import info
+
+    broken = tmp_path / "flipped.padim"
+    data = bytearray(model_file.read_bytes())
+    data[-1000] ^= 0x01  # inside the last tensors: the statistics
+    broken.write_bytes(bytes(data))
+    result = run_cli("info", broken, check=False)
+    assert result.returncode == 1 and "does not match its digest" in result.stderr
+    monkeypatch.setattr(info, "VERIFY_BY_DEFAULT_BYTES", 1000)  # as if the file were a large one
+    assert main(["info", str(broken)]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] == "header only (--verify checks every tensor)"
 
 
 def test_train_says_what_the_threshold_promises(dataset, tmp_path):

@@ -1,6 +1,7 @@
 """In-process (TestClient) checks: readiness while loading, timeouts, overload, settings."""
 
 import io
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -176,3 +177,19 @@ def test_every_setting_is_in_the_docs_settings_table():
     table = page[page.index("**Settings** come from"):]
     missing = [f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table]
     assert not missing, f"not in the settings table of docs/http-api.md: {missing}"
+
+
+def test_clients_see_a_weights_file_by_name_and_digest_never_its_server_path(dataset, weights_file, tmp_path):
+    from helpers import run_cli
+
+    model = tmp_path / "filed.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", weights_file,
+            "--image-size", 32)
+    with TestClient(create_app(ServiceSettings(models=[model], device="cpu"))) as client:
+        wait_ready(client)
+        (described,) = client.get("/models").json()["models"]
+        scored = client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).json()
+    for shown in (described["weights"], scored["model"]["weights"]):
+        assert shown.startswith(f"file: {weights_file.name} (parameters sha256 ")
+        assert str(weights_file.parent) not in shown
+    assert str(weights_file.parent) not in json.dumps(described)
