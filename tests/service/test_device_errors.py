@@ -171,18 +171,18 @@ def test_readiness_runs_a_cuda_probe_a_failed_one_is_final_a_slow_one_is_not(mod
     def probe(device):
         calls.append(device)
         if behaviour["mode"] == "slow":
-            time.sleep(1.0)
+            time.sleep(4.0)
         if behaviour["mode"] == "broken":
             raise RuntimeError("CUDA error: unspecified launch failure")
 
     monkeypatch.setattr(state_module, "probe", probe)
-    monkeypatch.setattr(state_module, "PROBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(state_module, "PROBE_TIMEOUT_S", 1.5)  # well above a thread's start on a loaded machine
     client = started(ServiceSettings(models=[model_file], device="cpu", max_batch_size=4))
     try:
         assert calls and calls[-1] == torch.device("cuda")
         behaviour["mode"] = "slow"
         slow = client.get("/health/ready")
-        assert slow.status_code == 503 and "took over 0.2 s" in slow.json()["reason"]
+        assert slow.status_code == 503 and "took over 1.5 s" in slow.json()["reason"]
         behaviour["mode"] = "ok"
         assert client.get("/health/ready").status_code == 200  # a busy GPU is not a broken one
         behaviour["mode"] = "broken"
