@@ -133,6 +133,40 @@ def resize_map(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tens
     return F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
 
 
-def image_scores(maps: torch.Tensor) -> torch.Tensor:
-    """Image anomaly score: the maximum of each ``(B, S, S)`` map, ``(B,)``."""
-    return maps.flatten(1).amax(dim=1)
+#: How an image score is read from its maps (``PadimConfig.image_score``): the maximum of the
+#: smoothed map (the paper), the maximum of the unsmoothed feature-grid distances, or the mean of
+#: the top ``top_fraction`` of the smoothed map's pixels.
+IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
+
+
+def image_scores(maps: torch.Tensor, method: str = "map_max", squared_distance: torch.Tensor | None = None,
+                 top_fraction: float = 0.01) -> torch.Tensor:
+    """Image anomaly scores ``(B,)`` from the ``(B, S, S)`` maps.
+
+    Args:
+        maps: ``(B, S, S)`` from :func:`anomaly_maps`.
+        method: ``map_max`` (the maximum of each map, the paper's), ``patch_max`` (the largest
+            distance on the feature grid, before upsampling and smoothing: needs
+            ``squared_distance``) or ``top_mean`` (the mean of the ``top_fraction`` largest map
+            pixels, at least one).
+        squared_distance: ``(B, P)`` from :func:`squared_mahalanobis` (``patch_max`` only).
+        top_fraction: share of the map's pixels averaged by ``top_mean``.
+
+    Every method is in distance units, as the map is; ``patch_max`` is never below ``map_max``
+    (upsampling and blurring average grid values) and ``top_mean`` never above it.
+    """
+    if method == "map_max":
+        return maps.flatten(1).amax(dim=1)
+    if method == "patch_max":
+        if squared_distance is None:
+            raise ValueError("image score patch_max needs the squared distances")
+        return squared_distance.amax(dim=1).clamp_min(0).sqrt()
+    if method == "top_mean":
+        count = top_count(maps.shape[-2] * maps.shape[-1], top_fraction)
+        return maps.flatten(1).topk(count, dim=1, sorted=False).values.mean(dim=1)
+    raise ValueError(f"unknown image score {method!r}; choose one of: {', '.join(IMAGE_SCORES)}")
+
+
+def top_count(pixels: int, fraction: float) -> int:
+    """How many of ``pixels`` map pixels ``top_mean`` averages: ``round(fraction * pixels)``, at least 1."""
+    return max(1, min(pixels, round(fraction * pixels)))

@@ -2,6 +2,10 @@
 lists them). Every default of how a command runs is here, once."""
 
 REDUCTIONS = ("random", "semi_orthogonal")
+#: ``image_score``: how an image's score is read from its map (:func:`padim.core.scoring.image_scores`).
+IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
+#: ``neighbourhood``: side of the per-layer feature average (1: none).
+NEIGHBOURHOODS = (1, 3, 5)
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.

@@ -13,7 +13,15 @@ from typing import Any
 import yaml
 
 from padim.core.calibration import FALSE_ALARM_RATE_RANGE
-from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, DEVICES, PRECISION_DTYPES, REDUCTIONS
+from padim.models.choices import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_WORKERS,
+    DEVICES,
+    IMAGE_SCORES,
+    NEIGHBOURHOODS,
+    PRECISION_DTYPES,
+    REDUCTIONS,
+)
 from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
 from padim.models.features.backbones import BACKBONES
 
@@ -23,7 +31,12 @@ RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
-                     "calibration_folds")
+                     "calibration_folds", "neighbourhood")
+#: What a model file written before an option existed computed (format 3 and older): read so, whatever
+#: today's default, so that such a model keeps scoring exactly as it did.
+BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01}
+#: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
+SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
 RUN_OPTIONS = ("batch_size", "device", "workers")
 
@@ -46,6 +59,14 @@ class PadimConfig:
         seed: seeds the channel subset / projection and ``random`` weights.
         epsilon: added to the covariance diagonal before the Cholesky factorisation.
         blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
+        neighbourhood: each layer's features averaged over ``k x k`` neighbours on its own grid
+            before the Gaussian (1: none, the paper; 3 as PatchCore): a patch then describes its
+            surroundings.
+        image_score: how the image score is read from the map: ``map_max`` (the maximum of the
+            smoothed map, the paper), ``patch_max`` (the largest feature-grid distance, before
+            smoothing) or ``top_mean`` (the mean of the ``top_fraction`` highest map pixels). The
+            calibration scores the training images the same way.
+        top_fraction: share of the map's pixels that ``top_mean`` averages.
         calibration_folds: the folds of cross-fitted calibration: every image is fitted, and
             scored by the model of every image outside its fold (see :mod:`padim.core.calibration`).
             ``"loo"`` (leave-one-out, the default): every image is its own fold; an integer ``K``:
@@ -68,6 +89,9 @@ class PadimConfig:
     seed: int = 0
     epsilon: float = 0.01
     blur_sigma: float = 4.0
+    neighbourhood: int = 1
+    image_score: str = "map_max"
+    top_fraction: float = 0.01
     calibration_folds: int | str = "loo"
     false_alarm_rate: float = 0.01
     batch_size: int = DEFAULT_BATCH_SIZE
@@ -172,6 +196,13 @@ def _validate(c: PadimConfig) -> None:
         fail("epsilon", c.epsilon, "use a number >= 0 (the paper uses 0.01)")
     if not c.blur_sigma >= 0:
         fail("blur_sigma", c.blur_sigma, "use a number >= 0 (0 turns smoothing off)")
+    if isinstance(c.neighbourhood, bool) or c.neighbourhood not in NEIGHBOURHOODS:
+        fail("neighbourhood", c.neighbourhood, "choose one of: " + ", ".join(map(str, NEIGHBOURHOODS))
+             + " (1 = no averaging)")
+    if c.image_score not in IMAGE_SCORES:
+        fail("image_score", c.image_score, "choose one of: " + ", ".join(IMAGE_SCORES))
+    if isinstance(c.top_fraction, bool) or not isinstance(c.top_fraction, (int, float)) or not 0 < c.top_fraction <= 0.5:
+        fail("top_fraction", c.top_fraction, "use a number above 0 and at most 0.5 (default 0.01: the top 1% of pixels)")
     if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
                                          or not 2 <= c.calibration_folds <= 1000):
         fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")

@@ -27,6 +27,12 @@ FLOAT16_TOLERANCE = 1e-3
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
 
+def scoring_options(config) -> dict:
+    """How the detector reads its maps: what ``describe`` shows of the scoring options."""
+    return {"neighbourhood": config.neighbourhood, "blur_sigma": config.blur_sigma, "image_score": config.image_score,
+            "top_fraction": config.top_fraction}
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -137,6 +143,7 @@ class PadimDetector:
             "reduction": self.config.reduction,
             "grid": list(self.model.grid_shape),
             "epsilon": self.config.epsilon,
+            **scoring_options(self.config),
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
                             "folds": self.config.calibration_folds},

@@ -22,7 +22,8 @@ class ScoreOutput(NamedTuple):
     """Scores of a batch.
 
     Attributes:
-        raw_scores: ``(B,)`` maximum of each anomaly map (Mahalanobis distance units).
+        raw_scores: ``(B,)`` image scores (Mahalanobis distance units; the maximum of each map
+            unless the model reads them another way, :func:`padim.core.scoring.image_scores`).
         maps: ``(B, S, S)`` anomaly maps at the model's input size.
     """
 
@@ -46,12 +47,18 @@ class PadimModel(nn.Module):
             when scoring (:func:`padim.core.scoring.squared_mahalanobis`), other dtypes become
             float32.
         blur_sigma: Gaussian smoothing of the map, in input pixels.
+        image_score: how the image score is read from the map (``map_max``, ``patch_max``,
+            ``top_mean``: :func:`padim.core.scoring.image_scores`).
+        top_fraction: share of the map's pixels ``top_mean`` averages.
     """
 
-    def __init__(self, embedder: FeatureEmbedder, mean: torch.Tensor, precision_factor: torch.Tensor, blur_sigma: float):
+    def __init__(self, embedder: FeatureEmbedder, mean: torch.Tensor, precision_factor: torch.Tensor, blur_sigma: float,
+                 image_score: str = "map_max", top_fraction: float = 0.01):
         super().__init__()
         self.embedder = embedder
         self.blur_sigma = float(blur_sigma)
+        self.image_score = image_score
+        self.top_fraction = float(top_fraction)
         self.register_buffer("mean", mean.to(torch.float32))  # (P, D)
         kept = torch.float16 if precision_factor.dtype == torch.float16 else torch.float32
         self.register_buffer("precision_factor", precision_factor.to(kept))  # (P, D, D)
@@ -84,7 +91,7 @@ class PadimModel(nn.Module):
         """``(B, P, D)`` embeddings -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
         squared = squared_mahalanobis(embedding, self.mean, self.precision_factor)  # (B, P)
         maps = anomaly_maps(squared, self.grid_shape, self.image_size, self.blur_sigma)
-        return ScoreOutput(image_scores(maps), maps)
+        return ScoreOutput(image_scores(maps, self.image_score, squared, self.top_fraction), maps)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> ScoreOutput:

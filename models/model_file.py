@@ -18,7 +18,12 @@ and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``
 
 Formats, all still read:
 
-- **3** (this one): ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
+- **4** (this one): ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``
+  (:class:`~padim.models.config.PadimConfig`); a file of an older format is read with the values
+  it computed (:data:`~padim.models.config.BEFORE_OPTIONS`: no averaging, the map's maximum),
+  whatever today's defaults. An older padim refuses a format-4 file rather than score it
+  without its options.
+- **3**: ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
   from this format on). Out-of-fold scores are computed in float64 from one factorisation
   per fold size (:mod:`padim.core.out_of_fold`), for the same fold models as before. A fit
   writes the file from its statistics and its factors' scratch file as streams
@@ -48,7 +53,7 @@ from padim.core.calibration import Calibration
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
-from padim.models.config import RETIRED, PadimConfig
+from padim.models.config import BEFORE_OPTIONS, RETIRED, PadimConfig
 from padim.models.detector import PadimDetector, Provenance
 from padim.models.devices import resolve_device
 from padim.models.features.backbones import WeightsInfo
@@ -171,7 +176,8 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
     except (KeyError, TypeError, ValueError) as error:
         raise _inconsistent(path, error) from None
     provenance = _read_provenance(path, header)
-    model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma)
+    model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma,
+                       config.image_score, config.top_fraction)
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
     model = model.to(resolve_device(device))
     if model.device.type == "cuda":  # float16 factors: upcast once here, not on every batch
@@ -250,10 +256,12 @@ def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[
         if not header["verified"]:  # format 1: a held-out share instead of folds
             for key in RETIRED:
                 values.pop(key, None)
+        if header["format_version"] < 4:  # before the options: what it computed, whatever today's defaults
+            values.update(BEFORE_OPTIONS)
         config = PadimConfig.from_mapping(values, source=str(path))
         reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \
             else {"projection": tensors["embedding.projection"]}
-        embedding = Embedding.for_layers(config.spec, config.layers, **reduction)
+        embedding = Embedding.for_layers(config.spec, config.layers, neighbourhood=config.neighbourhood, **reduction)
         if embedding.embedding_dim != int(header["embedding_dim"]):
             raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
         backbone_weights = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
-from padim.models.config import PadimConfig
+from padim.models.config import SCORE_FIELDS, STATISTICS_FIELDS, PadimConfig
 from padim.models.data.images import iter_decoded, list_images
 from padim.models.detector import PadimDetector, Provenance, now
 from padim.models.devices import float64_is_slow
@@ -260,7 +260,7 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
     provenances = [merged.provenance]
     for source in parts[1:]:
         part = load_fit(source, run_options=run_options)
-        clash = merged.config.differences(part.config)
+        clash = merged.config.differences(part.config, STATISTICS_FIELDS + SCORE_FIELDS)
         if clash:
             key = clash[0]
             raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "

@@ -26,7 +26,8 @@ class Verdict:
 
     Attributes:
         score: 0 to 1, the calibrated score; ``threshold`` is where it is called anomalous.
-        raw_score: the maximum of the anomaly map (Mahalanobis distance units).
+        raw_score: the image score (Mahalanobis distance units; the maximum of the map unless the
+            model reads it otherwise: ``image_score``).
         is_anomaly: ``score >= threshold`` (equivalently ``raw_score >= raw_threshold``).
         threshold: the threshold on the score scale (0.5 unless a request overrides it).
         raw_threshold: the same threshold in raw units (-inf at threshold 0, +inf at 1; ``None``
@@ -54,7 +55,7 @@ def verdict(raw_score: float, anomaly_map: torch.Tensor | np.ndarray, calibratio
     """The verdict on one image.
 
     Args:
-        raw_score: the image's raw score (the maximum of its map).
+        raw_score: the image's raw score (by default the maximum of its map).
         anomaly_map: ``(H, W)`` raw map, at any resolution (a CPU tensor or an array).
         calibration: the model's calibration.
         threshold: a threshold on the score scale for this image (default: the model's, 0.5).

@@ -21,7 +21,7 @@ class ScoreResult(BaseModel):
     """The verdict on one image (the same keys as `padim predict`'s results.jsonl)."""
 
     score: float = Field(description="0..1; the image is anomalous at or above `threshold`")
-    raw_score: float = Field(description="maximum of the anomaly map (Mahalanobis distance units)")
+    raw_score: float = Field(description="the image score, Mahalanobis distance units (by default the maximum of the map)")
     is_anomaly: bool
     threshold: float = Field(description="threshold used, on the 0..1 score scale (0.5 unless the request set one)")
     raw_threshold: float | None = Field(description="the same threshold in raw units; null when the threshold "
@@ -71,6 +71,10 @@ class ModelDescription(ModelInfo):
     reduction: str
     grid: list[int]
     epsilon: float
+    neighbourhood: int = Field(description="features averaged over K x K neighbours per layer (1: none, the paper)")
+    blur_sigma: float = Field(description="Gaussian smoothing of the map, in input pixels")
+    image_score: str = Field(description="how the score is read from the map: map_max, patch_max or top_mean")
+    top_fraction: float = Field(description="share of the map's pixels top_mean averages")
     fit_image_count: int
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")

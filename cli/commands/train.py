@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.choices import PRECISION_DTYPES, REDUCTIONS
+from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
@@ -53,6 +53,18 @@ def _model_options(model) -> None:
     model.add_argument("--reduction", choices=REDUCTIONS, help="channel subset (paper, default) or semi-orthogonal projection")
     model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
     model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
+    model.add_argument("--neighbourhood", type=int, choices=NEIGHBOURHOODS, metavar="K",
+                       help="average each layer's features over K x K neighbours before the Gaussian: 1 (none, the "
+                       "paper; default), 3 (as PatchCore: more defects found on most generated categories, "
+                       "docs/quality.md) or 5")
+    model.add_argument("--image-score", choices=IMAGE_SCORES,
+                       help="how an image's score is read from its map: map_max (default, the smoothed map's maximum), "
+                       "patch_max (the largest feature-grid distance, unsmoothed) or top_mean (mean of the "
+                       "--top-fraction highest map pixels); the calibration reads its scores the same way")
+    model.add_argument("--top-fraction", type=float, metavar="SHARE",
+                       help="share of the map's pixels top_mean averages (default 0.01)")
+    model.add_argument("--blur-sigma", type=float, metavar="PX",
+                       help="Gaussian smoothing of the map, in input pixels (default 4; 0: none)")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
                        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
                        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
@@ -144,6 +156,8 @@ def configuration(args: argparse.Namespace):
         batch_size=args.batch_size, embedding_dim=args.embedding_dim, reduction=args.reduction, layers=layers,
         epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
         calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
+        neighbourhood=args.neighbourhood, image_score=args.image_score, top_fraction=args.top_fraction,
+        blur_sigma=args.blur_sigma,
     )
     given |= {k for k, v in flags.items() if v is not None}
     return config.replace(**flags), given
@@ -152,11 +166,12 @@ def configuration(args: argparse.Namespace):
 def _resumed(args: argparse.Namespace, config, given: set[str]):
     """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
     # imported here: `padim --help` and `padim health` load no torch
-    from padim.models.config import STATISTICS_FIELDS
+    from padim.models.config import SCORE_FIELDS, STATISTICS_FIELDS
     from padim.models.model_file import load_fit
 
     resume = load_fit(args.resume, run_options=config)
-    clash = [k for k in config.differences(resume.config, STATISTICS_FIELDS) if k in given]
+    # the earlier out-of-fold scores were read from their maps one way: the new ones must be too
+    clash = [k for k in config.differences(resume.config, STATISTICS_FIELDS + SCORE_FIELDS) if k in given]
     if clash:
         k = clash[0]
         source = "the flag" if getattr(args, k, None) is not None else "--config"

@@ -1,8 +1,11 @@
-"""Generated texture data sets with synthetic defects, in the MVTec AD layout.
+"""Generated data sets with synthetic defects, in the MVTec AD layout.
 
-For demos, tests and benchmarks that must run offline. Each category is a stationary texture
-with natural variation between images (phase, period, brightness, noise); defects are drawn on
-top, and their masks are written as ``ground_truth/<defect>/<stem>_mask.png``::
+For demos, tests and benchmarks that must run offline. A *texture* category (:data:`TEXTURES`)
+is stationary, with natural variation between images (phase, period, brightness, noise); an
+*object* category (:data:`OBJECTS`) is one placed part on a background, at nearly the same place
+and angle in every picture, with its own variation (print, finish, small shifts). Defects
+(:data:`DEFECTS`, and the smaller or thinner :data:`MORE_DEFECTS`) are drawn on top, and their
+masks are written as ``ground_truth/<defect>/<stem>_mask.png``::
 
     OUT/<category>/train/good/000.png
     OUT/<category>/test/good/000.png
@@ -17,8 +20,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-CATEGORIES = ("weave", "carpet", "tiles", "leather", "wood")
+TEXTURES = ("weave", "carpet", "tiles", "leather", "wood")
+OBJECTS = ("pill", "nut", "board")
+CATEGORIES = TEXTURES + OBJECTS
+#: The defects :func:`generate` draws unless told otherwise.
 DEFECTS = ("scratch", "stain", "hole")
+#: Harder ones: a thin branching ``crack`` and a ``speck`` of 0.03-0.15% of the picture's area.
+MORE_DEFECTS = ("crack", "speck")
 
 
 def texture(category: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -61,10 +69,60 @@ def texture(category: str, size: int, rng: np.random.Generator) -> np.ndarray:
         rings = np.sin(2 * np.pi * (radius + bend) / rng.uniform(0.045, 0.055))
         base = 0.55 + 0.12 * rings + 0.05 * np.sin(2 * np.pi * 37 * y + rng.uniform(0, 2 * np.pi))
         tint = np.array([0.78, 0.55, 0.33]) * rng.uniform(0.95, 1.05)
+    elif category in OBJECTS:
+        return _placed_part(category, size, rng)
     else:
         raise ValueError(f"unknown category {category!r}; choose one of: {', '.join(CATEGORIES)}")
     image = base[..., None] * tint[None, None, :] * 1.3
     image += rng.normal(0, 0.03, size=image.shape)
+    return np.clip(image, 0, 1)
+
+
+def _placed_part(category: str, size: int, rng: np.random.Generator) -> np.ndarray:
+    """One part on a plain background, shifted by up to 2% and turned by up to 3 degrees."""
+    scale = 4  # drawn at 4x and reduced: smooth edges
+    big = size * scale
+    background = {"pill": (38, 40, 46), "nut": (24, 26, 30), "board": (205, 205, 200)}[category]
+    canvas = Image.new("RGB", (big, big), background)
+    draw = ImageDraw.Draw(canvas)
+    c = big / 2
+    if category == "pill":  # a capsule: two halves of different colour, a printed band of specks
+        rx, ry = big * rng.uniform(0.33, 0.35), big * rng.uniform(0.15, 0.16)
+        left, right = (214, 70, 60), tuple(int(v * rng.uniform(0.96, 1.0)) for v in (236, 232, 222))
+        draw.rounded_rectangle([c - rx, c - ry, c + rx, c + ry], radius=ry, fill=right)
+        draw.rounded_rectangle([c - rx, c - ry, c, c + ry], radius=ry, fill=left)
+        draw.rectangle([c - ry * 1.01, c - ry, c, c + ry], fill=left)
+        for _ in range(int(rng.integers(10, 18))):
+            x, y = c + rng.uniform(0.15, 0.9) * rx, c + rng.uniform(-0.7, 0.7) * ry
+            r = big * rng.uniform(0.004, 0.008)
+            draw.ellipse([x - r, y - r, x + r, y + r], fill=(150, 60, 50))
+    elif category == "nut":  # a hexagonal nut: flat faces, a bore, a chamfer ring
+        outer, bore = big * rng.uniform(0.36, 0.37), big * rng.uniform(0.15, 0.155)
+        grey = int(rng.uniform(150, 165))
+        corners = [(c + outer * np.cos(a), c + outer * np.sin(a)) for a in np.pi / 3 * np.arange(6) + np.pi / 6]
+        draw.polygon(corners, fill=(grey, grey, grey + 6))
+        ring = outer * 0.86
+        draw.ellipse([c - ring, c - ring, c + ring, c + ring], outline=(grey - 35,) * 3, width=max(1, big // 150))
+        draw.ellipse([c - bore * 1.2, c - bore * 1.2, c + bore * 1.2, c + bore * 1.2], fill=(grey - 50,) * 3)
+        draw.ellipse([c - bore, c - bore, c + bore, c + bore], fill=background)
+    else:  # board: a placed circuit board with components and traces at fixed places
+        half = big * 0.4
+        draw.rectangle([c - half, c - half, c + half, c + half], fill=(30, int(rng.uniform(105, 120)), 55))
+        copper = (190, 150, 70)
+        for k in range(5):
+            y = c - half * 0.8 + k * half * 0.4
+            draw.line([(c - half * 0.9, y), (c + half * 0.9, y)], fill=copper, width=max(1, big // 120))
+        for (x, y, w, h) in [(-0.6, -0.6, 0.5, 0.3), (0.1, -0.55, 0.45, 0.45), (-0.55, 0.15, 0.3, 0.55),
+                             (0.2, 0.3, 0.5, 0.2)]:
+            draw.rectangle([c + x * half, c + y * half, c + (x + w) * half, c + (y + h) * half], fill=(20, 20, 24))
+        for k in range(6):
+            x = c + (-0.7 + 0.28 * k) * half
+            draw.ellipse([x - big * 0.012, c + 0.75 * half - big * 0.012, x + big * 0.012, c + 0.75 * half + big * 0.012],
+                         fill=(225, 225, 215))
+    shift = rng.uniform(-0.02, 0.02, size=2) * big
+    canvas = canvas.rotate(float(rng.uniform(-3, 3)), resample=Image.BILINEAR, translate=tuple(shift), fillcolor=background)
+    image = np.asarray(canvas.resize((size, size), Image.LANCZOS), dtype=np.float64) / 255.0
+    image = image * rng.uniform(0.96, 1.04) + rng.normal(0, 0.02, size=image.shape)
     return np.clip(image, 0, 1)
 
 
@@ -98,8 +156,29 @@ def add_defect(image: np.ndarray, defect: str, rng: np.random.Generator) -> tupl
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
         colour = np.array([0.02, 0.02, 0.02])
         alpha = np.asarray(mask_img, dtype=np.float64) / 255.0
+    elif defect == "crack":  # a jagged line with a branch, one or two pixels wide
+        cx, cy = rng.uniform(0.35, 0.65, size=2) * size
+        points = [(cx, cy)]
+        angle = rng.uniform(0, 2 * np.pi)
+        for _ in range(int(rng.integers(5, 9))):
+            angle += rng.uniform(-0.7, 0.7)
+            step = rng.uniform(0.02, 0.04) * size
+            points.append((points[-1][0] + np.cos(angle) * step, points[-1][1] + np.sin(angle) * step))
+        width = max(1, size // 150)
+        draw.line(points, fill=255, width=width)
+        fork = points[len(points) // 2]
+        draw.line([fork, (fork[0] + rng.uniform(-0.06, 0.06) * size, fork[1] + rng.uniform(-0.06, 0.06) * size)],
+                  fill=255, width=width)
+        colour = np.array([0.05, 0.04, 0.04])
+        alpha = np.asarray(mask_img, dtype=np.float64) / 255.0 * 0.85
+    elif defect == "speck":  # a small spot of foreign material, bright or dark
+        cx, cy = rng.uniform(0.35, 0.65, size=2) * size
+        r = rng.uniform(0.01, 0.022) * size
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
+        colour = np.array([0.9, 0.85, 0.3]) if rng.random() < 0.5 else np.array([0.1, 0.12, 0.3])
+        alpha = np.asarray(mask_img, dtype=np.float64) / 255.0
     else:
-        raise ValueError(f"unknown defect {defect!r}; choose one of: {', '.join(DEFECTS)}")
+        raise ValueError(f"unknown defect {defect!r}; choose one of: {', '.join(DEFECTS + MORE_DEFECTS)}")
     out = image * (1 - alpha[..., None]) + colour[None, None, :] * alpha[..., None]
     return np.clip(out, 0, 1), np.asarray(mask_img) > 127
 
@@ -117,8 +196,12 @@ def generate(
     test_defect: int = 4,
     size: int = 256,
     seed: int = 0,
+    defects: tuple[str, ...] = DEFECTS,
 ) -> list[Path]:
-    """Write an MVTec-layout data set; returns the category directories."""
+    """Write an MVTec-layout data set; returns the category directories.
+
+    ``test_defect`` pictures of each of ``defects`` (:data:`DEFECTS`, :data:`MORE_DEFECTS`) per category.
+    """
     root = Path(root)
     written = []
     for c, category in enumerate(categories):
@@ -128,7 +211,7 @@ def generate(
             _save(texture(category, size, rng), base / "train" / "good" / f"{i:03d}.png")
         for i in range(test_good):
             _save(texture(category, size, rng), base / "test" / "good" / f"{i:03d}.png")
-        for defect in DEFECTS:
+        for defect in defects:
             for i in range(test_defect):
                 image, mask = add_defect(texture(category, size, rng), defect, rng)
                 _save(image, base / "test" / defect / f"{i:03d}.png")

@@ -4,7 +4,8 @@ One graph takes a normalised image batch and gives the anomaly maps and raw scor
 everything in between inside it: the backbone (BatchNorm folded, as the torch path runs it),
 the channel subset or projection, the Mahalanobis distance with the stored precision factors,
 upsampling + blur (as the two precomputed matrices :func:`padim.core.scoring.anomaly_maps`
-uses) and the maximum. Nothing a client could get wrong is left outside but the resize and the
+uses) and the image score (the model's ``image_score``: the map's maximum, the feature grid's, or
+the mean of its top pixels; any neighbourhood average is part of the embedding). Nothing a client could get wrong is left outside but the resize and the
 normalisation, which ``padim.json`` spells out and :class:`padim.models.deploy.runtimes.DeployedDetector`
 does exactly as training did.
 
@@ -12,7 +13,7 @@ does exactly as training did.
 |---|---|---|
 | input ``images`` | ``(B, 3, S, S)``, ``B`` dynamic | float32, RGB, ImageNet-normalised |
 | output ``anomaly_map`` | ``(B, S, S)`` | float32, raw units (Mahalanobis distance) |
-| output ``raw_score`` | ``(B,)`` | float32, the maximum of each map |
+| output ``raw_score`` | ``(B,)`` | float32, the image score (by default the maximum of each map) |
 
 The precision factors travel packed (lower triangle only) in the dtype the model file stores
 (float16 where ``train`` chose it), and are unpacked and cast to float32 by the graph's first
@@ -44,7 +45,7 @@ import torchvision
 from torch import nn
 
 from padim.core.artifact import ArtifactError, file_sha256
-from padim.core.scoring import upsample_blur_operator
+from padim.core.scoring import image_scores, upsample_blur_operator
 from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS
 from padim.models.detector import PadimDetector
@@ -85,6 +86,7 @@ class ExportedScorer(nn.Module):
         self.layers = model.embedder.extractor.layers
         self.embedding = model.embedder.embedding
         self.grid_shape = model.grid_shape
+        self.image_score, self.top_fraction = model.image_score, model.top_fraction
         dim = self.embedding.embedding_dim
         rows, cols = torch.tril_indices(dim, dim)
         # (D * D,) position of every entry of W in the packed row, or T (a zero column) above the diagonal
@@ -110,10 +112,10 @@ class ExportedScorer(nn.Module):
         factor = factor.reshape(pixels, dim, dim)
         delta = embedding.reshape(batch, dim, pixels).permute(2, 0, 1) - self.mean.unsqueeze(1)  # (P, B, D)
         whitened = torch.matmul(delta, factor.transpose(1, 2))  # (P, B, D)
-        squared = whitened.square().sum(-1)  # (P, B)
-        distance = squared.clamp_min(0).sqrt().transpose(0, 1).reshape(batch, *self.grid_shape)  # (B, H, W)
+        squared = whitened.square().sum(-1).transpose(0, 1)  # (B, P)
+        distance = squared.clamp_min(0).sqrt().reshape(batch, *self.grid_shape)  # (B, H, W)
         maps = self.rows @ distance @ self.cols_t  # (B, S, S)
-        return maps, maps.flatten(1).amax(1)
+        return maps, image_scores(maps, self.image_score, squared, self.top_fraction)
 
 
 # ---------------------------------------------------------------------- writing
@@ -237,7 +239,8 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "outputs": {
             "anomaly_map": {"shape": ["batch", size, size], "dtype": "float32",
                             "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)"},
-            "raw_score": {"shape": ["batch"], "dtype": "float32", "meaning": "maximum of each anomaly_map"},
+            "raw_score": {"shape": ["batch"], "dtype": "float32",
+                          "meaning": f"image score ({detector.config.image_score}) of each anomaly_map"},
         },
         "verdict": {
             "rule": "anomalous when raw_score >= calibration.threshold",

@@ -36,7 +36,7 @@ import torch
 from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
-from padim.models.config import PadimConfig
+from padim.models.config import BEFORE_OPTIONS, PadimConfig
 from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
     INPUT_NAME,
@@ -48,7 +48,7 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.detector import Provenance
+from padim.models.detector import Provenance, scoring_options
 from padim.models.devices import runtime_device
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.model import ScoreOutput
@@ -224,7 +224,9 @@ class DeployedDetector:
         self.directory, self.runtime, self.source = Path(directory), runtime, source
         self.metadata = metadata
         try:
-            self.config = PadimConfig.from_mapping(dict(metadata["config"]), source=str(directory / METADATA_FILE))
+            # an export from before the scoring options computes what they were then (its graph says so too)
+            self.config = PadimConfig.from_mapping({**BEFORE_OPTIONS, **metadata["config"]},
+                                                   source=str(directory / METADATA_FILE))
             self.weights = WeightsInfo(**metadata["weights"])
             self.provenance = Provenance.from_header(metadata["provenance"])
             self.calibration = Calibration.from_header(metadata["calibration"],
@@ -267,8 +269,8 @@ class DeployedDetector:
 
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
-        return {**self.metadata["description"], "runtime": self.runtime, "calibration": {**self.metadata["description"]["calibration"],
-                                                                **self.calibration.summary()}}
+        return {**self.metadata["description"], **scoring_options(self.config), "runtime": self.runtime,
+                "calibration": {**self.metadata["description"]["calibration"], **self.calibration.summary()}}
 
 
 class OnnxRuntimeSession:

@@ -5,7 +5,10 @@ The backbone is cut after the deepest requested stage by torchvision's
 convolutions for inference, and it runs channels_last. Deeper maps are brought to the first
 layer's grid by nearest upsampling with an integer scale factor and concatenated; the channel
 reduction (random subset, or semi-orthogonal projection) is applied per layer *before*
-upsampling, which gives the same embedding for less work.
+upsampling, which gives the same embedding for less work. With ``neighbourhood`` ``k > 1``, each
+layer's reduced map is averaged over ``k x k`` neighbours on that layer's own grid (borders
+average the neighbours that exist), so that a feature describes its surroundings as PatchCore's
+do; the average is per channel, so averaging after the reduction equals averaging before it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Embedding(nn.Module):
 
     Exactly one of ``channel_index`` (sorted indices into the concatenated channels, the
     paper's random subset) and ``projection`` (``(C, D)`` with orthonormal columns, Kim et al.
-    2021) is set.
+    2021) is set. ``neighbourhood``: side of the per-layer average (1: none; odd).
     """
 
     def __init__(
@@ -60,10 +63,14 @@ class Embedding(nn.Module):
         strides: tuple[int, ...],
         channel_index: torch.Tensor | None = None,
         projection: torch.Tensor | None = None,
+        neighbourhood: int = 1,
     ):
         super().__init__()
         if (channel_index is None) == (projection is None):
             raise ValueError("give exactly one of channel_index and projection")
+        if neighbourhood < 1 or neighbourhood % 2 == 0:
+            raise ValueError(f"neighbourhood must be an odd number >= 1, got {neighbourhood}")
+        self.neighbourhood = int(neighbourhood)
         self.channels = tuple(channels)
         self.scales = tuple(s // strides[0] for s in strides)
         offsets = [sum(channels[:i]) for i in range(len(channels))]
@@ -85,26 +92,29 @@ class Embedding(nn.Module):
 
     @classmethod
     def for_layers(cls, spec: BackboneSpec, layers: tuple[str, ...], channel_index: torch.Tensor | None = None,
-                   projection: torch.Tensor | None = None) -> Embedding:
+                   projection: torch.Tensor | None = None, neighbourhood: int = 1) -> Embedding:
         """The embedding of ``layers`` of ``spec`` with a given channel subset or projection."""
         strides = tuple(spec.stride_of(layer) for layer in layers)
-        return cls(spec.channels_of(layers), strides, channel_index=channel_index, projection=projection)
+        return cls(spec.channels_of(layers), strides, channel_index=channel_index, projection=projection,
+                   neighbourhood=neighbourhood)
 
     @classmethod
     def create(cls, spec: BackboneSpec, layers: tuple[str, ...], embedding_dim: int, reduction: str,
-               seed: int) -> Embedding:
+               seed: int, neighbourhood: int = 1) -> Embedding:
         """A seeded random channel subset or semi-orthogonal projection of ``embedding_dim`` channels."""
         total = sum(spec.channels_of(layers))
         generator = torch.Generator().manual_seed(seed)
         if reduction == "random":
             index = torch.randperm(total, generator=generator)[:embedding_dim].sort().values
-            return cls.for_layers(spec, layers, channel_index=index)
+            return cls.for_layers(spec, layers, channel_index=index, neighbourhood=neighbourhood)
         gaussian = torch.randn(total, embedding_dim, generator=generator, dtype=torch.float64)
         q, _ = torch.linalg.qr(gaussian)  # (C, D), orthonormal columns
-        return cls.for_layers(spec, layers, projection=q.to(torch.float32))
+        return cls.for_layers(spec, layers, projection=q.to(torch.float32), neighbourhood=neighbourhood)
 
     def same_reduction(self, other: Embedding) -> bool:
-        """Whether ``other`` keeps the same channels (or projects the same way)."""
+        """Whether ``other`` keeps the same channels (or projects the same way) and averages the same neighbours."""
+        if self.neighbourhood != other.neighbourhood:
+            return False
         if self.channel_index is not None and other.channel_index is not None:
             return torch.equal(self.channel_index.cpu(), other.channel_index.cpu())
         return self.projection is not None and other.projection is not None \
@@ -119,6 +129,9 @@ class Embedding(nn.Module):
                 reduced = feature.index_select(1, part)
             else:
                 reduced = F.conv2d(feature, part.to(feature.dtype))
+            if self.neighbourhood > 1:  # each layer on its own grid: deeper layers see farther
+                reduced = F.avg_pool2d(reduced, self.neighbourhood, stride=1, padding=self.neighbourhood // 2,
+                                       count_include_pad=False)
             if scale != 1:
                 reduced = F.interpolate(reduced, scale_factor=scale, mode="nearest")
             parts.append(reduced)

@@ -187,7 +187,7 @@ class Fit:
         backbone_weights = used_state(backbone, config.spec, config.layers)
         weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_weights))
         embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), config.reduction,
-                                     config.seed)
+                                     config.seed, config.neighbourhood)
         return cls(config, weights, backbone_weights, embedding)
 
     @property
@@ -403,7 +403,7 @@ class Fit:
                 factors.close()
             raise
         if sample_exact is not None:
-            float16_change = _relative_change(sample_exact, sample_half, grid, config.image_size, config.blur_sigma)
+            float16_change = _relative_change(sample_exact, sample_half, grid, config)
         scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
         if shard is not None:  # every rank scored its own folds
             gathered = distributed.gather((names, scores.tolist(), unscored), shard)
@@ -551,9 +551,9 @@ class Fit:
         """Raw scores ``(N,)`` float64 from distances ``(N, P)``: maps, as the scorer makes them, and their maxima."""
         scores = []
         for first in range(0, squared.shape[0], 64):
-            maps = anomaly_maps(squared[first : first + 64], self.embedder.grid_shape, self.config.image_size,
-                                self.config.blur_sigma)
-            scores.append(image_scores(maps))
+            chunk = squared[first : first + 64]
+            maps = anomaly_maps(chunk, self.embedder.grid_shape, self.config.image_size, self.config.blur_sigma)
+            scores.append(image_scores(maps, self.config.image_score, chunk, self.config.top_fraction))
         return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
@@ -606,9 +606,10 @@ def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tenso
             squared_mahalanobis(sample, mean, factor.half().float()).cpu())
 
 
-def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, int], size: int, sigma: float) -> float:
+def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, int], config: PadimConfig) -> float:
     """Largest relative change of image scores from ``(B, P)`` distances (float16 against float32 factors)."""
-    first, second = (image_scores(anomaly_maps(d, grid, size, sigma)) for d in (exact, half))
+    first, second = (image_scores(anomaly_maps(d, grid, config.image_size, config.blur_sigma), config.image_score, d,
+                                  config.top_fraction) for d in (exact, half))
     return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
 
 

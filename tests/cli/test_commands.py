@@ -186,6 +186,13 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
     clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
                     "--config", config, check=False)
     assert clash.returncode == 1 and "image_size=64" in clash.stderr and "--config" in clash.stderr
+    # the earlier out-of-fold scores were read from their maps one way: another image score would mix two scales
+    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
+                    "--image-score", "patch_max", check=False)
+    assert clash.returncode == 1 and "image_score='map_max'" in clash.stderr
+    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
+                    "--neighbourhood", "3", check=False)
+    assert clash.returncode == 1 and "neighbourhood=1" in clash.stderr
     assert not (tmp_path / "x.padim").exists()
 
 

@@ -109,3 +109,30 @@ def test_operator_maps_equal_interpolate_then_blur(grid, size, sigma):
     reference = torch.nn.functional.interpolate(distance, size=(size, size), mode="bilinear", align_corners=False)
     reference = gaussian_blur(reference, sigma)[:, 0]
     torch.testing.assert_close(anomaly_maps(squared, grid, size, sigma), reference, rtol=1e-10, atol=1e-10)
+
+
+def test_image_scores_by_method_against_numpy():
+    rng = np.random.default_rng(3)
+    grid, size = (7, 5), 40
+    squared = torch.from_numpy(rng.gamma(2.0, 3.0, size=(4, 35)))  # (B, P) float64
+    maps = anomaly_maps(squared, grid, size, 2.0)  # (B, S, S)
+    flat = maps.numpy().reshape(4, -1)
+    np.testing.assert_allclose(image_scores(maps).numpy(), flat.max(axis=1), rtol=0)
+    np.testing.assert_allclose(image_scores(maps, "patch_max", squared).numpy(), np.sqrt(squared.numpy().max(axis=1)),
+                               rtol=1e-12)
+    k = round(0.05 * size * size)
+    expected_top = np.sort(flat, axis=1)[:, -k:].mean(axis=1)
+    np.testing.assert_allclose(image_scores(maps, "top_mean", top_fraction=0.05).numpy(), expected_top, rtol=1e-12)
+    # the order the docstring states: smoothing averages grid values, a top mean averages map values
+    assert (image_scores(maps, "patch_max", squared) >= image_scores(maps) - 1e-9).all()
+    assert (image_scores(maps, "top_mean") <= image_scores(maps)).all()
+    # the smallest share still averages one pixel: the maximum
+    torch.testing.assert_close(image_scores(maps, "top_mean", top_fraction=1e-9), image_scores(maps))
+
+
+def test_image_scores_refuse_an_unknown_method_or_a_missing_grid():
+    maps = torch.rand(2, 8, 8)
+    with pytest.raises(ValueError, match="map_max, patch_max, top_mean"):
+        image_scores(maps, "mean")
+    with pytest.raises(ValueError, match="squared distances"):
+        image_scores(maps, "patch_max")

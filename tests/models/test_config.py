@@ -27,6 +27,11 @@ def test_defaults_follow_the_paper():
         ({"false_alarm_rate": True}, "from 1e-06 to 0.5"),
         ({"calibration_folds": 1}, "from 2 to 1000"),
         ({"epsilon": -1}, ">= 0"),
+        ({"neighbourhood": 2}, "neighbourhood: 2 is not allowed; choose one of: 1, 3, 5"),
+        ({"neighbourhood": True}, "choose one of: 1, 3, 5"),
+        ({"image_score": "max"}, "image_score: 'max' is not allowed; choose one of: map_max, patch_max, top_mean"),
+        ({"top_fraction": 0}, "above 0 and at most 0.5"),
+        ({"top_fraction": 0.9}, "above 0 and at most 0.5"),
     ],
 )
 def test_bad_values_say_what_is_allowed(changes, message):
@@ -48,6 +53,14 @@ def test_which_fields_shape_the_statistics():
     assert base.differences(base.replace(batch_size=4, device="cpu", false_alarm_rate=0.05)) == []
     assert base.differences(base.replace(image_size=128, seed=3)) == ["image_size", "seed"]
     assert base.with_run_options(PadimConfig(batch_size=4, workers=0)).batch_size == 4
+    # averaging neighbours changes every embedding; how a score is read from the map does not
+    assert base.differences(base.replace(neighbourhood=3, image_score="patch_max")) == ["neighbourhood"]
+
+
+def test_the_default_is_the_papers_scoring():
+    # benchmarks/quality.py found no option that wins on most categories alone (docs/quality.md)
+    c = PadimConfig()
+    assert (c.neighbourhood, c.image_score, c.blur_sigma) == (1, "map_max", 4.0)
 
 
 def test_retired_hold_out_options_say_what_replaced_them():

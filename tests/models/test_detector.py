@@ -13,7 +13,8 @@ from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
 from padim.models.model_file import load_detector, load_fit, save_detector
 
-CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
+# neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
+CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5, neighbourhood=1)
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +150,15 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
 
 def older_format(path, target, version: int) -> None:
     """``path`` as format ``version`` wrote it: the safetensors library's layout, that version's header."""
+    older_format_of(*load_artifact(path), target, version)
+
+
+def older_format_of(tensors, header, target, version: int) -> None:
+    """A file of ``tensors`` and ``header`` as format ``version`` wrote it."""
     from safetensors.torch import save_file
 
     from padim.core import artifact
 
-    tensors, header = load_artifact(path)
     old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified")}
     old["format_version"] = version
     old["tensor_sha256"] = {name: artifact.tensor_sha256(t) for name, t in tensors.items()}
@@ -176,8 +181,58 @@ def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, 
 
     store_calibration(tmp_path / "two.padim", loaded.calibration.with_threshold(21.5))
     header = read_header(tmp_path / "two.padim")
-    assert header["format_version"] == 3 and header["has_statistics"]
+    assert header["format_version"] == 4 and header["has_statistics"]
     assert header["calibration"]["threshold"] == 21.5 and header["calibration"]["method"] == "manual"
     fresh = [TrainingImage(p, f"more/{p.name}") for p in list_images(dataset / "test" / "good")]
     resumed, _ = fit_detector(CONFIG, fresh, resume=load_fit(tmp_path / "two.padim"), progress=False)
     assert int(resumed.statistics.count) == 30 + len(fresh) and resumed.calibration.earlier_scores == 30
+
+
+def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, tmp_path):
+    config = CONFIG.replace(neighbourhood=5, image_score="top_mean", top_fraction=0.05, blur_sigma=2.0)
+    fitted = fit_detector(config, images, progress=False)[0]
+    save_detector(fitted, tmp_path / "options.padim")
+    _, header = load_artifact(tmp_path / "options.padim")
+    assert header["format_version"] == 4
+    assert {k: header["config"][k] for k in ("neighbourhood", "image_score", "top_fraction", "blur_sigma")} == \
+        {"neighbourhood": 5, "image_score": "top_mean", "top_fraction": 0.05, "blur_sigma": 2.0}
+    loaded = load_detector(tmp_path / "options.padim", device="cpu")
+    assert loaded.model.embedder.embedding.neighbourhood == 5 and loaded.model.image_score == "top_mean"
+    batch = fitted.preprocess(pictures(images, 4))
+    out = loaded.score(batch)
+    # the score is the mean of the top 5% of each map, whatever the map's own maximum
+    k = round(0.05 * 64 * 64)
+    expected = out.maps.flatten(1).double().sort(dim=1).values[:, -k:].mean(1)
+    torch.testing.assert_close(out.raw_scores.double(), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.raw_scores, fitted.score(batch).raw_scores, rtol=1e-3, atol=0)  # float16 factors
+    # the embedding averaged 5 x 5 neighbours: an unaveraged detector of the same seed scores otherwise
+    plain = fit_detector(config.replace(neighbourhood=1), images, progress=False)[0]
+    assert not torch.allclose(plain.score(batch).raw_scores, out.raw_scores, rtol=1e-2)
+
+
+def _defaults_changed(init):
+    """``PadimConfig.__init__`` as if the defaults were neighbourhood 3 and patch_max."""
+    def changed(self, *args, **kwargs):
+        kwargs.setdefault("neighbourhood", 3)
+        kwargs.setdefault("image_score", "patch_max")
+        init(self, *args, **kwargs)
+    return changed
+
+
+def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_path, monkeypatch):
+    # fitted as every model was before the options: no neighbourhood, the map's maximum
+    before = fit_detector(CONFIG.replace(neighbourhood=1, image_score="map_max"), images, progress=False)[0]
+    save_detector(before, tmp_path / "new.padim")
+    tensors, header = load_artifact(tmp_path / "new.padim")
+    for key in ("neighbourhood", "image_score", "top_fraction"):
+        del header["config"][key]
+    older_format_of(tensors, header, tmp_path / "three.padim", 3)
+    loaded = load_detector(tmp_path / "three.padim", device="cpu")
+    assert (loaded.config.neighbourhood, loaded.config.image_score) == (1, "map_max")
+    # whatever the defaults: an old file is read with what it computed, not with today's default
+    monkeypatch.setattr(PadimConfig, "__init__", _defaults_changed(PadimConfig.__init__))
+    batch = before.preprocess(pictures(images, 3))
+    torch.testing.assert_close(loaded.score(batch).raw_scores, before.score(batch).raw_scores, rtol=1e-3, atol=0)
+    # and resumed, it stays what it was
+    resumed = load_fit(tmp_path / "three.padim")
+    assert resumed.config.neighbourhood == 1 and resumed.embedding.neighbourhood == 1

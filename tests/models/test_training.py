@@ -27,7 +27,8 @@ def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
     return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
 
 
-def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float) -> np.ndarray:
+def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float,
+                 method: str = "map_max", top_fraction: float = 0.01) -> np.ndarray:
     """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
     n, pixels, dim = x.shape
     squared = np.empty((n, pixels))
@@ -41,12 +42,16 @@ def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: in
             delta = x[start : start + m, p] - mean[p]
             squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
-    return image_scores(anomaly_maps(torch.from_numpy(squared), grid, size, sigma)).numpy()
+    squared = torch.from_numpy(squared)
+    return image_scores(anomaly_maps(squared, grid, size, sigma), method, squared, top_fraction).numpy()
 
 
-@pytest.mark.parametrize("folds", [5, "loo"])
-def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds):
-    config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds)
+@pytest.mark.parametrize("folds, neighbourhood, image_score", [(5, 1, "map_max"), ("loo", 3, "map_max"),
+                                                               ("loo", 1, "patch_max"), (5, 3, "top_mean")])
+def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds, neighbourhood, image_score):
+    # every scoring option: the calibration reads each image's score as the scorer will
+    config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds, neighbourhood=neighbourhood,
+                            image_score=image_score, top_fraction=0.05)
     fit = Fit.start(config)
     groups = fit.groups(images)
     spool = fit.spool_or_none(tmp_path, len(images))
@@ -59,7 +64,8 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
     finished = fit.finish([scored], tmp_path, progress=False)
     spool.close()
     assert finished.scored == names and not finished.unscored
-    expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma)
+    expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma,
+                            image_score, config.top_fraction)
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)

@@ -1,4 +1,5 @@
-"""Every runtime scores as torch does: parity at two sizes, both reductions, both factor dtypes.
+"""Every runtime scores as torch does: parity at two sizes, both reductions, both factor dtypes, every
+neighbourhood and image score.
 
 The issue's bar: image scores within 1e-4 relative and maps within 1e-3 of the torch path on the
 same images, for onnxruntime and OpenVINO, on the .padim file (exported and cached) and on an
@@ -22,19 +23,21 @@ from padim.models.model_file import load_detector, save_detector
 
 from helpers import run_cli
 
-#: (image size, reduction, stored factor dtype): each size with both reductions and both dtypes.
-CASES = [(224, "random", "float32"), (224, "semi_orthogonal", "float16"),
-         (320, "random", "float16"), (320, "semi_orthogonal", "float32")]
+#: (image size, reduction, stored factor dtype, neighbourhood, image score): each size with both
+#: reductions and both dtypes, each neighbourhood and each image score at least once.
+CASES = [(224, "random", "float32", 1, "map_max"), (224, "semi_orthogonal", "float16", 3, "patch_max"),
+         (320, "random", "float16", 3, "top_mean"), (320, "semi_orthogonal", "float32", 5, "map_max")]
 RUNTIMES = ("onnxruntime", "openvino")
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}px-{c[1]}-{c[2]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}px-{c[1]}-{c[2]}-nb{c[3]}-{c[4]}")
 def case_model(request, dataset, tmp_path_factory):
-    size, reduction, dtype = request.param
+    size, reduction, dtype, neighbourhood, image_score = request.param
     path = tmp_path_factory.mktemp("runtimes") / f"m{size}.padim"
     run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", size,
             "--reduction", reduction, "--precision-dtype", dtype, "--calibration-folds", 2, "--batch-size", 8,
-            "--embedding-dim", 64)
+            "--embedding-dim", 64, "--neighbourhood", neighbourhood, "--image-score", image_score,
+            "--top-fraction", 0.02)
     return path, size, dtype
 
 
@@ -42,6 +45,9 @@ def test_torch_reference_checks_its_inputs(case_model):
     path, size, dtype = case_model
     detector = load_detector(path, device="cpu")
     assert detector.config.image_size == size and str(detector.precision_dtype) == f"torch.{dtype}"
+    case = next(c for c in CASES if c[:3] == (size, detector.config.reduction, dtype))
+    assert (detector.config.neighbourhood, detector.config.image_score) == case[3:]
+    assert detector.model.embedder.embedding.neighbourhood == case[3] and detector.model.image_score == case[4]
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -67,7 +73,7 @@ def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
     assert deployed.describe()["calibration"] == reference.describe()["calibration"]
 
 
-def test_an_export_directory_runs_on_both_runtimes(case_model, tmp_path):
+def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_graph(case_model, tmp_path):
     path, size, _ = case_model
     run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
     reference = load_detector(path, device="cpu")
@@ -76,6 +82,14 @@ def test_an_export_directory_runs_on_both_runtimes(case_model, tmp_path):
     for runtime in RUNTIMES:
         got = load_scorer(tmp_path / "onnx", runtime, "cpu").score(batch).raw_scores
         assert torch.allclose(got, expected, rtol=1e-4), runtime
+    # Triton serves the model repository's graph as it is: run it as Triton's onnxruntime backend would
+    import onnxruntime
+
+    run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
+    session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    _, raw = session.run(None, {"images": batch.numpy()})
+    assert np.allclose(raw, expected.numpy(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("gpu", [False, True])
@@ -187,3 +201,25 @@ def test_cuda_with_a_cpu_only_onnxruntime_is_an_error_not_a_silent_cpu_run(model
         pytest.skip("this onnxruntime has the CUDA provider")
     with pytest.raises(ExportError, match="needs onnxruntime-gpu"):
         OnnxRuntimeSession(tmp_path / "e" / "model.onnx", torch.device("cuda"))
+
+
+def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset, tmp_path):
+    from padim.models.deploy.export import METADATA_FILE, metadata_sha256
+
+    path = tmp_path / "paper.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
+            "--neighbourhood", 1, "--calibration-folds", 2)
+    run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
+    # padim.json as an export before format 4 wrote it: no scoring options anywhere
+    metadata = json.loads((tmp_path / "onnx" / METADATA_FILE).read_text())
+    for section in (metadata["config"], metadata["description"]):
+        for key in ("neighbourhood", "image_score", "top_fraction"):
+            section.pop(key, None)
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
+    (tmp_path / "onnx" / METADATA_FILE).write_text(json.dumps(metadata))
+    deployed = load_scorer(tmp_path / "onnx", "onnxruntime", "cpu")
+    assert (deployed.config.neighbourhood, deployed.config.image_score) == (1, "map_max")
+    assert deployed.describe()["neighbourhood"] == 1 and deployed.describe()["image_score"] == "map_max"
+    batch = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(deployed.score(batch).raw_scores, load_detector(path, device="cpu").score(batch).raw_scores,
+                               rtol=1e-4, atol=0)

@@ -1,6 +1,8 @@
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.ndimage import uniform_filter
 
 from padim.models.features.backbones import BACKBONES, build_backbone
 from padim.models.features.embedding import Embedding, FeatureExtractor
@@ -57,3 +59,39 @@ def test_semi_orthogonal_projection_equals_projection_after_concatenation():
     full = naive_embedding(feats, emb.scales)
     expected = torch.einsum("bchw,cd->bdhw", full, w)
     torch.testing.assert_close(emb(feats), expected, atol=1e-4, rtol=1e-4)
+
+
+def neighbour_mean(x: np.ndarray, k: int) -> np.ndarray:
+    """``(B, C, H, W)`` averaged over the ``k x k`` neighbours inside the grid (scipy, float64)."""
+    window = (1, 1, k, k)
+    total = uniform_filter(x, size=window, mode="constant", cval=0.0)
+    inside = uniform_filter(np.ones_like(x), size=window, mode="constant", cval=0.0)
+    return total / inside
+
+
+@pytest.mark.parametrize("reduction", ["random", "semi_orthogonal"])
+@pytest.mark.parametrize("k", [3, 5])
+def test_neighbourhood_averages_each_layer_on_its_own_grid_then_reduces(reduction, k):
+    spec = BACKBONES["resnet18"]
+    emb = Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1, neighbourhood=k)
+    assert emb.neighbourhood == k
+    g = torch.Generator().manual_seed(4)
+    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4), generator=g, dtype=torch.float64)
+             for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    # the reference: average every full layer (scipy), upsample, concatenate, then reduce
+    averaged = [torch.from_numpy(neighbour_mean(f.numpy(), k)) for f in feats]
+    full = naive_embedding(averaged, emb.scales)
+    expected = full.index_select(1, emb.channel_index) if reduction == "random" \
+        else torch.einsum("bchw,cd->bdhw", full, emb.projection.double())
+    got = emb([f.float() for f in feats]).double()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    plain = Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1)
+    assert not torch.allclose(plain([f.float() for f in feats]), got.float(), atol=1e-3)
+    assert not plain.same_reduction(emb) and emb.same_reduction(
+        Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1, neighbourhood=k))
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_neighbourhood_must_be_odd_and_positive(k):
+    with pytest.raises(ValueError, match="odd number"):
+        Embedding.create(BACKBONES["resnet18"], LAYERS, embedding_dim=10, reduction="random", seed=0, neighbourhood=k)
