@@ -88,7 +88,9 @@ def main() -> None:
         generate(work / "pool", ("carpet",), train=max(args.memory_counts), test_good=0, test_defect=0, size=size, seed=8)
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
-    config = PadimConfig(weights=str(weights), image_size=size, batch_size=16, device="cpu")
+    # PaDiM as published on both sides (anomalib's PaDiM: no neighbourhood average, the map smoothed with sigma 4)
+    config = PadimConfig(weights=str(weights), image_size=size, batch_size=16, device="cpu", neighbourhood=1,
+                         blur_sigma=4.0)
     report: dict = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "cpu_count": os.cpu_count(),
                     "torch": torch.__version__, "anomalib": anomalib_version, "image_size": size, "backbone": "resnet18",
                     "features": 100, "categories": {}}
@@ -150,7 +152,8 @@ def main() -> None:
             if not (subset / image.name).exists():
                 (subset / image.name).symlink_to(image)
         ours_rss, ours_s, _ = run_measured([sys.executable, "-m", "padim", "-q", "train", str(subset), "--output", str(work / "mem.padim"),
-                                            "--weights", str(weights), "--image-size", str(size), "--device", "cpu"])
+                                            "--weights", str(weights), "--image-size", str(size), "--device", "cpu",
+                                            "--neighbourhood", "1", "--blur-sigma", "4"])
         listing = work / f"subset-{count}.json"
         listing.write_text(json.dumps([str(p) for p in sorted(subset.glob("*.png"))]))
         channels = work / "lists" / CATEGORIES[0] / "channels.json"

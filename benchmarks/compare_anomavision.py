@@ -125,7 +125,9 @@ def main() -> int:
     if not category.exists():
         generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=224, seed=1)
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
-    config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100)
+    # PaDiM as published on both sides: no neighbourhood average, the map smoothed with sigma 4
+    config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100,
+                         neighbourhood=1, blur_sigma=4.0)
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
     save_detector(detector, work / "padim.padim")
     train_paths = sorted((category / "train" / "good").glob("*.png"))

@@ -32,9 +32,10 @@ RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
                      "calibration_folds", "neighbourhood")
-#: What a model file written before an option existed computed (format 3 and older): read so, whatever
-#: today's default, so that such a model keeps scoring exactly as it did.
-BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01}
+#: What a model file or export written before an option existed computed (format 3 and older), for the
+#: keys its header lacks: read so, whatever today's default, so that it keeps scoring exactly as it did
+#: (``blur_sigma`` has always been written; its default was 4 until neighbourhood 3 became the default).
+BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0}
 #: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
 SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
@@ -58,10 +59,11 @@ class PadimConfig:
             embedding.
         seed: seeds the channel subset / projection and ``random`` weights.
         epsilon: added to the covariance diagonal before the Cholesky factorisation.
-        blur_sigma: Gaussian smoothing of the anomaly map, in input pixels.
+        blur_sigma: Gaussian smoothing of the anomaly map, in input pixels (default 0: none; the
+            neighbourhood average already smooths; the paper's 4 with ``neighbourhood`` 1).
         neighbourhood: each layer's features averaged over ``k x k`` neighbours on its own grid
-            before the Gaussian (1: none, the paper; 3 as PatchCore): a patch then describes its
-            surroundings.
+            before the Gaussian (3, the default, as PatchCore: a patch then describes its
+            surroundings; 1: none, the paper). docs/quality.md measures both.
         image_score: how the image score is read from the map: ``map_max`` (the maximum of the
             smoothed map, the paper), ``patch_max`` (the largest feature-grid distance, before
             smoothing) or ``top_mean`` (the mean of the ``top_fraction`` highest map pixels). The
@@ -88,8 +90,8 @@ class PadimConfig:
     embedding_dim: int | None = None
     seed: int = 0
     epsilon: float = 0.01
-    blur_sigma: float = 4.0
-    neighbourhood: int = 1
+    blur_sigma: float = 0.0
+    neighbourhood: int = 3
     image_score: str = "map_max"
     top_fraction: float = 0.01
     calibration_folds: int | str = "loo"

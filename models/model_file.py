@@ -21,8 +21,9 @@ Formats, all still read:
 - **4** (this one): ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``
   (:class:`~padim.models.config.PadimConfig`); a file of an older format is read with the values
   it computed (:data:`~padim.models.config.BEFORE_OPTIONS`: no averaging, the map's maximum),
-  whatever today's defaults. An older padim refuses a format-4 file rather than score it
-  without its options.
+  whatever today's defaults (since 2026-11-24: neighbourhood 3, no smoothing; a format-4 file
+  names all its options, so it is read as written). An older padim refuses a format-4 file
+  rather than score it without its options.
 - **3**: ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
   from this format on). Out-of-fold scores are computed in float64 from one factorisation
   per fold size (:mod:`padim.core.out_of_fold`), for the same fold models as before. A fit
@@ -257,7 +258,7 @@ def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[
             for key in RETIRED:
                 values.pop(key, None)
         if header["format_version"] < 4:  # before the options: what it computed, whatever today's defaults
-            values.update(BEFORE_OPTIONS)
+            values = {**BEFORE_OPTIONS, **values}
         config = PadimConfig.from_mapping(values, source=str(path))
         reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \
             else {"projection": tensors["embedding.projection"]}

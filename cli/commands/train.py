@@ -54,9 +54,9 @@ def _model_options(model) -> None:
     model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
     model.add_argument("--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)")
     model.add_argument("--neighbourhood", type=int, choices=NEIGHBOURHOODS, metavar="K",
-                       help="average each layer's features over K x K neighbours before the Gaussian: 1 (none, the "
-                       "paper; default), 3 (as PatchCore: more defects found on most generated categories, "
-                       "docs/quality.md) or 5")
+                       help="average each layer's features over K x K neighbours before the Gaussian: 3 (default, as "
+                       "PatchCore: more defects found on most generated categories, docs/quality.md), 1 (none, the "
+                       "paper; configs/paper.yaml) or 5")
     model.add_argument("--image-score", choices=IMAGE_SCORES,
                        help="how an image's score is read from its map: map_max (default, the smoothed map's maximum), "
                        "patch_max (the largest feature-grid distance, unsmoothed) or top_mean (mean of the "
@@ -64,7 +64,8 @@ def _model_options(model) -> None:
     model.add_argument("--top-fraction", type=float, metavar="SHARE",
                        help="share of the map's pixels top_mean averages (default 0.01)")
     model.add_argument("--blur-sigma", type=float, metavar="PX",
-                       help="Gaussian smoothing of the map, in input pixels (default 4; 0: none)")
+                       help="Gaussian smoothing of the map, in input pixels (default 0: none, the neighbourhood "
+                       "average smooths already; the paper: 4)")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
                        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
                        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "

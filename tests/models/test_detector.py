@@ -211,24 +211,28 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
 
 
 def _defaults_changed(init):
-    """``PadimConfig.__init__`` as if the defaults were neighbourhood 3 and patch_max."""
+    """``PadimConfig.__init__`` as if the defaults were patch_max and sigma 8 as well."""
     def changed(self, *args, **kwargs):
-        kwargs.setdefault("neighbourhood", 3)
         kwargs.setdefault("image_score", "patch_max")
+        kwargs.setdefault("blur_sigma", 8.0)
         init(self, *args, **kwargs)
     return changed
 
 
-def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_path, monkeypatch):
-    # fitted as every model was before the options: no neighbourhood, the map's maximum
-    before = fit_detector(CONFIG.replace(neighbourhood=1, image_score="map_max"), images, progress=False)[0]
+@pytest.mark.parametrize("sigma, had_sigma", [(2.0, True), (4.0, False)], ids=["sigma-written", "sigma-missing"])
+def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_path, monkeypatch, sigma, had_sigma):
+    # fitted as every model was before the options: no neighbourhood, the map's maximum (a header
+    # without blur_sigma, which none was, would have meant the default of then: 4)
+    before = fit_detector(CONFIG.replace(neighbourhood=1, image_score="map_max", blur_sigma=sigma), images,
+                          progress=False)[0]
     save_detector(before, tmp_path / "new.padim")
     tensors, header = load_artifact(tmp_path / "new.padim")
-    for key in ("neighbourhood", "image_score", "top_fraction"):
+    for key in ("neighbourhood", "image_score", "top_fraction") + (() if had_sigma else ("blur_sigma",)):
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "three.padim", 3)
+    assert PadimConfig().neighbourhood == 3 and PadimConfig().blur_sigma == 0  # today's defaults differ
     loaded = load_detector(tmp_path / "three.padim", device="cpu")
-    assert (loaded.config.neighbourhood, loaded.config.image_score) == (1, "map_max")
+    assert (loaded.config.neighbourhood, loaded.config.image_score, loaded.config.blur_sigma) == (1, "map_max", sigma)
     # whatever the defaults: an old file is read with what it computed, not with today's default
     monkeypatch.setattr(PadimConfig, "__init__", _defaults_changed(PadimConfig.__init__))
     batch = before.preprocess(pictures(images, 3))
