@@ -34,6 +34,7 @@ from padim.core.calibration import Calibration
 from padim.core.scoring import resize_map
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from padim.models.config import ConfigError, PadimConfig, read_config_file
+from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import decode_side, iter_batches, list_images, open_image, to_rgb
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.heatmaps import figure, mask_image, overlay
@@ -59,6 +60,8 @@ class Prediction(Verdict):
         calibration: the model's, which turns raw values into scores.
         weights_label: where the backbone weights came from (a random-weights model says so).
         stamp: the label a heat map carries (random weights only).
+        scored_box: ``(left, top, right, bottom)`` pixels of ``image`` the model scored (its region
+            of interest), ``None`` when it scored the whole picture; heat maps mark the rest.
     """
 
     source: str
@@ -67,6 +70,7 @@ class Prediction(Verdict):
     calibration: Calibration = field(repr=False)
     weights_label: str = field(repr=False, default="")
     stamp: str | None = field(repr=False, default=None)
+    scored_box: tuple[int, int, int, int] | None = field(repr=False, default=None)
 
     @property
     def normalised_map(self) -> np.ndarray:
@@ -79,7 +83,7 @@ class Prediction(Verdict):
 
     def overlay(self) -> Image.Image:
         """The image, tinted only where the map nears or passes the threshold, outline at the threshold."""
-        return overlay(self.image, self.normalised_map, self.threshold)
+        return overlay(self.image, self.normalised_map, self.threshold, scored=self.scored_box)
 
     def heatmap(self, max_side: int | None = 1024) -> Image.Image:
         """Verdict band, original beside overlay, colour bar with the threshold: what ``padim predict`` saves.
@@ -88,13 +92,14 @@ class Prediction(Verdict):
             max_side: each half at most this many pixels a side (``None``: the image's own size);
                 :attr:`anomaly_map` keeps the full resolution.
         """
-        image, values = self.image, self.normalised_map
+        image, values, box = self.image, self.normalised_map, self.scored_box
         if max_side is not None and max(image.size) > max_side:
             scale = max_side / max(image.size)
             size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
             image = image.resize(size, Image.BILINEAR)
             values = resize_map(torch.from_numpy(values), size[1], size[0]).numpy()
-        return figure(image, values, self, label=self.stamp, title=self.source)
+            box = None if box is None else tuple(round(v * scale) for v in box)
+        return figure(image, values, self, label=self.stamp, title=self.source, scored=box)
 
     def to_dict(self) -> dict:
         """The verdict keys of a ``results.jsonl`` line (no arrays)."""
@@ -210,7 +215,8 @@ class Detector:
         if not paths:
             return
         draft = decode_side(self.config.image_size)
-        for chunk, loaded in iter_batches(paths, self.batch_size, self.workers, unreadable, draft_to=draft):
+        for chunk, loaded in iter_batches(paths, self.batch_size, self.workers, unreadable, draft_to=draft,
+                                          roi=self.config.roi):
             yield from self._predict_loaded(loaded, [str(p) for p in chunk], threshold)
 
     def _predict_loaded(self, loaded: list[Image.Image], names: list[str], threshold
@@ -225,9 +231,12 @@ class Detector:
                 error.source = name
                 yield error
                 continue
-            full = resize_map(small, image.height, image.width).numpy().astype(np.float32)
+            # at the decoded picture's size and place (0 outside the region of interest)
+            framing, picture = self.scorer.framing, image.info.get(PICTURE_SIZE)
+            full = framing.to_picture(small, image.width, image.height, picture).numpy().astype(np.float32)
             yield Prediction(**asdict(found), source=name, anomaly_map=full, image=image, calibration=calibration,
-                             weights_label=weights.label, stamp=weights.stamp)
+                             weights_label=weights.label, stamp=weights.stamp,
+                             scored_box=framing.shown_box(image.width, image.height, picture))
 
 
 def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = DEFAULT_BATCH_SIZE,

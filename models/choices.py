@@ -6,6 +6,8 @@ REDUCTIONS = ("random", "semi_orthogonal")
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 #: ``neighbourhood``: side of the per-layer feature average (1: none).
 NEIGHBOURHOODS = (1, 3, 5)
+#: ``resize``: how the region of interest becomes the model's square input (:mod:`padim.models.data.framing`).
+RESIZES = ("squash", "crop", "pad")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.

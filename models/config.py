@@ -21,6 +21,7 @@ from padim.models.choices import (
     NEIGHBOURHOODS,
     PRECISION_DTYPES,
     REDUCTIONS,
+    RESIZES,
 )
 from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
 from padim.models.features.backbones import BACKBONES
@@ -31,11 +32,12 @@ RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
-                     "calibration_folds", "neighbourhood")
-#: What a model file or export written before an option existed computed (format 3 and older), for the
+                     "calibration_folds", "neighbourhood", "roi", "resize")
+#: What a model file or export written before an option existed computed (format 4 and older), for the
 #: keys its header lacks: read so, whatever today's default, so that it keeps scoring exactly as it did
 #: (``blur_sigma`` has always been written; its default was 4 until neighbourhood 3 became the default).
-BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0}
+BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0,
+                  "roi": None, "resize": "squash"}
 #: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
 SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
@@ -69,6 +71,12 @@ class PadimConfig:
             smoothing) or ``top_mean`` (the mean of the ``top_fraction`` highest map pixels). The
             calibration scores the training images the same way.
         top_fraction: share of the map's pixels that ``top_mean`` averages.
+        roi: region of interest ``(x, y, width, height)`` in pixels of the picture (as seen, EXIF
+            orientation applied), or ``None`` for the whole picture; only it is fitted and scored,
+            and maps come back at the picture's size, 0 outside it (:mod:`padim.models.data.framing`).
+        resize: how the region becomes the square model input: ``squash`` (resized, the aspect
+            ratio lost; the default, as before), ``crop`` (its largest centred square) or ``pad``
+            (centred on a square of its longer side, filled with the ImageNet mean colour).
         calibration_folds: the folds of cross-fitted calibration: every image is fitted, and
             scored by the model of every image outside its fold (see :mod:`padim.core.calibration`).
             ``"loo"`` (leave-one-out, the default): every image is its own fold; an integer ``K``:
@@ -94,6 +102,8 @@ class PadimConfig:
     neighbourhood: int = 3
     image_score: str = "map_max"
     top_fraction: float = 0.01
+    roi: tuple[int, int, int, int] | None = None
+    resize: str = "squash"
     calibration_folds: int | str = "loo"
     false_alarm_rate: float = 0.01
     batch_size: int = DEFAULT_BATCH_SIZE
@@ -103,6 +113,8 @@ class PadimConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        if isinstance(self.roi, (list, tuple)):
+            object.__setattr__(self, "roi", tuple(self.roi))
         _validate(self)
 
     @property
@@ -205,6 +217,14 @@ def _validate(c: PadimConfig) -> None:
         fail("image_score", c.image_score, "choose one of: " + ", ".join(IMAGE_SCORES))
     if isinstance(c.top_fraction, bool) or not isinstance(c.top_fraction, (int, float)) or not 0 < c.top_fraction <= 0.5:
         fail("top_fraction", c.top_fraction, "use a number above 0 and at most 0.5 (default 0.01: the top 1% of pixels)")
+    if c.roi is not None and (not isinstance(c.roi, tuple) or len(c.roi) != 4
+                              or not all(isinstance(v, int) and not isinstance(v, bool) for v in c.roi)
+                              or c.roi[0] < 0 or c.roi[1] < 0 or c.roi[2] < 16 or c.roi[3] < 16):
+        fail("roi", c.roi, "use x,y,width,height in pixels of the picture: integers, x and y >= 0, width and height "
+             ">= 16 (or leave it out for the whole picture)")
+    if c.resize not in RESIZES:
+        fail("resize", c.resize, "choose one of: " + ", ".join(RESIZES) + " (squash: resized, aspect ratio lost; crop: "
+             "largest centred square; pad: centred on a square)")
     if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
                                          or not 2 <= c.calibration_folds <= 1000):
         fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")

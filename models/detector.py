@@ -16,6 +16,7 @@ from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import PadimConfig
+from padim.models.data.framing import Framing
 from padim.models.devices import resolve_device  # noqa: F401 (its old home; padim.models.devices has it)
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding
@@ -28,9 +29,10 @@ CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
 
 def scoring_options(config) -> dict:
-    """How the detector reads its maps: what ``describe`` shows of the scoring options."""
+    """What part of a picture the detector sees and how it reads its maps: what ``describe`` shows of the options."""
     return {"neighbourhood": config.neighbourhood, "blur_sigma": config.blur_sigma, "image_score": config.image_score,
-            "top_fraction": config.top_fraction}
+            "top_fraction": config.top_fraction, "roi": None if config.roi is None else list(config.roi),
+            "resize": config.resize}
 
 
 def now() -> str:
@@ -120,6 +122,11 @@ class PadimDetector:
     @property
     def embedding(self) -> Embedding:
         return self.model.embedder.embedding
+
+    @property
+    def framing(self) -> Framing:
+        """Region of interest and resize mode (:mod:`padim.models.data.framing`)."""
+        return self.model.embedder.framing
 
     # ------------------------------------------------------------------ scoring
     def preprocess(self, images) -> torch.Tensor:

@@ -29,6 +29,8 @@ _ANCHORS = np.array(
 TINT_FROM, TINT_AT_THRESHOLD, TINT_MAX = 0.25, 0.55, 0.8
 ANOMALOUS_COLOUR, NORMAL_COLOUR, LABEL_COLOUR = (255, 92, 80), (80, 210, 130), (255, 214, 0)
 BAND_COLOUR, TEXT_COLOUR = (28, 28, 32), (235, 235, 235)
+#: Frame of the scored box (a region of interest) on a heat map; outside it the picture is greyed out.
+UNSCORED_FRAME = (120, 200, 255)
 #: Narrowest half of a :func:`figure`, in pixels: smaller images are enlarged to at least this.
 MIN_PANEL = 256
 
@@ -62,7 +64,8 @@ def tint_opacity(values: np.ndarray, threshold: float = 0.5) -> np.ndarray:
     return np.where(values >= threshold, above, below)
 
 
-def overlay(image: Image.Image, normalised_map: np.ndarray, threshold: float = 0.5, outline: bool = True) -> Image.Image:
+def overlay(image: Image.Image, normalised_map: np.ndarray, threshold: float = 0.5, outline: bool = True,
+            scored: tuple[int, int, int, int] | None = None) -> Image.Image:
     """The image tinted where the map is high, at the image's size.
 
     Args:
@@ -70,6 +73,8 @@ def overlay(image: Image.Image, normalised_map: np.ndarray, threshold: float = 0
         normalised_map: ``(H, W)`` normalised scores at the image's size (the model's threshold is 0.5).
         threshold: where the outline is drawn (the verdict's threshold, 0.5 unless overridden).
         outline: draw the outline of the area at or above ``threshold``.
+        scored: ``(left, top, right, bottom)`` of what the model scored (a region of interest):
+            the rest is greyed out and the box framed. ``None``: the whole picture was scored.
     """
     base = np.asarray(image.convert("RGB"), dtype=np.float64)
     values = np.asarray(normalised_map, dtype=np.float64)
@@ -81,6 +86,21 @@ def overlay(image: Image.Image, normalised_map: np.ndarray, threshold: float = 0
     if outline:
         edge = _outline(values >= threshold, max(1, round(max(image.size) / 300)))
         result.paste((255, 255, 255), mask=edge)
+    if scored is not None:
+        result = _mark_unscored(result, scored)
+    return result
+
+
+def _mark_unscored(image: Image.Image, box: tuple[int, int, int, int]) -> Image.Image:
+    """Grey out everything outside ``box`` (not scored: outside the region of interest) and frame the box."""
+    pixels = np.asarray(image, dtype=np.float64).copy()
+    inside = np.zeros(pixels.shape[:2], dtype=bool)
+    inside[box[1]:box[3], box[0]:box[2]] = True
+    grey = pixels.mean(axis=2, keepdims=True) * 0.35 + 40
+    pixels[~inside] = np.broadcast_to(grey, pixels.shape)[~inside]
+    result = Image.fromarray(pixels.round().astype(np.uint8))
+    ImageDraw.Draw(result).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), outline=UNSCORED_FRAME,
+                                     width=max(1, round(max(image.size) / 400)))
     return result
 
 
@@ -90,7 +110,7 @@ def mask_image(normalised_map: np.ndarray, threshold: float = 0.5) -> Image.Imag
 
 
 def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, label: str | None = None,
-           title: str | None = None) -> Image.Image:
+           title: str | None = None, scored: tuple[int, int, int, int] | None = None) -> Image.Image:
     """Band (verdict, score, area, ``label``), original | overlay, colour bar: one picture to look at.
 
     Args:
@@ -99,12 +119,15 @@ def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, 
         result: the image's verdict (score, verdict, threshold, anomalous area).
         label: e.g. the random-weights warning, written in the band, never over the picture.
         title: e.g. the file name, written in the band (shortened from the left when long).
+        scored: the box the model scored (a region of interest), as for :func:`overlay`.
 
     Images under :data:`MIN_PANEL` pixels wide are enlarged for the picture (whole factors), so
     that the band's text fits and a small defect stays visible.
     """
     if image.width < MIN_PANEL:
+        factor = -(-MIN_PANEL // image.width)
         image, normalised_map = _enlarged(image, normalised_map)
+        scored = None if scored is None else tuple(v * factor for v in scored)
     width, height = image.size
     gap = max(4, width // 80)
     total = 2 * width + gap
@@ -116,7 +139,7 @@ def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, 
     draw = ImageDraw.Draw(canvas)
     _draw_band(draw, font, result, label, title, total, line, pad)
     canvas.paste(image.convert("RGB"), (0, band))
-    canvas.paste(overlay(image, normalised_map, result.threshold), (width + gap, band))
+    canvas.paste(overlay(image, normalised_map, result.threshold, scored=scored), (width + gap, band))
     # colour bar under the overlay's half: the ramp, the threshold tick and the image's score
     _draw_colour_bar(canvas, draw, font, result, width + gap + pad, total - pad, band + height + pad, line, pad)
     return canvas

@@ -18,7 +18,10 @@ and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``
 
 Formats, all still read:
 
-- **4** (this one): ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``
+- **5** (this one): ``config`` holds ``roi`` and ``resize`` (what part of a picture the model
+  sees, and how it becomes the square input: :mod:`padim.models.data.framing`); older files are
+  read with the whole picture squashed, as they were fitted.
+- **4**: ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``
   (:class:`~padim.models.config.PadimConfig`); a file of an older format is read with the values
   it computed (:data:`~padim.models.config.BEFORE_OPTIONS`: no averaging, the map's maximum),
   whatever today's defaults (since 2026-11-24: neighbourhood 3, no smoothing; a format-4 file
@@ -257,7 +260,7 @@ def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[
         if not header["verified"]:  # format 1: a held-out share instead of folds
             for key in RETIRED:
                 values.pop(key, None)
-        if header["format_version"] < 4:  # before the options: what it computed, whatever today's defaults
+        if header["format_version"] < FORMAT_VERSION:  # before an option: what it computed, whatever today's defaults
             values = {**BEFORE_OPTIONS, **values}
         config = PadimConfig.from_mapping(values, source=str(path))
         reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \

@@ -19,6 +19,7 @@ from PIL import Image
 
 from padim.core.calibration import Calibration
 from padim.models.config import PadimConfig
+from padim.models.data.framing import Framing
 from padim.models.detector import Provenance
 from padim.models.features.backbones import WeightsInfo
 from padim.models.model import ScoreOutput
@@ -45,6 +46,10 @@ class Scorer(Protocol):
     @property
     def device(self) -> torch.device:
         """Where it computes (``cuda`` or ``cpu``); :meth:`score`'s outputs are there or on the CPU."""
+
+    @property
+    def framing(self) -> Framing:
+        """What part of a picture the model sees and how (region of interest, resize mode); maps back to pictures."""
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """RGB images -> ``(B, 3, S, S)`` float32 normalised model input (thread-safe; the decode pool)."""

@@ -75,6 +75,9 @@ class ModelDescription(ModelInfo):
     blur_sigma: float = Field(description="Gaussian smoothing of the map, in input pixels")
     image_score: str = Field(description="how the score is read from the map: map_max, patch_max or top_mean")
     top_fraction: float = Field(description="share of the map's pixels top_mean averages")
+    roi: list[int] | None = Field(default=None, description="region of interest x, y, width, height in pixels of the "
+                                  "picture (null: the whole picture); maps are 0 outside it")
+    resize: str = Field(default="squash", description="how the region becomes the square input: squash, crop or pad")
     fit_image_count: int
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from padim.core.artifact import file_sha256
-from padim.core.scoring import resize_map
+from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import bounded_copy, bounded_size, decode_side, image_dimensions, open_image
 from padim.models.deploy.runtimes import DeployedDetector, load_scorer
 from padim.models.devices import is_cuda_error, probe
@@ -97,6 +97,7 @@ class Decoded:
     shown: Image.Image | None  # at most heatmap_max_side a side; None unless a heat map was asked for
     shown_size: tuple[int, int]  # (width, height) of heat maps and masks
     large: bool  # decoded from at least TRIM_AFTER_PIXELS: hand freed memory back once done with it
+    picture: tuple[int, int] = (0, 0)  # (width, height) of the picture as sent (EXIF orientation applied)
 
 
 @dataclass
@@ -308,7 +309,9 @@ class ServiceState:
         try:
             width, height = image_dimensions(data, **limits)
             with self.pixels.hold(width * height):
-                image = open_image(data, draft_to=decode_side(model.detector.config.image_size), **limits)
+                image = open_image(data, draft_to=decode_side(model.detector.config.image_size),
+                                   roi=model.detector.config.roi, **limits)
+                picture = image.info.get(PICTURE_SIZE, image.size)
                 tensor = model.detector.preprocess([image])[0]
                 shown = bounded_copy(image, self.settings.heatmap_max_side) if keep_image else None
                 shown_size = bounded_size(image.size, self.settings.heatmap_max_side)
@@ -318,7 +321,7 @@ class ServiceState:
         large = width * height >= TRIM_AFTER_PIXELS
         if large:
             release_memory()
-        return Decoded(tensor, shown, shown_size, large)
+        return Decoded(tensor, shown, shown_size, large, picture)
 
     def build_result(self, model: ServedModel, decoded: Decoded, raw: float, anomaly_map: torch.Tensor,
                      threshold: float | None, heatmap: bool, mask: bool) -> dict:
@@ -332,10 +335,11 @@ class ServiceState:
                             "the model file may be damaged (check it with `padim info --verify`)") from None
         if heatmap or mask:
             width, height = decoded.shown_size
-            resized = resize_map(anomaly_map, height, width)
+            resized = model.detector.framing.to_picture(anomaly_map, width, height, decoded.picture)
             normalised_map = calibration.normalise(resized.double()).numpy()
             if heatmap:
-                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, result["threshold"]))
+                box = model.detector.framing.shown_box(width, height, decoded.picture)
+                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, result["threshold"], scored=box))
             if mask:
                 result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))
             if decoded.large:

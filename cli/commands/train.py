@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS
+from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS, RESIZES
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
@@ -66,6 +66,14 @@ def _model_options(model) -> None:
     model.add_argument("--blur-sigma", type=float, metavar="PX",
                        help="Gaussian smoothing of the map, in input pixels (default 0: none, the neighbourhood "
                        "average smooths already; the paper: 4)")
+    model.add_argument("--roi", type=roi_value, metavar="X,Y,W,H",
+                       help="region of interest in pixels of the picture (as seen: EXIF orientation applied): only it "
+                       "is fitted and scored, every picture must hold it, and maps come back at the picture's size, 0 "
+                       "outside it (default: the whole picture)")
+    model.add_argument("--resize", choices=RESIZES,
+                       help="how the picture (or --roi) becomes the square model input: squash (default: resized, the "
+                       "aspect ratio lost), crop (its largest centred square) or pad (centred on a square of its longer "
+                       "side, filled with the ImageNet mean colour)")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
                        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
                        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
@@ -85,6 +93,17 @@ def _file_options(verdicts) -> None:
     verdicts.add_argument("--partial", action="store_true",
                           help="fit every image and write only the statistics, to be combined later by `padim merge` "
                           "(for shards fitted on separate machines or at separate times)")
+
+
+def roi_value(text: str) -> tuple[int, int, int, int]:
+    """``--roi``: ``x,y,width,height`` in pixels."""
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is not x,y,width,height (four integers, e.g. 120,80,640,480)")
+    return values
 
 
 def folds_value(text: str) -> int | str:
@@ -158,7 +177,7 @@ def configuration(args: argparse.Namespace):
         epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
         calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
         neighbourhood=args.neighbourhood, image_score=args.image_score, top_fraction=args.top_fraction,
-        blur_sigma=args.blur_sigma,
+        blur_sigma=args.blur_sigma, roi=args.roi, resize=args.resize,
     )
     given |= {k for k, v in flags.items() if v is not None}
     return config.replace(**flags), given

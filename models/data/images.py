@@ -12,6 +12,7 @@ score an image alike; other formats are decoded at full size.
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -23,9 +24,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from padim.models.data.framing import PICTURE_SIZE, Framing
 from padim.models.errors import ImageError, ImageTooLarge  # noqa: F401 (part of this module's interface)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+EXIF_ORIENTATION = 0x0112
 
 
 def list_images(root: str | os.PathLike) -> list[Path]:
@@ -58,13 +61,16 @@ def image_dimensions(source: bytes, max_pixels: int | None = None, limit_name: s
 
 
 def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None, draft_to: int | None = None,
-               limit_name: str | None = None) -> Image.Image:
+               limit_name: str | None = None, roi: tuple[int, int, int, int] | None = None) -> Image.Image:
     """Decode a file or bytes into an 8-bit RGB image with EXIF orientation applied.
 
     Args:
         max_pixels: refuse larger images before decoding them.
-        draft_to: decode a JPEG at the smallest scale that keeps both sides at least this long.
+        draft_to: decode a JPEG at the smallest scale that keeps both sides of the part used
+            (``roi``, else the picture) at least this long; the picture's own size is then in
+            ``image.info[PICTURE_SIZE]`` (see :mod:`padim.models.data.framing`).
         limit_name: how the limit is named in the error (e.g. ``PADIM_MAX_IMAGE_PIXELS``).
+        roi: ``(x, y, width, height)`` of the part of the picture the model uses.
 
     Raises:
         ImageTooLarge: larger than ``max_pixels`` (or than Pillow's own bomb limit).
@@ -72,11 +78,21 @@ def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None,
     """
     with _opened(source, max_pixels, limit_name) as (name, image):
         _check_pixels(name, image, max_pixels, limit_name)
-        if draft_to is not None and image.format == "JPEG" and min(image.size) >= 2 * draft_to:
-            image.draft("RGB", (draft_to, draft_to))
+        full = image.size
+        used = min(image.size) if roi is None else min(roi[2], roi[3])  # the shorter side of what is used
+        if draft_to is not None and image.format == "JPEG" and used >= 2 * draft_to:
+            # both picture sides scaled alike, to keep the used part's shorter side at least draft_to
+            image.draft("RGB", (math.ceil(draft_to * full[0] / used), math.ceil(draft_to * full[1] / used)))
+        drafted = image.size != full
+        turned = image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)  # a quarter turn swaps the sides
+        if roi is not None:  # the picture as seen must hold the region: a clear error now, not a bad crop later
+            Framing(roi).region(*((full[1], full[0]) if turned else full), name)
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # not a copy: that would double the peak memory
-        return to_rgb(image)
+        rgb = to_rgb(image)
+        if drafted:
+            rgb.info[PICTURE_SIZE] = (full[1], full[0]) if turned else full
+        return rgb
 
 
 @contextmanager
@@ -151,9 +167,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def to_model_input(
-    images: Sequence[Image.Image], size: int, mean: Sequence[float], std: Sequence[float]
+    images: Sequence[Image.Image], framing: Framing, mean: Sequence[float], std: Sequence[float]
 ) -> torch.Tensor:
-    """Resize to ``size x size`` (bilinear, antialiased) and normalise: ``(B, 3, S, S)`` float32.
+    """Frame each picture as the model's ``S x S`` square (region, resize mode; bilinear, antialiased)
+    and normalise: ``(B, 3, S, S)`` float32.
+
+    Raises:
+        ImageError: a picture does not hold the framing's region of interest.
 
     NumPy only until the final ``from_numpy``: this runs on decode threads beside the inference
     thread, and torch ops there would each start an OpenMP team and oversubscribe the cores.
@@ -162,34 +182,34 @@ def to_model_input(
     offset = (np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, 1, 3)
     arrays = []
     for image in images:
-        pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.float32)  # (S, S, 3)
+        pixels = np.asarray(framing.to_square(image), dtype=np.float32)  # (S, S, 3)
         arrays.append((pixels * scale - offset).transpose(2, 0, 1))  # (3, S, S)
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
 def iter_batches(
     paths: Sequence[Path], batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
-    draft_to: int | None = None,
+    draft_to: int | None = None, roi: tuple[int, int, int, int] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
     """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch.
 
     Args:
         unreadable: when given, an image that cannot be read is appended here as
             ``(path, reason)`` and left out of its batch, instead of raising :class:`ImageError`.
-        draft_to: as for :func:`open_image`.
+        draft_to, roi: as for :func:`open_image`.
     """
     chunks = [list(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
-    return iter_decoded(chunks, workers, unreadable, draft_to)
+    return iter_decoded(chunks, workers, unreadable, draft_to, roi)
 
 
 def iter_decoded(
     batches: Sequence[Sequence[Path]], workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
-    draft_to: int | None = None,
+    draft_to: int | None = None, roi: tuple[int, int, int, int] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
     """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds)."""
     def decode(path: Path) -> Image.Image | ImageError:
         try:
-            return open_image(path, draft_to=draft_to)
+            return open_image(path, draft_to=draft_to, roi=roi)
         except ImageError as error:
             if unreadable is None:
                 raise

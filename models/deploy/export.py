@@ -5,8 +5,8 @@ everything in between inside it: the backbone (BatchNorm folded, as the torch pa
 the channel subset or projection, the Mahalanobis distance with the stored precision factors,
 upsampling + blur (as the two precomputed matrices :func:`padim.core.scoring.anomaly_maps`
 uses) and the image score (the model's ``image_score``: the map's maximum, the feature grid's, or
-the mean of its top pixels; any neighbourhood average is part of the embedding). Nothing a client could get wrong is left outside but the resize and the
-normalisation, which ``padim.json`` spells out and :class:`padim.models.deploy.runtimes.DeployedDetector`
+the mean of its top pixels; any neighbourhood average is part of the embedding). Nothing a client could get wrong is left outside but the framing (region of interest and
+resize mode, :mod:`padim.models.data.framing`) and the normalisation, which ``padim.json`` spells out and :class:`padim.models.deploy.runtimes.DeployedDetector`
 does exactly as training did.
 
 | graph tensor | shape | dtype |
@@ -48,6 +48,7 @@ from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.scoring import image_scores, upsample_blur_operator
 from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS
+from padim.models.data.framing import PAD_FILL
 from padim.models.detector import PadimDetector
 from padim.models.errors import ExportError  # noqa: F401 (part of this module's interface)
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
@@ -55,7 +56,8 @@ from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 1
+#: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 2
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
@@ -219,6 +221,7 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
     """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs."""
     size = detector.model.image_size
     calibration = detector.calibration
+    framing = detector.framing.describe()
     metadata = {
         "kind": EXPORT_KIND,
         "export_version": EXPORT_VERSION,
@@ -231,8 +234,10 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "input": {
             "name": INPUT_NAME, "shape": ["batch", 3, size, size], "dtype": "float32", "layout": "NCHW",
             "channels": "RGB",
-            "resize": f"to {size}x{size} pixels, bilinear with antialiasing (PIL Image.resize, BILINEAR); "
-                      "the aspect ratio is not kept",
+            "resize": framing["steps"],
+            "framing": {"roi": framing["roi"], "resize": framing["resize"], "pad_fill": list(PAD_FILL),
+                        "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
+                               "the region (padim.models.data.framing.Framing.to_picture)"},
             "normalisation": "(pixel / 255 - mean) / std, per channel",
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
         },
@@ -276,7 +281,7 @@ def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH, 
     ``raw_score`` has no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
     """
     return f"""# padim {__version__}: the whole scorer (backbone, Mahalanobis, map, maximum) on onnxruntime.
-# Feed RGB images resized to {size}x{size} and normalised as padim.json says.
+# Feed RGB images framed to {size}x{size} and normalised as padim.json says (input.resize, input.normalisation).
 name: "{name}"
 platform: "onnxruntime_onnx"
 max_batch_size: {max_batch_size}

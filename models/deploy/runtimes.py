@@ -37,6 +37,7 @@ from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
 from padim.models.config import BEFORE_OPTIONS, PadimConfig
+from padim.models.data.framing import Framing
 from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
     INPUT_NAME,
@@ -236,6 +237,7 @@ class DeployedDetector:
             raise ArtifactError(f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})") from None
         self.statistics = None
         self.image_size = self.config.image_size
+        self.framing = Framing.of(self.config)
         self._device = device
         graph = self.directory / (ONNX_FILE if (self.directory / ONNX_FILE).is_file() else OPENVINO_FILE)
         if runtime == "onnxruntime":
@@ -259,7 +261,7 @@ class DeployedDetector:
 
     def preprocess(self, images) -> torch.Tensor:
         """PIL images -> ``(B, 3, S, S)`` normalised input, exactly as training made it."""
-        return to_model_input(images, self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
         """``(B, 3, S, S)`` input -> raw image scores ``(B,)`` and maps ``(B, S, S)`` (CPU tensors)."""

@@ -23,6 +23,7 @@ from sklearn.metrics import f1_score, precision_recall_curve, roc_auc_score
 from tqdm.auto import tqdm
 
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
+from padim.models.data.framing import Framing
 from padim.models.data.images import IMAGE_SUFFIXES, decode_side, iter_batches, list_images
 from padim.models.errors import UsageError
 from padim.models.scorer import Scorer
@@ -118,11 +119,13 @@ class Scored:
     raw_scores: np.ndarray
     maps: np.ndarray
     raw_threshold: float | None
+    framing: Framing | None = None
 
     @cached_property
     def masks(self) -> np.ndarray:
-        """``(N, S, S)`` ground truth at the maps' size, read once (metrics and report share it)."""
-        return load_masks(self.samples, self.maps.shape[-1])
+        """``(N, S, S)`` ground truth on the model input (framed as the pictures were), read once
+        (metrics and report share it)."""
+        return load_masks(self.samples, self.framing or self.maps.shape[-1])
 
 
 def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT_BATCH_SIZE, workers: int = DEFAULT_WORKERS,
@@ -132,21 +135,28 @@ def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT
     raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
         for chunk, images in iter_batches([s.path for s in samples], batch_size, workers,
-                                          draft_to=decode_side(detector.config.image_size)):
+                                          draft_to=decode_side(detector.config.image_size), roi=detector.config.roi):
             out = detector.score(detector.preprocess(images))
             raw_scores.append(out.raw_scores.cpu())
             maps.append(out.maps.cpu())
             bar.update(len(chunk))
     threshold = detector.calibration.threshold if detector.calibration else None
-    return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold)
+    return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold, Framing.of(detector.config))
 
 
-def load_masks(samples: list[Sample], size: int) -> np.ndarray:
-    """Ground-truth masks ``(N, size, size)`` (nearest resize; all False for good images)."""
+def load_masks(samples: list[Sample], size: int | Framing) -> np.ndarray:
+    """Ground-truth masks ``(N, S, S)`` (nearest; all False for good images), framed as the model frames
+    pictures when ``size`` is a :class:`~padim.models.data.framing.Framing` (region, resize mode): a defect
+    outside the region is not counted, as the model never sees it."""
+    framing = size if isinstance(size, Framing) else None
+    size = framing.size if framing is not None else size
     masks = []
     for sample in samples:
         if sample.mask_path is None:
             masks.append(torch.zeros(size, size, dtype=torch.bool))
+            continue
+        if framing is not None and not framing.is_whole_picture:
+            masks.append(torch.from_numpy(framing.to_square_mask(Image.open(sample.mask_path))))
             continue
         mask = torch.from_numpy(np.asarray(Image.open(sample.mask_path).convert("L")) > 127)
         masks.append(F.interpolate(mask[None, None].float(), size=(size, size), mode="nearest")[0, 0] > 0.5)

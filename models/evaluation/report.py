@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_curve
 
-from padim.core.scoring import resize_map
 from padim.models.data.images import open_image
 from padim.models.evaluation.metrics import Scored, pro_curve
 from padim.models.heatmaps import figure
@@ -147,13 +146,15 @@ def _gallery(scored: Scored, labels: np.ndarray, detector, count: int) -> dict[s
 def _card(scored: Scored, index: int, detector) -> dict:
     sample = scored.samples[index]
     image = open_image(sample.path)
+    picture_size = image.size
     if max(image.size) > GALLERY_SIDE:
         image.thumbnail((GALLERY_SIDE, GALLERY_SIDE))
     small = torch.from_numpy(scored.maps[index])
-    full = resize_map(small, image.height, image.width)
+    full = detector.framing.to_picture(small, image.width, image.height, picture_size)  # 0 outside the region
     found = verdict(float(scored.raw_scores[index]), small, detector.calibration)
     picture = figure(image, detector.calibration.normalise(full.double()).numpy(), found,
-                     label=detector.weights.stamp, title=f"{sample.defect}/{sample.path.name}")
+                     label=detector.weights.stamp, title=f"{sample.defect}/{sample.path.name}",
+                     scored=detector.framing.shown_box(image.width, image.height, picture_size))
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG", optimize=True)
     return {"path": str(sample.path), "defect": sample.defect, "score": found.score, "is_anomaly": found.is_anomaly,

@@ -21,6 +21,7 @@ from torch.fx.experimental.optimization import fuse
 from torchvision.models.feature_extraction import create_feature_extractor
 
 from padim.core.errors import ArtifactError
+from padim.models.data.framing import Framing
 from padim.models.data.images import to_model_input
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
 
@@ -156,6 +157,7 @@ class FeatureEmbedder(nn.Module):
     def __init__(self, config, backbone_weights: dict[str, torch.Tensor], embedding: Embedding):
         super().__init__()
         self.image_size = config.image_size
+        self.framing = Framing.of(config)
         self.grid_shape = grid_shape(config)
         self.extractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
@@ -169,8 +171,8 @@ class FeatureEmbedder(nn.Module):
         return next(self.extractor.parameters()).device
 
     def preprocess(self, images) -> torch.Tensor:
-        """PIL images -> ``(B, 3, S, S)`` normalised model input."""
-        return to_model_input(images, self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        """PIL images -> ``(B, 3, S, S)`` normalised model input (region of interest, resize mode)."""
+        return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,8 @@ class Fit:
 
         def run() -> None:
             with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
-                for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to):
+                for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to,
+                                                  self.config.roi):
                     embedded = self.embedder(self.embedder.preprocess(images))  # (B, P, D)
                     if spooled is not None:
                         spooled.spool.append(embedded)
@@ -311,7 +312,7 @@ class Fit:
                 name_of = {i.path: i.name for fold in chunk for i in fold}
                 names, rows_fold, parts = [], [], []
                 for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
-                                                  self.draft_to):
+                                                  self.draft_to, self.config.roi):
                     parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
                     names += [name_of[p] for p in paths]
                     rows_fold += [fold_of_path[p] for p in paths]

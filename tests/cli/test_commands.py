@@ -430,3 +430,38 @@ def test_a_gpu_out_of_memory_outside_the_fit_is_one_line_with_what_to_do(monkeyp
     assert error.count("\n") == 1 and "Traceback" not in error
     assert "padim predict: error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 1.50 GiB)" in error
     assert "--batch-size" in error and "--device cpu" in error
+
+
+def test_a_region_of_interest_through_train_predict_and_evaluate(dataset, tmp_path):
+    import shutil
+
+    train = tmp_path / "train"
+    shutil.copytree(dataset / "train" / "good", train)
+    Image.new("RGB", (40, 40), (90, 90, 90)).save(train / "small.png")  # cannot hold the region
+    model = tmp_path / "roi.padim"
+    result = run_cli("train", train, "--output", model, "--weights", "random", "--image-size", 64,
+                     "--roi", "8,16,80,64", "--resize", "crop", "--calibration-folds", 2)
+    assert "small.png" in result.stderr and "does not lie inside this 40x40 picture" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["unreadable"] == 1 and summary["fitted"] == 30
+    info = json.loads(run_cli("-q", "info", model).stdout)
+    assert info["header"]["config"]["roi"] == [8, 16, 80, 64] and info["header"]["config"]["resize"] == "crop"
+    # maps at the picture's size (96 px), 0 outside the scored square: 64 x 64 centred in the 80 x 64 region
+    run_cli("-q", "predict", model, dataset / "test", "--output", tmp_path / "p")
+    anomaly_map = np.load(tmp_path / "p" / "maps" / "hole" / "000.npy")
+    assert anomaly_map.shape == (96, 96)
+    inside = np.zeros_like(anomaly_map, dtype=bool)
+    inside[16:80, 16:80] = True
+    assert not anomaly_map[~inside].any() and anomaly_map[inside].min() > 0
+    # evaluate compares maps with the masks framed as the pictures were
+    saved = json.loads(run_cli("-q", "evaluate", model, dataset, "--output", tmp_path / "e.json").stdout)
+    assert 0.5 < saved["pixel_auroc"] <= 1 and 0 <= saved["image_auroc"] <= 1
+
+
+@pytest.mark.parametrize("value, message", [("1,2,3", "is not x,y,width,height"),
+                                            ("0,0,8,8", "roi: (0, 0, 8, 8) is not allowed")])
+def test_a_bad_region_of_interest_is_a_one_line_error(dataset, tmp_path, value, message):
+    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
+                     "--roi", value, check=False)
+    assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "m.padim").exists()

@@ -34,6 +34,11 @@ def test_defaults_follow_the_paper():
         ({"image_score": "max"}, "image_score: 'max' is not allowed; choose one of: map_max, patch_max, top_mean"),
         ({"top_fraction": 0}, "above 0 and at most 0.5"),
         ({"top_fraction": 0.9}, "above 0 and at most 0.5"),
+        ({"roi": (0, 0, 100)}, "roi: .* use x,y,width,height in pixels of the picture"),
+        ({"roi": (-1, 0, 100, 100)}, "x and y >= 0"),
+        ({"roi": (0, 0, 100, 8)}, "width and height >= 16"),
+        ({"roi": (0, 0, 100.5, 100)}, "integers"),
+        ({"resize": "stretch"}, "resize: 'stretch' is not allowed; choose one of: squash, crop, pad"),
     ],
 )
 def test_bad_values_say_what_is_allowed(changes, message):
@@ -90,3 +95,11 @@ def test_the_shipped_configs_load_with_current_names(name):
     assert set(values) <= set(PadimConfig.__dataclass_fields__), "configs use the current option names"
     config = PadimConfig.from_mapping(values, source=str(path))
     assert config.calibration_folds == "loo" and config.embedding_dim_or_default() == values["embedding_dim"]
+
+
+def test_a_region_from_yaml_is_a_tuple_and_shapes_the_statistics(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("roi: [10, 20, 300, 200]\nresize: pad\n")
+    config, given = read_config_file(path)
+    assert config.roi == (10, 20, 300, 200) and config.resize == "pad" and given == {"roi", "resize"}
+    assert PadimConfig().differences(config) == ["roi", "resize"]  # a resume or merge must keep them

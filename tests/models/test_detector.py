@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from helpers import tensor_byte_ranges
-from padim.core.artifact import ArtifactError, load_artifact, save_artifact
+from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
 from padim.models.model_file import load_detector, load_fit, save_detector
@@ -181,7 +181,7 @@ def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, 
 
     store_calibration(tmp_path / "two.padim", loaded.calibration.with_threshold(21.5))
     header = read_header(tmp_path / "two.padim")
-    assert header["format_version"] == 4 and header["has_statistics"]
+    assert header["format_version"] == FORMAT_VERSION and header["has_statistics"]
     assert header["calibration"]["threshold"] == 21.5 and header["calibration"]["method"] == "manual"
     fresh = [TrainingImage(p, f"more/{p.name}") for p in list_images(dataset / "test" / "good")]
     resumed, _ = fit_detector(CONFIG, fresh, resume=load_fit(tmp_path / "two.padim"), progress=False)
@@ -193,7 +193,7 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
     fitted = fit_detector(config, images, progress=False)[0]
     save_detector(fitted, tmp_path / "options.padim")
     _, header = load_artifact(tmp_path / "options.padim")
-    assert header["format_version"] == 4
+    assert header["format_version"] == FORMAT_VERSION
     assert {k: header["config"][k] for k in ("neighbourhood", "image_score", "top_fraction", "blur_sigma")} == \
         {"neighbourhood": 5, "image_score": "top_mean", "top_fraction": 0.05, "blur_sigma": 2.0}
     loaded = load_detector(tmp_path / "options.padim", device="cpu")
@@ -240,3 +240,27 @@ def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_
     # and resumed, it stays what it was
     resumed = load_fit(tmp_path / "three.padim")
     assert resumed.config.neighbourhood == 1 and resumed.embedding.neighbourhood == 1
+
+
+def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_whole_picture(images, tmp_path):
+    framed = fit_detector(CONFIG.replace(roi=(8, 16, 80, 64), resize="pad"), images, progress=False)[0]
+    save_detector(framed, tmp_path / "framed.padim")
+    _, header = load_artifact(tmp_path / "framed.padim")
+    assert header["format_version"] == 5 and header["config"]["roi"] == [8, 16, 80, 64]
+    loaded = load_detector(tmp_path / "framed.padim", device="cpu")
+    assert loaded.config.roi == (8, 16, 80, 64) and loaded.framing.resize == "pad"
+    batch = pictures(images, 3)
+    assert torch.equal(loaded.preprocess(batch), framed.preprocess(batch))
+    # the region is what was fitted: another framing of the same pictures is another input
+    assert not torch.equal(framed.preprocess(batch), fit_detector(CONFIG, images[:3], progress=False)[0].preprocess(batch))
+    # a format-4 file (no roi, no resize) is read as it was fitted: the whole picture, squashed
+    plain = fit_detector(CONFIG, images, progress=False)[0]
+    save_detector(plain, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    for key in ("roi", "resize"):
+        del header["config"][key]
+    older_format_of(tensors, header, tmp_path / "four.padim", 4)
+    four = load_detector(tmp_path / "four.padim", device="cpu")
+    assert four.config.roi is None and four.config.resize == "squash" and four.framing.is_whole_picture
+    torch.testing.assert_close(four.score(plain.preprocess(batch)).raw_scores, plain.score(plain.preprocess(batch)).raw_scores,
+                               rtol=1e-6, atol=0)

@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 
 from padim.models.verdicts import Verdict
-from padim.models.heatmaps import (ANOMALOUS_COLOUR, NORMAL_COLOUR, TINT_AT_THRESHOLD, TINT_FROM, TINT_MAX, _ANCHORS,
+from padim.models.heatmaps import (UNSCORED_FRAME, ANOMALOUS_COLOUR, NORMAL_COLOUR, TINT_AT_THRESHOLD, TINT_FROM, TINT_MAX, _ANCHORS,
                                        colorize, figure, mask_image, overlay, tint_opacity)
 
 
@@ -70,3 +70,18 @@ def test_small_images_are_enlarged_and_long_titles_shortened_to_fit():
     small = figure(image, np.zeros((48, 64)), found, label="RANDOM WEIGHTS - DEMO ONLY", title=title)
     assert small.width == 2 * 64 * 4 + max(4, 256 // 80)  # 64 px -> 256 px halves (a whole factor)
     assert (np.asarray(small)[:, :, :] == NORMAL_COLOUR).all(axis=2).any()  # the verdict is drawn
+
+
+def test_what_was_not_scored_is_greyed_out_and_the_scored_box_framed():
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    values = np.zeros((60, 80))
+    values[20:30, 30:40] = 0.9  # above the threshold, inside the box
+    box = (20, 10, 60, 50)
+    plain = np.asarray(overlay(image, values), dtype=int)
+    marked = np.asarray(overlay(image, values, scored=box), dtype=int)
+    outside = np.ones((60, 80), dtype=bool)
+    outside[10:50, 20:60] = False
+    assert np.ptp(marked[outside], axis=1).max() <= 1  # grey: the three channels alike
+    assert np.array_equal(marked[11:49, 21:59], plain[11:49, 21:59])  # inside, as without a box
+    assert tuple(marked[10, 30]) == UNSCORED_FRAME and tuple(marked[30, 59]) == UNSCORED_FRAME  # the frame

@@ -356,3 +356,28 @@ def test_serve_takes_models_positionally_like_the_other_commands(model_file, tmp
     with running_server(tmp_path, [model_file], args=(str(copy),)) as running:  # `serve line4.padim --model weave.padim`
         listing = httpx.get(running.url + "/models", timeout=10).json()
     assert listing["default"] == "line4" and [m["name"] for m in listing["models"]] == ["line4", "weave"]
+
+
+def test_a_framed_model_is_served_as_predict_scores_it(dataset, tmp_path):
+    """Region of interest + pad: the service frames as train did, maps back onto the picture, refuses a
+    picture that cannot hold the region, and GET /models says how it frames."""
+    model = tmp_path / "framed.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
+            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2)
+    run_cli("-q", "predict", model, dataset / "test" / "hole" / "000.png", "--output", tmp_path / "p")
+    expected = json.loads((tmp_path / "p" / "results.jsonl").read_text().splitlines()[0])
+    with running_server(tmp_path, [model]) as srv:
+        got = post_image(srv.url, dataset / "test" / "hole" / "000.png", mask="true", heatmap="true")
+        assert got.status_code == 200
+        assert_same_verdict(got.json(), expected)
+        mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(got.json()["mask"]))))
+        outside = np.ones(mask.shape, dtype=bool)
+        outside[16:80, 8:88] = False  # pad scores the whole region
+        assert mask.shape == (96, 96) and not mask[outside].any()
+        heat = np.asarray(Image.open(io.BytesIO(base64.b64decode(got.json()["heatmap"]))).convert("RGB"), dtype=int)
+        assert heat.shape == (96, 96, 3) and np.ptp(heat[0:10, 0:96], axis=2).max() <= 2  # outside: greyed out
+        small = httpx.post(srv.url + "/score", content=png_bytes(Image.new("RGB", (50, 50))),
+                           headers={"content-type": "image/png"})
+        assert small.status_code == 422 and "does not lie inside this 50x50 picture" in small.json()["error"]["message"]
+        described = httpx.get(srv.url + "/models").json()["models"][0]
+        assert described["roi"] == [8, 16, 80, 64] and described["resize"] == "pad"

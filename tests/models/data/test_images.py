@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from padim.models.data.framing import PICTURE_SIZE, Framing
 from padim.models.data.images import (ImageError, ImageTooLarge, bounded_copy, image_dimensions, list_images, open_image,
                                  to_model_input)
 
@@ -55,7 +56,7 @@ def test_bad_inputs():
 
 def test_model_input_is_normalised(tmp_path):
     image = Image.new("RGB", (30, 20), (124, 116, 104))  # ~ the ImageNet mean
-    batch = to_model_input([image, image], 32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    batch = to_model_input([image, image], Framing(size=32), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     assert batch.shape == (2, 3, 32, 32)
     assert batch.abs().max() < 0.02
 
@@ -77,9 +78,10 @@ def test_large_jpeg_is_drafted_down_but_never_below_the_asked_side():
     drafted = open_image(data, draft_to=200)
     assert full.size == (2000, 1500)
     assert drafted.size == (500, 375)  # 1/4: the 1/8 scale would make the short side 188 < 200
+    assert drafted.info[PICTURE_SIZE] == (2000, 1500) and PICTURE_SIZE not in full.info
     # the DCT-scaled decode is a low-pass of the full one: model input from both is close
-    a = to_model_input([full], 64, (0, 0, 0), (1, 1, 1))
-    b = to_model_input([drafted], 64, (0, 0, 0), (1, 1, 1))
+    a = to_model_input([full], Framing(size=64), (0, 0, 0), (1, 1, 1))
+    b = to_model_input([drafted], Framing(size=64), (0, 0, 0), (1, 1, 1))
     assert float((a - b).abs().mean()) < 0.02
     small = encode(Image.new("RGB", (300, 300)), "JPEG")
     assert open_image(small, draft_to=200).size == (300, 300)  # under twice the side: decoded as is

@@ -168,3 +168,28 @@ def test_export_of_an_in_memory_detector_writes_the_same_graph_inputs(model_file
     session = onnxruntime.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["images"]
     assert [o.name for o in session.get_outputs()] == ["anomaly_map", "raw_score"]
+
+
+def test_padim_json_says_how_to_frame_a_picture_for_a_client(dataset, tmp_path):
+    """A framed model (region + pad): a client cropping and padding as padim.json says scores as padim predict."""
+    model = tmp_path / "framed.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
+            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2)
+    run_cli("-q", "export", model, "--output", tmp_path / "e")
+    meta = json.loads((tmp_path / "e" / METADATA_FILE).read_text())
+    framing, size = meta["input"]["framing"], meta["input"]["shape"][2]
+    session = onnxruntime.InferenceSession(str(tmp_path / "e" / "model.onnx"), providers=["CPUExecutionProvider"])
+    run_cli("-q", "predict", model, dataset / "test" / "stain", "--output", tmp_path / "p", "--no-maps",
+            "--no-heatmaps", "--runtime", "torch")
+    for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        x, y, w, h = framing["roi"]
+        region = np.asarray(Image.open(record["path"]).convert("RGB"))[y:y + h, x:x + w]
+        side = max(w, h)
+        canvas = np.empty((side, side, 3), dtype=np.uint8)
+        canvas[...] = framing["pad_fill"]
+        canvas[(side - h) // 2:(side - h) // 2 + h, (side - w) // 2:(side - w) // 2 + w] = region
+        image = Image.fromarray(canvas).resize((size, size), Image.BILINEAR)
+        pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
+        _, raw = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
+        assert float(raw[0]) == pytest.approx(record["raw_score"], rel=1e-4)

@@ -210,16 +210,42 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
             "--neighbourhood", 1, "--calibration-folds", 2)
     run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
-    # padim.json as an export before format 4 wrote it: no scoring options anywhere
+    # padim.json as an export before format 4 wrote it: no scoring options, no framing (export version 1)
     metadata = json.loads((tmp_path / "onnx" / METADATA_FILE).read_text())
     for section in (metadata["config"], metadata["description"]):
-        for key in ("neighbourhood", "image_score", "top_fraction"):
+        for key in ("neighbourhood", "image_score", "top_fraction", "roi", "resize"):
             section.pop(key, None)
+    metadata["export_version"] = 1
+    del metadata["input"]["framing"]
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     (tmp_path / "onnx" / METADATA_FILE).write_text(json.dumps(metadata))
     deployed = load_scorer(tmp_path / "onnx", "onnxruntime", "cpu")
     assert (deployed.config.neighbourhood, deployed.config.image_score) == (1, "map_max")
+    assert deployed.framing.is_whole_picture and deployed.describe()["resize"] == "squash"
     assert deployed.describe()["neighbourhood"] == 1 and deployed.describe()["image_score"] == "map_max"
     batch = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(deployed.score(batch).raw_scores, load_detector(path, device="cpu").score(batch).raw_scores,
                                rtol=1e-4, atol=0)
+
+
+def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to_frame(dataset, tmp_path):
+    path = tmp_path / "framed.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
+            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2, "--embedding-dim", 32)
+    reference = load_detector(path, device="cpu")
+    pictures = [Image.open(p).convert("RGB") for p in sorted((dataset / "test").rglob("*.png"))[::3][:4]]
+    expected = reference.score(reference.preprocess(pictures)).raw_scores.double()
+    run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
+    for runtime in RUNTIMES:
+        deployed = load_scorer(tmp_path / "onnx", runtime, "cpu")
+        assert deployed.framing == reference.framing
+        assert torch.equal(deployed.preprocess(pictures), reference.preprocess(pictures))  # framed alike, to the bit
+        got = deployed.score(deployed.preprocess(pictures)).raw_scores.double()
+        assert ((got - expected).abs() / expected.abs()).max() <= 1e-4, runtime
+        assert deployed.describe()["roi"] == [8, 16, 80, 64] and deployed.describe()["resize"] == "pad"
+    metadata = json.loads((tmp_path / "onnx" / "padim.json").read_text())
+    assert metadata["export_version"] == 2
+    assert metadata["input"]["framing"]["roi"] == [8, 16, 80, 64] and metadata["input"]["framing"]["resize"] == "pad"
+    assert "the region x=8, y=16, 80x64 pixels of the picture, centred on a square" in metadata["input"]["resize"]
+    run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
+    assert "framed to 64x64" in (tmp_path / "triton" / "m" / "config.pbtxt").read_text()
