@@ -58,7 +58,7 @@ def _model_options(model) -> None:
                        "PatchCore: more defects found on most generated categories, docs/quality.md), 1 (none, the "
                        "paper; configs/paper.yaml) or 5")
     model.add_argument("--image-score", choices=IMAGE_SCORES,
-                       help="how an image's score is read from its map: map_max (default, the smoothed map's maximum), "
+                       help="how an image's score is read from its map: map_max (default, the map's maximum), "
                        "patch_max (the largest feature-grid distance, unsmoothed) or top_mean (mean of the "
                        "--top-fraction highest map pixels); the calibration reads its scores the same way")
     model.add_argument("--top-fraction", type=float, metavar="SHARE",

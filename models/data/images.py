@@ -4,8 +4,8 @@ Every mode Pillow reads (grayscale, RGBA, palette, 16-bit, CMYK, float) becomes 
 and the EXIF orientation is applied, so a photo from a phone is scored the way it is seen.
 
 Large JPEGs are decoded at a reduced scale (Pillow's draft mode: 1/2, 1/4 or 1/8, done inside
-the JPEG decoder) as long as both sides stay at least :func:`decode_side` pixels, twice the
-model's input size. Fitting, ``padim predict`` and the service decode the same way, so they
+the JPEG decoder) as long as both sides of the part the model uses (its region of interest, else
+the picture) stay at least :func:`decode_side` pixels, twice the model's input size. Fitting, ``padim predict`` and the service decode the same way, so they
 score an image alike; other formats are decoded at full size.
 """
 
