@@ -55,8 +55,9 @@ class Prediction(Verdict):
 
     Attributes:
         source: the path, or ``"<image N>"`` for an in-memory image (N: its place in the call).
-        anomaly_map: ``(H, W)`` float32 raw map at the image's own size.
-        image: the RGB image that was scored.
+        anomaly_map: ``(H, W)`` float32 raw map at the picture's own size (a large JPEG decoded at a
+            reduced scale too: its map is at the full size; heat maps resize it to the image).
+        image: the RGB image that was scored (as decoded).
         calibration: the model's, which turns raw values into scores.
         weights_label: where the backbone weights came from (a random-weights model says so).
         stamp: the label a heat map carries (random weights only).
@@ -83,7 +84,13 @@ class Prediction(Verdict):
 
     def overlay(self) -> Image.Image:
         """The image, tinted only where the map nears or passes the threshold, outline at the threshold."""
-        return overlay(self.image, self.normalised_map, self.threshold, scored=self.scored_box)
+        return overlay(self.image, self._on_image(self.normalised_map), self.threshold, scored=self.scored_box)
+
+    def _on_image(self, values: np.ndarray) -> np.ndarray:
+        """``values`` at :attr:`image`'s size (a drafted JPEG's map is at the picture's larger size)."""
+        if values.shape == (self.image.height, self.image.width):
+            return values
+        return resize_map(torch.from_numpy(values), self.image.height, self.image.width).numpy()
 
     def heatmap(self, max_side: int | None = 1024) -> Image.Image:
         """Verdict band, original beside overlay, colour bar with the threshold: what ``padim predict`` saves.
@@ -92,7 +99,7 @@ class Prediction(Verdict):
             max_side: each half at most this many pixels a side (``None``: the image's own size);
                 :attr:`anomaly_map` keeps the full resolution.
         """
-        image, values, box = self.image, self.normalised_map, self.scored_box
+        image, values, box = self.image, self._on_image(self.normalised_map), self.scored_box
         if max_side is not None and max(image.size) > max_side:
             scale = max_side / max(image.size)
             size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
@@ -145,7 +152,9 @@ class Detector:
 
     def __repr__(self) -> str:
         d = self.describe()
-        return (f"Detector({d['backbone']}, {d['image_size']} px, {d['weights']}, runtime={d['runtime']}, "
+        tiles = d.get("tiles", [1, 1])
+        size = f"{d['image_size']} px" if tiles == [1, 1] else f"{tiles[0]}x{tiles[1]} tiles of {d['image_size']} px"
+        return (f"Detector({d['backbone']}, {size}, {d['weights']}, runtime={d['runtime']}, "
                 f"fitted on {d['fit_image_count']} images)")
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -214,7 +223,7 @@ class Detector:
     def _predict_paths(self, paths: list[Path], threshold, unreadable) -> Iterator[Prediction | NonFiniteScoreError]:
         if not paths:
             return
-        draft = decode_side(self.config.image_size)
+        draft = decode_side(self.config.input_shape)
         for chunk, loaded in iter_batches(paths, self.batch_size, self.workers, unreadable, draft_to=draft,
                                           roi=self.config.roi):
             yield from self._predict_loaded(loaded, [str(p) for p in chunk], threshold)
@@ -231,9 +240,9 @@ class Detector:
                 error.source = name
                 yield error
                 continue
-            # at the decoded picture's size and place (0 outside the region of interest)
+            # at the picture's size and place (0 outside the region of interest), a drafted JPEG's too
             framing, picture = self.scorer.framing, image.info.get(PICTURE_SIZE)
-            full = framing.to_picture(small, image.width, image.height, picture).numpy().astype(np.float32)
+            full = framing.to_picture(small, *(picture or image.size), picture).numpy().astype(np.float32)
             yield Prediction(**asdict(found), source=name, anomaly_map=full, image=image, calibration=calibration,
                              weights_label=weights.label, stamp=weights.stamp,
                              scored_box=framing.shown_box(image.width, image.height, picture))

@@ -8,6 +8,9 @@ IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 NEIGHBOURHOODS = (1, 3, 5)
 #: ``resize``: how the region of interest becomes the model's square input (:mod:`padim.models.data.framing`).
 RESIZES = ("squash", "crop", "pad")
+#: ``tile_statistics``: each tile position its own Gaussians (placed parts), or one set every tile shares (uniform
+#: surfaces: textures, webs, sheets) (:mod:`padim.core.tiling`).
+TILE_STATISTICS = ("position", "shared")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.
@@ -18,3 +21,12 @@ RUNTIMES = ("auto", "torch", "onnxruntime", "openvino")
 DEFAULT_BATCH_SIZE = 16
 #: Threads decoding images (``--workers``, the config, the Python API, the service's ``PADIM_DECODE_WORKERS``).
 DEFAULT_WORKERS = 2
+
+
+def parse_tiles(text: str) -> tuple[int, int] | str:
+    """``"3x2"`` -> ``(3, 2)`` (rows x columns, ``--tiles`` and YAML); anything else is returned as it is (the
+    configuration's validation names it)."""
+    parts = text.lower().replace(" ", "").split("x")
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        return int(parts[0]), int(parts[1])
+    return text

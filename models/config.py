@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from padim.core.calibration import FALSE_ALARM_RATE_RANGE
+from padim.core.tiling import Tiling
 from padim.models.choices import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
@@ -22,6 +23,8 @@ from padim.models.choices import (
     PRECISION_DTYPES,
     REDUCTIONS,
     RESIZES,
+    TILE_STATISTICS,
+    parse_tiles,
 )
 from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
 from padim.models.features.backbones import BACKBONES
@@ -32,12 +35,12 @@ RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
-                     "calibration_folds", "neighbourhood", "roi", "resize")
+                     "calibration_folds", "neighbourhood", "roi", "resize", "tiles", "tile_overlap", "tile_statistics")
 #: What a model file or export written before an option existed computed (format 4 and older), for the
 #: keys its header lacks: read so, whatever today's default, so that it keeps scoring exactly as it did
 #: (``blur_sigma`` has always been written; its default was 4 until neighbourhood 3 became the default).
 BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0,
-                  "roi": None, "resize": "squash"}
+                  "roi": None, "resize": "squash", "tiles": (1, 1), "tile_overlap": 0.0, "tile_statistics": "position"}
 #: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
 SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
@@ -53,7 +56,7 @@ class PadimConfig:
         weights: ``imagenet`` (torchvision's weights and cache), ``random`` (seeded; demos and
             tests only) or the path of a ``state_dict`` file of the same architecture.
         layers: backbone stages whose feature maps are concatenated.
-        image_size: side of the square model input, a multiple of 16.
+        image_size: side of the square model input (of each tile, when tiled), a multiple of 16.
         reduction: ``random`` channel subset (the paper) or ``semi_orthogonal`` projection
             (Kim et al. 2021).
         embedding_dim: embedding size ``D`` after reduction; ``None`` = the backbone's default
@@ -76,7 +79,18 @@ class PadimConfig:
             and maps come back at the picture's size, 0 outside it (:mod:`padim.models.data.framing`).
         resize: how the region becomes the square model input: ``squash`` (resized, the aspect
             ratio lost; the default, as before), ``crop`` (its largest centred square) or ``pad``
-            (centred on a square of its longer side, filled with the ImageNet mean colour).
+            (centred on a square of its longer side, filled with the ImageNet mean colour). With tiles,
+            the region becomes a rectangle of the tiles' shape instead of a square.
+        tiles: ``(rows, cols)`` tiles of ``image_size`` pixels the region is resized to (``(1, 1)``: no
+            tiling); each tile goes through the backbone, the tiles' maps are stitched into one map
+            (:mod:`padim.core.tiling`), the image score and the calibration read the stitched map.
+        tile_overlap: share of a tile neighbouring tiles overlap (0 to 0.5, rounded to whole feature
+            cells); the stitched map averages the tiles where they overlap.
+        tile_statistics: ``position`` (every tile position its own Gaussians: placed parts, where
+            each place looks different; statistics grow with the number of tiles) or ``shared``
+            (one set of Gaussians every tile shares: uniform surfaces, textures, webs and sheets,
+            where a defect looks the same anywhere; the statistics of one tile, fitted on ``T``
+            times the samples).
         calibration_folds: the folds of cross-fitted calibration: every image is fitted, and
             scored by the model of every image outside its fold (see :mod:`padim.core.calibration`).
             ``"loo"`` (leave-one-out, the default): every image is its own fold; an integer ``K``:
@@ -104,6 +118,9 @@ class PadimConfig:
     top_fraction: float = 0.01
     roi: tuple[int, int, int, int] | None = None
     resize: str = "squash"
+    tiles: tuple[int, int] = (1, 1)
+    tile_overlap: float = 0.0
+    tile_statistics: str = "position"
     calibration_folds: int | str = "loo"
     false_alarm_rate: float = 0.01
     batch_size: int = DEFAULT_BATCH_SIZE
@@ -115,11 +132,38 @@ class PadimConfig:
         object.__setattr__(self, "layers", tuple(self.layers))
         if isinstance(self.roi, (list, tuple)):
             object.__setattr__(self, "roi", tuple(self.roi))
+        if isinstance(self.tiles, str):
+            object.__setattr__(self, "tiles", parse_tiles(self.tiles))
+        elif isinstance(self.tiles, list):
+            object.__setattr__(self, "tiles", tuple(self.tiles))
         _validate(self)
 
     @property
     def spec(self):
         return BACKBONES[self.backbone]
+
+    @property
+    def tiling(self) -> Tiling:
+        """Where the tiles lie on the model input and how their maps are stitched (:class:`padim.core.tiling.Tiling`)."""
+        cell = self.spec.stride_of(self.layers[0])
+        cells = self.image_size // cell
+        overlap = min(cells - 1, round(self.tile_overlap * cells)) if self.tiles != (1, 1) else 0
+        return Tiling(self.tiles[0], self.tiles[1], self.image_size, cell, overlap)
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        """``(height, width)`` of the model input in pixels: ``image_size`` square, or the tiles together."""
+        return self.tiling.input_shape
+
+    @property
+    def tile_count(self) -> int:
+        """Tiles per picture (1 untiled)."""
+        return self.tiles[0] * self.tiles[1]
+
+    @property
+    def rows_per_image(self) -> int:
+        """Rows of the statistics' samples a picture gives: its tiles when they share statistics, else 1."""
+        return self.tile_count if self.tile_statistics == "shared" else 1
 
     def embedding_dim_or_default(self) -> int:
         """``D`` when :attr:`embedding_dim` is ``None``: the backbone's default."""
@@ -225,6 +269,19 @@ def _validate(c: PadimConfig) -> None:
     if c.resize not in RESIZES:
         fail("resize", c.resize, "choose one of: " + ", ".join(RESIZES) + " (squash: resized, aspect ratio lost; crop: "
              "largest centred square; pad: centred on a square)")
+    if not isinstance(c.tiles, tuple) or len(c.tiles) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 8 for v in c.tiles):
+        fail("tiles", c.tiles, "use ROWSxCOLS with 1 to 8 of each, e.g. 2x2 or 3x4 (1x1: no tiling)")
+    if isinstance(c.tile_overlap, bool) or not isinstance(c.tile_overlap, (int, float)) or not 0 <= c.tile_overlap <= 0.5:
+        fail("tile_overlap", c.tile_overlap, "use a share of a tile from 0 to 0.5 (default 0: tiles side by side)")
+    if c.tile_overlap and c.tiles == (1, 1):
+        fail("tile_overlap", c.tile_overlap, "set tiles too (an overlap needs at least two tiles)")
+    if c.tile_statistics not in TILE_STATISTICS:
+        fail("tile_statistics", c.tile_statistics, "choose one of: " + ", ".join(TILE_STATISTICS) + " (position: each "
+             "tile position its own statistics, for placed parts; shared: one set for every tile, for uniform surfaces)")
+    if isinstance(c.image_size, int) and isinstance(c.tiles, tuple) and len(c.tiles) == 2 \
+            and max(c.tiles) * c.image_size > 8192:
+        fail("tiles", c.tiles, f"keep the model input within 8192 pixels a side ({max(c.tiles)} tiles of {c.image_size})")
     if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
                                          or not 2 <= c.calibration_folds <= 1000):
         fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")

@@ -32,7 +32,8 @@ def scoring_options(config) -> dict:
     """What part of a picture the detector sees and how it reads its maps: what ``describe`` shows of the options."""
     return {"neighbourhood": config.neighbourhood, "blur_sigma": config.blur_sigma, "image_score": config.image_score,
             "top_fraction": config.top_fraction, "roi": None if config.roi is None else list(config.roi),
-            "resize": config.resize}
+            "resize": config.resize, "tiles": list(config.tiles), "tile_overlap": config.tile_overlap,
+            "tile_statistics": config.tile_statistics, "input_shape": list(config.input_shape)}
 
 
 def now() -> str:
@@ -134,7 +135,7 @@ class PadimDetector:
         return self.model.embedder.preprocess(images)
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, S, S)`` model input -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
+        """``(B, 3, H_in, W_in)`` model input -> raw image scores ``(B,)`` and maps ``(B, H_in, W_in)``."""
         return self.model(batch.to(self.device, non_blocking=True))
 
     # ------------------------------------------------------------------ metadata

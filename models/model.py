@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+from padim.core.scoring import image_scores, squared_mahalanobis
+from padim.core.tiling import picture_maps
 from padim.models.features.embedding import FeatureEmbedder
 
 
@@ -24,7 +25,7 @@ class ScoreOutput(NamedTuple):
     Attributes:
         raw_scores: ``(B,)`` image scores (Mahalanobis distance units; the maximum of each map
             unless the model reads them another way, :func:`padim.core.scoring.image_scores`).
-        maps: ``(B, S, S)`` anomaly maps at the model's input size.
+        maps: ``(B, S, S)`` anomaly maps at the model's input size (``(B, H_in, W_in)`` tiled).
     """
 
     raw_scores: torch.Tensor
@@ -41,8 +42,8 @@ class PadimModel(nn.Module):
 
     Args:
         embedder: images -> ``(B, P, D)`` embeddings.
-        mean: ``(P, D)`` per-pixel mean.
-        precision_factor: ``(P, D, D)`` lower-triangular ``W`` with precision ``W^T W``; float16
+        mean: ``(p, D)`` per-pixel mean (``p``: :attr:`FeatureEmbedder.pixels`).
+        precision_factor: ``(p, D, D)`` lower-triangular ``W`` with precision ``W^T W``; float16
             factors (as a model file may store them) are kept float16 and upcast chunk by chunk
             when scoring (:func:`padim.core.scoring.squared_mahalanobis`), other dtypes become
             float32.
@@ -88,12 +89,23 @@ class PadimModel(nn.Module):
 
     @torch.inference_mode()
     def score_embeddings(self, embedding: torch.Tensor) -> ScoreOutput:
-        """``(B, P, D)`` embeddings -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
-        squared = squared_mahalanobis(embedding, self.mean, self.precision_factor)  # (B, P)
-        maps = anomaly_maps(squared, self.grid_shape, self.image_size, self.blur_sigma)
-        return ScoreOutput(image_scores(maps, self.image_score, squared, self.top_fraction), maps)
+        """``(N, p, D)`` embeddings (a picture's rows consecutive) -> raw image scores ``(B,)`` and maps
+        ``(B, H_in, W_in)``."""
+        squared = squared_mahalanobis(embedding, self.mean, self.precision_factor)  # (N, p)
+        return score_distances(squared, self.embedder.tiling, self.blur_sigma, self.image_score, self.top_fraction)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, S, S)`` normalised images -> raw image scores ``(B,)`` and maps ``(B, S, S)``."""
+        """``(B, 3, H_in, W_in)`` normalised images -> raw image scores ``(B,)`` and maps ``(B, H_in, W_in)``."""
         return self.score_embeddings(self.embedder(batch))
+
+
+def score_distances(squared: torch.Tensor, tiling, blur_sigma: float, image_score: str = "map_max",
+                    top_fraction: float = 0.01) -> ScoreOutput:
+    """``(N, p)`` squared distances (a picture's rows consecutive) -> image scores ``(B,)`` and maps ``(B, H_in, W_in)``.
+
+    What the scorer and the calibration both compute: tiles stitched into one map
+    (:func:`padim.core.tiling.picture_maps`), the image score read from the whole picture's map.
+    """
+    per_picture, maps = picture_maps(squared, tiling, blur_sigma)
+    return ScoreOutput(image_scores(maps, image_score, per_picture, top_fraction), maps)

@@ -4,7 +4,7 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 
 | tensor | shape | what |
 |---|---|---|
-| ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors) |
+| ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors); ``P`` is ``T x`` the grid with a Gaussian per tile position |
 | ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
 | ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
 | ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
@@ -12,13 +12,15 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 | ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
 | ``backbone.*`` | | the backbone weights used |
 
-and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
+(a statistics ``count`` counts tiles when tiles share the statistics) and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
 ``embedding_dim``, ``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
 :class:`~padim.models.detector.Provenance` fields.
 
 Formats, all still read:
 
-- **5** (this one): ``config`` holds ``roi`` and ``resize`` (what part of a picture the model
+- **6** (this one): ``config`` holds ``tiles``, ``tile_overlap`` and ``tile_statistics``
+  (:mod:`padim.core.tiling`); older files are read untiled, as they were fitted.
+- **5**: ``config`` holds ``roi`` and ``resize`` (what part of a picture the model
   sees, and how it becomes the square input: :mod:`padim.models.data.framing`); older files are
   read with the whole picture squashed, as they were fitted.
 - **4**: ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``

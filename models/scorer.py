@@ -30,7 +30,7 @@ class Scorer(Protocol):
     """What scores images: model input in, raw scores and anomaly maps out, with what makes verdicts.
 
     Attributes:
-        config: what the detector was fitted with (``image_size`` decides the input).
+        config: what the detector was fitted with (``input_shape`` is the input: ``image_size`` square, or tiles).
         calibration: normal scores, threshold and what it promises; verdicts come from it.
         weights: where the backbone weights came from (its ``label`` is shown with every result).
         provenance: image counts, fits, creation time.
@@ -52,10 +52,12 @@ class Scorer(Protocol):
         """What part of a picture the model sees and how (region of interest, resize mode); maps back to pictures."""
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        """RGB images -> ``(B, 3, S, S)`` float32 normalised model input (thread-safe; the decode pool)."""
+        """RGB images -> ``(B, 3, H_in, W_in)`` float32 normalised model input (thread-safe; the decode pool);
+        ``H_in = W_in = S`` untiled."""
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, S, S)`` model input -> raw image scores ``(B,)`` and anomaly maps ``(B, S, S)``."""
+        """``(B, 3, H_in, W_in)`` model input -> raw image scores ``(B,)`` and anomaly maps ``(B, H_in, W_in)``
+        (a tiled model's tiles stitched into one map)."""
 
     def describe(self) -> dict:
         """What a user sees of it (``padim info``, ``GET /models``, results files)."""

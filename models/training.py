@@ -291,12 +291,17 @@ def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_stati
             spool.close()
         raise FitError(str(error)) from None
     where = (f"embeddings spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)" if spool is not None
-             else f"the embeddings of {images} images ({_size(EmbeddingSpool.size(images, fit.pixels, fit.embedder.embedding_dim))}) "
+             else f"the embeddings of {images} images ({_size(EmbeddingSpool.size(images * fit.rows_per_image, fit.pixels, fit.embedder.embedding_dim))}) "
                   f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it")
     if spool is None:
         report.warnings.append(where)
     if announce is not None and (shard is None or shard.main):
-        announce(f"this fit {plan.describe(free)}; {where}")
+        config = fit.config
+        tiles = "" if config.tile_count == 1 else (
+            f" ({config.tiles[0]}x{config.tiles[1]} tiles of {config.image_size} px, "
+            + ("a Gaussian per tile position: statistics x" + str(config.tile_count) if config.tile_statistics == "position"
+               else "one set of statistics every tile shares") + ")")
+        announce(f"this fit{tiles} {plan.describe(free)}; {where}")
         if float64_is_slow(fit.device):
             announce(f"{torch.cuda.get_device_name(fit.device)} runs float64 at 1/32-1/64 of its float32 rate: the "
                      "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md")
@@ -332,13 +337,13 @@ def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool |
     unreadable: list[tuple[Path, str]] = []
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
         for paths, pictures in iter_decoded(batches_of([images], fit.config.batch_size), fit.config.workers,
-                                            unreadable, fit.draft_to):
+                                            unreadable, fit.draft_to, fit.config.roi):
             embedded = fit.embedder(fit.embedder.preprocess(pictures))
             if spool is not None:
                 spool.append(embedded)
             else:
                 parts.append(embedded.cpu())
-            names += [p.name for p in paths]
+            names += [p.name for p in paths for _ in range(fit.rows_per_image)]
             bar.update(len(paths))
     report.unreadable = [(str(p), reason) for p, reason in unreadable]
     if spool is not None:

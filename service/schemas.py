@@ -78,6 +78,12 @@ class ModelDescription(ModelInfo):
     roi: list[int] | None = Field(default=None, description="region of interest x, y, width, height in pixels of the "
                                   "picture (null: the whole picture); maps are 0 outside it")
     resize: str = Field(default="squash", description="how the region becomes the square input: squash, crop or pad")
+    tiles: list[int] = Field(default=[1, 1], description="rows, columns of tiles of image_size pixels (1, 1: untiled); "
+                             "the tiles' maps are stitched into one map of the picture")
+    tile_overlap: float = Field(default=0.0, description="share of a tile its neighbours overlap")
+    tile_statistics: str = Field(default="position", description="position: each tile position its own statistics; "
+                                 "shared: one set every tile shares")
+    input_shape: list[int] = Field(description="height, width of the model input in pixels (the tiles together)")
     fit_image_count: int
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")

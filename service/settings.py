@@ -32,8 +32,10 @@ class ServiceSettings(BaseSettings):
     runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
         "auto", description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
         "there), torch otherwise. .padim files are exported once and cached (PADIM_CACHE_DIR, else beside them)")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch (each model is warmed up with "
-                                "the largest batch it will form, so a batch that does not fit fails at start, not under load)")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch, in backbone inputs: images, or "
+                                "tiles of a tiled model, whose batches then hold max_batch_size / tiles pictures (each "
+                                "model is warmed up with the largest batch it will form, so a batch that does not fit "
+                                "fails at start, not under load)")
     max_device_errors: int = Field(3, ge=1, description="scoring batches failing in a row on the GPU (an error that "
                                    "splitting the batch did not cure) after which the service reports itself unready "
                                    "(/health/ready 503), so that an orchestrator restarts it")
@@ -80,6 +82,11 @@ class ServiceSettings(BaseSettings):
         if self.preferred_batch_size is not None:
             return min(self.preferred_batch_size, self.max_batch_size)
         return min(CPU_PREFERRED_BATCH, self.max_batch_size) if device_type == "cpu" else self.max_batch_size
+
+    def picture_batches(self, device_type: str, tiles: int = 1) -> tuple[int, int]:
+        """``(largest, preferred)`` batch of pictures of a model with ``tiles`` tiles a picture: the batch sizes
+        count backbone inputs, so a tiled model's batches hold ``1 / tiles`` as many pictures (at least one)."""
+        return max(1, self.max_batch_size // tiles), max(1, self.batch_preference(device_type) // tiles)
 
     def model_files(self) -> list[Path]:
         files = list(self.models)

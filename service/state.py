@@ -190,14 +190,15 @@ class ServiceState:
             started = time.perf_counter()
             detector, sha256 = await loop.run_in_executor(self.inference, self._load_one, path)
             seconds = time.perf_counter() - started
+            largest, preferred = self.settings.picture_batches(detector.device.type, detector.config.tile_count)
             batcher = MicroBatcher(
                 score_batch=lambda batch, n=name: self.score(n, batch),
                 executor=self.inference,
-                max_batch_size=self.settings.max_batch_size,
+                max_batch_size=largest,
                 max_delay=self.settings.max_delay_ms / 1000,
                 max_queue=self.settings.max_queue,
                 on_batch=lambda size, waits, n=name: self._record_batch(n, size, waits),
-                preferred_batch_size=self.settings.batch_preference(detector.device.type),
+                preferred_batch_size=preferred,
             )
             self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds)
             batcher.start()
@@ -215,13 +216,13 @@ class ServiceState:
             raise ExportError(f"{path}: {error}") from None
         if detector.device.type == "cuda" and self.settings.cuda_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self.settings.cuda_memory_fraction, detector.device)
-        size = detector.config.image_size
-        largest = self.settings.batch_preference(detector.device.type)  # the largest batch the batcher forms
+        tiles = detector.config.tile_count
+        _, largest = self.settings.picture_batches(detector.device.type, tiles)  # the largest batch the batcher forms
         try:
-            detector.score(torch.zeros(largest, 3, size, size))  # warm-up (and cudnn's tuning) at that size
+            detector.score(torch.zeros(largest, 3, *detector.config.input_shape))  # warm-up (and cudnn's tuning) at that size
         except torch.OutOfMemoryError:
             release_device_memory()
-            raise UsageError(f"{path}: a batch of {largest} images does not fit in the GPU's memory; lower "
+            raise UsageError(f"{path}: a batch of {largest} images ({largest * tiles} tiles) does not fit in the GPU's memory; lower "
                              "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU") from None
         log.info("warmed up", extra={"model": model_name(path), "batch": largest, "device": str(detector.device),
                                      "runtime": detector.runtime})
@@ -309,7 +310,7 @@ class ServiceState:
         try:
             width, height = image_dimensions(data, **limits)
             with self.pixels.hold(width * height):
-                image = open_image(data, draft_to=decode_side(model.detector.config.image_size),
+                image = open_image(data, draft_to=decode_side(model.detector.config.input_shape),
                                    roi=model.detector.config.roi, **limits)
                 picture = image.info.get(PICTURE_SIZE, image.size)
                 tensor = model.detector.preprocess([image])[0]

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
 
@@ -133,3 +134,25 @@ def large_png(side: int = 6300) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def reference_maps(squared: np.ndarray, tiling, sigma: float) -> np.ndarray:
+    """Stitch by hand (the mean of the tiles covering each cell), then F.interpolate and gaussian_blur."""
+    import torch
+    import torch.nn.functional as F
+
+    from padim.core.scoring import gaussian_blur
+
+    height, width = tiling.grid
+    step = height - tiling.overlap
+    rows, cols = height + (tiling.rows - 1) * step, width + (tiling.cols - 1) * step
+    distance = np.sqrt(np.maximum(squared, 0)).reshape(-1, tiling.rows, tiling.cols, height, width)
+    total = np.zeros((len(distance), rows, cols))
+    count = np.zeros((rows, cols))
+    for r in range(tiling.rows):
+        for c in range(tiling.cols):
+            total[:, r * step : r * step + height, c * step : c * step + width] += distance[:, r, c]
+            count[r * step : r * step + height, c * step : c * step + width] += 1
+    stitched = torch.from_numpy(total / count)[:, None]
+    upsampled = F.interpolate(stitched, size=tiling.input_shape, mode="bilinear", align_corners=False)
+    return gaussian_blur(upsampled, sigma)[:, 0].numpy()

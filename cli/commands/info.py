@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         else False,
         "backbone": config.get("backbone"),
         "image_size": config.get("image_size"),
+        "tiles": config.get("tiles", [1, 1]),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS, RESIZES
+from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS, RESIZES, TILE_STATISTICS, parse_tiles
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
@@ -73,7 +73,19 @@ def _model_options(model) -> None:
     model.add_argument("--resize", choices=RESIZES,
                        help="how the picture (or --roi) becomes the square model input: squash (default: resized, the "
                        "aspect ratio lost), crop (its largest centred square) or pad (centred on a square of its longer "
-                       "side, filled with the ImageNet mean colour)")
+                       "side, filled with the ImageNet mean colour); with --tiles, a box of the tiles' shape")
+    model.add_argument("--tiles", type=tiles_value, metavar="RxC",
+                       help="cut the picture (or --roi), resized to R x C tiles of --image-size pixels, into tiles that "
+                       "each go through the backbone, for small defects on big pictures: the tiles' maps are stitched "
+                       "into one map of the picture, whose maximum is the image score and the calibration's (default "
+                       "1x1: no tiling). Costs the tiles' count in fit and scoring time")
+    model.add_argument("--tile-overlap", type=float, metavar="SHARE",
+                       help="share of a tile its neighbours overlap, 0 to 0.5 (default 0); the stitched map averages "
+                       "the tiles where they overlap")
+    model.add_argument("--tile-statistics", choices=TILE_STATISTICS,
+                       help="position (default): each tile position its own statistics, for placed parts (a board, a "
+                       "pill in a fixture), memory x the tiles' count; shared: one set every tile shares, for uniform "
+                       "surfaces (textures, webs, sheets), the memory of an untiled model and T times the samples")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
                        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
                        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
@@ -104,6 +116,14 @@ def roi_value(text: str) -> tuple[int, int, int, int]:
     if len(values) != 4:
         raise argparse.ArgumentTypeError(f"{text!r} is not x,y,width,height (four integers, e.g. 120,80,640,480)")
     return values
+
+
+def tiles_value(text: str) -> tuple[int, int]:
+    """``--tiles``: ``ROWSxCOLS``."""
+    tiles = parse_tiles(text)
+    if not isinstance(tiles, tuple):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxCOLS (e.g. 2x2 or 3x4)")
+    return tiles
 
 
 def folds_value(text: str) -> int | str:
@@ -177,7 +197,8 @@ def configuration(args: argparse.Namespace):
         epsilon=args.epsilon, seed=args.seed, false_alarm_rate=args.false_alarm_rate,
         calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
         neighbourhood=args.neighbourhood, image_score=args.image_score, top_fraction=args.top_fraction,
-        blur_sigma=args.blur_sigma, roi=args.roi, resize=args.resize,
+        blur_sigma=args.blur_sigma, roi=args.roi, resize=args.resize, tiles=args.tiles,
+        tile_overlap=args.tile_overlap, tile_statistics=args.tile_statistics,
     )
     given |= {k for k, v in flags.items() if v is not None}
     return config.replace(**flags), given

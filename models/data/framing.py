@@ -1,11 +1,13 @@
 """Which part of a picture the model sees, and where its map lies on the picture.
 
-A picture of ``W x H`` pixels (as seen: EXIF orientation applied) becomes the square model input
-of ``S x S`` pixels in two steps, the same at fit and at scoring:
+A picture of ``W x H`` pixels (as seen: EXIF orientation applied) becomes the model input of
+``S x S`` pixels (``H_in x W_in`` for a tiled model: its tiles together, :mod:`padim.core.tiling`)
+in two steps, the same at fit and at scoring:
 
 1. the **region of interest** (``roi``: ``x, y, width, height`` in the picture's pixels; default
    the whole picture) is cut out;
-2. the region becomes a square (``resize``):
+2. the region becomes the input's shape (``resize``; "square" below: a rectangle of the input's
+   aspect ratio when tiled):
 
    - ``squash`` (default; what padim always did): the region is resized to ``S x S``, its
      aspect ratio lost;
@@ -53,17 +55,25 @@ class Framing:
     Attributes:
         roi: ``(x, y, width, height)`` in picture pixels, or ``None`` for the whole picture.
         resize: one of :data:`RESIZES`.
-        size: side ``S`` of the model input.
+        size: side ``S`` of the model input (of a tile, when tiled).
+        tiled_shape: ``(H_in, W_in)`` of a tiled model's input, ``None`` for ``(S, S)``.
     """
 
     roi: tuple[int, int, int, int] | None = None
     resize: str = "squash"
     size: int = 224
+    tiled_shape: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, config) -> Framing:
         """The framing of a :class:`~padim.models.config.PadimConfig`."""
-        return cls(config.roi, config.resize, config.image_size)
+        shape = config.input_shape
+        return cls(config.roi, config.resize, config.image_size, None if shape == (config.image_size,) * 2 else shape)
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        """``(height, width)`` of the model input."""
+        return self.tiled_shape or (self.size, self.size)
 
     @property
     def is_whole_picture(self) -> bool:
@@ -86,14 +96,24 @@ class Framing:
         return x, y, x + w, y + h
 
     def square(self, width: int, height: int, name: str = "image") -> tuple[int, int, int, int]:
-        """The picture box that becomes the ``S x S`` input (beyond the picture with ``pad``)."""
+        """The picture box that becomes the model input (beyond the picture with ``pad``): the region
+        (``squash``), or the largest box of the input's aspect ratio inside it (``crop``), or the
+        smallest around it (``pad``), centred."""
         left, top, right, bottom = self.region(width, height, name)
         w, h = right - left, bottom - top
-        if self.resize == "squash" or w == h:
-            return left, top, right, bottom
-        side = min(w, h) if self.resize == "crop" else max(w, h)
-        left, top = left + (w - side) // 2, top + (h - side) // 2  # floor division: a pad offset is negative
-        return left, top, left + side, top + side
+        box_w, box_h = self._box(w, h)
+        left, top = left + (w - box_w) // 2, top + (h - box_h) // 2  # floor division: a pad offset is negative
+        return left, top, left + box_w, top + box_h
+
+    def _box(self, w: int, h: int) -> tuple[int, int]:
+        """``(width, height)`` of the input-shaped box of a ``w x h`` region."""
+        in_h, in_w = self.input_shape
+        if self.resize == "squash" or w * in_h == h * in_w:
+            return w, h
+        wider = w * in_h > h * in_w  # the region is wider than the input
+        if wider == (self.resize == "crop"):  # keep the height
+            return max(1, round(h * in_w / in_h)), h
+        return w, max(1, round(w * in_h / in_w))
 
     def scored_box(self, width: int, height: int) -> tuple[int, int, int, int]:
         """``(left, top, right, bottom)``: the picture pixels a map covers (the region; its square with crop)."""
@@ -114,19 +134,20 @@ class Framing:
 
     # ------------------------------------------------------------------ images
     def to_square(self, image: Image.Image, name: str = "image") -> Image.Image:
-        """A decoded picture -> its ``S x S`` model input: the region cut out, made square, resized (bilinear)."""
+        """A decoded picture -> its ``S x S`` (``W_in x H_in``) model input: the region cut out, made square,
+        resized (bilinear)."""
         return self._framed(image, Image.BILINEAR, PAD_FILL, name)
 
     def to_square_mask(self, mask: Image.Image) -> np.ndarray:
-        """A ground-truth mask of the picture (defect where above 127) -> ``(S, S)`` bool on the model input
-        (nearest)."""
+        """A ground-truth mask of the picture (defect where above 127) -> ``(S, S)`` (``(H_in, W_in)``) bool on
+        the model input (nearest)."""
         mask = mask.convert("L").point(lambda v: 255 if v > 127 else 0)
         return np.asarray(self._framed(mask, Image.NEAREST, 0)) > 0
 
     def _framed(self, image: Image.Image, resample, fill, name: str = "image") -> Image.Image:
-        size = self.size
+        size = self.input_shape[::-1]  # (W_in, H_in)
         if self.is_whole_picture:
-            return image.resize((size, size), resample)
+            return image.resize(size, resample)
         picture = image.info.get(PICTURE_SIZE, image.size)
         sx, sy = image.width / picture[0], image.height / picture[1]  # decoded / picture (JPEG draft)
 
@@ -134,18 +155,23 @@ class Framing:
             return round(box[0] * sx), round(box[1] * sy), round(box[2] * sx), round(box[3] * sy)
 
         region = self.region(*picture, name)
-        if self.resize != "pad" or region[2] - region[0] == region[3] - region[1]:
-            return image.crop(scaled(self.square(*picture, name))).resize((size, size), resample)
+        box = self.square(*picture, name)
+        if self.resize != "pad" or box == region:
+            return image.crop(scaled(box)).resize(size, resample)
         part = image.crop(scaled(region))
-        side = max(part.size)
-        canvas = Image.new(image.mode, (side, side), fill)
-        canvas.paste(part, ((side - part.width) // 2, (side - part.height) // 2))
-        return canvas.resize((size, size), resample)
+        if self.tiled_shape is None:  # a square of the part's longer side
+            box_w = box_h = max(part.size)
+        else:
+            box_w, box_h = max(part.width, round((box[2] - box[0]) * sx)), max(part.height, round((box[3] - box[1]) * sy))
+        canvas = Image.new(image.mode, (box_w, box_h), fill)
+        canvas.paste(part, ((canvas.width - part.width) // 2, (canvas.height - part.height) // 2))
+        return canvas.resize(size, resample)
 
     # ------------------------------------------------------------------ maps
     def to_picture(self, anomaly_map: torch.Tensor, width: int, height: int,
                    picture: tuple[int, int] | None = None) -> torch.Tensor:
-        """An ``(S, S)`` map of the model input -> ``(height, width)``: the picture's map, 0 outside the scored box.
+        """An ``(S, S)`` (``(H_in, W_in)``) map of the model input -> ``(height, width)``: the picture's map, 0
+        outside the scored box.
 
         Args:
             width, height: the map's size (the picture's, or a picture shown smaller).
@@ -174,10 +200,12 @@ class Framing:
         """What a client of an export does before the graph, in words and values."""
         steps = "the whole picture" if self.roi is None else \
             f"the region x={self.roi[0]}, y={self.roi[1]}, {self.roi[2]}x{self.roi[3]} pixels of the picture"
-        how = {"squash": f"resized to {self.size}x{self.size} (aspect ratio not kept)",
-               "crop": f"its largest centred square resized to {self.size}x{self.size}",
-               "pad": f"centred on a square of its longer side filled with RGB {PAD_FILL}, resized to "
-                      f"{self.size}x{self.size}"}[self.resize]
+        h, w = self.input_shape
+        shape = "square" if h == w else f"{w}:{h} box"
+        how = {"squash": f"resized to {w}x{h} (aspect ratio not kept)",
+               "crop": f"its largest centred {shape} resized to {w}x{h}",
+               "pad": ("centred on a square of its longer side" if h == w else f"centred on the smallest {shape} around "
+                       "it") + f" filled with RGB {PAD_FILL}, resized to {w}x{h}"}[self.resize]
         return {"roi": None if self.roi is None else list(self.roi), "resize": self.resize,
                 "steps": f"{steps}, {how}, bilinear with antialiasing (PIL Image.resize, BILINEAR)"}
 

@@ -5,7 +5,8 @@ and the EXIF orientation is applied, so a photo from a phone is scored the way i
 
 Large JPEGs are decoded at a reduced scale (Pillow's draft mode: 1/2, 1/4 or 1/8, done inside
 the JPEG decoder) as long as both sides of the part the model uses (its region of interest, else
-the picture) stay at least :func:`decode_side` pixels, twice the model's input size. Fitting, ``padim predict`` and the service decode the same way, so they
+the picture) stay at least :func:`decode_side` pixels, twice the model input's longer side (all its tiles
+together, when tiled). Fitting, ``padim predict`` and the service decode the same way, so they
 score an image alike; other formats are decoded at full size.
 """
 
@@ -43,9 +44,11 @@ def list_images(root: str | os.PathLike) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
-def decode_side(image_size: int) -> int:
-    """Smallest side a JPEG is drafted down to for a model of input size ``image_size``."""
-    return 2 * image_size
+def decode_side(input_shape: int | tuple[int, int]) -> int:
+    """Smallest side a JPEG is drafted down to for a model input of ``input_shape`` (``(H_in, W_in)``, or a
+    square's side): twice the input's longer side, so that a tiled model's tiles stay as sharp as an
+    untiled model's input."""
+    return 2 * (max(input_shape) if isinstance(input_shape, tuple) else input_shape)
 
 
 def image_dimensions(source: bytes, max_pixels: int | None = None, limit_name: str | None = None) -> tuple[int, int]:

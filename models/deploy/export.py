@@ -46,6 +46,7 @@ from torch import nn
 
 from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.scoring import image_scores, upsample_blur_operator
+from padim.core.tiling import tiled_anomaly_maps
 from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS
 from padim.models.data.framing import PAD_FILL
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 2
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 3
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
@@ -72,10 +73,12 @@ TRITON_DEVICES = ("gpu", "cpu")
 
 
 class ExportedScorer(nn.Module):
-    """What goes into the graph: ``(B, 3, S, S)`` images -> ``(B, S, S)`` maps and ``(B,)`` raw scores.
+    """What goes into the graph: ``(B, 3, H_in, W_in)`` images -> ``(B, H_in, W_in)`` maps and ``(B,)`` raw scores.
 
     The same operations as :class:`padim.models.model.PadimModel`, written without in-place
-    or ``out=`` ops so that the exporters can trace them.
+    or ``out=`` ops so that the exporters can trace them. A tiled model's tiles are cut inside the
+    graph (slices of the input, one batch through the backbone) and their maps stitched there
+    (:mod:`padim.core.tiling`): a client sends the whole framed picture, as to an untiled model.
 
     Args:
         detector: the fitted detector (its torch model, any device).
@@ -88,35 +91,48 @@ class ExportedScorer(nn.Module):
         self.layers = model.embedder.extractor.layers
         self.embedding = model.embedder.embedding
         self.grid_shape = model.grid_shape
+        self.tiling = model.embedder.tiling
+        self.tiles_per_row = self.tiling.count // model.embedder.rows_per_image  # T (a Gaussian per position) or 1
         self.image_score, self.top_fraction = model.image_score, model.top_fraction
         dim = self.embedding.embedding_dim
         rows, cols = torch.tril_indices(dim, dim)
         # (D * D,) position of every entry of W in the packed row, or T (a zero column) above the diagonal
         index = torch.full((dim, dim), rows.numel(), dtype=torch.int64)
         index[rows, cols] = torch.arange(rows.numel())
-        factor = model.precision_factor.detach().cpu()  # (P, D, D) as stored (float16 or float32)
-        packed = factor[:, rows, cols].to(detector.precision_dtype)  # (P, T), T = D (D + 1) / 2
-        self.register_buffer("mean", model.mean.detach().cpu().clone())  # (P, D)
+        factor = model.precision_factor.detach().cpu()  # (p, D, D) as stored (float16 or float32)
+        packed = factor[:, rows, cols].to(detector.precision_dtype)  # (p, T), T = D (D + 1) / 2
+        self.register_buffer("mean", model.mean.detach().cpu().clone())  # (p, D)
         self.register_buffer("precision_factor_packed", torch.cat([packed, packed.new_zeros(len(packed), 1)], 1))
         self.register_buffer("unpack_index", index.flatten())  # (D * D,)
         height, width = self.grid_shape
         size, sigma = model.image_size, model.blur_sigma
-        self.register_buffer("rows", upsample_blur_operator(height, size, sigma).clone())  # (S, H)
-        self.register_buffer("cols_t", upsample_blur_operator(width, size, sigma).T.contiguous())  # (W, S)
+        if self.tiling.count == 1:
+            self.register_buffer("rows", upsample_blur_operator(height, size, sigma).clone())  # (S, H)
+            self.register_buffer("cols_t", upsample_blur_operator(width, size, sigma).T.contiguous())  # (W, S)
+        else:
+            rows_op, cols_op = self.tiling.map_operators(sigma)
+            self.register_buffer("rows", rows_op.clone())  # (R, H_in, H)
+            self.register_buffer("cols_t", cols_op.clone())  # (C, W, W_in)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.extractor(images)
-        embedding = self.embedding([features[layer] for layer in self.layers])  # (B, D, H, W)
-        batch, dim = embedding.shape[0], embedding.shape[1]
+        features = self.extractor(self.tiling.cut(images))  # (B * T, 3, S, S) through the backbone
+        embedding = self.embedding([features[layer] for layer in self.layers])  # (B * T, D, H, W)
+        dim, grid_pixels = embedding.shape[1], self.grid_shape[0] * self.grid_shape[1]
         pixels = self.mean.shape[0]
-        # constant subgraph, folded at load: (P, T + 1) packed -> (P, D, D) float32
+        # constant subgraph, folded at load: (p, T + 1) packed -> (p, D, D) float32
         factor = self.precision_factor_packed.to(torch.float32).index_select(1, self.unpack_index)
         factor = factor.reshape(pixels, dim, dim)
-        delta = embedding.reshape(batch, dim, pixels).permute(2, 0, 1) - self.mean.unsqueeze(1)  # (P, B, D)
-        whitened = torch.matmul(delta, factor.transpose(1, 2))  # (P, B, D)
-        squared = whitened.square().sum(-1).transpose(0, 1)  # (B, P)
-        distance = squared.clamp_min(0).sqrt().reshape(batch, *self.grid_shape)  # (B, H, W)
-        maps = self.rows @ distance @ self.cols_t  # (B, S, S)
+        # rows of the statistics: (p, N, D), tile positions one after another when each has its Gaussian
+        rows = embedding.reshape(-1, self.tiles_per_row, dim, grid_pixels).permute(1, 3, 0, 2).reshape(pixels, -1, dim)
+        delta = rows - self.mean.unsqueeze(1)  # (p, N, D)
+        whitened = torch.matmul(delta, factor.transpose(1, 2))  # (p, N, D)
+        squared = whitened.square().sum(-1).transpose(0, 1)  # (N, p)
+        squared = squared.reshape(images.shape[0], self.tiling.count * grid_pixels)  # (B, T * P)
+        if self.tiling.count == 1:
+            distance = squared.clamp_min(0).sqrt().reshape(-1, *self.grid_shape)  # (B, H, W)
+            maps = self.rows @ distance @ self.cols_t  # (B, S, S)
+        else:
+            maps = tiled_anomaly_maps(squared, self.tiling, 0.0, (self.rows, self.cols_t))  # (B, H_in, W_in)
         return maps, image_scores(maps, self.image_score, squared, self.top_fraction)
 
 
@@ -169,8 +185,10 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
         metadata = export_metadata(detector, fmt, source, source_sha256,
                                    {prefix + f: file_sha256(graph_dir / f) for f in files})
         if fmt == "triton":
-            (meta_dir / "config.pbtxt").write_text(triton_config(name, detector.model.image_size,
-                                                                   device=triton_device))
+            tiles = detector.config.tile_count
+            (meta_dir / "config.pbtxt").write_text(triton_config(
+                name, detector.config.input_shape, max_batch_size=max(1, TRITON_MAX_BATCH // tiles), device=triton_device,
+                tiles=tiles))
         (meta_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
         log.info("exported %s as %s in %.1f s", source, fmt, time.perf_counter() - started)
         _replace_dir(staging, output)
@@ -184,8 +202,8 @@ def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None
     scorer = ExportedScorer(detector).eval().to("cpu")
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
-    size = detector.model.image_size
-    example = torch.zeros(2, 3, size, size)
+    height, width = detector.config.input_shape
+    example = torch.zeros(2, 3, height, width)
     batch = torch.export.Dim("batch", min=1, max=4096)
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
@@ -219,7 +237,7 @@ def _convert_openvino(onnx_path: Path, xml_path: Path) -> list[str]:
 
 def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str]) -> dict:
     """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs."""
-    size = detector.model.image_size
+    height, width = detector.config.input_shape
     calibration = detector.calibration
     framing = detector.framing.describe()
     metadata = {
@@ -232,17 +250,22 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "model": {"file": source.name, "sha256": source_sha256, "created": detector.provenance.created},
         "files_sha256": files,
         "input": {
-            "name": INPUT_NAME, "shape": ["batch", 3, size, size], "dtype": "float32", "layout": "NCHW",
+            "name": INPUT_NAME, "shape": ["batch", 3, height, width], "dtype": "float32", "layout": "NCHW",
             "channels": "RGB",
             "resize": framing["steps"],
             "framing": {"roi": framing["roi"], "resize": framing["resize"], "pad_fill": list(PAD_FILL),
                         "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
                                "the region (padim.models.data.framing.Framing.to_picture)"},
+            "tiles": {"rows": detector.config.tiles[0], "cols": detector.config.tiles[1],
+                      "tile_size": detector.config.image_size, "overlap_pixels": detector.config.tiling.overlap
+                      * detector.config.tiling.cell, "statistics": detector.config.tile_statistics,
+                      "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
+                               "stitched into one anomaly_map there"},
             "normalisation": "(pixel / 255 - mean) / std, per channel",
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
         },
         "outputs": {
-            "anomaly_map": {"shape": ["batch", size, size], "dtype": "float32",
+            "anomaly_map": {"shape": ["batch", height, width], "dtype": "float32",
                             "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)"},
             "raw_score": {"shape": ["batch"], "dtype": "float32",
                           "meaning": f"image score ({detector.config.image_score}) of each anomaly_map"},
@@ -270,7 +293,8 @@ def metadata_sha256(metadata: dict) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH, device: str = "gpu") -> str:
+def triton_config(name: str, size: int | tuple[int, int], max_batch_size: int = TRITON_MAX_BATCH, device: str = "gpu",
+                  tiles: int = 1) -> str:
     """``config.pbtxt`` of the ONNX graph on Triton's onnxruntime backend, with dynamic batching.
 
     ``device`` ``gpu``: one instance on every GPU Triton sees (``KIND_GPU``; Triton refuses to load
@@ -279,9 +303,15 @@ def triton_config(name: str, size: int, max_batch_size: int = TRITON_MAX_BATCH, 
 
     Triton adds the batch dimension itself (``max_batch_size > 0``), so ``dims`` leave it out;
     ``raw_score`` has no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
+    ``size``: the input's side, or ``(height, width)``; ``tiles``: a tiled model's tiles per picture
+    (cut inside the graph; ``max_batch_size`` counts pictures, so that the backbone sees at most
+    ``max_batch_size * tiles`` tiles a batch).
     """
+    height, width = (size, size) if isinstance(size, int) else size
+    tiled = f"\n# Tiled: each picture is cut into {tiles} tiles inside the graph; a batch of {max_batch_size} pictures is " \
+            f"{max_batch_size * tiles} tiles." if tiles > 1 else ""
     return f"""# padim {__version__}: the whole scorer (backbone, Mahalanobis, map, maximum) on onnxruntime.
-# Feed RGB images framed to {size}x{size} and normalised as padim.json says (input.resize, input.normalisation).
+# Feed RGB images framed to {width}x{height} and normalised as padim.json says (input.resize, input.normalisation).{tiled}
 name: "{name}"
 platform: "onnxruntime_onnx"
 max_batch_size: {max_batch_size}
@@ -289,14 +319,14 @@ input [
   {{
     name: "{INPUT_NAME}"
     data_type: TYPE_FP32
-    dims: [ 3, {size}, {size} ]
+    dims: [ 3, {height}, {width} ]
   }}
 ]
 output [
   {{
     name: "anomaly_map"
     data_type: TYPE_FP32
-    dims: [ {size}, {size} ]
+    dims: [ {height}, {width} ]
   }},
   {{
     name: "raw_score"

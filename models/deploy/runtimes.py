@@ -185,7 +185,7 @@ TENSORRT_ENV = "PADIM_TENSORRT_CACHE"
 TENSORRT_MAX_BATCH = 64
 
 
-def onnxruntime_providers(available: list[str], device: torch.device, image_size: int | None,
+def onnxruntime_providers(available: list[str], device: torch.device, image_size: int | tuple[int, int] | None,
                           tensorrt_cache: str | None) -> list:
     """ONNX Runtime's providers, best first, for ``device`` (see :class:`OnnxRuntimeSession`).
 
@@ -202,7 +202,8 @@ def onnxruntime_providers(available: list[str], device: torch.device, image_size
     providers: list = [cuda, "CPUExecutionProvider"]
     if tensorrt_cache and "TensorrtExecutionProvider" in available and image_size:
         Path(tensorrt_cache).mkdir(parents=True, exist_ok=True)
-        shape = lambda batch: f"{INPUT_NAME}:{batch}x3x{image_size}x{image_size}"  # noqa: E731
+        height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+        shape = lambda batch: f"{INPUT_NAME}:{batch}x3x{height}x{width}"  # noqa: E731
         providers.insert(0, ("TensorrtExecutionProvider", {
             "device_id": device.index or 0, "trt_engine_cache_enable": True, "trt_engine_cache_path": str(tensorrt_cache),
             "trt_timing_cache_enable": True, "trt_timing_cache_path": str(tensorrt_cache), "trt_fp16_enable": False,
@@ -244,7 +245,7 @@ class DeployedDetector:
             if graph.suffix != ".onnx":
                 raise ExportError(f"{directory}: an OpenVINO export; run it with --runtime openvino, "
                                   "or export with --format onnx for onnxruntime")
-            self._session = OnnxRuntimeSession(graph, device, self.image_size)
+            self._session = OnnxRuntimeSession(graph, device, self.config.input_shape)
         elif runtime == "openvino":
             self._session = OpenVinoSession(graph, device)
         else:
@@ -286,7 +287,7 @@ class OnnxRuntimeSession:
     size or process start). Unverified on a GPU so far (docs/gpu.md).
     """
 
-    def __init__(self, graph: Path, device: torch.device, image_size: int | None = None):
+    def __init__(self, graph: Path, device: torch.device, image_size: int | tuple[int, int] | None = None):
         ort = require("onnxruntime")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

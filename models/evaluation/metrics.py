@@ -125,7 +125,7 @@ class Scored:
     def masks(self) -> np.ndarray:
         """``(N, S, S)`` ground truth on the model input (framed as the pictures were), read once
         (metrics and report share it)."""
-        return load_masks(self.samples, self.framing or self.maps.shape[-1])
+        return load_masks(self.samples, self.framing or tuple(self.maps.shape[-2:]))
 
 
 def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT_BATCH_SIZE, workers: int = DEFAULT_WORKERS,
@@ -135,7 +135,7 @@ def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT
     raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
         for chunk, images in iter_batches([s.path for s in samples], batch_size, workers,
-                                          draft_to=decode_side(detector.config.image_size), roi=detector.config.roi):
+                                          draft_to=decode_side(detector.config.input_shape), roi=detector.config.roi):
             out = detector.score(detector.preprocess(images))
             raw_scores.append(out.raw_scores.cpu())
             maps.append(out.maps.cpu())
@@ -144,22 +144,23 @@ def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT
     return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold, Framing.of(detector.config))
 
 
-def load_masks(samples: list[Sample], size: int | Framing) -> np.ndarray:
-    """Ground-truth masks ``(N, S, S)`` (nearest; all False for good images), framed as the model frames
-    pictures when ``size`` is a :class:`~padim.models.data.framing.Framing` (region, resize mode): a defect
-    outside the region is not counted, as the model never sees it."""
+def load_masks(samples: list[Sample], size: int | tuple[int, int] | Framing) -> np.ndarray:
+    """Ground-truth masks ``(N, H_in, W_in)`` (nearest; all False for good images), framed as the model frames
+    pictures when ``size`` is a :class:`~padim.models.data.framing.Framing` (region, resize mode, tiles): a
+    defect outside the region is not counted, as the model never sees it. ``size``: else the maps' side, or
+    their ``(height, width)``."""
     framing = size if isinstance(size, Framing) else None
-    size = framing.size if framing is not None else size
+    shape = framing.input_shape if framing is not None else (size, size) if isinstance(size, int) else tuple(size)
     masks = []
     for sample in samples:
         if sample.mask_path is None:
-            masks.append(torch.zeros(size, size, dtype=torch.bool))
+            masks.append(torch.zeros(*shape, dtype=torch.bool))
             continue
         if framing is not None and not framing.is_whole_picture:
             masks.append(torch.from_numpy(framing.to_square_mask(Image.open(sample.mask_path))))
             continue
         mask = torch.from_numpy(np.asarray(Image.open(sample.mask_path).convert("L")) > 127)
-        masks.append(F.interpolate(mask[None, None].float(), size=(size, size), mode="nearest")[0, 0] > 0.5)
+        masks.append(F.interpolate(mask[None, None].float(), size=shape, mode="nearest")[0, 0] > 0.5)
     return torch.stack(masks).numpy()
 
 
@@ -171,7 +172,7 @@ def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndar
         masks: ``(N, S, S)`` ground truth, if already read (:attr:`Scored.masks`).
     """
     scores = np.asarray(raw_scores, dtype=np.float64)
-    mask_array = load_masks(samples, maps.shape[-1]) if masks is None else masks
+    mask_array = load_masks(samples, tuple(maps.shape[-2:])) if masks is None else masks
     labels = np.array([s.is_anomalous for s in samples])
     has_both = labels.any() and not labels.all()
     has_pixels = mask_array.any() and not mask_array.all()

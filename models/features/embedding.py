@@ -130,7 +130,7 @@ class Embedding(nn.Module):
                 reduced = feature.index_select(1, part)
             else:
                 reduced = F.conv2d(feature, part.to(feature.dtype))
-            if self.neighbourhood > 1:  # each layer on its own grid: deeper layers see farther
+            if self.neighbourhood > 1 and reduced.shape[1]:  # each layer on its own grid: deeper layers see farther
                 reduced = F.avg_pool2d(reduced, self.neighbourhood, stride=1, padding=self.neighbourhood // 2,
                                        count_include_pad=False)
             if scale != 1:
@@ -142,10 +142,15 @@ class Embedding(nn.Module):
 
 
 class FeatureEmbedder(nn.Module):
-    """Images to PaDiM embeddings ``(B, P, D)``: the backbone's stages, then the channel reduction.
+    """Images to PaDiM embeddings ``(N, p, D)``: the backbone's stages, then the channel reduction.
 
     What a fitted detector and a fit in progress share. ``P = H * W`` is the first layer's
-    feature grid (:attr:`grid_shape`), ``D`` the reduced embedding size.
+    feature grid (:attr:`grid_shape`, of one tile), ``D`` the reduced embedding size. Untiled,
+    a picture is one row of ``P`` pixels. A tiled model (:attr:`tiling`) cuts each input into
+    ``T`` tiles that go through the backbone as a batch; with ``tile_statistics`` ``position``
+    a picture is one row of ``p = T * P`` pixels (each tile position its own Gaussians), with
+    ``shared`` it is ``T`` rows of ``P`` (every tile a sample of the same Gaussians):
+    :attr:`pixels` and :attr:`rows_per_image`.
 
     Args:
         config: the detector configuration (backbone, layers, image size).
@@ -159,6 +164,9 @@ class FeatureEmbedder(nn.Module):
         self.image_size = config.image_size
         self.framing = Framing.of(config)
         self.grid_shape = grid_shape(config)
+        self.tiling = config.tiling
+        self.rows_per_image = config.rows_per_image
+        self.pixels = self.grid_shape[0] * self.grid_shape[1] * (self.tiling.count // self.rows_per_image)
         self.extractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
 
@@ -171,19 +179,20 @@ class FeatureEmbedder(nn.Module):
         return next(self.extractor.parameters()).device
 
     def preprocess(self, images) -> torch.Tensor:
-        """PIL images -> ``(B, 3, S, S)`` normalised model input (region of interest, resize mode)."""
+        """PIL images -> ``(B, 3, H_in, W_in)`` normalised model input (region of interest, resize mode)."""
         return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, S, S)`` model input -> ``(B, P, D)`` embeddings."""
-        features = self.extractor(batch.to(self.device, non_blocking=True))
-        embedding = self.embedding(features)  # (B, D, H, W)
-        return embedding.permute(0, 2, 3, 1).reshape(batch.shape[0], -1, self.embedding.embedding_dim)
+        """``(B, 3, H_in, W_in)`` model input -> ``(B * rows_per_image, pixels, D)`` embeddings."""
+        tiles = self.tiling.cut(batch.to(self.device, non_blocking=True))  # (B * T, 3, S, S)
+        embedding = self.embedding(self.extractor(tiles))  # (B * T, D, H, W)
+        rows = batch.shape[0] * self.rows_per_image
+        return embedding.permute(0, 2, 3, 1).reshape(rows, self.pixels, self.embedding.embedding_dim)
 
 
 def grid_shape(config) -> tuple[int, int]:
-    """``(H, W)`` of the first layer's feature grid at the configured input size."""
+    """``(H, W)`` of the first layer's feature grid at the configured input size (of one tile)."""
     side = config.image_size // config.spec.stride_of(config.layers[0])
     return side, side
 

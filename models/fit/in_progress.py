@@ -48,7 +48,7 @@ from padim.core.out_of_fold import (
     refit_squared_distances,
 )
 from padim.core.packing import pack_lower, packed_length, unpack_lower
-from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
+from padim.core.scoring import squared_mahalanobis
 from padim.core.spool import EmbeddingSpool, ScratchFile
 from padim.core.statistics import (
     ACCUMULATOR_DTYPE,
@@ -68,6 +68,7 @@ from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.memory_plan import BLOCK_BYTES, REEMBED_GROUP_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES, spool_fits
+from padim.models.model import score_distances
 
 #: Images of the float16 check (one batch of out-of-fold embeddings, as before the finish was sliced).
 FLOAT16_SAMPLE = 16
@@ -173,9 +174,10 @@ class Fit:
         self.embedding = embedding
         self.device = resolve_device(config.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
+        self.rows_per_image = self.embedder.rows_per_image  # a picture's rows in the statistics (its tiles when shared)
         self.statistics = None if statistics is None else statistics.to(self.device)
         self.spooled: Spooled | None = None
-        self._slim_count = 0  # images fitted into a slim fit, which keeps no statistics
+        self._slim_count = 0  # rows fitted into a slim fit, which keeps no statistics
         self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
         self.earlier = earlier
         self.provenance = provenance or Provenance()
@@ -193,18 +195,24 @@ class Fit:
     @property
     def draft_to(self) -> int:
         """JPEGs are decoded down to this side (see :func:`~padim.models.data.images.decode_side`)."""
-        return decode_side(self.config.image_size)
+        return decode_side(self.config.input_shape)
 
     @property
     def count(self) -> int:
         """Images fitted: in the statistics, and in the spool waiting for :meth:`finish`."""
         held = int(self.statistics.count) if self.statistics is not None else self._slim_count
-        return held + (self.spooled.count if self.spooled is not None else 0)
+        return (held + (self.spooled.count if self.spooled is not None else 0)) // self.rows_per_image
 
     @property
     def pixels(self) -> int:
-        grid = self.embedder.grid_shape
-        return grid[0] * grid[1]
+        """``p``: pixels of a row of the statistics (``T * P`` with a Gaussian per tile position)."""
+        return self.embedder.pixels
+
+    @property
+    def naming_grid(self) -> tuple[int, int]:
+        """The pixels as rows x columns (tile positions one under another), to name a failing pixel."""
+        width = self.embedder.grid_shape[1]
+        return self.pixels // width, width
 
     @property
     def slice_pixels(self) -> int:
@@ -225,6 +233,7 @@ class Fit:
 
     def spool_or_none(self, directory: Path, rows: int) -> EmbeddingSpool | None:
         """A spool for ``rows`` images in ``directory``, or ``None`` when they would not fit its free disk."""
+        rows *= self.rows_per_image
         if not spool_fits(directory, rows, self.pixels, self.embedder.embedding_dim):
             return None
         return EmbeddingSpool(directory, rows, self.pixels, self.embedder.embedding_dim, self.slice_pixels)
@@ -264,8 +273,8 @@ class Fit:
                         spooled.spool.append(embedded)
                         batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
                         spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
-                        spooled.names += [name_of[p] for p in paths]
-                        rows_fold.extend(fold_of_path[p] for p in paths)
+                        spooled.names += [name_of[p] for p in paths for _ in range(self.rows_per_image)]
+                        rows_fold.extend(fold_of_path[p] for p in paths for _ in range(self.rows_per_image))
                         bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
                     else:
                         accumulator.partial_fit(embedded)
@@ -314,8 +323,8 @@ class Fit:
                 for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
                                                   self.draft_to, self.config.roi):
                     parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
-                    names += [name_of[p] for p in paths]
-                    rows_fold += [fold_of_path[p] for p in paths]
+                    names += [name_of[p] for p in paths for _ in range(self.rows_per_image)]
+                    rows_fold += [fold_of_path[p] for p in paths for _ in range(self.rows_per_image)]
                     bar.update(len(paths))
                 embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
                 yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names,
@@ -323,7 +332,7 @@ class Fit:
 
     def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
         """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
-        per_image = self.pixels * self.embedder.embedding_dim * 4
+        per_image = self.rows_per_image * self.pixels * self.embedder.embedding_dim * 4
         chunks: list[list[list[TrainingImage]]] = []
         size = 0
         for fold in (f for f in folds if f):
@@ -350,13 +359,13 @@ class Fit:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
         config, dim, pixels = self.config, self.embedder.embedding_dim, self.pixels
-        grid, device = self.embedder.grid_shape, self.device
+        grid, device, per_image = self.naming_grid, self.device, self.rows_per_image
         timing = {} if timing is None else timing
         timing.setdefault("finish", 0.0), timing.setdefault("calibrate", 0.0)
         state = self._merged_statistics(keep_statistics)
-        count = state.count
-        if count < 2:
-            raise ValueError(f"need at least 2 fitted images, have {count}")
+        count = state.count  # rows: images, or their tiles when tiles share the statistics
+        if count < 2 * per_image:
+            raise ValueError(f"need at least 2 fitted images, have {count // per_image}")
         slices = self.spooled.spool.slices if self.spooled else _slices(pixels, self.slice_pixels)
         main = shard is None or shard.main
         factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
@@ -367,7 +376,7 @@ class Fit:
         float16_change = None
         try:
             for number, source in enumerate(scored if scored is not None else []):
-                keep = _scoreable(source, count, unscored)
+                keep = _scoreable(source, count, unscored, per_image)
                 rows = sum(len(r) for r in keep)
                 squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
                 first_pass = number == 0
@@ -379,7 +388,7 @@ class Fit:
                         if first_pass and factors is not None:
                             stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
                             factors.write(start * packed_length(dim) * 4, pack_lower(stored))
-                            sample = _sample(source, index, start, stop)
+                            sample = _sample(source, index, start, stop, per_image)
                             if sample is not None:
                                 exact, half = _float16_check(sample.to(device), state.mean[start:stop], stored)
                                 sample_exact = exact if sample_exact is None else torch.cat([sample_exact, exact], 1)
@@ -395,7 +404,7 @@ class Fit:
                     self._formed(state, keep_statistics)
                 started = time.perf_counter()
                 distances.append(self._image_scores(squared))
-                names += [n for r in keep for n in r]
+                names += [n for r in keep for n in r[::per_image]]  # a picture's rows: one name
                 timing["calibrate"] += time.perf_counter() - started
             if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
                 self._statistics_only(state, slices, factors, shard, grid, timing, keep_statistics, progress)
@@ -404,7 +413,7 @@ class Fit:
                 factors.close()
             raise
         if sample_exact is not None:
-            float16_change = _relative_change(sample_exact, sample_half, grid, config)
+            float16_change = _relative_change(sample_exact, sample_half, self.embedder.tiling, config)
         scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
         if shard is not None:  # every rank scored its own folds
             gathered = distributed.gather((names, scores.tolist(), unscored), shard)
@@ -530,7 +539,7 @@ class Fit:
                 folds.setdefault(m, []).append((row, out))
                 out += m
             row += m
-        grid = self.embedder.grid_shape
+        grid = self.naming_grid
         for m, places in sorted(folds.items()):
             refit = refit_is_cheaper(m, dim, len(places))
             base = None if refit else fold_base(covariance, count, m, epsilon, start, grid)
@@ -549,12 +558,12 @@ class Fit:
             del base
 
     def _image_scores(self, squared: torch.Tensor) -> torch.Tensor:
-        """Raw scores ``(N,)`` float64 from distances ``(N, P)``: maps, as the scorer makes them, and their maxima."""
-        scores = []
-        for first in range(0, squared.shape[0], 64):
-            chunk = squared[first : first + 64]
-            maps = anomaly_maps(chunk, self.embedder.grid_shape, self.config.image_size, self.config.blur_sigma)
-            scores.append(image_scores(maps, self.config.image_score, chunk, self.config.top_fraction))
+        """Raw scores ``(B,)`` from distances ``(N, p)``: the pictures' maps (tiles stitched) as the scorer makes
+        them, and their scores."""
+        scores, config, rows = [], self.config, 64 * self.rows_per_image
+        for first in range(0, squared.shape[0], rows):
+            scores.append(score_distances(squared[first : first + rows], self.embedder.tiling, config.blur_sigma,
+                                          config.image_score, config.top_fraction).raw_scores)
         return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
@@ -579,24 +588,25 @@ class _State:
     spooled: Spooled | None
 
 
-def _scoreable(source: Scored, count: int, unscored: list[str]) -> list[list[str]]:
-    """The names of each fold that can be scored (its model keeps two images), the rest named in ``unscored``."""
+def _scoreable(source: Scored, count: int, unscored: list[str], per_image: int = 1) -> list[list[str]]:
+    """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each), the
+    rest named in ``unscored`` (once a picture)."""
     if source.folds is None:
         return [source.names]
     keep, row = [], 0
     for m in source.folds:
         names = source.names[row : row + m]
-        if count - m >= 2:
+        if count - m >= 2 * per_image:
             keep.append(names)
         else:
             keep.append([])
-            unscored += names
+            unscored += names[::per_image]
         row += m
     return keep
 
 
-def _sample(source: Scored, index: int, start: int, stop: int) -> torch.Tensor | None:
-    rows = min(FLOAT16_SAMPLE, len(source.names))
+def _sample(source: Scored, index: int, start: int, stop: int, per_image: int = 1) -> torch.Tensor | None:
+    rows = min(FLOAT16_SAMPLE * per_image, len(source.names))  # whole pictures
     return source.read(index, start, stop, 0, rows) if rows else None
 
 
@@ -607,10 +617,10 @@ def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tenso
             squared_mahalanobis(sample, mean, factor.half().float()).cpu())
 
 
-def _relative_change(exact: torch.Tensor, half: torch.Tensor, grid: tuple[int, int], config: PadimConfig) -> float:
-    """Largest relative change of image scores from ``(B, P)`` distances (float16 against float32 factors)."""
-    first, second = (image_scores(anomaly_maps(d, grid, config.image_size, config.blur_sigma), config.image_score, d,
-                                  config.top_fraction) for d in (exact, half))
+def _relative_change(exact: torch.Tensor, half: torch.Tensor, tiling, config: PadimConfig) -> float:
+    """Largest relative change of image scores from ``(N, p)`` distances (float16 against float32 factors)."""
+    first, second = (score_distances(d, tiling, config.blur_sigma, config.image_score, config.top_fraction).raw_scores
+                     for d in (exact, half))
     return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
 
 

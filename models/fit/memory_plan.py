@@ -3,13 +3,15 @@
 ``padim train`` prints a :class:`FitPlan` before pass 1 and refuses, with the options that would
 fit, a fit that would not (:func:`check`), instead of dying in the middle. The parts:
 
-- **statistics**: the packed float64 comoment ``P D (D + 1) / 2 * 8`` bytes and the means. A
+- **statistics**: the packed float64 comoment ``P D (D + 1) / 2 * 8`` bytes and the means (``P``
+  times the tiles with ``--tiles`` and a Gaussian per tile position: ``tile_statistics``). A
   fit with a spool forms the comoment slice by slice after pass 1 (and not at all for a
   ``--slim`` file); without a spool it is streamed during pass 1.
 - **finish**: one slice's float64 buffers (comoment, Cholesky factor, inverse; see
   :data:`SLICE_BYTES`), a block of embeddings and the out-of-fold
   distances of every image (``N P`` float32).
-- **backbone**: its weights (kept, and folded for inference) and one batch's activations,
+- **backbone**: its weights (kept, and folded for inference) and one batch's activations (every
+  tile of every picture of the batch),
   measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
 - **process**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
   what the process keeps besides (:data:`PROCESS_BYTES`).
@@ -105,20 +107,21 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
                         else "cpu")
     spec = BACKBONES[config.backbone]
     rows, cols = grid_shape(config)
-    pixels, dim = rows * cols, config.embedding_dim_or_default()
+    tiles, per_image = config.tile_count, config.rows_per_image  # a picture's tiles; its rows in the statistics
+    pixels, dim = rows * cols * tiles // per_image, config.embedding_dim_or_default()
     held = keep_statistics or not spool or resume
     statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
     slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
-    finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * pixels * 4
+    finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * per_image * pixels * 4
     deepest = max(spec.layers.index(layer) for layer in config.layers)
     kind = "basic" if spec.channels[0] == 64 else "bottleneck"
     per_pixel = 4 * (64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides)))
-    activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size)
-    embedding = config.batch_size * pixels * dim * 4 * (1 if spool else 3)  # without a spool: float64 slices and held batches
+    activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size * tiles)
+    embedding = config.batch_size * tiles * rows * cols * dim * 4 * (1 if spool else 3)  # without a spool: float64 slices and held batches
     update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
     backbone = 2 * _weights_bytes(config) + activations + embedding + update
     return FitPlan(device, statistics, finish, backbone, PROCESS_BYTES[device],
-                   EmbeddingSpool.size(images, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
+                   EmbeddingSpool.size(images * per_image, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
 
 
 def free_memory(device: str) -> int | None:
@@ -202,6 +205,11 @@ def _alternatives(config: PadimConfig, plan: FitPlan, free: int, images: int, sp
         if total is not None:
             options.append(f"--embedding-dim {fewer} ({_gb(total)})")
             break
+    if config.tile_count > 1 and config.tile_statistics == "position" and not resume:
+        total = fits(config.replace(tile_statistics="shared"))
+        if total is not None:  # the statistics of one tile instead of one per tile position
+            options.append(f"--tile-statistics shared (one set of statistics for every tile: uniform surfaces; "
+                           f"{_gb(total)})")
     if keep_statistics and spool and not resume:
         total = fits(config, keep_statistics=False)
         if total is not None:

@@ -66,7 +66,7 @@ async function loadModels() {
     select.replaceChildren(...listing.models.map((m) => {
       const option = document.createElement("option");
       option.value = m.name;
-      option.textContent = `${m.name} — ${m.backbone}, ${m.image_size} px`;
+      option.textContent = `${m.name} — ${m.backbone}, ${describeInput(m)}`;
       return option;
     }));
     select.disabled = false;
@@ -81,6 +81,14 @@ async function loadModels() {
   }
 }
 
+// "224 px", or "2x2 tiles of 224 px (448x448)" for a tiled model
+function describeInput(m) {
+  const tiles = m.tiles || [1, 1];
+  if (tiles[0] * tiles[1] === 1) return `${m.image_size} px`;
+  const shape = m.input_shape || [];
+  return `${tiles[0]}x${tiles[1]} tiles of ${m.image_size} px (${shape[1]}x${shape[0]}, ${m.tile_statistics} statistics)`;
+}
+
 function chooseModel(name) {
   state.model = name;
   sessionStorage.setItem("padim-model", name);
@@ -91,7 +99,9 @@ function chooseModel(name) {
     `${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
     `${(100 * c.promised_false_alarm_rate).toFixed(2)}% false alarms ` +
     `(at most ${(100 * c.false_alarm_bound).toFixed(2)}% with ${(100 * c.confidence).toFixed(0)}% confidence). ` +
-    `Runtime ${model.runtime}.`;
+    `Runtime ${model.runtime}.` +
+    (model.roi ? ` Scores the region x=${model.roi[0]}, y=${model.roi[1]}, ${model.roi[2]}x${model.roi[3]} px only.` : "") +
+    ((model.tiles || [1, 1])[0] * (model.tiles || [1, 1])[1] > 1 ? ` Input: ${describeInput(model)}.` : "");
   const demo = /random/i.test(model.weights);
   $("demo-warning").hidden = !demo;
   $("demo-warning").textContent = demo ? "RANDOM WEIGHTS — demo only: these verdicts say nothing about real parts." : "";

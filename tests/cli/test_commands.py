@@ -458,6 +458,27 @@ def test_a_region_of_interest_through_train_predict_and_evaluate(dataset, tmp_pa
     assert 0.5 < saved["pixel_auroc"] <= 1 and 0 <= saved["image_auroc"] <= 1
 
 
+def test_a_tiled_model_trains_predicts_and_evaluates_through_the_cli(dataset, tmp_path):
+    model = tmp_path / "tiled.padim"
+    result = run_cli("train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
+                     "--tiles", "2x2", "--tile-overlap", "0.25", "--calibration-folds", 2, "--embedding-dim", 32)
+    assert "this fit (2x2 tiles of 64 px, a Gaussian per tile position: statistics x4) needs about" in result.stderr
+    info = json.loads(run_cli("-q", "info", model).stdout)
+    assert info["header"]["config"]["tiles"] == [2, 2] and info["tiles"] == [2, 2]
+    run_cli("-q", "predict", model, dataset / "test", "--output", tmp_path / "p", "--runtime", "torch")
+    assert np.load(tmp_path / "p" / "maps" / "hole" / "000.npy").shape == (96, 96)  # the picture's size
+    saved = json.loads(run_cli("-q", "evaluate", model, dataset, "--runtime", "torch").stdout)
+    assert 0.5 < saved["pixel_auroc"] <= 1 and 0 <= saved["image_auroc"] <= 1
+
+
+@pytest.mark.parametrize("value, message", [("2by2", "is not ROWSxCOLS"), ("9x1", "tiles: (9, 1) is not allowed")])
+def test_bad_tiles_are_a_one_line_error(dataset, tmp_path, value, message):
+    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
+                     "--tiles", value, check=False)
+    assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "m.padim").exists()
+
+
 @pytest.mark.parametrize("value, message", [("1,2,3", "is not x,y,width,height"),
                                             ("0,0,8,8", "roi: (0, 0, 8, 8) is not allowed")])
 def test_a_bad_region_of_interest_is_a_one_line_error(dataset, tmp_path, value, message):

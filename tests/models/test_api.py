@@ -82,3 +82,19 @@ def test_fit_from_in_memory_images_and_bad_input_errors(dataset):
         padim.fit(images, weights="random", bogus=1)
     with pytest.raises(ImageError, match="no such file"):
         detector.predict("nowhere/part.png")
+
+
+def test_a_large_jpeg_is_decoded_smaller_but_its_map_is_at_the_pictures_size(model_file, tmp_path):
+    import io
+
+    rng = np.random.default_rng(3)
+    pixels = np.kron(rng.integers(60, 200, (48, 64, 3)), np.ones((25, 25, 1))).astype(np.uint8)  # 1600 x 1200
+    path = tmp_path / "large.jpg"
+    Image.fromarray(pixels).save(path, quality=90)
+    detector = padim.load(model_file, runtime="torch")
+    (prediction,) = detector.predict([path])
+    assert prediction.image.size == (200, 150)  # decoded at 1/8: its short side still twice the 64 px input
+    assert prediction.anomaly_map.shape == (1200, 1600)  # the map is the picture's
+    assert prediction.overlay().size == (200, 150) and prediction.mask().size == (1600, 1200)
+    assert prediction.heatmap().size[1] > 150  # the figure shows the decoded picture and its overlay
+    assert io.BytesIO(prediction._repr_png_()).getbuffer().nbytes > 0

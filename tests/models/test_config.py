@@ -39,6 +39,13 @@ def test_defaults_follow_the_paper():
         ({"roi": (0, 0, 100, 8)}, "width and height >= 16"),
         ({"roi": (0, 0, 100.5, 100)}, "integers"),
         ({"resize": "stretch"}, "resize: 'stretch' is not allowed; choose one of: squash, crop, pad"),
+        ({"tiles": "2by2"}, "tiles: '2by2' is not allowed; use ROWSxCOLS with 1 to 8 of each"),
+        ({"tiles": (0, 2)}, "1 to 8 of each"),
+        ({"tiles": (9, 1)}, "1 to 8 of each"),
+        ({"tiles": (8, 8), "image_size": 1536}, "within 8192 pixels a side"),
+        ({"tile_overlap": 0.6, "tiles": (2, 2)}, "from 0 to 0.5"),
+        ({"tile_overlap": 0.25}, "set tiles too"),
+        ({"tile_statistics": "each"}, "tile_statistics: 'each' is not allowed; choose one of: position, shared"),
     ],
 )
 def test_bad_values_say_what_is_allowed(changes, message):
@@ -95,6 +102,19 @@ def test_the_shipped_configs_load_with_current_names(name):
     assert set(values) <= set(PadimConfig.__dataclass_fields__), "configs use the current option names"
     config = PadimConfig.from_mapping(values, source=str(path))
     assert config.calibration_folds == "loo" and config.embedding_dim_or_default() == values["embedding_dim"]
+
+
+def test_tiles_from_yaml_or_text_lay_out_the_input_and_shape_the_statistics(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("tiles: 2x3\ntile_overlap: 0.25\ntile_statistics: shared\n")
+    config, given = read_config_file(path)
+    assert config.tiles == (2, 3) and given == {"tiles", "tile_overlap", "tile_statistics"}
+    assert PadimConfig(tiles=[2, 3]).tiles == (2, 3)  # a header's list
+    # 224 px tiles on the 56-cell layer1 grid: a quarter is 14 cells = 56 px, so tiles start every 168 px
+    assert config.tiling.overlap == 14 and config.tiling.step == 168 and config.input_shape == (392, 560)
+    assert config.rows_per_image == 6 and config.replace(tile_statistics="position").rows_per_image == 1
+    assert PadimConfig().input_shape == (224, 224) and PadimConfig().tile_count == 1
+    assert PadimConfig().differences(config) == ["tiles", "tile_overlap", "tile_statistics"]  # resume/merge keep them
 
 
 def test_a_region_from_yaml_is_a_tuple_and_shapes_the_statistics(tmp_path):

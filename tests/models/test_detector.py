@@ -11,6 +11,7 @@ from helpers import tensor_byte_ranges
 from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
+from padim.models.features.embedding import FeatureEmbedder
 from padim.models.model_file import load_detector, load_fit, save_detector
 
 # neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
@@ -246,7 +247,7 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
     framed = fit_detector(CONFIG.replace(roi=(8, 16, 80, 64), resize="pad"), images, progress=False)[0]
     save_detector(framed, tmp_path / "framed.padim")
     _, header = load_artifact(tmp_path / "framed.padim")
-    assert header["format_version"] == 5 and header["config"]["roi"] == [8, 16, 80, 64]
+    assert header["format_version"] >= 5 and header["config"]["roi"] == [8, 16, 80, 64]
     loaded = load_detector(tmp_path / "framed.padim", device="cpu")
     assert loaded.config.roi == (8, 16, 80, 64) and loaded.framing.resize == "pad"
     batch = pictures(images, 3)
@@ -264,3 +265,47 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
     assert four.config.roi is None and four.config.resize == "squash" and four.framing.is_whole_picture
     torch.testing.assert_close(four.score(plain.preprocess(batch)).raw_scores, plain.score(plain.preprocess(batch)).raw_scores,
                                rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("statistics", ["position", "shared"])
+def test_tiles_travel_in_the_file_and_a_format_five_file_is_untiled(images, tmp_path, statistics):
+    config = CONFIG.replace(tiles=(2, 3), tile_overlap=0.25, tile_statistics=statistics)
+    tiled = fit_detector(config, images, progress=False)[0]
+    save_detector(tiled, tmp_path / "tiled.padim")
+    tensors, header = load_artifact(tmp_path / "tiled.padim")
+    assert header["format_version"] == 6 and header["config"]["tiles"] == [2, 3]
+    grid = tiled.model.grid_shape[0] * tiled.model.grid_shape[1]
+    assert tensors["mean"].shape[0] == (6 * grid if statistics == "position" else grid)  # statistics per tile position
+    loaded = load_detector(tmp_path / "tiled.padim", device="cpu")
+    assert loaded.config.tiles == (2, 3) and loaded.config.tile_statistics == statistics
+    batch = loaded.preprocess(pictures(images, 3))
+    height, width = config.input_shape
+    assert batch.shape == (3, 3, height, width) and width > height  # two rows, three columns of tiles
+    out = loaded.score(batch)
+    assert out.maps.shape == (3, height, width)
+    torch.testing.assert_close(out.raw_scores, tiled.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert loaded.describe()["tiles"] == [2, 3] and loaded.describe()["input_shape"] == [height, width]
+    # a format-5 file (no tiles) is read as it was fitted: one tile, the whole input
+    plain = fit_detector(CONFIG, images, progress=False)[0]
+    save_detector(plain, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    for key in ("tiles", "tile_overlap", "tile_statistics"):
+        del header["config"][key]
+    older_format_of(tensors, header, tmp_path / "five.padim", 5)
+    five = load_detector(tmp_path / "five.padim", device="cpu")
+    assert five.config.tiles == (1, 1) and five.config.input_shape == (CONFIG.image_size,) * 2
+    plain_batch = plain.preprocess(pictures(images, 3))
+    torch.testing.assert_close(five.score(plain_batch).raw_scores, plain.score(plain_batch).raw_scores, rtol=1e-6, atol=0)
+
+
+def test_each_tile_position_is_scored_as_that_crop_of_the_input(images):
+    # a tiled model's embedding of a tile is the untiled embedding of that crop of its input: the same backbone
+    tiled = fit_detector(CONFIG.replace(tiles=(2, 2)), images, progress=False)[0]
+    untiled = FeatureEmbedder(CONFIG, tiled.backbone_weights, tiled.embedding)
+    batch = tiled.preprocess(pictures(images, 2))
+    rows = tiled.model.embedder(batch)  # (B, T * P, D)
+    size = CONFIG.image_size
+    for t, (top, left) in enumerate(tiled.config.tiling.origins):
+        crop = untiled(batch[:, :, top : top + size, left : left + size])  # (B, P, D)
+        pixels = crop.shape[1]
+        torch.testing.assert_close(rows[:, t * pixels : (t + 1) * pixels], crop, rtol=1e-5, atol=1e-5)

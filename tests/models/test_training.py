@@ -14,6 +14,8 @@ from padim.models import (DoesNotFit, Fit, FitError, PadimConfig, TrainingImage,
 from padim.models.fit.in_progress import Scored
 from padim.models.model_file import load_detector, load_fit, save_fit
 
+from helpers import reference_maps
+
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 
 
@@ -25,6 +27,23 @@ def images(dataset) -> list[TrainingImage]:
 def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
     """Every row of the spool, ``(N, P, D)`` float64: exactly what the fit accumulated."""
     return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
+
+
+def refit_squared(x: np.ndarray, folds: list[int], epsilon: float) -> np.ndarray:
+    """``(N, P)`` squared distances of each fold's rows under a model fitted from scratch on the others, float64."""
+    n, pixels, dim = x.shape
+    squared = np.empty((n, pixels))
+    start = 0
+    for m in folds:
+        rest = np.delete(x, np.arange(start, start + m), axis=0)
+        mean = rest.mean(axis=0)  # (P, D)
+        for p in range(pixels):
+            centred = rest[:, p] - mean[p]
+            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
+            delta = x[start : start + m, p] - mean[p]
+            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
+        start += m
+    return squared
 
 
 def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float,
@@ -70,6 +89,32 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)
     np.testing.assert_allclose(fit.statistics.mean.numpy(), x.mean(axis=0), rtol=1e-10, atol=1e-10)
+    finished.factors.close()
+
+
+@pytest.mark.parametrize("statistics, folds", [("position", "loo"), ("shared", 5), ("shared", "loo")])
+def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_path, statistics, folds):
+    # the calibration of a tiled model: every picture's tiles out of the fold's model (in the shared mode a fold
+    # is still whole pictures: all their tiles leave together), the score read from the stitched map
+    images = images[:12]
+    config = CONFIG.replace(image_size=32, embedding_dim=8, calibration_folds=folds, tiles=(2, 2), tile_overlap=0.25,
+                            tile_statistics=statistics, blur_sigma=2.0)
+    fit = Fit.start(config)
+    spool = fit.spool_or_none(tmp_path, len(images))
+    assert not fit.accumulate(fit.groups(images), progress=False, spool=spool).unreadable
+    x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
+    per_image = 4 if statistics == "shared" else 1
+    assert x.shape == (len(images) * per_image, 64 * 4 // per_image, 8) and fit.count == len(images)
+    assert all(size % per_image == 0 for size in sizes)
+    finished = fit.finish([Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)],
+                          tmp_path, progress=False)
+    spool.close()
+    assert finished.scored == names[::per_image] and not finished.unscored
+    squared = refit_squared(x, sizes, config.epsilon).reshape(len(images), 4 * 64)  # (B, T * P): rows of a picture
+    tiling = config.tiling
+    expected = reference_maps(squared, tiling, config.blur_sigma).reshape(len(images), -1).max(axis=1)
+    np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
+    assert int(fit.statistics.count) == len(images) * per_image
     finished.factors.close()
 
 

@@ -159,3 +159,28 @@ def test_the_page_and_its_files_come_from_the_server_only(server):
     missing = httpx.get(server.url + "/console/nothing.js", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert "/" not in httpx.get(server.url + "/openapi.json", timeout=10).json()["paths"]
+
+
+def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, dataset, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from helpers import run_cli
+
+    model = tmp_path / "tiled.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
+            "--tiles", "2x2", "--roi", "8,8,80,80", "--calibration-folds", 2, "--embedding-dim", 32)
+    with running_server(tmp_path, [model]) as srv:
+        browser.get(srv.url + "/")
+        wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
+        option = browser.find_element(By.CSS_SELECTOR, "#model option").text
+        assert "2x2 tiles of 64 px (128x128, position statistics)" in option
+        info = text(browser, "model-info")
+        assert "Scores the region x=8, y=8, 80x80 px only." in info and "Input: 2x2 tiles of 64 px" in info
+        path = dataset / "test" / "hole" / "000.png"
+        browser.find_element(By.ID, "file-input").send_keys(str(path))
+        wait(browser, lambda d: d.find_element(By.ID, "score").text)
+        response = httpx.post(f"{srv.url}/score", content=path.read_bytes(), headers={"content-type": "image/png"},
+                              timeout=60)
+        shown = float(browser.find_element(By.ID, "score").get_attribute("data-value"))
+        assert shown == pytest.approx(response.json()["score"], abs=SCORE_ATOL)
+        browser.save_screenshot(str(ARTIFACTS / "console-tiled.png"))

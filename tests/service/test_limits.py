@@ -229,6 +229,59 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
     assert after - idle < 100, f"{after - idle:.0f} MB kept after the burst"
 
 
+def line_camera_picture(fmt: str) -> bytes:
+    """A 2448 x 2048 picture (a line camera's), mostly flat so that it is small to send."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    pixels = np.full((2048, 2448, 3), (120, 110, 100), dtype=np.uint8)
+    pixels[rng.integers(0, 2048, 3000), rng.integers(0, 2448, 3000)] = rng.integers(0, 255, (3000, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(dataset, tmp_path):
+    from helpers import run_cli
+
+    model = tmp_path / "tiled.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
+            "--tiles", "3x3", "--tile-statistics", "shared", "--calibration-folds", 2, "--embedding-dim", 32)
+    pictures = {"image/png": line_camera_picture("PNG"), "image/jpeg": line_camera_picture("JPEG")}
+    with running_server(tmp_path, [model]) as srv:
+        described = httpx.get(srv.url + "/models").json()["models"][0]
+        assert described["tiles"] == [3, 3] and described["input_shape"] == [192, 192]
+        for kind, body in pictures.items():  # warm: both decoders, the batch sizes
+            httpx.post(srv.url + "/score", content=body, headers={"content-type": kind}, timeout=120)
+        time.sleep(0.5)
+        idle = rss_mb(srv.process.pid)
+        peak, sampling = idle, True
+
+        def sample() -> None:
+            nonlocal peak
+            while sampling:
+                peak = max(peak, rss_mb(srv.process.pid))
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            kinds = list(pictures) * 8
+            post = lambda i: httpx.post(srv.url + "/score", content=pictures[kinds[i]], params={"heatmap": "true"},
+                                        headers={"content-type": kinds[i]}, timeout=300)
+            with ThreadPoolExecutor(16) as pool:
+                responses = list(pool.map(post, range(16)))
+            time.sleep(1.0)
+        finally:
+            sampling = False
+            sampler.join()
+    assert [r.status_code for r in responses] == [200] * 16
+    heat = Image.open(io.BytesIO(base64.b64decode(responses[0].json()["heatmap"])))
+    assert heat.size == (1024, 857)  # bounded by heatmap_max_side, the picture's aspect kept
+    print(f"tiled burst: peak RSS +{peak - idle:.0f} MB over idle ({idle:.0f} MB)")
+    assert peak - idle < 500, f"peak RSS grew {peak - idle:.0f} MB over idle ({idle:.0f} MB)"
+
+
 def test_overload_is_refused_before_decoding_and_a_batch_over_the_queue_is_422(model_file, tmp_path):
     big = large_png()
     env = {"PADIM_MAX_QUEUE": "4", "PADIM_DECODE_PIXEL_BUDGET": "40000000"}  # one large image decoded at a time

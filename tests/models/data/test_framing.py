@@ -99,6 +99,32 @@ def test_crop_scores_the_centred_square_and_pad_the_whole_region():
     assert Framing(None, "pad", SIZE).square(200, 100) == (0, -50, 200, 150)  # beyond the picture: filled
 
 
+@pytest.mark.parametrize("resize", ["squash", "crop", "pad"])
+@pytest.mark.parametrize("roi", [None, ROI, (100, 10, 60, 150)], ids=["whole", "wide-roi", "tall-roi"])
+def test_a_tiled_input_keeps_the_tiles_shape_and_a_marker_comes_back_where_it_was(roi, resize):
+    """Tiles of 2 rows x 3 columns: the input is 3:2, crop and pad keep that shape instead of a square."""
+    width, height = 240, 180
+    framing = Framing(roi, resize, SIZE, (2 * SIZE, 3 * SIZE))
+    assert framing.input_shape == (128, 192)
+    left, top, right, bottom = framing.square(width, height)
+    if resize != "squash":
+        assert abs((right - left) * 2 - (bottom - top) * 3) <= 2  # the box has the input's aspect ratio
+    s_left, s_top, s_right, s_bottom = framing.scored_box(width, height)
+    spot = ((s_left + s_right) // 2 + 7, (s_top + s_bottom) // 2 - 5)
+    picture = np.zeros((height, width, 3), dtype=np.uint8)
+    picture[spot[1] - 3:spot[1] + 4, spot[0] - 3:spot[0] + 4] = 255
+    framed = np.asarray(framing.to_square(Image.fromarray(picture)), dtype=np.float32)[..., 0]
+    assert framed.shape == (128, 192)
+    if resize == "pad":
+        framed = np.where(framed == PAD_FILL[0], 0, framed)
+    back = framing.to_picture(torch.from_numpy(framed), width, height).numpy()
+    found = np.unravel_index(np.argmax(back), back.shape)
+    assert abs(found[0] - spot[1]) <= 3 and abs(found[1] - spot[0]) <= 3
+    outside = np.ones_like(back, dtype=bool)
+    outside[s_top:s_bottom, s_left:s_right] = False
+    assert not back[outside].any()
+
+
 def test_a_picture_must_hold_the_region():
     framing = Framing((100, 100, 200, 100), "squash", SIZE)
     with pytest.raises(ImageError, match=r"x=100, y=100, 200x100 does not lie inside this 240x180 picture"):

@@ -244,8 +244,50 @@ def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to
         assert ((got - expected).abs() / expected.abs()).max() <= 1e-4, runtime
         assert deployed.describe()["roi"] == [8, 16, 80, 64] and deployed.describe()["resize"] == "pad"
     metadata = json.loads((tmp_path / "onnx" / "padim.json").read_text())
-    assert metadata["export_version"] == 2
+    assert metadata["export_version"] >= 2
     assert metadata["input"]["framing"]["roi"] == [8, 16, 80, 64] and metadata["input"]["framing"]["resize"] == "pad"
     assert "the region x=8, y=16, 80x64 pixels of the picture, centred on a square" in metadata["input"]["resize"]
     run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
     assert "framed to 64x64" in (tmp_path / "triton" / "m" / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("statistics", ["position", "shared"])
+def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_graph(dataset, tmp_path, statistics):
+    path = tmp_path / "tiled.padim"
+    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
+            "--tiles", "2x3", "--tile-overlap", "0.25", "--tile-statistics", statistics, "--roi", "4,16,88,60",
+            "--resize", "crop", "--calibration-folds", 2, "--embedding-dim", 32, "--blur-sigma", 2)
+    reference = load_detector(path, device="cpu")
+    pictures = [Image.open(p).convert("RGB") for p in sorted((dataset / "test").rglob("*.png"))[::3][:4]]
+    batch = reference.preprocess(pictures)
+    height, width = reference.config.input_shape
+    assert batch.shape == (4, 3, height, width) and (height, width) == (112, 160)  # tiles of 64 overlapping 16 px
+    expected = reference.score(batch)
+    run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
+    for runtime in RUNTIMES:
+        deployed = load_scorer(tmp_path / "onnx", runtime, "cpu")
+        assert deployed.config.tiles == (2, 3) and deployed.framing == reference.framing
+        assert torch.equal(deployed.preprocess(pictures), batch)  # the client sends the whole framed picture
+        got = deployed.score(batch)
+        assert got.maps.shape == expected.maps.shape == (4, height, width)
+        relative = ((got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs())
+        assert relative.max() <= 1e-4, f"{runtime}: image scores differ by {float(relative.max()):.2e} relative"
+        assert (got.maps - expected.maps).abs().max() <= 1e-3
+        assert torch.allclose(deployed.score(batch[:1]).raw_scores, got.raw_scores[:1], rtol=1e-5)  # dynamic batch
+    metadata = json.loads((tmp_path / "onnx" / "padim.json").read_text())
+    assert metadata["export_version"] == 3 and metadata["input"]["shape"] == ["batch", 3, 112, 160]
+    assert metadata["input"]["tiles"]["rows"] == 2 and metadata["input"]["tiles"]["statistics"] == statistics
+    # Triton: the tiles are cut inside the graph it serves; a batch counts pictures, the backbone sees six tiles each
+    import onnxruntime
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
+    config = text_format.Parse((tmp_path / "triton" / "m" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert list(config.input[0].dims) == [3, 112, 160] and list(config.output[0].dims) == [112, 160]
+    assert config.max_batch_size == 32 // 6
+    session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    maps, raw = session.run(None, {"images": batch.numpy()})
+    np.testing.assert_allclose(raw, expected.raw_scores.numpy(), rtol=1e-4)
+    assert maps.shape == (4, 112, 160)
