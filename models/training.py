@@ -343,7 +343,7 @@ def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool |
                 spool.append(embedded)
             else:
                 parts.append(embedded.cpu())
-            names += [p.name for p in paths for _ in range(fit.rows_per_image)]
+            names += fit.per_row(p.name for p in paths)
             bar.update(len(paths))
     report.unreadable = [(str(p), reason) for p, reason in unreadable]
     if spool is not None:

@@ -32,7 +32,7 @@ import functools
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +208,11 @@ class Fit:
         """``p``: pixels of a row of the statistics (``T * P`` with a Gaussian per tile position)."""
         return self.embedder.pixels
 
+    def per_row(self, values: Iterable) -> list:
+        """One value per picture -> one per row of the statistics (a picture's tiles share its value when they
+        share the statistics)."""
+        return [value for value in values for _ in range(self.rows_per_image)]
+
     @property
     def naming_grid(self) -> tuple[int, int]:
         """The pixels as rows x columns (tile positions one under another), to name a failing pixel."""
@@ -273,8 +278,8 @@ class Fit:
                         spooled.spool.append(embedded)
                         batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
                         spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
-                        spooled.names += [name_of[p] for p in paths for _ in range(self.rows_per_image)]
-                        rows_fold.extend(fold_of_path[p] for p in paths for _ in range(self.rows_per_image))
+                        spooled.names += self.per_row(name_of[p] for p in paths)
+                        rows_fold.extend(self.per_row(fold_of_path[p] for p in paths))
                         bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
                     else:
                         accumulator.partial_fit(embedded)
@@ -323,8 +328,8 @@ class Fit:
                 for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
                                                   self.draft_to, self.config.roi):
                     parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
-                    names += [name_of[p] for p in paths for _ in range(self.rows_per_image)]
-                    rows_fold += [fold_of_path[p] for p in paths for _ in range(self.rows_per_image)]
+                    names += self.per_row(name_of[p] for p in paths)
+                    rows_fold += self.per_row(fold_of_path[p] for p in paths)
                     bar.update(len(paths))
                 embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
                 yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names,

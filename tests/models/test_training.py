@@ -49,19 +49,7 @@ def refit_squared(x: np.ndarray, folds: list[int], epsilon: float) -> np.ndarray
 def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float,
                  method: str = "map_max", top_fraction: float = 0.01) -> np.ndarray:
     """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
-    n, pixels, dim = x.shape
-    squared = np.empty((n, pixels))
-    start = 0
-    for m in folds:
-        rest = np.delete(x, np.arange(start, start + m), axis=0)
-        mean = rest.mean(axis=0)  # (P, D)
-        for p in range(pixels):
-            centred = rest[:, p] - mean[p]
-            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
-            delta = x[start : start + m, p] - mean[p]
-            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
-        start += m
-    squared = torch.from_numpy(squared)
+    squared = torch.from_numpy(refit_squared(x, folds, epsilon))
     return image_scores(anomaly_maps(squared, grid, size, sigma), method, squared, top_fraction).numpy()
 
 

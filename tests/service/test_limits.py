@@ -68,6 +68,30 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
+def burst(pid: int, post, count: int = 16) -> tuple[list, float, float]:
+    """``count`` concurrent ``post(i)`` calls: their responses, and the server's RSS (MB) before and at its peak
+    (sampled every 5 ms until a second after the last answer)."""
+    idle = rss_mb(pid)
+    peak, sampling = idle, True
+
+    def sample() -> None:
+        nonlocal peak
+        while sampling:
+            peak = max(peak, rss_mb(pid))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(count) as pool:
+            responses = list(pool.map(post, range(count)))
+        time.sleep(1.0)
+    finally:
+        sampling = False
+        sampler.join()
+    return responses, idle, peak
+
+
 def wait_for(condition, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -197,26 +221,9 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
         for _ in range(3):
             httpx.post(srv.url + "/score", content=small.getvalue(), headers={"content-type": "image/png"}, timeout=60)
         time.sleep(0.5)
-        idle = rss_mb(srv.process.pid)
-        peak, sampling = idle, True
-
-        def sample() -> None:
-            nonlocal peak
-            while sampling:
-                peak = max(peak, rss_mb(srv.process.pid))
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            post = lambda _: httpx.post(srv.url + "/score", content=big, headers={"content-type": "image/png"},
-                                        params={"heatmap": "true"}, timeout=300)
-            with ThreadPoolExecutor(16) as pool:
-                responses = list(pool.map(post, range(16)))
-            time.sleep(1.0)
-        finally:
-            sampling = False
-            sampler.join()
+        post = lambda _: httpx.post(srv.url + "/score", content=big, headers={"content-type": "image/png"},
+                                    params={"heatmap": "true"}, timeout=300)
+        responses, idle, peak = burst(srv.process.pid, post)
         after = rss_mb(srv.process.pid)
     assert [r.status_code for r in responses] == [200] * 16
     # the same image, the same score, to the last bits that the batch grouping moves (SCORE_RTOL)
@@ -254,27 +261,10 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
         for kind, body in pictures.items():  # warm: both decoders, the batch sizes
             httpx.post(srv.url + "/score", content=body, headers={"content-type": kind}, timeout=120)
         time.sleep(0.5)
-        idle = rss_mb(srv.process.pid)
-        peak, sampling = idle, True
-
-        def sample() -> None:
-            nonlocal peak
-            while sampling:
-                peak = max(peak, rss_mb(srv.process.pid))
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            kinds = list(pictures) * 8
-            post = lambda i: httpx.post(srv.url + "/score", content=pictures[kinds[i]], params={"heatmap": "true"},
-                                        headers={"content-type": kinds[i]}, timeout=300)
-            with ThreadPoolExecutor(16) as pool:
-                responses = list(pool.map(post, range(16)))
-            time.sleep(1.0)
-        finally:
-            sampling = False
-            sampler.join()
+        kinds = list(pictures) * 8
+        post = lambda i: httpx.post(srv.url + "/score", content=pictures[kinds[i]], params={"heatmap": "true"},
+                                    headers={"content-type": kinds[i]}, timeout=300)
+        responses, idle, peak = burst(srv.process.pid, post)
     assert [r.status_code for r in responses] == [200] * 16
     heat = Image.open(io.BytesIO(base64.b64decode(responses[0].json()["heatmap"])))
     assert heat.size == (1024, 857)  # bounded by heatmap_max_side, the picture's aspect kept
