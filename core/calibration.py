@@ -208,6 +208,8 @@ class Calibration:
         false_alarm_rate: the rate that was asked for (``None`` for a manual threshold).
         earlier_scores: how many of ``scores`` were kept from an earlier fit (``--resume``):
             they were scored by that fit's models, which had seen fewer images.
+        input_distances: out-of-fold input distances of the same normal images, sorted (the mean
+            squared distance over every pixel, :mod:`padim.core.drift`); empty before model format 7.
     """
 
     scores: tuple[float, ...]
@@ -216,9 +218,11 @@ class Calibration:
     method: str
     false_alarm_rate: float | None
     earlier_scores: int = 0
+    input_distances: tuple[float, ...] = ()
 
     @classmethod
-    def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0) -> Calibration:
+    def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0,
+                    input_distances: torch.Tensor | None = None) -> Calibration:
         """Threshold and scale for ``false_alarm_rate`` from ``(N,)`` normal scores.
 
         Raises:
@@ -237,7 +241,7 @@ class Calibration:
                 f"the normal images do not vary: their out-of-fold scores are all below {MIN_THRESHOLD:g}, "
                 "so no threshold can separate normal variation from a defect")
         return cls(tuple(values.tolist()), threshold, _scale(values, threshold), method, false_alarm_rate,
-                   earlier_scores)
+                   earlier_scores, _sorted(input_distances))
 
     def with_threshold(self, threshold: float) -> Calibration:
         """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
@@ -245,7 +249,8 @@ class Calibration:
         if not math.isfinite(threshold):
             raise CalibrationError(f"threshold must be finite, got {threshold}")
         values = torch.tensor(self.scores, dtype=torch.float64)
-        return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores)
+        return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores,
+                           self.input_distances)
 
     # ------------------------------------------------------------------ what it promises
     @property
@@ -317,22 +322,31 @@ class Calibration:
             "promised_false_alarm_rate": self.promised_false_alarm_rate,
             "false_alarm_bound": self.false_alarm_bound,
             "confidence": CONFIDENCE,
+            "input_distances": len(self.input_distances),
         }
 
     def to_header(self) -> dict:
         return self.summary()
 
     @classmethod
-    def from_header(cls, header: dict, scores: torch.Tensor) -> Calibration:
+    def from_header(cls, header: dict, scores: torch.Tensor, input_distances: torch.Tensor | None = None) -> Calibration:
         method = header["method"]
         if method not in METHODS:
             raise ValueError(f"unknown calibration method {method!r}")
         values = scores.to(torch.float64).sort().values
         if values.numel() != int(header["scores"]):
             raise ValueError(f"the header counts {header['scores']} calibration scores, the file holds {values.numel()}")
+        distances = _sorted(input_distances)
+        if len(distances) != int(header.get("input_distances", 0)):
+            raise ValueError(f"the header counts {header.get('input_distances', 0)} input distances, the file holds "
+                             f"{len(distances)}")
         rate = header["false_alarm_rate"]
         return cls(tuple(values.tolist()), float(header["threshold"]), float(header["scale"]), method,
-                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)))
+                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances)
+
+
+def _sorted(values: torch.Tensor | None) -> tuple[float, ...]:
+    return () if values is None else tuple(values.detach().to(torch.float64).flatten().sort().values.tolist())
 
 
 def _scale(values: torch.Tensor, threshold: float) -> float:

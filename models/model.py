@@ -26,10 +26,13 @@ class ScoreOutput(NamedTuple):
         raw_scores: ``(B,)`` image scores (Mahalanobis distance units; the maximum of each map
             unless the model reads them another way, :func:`padim.core.scoring.image_scores`).
         maps: ``(B, S, S)`` anomaly maps at the model's input size (``(B, H_in, W_in)`` tiled).
+        input_distances: ``(B,)`` mean squared distance over every feature pixel of each picture (the
+            input drift statistic, :mod:`padim.core.drift`); ``None`` from exports older than version 4.
     """
 
     raw_scores: torch.Tensor
     maps: torch.Tensor
+    input_distances: torch.Tensor | None = None
 
     def non_finite(self) -> list[int]:
         """Indices of the images whose score or map holds a NaN or an infinity."""
@@ -102,10 +105,12 @@ class PadimModel(nn.Module):
 
 def score_distances(squared: torch.Tensor, tiling, blur_sigma: float, image_score: str = "map_max",
                     top_fraction: float = 0.01) -> ScoreOutput:
-    """``(N, p)`` squared distances (a picture's rows consecutive) -> image scores ``(B,)`` and maps ``(B, H_in, W_in)``.
+    """``(N, p)`` squared distances (a picture's rows consecutive) -> image scores ``(B,)``, maps ``(B, H_in, W_in)``
+    and input distances ``(B,)``.
 
     What the scorer and the calibration both compute: tiles stitched into one map
-    (:func:`padim.core.tiling.picture_maps`), the image score read from the whole picture's map.
+    (:func:`padim.core.tiling.picture_maps`), the image score read from the whole picture's map, the
+    input distance the mean of the picture's squared distances.
     """
-    per_picture, maps = picture_maps(squared, tiling, blur_sigma)
-    return ScoreOutput(image_scores(maps, image_score, per_picture, top_fraction), maps)
+    per_picture, maps = picture_maps(squared, tiling, blur_sigma)  # (B, T * P), (B, H_in, W_in)
+    return ScoreOutput(image_scores(maps, image_score, per_picture, top_fraction), maps, per_picture.mean(1))

@@ -7,6 +7,7 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 | ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors); ``P`` is ``T x`` the grid with a Gaussian per tile position |
 | ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
 | ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
+| ``calibration.input_distances`` | ``(N,)`` float64 | their input distances (:mod:`padim.core.drift`; format 7, absent when none) |
 | ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
 | ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
 | ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
@@ -18,7 +19,10 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 
 Formats, all still read:
 
-- **6** (this one): ``config`` holds ``tiles``, ``tile_overlap`` and ``tile_statistics``
+- **7** (this one): ``calibration.input_distances``, the out-of-fold input distances of the
+  normal images (the reference of input drift, :mod:`padim.core.drift`); older files have none
+  and are served without that reading.
+- **6**: ``config`` holds ``tiles``, ``tile_overlap`` and ``tile_statistics``
   (:mod:`padim.core.tiling`); older files are read untiled, as they were fitted.
 - **5**: ``config`` holds ``roi`` and ``resize`` (what part of a picture the model
   sees, and how it becomes the square input: :mod:`padim.models.data.framing`); older files are
@@ -141,6 +145,8 @@ def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, em
         "mean": mean.to(torch.float32),
         "precision_factor": factors,
         "calibration.scores": torch.tensor(calibration.scores, dtype=torch.float64),
+        **({"calibration.input_distances": torch.tensor(calibration.input_distances, dtype=torch.float64)}
+           if calibration.input_distances else {}),
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
@@ -289,7 +295,8 @@ def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_d
 
 def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
     if header["verified"]:
-        return Calibration.from_header(header["calibration"], tensors["calibration.scores"])
+        return Calibration.from_header(header["calibration"], tensors["calibration.scores"],
+                                       tensors.get("calibration.input_distances"))
     old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
     scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
     return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),

@@ -140,7 +140,7 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
         if shard is not None and not shard.main:
             return report
         with report.timed("calibrate"):
-            calibration = _out_of_fold_calibration(fit, finished.scores)
+            calibration = _out_of_fold_calibration(fit, finished.scores, finished.input_distances)
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
         with report.timed("write"):
@@ -235,7 +235,8 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
             spool.close()
     try:
         try:
-            calibration = Calibration.from_scores(finished.scores, config.false_alarm_rate)
+            calibration = Calibration.from_scores(finished.scores, config.false_alarm_rate,
+                                                  input_distances=finished.input_distances)
         except CalibrationError as error:
             raise FitError(f"the calibration images cannot set a threshold: {error}") from None
         provenance = Provenance(
@@ -373,15 +374,20 @@ def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics:
     return finished
 
 
-def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor) -> Calibration:
-    """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``)."""
+def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: torch.Tensor | None = None) -> Calibration:
+    """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``);
+    the input distances of both kept beside them (an earlier file older than format 7 has none)."""
     earlier = fit.earlier.scores if fit.earlier is not None else ()
+    earlier_inputs = fit.earlier.input_distances if fit.earlier is not None else ()
+    if input_distances is not None:
+        input_distances = torch.cat([torch.tensor(earlier_inputs, dtype=torch.float64), input_distances])
     if not len(scores) and not earlier:
         raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
                        f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images")
     try:
         return Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
-                                       fit.config.false_alarm_rate, earlier_scores=len(earlier))
+                                       fit.config.false_alarm_rate, earlier_scores=len(earlier),
+                                       input_distances=input_distances)
     except CalibrationError as error:
         raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
                        "Train on images of different parts or shots, as the line will see them") from None

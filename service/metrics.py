@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from padim.core.drift import Drift
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: The 0..1 score: the model's threshold is 0.5, the median normal image 0.1 (padim.core.calibration).
+SCORE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class Metrics:
@@ -21,3 +27,38 @@ class Metrics:
                                      "(503), error (500)", ["model", "outcome"], registry=self.registry)
         self.model_load = Gauge("padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry)
         self.queue_depth = Gauge("padim_queue_depth", "images waiting for a batch", ["model"], registry=self.registry)
+        # what the models answered: counters and a histogram (durable, summed across replicas) ...
+        self.verdicts = Counter("padim_verdicts_total", "images answered, by verdict (anomalous or normal, at the "
+                                "threshold the request used)", ["model", "verdict"], registry=self.registry)
+        self.scores = Histogram("padim_score", "image scores on the calibration's 0..1 scale (threshold 0.5)", ["model"],
+                                buckets=SCORE_BUCKETS, registry=self.registry)
+        self.threshold_overrides = Counter("padim_threshold_overrides_total", "images scored for requests that set "
+                                           "their own threshold", ["model"], registry=self.registry)
+        # ... and the monitor's reading of its window (per process; padim.core.drift), set when scraped
+        self.normal_flag_rate = Gauge("padim_model_normal_flag_rate", "the most normal images would be flagged: the "
+                                      "calibration's false-alarm bound", ["model"], registry=self.registry)
+        self.monitor_images = Gauge("padim_monitor_images", "images in the monitor's window", ["model"],
+                                    registry=self.registry)
+        self.monitor_flag_rate = Gauge("padim_monitor_flag_rate", "share of the window's images at or above the "
+                                       "model's threshold", ["model"], registry=self.registry)
+        self.monitor_p_value = Gauge("padim_monitor_p_value", "p-value of each monitor test on the window (NaN while "
+                                     "collecting or unavailable): flag_rate (more flags than normal images give), "
+                                     "score_drift, input_drift (one-sided KS)", ["model", "test"], registry=self.registry)
+        self.monitor_statistic = Gauge("padim_monitor_statistic", "effect sizes: KS D+ of score_drift and "
+                                       "input_drift, score_psi", ["model", "statistic"], registry=self.registry)
+        self.monitor_alarm = Gauge("padim_monitor_alarm", "1 when a test's p-value is below PADIM_MONITOR_LEVEL",
+                                   ["model", "test"], registry=self.registry)
+
+    def show_reading(self, model: str, drift: Drift, normal_flag_rate: float) -> None:
+        """Set the monitor's gauges of ``model`` from a reading of its window."""
+        self.normal_flag_rate.labels(model).set(normal_flag_rate)
+        self.monitor_images.labels(model).set(drift.images)
+        flag = drift.flag_rate
+        self.monitor_flag_rate.labels(model).set(flag.rate if flag is not None else math.nan)
+        for test, result in (("flag_rate", flag), ("score_drift", drift.score_drift), ("input_drift", drift.input_drift)):
+            self.monitor_p_value.labels(model, test).set(result.p_value if result is not None else math.nan)
+            self.monitor_alarm.labels(model, test).set(1.0 if result is not None and result.alarm else 0.0)
+        for statistic, value in (("score_drift", drift.score_drift and drift.score_drift.statistic),
+                                 ("input_drift", drift.input_drift and drift.input_drift.statistic),
+                                 ("score_psi", drift.score_drift and drift.score_drift.psi)):
+            self.monitor_statistic.labels(model, statistic).set(math.nan if value is None else value)

@@ -98,6 +98,65 @@ class ModelsResponse(BaseModel):
     models: list[ModelDescription] = Field(description="the default first")
 
 
+class FlagRateReading(BaseModel):
+    """The window's flags against what normal images alone would give (a one-sided binomial test)."""
+
+    flags: int = Field(description="images at or above the model's own threshold (whatever a request asked for)")
+    rate: float = Field(description="flags / images")
+    normal_rate: float = Field(description="the most normal images would give: the calibration's false-alarm bound")
+    basis: Literal["promised", "manual"] = Field(description="promised: a requested rate's bound; manual: a threshold set "
+                                                 "by hand, its bound on the same normal scores (no promise)")
+    p_value: float = Field(description="P(X >= flags), X ~ Binomial(images, normal_rate)")
+    alarm: bool = Field(description="p_value < level: more flags than normal images alone would give (drift or a "
+                        "defect wave)")
+
+
+class ShiftReading(BaseModel):
+    """A one-sided Kolmogorov-Smirnov test: do the window's values run higher than the calibration's?"""
+
+    statistic: float = Field(description="KS D+, 0..1")
+    p_value: float
+    alarm: bool = Field(description="p_value < level")
+    median_ratio: float = Field(description="the window's median over the calibration's (1: unchanged)")
+    psi: float | None = Field(None, description="population stability index on the calibration's deciles (scores only)")
+
+
+class ScoreHistogram(BaseModel):
+    edges: list[float] = Field(description="bin edges on the 0..1 score scale; the threshold is 0.5")
+    recent: list[int] = Field(description="the window's images per bin")
+    calibration: list[int] = Field(description="the calibration's normal images per bin")
+
+
+class MonitorResponse(BaseModel):
+    """``GET /models/{name}/monitor``: the last images a model answered, read against its calibration.
+
+    Per server process and lost on restart (Prometheus' padim_verdicts_total and padim_score are the
+    durable record); see docs/monitoring.md.
+    """
+
+    model: str
+    images: int = Field(description="images in the window")
+    status: Literal["collecting", "normal", "alarm"] = Field(description="collecting: fewer than min_images; alarm: "
+                                                              "a test fired")
+    alarms: list[str] = Field(description="the tests that fired: flag_rate, score_drift, input_drift")
+    verdict: str = Field(description="what the reading says, in words")
+    level: float = Field(description="each test's level (PADIM_MONITOR_LEVEL)")
+    min_images: int
+    flag_rate: FlagRateReading | None
+    score_drift: ShiftReading | None = Field(description="raw scores against the calibration's out-of-fold scores")
+    input_drift: ShiftReading | None = Field(description="input distances (mean squared distance over every pixel) "
+                                             "against the training images' out-of-fold ones; null for models "
+                                             "older than format 7 and exports older than version 4")
+    window: int = Field(description="images the window holds at most (PADIM_MONITOR_WINDOW)")
+    recorded: int = Field(description="images scored since the window was started or reset")
+    threshold_overrides: int = Field(description="of them, scored for requests that set their own threshold")
+    since: str = Field(description="when the window was started or reset (ISO 8601, UTC)")
+    bytes: int = Field(description="memory the window holds")
+    threshold: float = Field(description="the model's threshold on the score scale: 0.5")
+    raw_threshold: float
+    histogram: ScoreHistogram
+
+
 class ErrorDetail(BaseModel):
     code: str = Field(description="stable machine-readable reason, e.g. `invalid_image`, `overloaded`")
     message: str = Field(description="what went wrong and what to do, for people")

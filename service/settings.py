@@ -67,6 +67,12 @@ class ServiceSettings(BaseSettings):
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
     max_connections: int = Field(512, ge=1, description="open connections beyond this get 503 too_many_connections")
     heatmap_max_side: int = Field(1024, ge=16, description="heat maps and masks are at most this many pixels wide/high")
+    monitor_window: int = Field(2000, ge=1, le=1_000_000, description="recent images per model whose raw score and "
+                                "input distance the monitor keeps (16 bytes each; no image is kept) for GET "
+                                "/models/{name}/monitor and the padim_monitor_* gauges; per process, lost on restart")
+    monitor_level: float = Field(0.01, gt=0, lt=1, description="level of each monitor test (flag rate, score drift, "
+                                 "input drift): an alarm when its p-value is below this")
+    monitor_min_images: int = Field(30, ge=1, description="images in the window before the monitor's tests are read")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

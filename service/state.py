@@ -31,6 +31,7 @@ from padim.models.verdicts import verdict
 from .batching import MicroBatcher
 from .errors import ApiError, api_error
 from .metrics import Metrics
+from .monitor import Monitor
 from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
 
@@ -108,6 +109,7 @@ class ServedModel:
     detector: Scorer
     batcher: MicroBatcher
     load_seconds: float
+    monitor: Monitor
 
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
@@ -120,8 +122,8 @@ class ServedModel:
         return ModelDescription(**{**self.detector.describe(), **self.info().model_dump(), "threshold": 0.5,
                                    "load_seconds": round(self.load_seconds, 3)})
 
-    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor]]:
-        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S))]``.
+    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor, float | None]]:
+        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S), input_distance)]``.
 
         Out of GPU memory, the cache is emptied and the batch scored again in two halves
         (``on_split`` is told); a half that still does not fit raises ``torch.OutOfMemoryError``.
@@ -143,10 +145,11 @@ class ServedModel:
                 release_device_memory()
                 raise
 
-    def _score(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+    def _score(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
         out = self.detector.score(batch)
         raw, maps = out.raw_scores.cpu(), out.maps.cpu()
-        return [(float(raw[i]), maps[i]) for i in range(batch.shape[0])]
+        inputs = out.input_distances.cpu().tolist() if out.input_distances is not None else [None] * batch.shape[0]
+        return [(float(raw[i]), maps[i], inputs[i]) for i in range(batch.shape[0])]
 
 
 def release_device_memory() -> None:
@@ -200,7 +203,9 @@ class ServiceState:
                 on_batch=lambda size, waits, n=name: self._record_batch(n, size, waits),
                 preferred_batch_size=preferred,
             )
-            self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds)
+            monitor = Monitor(detector.calibration, self.settings.monitor_window, self.settings.monitor_level,
+                              self.settings.monitor_min_images)
+            self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds, monitor)
             batcher.start()
             self.metrics.model_load.labels(name).set(seconds)
             log.info("model ready", extra={"model": name, "load_seconds": round(seconds, 3), "weights": detector.weights.label})
@@ -236,7 +241,7 @@ class ServiceState:
         self.inference.shutdown(wait=True)
         self.decode.shutdown(wait=True)
 
-    def score(self, name: str, batch: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+    def score(self, name: str, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
         """Runs on the inference thread: one batch of model ``name``; counts the GPU's failures.
 
         A batch that is out of GPU memory even in two halves answers 503 (retry); after
@@ -289,6 +294,15 @@ class ServiceState:
         self.metrics.batch_size.labels(name).observe(size)
         for wait in waits:
             self.metrics.queue_wait.labels(name).observe(wait)
+
+    def observe(self, model: ServedModel, scored: list[tuple], results: list[dict], own_threshold: bool) -> None:
+        """What one request was answered: into the model's monitor and the metrics."""
+        model.monitor.record([raw for raw, _, _ in scored], [distance for _, _, distance in scored], own_threshold)
+        for result in results:
+            self.metrics.verdicts.labels(model.name, "anomalous" if result["is_anomaly"] else "normal").inc()
+            self.metrics.scores.labels(model.name).observe(result["score"])
+        if own_threshold:
+            self.metrics.threshold_overrides.labels(model.name).inc(len(results))
 
     # ----------------------------------------------------------------- requests
     def model(self, name: str | None) -> ServedModel:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from PIL import Image
 
 IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
 
@@ -156,3 +157,17 @@ def reference_maps(squared: np.ndarray, tiling, sigma: float) -> np.ndarray:
     stitched = torch.from_numpy(total / count)[:, None]
     upsampled = F.interpolate(stitched, size=tiling.input_shape, mode="bilinear", align_corners=False)
     return gaussian_blur(upsampled, sigma)[:, 0].numpy()
+
+
+def normal_and_shifted(root: Path, count: int) -> tuple[list[Path], list[Path]]:
+    """``count`` new normal weave images (96 px, unseen by the session's model) and the same under another lamp."""
+    from padim.models.data.synthetic import generate
+
+    (category,) = generate(root, ("weave",), train=count, test_good=0, test_defect=0, size=96, seed=7)
+    normal = sorted((category / "train" / "good").glob("*.png"))
+    shifted = root / "shifted"
+    shifted.mkdir()
+    for path in normal:
+        pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float64)
+        Image.fromarray(np.clip(pixels * 0.5 + 100, 0, 255).astype(np.uint8)).save(shifted / path.name)
+    return normal, sorted(shifted.glob("*.png"))

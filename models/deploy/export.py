@@ -14,6 +14,7 @@ does exactly as training did.
 | input ``images`` | ``(B, 3, S, S)``, ``B`` dynamic | float32, RGB, ImageNet-normalised |
 | output ``anomaly_map`` | ``(B, S, S)`` | float32, raw units (Mahalanobis distance) |
 | output ``raw_score`` | ``(B,)`` | float32, the image score (by default the maximum of each map) |
+| output ``input_distance`` | ``(B,)`` | float32, the mean squared distance over every feature pixel (input drift, :mod:`padim.core.drift`; export version 4) |
 
 The precision factors travel packed (lower triangle only) in the dtype the model file stores
 (float16 where ``train`` chose it), and are unpacked and cast to float32 by the graph's first
@@ -57,10 +58,11 @@ from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
+#: 4: a third output, ``input_distance``, and ``calibration_input_distances`` (input drift); 3: ``input.tiles``.
 #: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 3
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 4
 INPUT_NAME = "images"
-OUTPUT_NAMES = ("anomaly_map", "raw_score")
+OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
 #: Graphs with more weight bytes than this keep them in ONNX external data (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1_500_000_000
@@ -73,7 +75,8 @@ TRITON_DEVICES = ("gpu", "cpu")
 
 
 class ExportedScorer(nn.Module):
-    """What goes into the graph: ``(B, 3, H_in, W_in)`` images -> ``(B, H_in, W_in)`` maps and ``(B,)`` raw scores.
+    """What goes into the graph: ``(B, 3, H_in, W_in)`` images -> ``(B, H_in, W_in)`` maps, ``(B,)`` raw scores and
+    ``(B,)`` input distances.
 
     The same operations as :class:`padim.models.model.PadimModel`, written without in-place
     or ``out=`` ops so that the exporters can trace them. A tiled model's tiles are cut inside the
@@ -114,7 +117,7 @@ class ExportedScorer(nn.Module):
             self.register_buffer("rows", rows_op.clone())  # (R, H_in, H)
             self.register_buffer("cols_t", cols_op.clone())  # (C, W, W_in)
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features = self.extractor(self.tiling.cut(images))  # (B * T, 3, S, S) through the backbone
         embedding = self.embedding([features[layer] for layer in self.layers])  # (B * T, D, H, W)
         dim, grid_pixels = embedding.shape[1], self.grid_shape[0] * self.grid_shape[1]
@@ -133,7 +136,7 @@ class ExportedScorer(nn.Module):
             maps = self.rows @ distance @ self.cols_t  # (B, S, S)
         else:
             maps = tiled_anomaly_maps(squared, self.tiling, 0.0, (self.rows, self.cols_t))  # (B, H_in, W_in)
-        return maps, image_scores(maps, self.image_score, squared, self.top_fraction)
+        return maps, image_scores(maps, self.image_score, squared, self.top_fraction), squared.mean(1)
 
 
 # ---------------------------------------------------------------------- writing
@@ -269,6 +272,9 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
                             "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)"},
             "raw_score": {"shape": ["batch"], "dtype": "float32",
                           "meaning": f"image score ({detector.config.image_score}) of each anomaly_map"},
+            "input_distance": {"shape": ["batch"], "dtype": "float32",
+                               "meaning": "mean squared Mahalanobis distance over every feature pixel of the picture "
+                                          "(input drift: compared with calibration_input_distances)"},
         },
         "verdict": {
             "rule": "anomalous when raw_score >= calibration.threshold",
@@ -282,6 +288,7 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "description": detector.describe(),
         "calibration": calibration.summary(),
         "calibration_scores": list(calibration.scores),
+        "calibration_input_distances": list(calibration.input_distances),
     }
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     return metadata
@@ -302,7 +309,7 @@ def triton_config(name: str, size: int | tuple[int, int], max_batch_size: int = 
     CPU when Triton's GPU backend is missing.
 
     Triton adds the batch dimension itself (``max_batch_size > 0``), so ``dims`` leave it out;
-    ``raw_score`` has no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
+    ``raw_score`` and ``input_distance`` have no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
     ``size``: the input's side, or ``(height, width)``; ``tiles``: a tiled model's tiles per picture
     (cut inside the graph; ``max_batch_size`` counts pictures, so that the backbone sees at most
     ``max_batch_size * tiles`` tiles a batch).
@@ -330,6 +337,12 @@ output [
   }},
   {{
     name: "raw_score"
+    data_type: TYPE_FP32
+    dims: [ 1 ]
+    reshape: {{ shape: [ ] }}
+  }},
+  {{
+    name: "input_distance"
     data_type: TYPE_FP32
     dims: [ 1 ]
     reshape: {{ shape: [ ] }}

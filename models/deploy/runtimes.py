@@ -42,6 +42,7 @@ from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
     INPUT_NAME,
     METADATA_FILE,
+    OUTPUT_NAMES,
     ONNX_FILE,
     OPENVINO_FILE,
     ExportError,
@@ -231,8 +232,10 @@ class DeployedDetector:
                                                    source=str(directory / METADATA_FILE))
             self.weights = WeightsInfo(**metadata["weights"])
             self.provenance = Provenance.from_header(metadata["provenance"])
-            self.calibration = Calibration.from_header(metadata["calibration"],
-                                                       torch.tensor(metadata["calibration_scores"], dtype=torch.float64))
+            distances = metadata.get("calibration_input_distances")  # export version 4
+            self.calibration = Calibration.from_header(
+                metadata["calibration"], torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
+                None if distances is None else torch.tensor(distances, dtype=torch.float64))
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
         except (KeyError, TypeError, ValueError) as error:
             raise ArtifactError(f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})") from None
@@ -265,10 +268,11 @@ class DeployedDetector:
         return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, S, S)`` input -> raw image scores ``(B,)`` and maps ``(B, S, S)`` (CPU tensors)."""
+        """``(B, 3, S, S)`` input -> raw image scores ``(B,)``, maps ``(B, S, S)`` and input distances ``(B,)`` (CPU
+        tensors; no input distances from an export older than version 4)."""
         images = np.ascontiguousarray(batch.detach().cpu().numpy(), dtype=np.float32)
-        maps, raw_scores = self._session.run(images)
-        return ScoreOutput(torch.from_numpy(raw_scores), torch.from_numpy(maps))
+        maps, raw_scores, *rest = self._session.run(images)
+        return ScoreOutput(torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None)
 
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
@@ -299,9 +303,9 @@ class OnnxRuntimeSession:
         self.session = ort.InferenceSession(str(graph), options, providers=providers)
         self.providers = self.session.get_providers()
 
-    def run(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        maps, raw_scores = self.session.run(None, {INPUT_NAME: images})
-        return maps, raw_scores
+    def run(self, images: np.ndarray) -> list[np.ndarray]:
+        """``anomaly_map``, ``raw_score`` and, from export version 4, ``input_distance``."""
+        return self.session.run(None, {INPUT_NAME: images})
 
 
 class OpenVinoSession:
@@ -315,12 +319,14 @@ class OpenVinoSession:
         self.model = core.compile_model(core.read_model(str(graph)), "CPU",
                                         {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"})
         self.providers = ["CPU"]
+        self._outputs = {name for output in self.model.outputs for name in output.get_names()}
         self._local = threading.local()
 
-    def run(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, images: np.ndarray) -> list[np.ndarray]:
+        """``anomaly_map``, ``raw_score`` and, from export version 4, ``input_distance``."""
         request = getattr(self._local, "request", None)
         if request is None:  # an infer request serves one thread at a time
             request = self._local.request = self.model.create_infer_request()
         results = request.infer({INPUT_NAME: images})
-        return (np.array(results[self.model.output("anomaly_map")]),
-                np.array(results[self.model.output("raw_score")]))
+        names = [name for name in OUTPUT_NAMES if name in self._outputs]
+        return [np.array(results[self.model.output(name)]) for name in names]

@@ -1,7 +1,8 @@
-"""How good a detector is on a labelled set: metrics, and the HTML report.
+"""How good a detector is on a labelled set, and whether recent images still look normal to it.
 
 ``metrics`` (image and pixel AUROC, PRO, F1 on an MVTec AD-layout category),
-``report`` (``padim evaluate --report``: one self-contained HTML page from ``report.html``).
+``report`` (``padim evaluate --report``: one self-contained HTML page from ``report.html``),
+``drift`` (``padim drift``: a folder of recent images read against the calibration, ``drift.html``).
 
 May import: :mod:`padim.core`, :mod:`padim.models.data`, :mod:`padim.models.heatmaps`,
 :mod:`padim.models.verdicts`.

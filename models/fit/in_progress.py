@@ -137,6 +137,7 @@ class Finished:
         precision_dtype: their storage dtype in the file (the float16 check's answer, or the config's).
         scores: ``(N,)`` float64 raw scores of the images scored (out-of-fold, or held-out).
         scored: the names of those images, in the order of ``scores``.
+        input_distances: ``(N,)`` float64 their input distances (:mod:`padim.core.drift`), in the same order.
         unscored: names of fitted images left without an out-of-fold score (their fold holds all
             but fewer than two of the images).
         float16_change: largest relative change of the checked scores with float16 factors.
@@ -149,6 +150,7 @@ class Finished:
     scored: list[str]
     unscored: list[str]
     float16_change: float | None = None
+    input_distances: torch.Tensor | None = None
 
 
 class Fit:
@@ -376,6 +378,7 @@ class Fit:
         factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
         sample_exact = sample_half = None
         distances: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] = []  # input distances, as distances
         names: list[str] = []
         unscored: list[str] = []
         float16_change = None
@@ -408,7 +411,9 @@ class Fit:
                 if first_pass:
                     self._formed(state, keep_statistics)
                 started = time.perf_counter()
-                distances.append(self._image_scores(squared))
+                scores_of, inputs_of = self._image_scores(squared)
+                distances.append(scores_of)
+                inputs.append(inputs_of)
                 names += [n for r in keep for n in r[::per_image]]  # a picture's rows: one name
                 timing["calibrate"] += time.perf_counter() - started
             if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
@@ -420,13 +425,15 @@ class Fit:
         if sample_exact is not None:
             float16_change = _relative_change(sample_exact, sample_half, self.embedder.tiling, config)
         scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
+        input_distances = torch.cat(inputs) if inputs else torch.zeros(0, dtype=torch.float64)
         if shard is not None:  # every rank scored its own folds
-            gathered = distributed.gather((names, scores.tolist(), unscored), shard)
-            names = [n for part, _, _ in gathered for n in part]
-            scores = torch.tensor([s for _, part, _ in gathered for s in part], dtype=torch.float64)
-            unscored = [n for _, _, part in gathered for n in part]
+            gathered = distributed.gather((names, scores.tolist(), unscored, input_distances.tolist()), shard)
+            names = [n for part, _, _, _ in gathered for n in part]
+            scores = torch.tensor([s for _, part, _, _ in gathered for s in part], dtype=torch.float64)
+            unscored = [n for _, _, part, _ in gathered for n in part]
+            input_distances = torch.tensor([s for _, _, _, part in gathered for s in part], dtype=torch.float64)
         return Finished(state.mean.to(torch.float32).cpu(), factors, self._precision_dtype(float16_change), scores,
-                        names, unscored, float16_change)
+                        names, unscored, float16_change, input_distances)
 
     # ------------------------------------------------------------------ finish, by part
     def _merged_statistics(self, keep: bool) -> _State:
@@ -562,14 +569,18 @@ class Fit:
                     squared[target : target + m, start:stop] = values[:, f].T
             del base
 
-    def _image_scores(self, squared: torch.Tensor) -> torch.Tensor:
-        """Raw scores ``(B,)`` from distances ``(N, p)``: the pictures' maps (tiles stitched) as the scorer makes
-        them, and their scores."""
-        scores, config, rows = [], self.config, 64 * self.rows_per_image
+    def _image_scores(self, squared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw scores and input distances ``(B,)`` from distances ``(N, p)``: the pictures' maps (tiles stitched) as
+        the scorer makes them, their scores, and the mean of each picture's distances."""
+        scores, inputs, config, rows = [], [], self.config, 64 * self.rows_per_image
         for first in range(0, squared.shape[0], rows):
-            scores.append(score_distances(squared[first : first + rows], self.embedder.tiling, config.blur_sigma,
-                                          config.image_score, config.top_fraction).raw_scores)
-        return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+            out = score_distances(squared[first : first + rows], self.embedder.tiling, config.blur_sigma,
+                                  config.image_score, config.top_fraction)
+            scores.append(out.raw_scores)
+            inputs.append(out.input_distances.to(torch.float64))
+        if not scores:
+            return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+        return torch.cat(scores), torch.cat(inputs)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
         choice = self.config.precision_dtype

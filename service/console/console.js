@@ -94,6 +94,7 @@ function chooseModel(name) {
   sessionStorage.setItem("padim-model", name);
   const model = state.models.find((m) => m.name === name);
   if (!model) return;
+  loadMonitor();
   const c = model.calibration;
   $("model-info").textContent =
     `${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
@@ -110,6 +111,7 @@ function chooseModel(name) {
 // ----------------------------------------------------------------------------------- scoring
 async function score(entry) {
   const params = new URLSearchParams({ heatmap: "true", mask: "true" });
+  if (entry.result) params.set("monitor", "false"); // a second look at the same image: counted once
   if (Math.abs(state.threshold - MODEL_THRESHOLD) > 1e-9) params.set("threshold", state.threshold.toFixed(2));
   const started = performance.now();
   state.busy += 1;
@@ -146,6 +148,7 @@ async function addFiles(files) {
     show(entry);
   }
   $("server").textContent = "ready";
+  loadMonitor();
 }
 
 function rescoreSoon() {
@@ -238,6 +241,58 @@ function setThreshold(value) {
   rescoreSoon();
 }
 
+// ------------------------------------------------------------------------------------ monitor
+const MONITOR_REFRESH_MS = 5000;
+
+async function loadMonitor() {
+  if (!state.model) return;
+  try {
+    showMonitor(await api(`/models/${encodeURIComponent(state.model)}/monitor`));
+  } catch (error) {
+    $("monitor-verdict").textContent = `monitor unavailable: ${explain(error)}`;
+  }
+}
+
+function showMonitor(m) {
+  const status = $("monitor-status");
+  status.textContent = m.status === "alarm" ? "ALARM" : m.status === "normal" ? "normal" : "collecting";
+  status.className = `tag ${m.status === "alarm" ? "bad" : m.status === "normal" ? "ok" : "collecting"}`;
+  status.dataset.status = m.status;
+  $("monitor-verdict").textContent = m.verdict[0].toUpperCase() + m.verdict.slice(1);
+  $("monitor-window").textContent = `${m.images.toLocaleString("en")} of the last ${m.window.toLocaleString("en")} ` +
+    `images kept since ${m.since.replace("T", " ").replace("Z", " UTC")}; this server process only.`;
+  drawMonitor(m.histogram);
+}
+
+// the recent scores and the calibration's normal scores as shares per bin, the threshold a red line
+function drawMonitor(h) {
+  const canvas = $("monitor-plot");
+  const g = canvas.getContext("2d");
+  const w = canvas.width, ht = canvas.height, bottom = ht - 14;
+  g.clearRect(0, 0, w, ht);
+  const share = (counts) => { const n = counts.reduce((a, b) => a + b, 0); return counts.map((c) => (n ? c / n : 0)); };
+  const recent = share(h.recent), normal = share(h.calibration);
+  const top = Math.max(0.05, ...recent, ...normal);
+  const bins = recent.length, bw = w / bins;
+  for (let i = 0; i < bins; i++) {
+    g.fillStyle = "rgba(140, 149, 159, .55)";
+    const hn = (bottom - 4) * normal[i] / top;
+    g.fillRect(i * bw + 1, bottom - hn, bw - 2, hn);
+    g.fillStyle = "rgba(9, 105, 218, .75)";
+    const hr = (bottom - 4) * recent[i] / top;
+    g.fillRect(i * bw + bw * 0.3, bottom - hr, bw * 0.4, hr);
+  }
+  const x = w * 0.5; // the model's threshold is 0.5 on the score scale
+  g.fillStyle = "#cf222e";
+  g.fillRect(x - 1, 0, 2, bottom);
+  g.fillStyle = "#59636e";
+  g.font = "11px system-ui, sans-serif";
+  g.fillText("0", 2, ht - 2);
+  g.fillText("score", w / 2 - 40, ht - 2);
+  g.fillText("0.5", x + 3, ht - 2);
+  g.fillText("1", w - 8, ht - 2);
+}
+
 // ------------------------------------------------------------------------------------ wiring
 function wire() {
   $("api-key").value = apiKey();
@@ -266,6 +321,12 @@ function wire() {
   $("threshold-reset").addEventListener("click", () => setThreshold(MODEL_THRESHOLD));
   $("opacity").addEventListener("input", applyView);
   $("show-mask").addEventListener("change", applyView);
+  $("monitor-reset").addEventListener("click", async () => {
+    if (!state.model || !window.confirm(`Forget the last images of ${state.model}? (The Prometheus counters keep counting.)`)) return;
+    try { showMonitor(await api(`/models/${encodeURIComponent(state.model)}/monitor/reset`, { method: "POST" })); }
+    catch (error) { showError(explain(error)); }
+  });
+  setInterval(() => { if (!document.hidden) loadMonitor(); }, MONITOR_REFRESH_MS);
   document.addEventListener("keydown", (event) => {
     const typing = ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)
       && document.activeElement.type !== "range" && document.activeElement.type !== "checkbox";

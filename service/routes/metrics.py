@@ -12,4 +12,5 @@ router = APIRouter(tags=["metrics"])
 async def metrics(state: StateDep) -> Response:
     for name, model in state.models.items():
         state.metrics.queue_depth.labels(name).set(model.batcher.admitted)
+        state.metrics.show_reading(name, model.monitor.reading()[0], model.detector.calibration.false_alarm_bound)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

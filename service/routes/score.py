@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 
 from ..batching import Admission
 from ..deps import ApiKey, StateDep
-from ..errors import ApiError
+from ..errors import CLIENT_CLOSED, ApiError
 from ..openapi import error_responses
 from ..schemas import BatchResponse, ScoreResponse
 from ..state import ServedModel, ServiceState
@@ -42,31 +42,35 @@ ERRORS = error_responses(404, 408, 413, 415, 422, 500, 503, 504)
 
 HeatmapQ = Annotated[bool, Query(description="return the heat map (PNG, base64)")]
 MaskQ = Annotated[bool, Query(description="return the binary mask at the threshold (PNG, base64)")]
+MonitorQ = Annotated[bool, Query(description="count the image in the model's monitor and verdict metrics; false for "
+                                  "a second look at an image already scored (the console's re-scores)")]
 ThresholdQ = Annotated[float | None, Query(ge=0, le=1, description="override the threshold (0..1 score scale) for this request")]
 
 
 @router.post("/score", response_model=ScoreResponse, response_model_exclude_unset=True, openapi_extra=_image_body(False),
              responses=ERRORS, summary="score one image with the default model")
-async def score(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None):
-    return await _score(request, state, None, heatmap, mask, threshold, many=False)
+async def score(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None,
+                monitor: MonitorQ = True):
+    return await _score(request, state, None, heatmap, mask, threshold, many=False, monitor=monitor)
 
 
 @router.post("/models/{name}/score", response_model=ScoreResponse, response_model_exclude_unset=True,
              openapi_extra=_image_body(False), responses=ERRORS, summary="score one image with the named model")
 async def score_with(name: str, request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
-                     threshold: ThresholdQ = None):
-    return await _score(request, state, name, heatmap, mask, threshold, many=False)
+                     threshold: ThresholdQ = None, monitor: MonitorQ = True):
+    return await _score(request, state, name, heatmap, mask, threshold, many=False, monitor=monitor)
 
 
 @router.post("/score/batch", response_model=BatchResponse, response_model_exclude_unset=True, openapi_extra=_image_body(True),
              responses=ERRORS, summary="score several images (multipart 'file' parts), one result each, in order")
 async def score_batch(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
-                      threshold: ThresholdQ = None, model: Annotated[str | None, Query(description="model name")] = None):
-    return await _score(request, state, model, heatmap, mask, threshold, many=True)
+                      threshold: ThresholdQ = None, model: Annotated[str | None, Query(description="model name")] = None,
+                      monitor: MonitorQ = True):
+    return await _score(request, state, model, heatmap, mask, threshold, many=True, monitor=monitor)
 
 
 async def _score(request: Request, state: ServiceState, name: str | None, heatmap: bool, mask: bool,
-                 threshold: float | None, many: bool) -> dict:
+                 threshold: float | None, many: bool, monitor: bool = True) -> dict:
     started = time.perf_counter()
     served = state.model(name)
     request.state.model = served.name
@@ -75,34 +79,59 @@ async def _score(request: Request, state: ServiceState, name: str | None, heatma
     mask = form_options.get("mask", mask)
     threshold = form_options.get("threshold", threshold)
     with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-        results = await _score_images(state, served, datas, admission, threshold, heatmap, mask)
+        scored, results = await _score_images(request, state, served, datas, admission, threshold, heatmap, mask)
+    if monitor:
+        state.observe(served, scored, results, own_threshold=threshold is not None)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
         return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
     return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
 
 
-async def _score_images(state: ServiceState, served: ServedModel, datas: list[bytes], admission: Admission,
-                        threshold, heatmap, mask) -> list[dict]:
+async def _score_images(request: Request, state: ServiceState, served: ServedModel, datas: list[bytes],
+                        admission: Admission, threshold, heatmap, mask) -> tuple[list[tuple], list[dict]]:
+    """``[(raw_score, map, input_distance)]`` and the result of each image.
+
+    A client that disconnects while its images wait for a batch takes them out of the queue (the
+    batcher skips cancelled ones), so that it costs no batch; its request is logged as 499.
+    """
     loop = asyncio.get_running_loop()
     decoded = await asyncio.gather(*[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap)
                                      for d in datas])
     del datas  # the encoded bytes are not needed any more
     futures = []
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         for image in decoded:
             futures.append(served.batcher.submit(image.tensor, admission))
-        scored = await asyncio.wait_for(asyncio.gather(*futures), timeout=state.settings.request_timeout_s)
-    except TimeoutError:
-        raise ApiError(504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded") from None
+        answered = asyncio.gather(*futures)
+        done, _ = await asyncio.wait({answered, gone}, timeout=state.settings.request_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if answered not in done:
+            answered.cancel()
+            if gone in done:
+                raise ApiError(CLIENT_CLOSED, "client_disconnected", "the client closed the connection before its images were scored")
+            raise ApiError(504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is "
+                           "overloaded")
+        scored = answered.result()
     finally:
+        gone.cancel()
         for future in futures:  # a failed or abandoned request leaves nothing for the batcher to do
             if not future.done():
                 future.cancel()
-    return list(await asyncio.gather(*[
+    results = list(await asyncio.gather(*[
         loop.run_in_executor(state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
-        for image, (raw, anomaly_map) in zip(decoded, scored)
+        for image, (raw, anomaly_map, _) in zip(decoded, scored)
     ]))
+    return scored, results
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body is read by now: nothing else can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[list[bytes], dict]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import IMAGE_SIZE, run_cli
+from helpers import IMAGE_SIZE, normal_and_shifted, run_cli
 from padim.core import load_artifact
 
 # Image-AUROC floor for the generated 'weave' category with random resnet18 weights at 64 px.
@@ -393,6 +393,29 @@ def test_evaluate_writes_no_file_unless_asked_and_a_report_when_asked(model_file
     assert "http://" not in page and "https://" not in page  # self-contained: opens offline
 
 
+def test_drift_exits_0_on_normal_images_and_3_on_shifted_ones_with_a_report(model_file, tmp_path):
+    normal, shifted = normal_and_shifted(tmp_path / "line", 40)
+    calm = run_cli("-q", "drift", model_file, normal[0].parent, "--report", tmp_path / "calm")
+    reading = json.loads(calm.stdout)
+    assert calm.returncode == 0 and reading["status"] == "normal" and reading["alarms"] == [] and reading["images"] == 40
+    assert reading["input_drift"] is not None and reading["flag_rate"]["basis"] == "promised"
+    drift = run_cli("-q", "drift", model_file, shifted[0].parent, "--report", tmp_path / "drift", check=False)
+    reading = json.loads(drift.stdout)
+    assert drift.returncode == 3, drift.stderr
+    assert reading["status"] == "alarm" and set(reading["alarms"]) == {"flag_rate", "score_drift", "input_drift"}
+    saved = json.loads((tmp_path / "drift" / "drift.json").read_text())
+    assert saved["alarms"] == reading["alarms"] and len(saved["highest"]) == 20 and saved["images"] == 40
+    page = (tmp_path / "drift" / "drift.html").read_text()
+    for text in ("ALARM", "flag rate (one-sided binomial)", "input drift (one-sided KS)", "Highest scores", "RANDOM WEIGHTS"):
+        assert text in page, text
+    assert page.count('src="data:image/png;base64,') == 1 and "https://" not in page
+    # too few images, or a bad level: a one-line error (exit 1), not a verdict
+    few = run_cli("-q", "drift", model_file, normal[0].parent, "--min-images", "41", check=False)
+    assert few.returncode == 1 and "40 readable image(s); the tests need at least 41" in few.stderr
+    bad = run_cli("-q", "drift", model_file, normal[0].parent, "--level", "1.5", check=False)
+    assert bad.returncode == 1 and "--level must be between 0 and 1" in bad.stderr
+
+
 def test_help_and_health_load_no_torch():
     """``padim --help``, every ``padim COMMAND --help`` and ``padim health`` (Docker runs it every few seconds)
     import no torch: the commands import the library inside ``run``."""
@@ -411,7 +434,7 @@ def test_help_and_health_load_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "10", "[]"], result.stdout
+    assert result.stdout.split() == ["1", "11", "[]"], result.stdout
 
 
 def test_a_gpu_out_of_memory_outside_the_fit_is_one_line_with_what_to_do(monkeypatch, capsys, model_file, tmp_path):

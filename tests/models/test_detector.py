@@ -273,7 +273,7 @@ def test_tiles_travel_in_the_file_and_a_format_five_file_is_untiled(images, tmp_
     tiled = fit_detector(config, images, progress=False)[0]
     save_detector(tiled, tmp_path / "tiled.padim")
     tensors, header = load_artifact(tmp_path / "tiled.padim")
-    assert header["format_version"] == 6 and header["config"]["tiles"] == [2, 3]
+    assert header["format_version"] == FORMAT_VERSION and header["config"]["tiles"] == [2, 3]
     grid = tiled.model.grid_shape[0] * tiled.model.grid_shape[1]
     assert tensors["mean"].shape[0] == (6 * grid if statistics == "position" else grid)  # statistics per tile position
     loaded = load_detector(tmp_path / "tiled.padim", device="cpu")
@@ -309,3 +309,27 @@ def test_each_tile_position_is_scored_as_that_crop_of_the_input(images):
         crop = untiled(batch[:, :, top : top + size, left : left + size])  # (B, P, D)
         pixels = crop.shape[1]
         torch.testing.assert_close(rows[:, t * pixels : (t + 1) * pixels], crop, rtol=1e-5, atol=1e-5)
+
+
+def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detector, images, tmp_path):
+    calibration = detector.calibration
+    assert len(calibration.input_distances) == calibration.count == 30  # one per out-of-fold score
+    batch = detector.preprocess(pictures(images, 3))
+    out = detector.score(batch)
+    # the scorer's input distance: the mean of the picture's squared distances over every feature pixel
+    squared = squared_mahalanobis(detector.model.embedder(batch), detector.model.mean, detector.model.precision_factor)
+    torch.testing.assert_close(out.input_distances, squared.mean(1), rtol=1e-5, atol=0)
+    save_detector(detector, tmp_path / "seven.padim")
+    tensors, header = load_artifact(tmp_path / "seven.padim")
+    assert header["calibration"]["input_distances"] == 30 and tensors["calibration.input_distances"].dtype == torch.float64
+    assert load_detector(tmp_path / "seven.padim", device="cpu").calibration == calibration
+    # a format-6 file: no input distances, everything else as it was
+    del tensors["calibration.input_distances"], header["calibration"]["input_distances"]
+    older_format_of(tensors, header, tmp_path / "six.padim", 6)
+    six = load_detector(tmp_path / "six.padim", device="cpu")
+    assert six.calibration.input_distances == () and six.calibration.scores == calibration.scores
+    assert six.calibration.threshold == calibration.threshold
+    from padim.core.drift import assess
+
+    reading = assess(six.score(batch).raw_scores.repeat(20), six.calibration, None)
+    assert reading.input_drift is None and reading.flag_rate is not None

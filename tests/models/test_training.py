@@ -74,6 +74,8 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
     expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma,
                             image_score, config.top_fraction)
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
+    # input distances: the mean of each image's out-of-fold squared distances (input drift's reference)
+    np.testing.assert_allclose(finished.input_distances.numpy(), refit_squared(x, sizes, config.epsilon).mean(1), rtol=1e-6)
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)
     np.testing.assert_allclose(fit.statistics.mean.numpy(), x.mean(axis=0), rtol=1e-10, atol=1e-10)

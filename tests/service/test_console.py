@@ -184,3 +184,51 @@ def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, datas
         shown = float(browser.find_element(By.ID, "score").get_attribute("data-value"))
         assert shown == pytest.approx(response.json()["score"], abs=SCORE_ATOL)
         browser.save_screenshot(str(ARTIFACTS / "console-tiled.png"))
+
+
+def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from helpers import normal_and_shifted
+
+    normal, shifted = normal_and_shifted(tmp_path / "line", 40)
+    env = {"PADIM_MONITOR_WINDOW": "40", "PADIM_MONITOR_MIN_IMAGES": "30"}
+
+    def send(paths):
+        for first in range(0, len(paths), 8):
+            files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first:first + 8]]
+            assert httpx.post(f"{server.url}/score/batch", files=files, timeout=60).status_code == 200
+
+    def panel_agrees() -> dict:
+        expected = httpx.get(f"{server.url}/models/weave/monitor").json()
+        wait(browser, lambda d: d.find_element(By.ID, "monitor-status").get_attribute("data-status") == expected["status"])
+        assert text(browser, "monitor-verdict") == expected["verdict"][0].upper() + expected["verdict"][1:]
+        assert text(browser, "monitor-window").startswith(f"{expected['images']} of the last 40 images kept since")
+        # the plot: the calibration's bars and the window's drawn, the threshold line in the middle
+        drawn = browser.execute_script(
+            "const c = document.getElementById('monitor-plot'); const d = c.getContext('2d')"
+            ".getImageData(0, 0, c.width, c.height).data; let blue = 0, grey = 0, red = 0;"
+            "for (let i = 0; i < d.length; i += 4) { if (d[i+3] === 0) continue;"
+            " if (d[i+2] > 150 && d[i] < 100) blue++; else if (d[i] > 180 && d[i+1] < 80) red++;"
+            " else if (Math.abs(d[i] - d[i+2]) < 30 && d[i] > 120 && d[i] < 230) grey++; }"
+            "return {blue, grey, red};")
+        assert drawn["grey"] > 100 and drawn["red"] > 50, drawn
+        assert (drawn["blue"] > 50) == (expected["images"] > 0), drawn
+        return expected
+
+    with running_server(tmp_path, [model_file], env=env) as server:
+        send(normal)
+        browser.get(server.url + "/")
+        calm = panel_agrees()
+        assert calm["status"] == "normal" and text(browser, "monitor-status") == "normal"
+        send(shifted)  # the panel refreshes on its own within 5 s
+        drift = panel_agrees()
+        assert drift["status"] == "alarm" and text(browser, "monitor-status") == "ALARM"
+        assert "more flags than normal images alone would give" in text(browser, "monitor-verdict")
+        browser.execute_script("document.getElementById('monitor').scrollIntoView()")
+        assert browser.execute_script("const a = document.querySelector('aside'); return a.scrollWidth <= a.clientWidth")
+        browser.save_screenshot(str(ARTIFACTS / "console-monitor-alarm.png"))
+        browser.find_element(By.ID, "monitor-reset").click()
+        browser.switch_to.alert.accept()
+        after = panel_agrees()
+        assert after["status"] == "collecting" and after["images"] == 0

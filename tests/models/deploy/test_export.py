@@ -72,12 +72,13 @@ def test_the_triton_graph_runs_batched_as_triton_would_feed_it(triton_repo, mode
     size = reference.config.image_size
     config = text_format.Parse((graph.parents[1] / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     batch = np.random.default_rng(0).standard_normal((config.max_batch_size, 3, size, size)).astype(np.float32)
-    maps, raw = session.run(None, {"images": batch})
-    assert maps.shape == (config.max_batch_size, size, size) and raw.shape == (config.max_batch_size,)
+    maps, raw, inputs = session.run(None, {"images": batch})
+    assert maps.shape == (config.max_batch_size, size, size) and raw.shape == inputs.shape == (config.max_batch_size,)
     import torch
 
-    expected = reference.score(torch.from_numpy(batch)).raw_scores.numpy()
-    assert np.allclose(raw, expected, rtol=1e-4)
+    expected = reference.score(torch.from_numpy(batch))
+    assert np.allclose(raw, expected.raw_scores.numpy(), rtol=1e-4)
+    assert np.allclose(inputs, expected.input_distances.numpy(), rtol=1e-4)
 
 
 def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
@@ -93,7 +94,7 @@ def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
         record = json.loads(line)
         image = Image.open(record["path"]).convert("RGB").resize((size, size), Image.BILINEAR)
         pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
-        _, raw = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
+        _, raw, _ = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
         assert float(raw[0]) == pytest.approx(record["raw_score"], rel=1e-4)
         assert_same_verdict({"is_anomaly": float(raw[0]) >= meta["calibration"]["threshold"]}, record, rel=1e-4)
     described = load_detector(model_file, device="cpu")
@@ -167,7 +168,7 @@ def test_export_of_an_in_memory_detector_writes_the_same_graph_inputs(model_file
     directory = export_detector(detector, tmp_path / "api", "onnx", model_file)
     session = onnxruntime.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["images"]
-    assert [o.name for o in session.get_outputs()] == ["anomaly_map", "raw_score"]
+    assert [o.name for o in session.get_outputs()] == ["anomaly_map", "raw_score", "input_distance"]
 
 
 def test_padim_json_says_how_to_frame_a_picture_for_a_client(dataset, tmp_path):
@@ -191,5 +192,5 @@ def test_padim_json_says_how_to_frame_a_picture_for_a_client(dataset, tmp_path):
         canvas[(side - h) // 2:(side - h) // 2 + h, (side - w) // 2:(side - w) // 2 + w] = region
         image = Image.fromarray(canvas).resize((size, size), Image.BILINEAR)
         pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
-        _, raw = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
+        _, raw, _ = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
         assert float(raw[0]) == pytest.approx(record["raw_score"], rel=1e-4)

@@ -78,17 +78,19 @@ def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_grap
     run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
     reference = load_detector(path, device="cpu")
     batch = torch.randn(3, 3, size, size)
-    expected = reference.score(batch).raw_scores
+    scored = reference.score(batch)
+    expected = scored.raw_scores
     for runtime in RUNTIMES:
-        got = load_scorer(tmp_path / "onnx", runtime, "cpu").score(batch).raw_scores
-        assert torch.allclose(got, expected, rtol=1e-4), runtime
+        got = load_scorer(tmp_path / "onnx", runtime, "cpu").score(batch)
+        assert torch.allclose(got.raw_scores, expected, rtol=1e-4), runtime
+        assert torch.allclose(got.input_distances, scored.input_distances.float(), rtol=1e-4), runtime
     # Triton serves the model repository's graph as it is: run it as Triton's onnxruntime backend would
     import onnxruntime
 
     run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
     session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
-    _, raw = session.run(None, {"images": batch.numpy()})
+    _, raw, _ = session.run(None, {"images": batch.numpy()})
     assert np.allclose(raw, expected.numpy(), rtol=1e-4)
 
 
@@ -275,7 +277,7 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
         assert (got.maps - expected.maps).abs().max() <= 1e-3
         assert torch.allclose(deployed.score(batch[:1]).raw_scores, got.raw_scores[:1], rtol=1e-5)  # dynamic batch
     metadata = json.loads((tmp_path / "onnx" / "padim.json").read_text())
-    assert metadata["export_version"] == 3 and metadata["input"]["shape"] == ["batch", 3, 112, 160]
+    assert metadata["export_version"] >= 3 and metadata["input"]["shape"] == ["batch", 3, 112, 160]
     assert metadata["input"]["tiles"]["rows"] == 2 and metadata["input"]["tiles"]["statistics"] == statistics
     # Triton: the tiles are cut inside the graph it serves; a batch counts pictures, the backbone sees six tiles each
     import onnxruntime
@@ -288,6 +290,34 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
     assert config.max_batch_size == 32 // 6
     session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
-    maps, raw = session.run(None, {"images": batch.numpy()})
+    maps, raw, inputs = session.run(None, {"images": batch.numpy()})
     np.testing.assert_allclose(raw, expected.raw_scores.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(inputs, expected.input_distances.numpy(), rtol=1e-4)
     assert maps.shape == (4, 112, 160)
+
+
+def test_an_export_from_before_input_distances_is_served_without_them(model_file, tmp_path, monkeypatch):
+    """Export version 3: two outputs, no calibration_input_distances; scored as before, no input drift reading."""
+    from padim.core.drift import assess
+    from padim.models.deploy import export
+    from padim.models.deploy.export import METADATA_FILE, metadata_sha256
+
+    forward = export.ExportedScorer.forward
+    monkeypatch.setattr(export.ExportedScorer, "forward", lambda self, images: forward(self, images)[:2])
+    monkeypatch.setattr(export, "OUTPUT_NAMES", export.OUTPUT_NAMES[:2])
+    export.export_detector(load_detector(model_file, device="cpu"), tmp_path / "three", "onnx", model_file)
+    monkeypatch.undo()
+    metadata = json.loads((tmp_path / "three" / METADATA_FILE).read_text())
+    del metadata["calibration_input_distances"], metadata["outputs"]["input_distance"]
+    del metadata["calibration"]["input_distances"], metadata["description"]["calibration"]["input_distances"]
+    metadata["export_version"] = 3
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
+    (tmp_path / "three" / METADATA_FILE).write_text(json.dumps(metadata))
+    reference = load_detector(model_file, device="cpu")
+    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    for runtime in RUNTIMES:
+        deployed = load_scorer(tmp_path / "three", runtime, "cpu")
+        out = deployed.score(batch)
+        assert out.input_distances is None and deployed.calibration.input_distances == ()
+        torch.testing.assert_close(out.raw_scores, reference.score(batch).raw_scores, rtol=1e-4, atol=0)
+        assert assess(out.raw_scores.repeat(20), deployed.calibration, out.input_distances).input_drift is None

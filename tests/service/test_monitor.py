@@ -1,0 +1,96 @@
+"""The line monitor against a real server: normal images, then brightness-shifted ones, then a reset."""
+
+import time
+
+import httpx
+import pytest
+
+from helpers import metric, normal_and_shifted, running_server
+
+WINDOW = 40
+ENV = {"PADIM_MONITOR_WINDOW": str(WINDOW), "PADIM_MONITOR_MIN_IMAGES": "30"}
+
+
+@pytest.fixture(scope="module")
+def line(tmp_path_factory):
+    """``WINDOW`` new normal images (unseen by the model) and the same images under another lamp."""
+    return normal_and_shifted(tmp_path_factory.mktemp("line"), WINDOW)
+
+
+def send(url: str, paths, **params) -> None:
+    for first in range(0, len(paths), 8):
+        files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first:first + 8]]
+        answer = httpx.post(url + "/score/batch", files=files, params=params, timeout=60)
+        assert answer.status_code == 200, answer.text
+
+
+def reading(url: str) -> dict:
+    answer = httpx.get(url + "/models/weave/monitor")
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def assert_metrics_agree(url: str, monitor: dict) -> None:
+    assert metric(url, "padim_monitor_images", model="weave") == monitor["images"]
+    for test in ("flag_rate", "score_drift", "input_drift"):
+        assert metric(url, "padim_monitor_alarm", model="weave", test=test) == float(test in monitor["alarms"])
+        assert metric(url, "padim_monitor_p_value", model="weave", test=test) == pytest.approx(monitor[test]["p_value"],
+                                                                                               rel=1e-9, abs=1e-300)
+    assert metric(url, "padim_monitor_flag_rate", model="weave") == pytest.approx(monitor["flag_rate"]["rate"])
+    assert metric(url, "padim_model_normal_flag_rate", model="weave") == pytest.approx(monitor["flag_rate"]["normal_rate"])
+
+
+def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file, line, tmp_path):
+    normal, shifted = line
+    with running_server(tmp_path, [model_file], env=ENV) as server:
+        empty = reading(server.url)
+        assert empty["status"] == "collecting" and empty["images"] == 0 and empty["window"] == WINDOW
+        assert empty["bytes"] == 16 * WINDOW and sum(empty["histogram"]["calibration"]) == 30
+        send(server.url, normal)
+        calm = reading(server.url)
+        assert calm["images"] == WINDOW and calm["status"] == "normal" and calm["alarms"] == [], calm["verdict"]
+        assert calm["input_drift"] is not None and calm["flag_rate"]["basis"] == "promised"
+        assert sum(calm["histogram"]["recent"]) == WINDOW and "within what the model promised" in calm["verdict"]
+        assert_metrics_agree(server.url, calm)
+        # the lamp changes: within one window every test says so
+        send(server.url, shifted)
+        drift = reading(server.url)
+        assert drift["images"] == WINDOW and drift["status"] == "alarm"
+        assert set(drift["alarms"]) == {"flag_rate", "score_drift", "input_drift"}, drift["verdict"]
+        assert "more flags than normal images alone would give" in drift["verdict"]
+        assert "look unlike the training images" in drift["verdict"]
+        assert drift["input_drift"]["median_ratio"] > 1 and drift["score_drift"]["psi"] > 0.25
+        assert_metrics_agree(server.url, drift)
+        answered = sum(metric(server.url, "padim_verdicts_total", model="weave", verdict=v) for v in ("anomalous", "normal"))
+        assert answered == 2 * WINDOW and metric(server.url, "padim_score_count", model="weave") == 2 * WINDOW
+        # fixed: the window is forgotten, the counters are not
+        after = httpx.post(server.url + "/models/weave/monitor/reset").json()
+        assert after["status"] == "collecting" and after["images"] == 0 and after["recorded"] == 0
+        assert metric(server.url, "padim_verdicts_total", model="weave", verdict="anomalous") >= drift["flag_rate"]["flags"]
+        send(server.url, normal)
+        again = reading(server.url)
+        assert again["status"] == "normal" and again["alarms"] == []
+        assert_metrics_agree(server.url, again)
+        # a request's own threshold is counted beside; flags stay at the model's threshold; monitor=false is not kept
+        send(server.url, normal[:8], threshold=0.01)
+        own = reading(server.url)
+        assert own["threshold_overrides"] == 8 and own["flag_rate"]["flags"] == again["flag_rate"]["flags"]
+        assert metric(server.url, "padim_threshold_overrides_total", model="weave") == 8
+        send(server.url, shifted[:8], monitor="false")
+        assert reading(server.url)["recorded"] == own["recorded"]
+        assert httpx.get(server.url + "/models/nope/monitor").status_code == 404
+
+
+def test_a_client_that_gives_up_costs_no_batch(model_file, dataset, tmp_path):
+    """Its image waits for company (a long batching delay); the client leaves; the batch is never scored."""
+    data = (dataset / "test" / "good" / "000.png").read_bytes()
+    env = {"PADIM_MAX_DELAY_MS": "1500"}
+    with running_server(tmp_path, [model_file], env=env) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=0.4)
+        time.sleep(2.0)  # past the batching delay: a batch would have been scored by now
+        assert metric(server.url, "padim_batch_size_count", model="weave") == 0
+        assert metric(server.url, "padim_requests_total", route="/score", status="499") == 1
+        assert reading(server.url)["recorded"] == 0
+        kept = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=30)
+        assert kept.status_code == 200 and metric(server.url, "padim_batch_size_count", model="weave") == 1
