@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -231,8 +231,7 @@ def assess(raw_scores: torch.Tensor, calibration: Calibration, input_distances: 
         if values.numel() >= min_images:
             input_drift = _shift(values, torch.tensor(calibration.input_distances, dtype=torch.float64), level)
     drift = Drift(n, "normal", level, min_images, flag_rate, score_drift, input_drift, "")
-    status = "alarm" if drift.alarms else "normal"
-    return Drift(n, status, level, min_images, flag_rate, score_drift, input_drift, _words(drift))
+    return replace(drift, status="alarm" if drift.alarms else "normal", verdict=_words(drift))
 
 
 def _shift(recent: torch.Tensor, reference: torch.Tensor, level: float, with_psi: bool = False) -> Shift:

@@ -40,6 +40,9 @@ class Monitor:
     def __init__(self, calibration: Calibration, window: int, level: float, min_images: int):
         self.calibration, self.window, self.level, self.min_images = calibration, window, level, min_images
         self._values = torch.full((window, 2), math.nan, dtype=torch.float64)  # (window, [raw, input distance])
+        # the reference the window is plotted against: the calibration's normal scores, binned once
+        normal = calibration.normalise(torch.tensor(calibration.scores, dtype=torch.float64))
+        self._calibration_histogram = histogram(normal, SCORE_EDGES)
         self._lock = threading.Lock()
         self.reset()
 
@@ -101,7 +104,6 @@ class Monitor:
             "histogram": {
                 "edges": list(SCORE_EDGES),
                 "recent": histogram(recent_scores, SCORE_EDGES),
-                "calibration": histogram(calibration.normalise(torch.tensor(calibration.scores, dtype=torch.float64)),
-                                         SCORE_EDGES),
+                "calibration": self._calibration_histogram,
             },
         }

@@ -2,7 +2,8 @@
 
 ``metrics`` (image and pixel AUROC, PRO, F1 on an MVTec AD-layout category),
 ``report`` (``padim evaluate --report``: one self-contained HTML page from ``report.html``),
-``drift`` (``padim drift``: a folder of recent images read against the calibration, ``drift.html``).
+``drift`` (``padim drift``: a folder of recent images read against the calibration, ``drift.html``),
+``pages`` (what both HTML reports share: ``page.html``, data URIs, atomic writes).
 
 May import: :mod:`padim.core`, :mod:`padim.models.data`, :mod:`padim.models.heatmaps`,
 :mod:`padim.models.verdicts`.

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import jinja2
 import matplotlib
 
 matplotlib.use("Agg", force=True)  # files, never a display
@@ -25,7 +24,7 @@ from tqdm.auto import tqdm
 
 from padim.core.drift import LEVEL, MIN_IMAGES, Drift, assess
 from padim.models.data.images import decode_side, iter_batches
-from padim.models.evaluation.report import _data_uri, _replace
+from padim.models.evaluation.pages import TEMPLATES, data_uri, write_atomically
 
 REPORT_FILE, JSON_FILE = "drift.html", "drift.json"
 #: Highest-scoring images listed in the report and the JSON.
@@ -88,13 +87,12 @@ def write_drift_report(directory: str | Path, recent: Recent, drift: Drift, scor
         model_label=model_label, folder=folder_label, weights_label=scorer.weights.label, stamp=scorer.weights.stamp,
         runtime=scorer.runtime, created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), drift=drift,
         rows=_rows(drift), plot=_plot(recent, calibration), highest=highest, unreadable=recent.unreadable) + "\n"
-    _replace(directory / JSON_FILE, json.dumps(document, indent=2) + "\n")
-    _replace(directory / REPORT_FILE, page)
+    write_atomically(directory / JSON_FILE, json.dumps(document, indent=2) + "\n")
+    write_atomically(directory / REPORT_FILE, page)
     return directory / REPORT_FILE
 
 
-TEMPLATE = jinja2.Environment(loader=jinja2.PackageLoader("padim.models.evaluation", "."),
-                              autoescape=True, undefined=jinja2.StrictUndefined).get_template("drift.html")
+TEMPLATE = TEMPLATES.get_template("drift.html")
 
 
 def _rows(drift: Drift) -> list[dict]:
@@ -140,4 +138,4 @@ def _plot(recent: Recent, calibration) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    return _data_uri(buffer.getvalue(), "image/png")
+    return data_uri(buffer.getvalue(), "image/png")

@@ -9,15 +9,11 @@ the worst false alarms and missed defects with their heat maps. Plots are drawn 
 
 from __future__ import annotations
 
-import base64
 import io
 import json
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-import jinja2
 import matplotlib
 
 matplotlib.use("Agg", force=True)  # files, never a display
@@ -28,6 +24,7 @@ from sklearn.metrics import roc_curve
 
 from padim.models.data.images import open_image
 from padim.models.evaluation.metrics import Scored, pro_curve
+from padim.models.evaluation.pages import TEMPLATES, data_uri, write_atomically
 from padim.models.heatmaps import figure
 from padim.models.verdicts import verdict
 
@@ -57,8 +54,8 @@ def write_report(directory: str | Path, scored: Scored, metrics: dict, detector,
     document = {**metrics, "per_image": per_image}
     plots = _plots(scored, labels, metrics)
     page = _page(scored, metrics, detector, model_label, plots, _gallery(scored, labels, detector, gallery))
-    _replace(directory / JSON_FILE, json.dumps(document, indent=2) + "\n")
-    _replace(directory / REPORT_FILE, page)
+    write_atomically(directory / JSON_FILE, json.dumps(document, indent=2) + "\n")
+    write_atomically(directory / REPORT_FILE, page)
     return directory / REPORT_FILE
 
 
@@ -130,7 +127,7 @@ def _png(plt, fig) -> str:
     fig.tight_layout()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    return _data_uri(buffer.getvalue(), "image/png")
+    return data_uri(buffer.getvalue(), "image/png")
 
 
 # -------------------------------------------------------------------------------------- gallery
@@ -158,13 +155,12 @@ def _card(scored: Scored, index: int, detector) -> dict:
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG", optimize=True)
     return {"path": str(sample.path), "defect": sample.defect, "score": found.score, "is_anomaly": found.is_anomaly,
-            "image": _data_uri(buffer.getvalue(), "image/png")}
+            "image": data_uri(buffer.getvalue(), "image/png")}
 
 
 # ----------------------------------------------------------------------------------------- page
-#: The page, as a Jinja2 template beside this module (values are HTML-escaped by the template).
-TEMPLATE = jinja2.Environment(loader=jinja2.PackageLoader("padim.models.evaluation", "."),
-                              autoescape=True, undefined=jinja2.StrictUndefined).get_template("report.html")
+#: The page, a Jinja2 template beside this module.
+TEMPLATE = TEMPLATES.get_template("report.html")
 CAPTIONS = {"image_roc": "Image ROC: good images flagged against defective ones caught, at every threshold",
             "pixel_roc": "Pixel ROC: normal pixels against defect pixels",
             "pro": "PRO: the share of each defect region found, averaged over regions"}
@@ -210,22 +206,3 @@ def _defect_rows(metrics: dict) -> list[dict]:
                      "auroc": "—" if defect == "good" else _number(by_defect.get(defect)),
                      "flagged": "n/a" if hits is None else f"{hits} of {total}" + (" (false alarms)" if defect == "good" else "")})
     return rows
-
-
-def _data_uri(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder (never half a file)."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # as an ordinary file, not mkstemp's 0600
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -189,15 +189,10 @@ def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, datas
 def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, tmp_path):
     from selenium.webdriver.common.by import By
 
-    from helpers import normal_and_shifted
+    from helpers import normal_and_shifted, score_in_batches
 
     normal, shifted = normal_and_shifted(tmp_path / "line", 40)
     env = {"PADIM_MONITOR_WINDOW": "40", "PADIM_MONITOR_MIN_IMAGES": "30"}
-
-    def send(paths):
-        for first in range(0, len(paths), 8):
-            files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first:first + 8]]
-            assert httpx.post(f"{server.url}/score/batch", files=files, timeout=60).status_code == 200
 
     def panel_agrees() -> dict:
         expected = httpx.get(f"{server.url}/models/weave/monitor").json()
@@ -217,11 +212,11 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         return expected
 
     with running_server(tmp_path, [model_file], env=env) as server:
-        send(normal)
+        score_in_batches(server.url, normal)
         browser.get(server.url + "/")
         calm = panel_agrees()
         assert calm["status"] == "normal" and text(browser, "monitor-status") == "normal"
-        send(shifted)  # the panel refreshes on its own within 5 s
+        score_in_batches(server.url, shifted)  # the panel refreshes on its own within 5 s
         drift = panel_agrees()
         assert drift["status"] == "alarm" and text(browser, "monitor-status") == "ALARM"
         assert "more flags than normal images alone would give" in text(browser, "monitor-verdict")

@@ -5,7 +5,7 @@ import time
 import httpx
 import pytest
 
-from helpers import metric, normal_and_shifted, running_server
+from helpers import metric, normal_and_shifted, running_server, score_in_batches
 
 WINDOW = 40
 ENV = {"PADIM_MONITOR_WINDOW": str(WINDOW), "PADIM_MONITOR_MIN_IMAGES": "30"}
@@ -15,13 +15,6 @@ ENV = {"PADIM_MONITOR_WINDOW": str(WINDOW), "PADIM_MONITOR_MIN_IMAGES": "30"}
 def line(tmp_path_factory):
     """``WINDOW`` new normal images (unseen by the model) and the same images under another lamp."""
     return normal_and_shifted(tmp_path_factory.mktemp("line"), WINDOW)
-
-
-def send(url: str, paths, **params) -> None:
-    for first in range(0, len(paths), 8):
-        files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first:first + 8]]
-        answer = httpx.post(url + "/score/batch", files=files, params=params, timeout=60)
-        assert answer.status_code == 200, answer.text
 
 
 def reading(url: str) -> dict:
@@ -46,14 +39,14 @@ def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file
         empty = reading(server.url)
         assert empty["status"] == "collecting" and empty["images"] == 0 and empty["window"] == WINDOW
         assert empty["bytes"] == 16 * WINDOW and sum(empty["histogram"]["calibration"]) == 30
-        send(server.url, normal)
+        score_in_batches(server.url, normal)
         calm = reading(server.url)
         assert calm["images"] == WINDOW and calm["status"] == "normal" and calm["alarms"] == [], calm["verdict"]
         assert calm["input_drift"] is not None and calm["flag_rate"]["basis"] == "promised"
         assert sum(calm["histogram"]["recent"]) == WINDOW and "within what the model promised" in calm["verdict"]
         assert_metrics_agree(server.url, calm)
         # the lamp changes: within one window every test says so
-        send(server.url, shifted)
+        score_in_batches(server.url, shifted)
         drift = reading(server.url)
         assert drift["images"] == WINDOW and drift["status"] == "alarm"
         assert set(drift["alarms"]) == {"flag_rate", "score_drift", "input_drift"}, drift["verdict"]
@@ -67,16 +60,16 @@ def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file
         after = httpx.post(server.url + "/models/weave/monitor/reset").json()
         assert after["status"] == "collecting" and after["images"] == 0 and after["recorded"] == 0
         assert metric(server.url, "padim_verdicts_total", model="weave", verdict="anomalous") >= drift["flag_rate"]["flags"]
-        send(server.url, normal)
+        score_in_batches(server.url, normal)
         again = reading(server.url)
         assert again["status"] == "normal" and again["alarms"] == []
         assert_metrics_agree(server.url, again)
         # a request's own threshold is counted beside; flags stay at the model's threshold; monitor=false is not kept
-        send(server.url, normal[:8], threshold=0.01)
+        score_in_batches(server.url, normal[:8], threshold=0.01)
         own = reading(server.url)
         assert own["threshold_overrides"] == 8 and own["flag_rate"]["flags"] == again["flag_rate"]["flags"]
         assert metric(server.url, "padim_threshold_overrides_total", model="weave") == 8
-        send(server.url, shifted[:8], monitor="false")
+        score_in_batches(server.url, shifted[:8], monitor="false")
         assert reading(server.url)["recorded"] == own["recorded"]
         assert httpx.get(server.url + "/models/nope/monitor").status_code == 404
 
