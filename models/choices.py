@@ -15,6 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.
 EXPORT_FORMATS = ("onnx", "openvino", "triton")
+#: ``padim export --precision``: the backbone in float32, int8 (CPU: ONNX Runtime, OpenVINO) or fp16 (CUDA).
+EXPORT_PRECISIONS = ("float32", "int8", "fp16")
 #: What runs the scorer (``--runtime``, ``PADIM_RUNTIME``); ``auto`` is chosen in :mod:`padim.models.deploy.runtimes`.
 RUNTIMES = ("auto", "torch", "onnxruntime", "openvino")
 #: Images per forward pass (``--batch-size``, :class:`~padim.models.config.PadimConfig`, ``padim.load``).

@@ -154,9 +154,10 @@ class PadimDetector:
             **scoring_options(self.config),
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
-                            "folds": self.config.calibration_folds},
+                            "folds": self.config.calibration_folds, "threshold_of": "float32 scorer"},
             "verified": self.provenance.verified,
             "runtime": self.runtime,
+            "precision": "float32",
             "created": self.provenance.created,
             "padim_version": self.provenance.padim_version,
         }

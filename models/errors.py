@@ -61,6 +61,10 @@ class ExportError(PadimError):
     """An export that cannot be made or an export directory that cannot be used (one line)."""
 
 
+class AccuracyGateFailed(ExportError):
+    """A quantised scorer (``padim export --precision``) moved scores past its tolerance: nothing was written."""
+
+
 class NonFiniteScoreError(PadimError, ArithmeticError):
     """A score or map that is NaN or infinite: no verdict may be given from it."""
 
@@ -83,6 +87,7 @@ OUTCOMES: dict[type[PadimError], Outcome] = {
     ImageTooLarge: Outcome(1, 413, "image_too_large"),
     ArtifactError: Outcome(1, 500, "invalid_model_file"),
     ExportError: Outcome(1, 500, "invalid_export"),
+    AccuracyGateFailed: Outcome(4, 500, "accuracy_gate_failed"),
     WeightsError: Outcome(1, 500, "weights_unavailable"),
     CalibrationError: Outcome(1, 500, "calibration_failed"),
     NotPositiveDefiniteError: Outcome(1, 500, "not_positive_definite"),

@@ -59,6 +59,37 @@ class CalibrationInfo(BaseModel):
     source: str | None = Field(description="out_of_fold (the fit's images) or held_out (images no part fitted)")
     folds: int | Literal["loo"] = Field(description="calibration folds: `loo` (leave-one-out, each image its own fold) "
                                                     "or the number of folds K")
+    threshold_of: str = Field(default="float32 scorer", description="whose scores set the threshold: `float32 scorer` "
+                              "(the model file's), or a quantised scorer's own on held-out normal images (padim export "
+                              "--precision)")
+
+
+class QuantisationAgreement(BaseModel):
+    """The quantised scorer against the float32 one on held-out normal (and check) images, at export."""
+
+    images: int = Field(description="held-out normal images compared")
+    check_images: int = Field(description="--check-images (defect) images compared")
+    rank_correlation: float | None = Field(description="Spearman's of the image scores")
+    max_score_error: float = Field(description="largest relative raw-score difference (the gate's statistic)")
+    median_score_error: float
+    max_map_error: float = Field(description="largest map difference relative to the map's own largest value")
+    verdict_changes: int = Field(description="verdicts that differ at the float32 threshold")
+    verdict_changes_normal: int
+    verdict_changes_check: int
+    tolerance: float = Field(description="the gate's tolerance on max_score_error")
+    passed: bool
+    forced: bool = Field(description="written with --force although the gate failed")
+    auroc_float32: float | None
+    auroc_quantised: float | None
+    threshold: float = Field(description="the float32 raw threshold the verdicts were compared at")
+
+
+class QuantisationInfo(BaseModel):
+    agreement: QuantisationAgreement
+    float32_calibration: dict = Field(description="the model file's calibration, which the scorer's own replaced")
+    promise: str = Field(description="what the quantised scorer's threshold promises, in words")
+    verified: str
+    tool: str
 
 
 class ModelDescription(ModelInfo):
@@ -88,6 +119,10 @@ class ModelDescription(ModelInfo):
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
     runtime: str = Field(description="what runs the scorer: torch, onnxruntime or openvino")
+    precision: Literal["float32", "int8", "fp16"] = Field(
+        default="float32", description="the backbone's precision (an export of padim export --precision)")
+    quantisation: QuantisationInfo | None = Field(default=None, description="a quantised export: its accuracy gate and "
+                                                  "the float32 calibration its own threshold replaced")
     padim_version: str
     threshold: float = Field(description="the threshold on the score scale: 0.5")
     load_seconds: float

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from padim.models.choices import EXPORT_FORMATS
+from padim.models.choices import EXPORT_FORMATS, EXPORT_PRECISIONS
 from padim.models.errors import UsageError
 
 from ..options import quiet_option
@@ -24,7 +24,12 @@ def register(commands) -> None:
         "calibration, the model's identity and every file's sha256. `padim predict/evaluate/serve` run an export "
         "directory as they run the .padim file (--runtime onnxruntime|openvino), to 1e-4 of torch's scores. "
         f"--format triton writes DIR/NAME/config.pbtxt and DIR/NAME/1/model.onnx; serve it with `{TRITON_EXAMPLE}`. "
-        "Needs the extras: pip install 'padim-inspect[onnx]' (and [openvino] for --format openvino).",
+        "Needs the extras: pip install 'padim-inspect[onnx]' (and [openvino] for --format openvino). "
+        "--precision int8 quantises the backbone (ONNX Runtime: static QDQ; OpenVINO: NNCF) on part of "
+        "--calibration-images, compares it with float32 on the rest (and --check-images), refuses to write it when "
+        "raw scores move more than --max-score-error (exit 4), and sets its own threshold from its scores of the "
+        "images the quantiser did not see. --precision fp16 is the same for CUDA (ONNX Runtime, TensorRT, Triton). "
+        "See docs/quantisation.md.",
     )
     export.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
     export.add_argument("--format", "-f", choices=EXPORT_FORMATS, default="onnx", help="default onnx")
@@ -37,6 +42,25 @@ def register(commands) -> None:
     export.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
                         help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
                         "as protobuf stops at 2 GB)")
+    quantised = export.add_argument_group("quantised scorers (--precision int8|fp16)")
+    quantised.add_argument("--precision", choices=EXPORT_PRECISIONS, default="float32",
+                           help="the backbone's precision (default float32). int8: CPUs (--format onnx or openvino; triton "
+                           "with --triton-device cpu); fp16: CUDA (--format onnx or triton)")
+    quantised.add_argument("--calibration-images", type=Path, metavar="DIR",
+                           help="normal images, never the test set (needed with --precision): the first "
+                           "--quantiser-images of a seeded shuffle calibrate the quantiser, the rest (at least 20; "
+                           "about 99 to promise 1%% false alarms, 1,000 for the empirical quantile) the threshold "
+                           "and the accuracy gate")
+    quantised.add_argument("--check-images", type=Path, metavar="DIR",
+                           help="defect images the accuracy gate also compares (verdict changes, AUROC)")
+    quantised.add_argument("--quantiser-images", type=int, default=32, metavar="N",
+                           help="images that calibrate the int8 quantiser's ranges (default 32)")
+    quantised.add_argument("--max-score-error", type=float, default=0.25, metavar="R",
+                           help="the gate: largest relative raw-score difference allowed (default 0.25, see "
+                           "docs/quantisation.md)")
+    quantised.add_argument("--force", action="store_true", help="write the export even when the gate fails (recorded)")
+    quantised.add_argument("--false-alarm-rate", type=float, metavar="A",
+                           help="the quantised scorer's threshold rate (default: the model's)")
     export.set_defaults(handler=run)
 
 
@@ -50,15 +74,43 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--name is the Triton model name; it needs --format triton")
     if args.triton_device != "gpu" and args.format != "triton":
         raise UsageError("--triton-device is for --format triton")
+    quantise = None
+    if args.precision == "float32":
+        given = [flag for flag, value in (("--calibration-images", args.calibration_images),
+                                          ("--check-images", args.check_images), ("--force", args.force),
+                                          ("--false-alarm-rate", args.false_alarm_rate)) if value]
+        if given:
+            raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8 or fp16")
+    else:
+        from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
+
+        if args.calibration_images is None:
+            raise UsageError(f"--precision {args.precision} needs --calibration-images DIR: normal images (never the "
+                             "test set) to calibrate the quantiser and its threshold")
+        quantise = QuantiseOptions(args.precision, args.calibration_images, args.check_images, args.quantiser_images,
+                                   args.max_score_error, args.force, args.false_alarm_rate)
     started = time.perf_counter()
     detector = load_detector(args.model, device="cpu")
     external = {"auto": None, "always": True, "never": False}[args.external_data]
-    directory = export_detector(detector, args.output, args.format, args.model, source_sha256=file_sha256(args.model),
-                                name=args.name, external_data=external, triton_device=args.triton_device)
+    if quantise is None:
+        directory = export_detector(detector, args.output, args.format, args.model,
+                                    source_sha256=file_sha256(args.model), name=args.name, external_data=external,
+                                    triton_device=args.triton_device)
+    else:
+        from padim.models.deploy.quantise import export_quantised_detector  # as above
+
+        directory = export_quantised_detector(detector, args.output, args.format, args.model, quantise,
+                                              source_sha256=file_sha256(args.model), name=args.name,
+                                              external_data=external, triton_device=args.triton_device,
+                                              progress=not args.quiet)
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     report = {"model": str(args.model), "format": args.format, "output": str(directory),
               "files": {str(p.relative_to(directory)): p.stat().st_size for p in files},
               "seconds": round(time.perf_counter() - started, 2)}
+    if quantise is not None:
+        metadata = json.loads((directory / "padim.json").read_text())
+        report.update({"precision": args.precision, "calibration": metadata["calibration"],
+                       "threshold_of": metadata["threshold_of"], "quantisation": metadata["quantisation"]})
     if args.format == "triton":
         report["serve_with"] = TRITON_EXAMPLE.replace("DIR", str(args.output))
     print(json.dumps(report, indent=2))

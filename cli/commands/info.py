@@ -18,7 +18,8 @@ def register(commands) -> None:
         description="What a model file holds: images fitted, calibration (scores used, threshold, requested and "
         "promised false-alarm rates), backbone, and its full header. The header's digest is always checked; every "
         "tensor too for files up to 1 GiB (larger ones: --verify), and the output says which was checked.")
-    info.add_argument("model", type=Path, metavar="MODEL", help="model file")
+    info.add_argument("model", type=Path, metavar="MODEL", help="model file, or an export directory (padim export: its "
+                      "precision, the threshold it uses and why, and a quantised scorer's accuracy gate)")
     info.add_argument("--verify", action="store_true", help="check every tensor against its digest even in a file over "
                       "1 GiB (reads the whole file; smaller files are always checked)")
     info.set_defaults(handler=run)
@@ -27,8 +28,12 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import load_artifact, read_header
+    from padim.models.deploy.runtimes import is_export
     from padim.models.features.backbones import WeightsInfo
 
+    if is_export(args.model):
+        print(json.dumps(export_summary(args.model), indent=2))
+        return 0
     size = args.model.stat().st_size if args.model.is_file() else 0
     whole = args.verify or size <= VERIFY_BY_DEFAULT_BYTES
     header = load_artifact(args.model)[1] if whole else read_header(args.model)
@@ -52,3 +57,27 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def export_summary(directory: Path) -> dict:
+    """What ``padim info`` shows of an export directory (every file's digest checked)."""
+    from padim.models.deploy.export import read_export  # torch: not for --help
+
+    metadata = read_export(directory)
+    description = metadata["description"]
+    quantisation = metadata.get("quantisation")
+    return {
+        "export": str(directory),
+        "kind": metadata["kind"],
+        "export_version": metadata["export_version"],
+        "format": metadata["format"],
+        "verified": "every file",
+        "precision": metadata.get("precision", "float32"),
+        "backbone": description.get("backbone"),
+        "image_size": description.get("image_size"),
+        "weights": description.get("weights"),
+        "model": metadata["model"],
+        "calibration": {**metadata["calibration"], "threshold_of": metadata.get("threshold_of", "float32 scorer")},
+        "quantisation": quantisation,
+        "files": metadata["files_sha256"],
+    }

@@ -29,6 +29,7 @@ every file of the export, checked when it is loaded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib
 import io
@@ -40,6 +41,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torchvision
@@ -58,9 +60,10 @@ from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
-#: 4: a third output, ``input_distance``, and ``calibration_input_distances`` (input drift); 3: ``input.tiles``.
+#: 5: ``precision`` (``float32``, ``int8``, ``fp16``), ``threshold_of`` and, for a quantised scorer, ``quantisation``
+#: and its own calibration. 4: a third output, ``input_distance``, and ``calibration_input_distances`` (input drift); 3: ``input.tiles``.
 #: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 4
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 5
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
@@ -87,10 +90,13 @@ class ExportedScorer(nn.Module):
         detector: the fitted detector (its torch model, any device).
     """
 
-    def __init__(self, detector: PadimDetector):
+    def __init__(self, detector: PadimDetector, backbone_dtype: torch.dtype = torch.float32):
         super().__init__()
         model = detector.model
+        self.backbone_dtype = backbone_dtype
         self.extractor = model.embedder.extractor.body
+        if backbone_dtype != torch.float32:  # a copy: the detector's own backbone stays as it is
+            self.extractor = copy.deepcopy(self.extractor).to(backbone_dtype)
         self.layers = model.embedder.extractor.layers
         self.embedding = model.embedder.embedding
         self.grid_shape = model.grid_shape
@@ -118,7 +124,12 @@ class ExportedScorer(nn.Module):
             self.register_buffer("cols_t", cols_op.clone())  # (C, W, W_in)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        features = self.extractor(self.tiling.cut(images))  # (B * T, 3, S, S) through the backbone
+        tiles = self.tiling.cut(images)  # (B * T, 3, S, S) through the backbone
+        if self.backbone_dtype != torch.float32:  # fp16 exports: the backbone alone in float16
+            features = self.extractor(tiles.to(self.backbone_dtype))
+            features = {layer: features[layer].to(torch.float32) for layer in self.layers}
+        else:
+            features = self.extractor(tiles)
         embedding = self.embedding([features[layer] for layer in self.layers])  # (B * T, D, H, W)
         dim, grid_pixels = embedding.shape[1], self.grid_shape[0] * self.grid_shape[1]
         pixels = self.mean.shape[0]
@@ -142,7 +153,8 @@ class ExportedScorer(nn.Module):
 # ---------------------------------------------------------------------- writing
 def export_detector(detector: PadimDetector, output: str | Path, fmt: str, source: str | Path,
                     source_sha256: str | None = None, name: str | None = None,
-                    external_data: bool | None = None, triton_device: str = "gpu") -> Path:
+                    external_data: bool | None = None, triton_device: str = "gpu",
+                    write_graph: Callable[[Path, Path], Any] | None = None) -> Path:
     """Write ``detector`` as ``fmt`` into the directory ``output`` (created; replaced atomically).
 
     Args:
@@ -152,12 +164,17 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
         name: the Triton model name (default: the model file's stem).
         external_data: force ONNX external data on or off (default: by size).
         triton_device: ``gpu`` (one instance on each GPU, ``KIND_GPU``) or ``cpu`` (``KIND_CPU``).
+        write_graph: ``(graph_dir, staging) -> Quantised`` writes another graph than the float32 one (a
+            quantised scorer: :func:`padim.models.deploy.quantise.export_quantised_detector`, which calls this
+            function); ``None``: float32.
 
     Returns:
         The directory holding the graph and ``padim.json`` (``output/NAME`` for Triton).
 
     Raises:
         ExportError: an unknown format, or a runtime package that is not installed.
+        AccuracyGateFailed: from ``write_graph``, a quantised scorer that moved scores past its tolerance (nothing
+            written).
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
@@ -177,16 +194,22 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
         graph_dir = staging / name / "1" if fmt == "triton" else staging
         graph_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
-        files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else [])
-        if fmt == "openvino":
-            files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
-            for leftover in (onnx_path, Path(f"{onnx_path}.data")):
-                leftover.unlink(missing_ok=True)
+        quantised = None
+        if write_graph is not None:
+            quantised = write_graph(graph_dir, staging)
+            files = quantised.files
+        else:
+            onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
+            files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists()
+                                        else [])
+            if fmt == "openvino":
+                files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
+                for leftover in (onnx_path, Path(f"{onnx_path}.data")):
+                    leftover.unlink(missing_ok=True)
         meta_dir = staging / name if fmt == "triton" else staging
         prefix = "1/" if fmt == "triton" else ""
         metadata = export_metadata(detector, fmt, source, source_sha256,
-                                   {prefix + f: file_sha256(graph_dir / f) for f in files})
+                                   {prefix + f: file_sha256(graph_dir / f) for f in files}, quantised)
         if fmt == "triton":
             tiles = detector.config.tile_count
             (meta_dir / "config.pbtxt").write_text(triton_config(
@@ -201,8 +224,9 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
     return output / name if fmt == "triton" else output
 
 
-def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None) -> Path:
-    scorer = ExportedScorer(detector).eval().to("cpu")
+def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None,
+                 backbone_dtype: torch.dtype = torch.float32) -> Path:
+    scorer = ExportedScorer(detector, backbone_dtype).eval().to("cpu")
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     height, width = detector.config.input_shape
@@ -238,10 +262,16 @@ def _convert_openvino(onnx_path: Path, xml_path: Path) -> list[str]:
     return [xml_path.name, xml_path.with_suffix(".bin").name]
 
 
-def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str]) -> dict:
-    """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs."""
+def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str],
+                    quantised: Any = None) -> dict:
+    """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs.
+
+    A quantised export (``quantised``, a :class:`padim.models.deploy.quantise.Quantised`) carries the quantised scorer's own calibration (its threshold,
+    scores and input distances), ``precision``, and ``quantisation``: how, on which images, the
+    accuracy gate's reading and the float32 calibration it replaces.
+    """
     height, width = detector.config.input_shape
-    calibration = detector.calibration
+    calibration = detector.calibration if quantised is None else quantised.calibration
     framing = detector.framing.describe()
     metadata = {
         "kind": EXPORT_KIND,
@@ -289,7 +319,11 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "calibration": calibration.summary(),
         "calibration_scores": list(calibration.scores),
         "calibration_input_distances": list(calibration.input_distances),
+        "precision": "float32" if quantised is None else quantised.precision,
+        "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
     }
+    if quantised is not None:
+        metadata["quantisation"] = quantised.describe(detector.calibration)
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     return metadata
 

@@ -221,6 +221,9 @@ class DeployedDetector:
         runtime: ``onnxruntime`` or ``openvino``.
         config, weights, calibration, provenance: as on :class:`PadimDetector`, from ``padim.json``.
         precision_dtype: dtype of the precision factors in the graph.
+        precision: the backbone's: ``float32``, ``int8`` or ``fp16`` (``padim export --precision``).
+        threshold_of: which scorer's scores set the threshold: ``float32 scorer`` (the model file's), or the
+            quantised scorer's own on held-out normal images (export version 5).
     """
 
     def __init__(self, directory: Path, metadata: dict, runtime: str, device: torch.device, source: Path | None = None):
@@ -237,6 +240,8 @@ class DeployedDetector:
                 metadata["calibration"], torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
                 None if distances is None else torch.tensor(distances, dtype=torch.float64))
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
+            self.precision = metadata.get("precision", "float32")  # export version 5
+            self.threshold_of = metadata.get("threshold_of", "float32 scorer")  # export version 5
         except (KeyError, TypeError, ValueError) as error:
             raise ArtifactError(f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})") from None
         self.statistics = None
@@ -276,8 +281,14 @@ class DeployedDetector:
 
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
+        quantisation = self.metadata.get("quantisation")
         return {**self.metadata["description"], **scoring_options(self.config), "runtime": self.runtime,
-                "calibration": {**self.metadata["description"]["calibration"], **self.calibration.summary()}}
+                "precision": self.precision,
+                "calibration": {**self.metadata["description"]["calibration"], **self.calibration.summary(),
+                                "threshold_of": self.threshold_of,
+                                **({"source": "held_out"} if self.precision != "float32" else {})},
+                **({"quantisation": {k: quantisation[k] for k in ("agreement", "float32_calibration", "promise",
+                                                                  "verified", "tool")}} if quantisation else {})}
 
 
 class OnnxRuntimeSession:
