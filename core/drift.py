@@ -251,6 +251,9 @@ def _words(drift: Drift) -> str:
     if flag.alarm:
         sentences = [f"{rate}, the model {said} {bound}: more flags than normal images alone would give, "
                      f"likely drift or a defect wave (p = {flag.p_value:.2g})"]
+    elif flag.rate > flag.normal_rate:  # above the bound, but so few images cannot tell it from chance
+        sentences = [f"{rate}, above what the model {said} ({bound}) but not significantly over so few images "
+                     f"(p = {flag.p_value:.2g}): keep watching"]
     else:
         sentences = [f"{rate}, within what the model {said} ({bound})"]
     shift = drift.score_drift

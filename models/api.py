@@ -35,7 +35,7 @@ from padim.core.scoring import resize_map
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from padim.models.config import ConfigError, PadimConfig, read_config_file
 from padim.models.data.framing import PICTURE_SIZE
-from padim.models.data.images import decode_side, iter_batches, list_images, open_image, to_rgb
+from padim.models.data.images import iter_for_model, list_images, open_image, to_rgb
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.heatmaps import figure, mask_image, overlay
 from padim.models.model_file import load_detector
@@ -223,9 +223,7 @@ class Detector:
     def _predict_paths(self, paths: list[Path], threshold, unreadable) -> Iterator[Prediction | NonFiniteScoreError]:
         if not paths:
             return
-        draft = decode_side(self.config.input_shape)
-        for chunk, loaded in iter_batches(paths, self.batch_size, self.workers, unreadable, draft_to=draft,
-                                          roi=self.config.roi):
+        for chunk, loaded in iter_for_model(paths, self.config, self.batch_size, self.workers, unreadable):
             yield from self._predict_loaded(loaded, [str(p) for p in chunk], threshold)
 
     def _predict_loaded(self, loaded: list[Image.Image], names: list[str], threshold

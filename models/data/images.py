@@ -205,6 +205,14 @@ def iter_batches(
     return iter_decoded(chunks, workers, unreadable, draft_to, roi)
 
 
+def iter_for_model(
+    paths: Sequence[Path], config, batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
+) -> Iterator[tuple[list[Path], list[Image.Image]]]:
+    """:func:`iter_batches` for a model of ``config`` (a :class:`~padim.models.config.PadimConfig`): each picture
+    drafted towards its input side and cut to its region of interest, as training read them."""
+    return iter_batches(paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape), roi=config.roi)
+
+
 def iter_decoded(
     batches: Sequence[Sequence[Path]], workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
     draft_to: int | None = None, roi: tuple[int, int, int, int] | None = None,

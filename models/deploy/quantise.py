@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, images_needed
 from padim.models.choices import EXPORT_PRECISIONS
-from padim.models.data.images import decode_side, iter_batches, list_images
+from padim.models.data.images import iter_for_model, list_images
 from padim.models.deploy.export import ONNX_FILE, OPENVINO_FILE, _export_onnx, export_detector, require
 from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
@@ -375,8 +375,7 @@ def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool) ->
     batches = []
     with tqdm(total=len(paths), desc=what, unit="img", disable=not progress, leave=False) as bar:
         try:
-            for chunk, images in iter_batches(list(paths), BATCH, 2, draft_to=decode_side(config.input_shape),
-                                              roi=config.roi):
+            for chunk, images in iter_for_model(list(paths), config, BATCH):
                 batches.append(np.ascontiguousarray(detector.preprocess(images).numpy(), dtype=np.float32))
                 bar.update(len(chunk))
         except ImageError as error:  # the export needs every image it was given

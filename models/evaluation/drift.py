@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from padim.core.drift import LEVEL, MIN_IMAGES, Drift, assess
-from padim.models.data.images import decode_side, iter_batches
+from padim.models.data.images import iter_for_model
 from padim.models.evaluation.pages import TEMPLATES, data_uri, write_atomically
 
 REPORT_FILE, JSON_FILE = "drift.html", "drift.json"
@@ -51,8 +51,7 @@ def score_folder(scorer, paths: list[Path], batch_size: int, workers: int, progr
     recent, unreadable = Recent(), []
     config = scorer.config
     with tqdm(total=len(paths), desc="drift", unit="img", disable=not progress, leave=False) as bar:
-        for chunk, loaded in iter_batches(paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape),
-                                          roi=config.roi):
+        for chunk, loaded in iter_for_model(paths, config, batch_size, workers, unreadable):
             out = scorer.score(scorer.preprocess(loaded))
             recent.names += [str(p) for p in chunk]
             recent.raw_scores += out.raw_scores.double().cpu().tolist()

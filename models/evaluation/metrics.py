@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from padim.models.data.framing import Framing
-from padim.models.data.images import IMAGE_SUFFIXES, decode_side, iter_batches, list_images
+from padim.models.data.images import IMAGE_SUFFIXES, iter_for_model, list_images
 from padim.models.errors import UsageError
 from padim.models.scorer import Scorer
 
@@ -134,8 +134,7 @@ def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT
     samples = read_mvtec_category(root)
     raw_scores, maps = [], []
     with tqdm(total=len(samples), desc="evaluate", unit="img", disable=not progress, leave=False) as bar:
-        for chunk, images in iter_batches([s.path for s in samples], batch_size, workers,
-                                          draft_to=decode_side(detector.config.input_shape), roi=detector.config.roi):
+        for chunk, images in iter_for_model([s.path for s in samples], detector.config, batch_size, workers):
             out = detector.score(detector.preprocess(images))
             raw_scores.append(out.raw_scores.cpu())
             maps.append(out.maps.cpu())

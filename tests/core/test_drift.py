@@ -70,6 +70,20 @@ def test_a_window_too_small_is_collecting_and_a_normal_one_is_normal():
     assert as_json["flag_rate"]["flags"] == window.flag_rate.flags and as_json["alarms"] == [] and as_json["images"] == 500
 
 
+def test_a_rate_above_the_bound_but_not_significant_is_not_called_within_it():
+    rng = np.random.default_rng(5)
+    calibration = _calibration(rng)
+    bound, threshold = calibration.false_alarm_bound, calibration.threshold
+    count = 40
+    flags = int(np.floor(bound * count)) + 1  # just above the bound: rate > bound, far from significant
+    scores = torch.tensor([threshold + 1.0] * flags + [threshold - 1.0] * (count - flags), dtype=torch.float64)
+    window = assess(scores, calibration)
+    assert window.flag_rate.rate > bound and not window.flag_rate.alarm
+    assert window.flag_rate.p_value == pytest.approx(stats.binom.sf(flags - 1, count, bound))
+    assert "within what" not in window.verdict and "above what the model promised" in window.verdict
+    assert "not significantly" in window.verdict
+
+
 def test_each_drift_moves_its_own_test():
     rng = np.random.default_rng(4)
     calibration = _calibration(rng)
