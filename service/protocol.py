@@ -5,7 +5,10 @@ nothing (its keep-alive timer starts only after a first response and stops at th
 and answers every protocol error with a plain-text 400. :class:`GuardedProtocol` adds, per
 connection, before any application code runs:
 
-- a cap on the bytes of the request line and headers, and on their count: 431;
+- a cap on the bytes of the request line and headers, and on their count: 431. Both are read off
+  the raw bytes as they arrive, so a request that breaks both gets the code of the limit its byte
+  stream crosses first, however the bytes are split into reads (header lines are counted by
+  their line ends, not by the parser, which sees them a read later);
 - a deadline for the request line and headers, from the connection's first byte or from the
   end of the previous response, never pushed back by trickled bytes: 408 (a connection that
   sent nothing is closed silently);
@@ -44,6 +47,50 @@ class _Rejected(Exception):
     """Raised from a parser callback to stop parsing; the reason is on the protocol."""
 
 
+class HeaderScan:
+    """The request line and headers read off the raw byte stream: their bytes and their line ends.
+
+    Both limits are checked here, before the parser sees the bytes, so that a request breaking both
+    gets the code of the limit its stream crosses first whatever the reads' sizes. Header ``k`` ends
+    at line end ``k + 1`` (the request line ends at the first); the blank line that ends the headers
+    counts as bytes but not as a header.
+    """
+
+    def __init__(self, max_bytes: int, max_headers: int):
+        self.max_bytes, self.max_headers = max_bytes, max_headers
+        self.bytes = 0  # of the request line and headers, seen so far
+        self.lines = 0  # line ends among them
+        self._tail = b""  # the last bytes seen, to find a header end split across reads
+
+    def feed(self, data: bytes) -> str | None:
+        """Counts the header part of ``data`` (all of it unless the blank line ending the headers is in it).
+
+        Returns the limit the stream crosses first, ``"bytes"`` or ``"count"``, or None while within both.
+        """
+        window = self._tail + data
+        end = window.find(b"\r\n\r\n")
+        offset = len(self._tail)
+        counted = len(data) if end < 0 else max(0, end + 4 - offset)
+        lines_part = data if end < 0 else data[:max(0, end + 2 - offset)]
+        self._tail = window[-3:]
+        # the index in ``data`` of the byte that crosses each limit, where one does
+        over_bytes = self.max_bytes - self.bytes if self.bytes + counted > self.max_bytes else None
+        over_count = None
+        ends = lines_part.count(b"\n")
+        needed = self.max_headers + 2 - self.lines  # the line end that closes one header too many
+        if needed <= ends:
+            over_count = -1
+            for _ in range(needed):
+                over_count = lines_part.find(b"\n", over_count + 1)
+        self.bytes += counted
+        self.lines += ends
+        if over_bytes is None and over_count is None:
+            return None
+        if over_count is None or (over_bytes is not None and over_bytes < over_count):
+            return "bytes"
+        return "count"
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with header, timeout and connection limits.
 
@@ -56,8 +103,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: TimerHandle | None = None
         self._awaiting_headers = True
-        self._header_bytes = 0  # bytes of the current request line and headers seen so far
-        self._tail = b""  # last bytes seen, to find a header end split across reads
+        self._scan = HeaderScan(self.limits.max_header_bytes, self.limits.max_headers)
         self._header_count = 0
         self._rejection: tuple[int, str, str] | None = None
         self._lingering = False
@@ -84,19 +130,17 @@ class GuardedProtocol(HttpToolsProtocol):
             if self._discarded > self.limits.max_discard_bytes:
                 self.transport.close()
             return
-        if self._awaiting_headers and self._count_header_bytes(data) > self.limits.max_header_bytes:
-            self._reject(431, "headers_too_large", f"the request line and headers are over the limit of "
-                         f"{self.limits.max_header_bytes} bytes (PADIM_MAX_HEADER_BYTES)")
-            return
+        if self._awaiting_headers:
+            crossed = self._scan.feed(data)
+            if crossed == "bytes":
+                self._reject(431, "headers_too_large", f"the request line and headers are over the limit of "
+                             f"{self.limits.max_header_bytes} bytes (PADIM_MAX_HEADER_BYTES)")
+                return
+            if crossed == "count":
+                self._reject(431, "too_many_headers",
+                             f"the request has more than {self.limits.max_headers} headers (PADIM_MAX_HEADERS)")
+                return
         super().data_received(data)
-
-    def _count_header_bytes(self, data: bytes) -> int:
-        """Adds the header part of ``data`` (all of it unless the blank line ending the headers is in it)."""
-        window = self._tail + data
-        end = window.find(b"\r\n\r\n")
-        self._header_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
-        self._tail = window[-3:]
-        return self._header_bytes
 
     # ----------------------------------------------------------------- parser callbacks
     def on_message_begin(self) -> None:
@@ -120,7 +164,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._awaiting_headers, self._header_bytes, self._tail = True, 0, b""
+        self._awaiting_headers = True
+        self._scan = HeaderScan(self.limits.max_header_bytes, self.limits.max_headers)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn calls this on any parser error, including the ones raised above."""
@@ -142,7 +187,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing() or self._lingering:
             return
-        if self._header_bytes == 0:  # never said anything: an idle connection
+        if self._scan.bytes == 0:  # never said anything: an idle connection
             self.transport.close()
             return
         self._reject(408, "header_timeout", f"the request headers did not arrive within "

@@ -13,12 +13,17 @@ from padim.models.data.synthetic import generate
 
 
 def pytest_configure(config):
-    """The default suite runs on the CPU on every machine; ``pytest -m cuda`` runs the CUDA suite (tests/cuda).
+    """System components (tests/components.py) skip or fail where missing.
+
+    The default suite runs on the CPU on every machine; ``pytest -m cuda`` runs the CUDA suite (tests/cuda).
 
     Tests that leave ``--device`` at ``auto`` would otherwise run on a GPU where there is one, and
     compare with CPU references that were never meant for it. Hidden before torch first asks CUDA
     (torch reads ``CUDA_VISIBLE_DEVICES`` then), and inherited by every CLI and server subprocess.
     """
+    import components
+
+    config.pluginmanager.register(components, "padim-system-components")  # markers for docker, browser, ...
     expression = (config.option.markexpr or "").replace("not cuda", "")
     if "cuda" not in expression:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -35,6 +35,15 @@ def test_the_readme_is_a_front_door():
     assert linked == pages, f"pages the README does not lead to: {pages - linked}; links to no page: {linked - pages}"
 
 
+def test_ci_runs_the_readmes_test_command_as_written():
+    readme = (ROOT / "README.md").read_text()
+    (command,) = re.findall(r"^(.*?)\s+# 3\. tests$", readme, re.M)
+    assert "tests/setup-system.sh" in command and "pytest" in command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert any(line.startswith(command) for line in ci.splitlines()), f"{command!r} is not a line of .ci/run"
+    assert "export PADIM_TEST_REQUIRE=all" in ci
+
+
 def test_the_site_builds_with_no_broken_link(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert mkdocs, "mkdocs is a test dependency (pip install -e '.[test]')"

@@ -7,15 +7,15 @@ server container serves it read-only: Docker's own HEALTHCHECK must report healt
 must equal ``padim predict`` on the host, the process must run as uid 10001, and ``docker stop``
 must let an in-flight request finish and exit 0.
 
-Needs a running Docker engine (``.ci/run`` installs and starts one). Without one these tests
-fail with a message saying so; deselect them with ``-m "not docker"``.
+Needs a running Docker engine and the base image (the ``docker`` component of tests/components.py:
+``bash tests/setup-system.sh`` provides both). Without them these tests skip, saying so (fail under
+``PADIM_TEST_REQUIRE=all``, as in CI); deselect them with ``-m "not docker"``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -45,13 +45,6 @@ def docker(*args: str, check: bool = True, timeout: float = 600) -> subprocess.C
 
 @pytest.fixture(scope="module")
 def image(docker_report):
-    if shutil.which("docker") is None or docker("info", check=False, timeout=60).returncode != 0:
-        pytest.fail("no Docker engine answers `docker info`: install docker.io and start dockerd as root "
-                    "(.ci/run does both), or deselect these tests with -m 'not docker'", pytrace=False)
-    if docker("image", "inspect", BASE, check=False).returncode != 0:
-        made = subprocess.run(["bash", str(ROOT / "docker" / "test-base.sh"), BASE], capture_output=True, text=True,
-                              timeout=900)
-        assert made.returncode == 0, f"docker/test-base.sh failed:\n{made.stderr[-3000:]}"
     started = time.perf_counter()
     docker("build", "--force-rm", "--network", "host", "--build-arg", f"CUDA_IMAGE={BASE}", "--build-arg", "BAKE_WEIGHTS=",
            "-t", IMAGE, str(ROOT), timeout=1800)
@@ -157,12 +150,8 @@ def test_docker_stop_drains_in_flight_requests_and_exits_0(container, dataset):
 @pytest.mark.cuda
 def test_the_image_scores_on_the_gpu_with_gpus_all(image, trained, dataset, tmp_path):
     """``docker run --gpus all``: the image's torch finds the GPU and scores as the host's CPU does."""
-    import torch
-
     from padim.models.devices import CROSS_DEVICE_RTOL
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device (run with -m cuda on a GPU)")
     if "nvidia" not in docker("info", "-f", "{{json .Runtimes}}").stdout:
         pytest.skip("Docker has no NVIDIA runtime (install the NVIDIA Container Toolkit)")
     image_path = dataset / "test" / "good" / "000.png"

@@ -2,8 +2,10 @@
 against a real ``padim serve`` on 127.0.0.1.
 
 Screenshots are saved as test artifacts in ``$PADIM_TEST_ARTIFACTS`` (default ``test-artifacts/`` in
-the repository, which git ignores). ``.ci/run`` installs the browser; without it these tests fail
-and say so.
+the repository, which git ignores). The browser is the ``browser`` component of tests/components.py
+(``bash tests/setup-system.sh`` installs Debian's chromium and chromium-driver; elsewhere point
+``PADIM_TEST_CHROMIUM`` and ``PADIM_TEST_CHROMEDRIVER`` at a Chromium that runs headless); without
+it these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -14,30 +16,30 @@ from pathlib import Path
 import httpx
 import pytest
 
+from components import browser_paths
 from helpers import SCORE_ATOL, running_server
+
+pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PADIM_TEST_ARTIFACTS", ROOT / "test-artifacts"))
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.fail(f"no {CHROMIUM} / {CHROMEDRIVER}: apt-get install chromium chromium-driver (.ci/run does)",
-                    pytrace=False)
+    chromium, chromedriver = browser_paths()  # there: the browser marker checked it
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
     options = Options()
-    options.binary_location = CHROMIUM
+    options.binary_location = chromium
     # a closed network: no background connections, no first-run, a fresh profile
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1366,768"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = webdriver.Chrome(service=Service(chromedriver), options=options)
     driver.set_page_load_timeout(30)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:

@@ -100,13 +100,52 @@ def wait_for(condition, seconds: float = 30.0) -> None:
 
 
 # ----------------------------------------------------------------------------- headers
-@pytest.mark.parametrize("request_bytes, code", [
+def many_headers(count: int, value: bytes = b"v") -> bytes:
+    return (b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, value) for i in range(count))
+            + b"\r\n")
+
+
+HEADER_CASES = [
+    # one limit broken alone
     (b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8_000_000 + b"\r\n\r\n", "headers_too_large"),
-    (b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(10_000)) + b"\r\n",
-     "headers_too_large"),
-    (b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(150)) + b"\r\n",
-     "too_many_headers"),
-], ids=["8MB-header", "10000-headers", "150-short-headers"])
+    (many_headers(40, b"a" * 1_000), "headers_too_large"),  # 40 headers, 40 KB
+    (many_headers(150), "too_many_headers"),  # 150 headers, 1.5 KB
+    # both broken: the one the byte stream crosses first (header 101 ends near 1 KB, far below 32,768 bytes)
+    (many_headers(10_000), "too_many_headers"),
+    (many_headers(101, b"a" * 400), "headers_too_large"),  # byte 32,769 comes in header 81
+]
+HEADER_IDS = ["8MB-header", "40-large-headers", "150-short-headers", "10000-headers", "101-large-headers"]
+
+
+def crossed_first(request: bytes, max_bytes: int = 32_768, max_headers: int = 100) -> str | None:
+    """An independent reading of the rule: split the head into lines, find where each limit is crossed."""
+    head = request[:request.find(b"\r\n\r\n") + 4] if b"\r\n\r\n" in request else request
+    over_bytes = max_bytes if len(head) > max_bytes else None
+    ends = [i for i, byte in enumerate(head[:-2] if head.endswith(b"\r\n\r\n") else head) if byte == ord("\n")]
+    over_count = ends[max_headers + 1] if len(ends) > max_headers + 1 else None
+    if over_bytes is None and over_count is None:
+        return None
+    return "bytes" if over_count is None or (over_bytes is not None and over_bytes < over_count) else "count"
+
+
+@pytest.mark.parametrize("request_bytes, code", HEADER_CASES, ids=HEADER_IDS)
+def test_which_header_limit_a_request_breaks_does_not_depend_on_how_its_bytes_arrive(request_bytes, code):
+    from padim.service.protocol import HeaderScan
+
+    expected = crossed_first(request_bytes)
+    assert {"bytes": "headers_too_large", "count": "too_many_headers"}[expected] == code
+    for size in (1, 2, 3, 5, 64, 1000, 65_536, len(request_bytes)):
+        scan = HeaderScan(32_768, 100)  # the first verdict stops the reads, as the server does
+        verdicts = (scan.feed(request_bytes[i:i + size]) for i in range(0, len(request_bytes), size))
+        assert next((v for v in verdicts if v is not None), None) == expected, size
+    within = many_headers(99, b"a" * 200)  # Host and 99 more: 100 headers, 21 KB, within both
+    for size in (1, 3, 1000, len(within)):
+        scan = HeaderScan(32_768, 100)
+        assert all(scan.feed(within[i:i + size]) is None for i in range(0, len(within), size)), size
+        assert crossed_first(within) is None
+
+
+@pytest.mark.parametrize("request_bytes, code", HEADER_CASES, ids=HEADER_IDS)
 def test_oversized_or_too_many_headers_get_431_that_the_client_reads(strict, request_bytes, code):
     with connect(strict.url) as sock:
         sock.sendall(request_bytes)  # the server reads and discards the rest, so this does not fail
