@@ -26,7 +26,7 @@ Example:
     >>> save_artifact(path, {"mean": torch.zeros(2, 3)}, {"backbone": "resnet18"})
     >>> tensors, header = load_artifact(path)
     >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"], header["verified"]
-    ('resnet18', (2, 3), 7, True)
+    ('resnet18', (2, 3), 8, True)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from .errors import ArtifactError  # noqa: F401 (part of this module's interface)
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 #: Header keys added by this module (never part of what the caller saved).
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"

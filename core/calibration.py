@@ -210,6 +210,9 @@ class Calibration:
             they were scored by that fit's models, which had seen fewer images.
         input_distances: out-of-fold input distances of the same normal images, sorted (the mean
             squared distance over every pixel, :mod:`padim.core.drift`); empty before model format 7.
+        taken_scores: out-of-fold scores of the same normal images as taken, sorted, where ``scores`` are their
+            changed copies' (``train --expect``: the threshold covers the line's changes); empty otherwise, the
+            scores being the images' own. See :attr:`reference_scores`.
     """
 
     scores: tuple[float, ...]
@@ -219,10 +222,12 @@ class Calibration:
     false_alarm_rate: float | None
     earlier_scores: int = 0
     input_distances: tuple[float, ...] = ()
+    taken_scores: tuple[float, ...] = ()
 
     @classmethod
     def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0,
-                    input_distances: torch.Tensor | None = None) -> Calibration:
+                    input_distances: torch.Tensor | None = None, taken_scores: torch.Tensor | None = None
+                    ) -> Calibration:
         """Threshold and scale for ``false_alarm_rate`` from ``(N,)`` normal scores.
 
         Raises:
@@ -240,22 +245,32 @@ class Calibration:
             raise CalibrationError(
                 f"the normal images do not vary: their out-of-fold scores are all below {MIN_THRESHOLD:g}, "
                 "so no threshold can separate normal variation from a defect")
-        return cls(tuple(values.tolist()), threshold, _scale(values, threshold), method, false_alarm_rate,
-                   earlier_scores, _sorted(input_distances))
+        taken = _sorted(taken_scores)
+        if taken and len(taken) != values.numel():
+            raise CalibrationError(f"{len(taken)} scores of the images as taken for {values.numel()} calibration scores")
+        reference = torch.tensor(taken, dtype=torch.float64) if taken else values
+        return cls(tuple(values.tolist()), threshold, _scale(reference, threshold), method, false_alarm_rate,
+                   earlier_scores, _sorted(input_distances), taken)
 
     def with_threshold(self, threshold: float) -> Calibration:
         """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
         threshold = float(threshold)
         if not math.isfinite(threshold):
             raise CalibrationError(f"threshold must be finite, got {threshold}")
-        values = torch.tensor(self.scores, dtype=torch.float64)
+        values = torch.tensor(self.reference_scores, dtype=torch.float64)
         return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores,
-                           self.input_distances)
+                           self.input_distances, self.taken_scores)
 
     # ------------------------------------------------------------------ what it promises
     @property
     def count(self) -> int:
         return len(self.scores)
+
+    @property
+    def reference_scores(self) -> tuple[float, ...]:
+        """What normal images as taken score: the score-drift reference (:mod:`padim.core.drift`) and the scores whose
+        median maps to :data:`MEDIAN_SCORE`. The calibration's own scores unless they are changed copies'."""
+        return self.taken_scores or self.scores
 
     @property
     def covered(self) -> int:
@@ -323,13 +338,15 @@ class Calibration:
             "false_alarm_bound": self.false_alarm_bound,
             "confidence": CONFIDENCE,
             "input_distances": len(self.input_distances),
+            "taken_scores": len(self.taken_scores),
         }
 
     def to_header(self) -> dict:
         return self.summary()
 
     @classmethod
-    def from_header(cls, header: dict, scores: torch.Tensor, input_distances: torch.Tensor | None = None) -> Calibration:
+    def from_header(cls, header: dict, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
+                    taken_scores: torch.Tensor | None = None) -> Calibration:
         method = header["method"]
         if method not in METHODS:
             raise ValueError(f"unknown calibration method {method!r}")
@@ -340,9 +357,13 @@ class Calibration:
         if len(distances) != int(header.get("input_distances", 0)):
             raise ValueError(f"the header counts {header.get('input_distances', 0)} input distances, the file holds "
                              f"{len(distances)}")
+        taken = _sorted(taken_scores)
+        if len(taken) != int(header.get("taken_scores", 0)):
+            raise ValueError(f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
+                             f"holds {len(taken)}")
         rate = header["false_alarm_rate"]
         return cls(tuple(values.tolist()), float(header["threshold"]), float(header["scale"]), method,
-                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances)
+                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances, taken)
 
 
 def _sorted(values: torch.Tensor | None) -> tuple[float, ...]:

@@ -222,7 +222,7 @@ def assess(raw_scores: torch.Tensor, calibration: Calibration, input_distances: 
     p_flags = binomial_tail(flags, n, normal_rate)
     basis = "manual" if calibration.false_alarm_rate is None else "promised"
     flag_rate = FlagRate(flags, flags / n, normal_rate, basis, p_flags, p_flags < level)
-    reference = torch.tensor(calibration.scores, dtype=torch.float64)
+    reference = torch.tensor(calibration.reference_scores, dtype=torch.float64)  # normal images as taken
     score_drift = _shift(raw_scores, reference, level, with_psi=True)
     input_drift = None
     if input_distances is not None and calibration.input_distances:
@@ -268,10 +268,16 @@ def _words(drift: Drift) -> str:
     elif shift.alarm:
         sentences.append(f"the images look unlike the training images: input distances run higher "
                          f"(KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; median x{shift.median_ratio:.2f}): "
-                         "lighting, camera or material may have changed")
+                         f"lighting, camera or material may have changed. {FIXES}")
     else:
         sentences.append(f"inputs like the training images (KS D+ {shift.statistic:.2f})")
     return "; ".join(sentences) + "."
+
+
+#: What to do when the images look unlike the training images and that is the line's new normal.
+FIXES = ("If the line will keep making this change, either declare it so that the threshold covers it "
+         "(padim train --expect, e.g. typical: light, placement, focus; docs/calibration.md) or teach the model the "
+         "new normal (padim train --resume MODEL with normal pictures as the line takes them now)")
 
 
 def histogram(values: Sequence[float] | torch.Tensor, edges: Sequence[float]) -> list[int]:

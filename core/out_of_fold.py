@@ -28,6 +28,18 @@ float32 it lost 3e-4 relative at ``D = 100``. Folds with ``m + 1`` comparable to
 cheaper to refit from the downdated matrix; :func:`out_of_fold_squared_distances` does so by
 itself.
 
+**Changed copies** (``train --expect``). A copy ``y`` of a fold's image (the same picture after a
+small change of the line: light, placement, focus) is not a column of ``U``, so its distance
+under the fold model takes the *query* form of the same identity: with ``r = y - mu_k``,
+``s = L_m^-1 r / sqrt(n - 1)`` and ``h = Z^T s``,
+
+    ``d^2 = (n_k - 1) (||s||^2 + h^T (I - G)^-1 h)``,
+
+which at ``y = x_i`` (``r = U a_i``) is the distance above. For leave-one-out it is a closed form
+(Sherman-Morrison): with ``v = x - mu``, ``w = y - mu + v / (n - 1)``, ``a = L_1^-1 w``,
+``b = L_1^-1 v`` (``L_1`` as above), ``A = ||a||^2``, ``P = a.b``, ``q = ||b||^2``:
+``d^2 = (n - 2) / (n - 1) (A + n P^2 / ((n - 1)^2 - n q))``.
+
 Why not one ``B`` for every fold (the fitted model's ``C + epsilon (n - 1) I``)? Its fold
 models would carry ``epsilon (n - 1) / (n_k - 1)``, up to 12% more than the fitted model at 10
 images, and with fewer images than channels a distance scales as ``1 / epsilon``: measured on
@@ -79,8 +91,9 @@ def held_out_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, embed
 
 def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, embeddings: torch.Tensor,
                                   fold_sizes: Sequence[int], epsilon: float, pixel_offset: int = 0,
-                                  grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """Squared distance of every image under the model of every image outside its fold.
+                                  grid_shape: tuple[int, int] | None = None, copies: torch.Tensor | None = None
+                                  ) -> torch.Tensor:
+    """Squared distance of every image (or of its changed copy) under the model of every image outside its fold.
 
     Groups the folds by size and calls :func:`fold_base` and :func:`fold_squared_distances` (or
     :func:`refit_squared_distances`, where that is cheaper) once per size.
@@ -94,6 +107,8 @@ def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, 
             at least two images (``n - m >= 2``).
         epsilon: the regularisation of the fitted model, and of every fold model.
         pixel_offset, grid_shape: where ``covariance[0]`` is in the grid, to name a pixel in an error.
+        copies: ``(R, c, D)`` a changed copy of every image, row for row: their distances are returned instead,
+            each under the model without its original's fold (the statistics stay the images').
 
     Returns:
         ``(R, c)`` float64.
@@ -110,6 +125,7 @@ def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, 
         raise ValueError(f"fold sizes {sizes} do not split {embeddings.shape[0]} images of a model of {n} "
                          "into folds that leave at least two images each")
     x = embeddings.to(covariance.dtype).transpose(0, 1)  # (c, R, D)
+    y = None if copies is None else copies.to(covariance.dtype).transpose(0, 1)
     out = torch.empty(pixels, x.shape[1], dtype=covariance.dtype, device=x.device)  # (c, R)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     by_size: dict[int, list[int]] = {}
@@ -118,11 +134,14 @@ def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, 
     for m, folds in by_size.items():
         rows = torch.tensor([starts[k] + i for k in folds for i in range(m)], device=x.device)
         members = x.index_select(1, rows).view(pixels, len(folds), m, dim)  # (c, F, m, D)
+        queries = None if y is None else y.index_select(1, rows).view(pixels, len(folds), m, dim)
         if refit_is_cheaper(m, dim, len(folds)):
-            values = refit_squared_distances(covariance, mean, n, members, epsilon, pixel_offset, grid_shape)
+            values = refit_squared_distances(covariance, mean, n, members, epsilon, pixel_offset, grid_shape,
+                                             queries)
         else:
             base = fold_base(covariance, n, m, epsilon, pixel_offset, grid_shape)
-            values = fold_squared_distances(base, mean, n, members, pixel_offset)
+            values = (fold_squared_distances(base, mean, n, members, pixel_offset) if queries is None
+                      else fold_copy_squared_distances(base, mean, n, members, queries, pixel_offset))
         out.index_copy_(1, rows, values.reshape(pixels, -1))
     return out.T
 
@@ -165,18 +184,62 @@ def fold_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, m
     return (n - m - 1) * ((gram @ a) * solved).sum(dim=2)  # a_i^T G (I - G)^-1 a_i
 
 
+def fold_copy_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
+                                copies: torch.Tensor, pixel_offset: int = 0) -> torch.Tensor:
+    """Distances of changed copies of folds' images under their fold models (the query form, module docstring).
+
+    Args:
+        base: :func:`fold_base` for this fold size.
+        mean: ``(c, D)`` the fitted mean of all ``n = count`` images.
+        members: ``(c, F, m, D)`` float64: ``F`` folds of ``m`` images each (the fitted images).
+        copies: ``(c, F, q, D)``: ``q`` changed copies of each fold's images (not fitted), any float dtype.
+
+    Returns:
+        ``(c, F, q)`` float64.
+    """
+    pixels, folds, m, dim = members.shape
+    n = int(count)
+    copies = copies.to(members.dtype)
+    q = copies.shape[2]
+    mean = mean.to(members.dtype)
+    if m == 1:  # leave-one-out: Sherman-Morrison
+        v = members[:, :, 0] - mean.unsqueeze(1)  # (c, F, D)
+        w = copies - mean.view(pixels, 1, 1, dim) + (v / (n - 1)).unsqueeze(2)  # (c, F, q, D)
+        both = torch.cat([v.unsqueeze(2), w], dim=2).reshape(pixels, -1, dim).transpose(1, 2)  # (c, D, F (q + 1))
+        solved = torch.linalg.solve_triangular(base, both, upper=False).transpose(1, 2).reshape(pixels, folds, q + 1, dim)
+        b, a = solved[:, :, :1], solved[:, :, 1:]  # (c, F, 1, D), (c, F, q, D)
+        room = (n - 1) ** 2 - n * b.square().sum(dim=3)  # (c, F, 1)
+        _raise_if_not_positive((room <= 0).to(torch.int32), pixel_offset)
+        along = (a * b).sum(dim=3)  # (c, F, q)
+        return (n - 2) / (n - 1) * (a.square().sum(dim=3) + n * along.square() / room)
+    u, _, rest_mean = _columns(mean, n, members)  # (c, F, m + 1, D)
+    columns = torch.cat([u, copies - rest_mean.unsqueeze(2)], dim=2)  # U's columns, then r = y - mu_k
+    solved = torch.linalg.solve_triangular(base, columns.reshape(pixels, -1, dim).transpose(1, 2), upper=False)
+    solved = solved.transpose(1, 2).reshape(pixels, folds, m + 1 + q, dim) / math.sqrt(n - 1)
+    z, s = solved[:, :, : m + 1], solved[:, :, m + 1 :]  # (c, F, m + 1, D), (c, F, q, D)
+    gram = z @ z.transpose(2, 3)  # G
+    eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
+    factor, info = torch.linalg.cholesky_ex(eye - gram)
+    _raise_if_not_positive(info, pixel_offset)
+    h = z @ s.transpose(2, 3)  # (c, F, m + 1, q): Z^T s for every copy
+    correction = (h * torch.cholesky_solve(h, factor)).sum(dim=2)  # h^T (I - G)^-1 h
+    return (n - m - 1) * (s.square().sum(dim=3) + correction)
+
+
 def refit_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
-                            epsilon: float, pixel_offset: int = 0, grid_shape: tuple[int, int] | None = None
-                            ) -> torch.Tensor:
-    """:func:`fold_squared_distances` by downdating and factorising each fold model itself (large folds)."""
+                            epsilon: float, pixel_offset: int = 0, grid_shape: tuple[int, int] | None = None,
+                            queries: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fold_squared_distances` (or, given ``queries`` ``(c, F, q, D)``, :func:`fold_copy_squared_distances`) by
+    downdating and factorising each fold model itself (large folds)."""
     pixels, folds, m, dim = members.shape
     n = int(count)
     u, _, rest_mean = _columns(mean.to(members.dtype), n, members)
+    scored = members if queries is None else queries.to(members.dtype)
     values = []
     for f in range(folds):
         rest = (covariance * (n - 1) - u[:, f].transpose(1, 2) @ u[:, f]) / (n - m - 1)  # C_k / (n_k - 1)
         factor = regularised_cholesky(rest, epsilon, grid_shape, pixel_offset, overwrite=True)
-        delta = (members[:, f] - rest_mean[:, f].unsqueeze(1)).transpose(1, 2)  # (c, D, m)
+        delta = (scored[:, f] - rest_mean[:, f].unsqueeze(1)).transpose(1, 2)  # (c, D, m or q)
         values.append(torch.linalg.solve_triangular(factor, delta, upper=False).square().sum(dim=1))
     return torch.stack(values, dim=1)
 

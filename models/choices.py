@@ -11,6 +11,15 @@ RESIZES = ("squash", "crop", "pad")
 #: ``tile_statistics``: each tile position its own Gaussians (placed parts), or one set every tile shares (uniform
 #: surfaces: textures, webs, sheets) (:mod:`padim.core.tiling`).
 TILE_STATISTICS = ("position", "shared")
+#: ``expect``: the changes a line makes to its pictures that the calibration covers (:mod:`padim.models.data.changes`),
+#: by name; each preset is a list of ``change=bound``. ``typical`` is the small changes every line has, as
+#: benchmarks/quality.py draws them (lamp +-10%, contrast +-10%, a part 1-3 px off, 1 degree, slight defocus,
+#: JPEG 80); ``stable`` a fixture under controlled light; ``rough`` twice typical.
+EXPECT_PRESETS = {
+    "stable": "",
+    "typical": "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80",
+    "rough": "brightness=0.2,contrast=0.2,shift=6,rotate=2,blur=1.5,jpeg=60",
+}
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.

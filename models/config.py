@@ -18,6 +18,7 @@ from padim.models.choices import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
     DEVICES,
+    EXPECT_PRESETS,
     IMAGE_SCORES,
     NEIGHBOURHOODS,
     PRECISION_DTYPES,
@@ -26,6 +27,7 @@ from padim.models.choices import (
     TILE_STATISTICS,
     parse_tiles,
 )
+from padim.models.data.changes import Expected
 from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
 from padim.models.features.backbones import BACKBONES
 
@@ -35,12 +37,14 @@ RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
 STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
-                     "calibration_folds", "neighbourhood", "roi", "resize", "tiles", "tile_overlap", "tile_statistics")
+                     "calibration_folds", "neighbourhood", "roi", "resize", "tiles", "tile_overlap", "tile_statistics",
+                     "expect", "fit_changes")
 #: What a model file or export written before an option existed computed (format 4 and older), for the
 #: keys its header lacks: read so, whatever today's default, so that it keeps scoring exactly as it did
 #: (``blur_sigma`` has always been written; its default was 4 until neighbourhood 3 became the default).
 BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0,
-                  "roi": None, "resize": "squash", "tiles": (1, 1), "tile_overlap": 0.0, "tile_statistics": "position"}
+                  "roi": None, "resize": "squash", "tiles": (1, 1), "tile_overlap": 0.0, "tile_statistics": "position",
+                  "expect": "", "fit_changes": False}
 #: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
 SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
@@ -96,6 +100,18 @@ class PadimConfig:
             ``"loo"`` (leave-one-out, the default): every image is its own fold; an integer ``K``:
             ``K`` folds by a hash of the image's name (more conservative thresholds, one more
             factorisation per distinct fold size; see :mod:`padim.core.out_of_fold`).
+        expect: the small changes the line makes to its pictures that the calibration covers
+            (:mod:`padim.models.data.changes`: ``brightness``, ``contrast``, ``shift``, ``rotate``, ``blur``,
+            ``jpeg`` with their bounds, e.g. ``"brightness=0.1,shift=2"``, or a preset: ``stable`` (none),
+            ``typical``, ``rough`` (the default since 2026-11-25, by benchmarks/quality.py --grid robust: the one
+            setting whose false alarms stayed within the promise under every nuisance; docs/quality.md); stored as
+            the list of bounds). Each training picture's out-of-fold score is
+            then that of a copy of it under one seeded draw of those changes, so that the threshold promises its
+            false-alarm rate on pictures within them; the statistics stay the pictures' as taken unless
+            ``fit_changes``.
+        fit_changes: with ``expect``, fit each picture's changed copy too (the Gaussians then learn the
+            changes, and a picture and its copy are one calibration fold; the default); no effect without
+            ``expect``.
         false_alarm_rate: share of normal images the threshold may flag (``alpha``).
         batch_size: images per forward pass.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
@@ -122,6 +138,8 @@ class PadimConfig:
     tile_overlap: float = 0.0
     tile_statistics: str = "position"
     calibration_folds: int | str = "loo"
+    expect: str = "rough"
+    fit_changes: bool = True
     false_alarm_rate: float = 0.01
     batch_size: int = DEFAULT_BATCH_SIZE
     device: str = "auto"
@@ -136,11 +154,21 @@ class PadimConfig:
             object.__setattr__(self, "tiles", parse_tiles(self.tiles))
         elif isinstance(self.tiles, list):
             object.__setattr__(self, "tiles", tuple(self.tiles))
+        if isinstance(self.expect, str) or self.expect is None:
+            try:  # stored as its bounds, whatever preset named them
+                object.__setattr__(self, "expect", str(Expected.parse(self.expect)))
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         _validate(self)
 
     @property
     def spec(self):
         return BACKBONES[self.backbone]
+
+    @property
+    def expected(self) -> Expected:
+        """:attr:`expect` as :class:`~padim.models.data.changes.Expected` (falsy when nothing is expected)."""
+        return Expected.parse(self.expect)
 
     @property
     def tiling(self) -> Tiling:
@@ -164,6 +192,21 @@ class PadimConfig:
     def rows_per_image(self) -> int:
         """Rows of the statistics' samples a picture gives: its tiles when they share statistics, else 1."""
         return self.tile_count if self.tile_statistics == "shared" else 1
+
+    @property
+    def copies_fitted(self) -> bool:
+        """Whether each picture's changed copy is fitted beside it (``expect`` and ``fit_changes``)."""
+        return bool(self.expect) and self.fit_changes
+
+    @property
+    def rows_per_picture(self) -> int:
+        """Rows of the statistics' samples a picture gives: :attr:`rows_per_image`, twice when its copy is fitted."""
+        return self.rows_per_image * (2 if self.copies_fitted else 1)
+
+    @property
+    def spooled_rows_per_picture(self) -> int:
+        """Rows of embeddings a picture leaves in the fit's spools: its own, and its changed copy's (``expect``)."""
+        return self.rows_per_image * (2 if self.expect else 1)
 
     def embedding_dim_or_default(self) -> int:
         """``D`` when :attr:`embedding_dim` is ``None``: the backbone's default."""
@@ -285,6 +328,11 @@ def _validate(c: PadimConfig) -> None:
     if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
                                          or not 2 <= c.calibration_folds <= 1000):
         fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")
+    if not isinstance(c.expect, str):
+        fail("expect", c.expect, "use a list of change=bound (e.g. brightness=0.1,shift=2) or a preset: "
+             + ", ".join(EXPECT_PRESETS))
+    if not isinstance(c.fit_changes, bool):
+        fail("fit_changes", c.fit_changes, "use true or false")
     low, high = FALSE_ALARM_RATE_RANGE
     if isinstance(c.false_alarm_rate, bool) or not isinstance(c.false_alarm_rate, (int, float)) \
             or not low <= c.false_alarm_rate <= high:

@@ -36,6 +36,21 @@ def scoring_options(config) -> dict:
             "tile_statistics": config.tile_statistics, "input_shape": list(config.input_shape)}
 
 
+def calibration_options(config) -> dict:
+    """The options of the calibration a user sees beside its threshold: its folds, and the changes of the line it
+    covers (``expect``)."""
+    return {"folds": config.calibration_folds, "expect": config.expect, "fit_changes": config.copies_fitted,
+            "covers": promise_covers(config.expect, config.copies_fitted)}
+
+
+def promise_covers(expect: str, fit_changes: bool = False) -> str:
+    """Which normal pictures the false-alarm promise is about, in words."""
+    if not expect:
+        return "pictures like the training pictures (no changes of the line declared: train --expect)"
+    fitted = "; each picture's changed copy fitted too" if fit_changes else ""
+    return f"pictures within the declared changes {expect} (one seeded draw a training picture{fitted})"
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -154,7 +169,7 @@ class PadimDetector:
             **scoring_options(self.config),
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
-                            "folds": self.config.calibration_folds, "threshold_of": "float32 scorer"},
+                            **calibration_options(self.config), "threshold_of": "float32 scorer"},
             "verified": self.provenance.verified,
             "runtime": self.runtime,
             "precision": "float32",

@@ -8,6 +8,7 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 | ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
 | ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
 | ``calibration.input_distances`` | ``(N,)`` float64 | their input distances (:mod:`padim.core.drift`; format 7, absent when none) |
+| ``calibration.taken_scores`` | ``(N,)`` float64 | with ``expect``: the images' own scores, where ``calibration.scores`` are their changed copies' (format 8) |
 | ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
 | ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
 | ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
@@ -19,7 +20,11 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 
 Formats, all still read:
 
-- **7** (this one): ``calibration.input_distances``, the out-of-fold input distances of the
+- **8** (this one): ``config`` holds ``expect`` and ``fit_changes`` (the changes of the line the
+  threshold covers, :mod:`padim.models.data.changes`), and ``calibration.taken_scores`` the images'
+  own out-of-fold scores beside their changed copies'; older files are read with none, as they
+  were calibrated.
+- **7**: ``calibration.input_distances``, the out-of-fold input distances of the
   normal images (the reference of input drift, :mod:`padim.core.drift`); older files have none
   and are served without that reading.
 - **6**: ``config`` holds ``tiles``, ``tile_overlap`` and ``tile_statistics``
@@ -147,6 +152,8 @@ def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, em
         "calibration.scores": torch.tensor(calibration.scores, dtype=torch.float64),
         **({"calibration.input_distances": torch.tensor(calibration.input_distances, dtype=torch.float64)}
            if calibration.input_distances else {}),
+        **({"calibration.taken_scores": torch.tensor(calibration.taken_scores, dtype=torch.float64)}
+           if calibration.taken_scores else {}),
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
@@ -296,7 +303,7 @@ def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_d
 def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
     if header["verified"]:
         return Calibration.from_header(header["calibration"], tensors["calibration.scores"],
-                                       tensors.get("calibration.input_distances"))
+                                       tensors.get("calibration.input_distances"), tensors.get("calibration.taken_scores"))
     old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
     scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
     return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),

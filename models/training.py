@@ -140,7 +140,8 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
         if shard is not None and not shard.main:
             return report
         with report.timed("calibrate"):
-            calibration = _out_of_fold_calibration(fit, finished.scores, finished.input_distances)
+            calibration = _out_of_fold_calibration(fit, finished.scores, finished.input_distances,
+                                                   finished.taken_scores)
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
         with report.timed("write"):
@@ -236,7 +237,8 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
     try:
         try:
             calibration = Calibration.from_scores(finished.scores, config.false_alarm_rate,
-                                                  input_distances=finished.input_distances)
+                                                  input_distances=finished.input_distances,
+                                                  taken_scores=finished.taken_scores)
         except CalibrationError as error:
             raise FitError(f"the calibration images cannot set a threshold: {error}") from None
         provenance = Provenance(
@@ -291,8 +293,10 @@ def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_stati
         if spool is not None:
             spool.close()
         raise FitError(str(error)) from None
-    where = (f"embeddings spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)" if spool is not None
-             else f"the embeddings of {images} images ({_size(EmbeddingSpool.size(images * fit.rows_per_image, fit.pixels, fit.embedder.embedding_dim))}) "
+    copies = f" (and their changed copies', --expect {fit.config.expect})" if fit.config.expect else ""
+    where = (f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
+             if spool is not None
+             else f"the embeddings of {images} images{copies} ({_size(EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim))}) "
                   f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it")
     if spool is None:
         report.warnings.append(where)
@@ -339,7 +343,7 @@ def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool |
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
         for paths, pictures in iter_decoded(batches_of([images], fit.config.batch_size), fit.config.workers,
                                             unreadable, fit.draft_to, fit.config.roi):
-            embedded = fit.embedder(fit.embedder.preprocess(pictures))
+            embedded = fit.embed([p.name for p in paths], pictures)  # and their changed copies (expect)
             if spool is not None:
                 spool.append(embedded)
             else:
@@ -374,20 +378,26 @@ def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics:
     return finished
 
 
-def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: torch.Tensor | None = None) -> Calibration:
+def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
+                             taken_scores: torch.Tensor | None = None) -> Calibration:
     """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``);
-    the input distances of both kept beside them (an earlier file older than format 7 has none)."""
+    the input distances of both kept beside them (an earlier file older than format 7 has none), and the images' own
+    scores where ``scores`` are their changed copies' (``expect``, which a resume keeps)."""
     earlier = fit.earlier.scores if fit.earlier is not None else ()
     earlier_inputs = fit.earlier.input_distances if fit.earlier is not None else ()
     if input_distances is not None:
         input_distances = torch.cat([torch.tensor(earlier_inputs, dtype=torch.float64), input_distances])
+    if taken_scores is not None:
+        # an earlier calibration without its images' own scores (a file older than format 8) gives its scores
+        earlier_taken = fit.earlier.reference_scores if fit.earlier is not None else ()
+        taken_scores = torch.cat([torch.tensor(earlier_taken, dtype=torch.float64), taken_scores])
     if not len(scores) and not earlier:
         raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
                        f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images")
     try:
         return Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
                                        fit.config.false_alarm_rate, earlier_scores=len(earlier),
-                                       input_distances=input_distances)
+                                       input_distances=input_distances, taken_scores=taken_scores)
     except CalibrationError as error:
         raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
                        "Train on images of different parts or shots, as the line will see them") from None

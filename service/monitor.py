@@ -41,7 +41,7 @@ class Monitor:
         self.calibration, self.window, self.level, self.min_images = calibration, window, level, min_images
         self._values = torch.full((window, 2), math.nan, dtype=torch.float64)  # (window, [raw, input distance])
         # the reference the window is plotted against: the calibration's normal scores, binned once
-        normal = calibration.normalise(torch.tensor(calibration.scores, dtype=torch.float64))
+        normal = calibration.normalise(torch.tensor(calibration.reference_scores, dtype=torch.float64))
         self._calibration_histogram = histogram(normal, SCORE_EDGES)
         self._lock = threading.Lock()
         self.reset()

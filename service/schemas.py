@@ -59,6 +59,10 @@ class CalibrationInfo(BaseModel):
     source: str | None = Field(description="out_of_fold (the fit's images) or held_out (images no part fitted)")
     folds: int | Literal["loo"] = Field(description="calibration folds: `loo` (leave-one-out, each image its own fold) "
                                                     "or the number of folds K")
+    expect: str = Field(default="", description="the changes of the line the threshold covers, as bounds "
+                        "(train --expect; empty: none declared)")
+    fit_changes: bool = Field(default=False, description="whether each training picture's changed copy was fitted too")
+    covers: str = Field(default="", description="which normal pictures the false-alarm promise is about, in words")
     threshold_of: str = Field(default="float32 scorer", description="whose scores set the threshold: `float32 scorer` "
                               "(the model file's), or a quantised scorer's own on held-out normal images (padim export "
                               "--precision)")

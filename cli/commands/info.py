@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import load_artifact, read_header
     from padim.models.deploy.runtimes import is_export
+    from padim.models.detector import promise_covers
     from padim.models.features.backbones import WeightsInfo
 
     if is_export(args.model):
@@ -52,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),
         "calibration": {**calibration, "source": header.get("calibration_source"),
-                        "folds": config.get("calibration_folds")} if calibration else None,
+                        "folds": config.get("calibration_folds"), "expect": config.get("expect", ""),
+                        "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
+                        "covers": promise_covers(config.get("expect", ""),
+                                                 bool(config.get("expect")) and config.get("fit_changes", False))}
+        if calibration else None,
         "header": header,
     }
     print(json.dumps(summary, indent=2))

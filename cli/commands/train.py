@@ -8,7 +8,16 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.choices import IMAGE_SCORES, NEIGHBOURHOODS, PRECISION_DTYPES, REDUCTIONS, RESIZES, TILE_STATISTICS, parse_tiles
+from padim.models.choices import (
+    EXPECT_PRESETS,
+    IMAGE_SCORES,
+    NEIGHBOURHOODS,
+    PRECISION_DTYPES,
+    REDUCTIONS,
+    RESIZES,
+    TILE_STATISTICS,
+    parse_tiles,
+)
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
@@ -86,6 +95,18 @@ def _model_options(model) -> None:
                        help="position (default): each tile position its own statistics, for placed parts (a board, a "
                        "pill in a fixture), memory x the tiles' count; shared: one set every tile shares, for uniform "
                        "surfaces (textures, webs, sheets), the memory of an untiled model and T times the samples")
+    model.add_argument("--expect", metavar="CHANGES",
+                       help="the small changes the line makes to its pictures, for the threshold to cover: a preset, "
+                       + ", ".join(f"{k} ({v or 'none'})" for k, v in EXPECT_PRESETS.items()) + ", or your own "
+                       "list of change=bound from brightness, contrast (shares), shift (pixels of the picture), rotate "
+                       "(degrees), blur (sigma, pixels), jpeg (lowest quality). Each picture's calibration score is then "
+                       "that of a copy of it under one seeded draw of those changes, scored without it, so that the "
+                       "false-alarm promise holds on pictures within them (docs/calibration.md); costs a second "
+                       "backbone pass a picture and twice the spool")
+    model.add_argument("--fit-changes", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --expect, fit each picture's changed copy too: the Gaussians learn the changes "
+                       "(fewer defects missed than a threshold widened alone; docs/quality.md); --no-fit-changes "
+                       "widens the threshold alone")
     model.add_argument("--calibration-folds", type=folds_value, metavar="K",
                        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
                        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
@@ -198,10 +219,15 @@ def configuration(args: argparse.Namespace):
         calibration_folds=args.calibration_folds, precision_dtype=args.precision_dtype, workers=args.workers,
         neighbourhood=args.neighbourhood, image_score=args.image_score, top_fraction=args.top_fraction,
         blur_sigma=args.blur_sigma, roi=args.roi, resize=args.resize, tiles=args.tiles,
-        tile_overlap=args.tile_overlap, tile_statistics=args.tile_statistics,
+        tile_overlap=args.tile_overlap, tile_statistics=args.tile_statistics, expect=args.expect,
+        fit_changes=args.fit_changes,
     )
     given |= {k for k, v in flags.items() if v is not None}
-    return config.replace(**flags), given
+    config = config.replace(**flags)
+    if args.fit_changes and not config.expect:
+        raise UsageError("--fit-changes fits each picture's changed copy: say which changes with --expect "
+                         f"({', '.join(k for k in EXPECT_PRESETS if EXPECT_PRESETS[k])} or change=bound,...)")
+    return config, given
 
 
 def _resumed(args: argparse.Namespace, config, given: set[str]):
@@ -248,7 +274,9 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
     else:
         summary.update(fit_image_count=header["fit_image_count"],
                        calibration={**header["calibration"], "source": header["calibration_source"],
-                                    "folds": header["config"]["calibration_folds"]},
+                                    "folds": header["config"]["calibration_folds"],
+                                    "expect": header["config"].get("expect", ""),
+                                    "fit_changes": bool(header["config"].get("expect")) and header["config"].get("fit_changes", False)},
                        precision_dtype=header["precision_dtype"], weights=WeightsInfo(**header["weights"]).label,
                        backbone=header["config"]["backbone"], image_size=header["config"]["image_size"],
                        embedding_dim=header["embedding_dim"])
@@ -257,8 +285,11 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
 
 def verdict_line(header: dict) -> str:
     """What the threshold of a model file means, in one line."""
-    cal = header["calibration"]
+    from padim.models.detector import promise_covers  # torch: not for --help
+
+    cal, config = header["calibration"], header["config"]
     return (f"fitted {header['fit_image_count']} images; threshold {cal['threshold']:.4g} (raw) from "
             f"{cal['scores']} out-of-fold scores, aiming at {cal['false_alarm_rate']:.2%} false alarms; promised "
             f"{cal['promised_false_alarm_rate']:.2%} on average and at most {cal['false_alarm_bound']:.2%} with "
-            f"{cal['confidence']:.0%} confidence, whatever the score distribution")
+            f"{cal['confidence']:.0%} confidence, whatever the score distribution, on "
+            f"{promise_covers(config.get('expect', ''), bool(config.get('expect')) and config.get('fit_changes', False))}")

@@ -11,6 +11,12 @@ masks are written as ``ground_truth/<defect>/<stem>_mask.png``::
     OUT/<category>/test/good/000.png
     OUT/<category>/test/<defect>/000.png
     OUT/<category>/ground_truth/<defect>/000_mask.png
+
+**Regions.** ``region=r`` draws pictures from another region of the same material (another roll,
+another lot) or, for a placed part, another placement: every parameter the generator draws
+uniformly (period, phase, tint, relief, the part's shift and turn, ...) is drawn from its range
+moved by ``r / 2`` of its width. Region 0 is the default; region 1 overlaps it by half: a mild,
+systematic change of the kind a line meets, that the pictures of region 0 never show.
 """
 
 from __future__ import annotations
@@ -29,8 +35,24 @@ DEFECTS = ("scratch", "stain", "hole")
 MORE_DEFECTS = ("crack", "speck")
 
 
-def texture(category: str, size: int, rng: np.random.Generator) -> np.ndarray:
-    """A normal ``(size, size, 3)`` float image in ``[0, 1]``."""
+class _Region:
+    """``rng`` whose uniform draws come from their range moved by ``region / 2`` of its width (module docstring)."""
+
+    def __init__(self, rng: np.random.Generator, region: float):
+        self.rng, self.region = rng, region
+
+    def uniform(self, low=0.0, high=1.0, size=None):
+        shift = 0.5 * self.region * (np.asarray(high) - np.asarray(low))
+        return self.rng.uniform(low + shift, high + shift, size)
+
+    def __getattr__(self, name):  # normal, integers, choice: as drawn
+        return getattr(self.rng, name)
+
+
+def texture(category: str, size: int, rng: np.random.Generator, region: float = 0.0) -> np.ndarray:
+    """A normal ``(size, size, 3)`` float image in ``[0, 1]`` (of another region of the material for ``region`` > 0)."""
+    if region:
+        rng = _Region(rng, region)
     y, x = np.mgrid[0:size, 0:size].astype(np.float64) / size
     if category == "weave":
         period = rng.uniform(0.055, 0.065)
@@ -92,8 +114,9 @@ def _placed_part(category: str, size: int, rng: np.random.Generator) -> np.ndarr
         draw.rounded_rectangle([c - rx, c - ry, c + rx, c + ry], radius=ry, fill=right)
         draw.rounded_rectangle([c - rx, c - ry, c, c + ry], radius=ry, fill=left)
         draw.rectangle([c - ry * 1.01, c - ry, c, c + ry], fill=left)
+        print_rng = getattr(rng, "rng", rng)  # the print sits on the part in every placement
         for _ in range(int(rng.integers(10, 18))):
-            x, y = c + rng.uniform(0.15, 0.9) * rx, c + rng.uniform(-0.7, 0.7) * ry
+            x, y = c + print_rng.uniform(0.15, 0.9) * rx, c + print_rng.uniform(-0.7, 0.7) * ry
             r = big * rng.uniform(0.004, 0.008)
             draw.ellipse([x - r, y - r, x + r, y + r], fill=(150, 60, 50))
     elif category == "nut":  # a hexagonal nut: flat faces, a bore, a chamfer ring
@@ -128,6 +151,7 @@ def _placed_part(category: str, size: int, rng: np.random.Generator) -> np.ndarr
 
 def _smooth_noise(size: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
     """White noise blurred by a Gaussian of ``sigma`` pixels, scaled to zero mean and unit spread."""
+    rng = getattr(rng, "rng", rng)  # white noise is white noise in every region
     noise = Image.fromarray(rng.uniform(0, 255, (size, size)).astype(np.uint8)).filter(ImageFilter.GaussianBlur(sigma))
     field = np.asarray(noise, dtype=np.float64)
     return (field - field.mean()) / max(field.std(), 1e-9)
@@ -197,10 +221,13 @@ def generate(
     size: int = 256,
     seed: int = 0,
     defects: tuple[str, ...] = DEFECTS,
+    region: float = 0.0,
 ) -> list[Path]:
     """Write an MVTec-layout data set; returns the category directories.
 
     ``test_defect`` pictures of each of ``defects`` (:data:`DEFECTS`, :data:`MORE_DEFECTS`) per category.
+    ``region``: every picture from another region of the material (module docstring); the same ``seed`` then
+    draws the same noise and defects.
     """
     root = Path(root)
     written = []
@@ -208,12 +235,12 @@ def generate(
         rng = np.random.default_rng([seed, c])
         base = root / category
         for i in range(train):
-            _save(texture(category, size, rng), base / "train" / "good" / f"{i:03d}.png")
+            _save(texture(category, size, rng, region), base / "train" / "good" / f"{i:03d}.png")
         for i in range(test_good):
-            _save(texture(category, size, rng), base / "test" / "good" / f"{i:03d}.png")
+            _save(texture(category, size, rng, region), base / "test" / "good" / f"{i:03d}.png")
         for defect in defects:
             for i in range(test_defect):
-                image, mask = add_defect(texture(category, size, rng), defect, rng)
+                image, mask = add_defect(texture(category, size, rng, region), defect, rng)
                 _save(image, base / "test" / defect / f"{i:03d}.png")
                 mask_path = base / "ground_truth" / defect / f"{i:03d}_mask.png"
                 mask_path.parent.mkdir(parents=True, exist_ok=True)

@@ -60,10 +60,12 @@ from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
+#: 6: ``config.expect`` and ``config.fit_changes`` (the changes the threshold covers; read as none before), and
+#: ``calibration_taken_scores`` (the images' own scores where the threshold's are their changed copies').
 #: 5: ``precision`` (``float32``, ``int8``, ``fp16``), ``threshold_of`` and, for a quantised scorer, ``quantisation``
 #: and its own calibration. 4: a third output, ``input_distance``, and ``calibration_input_distances`` (input drift); 3: ``input.tiles``.
 #: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 5
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 6
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
@@ -319,6 +321,7 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "calibration": calibration.summary(),
         "calibration_scores": list(calibration.scores),
         "calibration_input_distances": list(calibration.input_distances),
+        "calibration_taken_scores": list(calibration.taken_scores),
         "precision": "float32" if quantised is None else quantised.precision,
         "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
     }

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, images_needed
 from padim.models.choices import EXPORT_PRECISIONS
+from padim.models.data.changes import apply, seeded
 from padim.models.data.images import iter_for_model, list_images
 from padim.models.deploy.export import ONNX_FILE, OPENVINO_FILE, _export_onnx, export_detector, require
 from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession
@@ -365,8 +366,9 @@ def quantise_openvino(float_graph: Path, output: Path, batches: list[np.ndarray]
 
 
 # ---------------------------------------------------------------------- scoring folders
-def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool) -> list[np.ndarray]:
-    """``paths`` decoded, framed and normalised as ``train`` did: a list of ``(b, 3, S, S)`` float32 batches.
+def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool, changed: bool = False) -> list[np.ndarray]:
+    """``paths`` decoded, framed and normalised as ``train`` did: a list of ``(b, 3, S, S)`` float32 batches
+    (``changed``: each picture after its seeded draw of the model's expected changes, as ``train`` draws them).
 
     Raises:
         ExportError: an image that cannot be read (named).
@@ -376,6 +378,8 @@ def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool) ->
     with tqdm(total=len(paths), desc=what, unit="img", disable=not progress, leave=False) as bar:
         try:
             for chunk, images in iter_for_model(list(paths), config, BATCH):
+                if changed:
+                    images = [apply(image, config.expected.draw(seeded(path.name))) for path, image in zip(chunk, images)]
                 batches.append(np.ascontiguousarray(detector.preprocess(images).numpy(), dtype=np.float32))
                 bar.update(len(chunk))
         except ImageError as error:  # the export needs every image it was given
@@ -399,10 +403,14 @@ def folder_images(folder: Path, flag: str) -> list[Path]:
     return paths
 
 
-def recalibrate(scored: Scored, false_alarm_rate: float) -> Calibration:
-    """The quantised scorer's threshold for ``false_alarm_rate`` from its scores of the threshold images."""
-    return Calibration.from_scores(torch.from_numpy(scored.raw_scores.astype(np.float64)), false_alarm_rate,
-                                   input_distances=torch.from_numpy(scored.input_distances.astype(np.float64)))
+def recalibrate(scored: Scored, false_alarm_rate: float, changed: Scored | None = None) -> Calibration:
+    """The quantised scorer's threshold for ``false_alarm_rate`` from its scores of the threshold images (of their
+    changed copies, ``changed``, for a model that expects the line's changes; the images' own are kept beside)."""
+    own = torch.from_numpy(scored.raw_scores.astype(np.float64))
+    return Calibration.from_scores(own if changed is None else torch.from_numpy(changed.raw_scores.astype(np.float64)),
+                                   false_alarm_rate,
+                                   input_distances=torch.from_numpy(scored.input_distances.astype(np.float64)),
+                                   taken_scores=None if changed is None else own)
 
 
 def promise_line(calibration: Calibration) -> str:
@@ -495,6 +503,8 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
     quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
     normal = load_inputs(detector, split.threshold, "threshold images", progress)
+    changed = (load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress,
+                           changed=True) if detector.config.expect else [])
     defects = load_inputs(detector, tuple(check), "check images", progress) if check else []
     reference = session(float_graph)
     reference_normal = run_graph(reference, normal)
@@ -514,6 +524,7 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
         settings = quantise_onnxruntime(float_graph, graph, quantiser, work)
     quantised = session(graph)
     quantised_normal = run_graph(quantised, normal)
+    quantised_changed = run_graph(quantised, changed) if changed else None
     quantised_check = run_graph(quantised, defects) if defects else None
     del quantised
     agreement = compare(reference_normal, quantised_normal, detector.calibration.threshold, options.max_score_error,
@@ -525,7 +536,7 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
                 "Raise --max-score-error if this is acceptable for your line, or --force to write it anyway")
         agreement = Agreement(**{**asdict(agreement), "forced": True})
         log.warning("accuracy gate failed, written anyway (--force): %s", agreement.sentence())
-    calibration = recalibrate(quantised_normal, rate)
+    calibration = recalibrate(quantised_normal, rate, quantised_changed)
     for leftover in work.iterdir():
         leftover.unlink()
     work.rmdir()

@@ -50,7 +50,7 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.detector import Provenance, scoring_options
+from padim.models.detector import Provenance, calibration_options, scoring_options
 from padim.models.devices import runtime_device
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.model import ScoreOutput
@@ -236,9 +236,11 @@ class DeployedDetector:
             self.weights = WeightsInfo(**metadata["weights"])
             self.provenance = Provenance.from_header(metadata["provenance"])
             distances = metadata.get("calibration_input_distances")  # export version 4
+            taken = metadata.get("calibration_taken_scores")  # export version 6
             self.calibration = Calibration.from_header(
                 metadata["calibration"], torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
-                None if distances is None else torch.tensor(distances, dtype=torch.float64))
+                None if distances is None else torch.tensor(distances, dtype=torch.float64),
+                None if taken is None else torch.tensor(taken, dtype=torch.float64))
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
             self.precision = metadata.get("precision", "float32")  # export version 5
             self.threshold_of = metadata.get("threshold_of", "float32 scorer")  # export version 5
@@ -285,7 +287,7 @@ class DeployedDetector:
         return {**self.metadata["description"], **scoring_options(self.config), "runtime": self.runtime,
                 "precision": self.precision,
                 "calibration": {**self.metadata["description"]["calibration"], **self.calibration.summary(),
-                                "threshold_of": self.threshold_of,
+                                **calibration_options(self.config), "threshold_of": self.threshold_of,
                                 **({"source": "held_out"} if self.precision != "float32" else {})},
                 **({"quantisation": {k: quantisation[k] for k in ("agreement", "float32_calibration", "promise",
                                                                   "verified", "tool")}} if quantisation else {})}

@@ -117,7 +117,7 @@ def _plot(recent: Recent, calibration) -> str:
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.2), dpi=100, squeeze=False)
     edges = np.linspace(0.0, 1.0, 41)
     folder = calibration.normalise(torch.tensor(recent.raw_scores, dtype=torch.float64)).numpy()
-    normal = calibration.normalise(torch.tensor(calibration.scores, dtype=torch.float64)).numpy()
+    normal = calibration.normalise(torch.tensor(calibration.reference_scores, dtype=torch.float64)).numpy()
     ax = axes[0, 0]
     ax.hist(normal, bins=edges, density=True, alpha=0.5, color="#8c959f", label=f"calibration ({len(normal)} normal)")
     ax.hist(folder, bins=edges, density=True, alpha=0.6, color="#0969da", label=f"this folder ({len(folder)})")

@@ -15,6 +15,14 @@ A fit reads every normal image through the backbone **once**:
    factorisation per fold size (:mod:`padim.core.out_of_fold`: no fold model is fitted, no
    image is embedded again). The distances become maps and out-of-fold raw scores.
 
+**Changed copies** (``expect``, :mod:`padim.models.data.changes`): every picture is embedded a
+second time after one seeded draw of the declared changes, and its copy's rows follow its own in
+the spool. The copy's out-of-fold distance (under the model without the picture's fold:
+:func:`~padim.core.out_of_fold.fold_copy_squared_distances`) gives the picture's calibration
+score; the picture's own gives its input distance (the drift reference stays the pictures as
+taken). With ``fit_changes`` the copies are fitted too: a picture and its copy are then one
+fold's members, and the copy's distance is a member's.
+
 Memory holds the statistics (the packed comoment, when they are kept) and one slice's
 temporaries; the precision factors stay on disk until the model file is written
 (:func:`padim.models.model_file.save_fitted`). Whole runs (a new fit, resume, partial fits
@@ -42,6 +50,7 @@ from tqdm.auto import tqdm
 from padim.core.calibration import Calibration, fold_of
 from padim.core.out_of_fold import (
     fold_base,
+    fold_copy_squared_distances,
     fold_squared_distances,
     held_out_squared_distances,
     refit_is_cheaper,
@@ -60,6 +69,7 @@ from padim.core.statistics import (
     triangular_inverse,
 )
 from padim.models.config import PadimConfig
+from padim.models.data.changes import apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
 from padim.models.detector import FLOAT16_TOLERANCE, Provenance
 from padim.models.devices import resolve_device
@@ -95,17 +105,18 @@ class Spooled:
     """This rank's images of pass 1, waiting in the spool: rows in fold order, and their sum.
 
     Attributes:
-        spool: their ``(rows, P, D)`` float32 embeddings.
+        spool: their ``(rows, P, D)`` float32 embeddings (with ``expect``, each picture's rows then its copy's).
         names: the image of every row.
         folds: rows per fold, one entry per non-empty fold of this rank, in row order.
-        total: ``(P, D)`` float64 sum of this rank's rows.
-        count, mean: of every rank's rows, set once pass 1 is over (after the all-reduce).
+        total: ``(P, D)`` float64 sum of this rank's fitted rows (not the copies, unless they are fitted).
+        count, mean: of every rank's fitted rows, set once pass 1 is over (after the all-reduce).
     """
 
     spool: EmbeddingSpool
     names: list[str] = field(default_factory=list)
     folds: list[int] = field(default_factory=list)
     total: torch.Tensor | None = None
+    fitted_rows: int = 0
     count: int = 0
     mean: torch.Tensor | None = None
 
@@ -115,7 +126,8 @@ class Scored:
     """Images to score in the finish, whole folds one after another.
 
     Attributes:
-        read: ``(slice index, start, stop, first row, stop row) -> (rows, c, D)`` embeddings.
+        read: ``(slice index, start, stop, first row, stop row) -> (rows, c, D)`` embeddings (with ``expect``,
+            each picture's rows then its changed copy's: :attr:`Fit.spooled_rows` a picture).
         names: the image of every row.
         folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
             model itself (held-out images).
@@ -138,6 +150,8 @@ class Finished:
         scores: ``(N,)`` float64 raw scores of the images scored (out-of-fold, or held-out).
         scored: the names of those images, in the order of ``scores``.
         input_distances: ``(N,)`` float64 their input distances (:mod:`padim.core.drift`), in the same order.
+        taken_scores: ``(N,)`` float64 with ``expect``: the images' own raw scores, where ``scores`` are their
+            changed copies'; ``None`` otherwise.
         unscored: names of fitted images left without an out-of-fold score (their fold holds all
             but fewer than two of the images).
         float16_change: largest relative change of the checked scores with float16 factors.
@@ -151,6 +165,7 @@ class Finished:
     unscored: list[str]
     float16_change: float | None = None
     input_distances: torch.Tensor | None = None
+    taken_scores: torch.Tensor | None = None
 
 
 class Fit:
@@ -176,7 +191,7 @@ class Fit:
         self.embedding = embedding
         self.device = resolve_device(config.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
-        self.rows_per_image = self.embedder.rows_per_image  # a picture's rows in the statistics (its tiles when shared)
+        self.rows_per_image = self.embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
         self.statistics = None if statistics is None else statistics.to(self.device)
         self.spooled: Spooled | None = None
         self._slim_count = 0  # rows fitted into a slim fit, which keeps no statistics
@@ -203,17 +218,43 @@ class Fit:
     def count(self) -> int:
         """Images fitted: in the statistics, and in the spool waiting for :meth:`finish`."""
         held = int(self.statistics.count) if self.statistics is not None else self._slim_count
-        return (held + (self.spooled.count if self.spooled is not None else 0)) // self.rows_per_image
+        return (held + (self.spooled.count if self.spooled is not None else 0)) // self.fitted_rows
 
     @property
     def pixels(self) -> int:
         """``p``: pixels of a row of the statistics (``T * P`` with a Gaussian per tile position)."""
         return self.embedder.pixels
 
+    @property
+    def fitted_rows(self) -> int:
+        """A picture's rows in the statistics: its tiles when they share them, and its changed copy's when fitted."""
+        return self.config.rows_per_picture
+
+    @property
+    def spooled_rows(self) -> int:
+        """A picture's rows of embeddings in pass 1's spool: its own, then its changed copy's (``expect``)."""
+        return self.config.spooled_rows_per_picture
+
     def per_row(self, values: Iterable) -> list:
-        """One value per picture -> one per row of the statistics (a picture's tiles share its value when they
-        share the statistics)."""
-        return [value for value in values for _ in range(self.rows_per_image)]
+        """One value per picture -> one per spooled row (:attr:`spooled_rows`: its tiles and its copy's)."""
+        return [value for value in values for _ in range(self.spooled_rows)]
+
+    def fitted(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of spooled ``rows`` (whole pictures) that go into the statistics: all but the copies, unless
+        those are fitted."""
+        if not self.config.expect or self.config.copies_fitted:
+            return rows
+        return split_rows(rows, self.rows_per_image)[0]
+
+    def embed(self, names: Sequence[str], images) -> torch.Tensor:
+        """A batch's spooled rows: every picture's embeddings ``(T, P, D)``, then its changed copy's (``expect``:
+        one draw of the declared changes, seeded by the picture's name)."""
+        embedded = self.embedder(self.embedder.preprocess(images))
+        if not self.config.expect:
+            return embedded
+        expected = self.config.expected
+        changed = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images)]
+        return interleaved(embedded, self.embedder(self.embedder.preprocess(changed)), self.rows_per_image)
 
     @property
     def naming_grid(self) -> tuple[int, int]:
@@ -240,7 +281,7 @@ class Fit:
 
     def spool_or_none(self, directory: Path, rows: int) -> EmbeddingSpool | None:
         """A spool for ``rows`` images in ``directory``, or ``None`` when they would not fit its free disk."""
-        rows *= self.rows_per_image
+        rows *= self.spooled_rows
         if not spool_fits(directory, rows, self.pixels, self.embedder.embedding_dim):
             return None
         return EmbeddingSpool(directory, rows, self.pixels, self.embedder.embedding_dim, self.slice_pixels)
@@ -264,6 +305,7 @@ class Fit:
         digests: list[tuple[str, int]] = []
         spooled = Spooled(spool) if spool is not None else None
         rows_fold: list[int] = []
+        fitted_rows = 0
         accumulator = None
         if spooled is None:  # the statistics in memory, as before spooling
             base = self.statistics if shard is None or shard.main else None
@@ -272,19 +314,22 @@ class Fit:
         total = sum(len(g) for g in mine)
 
         def run() -> None:
+            nonlocal fitted_rows
             with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
                 for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to,
                                                   self.config.roi):
-                    embedded = self.embedder(self.embedder.preprocess(images))  # (B, P, D)
+                    embedded = self.embed([name_of[p] for p in paths], images)  # (B * spooled rows, P, D)
+                    fitted = self.fitted(embedded)
+                    fitted_rows += fitted.shape[0]
                     if spooled is not None:
                         spooled.spool.append(embedded)
-                        batch_sum = embedded.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
+                        batch_sum = fitted.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
                         spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
                         spooled.names += self.per_row(name_of[p] for p in paths)
                         rows_fold.extend(self.per_row(fold_of_path[p] for p in paths))
                         bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
                     else:
-                        accumulator.partial_fit(embedded)
+                        accumulator.partial_fit(fitted)
                     digests.extend((name_of[p], file_digest(p)) for p in paths)
                     bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
 
@@ -293,7 +338,7 @@ class Fit:
             dim = self.embedder.embedding_dim
             total_sum = spooled.total if spooled.total is not None else torch.zeros(
                 self.pixels, dim, dtype=ACCUMULATOR_DTYPE, device=self.device)
-            count = torch.tensor(float(spooled.spool.rows), dtype=ACCUMULATOR_DTYPE, device=self.device)
+            count = torch.tensor(float(fitted_rows), dtype=ACCUMULATOR_DTYPE, device=self.device)
             distributed.sum_(total_sum, shard)
             distributed.sum_(count, shard)
             spooled.count = int(count)
@@ -329,7 +374,7 @@ class Fit:
                 names, rows_fold, parts = [], [], []
                 for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
                                                   self.draft_to, self.config.roi):
-                    parts.append(self.embedder(self.embedder.preprocess(images)).cpu())
+                    parts.append(self.embed([name_of[p] for p in paths], images).cpu())
                     names += self.per_row(name_of[p] for p in paths)
                     rows_fold += self.per_row(fold_of_path[p] for p in paths)
                     bar.update(len(paths))
@@ -339,7 +384,7 @@ class Fit:
 
     def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
         """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
-        per_image = self.rows_per_image * self.pixels * self.embedder.embedding_dim * 4
+        per_image = self.spooled_rows * self.pixels * self.embedder.embedding_dim * 4
         chunks: list[list[list[TrainingImage]]] = []
         size = 0
         for fold in (f for f in folds if f):
@@ -366,11 +411,11 @@ class Fit:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
         config, dim, pixels = self.config, self.embedder.embedding_dim, self.pixels
-        grid, device, per_image = self.naming_grid, self.device, self.rows_per_image
+        grid, device, per_image, spooled_rows = self.naming_grid, self.device, self.fitted_rows, self.spooled_rows
         timing = {} if timing is None else timing
         timing.setdefault("finish", 0.0), timing.setdefault("calibrate", 0.0)
         state = self._merged_statistics(keep_statistics)
-        count = state.count  # rows: images, or their tiles when tiles share the statistics
+        count = state.count  # rows: images, or their tiles when tiles share the statistics (and fitted copies)
         if count < 2 * per_image:
             raise ValueError(f"need at least 2 fitted images, have {count // per_image}")
         slices = self.spooled.spool.slices if self.spooled else _slices(pixels, self.slice_pixels)
@@ -379,12 +424,13 @@ class Fit:
         sample_exact = sample_half = None
         distances: list[torch.Tensor] = []
         inputs: list[torch.Tensor] = []  # input distances, as distances
+        taken: list[torch.Tensor] = []  # the images' own scores, where the distances' are their copies' (expect)
         names: list[str] = []
         unscored: list[str] = []
         float16_change = None
         try:
             for number, source in enumerate(scored if scored is not None else []):
-                keep = _scoreable(source, count, unscored, per_image)
+                keep = _scoreable(source, count, unscored, per_image, spooled_rows)
                 rows = sum(len(r) for r in keep)
                 squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
                 first_pass = number == 0
@@ -396,7 +442,7 @@ class Fit:
                         if first_pass and factors is not None:
                             stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
                             factors.write(start * packed_length(dim) * 4, pack_lower(stored))
-                            sample = _sample(source, index, start, stop, per_image)
+                            sample = _sample(source, index, start, stop, spooled_rows)
                             if sample is not None:
                                 exact, half = _float16_check(sample.to(device), state.mean[start:stop], stored)
                                 sample_exact = exact if sample_exact is None else torch.cat([sample_exact, exact], 1)
@@ -411,10 +457,11 @@ class Fit:
                 if first_pass:
                     self._formed(state, keep_statistics)
                 started = time.perf_counter()
-                scores_of, inputs_of = self._image_scores(squared)
+                scores_of, inputs_of, taken_of = self._image_scores(squared)
                 distances.append(scores_of)
                 inputs.append(inputs_of)
-                names += [n for r in keep for n in r[::per_image]]  # a picture's rows: one name
+                taken.append(taken_of)
+                names += [n for r in keep for n in r[::spooled_rows]]  # a picture's rows: one name
                 timing["calibrate"] += time.perf_counter() - started
             if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
                 self._statistics_only(state, slices, factors, shard, grid, timing, keep_statistics, progress)
@@ -426,14 +473,18 @@ class Fit:
             float16_change = _relative_change(sample_exact, sample_half, self.embedder.tiling, config)
         scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
         input_distances = torch.cat(inputs) if inputs else torch.zeros(0, dtype=torch.float64)
+        taken_scores = torch.cat(taken) if taken else torch.zeros(0, dtype=torch.float64)
         if shard is not None:  # every rank scored its own folds
-            gathered = distributed.gather((names, scores.tolist(), unscored, input_distances.tolist()), shard)
-            names = [n for part, _, _, _ in gathered for n in part]
-            scores = torch.tensor([s for _, part, _, _ in gathered for s in part], dtype=torch.float64)
-            unscored = [n for _, _, part, _ in gathered for n in part]
-            input_distances = torch.tensor([s for _, _, _, part in gathered for s in part], dtype=torch.float64)
+            gathered = distributed.gather((names, scores.tolist(), unscored, input_distances.tolist(),
+                                           taken_scores.tolist()), shard)
+            names = [n for part, *_ in gathered for n in part]
+            scores = torch.tensor([s for _, part, *_ in gathered for s in part], dtype=torch.float64)
+            unscored = [n for _, _, part, *_ in gathered for n in part]
+            input_distances = torch.tensor([s for *_, part, _ in gathered for s in part], dtype=torch.float64)
+            taken_scores = torch.tensor([s for *_, part in gathered for s in part], dtype=torch.float64)
         return Finished(state.mean.to(torch.float32).cpu(), factors, self._precision_dtype(float16_change), scores,
-                        names, unscored, float16_change, input_distances)
+                        names, unscored, float16_change, input_distances,
+                        taken_scores if self.config.expect else None)
 
     # ------------------------------------------------------------------ finish, by part
     def _merged_statistics(self, keep: bool) -> _State:
@@ -478,11 +529,12 @@ class Fit:
         square = torch.empty(stop - start, dim, dim, dtype=torch.float64, device=self.device)
 
         def local() -> None:
-            rows = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))
+            per = self.spooled_rows  # blocks of whole pictures: their copies are told apart by place
+            rows = max(per, BLOCK_BYTES // (8 * (stop - start) * dim) // per * per)
             if not spooled.spool.rows:  # a rank without images
                 square.zero_()
             for first in range(0, spooled.spool.rows, rows):
-                x = spooled.spool.read(index, first, min(first + rows, spooled.spool.rows)).to(self.device)
+                x = self.fitted(spooled.spool.read(index, first, min(first + rows, spooled.spool.rows))).to(self.device)
                 centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
                 square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
 
@@ -552,35 +604,56 @@ class Fit:
                 out += m
             row += m
         grid = self.naming_grid
+        queried = bool(self.config.expect) and not self.config.copies_fitted  # copies scored, not fitted
         for m, places in sorted(folds.items()):
-            refit = refit_is_cheaper(m, dim, len(places))
-            base = None if refit else fold_base(covariance, count, m, epsilon, start, grid)
+            fitted = m // 2 if queried else m  # the fold's rows in the statistics
+            refit = refit_is_cheaper(fitted, dim, len(places))
+            base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
             per_block = max(1, limit // m)
             for first in range(0, len(places), per_block):
                 block = places[first : first + per_block]
                 x = torch.cat([source.read(index, start, stop, a, b) for a, b in _runs(block, m)]).to(self.device)
-                members = x.to(torch.float64).transpose(0, 1).reshape(stop - start, len(block), m, dim)
+                x = x.to(torch.float64)  # (F m, c, D), fold after fold
+                if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
+                    own, copied = split_rows(x, self.rows_per_image)  # (F m / 2, c, D) each
+                    members = own.transpose(0, 1).reshape(stop - start, len(block), fitted, dim)
+                    copies = copied.transpose(0, 1).reshape(stop - start, len(block), fitted, dim)
+                else:
+                    members, copies = x.transpose(0, 1).reshape(stop - start, len(block), m, dim), None
                 if refit:
                     values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
+                    if copies is not None:
+                        values = _rejoin(values, refit_squared_distances(covariance, mean, count, members, epsilon,
+                                                                         start, grid, copies), self.rows_per_image)
                 else:
                     values = fold_squared_distances(base, mean, count, members, start)
+                    if copies is not None:
+                        values = _rejoin(values, fold_copy_squared_distances(base, mean, count, members, copies,
+                                                                             start), self.rows_per_image)
                 values = values.cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     squared[target : target + m, start:stop] = values[:, f].T
             del base
 
-    def _image_scores(self, squared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw scores and input distances ``(B,)`` from distances ``(N, p)``: the pictures' maps (tiles stitched) as
-        the scorer makes them, their scores, and the mean of each picture's distances."""
-        scores, inputs, config, rows = [], [], self.config, 64 * self.rows_per_image
+    def _image_scores(self, squared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw scores, input distances and the images' own raw scores ``(B,)`` from distances ``(N, p)`` of whole
+        pictures: the pictures' maps (tiles stitched) as the scorer makes them and their scores (their changed
+        copies' with ``expect``: the third value is then the pictures' own), and the mean of each picture's own
+        distances."""
+        scores, inputs, taken, config, rows = [], [], [], self.config, 64 * self.spooled_rows
         for first in range(0, squared.shape[0], rows):
-            out = score_distances(squared[first : first + rows], self.embedder.tiling, config.blur_sigma,
-                                  config.image_score, config.top_fraction)
+            block = squared[first : first + rows]
+            own, scored = split_rows(block, self.rows_per_image) if config.expect else (block, block)
+            out = score_distances(scored, self.embedder.tiling, config.blur_sigma, config.image_score,
+                                  config.top_fraction)
             scores.append(out.raw_scores)
-            inputs.append(out.input_distances.to(torch.float64))
+            inputs.append(own.reshape(out.raw_scores.shape[0], -1).mean(1).to(torch.float64))
+            taken.append(score_distances(own, self.embedder.tiling, config.blur_sigma, config.image_score,
+                                         config.top_fraction).raw_scores if config.expect else out.raw_scores)
         if not scores:
-            return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
-        return torch.cat(scores), torch.cat(inputs)
+            empty = torch.zeros(0, dtype=torch.float64)
+            return empty, empty, empty
+        return torch.cat(scores), torch.cat(inputs), torch.cat(taken).to(torch.float64)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
         choice = self.config.precision_dtype
@@ -604,25 +677,27 @@ class _State:
     spooled: Spooled | None
 
 
-def _scoreable(source: Scored, count: int, unscored: list[str], per_image: int = 1) -> list[list[str]]:
-    """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each), the
-    rest named in ``unscored`` (once a picture)."""
+def _scoreable(source: Scored, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
+               ) -> list[list[str]]:
+    """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each in the
+    statistics, ``spooled`` in the source), the rest named in ``unscored`` (once a picture)."""
+    spooled = spooled or per_image
     if source.folds is None:
         return [source.names]
     keep, row = [], 0
     for m in source.folds:
         names = source.names[row : row + m]
-        if count - m >= 2 * per_image:
+        if count - m // spooled * per_image >= 2 * per_image:
             keep.append(names)
         else:
             keep.append([])
-            unscored += names[::per_image]
+            unscored += names[::spooled]
         row += m
     return keep
 
 
 def _sample(source: Scored, index: int, start: int, stop: int, per_image: int = 1) -> torch.Tensor | None:
-    rows = min(FLOAT16_SAMPLE * per_image, len(source.names))  # whole pictures
+    rows = min(FLOAT16_SAMPLE * per_image, len(source.names))  # whole pictures (``per_image``: their spooled rows)
     return source.read(index, start, stop, 0, rows) if rows else None
 
 
@@ -675,3 +750,26 @@ def batches_of(groups: Sequence[Sequence[TrainingImage]], batch_size: int) -> li
     """The paths of ``groups``, in order, in batches of ``batch_size`` (which may span groups: rows stay in order)."""
     paths = [i.path for group in groups for i in group]
     return [paths[s : s + batch_size] for s in range(0, len(paths), batch_size)]
+
+
+def interleaved(originals: torch.Tensor, copies: torch.Tensor, per_image: int) -> torch.Tensor:
+    """``(B T, ...)`` rows of pictures and ``(B T, ...)`` of their copies -> ``(2 B T, ...)``: each picture's ``T``
+    rows, then its copy's."""
+    pictures = originals.shape[0] // per_image
+    shape = (pictures, per_image, *originals.shape[1:])
+    return torch.stack([originals.reshape(shape), copies.reshape(shape)], dim=1).reshape(-1, *originals.shape[1:])
+
+
+def split_rows(rows: torch.Tensor, per_image: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`interleaved`: the pictures' rows and their copies' rows."""
+    pictures = rows.shape[0] // (2 * per_image)
+    both = rows.reshape(pictures, 2, per_image, *rows.shape[1:])
+    return both[:, 0].reshape(-1, *rows.shape[1:]), both[:, 1].reshape(-1, *rows.shape[1:])
+
+
+def _rejoin(own: torch.Tensor, copies: torch.Tensor, per_image: int) -> torch.Tensor:
+    """``(c, F, k T)`` distances of a fold's pictures and ``(c, F, k T)`` of their copies -> ``(c, F, 2 k T)`` in
+    the source's row order (each picture's rows, then its copy's)."""
+    pixels, folds = own.shape[:2]
+    both = torch.stack([own.reshape(pixels, folds, -1, per_image), copies.reshape(pixels, folds, -1, per_image)], 3)
+    return both.reshape(pixels, folds, -1)

@@ -9,7 +9,8 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
   ``--slim`` file); without a spool it is streamed during pass 1.
 - **finish**: one slice's float64 buffers (comoment, Cholesky factor, inverse; see
   :data:`SLICE_BYTES`), a block of embeddings and the out-of-fold
-  distances of every image (``N P`` float32).
+  distances of every image (``N P`` float32; twice with ``expect``: its changed copy's too).
+- **spool** (disk): every picture's embeddings, and its changed copy's with ``expect``.
 - **backbone**: its weights (kept, and folded for inference) and one batch's activations (every
   tile of every picture of the batch),
   measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
@@ -109,19 +110,21 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
     rows, cols = grid_shape(config)
     tiles, per_image = config.tile_count, config.rows_per_image  # a picture's tiles; its rows in the statistics
     pixels, dim = rows * cols * tiles // per_image, config.embedding_dim_or_default()
+    spooled = config.spooled_rows_per_picture  # its rows in the spool: with its changed copy's (expect)
     held = keep_statistics or not spool or resume
     statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
     slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
-    finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * per_image * pixels * 4
+    finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * spooled * pixels * 4
     deepest = max(spec.layers.index(layer) for layer in config.layers)
     kind = "basic" if spec.channels[0] == 64 else "bottleneck"
     per_pixel = 4 * (64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides)))
     activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size * tiles)
-    embedding = config.batch_size * tiles * rows * cols * dim * 4 * (1 if spool else 3)  # without a spool: float64 slices and held batches
+    # without a spool: float64 slices and held batches; with expect, a batch's copies beside it
+    embedding = config.batch_size * tiles * rows * cols * dim * 4 * (1 if spool else 3) * (2 if config.expect else 1)
     update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
     backbone = 2 * _weights_bytes(config) + activations + embedding + update
     return FitPlan(device, statistics, finish, backbone, PROCESS_BYTES[device],
-                   EmbeddingSpool.size(images * per_image, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
+                   EmbeddingSpool.size(images * spooled, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
 
 
 def free_memory(device: str) -> int | None:

@@ -72,8 +72,10 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     assert "threshold" in result.stderr and "from 30 out-of-fold scores, aiming at 2.00%" in result.stderr
     # what it costs, said before pass 1: the memory plan and where the embeddings wait
     (plan,) = [line for line in result.stderr.splitlines() if "this fit needs about" in line]
-    assert "GB free" in plan and f"embeddings spooled to {tmp_path}" in plan and "removed when the fit ends" in plan
-    assert summary["spooled_bytes"] == 30 * (IMAGE_SIZE // 4) ** 2 * 100 * 4
+    assert "GB free" in plan and "removed when the fit ends" in plan
+    # each picture's embeddings and its changed copy's (the default expects the line's changes) wait on disk
+    assert "embeddings (and their changed copies', --expect brightness=0.2," in plan and f"spooled to {tmp_path}" in plan
+    assert summary["spooled_bytes"] == 30 * 2 * (IMAGE_SIZE // 4) ** 2 * 100 * 4
     assert summary["memory"]["planned_bytes"] < summary["memory"]["free_bytes"]
     assert set(summary["phase_seconds"]) == {"fit", "finish", "calibrate", "write"}
 
@@ -193,6 +195,36 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
     clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
                     "--neighbourhood", "1", check=False)
     assert clash.returncode == 1 and "neighbourhood=3" in clash.stderr
+    # the earlier scores were computed with (or without) the declared changes: so must the new ones be
+    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
+                    "--expect", "typical", check=False)
+    assert clash.returncode == 1 and "--resume" in clash.stderr and "expect=" in clash.stderr
+    assert not (tmp_path / "x.padim").exists()
+
+
+def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_path, model_file):
+    common = ["--weights", "random", "--image-size", IMAGE_SIZE, "--batch-size", 8]
+    done = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "line.padim", *common,
+                   "--expect", "brightness=0.1,shift=2", "--fit-changes")
+    summary = json.loads(done.stdout)
+    assert summary["calibration"]["expect"] == "brightness=0.1,shift=2" and summary["calibration"]["fit_changes"]
+    assert "on pictures within the declared changes brightness=0.1,shift=2" in done.stderr
+    assert "embeddings (and their changed copies', --expect brightness=0.1,shift=2)" in done.stderr  # the plan line
+    info = json.loads(run_cli("info", tmp_path / "line.padim").stdout)
+    assert info["calibration"]["expect"] == "brightness=0.1,shift=2" and info["calibration"]["fit_changes"] is True
+    assert "within the declared changes" in info["calibration"]["covers"]
+    _, header = load_artifact(tmp_path / "line.padim")
+    assert header["fit_image_count"] == 30 and header["calibration"]["scores"] == 30  # one score a picture
+    # a preset is stored as its bounds; fitting copies without saying which changes is refused
+    preset = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "p.padim", *common,
+                     "--expect", "typical", "--no-fit-changes")
+    assert json.loads(preset.stdout)["calibration"]["expect"] == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
+    refused = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "x.padim", *common,
+                      "--expect", "stable", "--fit-changes", check=False)
+    assert refused.returncode == 1 and "--fit-changes fits each picture's changed copy" in refused.stderr
+    wrong = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "x.padim", *common,
+                    "--expect", "brightness=2", check=False)
+    assert wrong.returncode == 1 and "brightness=2.0 is not allowed; use a number from 0 to 0.5" in wrong.stderr
     assert not (tmp_path / "x.padim").exists()
 
 
@@ -273,9 +305,13 @@ def test_identical_images_are_a_clear_refusal(dataset, tmp_path):
     image = (dataset / "train" / "good" / "000.png").read_bytes()
     for i in range(12):
         (folder / f"{i:03d}.png").write_bytes(image)
-    result = _train_folder(folder, tmp_path / "m.padim")
+    result = _train_folder(folder, tmp_path / "m.padim", "--expect", "stable")
     assert result.returncode == 1 and "do not vary" in result.stderr and "Traceback" not in result.stderr
     assert len(error_lines(result.stderr)) == 1 and not (tmp_path / "m.padim").exists()
+    # with the line's changes declared and fitted (the default) one picture under those changes is a model, and
+    # train says that all but one are copies
+    result = _train_folder(folder, tmp_path / "m.padim")
+    assert result.returncode == 0 and "11 image(s) are copies of others" in result.stderr
 
 
 def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path, monkeypatch, capsys):

@@ -194,3 +194,22 @@ def test_gumbel_tail_errs_towards_fewer_false_alarms_at_one_percent():
     error = realised.std(ddof=1) / math.sqrt(len(realised))
     assert methods == {"gumbel_tail"}
     assert 0.3 * 0.01 <= realised.mean() <= 0.01 + 3.5 * error, (realised.mean(), error)
+
+
+def test_the_scores_of_images_as_taken_travel_beside_their_changed_copies_and_set_the_median():
+    """``train --expect``: the threshold comes from changed copies; the images' own scores are the reference of score
+    drift and of the score's median (a normal image as taken scores 0.1)."""
+    copies = torch.linspace(10.0, 30.0, 50, dtype=torch.float64)
+    own = torch.linspace(8.0, 20.0, 50, dtype=torch.float64)
+    cal = Calibration.from_scores(copies, 0.01, taken_scores=own)
+    assert cal.threshold == Calibration.from_scores(copies, 0.01).threshold  # the copies alone set it
+    assert cal.reference_scores == tuple(own.tolist()) and cal.summary()["taken_scores"] == 50
+    assert abs(float(cal.normalise(own.quantile(0.5))) - 0.1) < 1e-9
+    again = Calibration.from_header(cal.to_header(), copies, None, own)
+    assert again == cal and again.with_threshold(40.0).taken_scores == cal.taken_scores
+    with pytest.raises(ValueError, match="counts 50 scores of images as taken, the file holds 0"):
+        Calibration.from_header(cal.to_header(), copies)
+    with pytest.raises(CalibrationError, match="3 scores of the images as taken for 50"):
+        Calibration.from_scores(copies, 0.01, taken_scores=own[:3])
+    plain = Calibration.from_scores(copies, 0.01)
+    assert plain.taken_scores == () and plain.reference_scores == plain.scores

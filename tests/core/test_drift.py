@@ -99,6 +99,7 @@ def test_each_drift_moves_its_own_test():
     reading = assess(torch.from_numpy(normal_scores + 0.8), calibration, torch.from_numpy(normal_inputs * 1.2))
     assert reading.input_drift.alarm and reading.score_drift.alarm and reading.input_drift.median_ratio > 1.15
     assert "look unlike the training images" in reading.verdict
+    assert "padim train --expect" in reading.verdict and "padim train --resume" in reading.verdict  # the two fixes
     # without input distances (an older model): no input drift reading, said so
     reading = assess(torch.from_numpy(normal_scores), calibration, None)
     assert reading.input_drift is None and "predates input distances" in reading.verdict

@@ -9,11 +9,13 @@ from padim.core.out_of_fold import (fold_base, held_out_squared_distances, out_o
 from padim.core.statistics import NotPositiveDefiniteError, batch_state, cholesky_slice, covariance
 
 
-def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float) -> np.ndarray:
-    """Each fold's images under a model fitted from scratch on the other images, with the same epsilon.
+def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float, copies: np.ndarray | None = None) -> np.ndarray:
+    """Each fold's images (or their changed ``copies``, row for row) under a model fitted from scratch on the other
+    images, with the same epsilon.
 
     The fold model of n_rest images is np.cov of them plus epsilon I, as the fitted model of all n is.
     """
+    scored = x if copies is None else copies
     n, pixels, dim = x.shape
     out = np.empty((n, pixels))
     start = 0
@@ -24,13 +26,14 @@ def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float) -> np.ndarr
             mean = rest[:, p].mean(axis=0)
             centred = rest[:, p] - mean
             cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
-            delta = x[fold, p] - mean
+            delta = scored[fold, p] - mean
             out[fold, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
     return out
 
 
-def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2) -> np.ndarray:
+def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2, copies: np.ndarray | None = None
+         ) -> np.ndarray:
     """The same distances from the full model's Cholesky factor, a slice of pixels at a time."""
     tensor = torch.from_numpy(x)
     state = batch_state(tensor)
@@ -39,7 +42,9 @@ def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2) -> np
     for start in range(0, pixels, -(-pixels // slices)):
         stop = min(start + -(-pixels // slices), pixels)
         parts.append(out_of_fold_squared_distances(covariance(state, start, stop), state.mean[start:stop], len(x),
-                                                   tensor[:, start:stop], sizes, epsilon, pixel_offset=start))
+                                                   tensor[:, start:stop], sizes, epsilon, pixel_offset=start,
+                                                   copies=None if copies is None else
+                                                   torch.from_numpy(copies[:, start:stop])))
     return torch.cat(parts, dim=1).numpy()
 
 
@@ -54,6 +59,25 @@ def test_out_of_fold_equals_same_epsilon_refit_in_float64(n, dim, sizes):
     x = rng.normal(size=(n, 3, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 3, dim)) * 5
     expected = refit_distances(x, sizes, epsilon=0.01)
     np.testing.assert_allclose(ours(x, sizes, epsilon=0.01), expected, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("n, dim, sizes", [
+    (9, 5, [1] * 9),                      # leave-one-out: Sherman-Morrison
+    (12, 20, [1] * 12),                   # leave-one-out, fewer images than channels
+    (30, 6, [5, 6, 3, 7, 4, 5]),          # K folds: the query form of the Woodbury correction
+    (12, 20, [3, 2, 4, 3]),
+    (40, 4, [30, 10]),                    # refitted, scoring the copies
+])
+def test_changed_copies_are_scored_as_by_a_refit_without_their_original(n, dim, sizes):
+    """``train --expect``: the copy of an image, under the model of every image but the original's fold."""
+    rng = np.random.default_rng(n * dim)
+    x = rng.normal(size=(n, 3, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 3, dim)) * 5
+    copies = x * rng.uniform(0.9, 1.1, size=(n, 1, 1)) + rng.normal(scale=0.3, size=x.shape)  # light, noise
+    expected = refit_distances(x, sizes, epsilon=0.01, copies=copies)
+    np.testing.assert_allclose(ours(x, sizes, epsilon=0.01, copies=copies), expected, rtol=1e-9, atol=0)
+    # a copy that is the image itself gives the image's own out-of-fold distance
+    np.testing.assert_allclose(ours(x, sizes, epsilon=0.01, copies=x.copy()), ours(x, sizes, epsilon=0.01),
+                               rtol=1e-10, atol=0)
 
 
 def test_large_folds_take_the_refit_and_small_ones_the_correction():

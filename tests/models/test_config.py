@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from padim.models.config import ConfigError, PadimConfig, read_config_file
+from padim.models.data.changes import Expected
 
 
 def test_defaults_follow_the_paper():
@@ -46,11 +47,26 @@ def test_defaults_follow_the_paper():
         ({"tile_overlap": 0.6, "tiles": (2, 2)}, "from 0 to 0.5"),
         ({"tile_overlap": 0.25}, "set tiles too"),
         ({"tile_statistics": "each"}, "tile_statistics: 'each' is not allowed; choose one of: position, shared"),
+        ({"expect": "lamp=0.1"}, "expect: 'lamp=0.1' is not a change; write NAME=VALUE with NAME one of brightness"),
+        ({"expect": "shift=100"}, "expect: shift=100.0 is not allowed; use a number from 0 to 64"),
+        ({"expect": 3}, "expect: 3 is not allowed; use a list of change=bound .* or a preset: stable, typical, rough"),
+        ({"fit_changes": "yes"}, "fit_changes: 'yes' is not allowed; use true or false"),
     ],
 )
 def test_bad_values_say_what_is_allowed(changes, message):
     with pytest.raises(ConfigError, match=message):
         PadimConfig(**changes)
+
+
+def test_expected_changes_are_kept_as_their_bounds_and_decide_the_calibration():
+    assert PadimConfig(expect="typical").expect == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
+    assert PadimConfig(expect="stable").expect == "" and PadimConfig(expect="shift=2, blur=0.5").expect == "shift=2,blur=0.5"
+    base = PadimConfig(expect="", fit_changes=False)
+    # the calibration's scores (and, fitted, the statistics) depend on them: --resume and merge keep them
+    assert base.differences(base.replace(expect="typical", fit_changes=True)) == ["expect", "fit_changes"]
+    assert not PadimConfig(expect="", fit_changes=True).copies_fitted  # nothing to fit without declared changes
+    assert PadimConfig(expect="shift=1", fit_changes=True).rows_per_picture == 2
+    assert PadimConfig(expect="shift=1", tiles=(2, 2), tile_statistics="shared").spooled_rows_per_picture == 8
 
 
 def test_from_mapping_rejects_unknown_keys_listing_allowed():
@@ -72,12 +88,15 @@ def test_which_fields_shape_the_statistics():
 
 
 def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
-    # benchmarks/quality.py: neighbourhood 3 without smoothing won on most categories (docs/quality.md)
+    # benchmarks/quality.py: neighbourhood 3 without smoothing won on most categories, and --expect rough with its
+    # copies fitted was the one calibration within its promise under every nuisance (docs/quality.md)
     c = PadimConfig()
-    assert (c.neighbourhood, c.image_score, c.blur_sigma) == (3, "map_max", 0.0)
+    assert (c.neighbourhood, c.image_score, c.blur_sigma, c.calibration_folds) == (3, "map_max", 0.0, "loo")
+    assert c.expected == Expected.parse("rough") and c.copies_fitted
     paper, _ = read_config_file(Path(__file__).resolve().parents[2] / "configs" / "paper.yaml")
-    assert (paper.neighbourhood, paper.image_score, paper.blur_sigma) == (1, "map_max", 4.0)
-    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100)
+    assert (paper.neighbourhood, paper.image_score, paper.blur_sigma, paper.expect) == (1, "map_max", 4.0, "")
+    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100, expect="stable")
+    assert not paper.copies_fitted
 
 
 def test_retired_hold_out_options_say_what_replaced_them():

@@ -146,7 +146,7 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0)  # float16 factors
     resumed, report = fit_detector(CONFIG, images[:4], resume=load_fit(tmp_path / "old.padim"), progress=False)
     assert resumed.calibration.earlier_scores == 5
-    assert int(resumed.statistics.count) == int(detector.statistics.count) + 4
+    assert int(resumed.statistics.count) == int(detector.statistics.count) + 4 * resumed.config.rows_per_picture
 
 
 def older_format(path, target, version: int) -> None:
@@ -186,7 +186,8 @@ def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, 
     assert header["calibration"]["threshold"] == 21.5 and header["calibration"]["method"] == "manual"
     fresh = [TrainingImage(p, f"more/{p.name}") for p in list_images(dataset / "test" / "good")]
     resumed, _ = fit_detector(CONFIG, fresh, resume=load_fit(tmp_path / "two.padim"), progress=False)
-    assert int(resumed.statistics.count) == 30 + len(fresh) and resumed.calibration.earlier_scores == 30
+    assert int(resumed.statistics.count) == (30 + len(fresh)) * resumed.config.rows_per_picture
+    assert resumed.calibration.earlier_scores == 30
 
 
 def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, tmp_path):
@@ -333,3 +334,44 @@ def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detec
 
     reading = assess(six.score(batch).raw_scores.repeat(20), six.calibration, None)
     assert reading.input_drift is None and reading.flag_rate is not None
+
+
+def _default_expect(init, expect: str, fit_changes: bool):
+    """``PadimConfig.__init__`` as if the defaults declared ``expect`` (and ``fit_changes``)."""
+    def changed(self, *args, **kwargs):
+        kwargs.setdefault("expect", expect)
+        kwargs.setdefault("fit_changes", fit_changes)
+        init(self, *args, **kwargs)
+    return changed
+
+
+def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(images, tmp_path, monkeypatch):
+    from padim.models.data.changes import Expected
+
+    declared = fit_detector(CONFIG.replace(expect="typical", fit_changes=True), images, progress=False)[0]
+    save_detector(declared, tmp_path / "declared.padim", with_statistics=True)
+    _, header = load_artifact(tmp_path / "declared.padim")
+    assert header["format_version"] == FORMAT_VERSION == 8
+    assert header["config"]["expect"] == str(Expected.parse("typical")) and header["config"]["fit_changes"] is True
+    loaded = load_detector(tmp_path / "declared.padim", device="cpu")
+    assert loaded.config.expected == Expected.parse("typical") and loaded.describe()["calibration"]["fit_changes"]
+    # the copies' scores set the threshold; the pictures' own travel beside them (read back exactly)
+    assert loaded.calibration == declared.calibration and len(loaded.calibration.taken_scores) == len(images)
+    assert loaded.calibration.reference_scores == loaded.calibration.taken_scores != loaded.calibration.scores
+    assert load_fit(tmp_path / "declared.padim").config.copies_fitted  # a resume goes on with the same copies
+    # a format-7 file (no expect, no fit_changes) is read as it was calibrated, whatever today's defaults
+    plain = fit_detector(CONFIG.replace(expect="", fit_changes=False), images, progress=False)[0]
+    save_detector(plain, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    for key in ("expect", "fit_changes"):
+        del header["config"][key]
+    older_format_of(tensors, header, tmp_path / "seven.padim", 7)
+    monkeypatch.setattr(PadimConfig, "__init__", _default_expect(PadimConfig.__init__, "rough", True))
+    assert PadimConfig().expect and PadimConfig().fit_changes  # as if the defaults declared changes
+    seven = load_detector(tmp_path / "seven.padim", device="cpu")
+    assert seven.config.expect == "" and not seven.config.copies_fitted
+    assert seven.describe()["calibration"]["covers"].startswith("pictures like the training pictures")
+    assert load_fit(tmp_path / "seven.padim").config.expect == ""
+    batch = plain.preprocess(pictures(images, 3))
+    torch.testing.assert_close(seven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert seven.calibration == plain.calibration and seven.calibration.taken_scores == ()

@@ -1,5 +1,6 @@
 """Fitting: out-of-fold scores against brute-force refits, resume and merge against one-shot fits, the spool."""
 
+import math
 import os
 
 import numpy as np
@@ -17,6 +18,10 @@ from padim.models.model_file import load_detector, load_fit, save_fit
 from helpers import reference_maps
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
+#: The mechanics against brute-force refits of the pictures as taken: no changed copies (those have their own test).
+AS_TAKEN = CONFIG.replace(expect="stable")
+#: Rows a picture gives the statistics under the default: its own and its changed copy's.
+ROWS = CONFIG.rows_per_picture
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,7 @@ def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: in
                                                                ("loo", 1, "patch_max"), (5, 3, "top_mean")])
 def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds, neighbourhood, image_score):
     # every scoring option: the calibration reads each image's score as the scorer will
-    config = CONFIG.replace(image_size=32, embedding_dim=12, calibration_folds=folds, neighbourhood=neighbourhood,
+    config = AS_TAKEN.replace(image_size=32, embedding_dim=12, calibration_folds=folds, neighbourhood=neighbourhood,
                             image_score=image_score, top_fraction=0.05)
     fit = Fit.start(config)
     groups = fit.groups(images)
@@ -87,7 +92,7 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     # the calibration of a tiled model: every picture's tiles out of the fold's model (in the shared mode a fold
     # is still whole pictures: all their tiles leave together), the score read from the stitched map
     images = images[:12]
-    config = CONFIG.replace(image_size=32, embedding_dim=8, calibration_folds=folds, tiles=(2, 2), tile_overlap=0.25,
+    config = AS_TAKEN.replace(image_size=32, embedding_dim=8, calibration_folds=folds, tiles=(2, 2), tile_overlap=0.25,
                             tile_statistics=statistics, blur_sigma=2.0)
     fit = Fit.start(config)
     spool = fit.spool_or_none(tmp_path, len(images))
@@ -108,16 +113,122 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     finished.factors.close()
 
 
+@pytest.mark.parametrize("folds, fit_changes, statistics", [("loo", False, "position"), (5, False, "position"),
+                                                            ("loo", True, "position"), (5, True, "position"),
+                                                            ("loo", False, "shared")])
+def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp_path, folds, fit_changes, statistics):
+    """``--expect``: each picture's calibration score is its changed copy's, under a model fitted from scratch
+    without that picture's fold (and without the fold's copies when they are fitted); its input distance stays
+    the picture's own. The copies are the seeded draws of :mod:`padim.models.data.changes`, row after row."""
+    from PIL import Image
+
+    from padim.models.data.changes import apply, seeded
+
+    images = images[:14]
+    tiles = (2, 1) if statistics == "shared" else (1, 1)
+    config = CONFIG.replace(image_size=32, embedding_dim=10, calibration_folds=folds, tiles=tiles,
+                            tile_statistics=statistics, expect="brightness=0.2,shift=2,rotate=2,blur=1",
+                            fit_changes=fit_changes)
+    fit = Fit.start(config)
+    spool = fit.spool_or_none(tmp_path, len(images))
+    assert not fit.accumulate(fit.groups(images), progress=False, spool=spool).unreadable
+    x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
+    per = fit.rows_per_image  # a picture's rows; its copy's follow
+    both = x.reshape(len(images), 2, per, *x.shape[1:])
+    own, copies = both[:, 0].reshape(-1, *x.shape[1:]), both[:, 1].reshape(-1, *x.shape[1:])
+    # the copies are the declared changes drawn from each picture's name, embedded as any picture is
+    order = [names[i] for i in range(0, len(names), 2 * per)]
+    by_name = {i.name: i for i in images}
+    pictures = [Image.open(by_name[n].path).convert("RGB") for n in order]
+    changed = [apply(p, config.expected.draw(seeded(n))) for p, n in zip(pictures, order)]
+    np.testing.assert_allclose(copies, fit.embedder(fit.embedder.preprocess(changed)).double().numpy(),
+                               rtol=1e-4, atol=1e-4)
+    finished = fit.finish([Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)],
+                          tmp_path, progress=False)
+    spool.close()
+    assert finished.scored == order and not finished.unscored
+    # the reference: per fold of pictures, a float64 refit on the rest (their copies too when fitted)
+    fitted = x if fit_changes else own
+    picture_folds = [m // (2 * per) for m in sizes]
+    expected_copy, expected_own, start = [], [], 0
+    for k in picture_folds:
+        out_rows = np.arange(start * per, (start + k) * per)
+        out_fitted = (np.concatenate([np.arange((start + j) * 2 * per, (start + j + 1) * 2 * per) for j in range(k)])
+                      if fit_changes else out_rows)
+        rest = np.delete(fitted, out_fitted, axis=0)
+        joined = np.concatenate([rest, copies[out_rows], own[out_rows]])  # scored as the last 2 k T rows
+        squared = refit_squared(joined, [len(rest), 2 * k * per], config.epsilon)[len(rest):]
+        expected_copy.append(squared[: k * per])
+        expected_own.append(squared[k * per :])
+        start += k
+    squared_copy, squared_own = np.concatenate(expected_copy), np.concatenate(expected_own)
+    pixels = squared_copy.shape[1] * per  # a picture's distances, tiles together
+    expected = reference_maps(squared_copy.reshape(len(images), pixels), config.tiling, config.blur_sigma)
+    np.testing.assert_allclose(finished.scores.numpy(), expected.reshape(len(images), -1).max(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(finished.input_distances.numpy(), squared_own.reshape(len(images), -1).mean(1),
+                               rtol=1e-6)
+    # the pictures' own scores are kept beside: what a line that does not change scores (the score-drift reference)
+    taken = reference_maps(squared_own.reshape(len(images), pixels), config.tiling, config.blur_sigma)
+    np.testing.assert_allclose(finished.taken_scores.numpy(), taken.reshape(len(images), -1).max(axis=1), rtol=1e-6)
+    assert int(fit.statistics.count) == len(images) * per * (2 if fit_changes else 1) and fit.count == len(images)
+    np.testing.assert_allclose(fit.statistics.mean.numpy(), fitted.mean(axis=0), rtol=1e-10, atol=1e-10)
+    finished.factors.close()
+
+
+DECLARED = "brightness=0.15,contrast=0.15,shift=2,blur=1"
+
+
+@pytest.fixture(scope="module")
+def line_pictures(tmp_path_factory):
+    """80 normal training pictures (64 px model input), and 600 fresh ones as a line shows them: each after its own
+    draw of :data:`DECLARED`'s changes."""
+    from PIL import Image
+
+    from padim.models.data.changes import Expected, apply, seeded
+    from padim.models.data.synthetic import texture
+
+    folder = tmp_path_factory.mktemp("line")
+    rng = np.random.default_rng(0)
+    train = []
+    for i in range(80):
+        path = folder / f"{i:03d}.png"
+        Image.fromarray((texture("leather", 96, rng) * 255).astype(np.uint8)).save(path)
+        train.append(TrainingImage(path, path.name))
+    declared = Expected.parse(DECLARED)
+    fresh = [apply(Image.fromarray((texture("leather", 96, rng) * 255).astype(np.uint8)), declared.draw(seeded(f"x{i}")))
+             for i in range(600)]
+    return train, fresh
+
+
+@pytest.mark.parametrize("expect, fit_changes", [("", False), (DECLARED, False), (DECLARED, True)])
+def test_with_expect_the_flag_rate_on_changed_pictures_stays_within_the_promise(line_pictures, expect, fit_changes):
+    """The image-level flag-rate test: pictures drawn within the declared changes are flagged at most as often as the
+    calibration's bound says; without the declaration the same pictures blow the promise up."""
+    train, fresh = line_pictures
+    config = CONFIG.replace(calibration_folds="loo", batch_size=32, false_alarm_rate=0.05, expect=expect,
+                            fit_changes=fit_changes)
+    detector, _ = fit_detector(config, train, progress=False)
+    scores = torch.cat([detector.score(detector.preprocess(fresh[i : i + 100])).raw_scores for i in range(0, 600, 100)])
+    realised = float((scores >= detector.calibration.threshold).double().mean())
+    bound = detector.calibration.false_alarm_bound
+    slack = 2 * math.sqrt(bound * (1 - bound) / len(fresh))  # the fresh pictures' own binomial error
+    if expect:
+        assert realised <= bound + slack, (realised, bound)
+        assert detector.describe()["calibration"]["expect"] == DECLARED
+    else:
+        assert realised > 3 * bound, (realised, bound)  # measured 0.59 against a bound of 0.13
+
+
 def test_threshold_comes_from_every_image_out_of_fold(images):
     detector, report = fit_detector(CONFIG, images, progress=False)
-    assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count)
+    assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count) // ROWS
     cal = detector.calibration
     assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
     again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
     assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
     assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(cal.promised_false_alarm_rate)
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
-    assert report.spool == len(images) * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
+    assert report.spool == len(images) * 2 * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
 
 
 def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
@@ -127,7 +238,7 @@ def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     part = load_detector(tmp_path / "part.padim", device="cpu")
     resumed, resumed_report = fit_detector(CONFIG, second, resume=load_fit(tmp_path / "part.padim"), progress=False)
     assert {**part_report.folds, **resumed_report.folds} == whole_report.folds
-    assert int(resumed.statistics.count) == int(whole.statistics.count) == len(images)
+    assert int(resumed.statistics.count) == int(whole.statistics.count) == len(images) * ROWS  # copies by name
     # the float32 backbone differs by ~1e-7 between batch compositions; the statistics
     # themselves agree to float64 round-off (tests/core)
     torch.testing.assert_close(resumed.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
@@ -141,7 +252,7 @@ def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     assert any("kept from the resumed model" in w for w in resumed_report.warnings)
     # resuming with every image again adds only those the model has not seen (by content)
     again, again_report = fit_detector(CONFIG, images, resume=load_fit(tmp_path / "part.padim"), progress=False)
-    assert len(again_report.already_fitted) == len(first) and int(again.statistics.count) == len(images)
+    assert len(again_report.already_fitted) == len(first) and int(again.statistics.count) == len(images) * ROWS
     torch.testing.assert_close(again.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
 
 
@@ -155,12 +266,16 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     merge_fits(parts, [i.path for i in held], CONFIG, tmp_path / "merged.padim", progress=False)
     merged = load_detector(tmp_path / "merged.padim", device="cpu", with_statistics=True)
     one_shot, _ = fit_partial(CONFIG, a + b, progress=False, scratch_dir=tmp_path)
-    assert int(merged.statistics.count) == 24
+    assert int(merged.statistics.count) == 24 * ROWS
     torch.testing.assert_close(merged.statistics.mean, one_shot.statistics.mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged.statistics.comoment, one_shot.statistics.comoment, rtol=1e-5, atol=1e-5)
     from PIL import Image
 
-    held_scores = merged.score(merged.preprocess([Image.open(i.path).convert("RGB") for i in held])).raw_scores
+    from padim.models.data.changes import apply, seeded
+
+    # the calibration images' changed copies (by name), scored by the merged model: unseen, so held out
+    changed = [apply(Image.open(i.path).convert("RGB"), CONFIG.expected.draw(seeded(i.path.name))) for i in held]
+    held_scores = merged.score(merged.preprocess(changed)).raw_scores
     expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
     assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-3)  # float16 factors score them here
     assert merged.provenance.calibration_source == "held_out"
@@ -168,10 +283,14 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
         merge_fits(parts, [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim", progress=False)
 
 
-def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch):
-    spooled, _ = fit_detector(CONFIG, images, progress=False)
+@pytest.mark.parametrize("expect, fit_changes", [("", False), ("brightness=0.1,shift=2", False),
+                                                 ("brightness=0.1,shift=2", True)])
+def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch, expect,
+                                                                             fit_changes):
+    config = CONFIG.replace(expect=expect, fit_changes=fit_changes)
+    spooled, _ = fit_detector(config, images, progress=False)
     monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 0)
-    again, report = fit_detector(CONFIG, images, progress=False)
+    again, report = fit_detector(config, images, progress=False)
     assert report.spool == 0 and any("embeds them again" in w for w in report.warnings)
     # the same batches of the same images in one process: the same float32 embeddings
     torch.testing.assert_close(again.statistics.comoment, spooled.statistics.comoment, rtol=1e-9, atol=1e-9)
@@ -255,7 +374,10 @@ def test_identical_images_are_refused(images, tmp_path):
         path.write_bytes(images[0].path.read_bytes())
         copies.append(TrainingImage(path, path.name))
     with pytest.raises(FitError, match="do not vary"):
-        fit_detector(CONFIG, copies, progress=False)
+        fit_detector(AS_TAKEN, copies, progress=False)
+    # with the line's changes declared and fitted, one picture under those changes is a model (of little use: said)
+    _, report = fit_detector(CONFIG, copies, progress=False)
+    assert any("11 image(s) are copies of others" in w for w in report.warnings)
 
 
 def test_copies_are_named(images, tmp_path):
@@ -270,7 +392,7 @@ def test_unreadable_images_are_left_out_and_named(images, tmp_path):
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     detector, report = fit_detector(CONFIG, images[:10] + [TrainingImage(bad, "broken.png")], progress=False)
-    assert int(detector.statistics.count) == 10 and [n for n, _ in report.unreadable] == ["broken.png"]
+    assert int(detector.statistics.count) == 10 * ROWS and [n for n, _ in report.unreadable] == ["broken.png"]
     assert any("broken.png" in w for w in report.warnings)
     with pytest.raises(FitError, match=r"none of the 1 images could be read \(broken.png"):
         fit_detector(CONFIG, [TrainingImage(bad, "broken.png")], progress=False)

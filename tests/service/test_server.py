@@ -17,7 +17,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli, running_server
-from padim.core.artifact import FORMAT_VERSION
+from padim.core.artifact import FORMAT_VERSION, read_header
 
 
 def post_image(url: str, path, **params) -> httpx.Response:
@@ -219,6 +219,12 @@ def test_health_models_docs_and_metrics(server, model_file):
     calibration = info["calibration"]
     assert calibration["scores"] == 30 and calibration["source"] == "out_of_fold" and calibration["threshold"] > 0
     assert calibration["false_alarm_rate"] == 0.01 and 0 < calibration["promised_false_alarm_rate"] <= calibration["false_alarm_bound"]
+    # what the promise covers: the changes of the line the model was trained to expect (train --expect)
+    header = read_header(model_file)["config"]
+    assert calibration["expect"] == header["expect"] and calibration["fit_changes"] == (
+        bool(header["expect"]) and header["fit_changes"])
+    assert calibration["covers"].startswith("pictures within the declared changes" if header["expect"]
+                                            else "pictures like the training pictures")
     assert httpx.get(server.url + "/docs").status_code == 200
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/score", "/score/batch", "/models/{name}/score", "/health/ready", "/metrics"} <= set(spec["paths"])

@@ -53,3 +53,18 @@ def test_the_harder_defects_are_small_and_change_the_pixels_their_mask_covers(de
     inside = np.abs(changed - image).sum(-1)[mask].mean()
     outside = np.abs(changed - image).sum(-1)[~mask].mean()
     assert inside > 0.2 and outside < 0.01
+
+
+@pytest.mark.parametrize("category", ["leather", "weave", "pill"])
+def test_another_region_is_the_same_material_a_little_shifted(category):
+    """``region``: every uniform draw moved by half its width per region; noise and print stay as drawn."""
+    def pictures(region):
+        rng = np.random.default_rng(3)
+        return np.stack([texture(category, 64, rng, region) for _ in range(16)])
+
+    here, there, same = pictures(0.0), pictures(1.0), pictures(0.0)
+    assert np.array_equal(here, same)  # region 0: the generator as it always was
+    assert there.min() >= 0 and there.max() <= 1 and abs(there.std() - here.std()) < 0.5 * here.std()
+    assert not np.allclose(here, there)
+    if category != "pill":  # a material's tint U(0.95, 1.05) moves to U(1.0, 1.1): brighter on average
+        assert there.mean() > here.mean()

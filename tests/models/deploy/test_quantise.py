@@ -21,7 +21,7 @@ from helpers import run_cli, running_server
 from padim.core.calibration import Calibration
 from padim.models.data.images import list_images
 from padim.models.data.synthetic import texture
-from padim.models.deploy.export import METADATA_FILE, metadata_sha256
+from padim.models.deploy.export import EXPORT_VERSION, METADATA_FILE, metadata_sha256
 from padim.models.deploy.quantise import (
     MIN_THRESHOLD_IMAGES,
     Scored,
@@ -79,7 +79,7 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
         int8_export, model_file, calibration_images, defects):
     output, report = int8_export
     metadata = json.loads((output / METADATA_FILE).read_text())
-    assert metadata["export_version"] == 5 and metadata["precision"] == report["precision"] == "int8"
+    assert metadata["export_version"] == EXPORT_VERSION and metadata["precision"] == report["precision"] == "int8"
     # the documented split, recomputed: a seed-0 permutation of the sorted names, the first 16 for the quantiser
     paths = sorted(list_images(calibration_images))
     order = np.random.default_rng(0).permutation(len(paths))
@@ -89,12 +89,21 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
     reference = load_detector(model_file, device="cpu")
     batch = inputs_of(reference, held_out)
     maps, raw, distances = run_in_eights(output / "model.onnx", batch)  # the int8 graph, as the export ran it
-    # the threshold: the conformal quantile of the int8 scorer's scores, numpy float64
-    rank = math.ceil((len(raw) + 1) * (1 - RATE))
+    # the model expects the line's changes (the default): the threshold images are changed as train changes its
+    # pictures (a seeded draw by name), and the int8 scorer's scores of those copies set the threshold
+    from padim.models.data.changes import apply, seeded
+
+    assert reference.config.expect
+    changed = reference.preprocess([apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name)))
+                                    for p in held_out]).numpy()
+    copies = run_in_eights(output / "model.onnx", changed)[1]
+    # the threshold: the conformal quantile of the int8 scorer's scores of the copies, numpy float64
+    rank = math.ceil((len(copies) + 1) * (1 - RATE))
     calibration = metadata["calibration"]
     assert calibration["method"] == "empirical" and calibration["scores"] == len(held_out)
-    assert calibration["threshold"] == pytest.approx(np.sort(raw.astype(np.float64))[rank - 1], rel=1e-6)
-    assert sorted(metadata["calibration_scores"]) == pytest.approx(np.sort(raw), rel=1e-6)
+    assert calibration["threshold"] == pytest.approx(np.sort(copies.astype(np.float64))[rank - 1], rel=1e-6)
+    assert sorted(metadata["calibration_scores"]) == pytest.approx(np.sort(copies), rel=1e-6)
+    assert sorted(metadata["calibration_taken_scores"]) == pytest.approx(np.sort(raw), rel=1e-6)
     assert sorted(metadata["calibration_input_distances"]) == pytest.approx(np.sort(distances), rel=1e-6)
     assert calibration["promised_false_alarm_rate"] <= RATE
     assert metadata["threshold_of"].startswith(f"int8 scorer (onnxruntime) on {len(held_out)} held-out normal images")

@@ -321,3 +321,35 @@ def test_an_export_from_before_input_distances_is_served_without_them(model_file
         assert out.input_distances is None and deployed.calibration.input_distances == ()
         torch.testing.assert_close(out.raw_scores, reference.score(batch).raw_scores, rtol=1e-4, atol=0)
         assert assess(out.raw_scores.repeat(20), deployed.calibration, out.input_distances).input_drift is None
+
+
+def test_export_version_six_carries_the_expected_changes_and_version_five_has_none(model_file, tmp_path, monkeypatch):
+    """Version 6: ``config.expect`` and ``config.fit_changes`` in padim.json; an older export is read with none,
+    whatever today's defaults."""
+    from padim.models.config import PadimConfig
+    from padim.models.deploy import export
+    from padim.models.deploy.export import METADATA_FILE, metadata_sha256
+
+    export.export_detector(load_detector(model_file, device="cpu"), tmp_path / "six", "onnx", model_file)
+    metadata = json.loads((tmp_path / "six" / METADATA_FILE).read_text())
+    reference = load_detector(model_file, device="cpu")
+    assert metadata["export_version"] == 6
+    assert metadata["config"]["expect"] == reference.config.expect
+    assert metadata["config"]["fit_changes"] == reference.config.fit_changes
+    for key in ("expect", "fit_changes"):
+        del metadata["config"][key]
+    metadata["export_version"] = 5
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
+    (tmp_path / "six" / METADATA_FILE).write_text(json.dumps(metadata))
+    init = PadimConfig.__init__
+
+    def declaring(self, *args, **kwargs):  # as if the defaults declared changes
+        kwargs.setdefault("expect", "rough")
+        kwargs.setdefault("fit_changes", True)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PadimConfig, "__init__", declaring)
+    five = load_scorer(tmp_path / "six", "onnxruntime", "cpu")
+    assert five.config.expect == "" and five.describe()["calibration"]["expect"] == ""
+    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    torch.testing.assert_close(five.score(batch).raw_scores, reference.score(batch).raw_scores, rtol=1e-4, atol=0)
