@@ -61,11 +61,12 @@ RUN apt-get update \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/torch /opt/torch
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
-    PADIM_MODEL_DIR=/models PADIM_HOST=0.0.0.0 PADIM_PORT=8000 PYTHONUNBUFFERED=1
+    PADIM_HOST=0.0.0.0 PADIM_PORT=8000 PYTHONUNBUFFERED=1
 USER 10001:10001
 WORKDIR /home/padim
 EXPOSE 8000
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 CMD ["padim", "health"]
 ENTRYPOINT ["padim"]
-CMD ["serve"]
+# the models in /models; `serve --repository /models/repo` (mounted read-write) serves a versioned repository instead
+CMD ["serve", "--model-dir", "/models"]

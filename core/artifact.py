@@ -152,6 +152,17 @@ def load_artifact(path: str | os.PathLike, skip_prefixes: tuple[str, ...] = ()) 
     return _open(Path(path), load_tensors=True, skip_prefixes=skip_prefixes)
 
 
+def tensor_sizes(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes of each tensor of a model file, from its table alone (validated, nothing else read).
+
+    Raises:
+        ArtifactError: missing, truncated or foreign file.
+    """
+    table, _, _ = _read_table(Path(path))
+    return {name: entry["data_offsets"][1] - entry["data_offsets"][0]
+            for name, entry in table.items() if name != "__metadata__"}
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -69,6 +69,46 @@ class NonFiniteScoreError(PadimError, ArithmeticError):
     """A score or map that is NaN or infinite: no verdict may be given from it."""
 
 
+class VersionNotFound(UsageError):
+    """A model version (or a model) the repository does not have."""
+
+
+class UnservableModel(UsageError):
+    """A model file or export that cannot be served: damaged, foreign, newer, or unfit for this service."""
+
+
+class DigestMismatch(UsageError):
+    """An upload whose body does not have the sha256 its ``X-Content-SHA256`` header says."""
+
+
+class InsufficientMemory(UsageError):
+    """Not enough free memory (or GPU memory) to hold another version beside the active ones."""
+
+
+class Conflict(UsageError):
+    """A change that the repository's current state does not allow; the message says what would."""
+
+
+class NothingToRollBack(Conflict):
+    """A rollback with no earlier activation to go back to."""
+
+
+class VersionActive(Conflict):
+    """Removing the active version."""
+
+
+class ReadOnlyModels(Conflict):
+    """Changing models served from PADIM_MODELS / PADIM_MODEL_DIR (a fixed set, not a repository)."""
+
+
+class DefaultModel(Conflict):
+    """Unloading the default model."""
+
+
+class ModelBusy(Conflict):
+    """Another change of the same model is under way."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a case becomes: the command line's exit status, the service's HTTP status and error code."""
@@ -94,6 +134,16 @@ OUTCOMES: dict[type[PadimError], Outcome] = {
     FitError: Outcome(1, 500, "fit_failed"),
     RankFailed: Outcome(1, 500, "rank_failed"),
     NonFiniteScoreError: Outcome(1, 500, "non_finite_score"),
+    VersionNotFound: Outcome(1, 404, "version_not_found"),
+    UnservableModel: Outcome(1, 422, "invalid_model"),
+    DigestMismatch: Outcome(1, 400, "digest_mismatch"),
+    InsufficientMemory: Outcome(1, 507, "insufficient_memory"),
+    Conflict: Outcome(1, 409, "conflict"),
+    NothingToRollBack: Outcome(1, 409, "nothing_to_roll_back"),
+    VersionActive: Outcome(1, 409, "version_active"),
+    ReadOnlyModels: Outcome(1, 409, "read_only_models"),
+    DefaultModel: Outcome(1, 409, "default_model"),
+    ModelBusy: Outcome(1, 409, "model_busy"),
 }
 
 

@@ -63,6 +63,7 @@ from padim.core.artifact import (
     load_artifact,
     read_header,
     save_artifact,
+    tensor_sizes,
 )
 from padim.core.calibration import Calibration
 from padim.core.packing import pack_lower, packed_length, unpack_lower
@@ -166,6 +167,16 @@ def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, em
         **provenance.to_header(),
     }
     save_artifact(path, tensors, header)
+
+
+def served_bytes(path: str | Path) -> int:
+    """Bytes of the tensors a served detector reads from its file: all but the statistics (which a model
+    file keeps to be extended, and which are most of a wide_resnet50_2 file).
+
+    Raises:
+        ArtifactError: not a readable model file.
+    """
+    return sum(size for name, size in tensor_sizes(path).items() if not name.startswith(STATISTICS_PREFIXES))
 
 
 def load_detector(path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:

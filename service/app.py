@@ -17,7 +17,7 @@ from padim.core.version import __version__
 from .errors import install_error_handlers
 from .middleware import BodyGuard, RequestContext
 from .openapi import truthful_openapi
-from .routes import health, metrics, models, score
+from .routes import health, metrics, models, score, versions
 from .settings import ServiceSettings, get_settings
 from .state import ServiceState
 
@@ -46,12 +46,15 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(_load(state, on_fatal), name="load-models")
+        polling = asyncio.create_task(state.poll(), name="repository-poll") \
+            if state.settings.repository_poll_s is not None else None
         try:
             yield
         finally:
             state.draining = True
-            if not loading.done():
-                loading.cancel()
+            for task in (loading, polling):
+                if task is not None and not task.done():
+                    task.cancel()
             await state.close()
 
     settings = state.settings
@@ -60,11 +63,15 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     install_error_handlers(app)
     for module in (health, models, score, metrics):
         app.include_router(module.router)
+    if settings.admin_key is not None:  # without an admin key the admin routes do not exist (404, not in OpenAPI)
+        app.include_router(versions.router)
     _add_console(app)
     app.openapi = lambda: truthful_openapi(app, PROTECTED_TAGS, api_key_required=settings.api_key is not None,
                                            batch_limit=settings.batch_limit())
     app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
-                       max_discard_bytes=settings.max_discard_bytes)
+                       max_discard_bytes=settings.max_discard_bytes,
+                       model_uploads=(versions.UPLOAD_PATH, settings.max_model_upload_bytes, settings.model_upload_timeout_s)
+                       if settings.admin_key is not None else None)
     # outermost: sees every response, and answers the requests a drain timeout cancels
     app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
     return app

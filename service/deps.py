@@ -6,6 +6,7 @@ import secrets
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import SecretStr
 
 from .errors import ApiError
 from .settings import ServiceSettings
@@ -20,18 +21,43 @@ async def get_service_settings(request: Request) -> ServiceSettings:
     return request.app.state.service.settings
 
 
-async def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
-    """``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` when ``PADIM_API_KEY`` is set."""
-    if settings.api_key is None:
-        return
+def _given_key(request: Request) -> str | None:
+    """``X-API-Key: KEY`` or ``Authorization: Bearer KEY``."""
     given = request.headers.get("x-api-key")
     if given is None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token if scheme.lower() == "bearer" else None
-    if given is None or not secrets.compare_digest(given.encode(), settings.api_key.get_secret_value().encode()):
-        raise ApiError(401, "unauthorized", "missing or wrong API key (send X-API-Key or Authorization: Bearer)",
-                       headers={"WWW-Authenticate": "Bearer"})
+    return given
+
+
+def _is(given: str | None, key: SecretStr | None) -> bool:
+    return given is not None and key is not None and secrets.compare_digest(given.encode(), key.get_secret_value().encode())
+
+
+def _unauthorized(which: str) -> ApiError:
+    return ApiError(401, "unauthorized", f"missing or wrong {which} (send X-API-Key or Authorization: Bearer)",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+    """The API key (or the admin key, which opens every route) when ``PADIM_API_KEY`` is set."""
+    if settings.api_key is None:
+        return
+    given = _given_key(request)
+    if not (_is(given, settings.api_key) or _is(given, settings.admin_key)):
+        raise _unauthorized("API key")
+
+
+async def require_admin_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+    """The admin key (``PADIM_ADMIN_KEY``); the scoring key gets 403, any other or none 401."""
+    given = _given_key(request)
+    if _is(given, settings.admin_key):
+        return
+    if _is(given, settings.api_key):
+        raise ApiError(403, "forbidden", "the API key scores images; changing models needs the admin key (PADIM_ADMIN_KEY)")
+    raise _unauthorized("admin key")
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
 ApiKey = Depends(require_api_key)
+AdminKey = Depends(require_admin_key)

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from padim.core.errors import PadimError
 from padim.models.errors import outcome
@@ -29,15 +30,15 @@ def api_error(error: PadimError, message: str | None = None) -> ApiError:
 
 
 class BodyTooLarge(ApiError):
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, setting: str = "PADIM_MAX_UPLOAD_BYTES"):
         super().__init__(413, "payload_too_large", f"the request body is over the limit of "
-                         f"PADIM_MAX_UPLOAD_BYTES = {limit} bytes", headers={"Connection": "close"})
+                         f"{setting} = {limit} bytes", headers={"Connection": "close"})
 
 
 class BodyTimeout(ApiError):
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, setting: str = "PADIM_BODY_TIMEOUT_S"):
         super().__init__(408, "body_timeout", f"the request body did not arrive within {seconds:g} s "
-                         "(PADIM_BODY_TIMEOUT_S)", headers={"Connection": "close"})
+                         f"({setting})", headers={"Connection": "close"})
 
 
 #: Status recorded (metrics, access log) for a request whose client went away before the answer.
@@ -52,9 +53,19 @@ _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of this path answers (one route per method: GET and POST of one path are two)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+    async def answer_api_error(request: Request, error: ApiError) -> JSONResponse:
         return error_response(error.status, error.code, error.message, error.headers)
 
     @app.exception_handler(PadimError)
@@ -66,7 +77,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, _HTTP_CODES.get(error.status_code, "error"), str(error.detail), error.headers)
+        headers = error.headers
+        if error.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(error.status_code, _HTTP_CODES.get(error.status_code, "error"), str(error.detail), headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

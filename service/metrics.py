@@ -28,10 +28,19 @@ class Metrics:
         self.model_load = Gauge("padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry)
         self.queue_depth = Gauge("padim_queue_depth", "images waiting for a batch", ["model"], registry=self.registry)
         # what the models answered: counters and a histogram (durable, summed across replicas) ...
-        self.verdicts = Counter("padim_verdicts_total", "images answered, by verdict (anomalous or normal, at the "
-                                "threshold the request used)", ["model", "verdict"], registry=self.registry)
-        self.scores = Histogram("padim_score", "image scores on the calibration's 0..1 scale (threshold 0.5)", ["model"],
-                                buckets=SCORE_BUCKETS, registry=self.registry)
+        self.verdicts = Counter("padim_verdicts_total", "images answered, by the model version that judged them and "
+                                "verdict (anomalous or normal, at the threshold the request used)",
+                                ["model", "version", "verdict"], registry=self.registry)
+        self.scores = Histogram("padim_score", "image scores on the calibration's 0..1 scale (threshold 0.5), by model "
+                                "version", ["model", "version"], buckets=SCORE_BUCKETS, registry=self.registry)
+        self.model_version = Gauge("padim_model_version", "the version of each model that new requests go to",
+                                   ["model"], registry=self.registry)
+        self.model_changes = Counter("padim_model_changes_total", "changes of a model while the service runs: upload "
+                                     "(a version added), activate, rollback, unload", ["model", "change"],
+                                     registry=self.registry)
+        self.versions_loaded = Gauge("padim_model_versions_loaded", "versions of each model in memory: the active one "
+                                     "and retired ones still answering requests they admitted", ["model"],
+                                     registry=self.registry)
         self.threshold_overrides = Counter("padim_threshold_overrides_total", "images scored for requests that set "
                                            "their own threshold", ["model"], registry=self.registry)
         # ... and the monitor's reading of its window (per process; padim.core.drift), set when scraped

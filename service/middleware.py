@@ -27,17 +27,24 @@ class BodyGuard:
     ``Content-Length``, or from counting while a chunked body streams in.
     """
 
-    def __init__(self, app, max_bytes: int, timeout_s: float, max_discard_bytes: int):
+    def __init__(self, app, max_bytes: int, timeout_s: float, max_discard_bytes: int,
+                 model_uploads: tuple[re.Pattern, int, float] | None = None):
         self.app, self.max_bytes, self.timeout_s, self.max_discard_bytes = app, max_bytes, timeout_s, max_discard_bytes
+        self.model_uploads = model_uploads  # (path pattern, max bytes, timeout): model files, far larger than pictures
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        deadline = time.monotonic() + self.timeout_s
+        max_bytes, timeout_s = self.max_bytes, self.timeout_s
+        names = ("PADIM_MAX_UPLOAD_BYTES", "PADIM_BODY_TIMEOUT_S")
+        if self.model_uploads is not None and scope["method"] == "POST" and self.model_uploads[0].match(scope["path"]):
+            max_bytes, timeout_s = self.model_uploads[1:]
+            names = ("PADIM_MAX_MODEL_UPLOAD_BYTES", "PADIM_MODEL_UPLOAD_TIMEOUT_S")
+        deadline = time.monotonic() + timeout_s
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             await self._discard(receive, deadline)
-            error = BodyTooLarge(self.max_bytes)
+            error = BodyTooLarge(max_bytes, names[0])
             return await _send_json(send, error.status, error.code, error.message)
         seen = 0
         done = False
@@ -46,23 +53,23 @@ class BodyGuard:
             nonlocal seen, done
             if done:  # the body is in: what follows is a disconnect, however late
                 return await receive()
-            message = await self._receive_by(receive, deadline)
+            message = await self._receive_by(receive, deadline, timeout_s, names[1])
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 done = not message.get("more_body", False)
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     if not done:
                         await self._discard(receive, deadline)
-                    raise BodyTooLarge(self.max_bytes)
+                    raise BodyTooLarge(max_bytes, names[0])
             return message
 
         return await self.app(scope, guarded_receive, send)
 
-    async def _receive_by(self, receive, deadline: float) -> dict:
+    async def _receive_by(self, receive, deadline: float, timeout_s: float, setting: str) -> dict:
         try:
             return await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            raise BodyTimeout(self.timeout_s) from None
+            raise BodyTimeout(timeout_s, setting) from None
 
     async def _discard(self, receive, deadline: float) -> None:
         """Read the rest of the body and throw it away, up to the bounds."""

@@ -19,19 +19,29 @@ from .schemas import ErrorResponse
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
 _WHY = {
+    400: "the body's sha256 is not the one X-Content-SHA256 says (`digest_mismatch`), or a malformed header "
+         "(`invalid_parameter`)",
     401: "missing or wrong API key (`unauthorized`)",
-    404: "no model of that name (`model_not_found`)",
+    403: "the scoring key (PADIM_API_KEY) on an admin route (`forbidden`)",
+    404: "no model of that name (`model_not_found`), or no such version (`version_not_found`)",
     408: "the body did not arrive within PADIM_BODY_TIMEOUT_S (`body_timeout`)",
     413: "body over PADIM_MAX_UPLOAD_BYTES (`payload_too_large`) or image over PADIM_MAX_IMAGE_PIXELS "
          "(`image_too_large`)",
+    409: "a change the repository's state does not allow: models served from PADIM_MODELS / PADIM_MODEL_DIR "
+         "(`read_only_models`), removing the active version (`version_active`), a rollback with nothing to go back to "
+         "(`nothing_to_roll_back`), unloading the default model (`default_model`), another change of the model under "
+         "way (`model_busy`)",
     415: "neither multipart/form-data nor a raw image body (`unsupported_media_type`)",
     422: "not an image, an empty body, a malformed multipart body, more images than the batch limit or a bad "
          "option (`invalid_image`, `empty_body`, `invalid_multipart`, `missing_file`, `too_many_files`, "
-         "`batch_too_large`, `invalid_parameter`)",
+         "`batch_too_large`, `invalid_parameter`); a model file that cannot be served (`invalid_model`) or a bad "
+         "model name (`invalid_request`)",
     500: "the model gave a non-finite score, so no verdict (`non_finite_score`); or an internal error",
     503: "models still loading (`not_ready`), the queue full (`overloaded`) or the server shutting down "
          "(`shutting_down`)",
     504: "not scored within PADIM_REQUEST_TIMEOUT_S (`timeout`)",
+    507: "not enough free memory (or GPU memory) to load another version beside the loaded ones "
+         "(`insufficient_memory`)",
 }
 
 
@@ -45,9 +55,10 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return responses
 
 
-def truthful_openapi(app: FastAPI, protected_tags: set[str], api_key_required: bool, batch_limit: int) -> dict[str, Any]:
+def truthful_openapi(app: FastAPI, protected_tags: set[str], api_key_required: bool, batch_limit: int,
+                     admin_tags: frozenset[str] = frozenset({"admin"})) -> dict[str, Any]:
     """The app's OpenAPI document with the real 422 schema, the batch limit and, when a key is
-    required, its security scheme."""
+    required, its security scheme (the admin routes, present only with an admin key, always need it)."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -59,7 +70,8 @@ def truthful_openapi(app: FastAPI, protected_tags: set[str], api_key_required: b
             responses = operation.get("responses", {})
             if "422" in responses:
                 responses["422"] = {"description": _WHY[422], "content": {"application/json": {"schema": error_ref}}}
-            if api_key_required and protected_tags & set(operation.get("tags", [])):
+            tags = set(operation.get("tags", []))
+            if (api_key_required and protected_tags & tags) or admin_tags & tags:
                 operation["security"] = [{"ApiKey": []}, {"Bearer": []}]
                 responses["401"] = {"description": _WHY[401], "content": {"application/json": {"schema": error_ref}},
                                     "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}}}
@@ -67,10 +79,12 @@ def truthful_openapi(app: FastAPI, protected_tags: set[str], api_key_required: b
     batch_body["schema"]["properties"]["file"]["maxItems"] = batch_limit
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
-    if api_key_required:
+    if api_key_required or any(admin_tags & set(op.get("tags", [])) for item in document.get("paths", {}).values()
+                               for op in item.values()):
         components["securitySchemes"] = {
-            "ApiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key", "description": "PADIM_API_KEY"},
-            "Bearer": {"type": "http", "scheme": "bearer", "description": "PADIM_API_KEY as a bearer token"},
+            "ApiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key",
+                       "description": "PADIM_API_KEY (scoring), or PADIM_ADMIN_KEY (every route)"},
+            "Bearer": {"type": "http", "scheme": "bearer", "description": "either key as a bearer token"},
         }
     app.openapi_schema = document
     return document

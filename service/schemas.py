@@ -10,7 +10,9 @@ from pydantic import BaseModel, Field
 class ModelInfo(BaseModel):
     """Which model answered: returned with every score."""
 
-    name: str = Field(description="the model file's stem")
+    name: str = Field(description="the model's name (a repository's folder, or the model file's stem)")
+    version: int = Field(default=1, description="the version that scored and judged the image (a repository's "
+                         "numbered version; 1 for models served from PADIM_MODELS / PADIM_MODEL_DIR)")
     backbone: str
     created: str | None = Field(description="when the model's statistics were last extended (ISO 8601, UTC)")
     sha256: str = Field(description="sha256 of the model file")
@@ -130,10 +132,43 @@ class ModelDescription(ModelInfo):
     padim_version: str
     threshold: float = Field(description="the threshold on the score scale: 0.5")
     load_seconds: float
+    versions: list[VersionInfo] = Field(default=[], description="every version of the model, the active one marked")
+
+
+class VersionInfo(BaseModel):
+    """One version of a model (``GET /models/{name}/versions``)."""
+
+    version: int = Field(description="monotonic; never reused, also after a version is removed")
+    sha256: str = Field(description="sha256 of the model file (of the file an export was made from)")
+    created: str = Field(description="when the version was added (ISO 8601, UTC)")
+    source: str = Field(description="`upload`, the file name given to `padim repository add`, `copied in`, or "
+                        "`model set` (a model of PADIM_MODELS / PADIM_MODEL_DIR)")
+    kind: Literal["model", "export"] = Field(description="a .padim file or an export directory")
+    active: bool = Field(description="new requests go to this version")
+    loaded: bool = Field(description="in memory now (the active version, and replaced ones still answering)")
+    calibration: dict | None = Field(description="the calibration summary its file records: method, threshold, "
+                                     "false_alarm_rate, promised_false_alarm_rate, false_alarm_bound, scores, ...")
+
+
+class VersionsResponse(BaseModel):
+    model: str
+    versions: list[VersionInfo] = Field(description="oldest first")
+
+
+class VersionChange(BaseModel):
+    """What an upload, activation or rollback did."""
+
+    model: str
+    version: int = Field(description="the version uploaded or now active")
+    sha256: str
+    created: str
+    source: str
+    kind: Literal["model", "export"]
+    active: bool = Field(description="whether it is the active version now")
 
 
 class ModelsResponse(BaseModel):
-    default: str = Field(description="the model POST /score uses")
+    default: str | None = Field(description="the model POST /score uses (null: none served yet, an empty repository)")
     models: list[ModelDescription] = Field(description="the default first")
 
 
@@ -174,6 +209,8 @@ class MonitorResponse(BaseModel):
     """
 
     model: str
+    version: int = Field(default=1, description="the version whose answers the window holds: a new version starts a "
+                         "new window, since its threshold makes older flags incomparable")
     images: int = Field(description="images in the window")
     status: Literal["collecting", "normal", "alarm"] = Field(description="collecting: fewer than min_images; alarm: "
                                                               "a test fired")

@@ -12,6 +12,7 @@ import uvicorn
 from padim.core.artifact import read_header
 from padim.models.deploy.export import METADATA_FILE, read_export
 from padim.models.errors import UsageError
+from padim.models.repository import Repository
 
 from .app import create_app
 from .protocol import ConnectionLimits, guarded_protocol
@@ -65,9 +66,18 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: ServiceSettings) -> int:
     """Validate the model files, then serve until a signal; returns the exit code."""
-    files = settings.model_files()
-    if not files:
-        raise UsageError("no model to serve: pass --model FILE (repeatable) or set PADIM_MODEL_DIR")
+    if settings.repository is not None:  # the active version of each model: checked as any model file, now
+        repository = Repository(settings.repository)
+        files = []
+        for name in repository.names():
+            active = repository.active(name)
+            assert active is not None
+            files.append(repository.version(name, active).path)
+    else:
+        files = settings.model_files()
+        if not files:
+            raise UsageError("no model to serve: pass --model FILE (repeatable), set PADIM_MODEL_DIR, or serve a "
+                             "repository (--repository DIR)")
     for path in files:  # missing, truncated, foreign or newer: one-line ArtifactError now
         if (path / METADATA_FILE).is_file():
             read_export(path)

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from padim.models.choices import DEFAULT_WORKERS
@@ -24,8 +24,21 @@ class ServiceSettings(BaseSettings):
                                "is the default")
     model_dir: Path | None = Field(None, description="serve every *.padim file and export directory "
                                    "(padim export) in this directory (sorted)")
+    repository: Path | None = Field(None, description="a model repository (DIR/NAME/N/...; docs/deployment.md): each "
+                                    "model's active version is served, and versions are uploaded, activated and rolled "
+                                    "back while the service runs (the admin routes, with PADIM_ADMIN_KEY); not with "
+                                    "PADIM_MODELS / PADIM_MODEL_DIR, which serve a fixed set")
+    repository_poll_s: float | None = Field(None, gt=0, description="read the repository again every this many seconds "
+                                            "and serve what it says is active (a version copied in, ACTIVE edited); "
+                                            "off by default")
     default_model: str | None = Field(None, description="name (file stem) of the default model")
     api_key: SecretStr | None = Field(None, description="when set, every route but /health/* and /metrics needs it")
+    admin_key: SecretStr | None = Field(None, description="opens the admin routes (upload, activate, roll back, remove, "
+                                        "unload versions) and every other route; without it those routes do not "
+                                        "exist. Must differ from PADIM_API_KEY, which cannot change models")
+    max_model_upload_bytes: int = Field(8_000_000_000, ge=1, description="largest model file an upload may carry "
+                                        "(POST /models/{name}/versions; streamed to disk, never held in memory)")
+    model_upload_timeout_s: float = Field(3600.0, gt=0, description="a model upload's body must arrive within this")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -75,6 +88,18 @@ class ServiceSettings(BaseSettings):
     monitor_min_images: int = Field(30, ge=1, description="images in the window before the monitor's tests are read")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServiceSettings:
+        if self.admin_key is not None and self.api_key is not None \
+                and self.admin_key.get_secret_value() == self.api_key.get_secret_value():
+            raise ValueError("PADIM_ADMIN_KEY must differ from PADIM_API_KEY: the scoring key must not change models")
+        if self.repository is not None and (self.models or self.model_dir is not None):
+            raise ValueError("serve either a repository (PADIM_REPOSITORY) or a fixed set of models (PADIM_MODELS, "
+                             "PADIM_MODEL_DIR), not both")
+        if self.repository_poll_s is not None and self.repository is None:
+            raise ValueError("PADIM_REPOSITORY_POLL_S needs PADIM_REPOSITORY")
+        return self
 
     def pixel_budget(self) -> int:
         return self.decode_pixel_budget or 2 * self.max_image_pixels

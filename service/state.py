@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ctypes
+import gc
 import io
 import logging
 import threading
@@ -19,12 +21,29 @@ import torch
 from PIL import Image
 
 from padim.core.artifact import file_sha256
+from padim.core.errors import ArtifactError
 from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import bounded_copy, bounded_size, decode_side, image_dimensions, open_image
 from padim.models.deploy.runtimes import DeployedDetector, load_scorer
 from padim.models.devices import is_cuda_error, probe
-from padim.models.errors import ExportError, ImageError, NonFiniteScoreError, UsageError
+from padim.models.errors import (
+    DefaultModel,
+    ExportError,
+    ImageError,
+    InsufficientMemory,
+    ModelBusy,
+    NonFiniteScoreError,
+    ReadOnlyModels,
+    UnservableModel,
+    UsageError,
+    VersionActive,
+    VersionNotFound,
+    WeightsError,
+)
+from padim.models.features.embedding import TRACING
+from padim.models.model_file import served_bytes
 from padim.models.heatmaps import mask_image, overlay
+from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 from padim.models.scorer import Scorer
 from padim.models.verdicts import verdict
 
@@ -39,6 +58,10 @@ log = logging.getLogger("padim.service")
 
 #: Seconds /health/ready waits for its CUDA probe before it says not ready (a hung GPU).
 PROBE_TIMEOUT_S = 5.0
+
+#: A version is loaded only where free memory holds this many times the bytes it will hold (its tensors, the
+#: runtime's copy while it loads, the warm-up batch's activations).
+LOAD_MEMORY_FACTOR = 1.5
 
 #: After decoding an image at least this large, freed memory is handed back to the system at once.
 TRIM_AFTER_PIXELS = 4_000_000
@@ -101,8 +124,16 @@ class Decoded:
     picture: tuple[int, int] = (0, 0)  # (width, height) of the picture as sent (EXIF orientation applied)
 
 
-@dataclass
+@dataclass(eq=False)
 class ServedModel:
+    """One loaded version of a model, with its own batcher and monitor.
+
+    A request holds the version it was admitted by (:meth:`ServiceState.using`) until it is answered:
+    its images are scored by this version's batcher, which is bound to this detector, and judged by
+    this calibration, whatever is activated meanwhile. A replaced version is *retired*: it takes no new
+    request and is closed once its last one is answered.
+    """
+
     name: str
     path: Path
     sha256: str
@@ -110,17 +141,21 @@ class ServedModel:
     batcher: MicroBatcher
     load_seconds: float
     monitor: Monitor
+    version: int = 1
+    activated: str = ""  # when this version became the active one (ISO 8601, UTC)
+    in_flight: int = 0  # requests admitted by this version and not yet answered
+    retired: bool = False
 
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
-        return ModelInfo(name=self.name, backbone=self.detector.config.backbone,
+        return ModelInfo(name=self.name, version=self.version, backbone=self.detector.config.backbone,
                          created=self.detector.provenance.created, sha256=self.sha256,
                          weights=self.detector.weights.public_label)  # no server paths for clients
 
-    def describe(self) -> ModelDescription:
+    def describe(self, versions: list | None = None) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""
         return ModelDescription(**{**self.detector.describe(), **self.info().model_dump(), "threshold": 0.5,
-                                   "load_seconds": round(self.load_seconds, 3)})
+                                   "load_seconds": round(self.load_seconds, 3), "versions": versions or []})
 
     def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor, float | None]]:
         """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S), input_distance)]``.
@@ -152,6 +187,41 @@ class ServedModel:
         return [(float(raw[i]), maps[i], inputs[i]) for i in range(batch.shape[0])]
 
 
+def _size_on_disk(path: Path) -> int:
+    """Bytes a served version reads: a model file's tensors but its statistics, or every file of an export."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    try:
+        return served_bytes(path)
+    except ArtifactError:
+        return path.stat().st_size  # not readable: the load says why
+
+
+def available_memory(device: str) -> tuple[int | None, str]:
+    """Free memory where a version would be loaded: ``(bytes, where)``; ``None`` when it cannot be read.
+
+    The GPU's free memory (``torch.cuda.mem_get_info``) when models go there, else the system's
+    ``MemAvailable`` (``/proc/meminfo``, what the kernel can hand out without swapping).
+    """
+    if device != "cpu" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return free, "the GPU"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "this machine"
+    except OSError:
+        pass
+    return None, "this machine"
+
+
+def _collect() -> None:
+    """Free what a dropped version held, and hand it back to the system (and the GPU)."""
+    gc.collect()
+    release_memory()
+    release_device_memory()
+
+
 def release_device_memory() -> None:
     """Hand the blocks torch's CUDA allocator caches back to the GPU (nothing without CUDA)."""
     if torch.cuda.is_initialized():
@@ -163,60 +233,136 @@ def model_name(path: Path) -> str:
 
 
 class ServiceState:
-    """The service's state: models, batchers, pools and readiness of one service process."""
+    """The service's state: models (and their versions), batchers, pools and readiness of one service process."""
 
     def __init__(self, settings: ServiceSettings, metrics: Metrics | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.models: dict[str, ServedModel] = {}
+        self.models: dict[str, ServedModel] = {}  # the active version of each model
+        self.retired: list[ServedModel] = []  # replaced versions still answering requests they admitted
         self.default_name: str | None = None
+        self.repository = Repository(settings.repository) if settings.repository is not None else None
+        self.unloaded: set[str] = set()  # models taken off (DELETE /models/{name}); the poll leaves them be
         self.ready = False
         self.draining = False
         self.startup_error: str | None = None
         self.failure: str | None = None  # why a ready service became unready (its GPU failed)
         self.device_errors = 0  # scoring batches failed in a row on the GPU
         self.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        # versions are loaded and warmed up here, beside scoring, so that a swap does not stall the line
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
         self.decode = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
         self.pixels = PixelBudget(settings.pixel_budget())
+        self._changing: dict[str, asyncio.Lock] = {}
+        self._closing: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
-        """Load every model, warm it up with one dummy batch, start its batcher; then ready."""
-        files = self.settings.model_files()
-        if not files:
-            raise UsageError("no model to serve: pass --model FILE or set PADIM_MODEL_DIR")
-        names = [model_name(p) for p in files]
-        if len(set(names)) != len(names):
-            raise UsageError(f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
-        loop = asyncio.get_running_loop()
-        for path, name in zip(files, names):
-            started = time.perf_counter()
-            detector, sha256 = await loop.run_in_executor(self.inference, self._load_one, path)
-            seconds = time.perf_counter() - started
-            largest, preferred = self.settings.picture_batches(detector.device.type, detector.config.tile_count)
-            batcher = MicroBatcher(
-                score_batch=lambda batch, n=name: self.score(n, batch),
-                executor=self.inference,
-                max_batch_size=largest,
-                max_delay=self.settings.max_delay_ms / 1000,
-                max_queue=self.settings.max_queue,
-                on_batch=lambda size, waits, n=name: self._record_batch(n, size, waits),
-                preferred_batch_size=preferred,
-            )
-            monitor = Monitor(detector.calibration, self.settings.monitor_window, self.settings.monitor_level,
-                              self.settings.monitor_min_images)
-            self.models[name] = ServedModel(name, path, sha256, detector, batcher, seconds, monitor)
-            batcher.start()
-            self.metrics.model_load.labels(name).set(seconds)
-            log.info("model ready", extra={"model": name, "load_seconds": round(seconds, 3), "weights": detector.weights.label})
-        self.default_name = self.settings.default_model or names[0]
-        if self.default_name not in self.models:
-            raise UsageError(f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}")
+        """Load every model (the active version of each, from a repository), warm it up, start its batcher; then ready."""
+        if self.repository is not None:
+            names = self.repository.names()
+            for name in names:
+                number = self.repository.active(name)
+                assert number is not None  # names() lists models with a version
+                await self._install(name, await self._prepare(self.repository.version(name, number)))
+        else:
+            files = self.settings.model_files()
+            if not files:
+                raise UsageError("no model to serve: pass --model FILE, set PADIM_MODEL_DIR or PADIM_REPOSITORY")
+            names = [model_name(p) for p in files]
+            if len(set(names)) != len(names):
+                raise UsageError(f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+            for path, name in zip(files, names):
+                await self._install(name, await self._prepare(Version(name, 1, path, "", "", path.name,
+                                                                      "export" if path.is_dir() else "model")))
+        if names:
+            self.default_name = self.settings.default_model or names[0]
+            if self.default_name not in self.models:
+                raise UsageError(f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}")
         self.ready = True
 
-    def _load_one(self, path: Path) -> tuple[Scorer, str]:
+    async def _prepare(self, version: Version) -> ServedModel:
+        """Load and warm up ``version`` on the loader thread, beside what is served; its batcher is not started."""
+        self._check_memory(version.path)
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        cache = self.repository.cache_root(version.name) if self.repository is not None else None
+        detector, sha256 = await loop.run_in_executor(self.loader, self._load_one, version.path, cache)
+        seconds = time.perf_counter() - started
+        largest, preferred = self.settings.picture_batches(detector.device.type, detector.config.tile_count)
+        served = ServedModel(version.name, version.path, version.sha256 or sha256, detector, None, seconds,  # type: ignore[arg-type]
+                             Monitor(detector.calibration, self.settings.monitor_window, self.settings.monitor_level,
+                                     self.settings.monitor_min_images), version=version.version)
+        served.batcher = MicroBatcher(
+            score_batch=lambda batch, m=served: self.score(m, batch),  # bound to this version, never looked up by name
+            executor=self.inference,
+            max_batch_size=largest,
+            max_delay=self.settings.max_delay_ms / 1000,
+            max_queue=self.settings.max_queue,
+            on_batch=lambda size, waits, n=version.name: self._record_batch(n, size, waits),
+            preferred_batch_size=preferred,
+        )
+        return served
+
+    async def _install(self, name: str, served: ServedModel) -> ServedModel | None:
+        """Make ``served`` the active version of ``name`` at once; returns the version it replaced (retired)."""
+        served.batcher.start()
+        served.activated = utc_now()
+        old = self.models.get(name)
+        self.models[name] = served  # from here on, new requests go to the new version
+        self.unloaded.discard(name)
+        self.metrics.model_load.labels(name).set(served.load_seconds)
+        self.metrics.model_version.labels(name).set(served.version)
+        log.info("model ready", extra={"model": name, "version": served.version, "load_seconds": round(served.load_seconds, 3),
+                                       "weights": served.detector.weights.label})
+        if old is not None:
+            self._retire(old)
+        return old
+
+    def _retire(self, old: ServedModel) -> None:
+        old.retired = True
+        self.retired.append(old)
+        if old.in_flight == 0:
+            self._close_later(old)
+
+    def _close_later(self, old: ServedModel) -> None:
+        task = asyncio.get_running_loop().create_task(self._close_version(old), name=f"close-{old.name}-{old.version}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_version(self, old: ServedModel) -> None:
+        """A retired version with no request left: stop its batcher and hand its memory back."""
+        await old.batcher.stop()
+        if old in self.retired:
+            self.retired.remove(old)
+        old.detector = None  # type: ignore[assignment]  # the last reference to the tensors (batcher and monitor hold none)
+        await asyncio.get_running_loop().run_in_executor(self.loader, _collect)
+        log.info("version retired", extra={"model": old.name, "version": old.version})
+
+    @contextmanager
+    def using(self, served: ServedModel) -> Iterator[ServedModel]:
+        """Hold ``served`` for one request: it is not closed before the request is answered."""
+        served.in_flight += 1
         try:
-            detector = load_scorer(path, self.settings.runtime, self.settings.device)
+            yield served
+        finally:
+            served.in_flight -= 1
+            if served.retired and served.in_flight == 0:
+                self._close_later(served)
+
+    def _check_memory(self, path: Path) -> None:
+        """Refuse a load that would not fit beside what is loaded (the model's size against free memory)."""
+        need = _size_on_disk(path)
+        free, where = available_memory(self.settings.device)
+        if free is not None and need * LOAD_MEMORY_FACTOR > free:
+            raise InsufficientMemory(
+                f"loading {path.name} needs about {need * LOAD_MEMORY_FACTOR / 2**20:,.0f} MiB and {where} has "
+                f"{free / 2**20:,.0f} MiB free beside the {len(self.models) + len(self.retired)} version(s) loaded; "
+                "unload a model (DELETE /models/{name}) or wait for a retired version to drain")
+
+    def _load_one(self, path: Path, cache: Path | None = None) -> tuple[Scorer, str]:
+        try:
+            detector = load_scorer(path, self.settings.runtime, self.settings.device, cache=cache)
         except ExportError as error:
             raise ExportError(f"{path}: {error}") from None
         if detector.device.type == "cuda" and self.settings.cuda_memory_fraction is not None:
@@ -236,20 +382,160 @@ class ServiceState:
 
     async def close(self) -> None:
         self.ready = False
-        for model in self.models.values():
+        for model in [*self.models.values(), *self.retired]:
             await model.batcher.stop()
+        for task in list(self._closing):
+            task.cancel()
         self.inference.shutdown(wait=True)
+        self.loader.shutdown(wait=True)
         self.decode.shutdown(wait=True)
 
-    def score(self, name: str, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
-        """Runs on the inference thread: one batch of model ``name``; counts the GPU's failures.
+    # ----------------------------------------------------------------- versions (the admin routes)
+    def writable(self) -> Repository:
+        """The repository; a fixed set of models (PADIM_MODELS / PADIM_MODEL_DIR) has none to change."""
+        if self.repository is None:
+            raise ReadOnlyModels("the models are served from PADIM_MODELS / PADIM_MODEL_DIR, a fixed set; serve a "
+                                 "repository (PADIM_REPOSITORY, padim serve --repository DIR) to change them while "
+                                 "the service runs")
+        if not self.ready:
+            raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
+        return self.repository
+
+    def versions(self, name: str) -> list[dict]:
+        """Every version of ``name``, the active one marked, with its calibration summary."""
+        served = self.models.get(name)
+        if self.repository is None:
+            if served is None:
+                raise VersionNotFound(f"no model named {name!r}")
+            calibration = served.detector.describe()["calibration"]
+            return [{"version": 1, "sha256": served.sha256, "created": served.detector.provenance.created or "",
+                     "source": "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
+                     "kind": "export" if served.path.is_dir() else "model",
+                     "active": True, "loaded": True, "calibration": calibration}]
+        listed = self.repository.versions(name)
+        if not listed:
+            raise VersionNotFound(f"the repository has no model named {name!r}")
+        loaded = {m.version for m in [served, *self.retired] if m is not None and m.name == name}
+        return [{**v.to_dict(), "active": served is not None and served.version == v.version,
+                 "loaded": v.version in loaded, "calibration": v.calibration()} for v in listed]
+
+    @contextlib.asynccontextmanager
+    async def changing(self, name: str, wait: bool = False):
+        """One change of a model at a time: a second one waits (``wait``) or is refused (409 model_busy)."""
+        lock = self._changing.setdefault(name, asyncio.Lock())
+        if lock.locked() and not wait:
+            raise ModelBusy(f"another change of {name!r} is under way; retry when it has finished")
+        async with lock:
+            yield
+
+    async def add_version(self, name: str, incoming: Path, sha256: str, activate: bool) -> tuple[dict, bool]:
+        """An uploaded model in ``incoming``: checked, loaded and warmed up beside the active version, then
+        committed as the next version; activated at once when asked. Nothing changes when it fails."""
+        repository = self.writable()
+        path, kind = model_path_in(incoming)
+        try:
+            check_model(path)
+        except UnservableModel as error:
+            raise UnservableModel(str(error).replace(str(path), "the uploaded file")) from None  # no server paths
+        async with self.changing(name, wait=True):
+            try:
+                served = await self._prepare(Version(name, 0, path, sha256, "", "upload", kind))
+            except (ArtifactError, ExportError, WeightsError, UsageError) as error:
+                if isinstance(error, InsufficientMemory):
+                    raise
+                message = str(error).replace(str(path), "the uploaded file")
+                raise UnservableModel(f"the model cannot be served here: {message}") from None
+            committed = await asyncio.to_thread(repository.commit, name, incoming, sha256, "upload")
+            served.version, served.path = committed.version, committed.path
+            if activate:
+                await asyncio.to_thread(repository.activate, name, committed.version)
+                await self._install(name, served)
+                self.metrics.model_changes.labels(name, "activate").inc()
+                if self.default_name is None:
+                    self.default_name = name
+            else:
+                await asyncio.get_running_loop().run_in_executor(self.loader, _collect)  # the check's copy
+            self.metrics.model_changes.labels(name, "upload").inc()
+        return {**committed.to_dict(), "active": activate}, activate
+
+    async def activate(self, name: str, number: int, rollback: bool = False) -> dict:
+        """Load version ``number`` beside the active one, point the repository at it, then swap.
+
+        With ``rollback``, the version is the one active before the current (409 when none)."""
+        repository = self.writable()
+        async with self.changing(name):
+            if rollback:
+                number = repository.previous(name)
+            version = repository.version(name, number)
+            current = self.models.get(name)
+            if current is None or current.version != number:
+                served = await self._prepare(version)
+                await asyncio.to_thread(repository.rollback if rollback else repository.activate,
+                                        *((name,) if rollback else (name, number)))
+                await self._install(name, served)
+                self.metrics.model_changes.labels(name, "rollback" if rollback else "activate").inc()
+            else:
+                await asyncio.to_thread(repository.activate, name, number)
+            if self.default_name is None:
+                self.default_name = name
+        return {**version.to_dict(), "active": True}
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name`` (its files stay); the default model cannot be unloaded."""
+        self.writable()
+        async with self.changing(name):
+            if name not in self.models:
+                raise VersionNotFound(f"no model named {name!r} is loaded")
+            if name == self.default_name:
+                raise DefaultModel(f"{name!r} is the default model; start the service with another PADIM_DEFAULT_MODEL "
+                                   "to unload it")
+            self._retire(self.models.pop(name))
+            self.unloaded.add(name)
+            self.metrics.model_changes.labels(name, "unload").inc()
+
+    async def remove(self, name: str, number: int) -> None:
+        repository = self.writable()
+        async with self.changing(name):
+            served = self.models.get(name)
+            if served is not None and served.version == number:
+                raise VersionActive(f"version {number} of {name!r} is being served; activate another (or roll back) first")
+            await asyncio.to_thread(repository.remove, name, number)
+
+    async def poll(self) -> None:
+        """Serve what the repository says is active (a version or model copied in, ``ACTIVE`` edited by hand)."""
+        assert self.repository is not None
+        failed: set[tuple[str, int]] = set()
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_s)
+            if not self.ready:
+                continue
+            for name in await asyncio.to_thread(self.repository.names):
+                number = self.repository.active(name)
+                served = self.models.get(name)
+                if number is None or name in self.unloaded or (served is not None and served.version == number) \
+                        or (name, number) in failed or self._changing.get(name, asyncio.Lock()).locked():
+                    continue
+                try:
+                    async with self.changing(name):
+                        await self._install(name, await self._prepare(self.repository.version(name, number)))
+                    self.metrics.model_changes.labels(name, "activate").inc()
+                    if self.default_name is None:
+                        self.default_name = name
+                except Exception as error:  # a bad copy is reported once, and the active version keeps serving
+                    failed.add((name, number))
+                    log.error("repository poll: version not served", extra={"model": name, "version": number,
+                                                                            "error": str(error)})
+
+    def score(self, model: ServedModel, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
+        """Runs on the inference thread: one batch of ``model`` (a served version); counts the GPU's failures.
 
         A batch that is out of GPU memory even in two halves answers 503 (retry); after
         ``max_device_errors`` failing batches in a row the service turns unready.
         """
-        model = self.models[name]
+        name = model.name
         try:
-            results = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
+            with TRACING:  # not while another version's backbone is traced on the loader thread
+                results = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
         except Exception as error:
             if not is_cuda_error(error):
                 raise
@@ -277,7 +563,8 @@ class ServiceState:
         A failed operation (the GPU in an error state) turns the service unready for good; a probe
         that times out is reported but not kept (the GPU may be busy).
         """
-        devices = {m.detector.device for m in self.models.values() if m.detector.device.type == "cuda"}
+        devices = {m.detector.device for m in [*self.models.values(), *self.retired]
+                   if m.detector is not None and m.detector.device.type == "cuda"}
         for device in devices:
             try:
                 await asyncio.wait_for(asyncio.to_thread(probe, device), PROBE_TIMEOUT_S)
@@ -298,9 +585,10 @@ class ServiceState:
     def observe(self, model: ServedModel, scored: list[tuple], results: list[dict], own_threshold: bool) -> None:
         """What one request was answered: into the model's monitor and the metrics."""
         model.monitor.record([raw for raw, _, _ in scored], [distance for _, _, distance in scored], own_threshold)
+        version = str(model.version)
         for result in results:
-            self.metrics.verdicts.labels(model.name, "anomalous" if result["is_anomaly"] else "normal").inc()
-            self.metrics.scores.labels(model.name).observe(result["score"])
+            self.metrics.verdicts.labels(model.name, version, "anomalous" if result["is_anomaly"] else "normal").inc()
+            self.metrics.scores.labels(model.name, version).observe(result["score"])
         if own_threshold:
             self.metrics.threshold_overrides.labels(model.name).inc(len(results))
 
@@ -311,8 +599,10 @@ class ServiceState:
                 raise ApiError(503, "not_ready", f"the service failed: {self.failure}", headers={"Retry-After": "30"})
             raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
         key = name or self.default_name
+        if key is None:
+            raise ApiError(404, "model_not_found", "no model is served yet: upload one (POST /models/{name}/versions)")
         if key not in self.models:
-            raise ApiError(404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models)}")
+            raise ApiError(404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}")
         return self.models[key]
 
     def decode_image(self, model: ServedModel, data: bytes, keep_image: bool) -> Decoded:

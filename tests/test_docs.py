@@ -96,3 +96,29 @@ def test_every_python_example_runs(page, dataset, tmp_path, monkeypatch):
     for number, code in enumerate(blocks(page, "python")):
         exec(compile(code, f"{page.name} block {number + 1}", "exec"), namespace)  # noqa: S102 - our own docs
     assert any(isinstance(v, object) and type(v).__name__ == "Prediction" for v in namespace.values())
+
+
+def test_the_admin_curl_examples_run_against_a_live_server(model_file, tmp_path):
+    """The curl block of docs/http-api.md marked `run by tests/test_docs.py`, line by line, in order."""
+    import os
+
+    import httpx
+
+    from helpers import running_server
+    from padim.models.repository import Repository
+
+    page = (ROOT / "docs" / "http-api.md").read_text()
+    block = re.search(r"<!-- run by tests/test_docs.py -->\n```bash\n(.*?)^```", page, re.S | re.M).group(1)
+    assert block.count("curl ") >= 6
+    repository = Repository(tmp_path / "repo")
+    repository.activate("weave", repository.add("weave", model_file).version)
+    shutil.copyfile(model_file, tmp_path / "weave-retrained.padim")
+    env = {"PADIM_ADMIN_KEY": "docs-admin", "PADIM_API_KEY": "docs-scoring"}
+    with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as server:
+        script = "set -euo pipefail\n" + block.replace("http://127.0.0.1:8000", server.url)
+        result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, **env})
+        versions = httpx.get(server.url + "/models/weave/versions", headers={"x-api-key": "docs-admin"}).json()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"version":2' in result.stdout.replace(" ", "") and '"active":true' in result.stdout.replace(" ", "")
+    assert [(v["version"], v["active"]) for v in versions["versions"]] == [(1, True)]  # 2 was deleted at the end

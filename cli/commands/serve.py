@@ -25,13 +25,17 @@ def register(commands) -> None:
         "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
         "/docs. "
         f"Flags override PADIM_* environment variables ({settings_names()}; see docs/http-api.md). "
-        "The API key is read from PADIM_API_KEY only, never from a flag.",
+        "The API key is read from PADIM_API_KEY only, and the admin key from PADIM_ADMIN_KEY only, never from a flag.",
     )
     serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",
                        help="model files (padim train) or export directories (padim export)")
     serve.add_argument("--model", type=Path, action="append", dest="models", metavar="MODEL",
                        help="the same, as a flag (repeatable; the older spelling)")
     serve.add_argument("--model-dir", type=Path, help="serve every *.padim and export directory in this directory")
+    serve.add_argument("--repository", type=Path, metavar="DIR",
+                       help="serve a model repository (DIR/NAME/N/; see `padim repository --help`): each model's active "
+                       "version; with PADIM_ADMIN_KEY set, versions are uploaded, activated and rolled back over HTTP "
+                       "without a restart (docs/deployment.md)")
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
     serve.add_argument("--port", type=int, help="default 8000")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     args.models = [*args.model_args, *(args.models or [])] or None
     if args.quiet and args.log_level is None:
         args.log_level = "warning"
-    flags = {k: getattr(args, k) for k in ("models", "model_dir", "default_model", "host", "port", "device",
+    flags = {k: getattr(args, k) for k in ("models", "model_dir", "repository", "default_model", "host", "port", "device",
                                            "runtime", "max_batch_size", "max_delay_ms", "log_level")}
     try:
         settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})

@@ -101,7 +101,8 @@ def export_runtime(path: Path, runtime: str) -> str:
     return runtime
 
 
-def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", with_statistics: bool = False) -> Scorer:
+def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", with_statistics: bool = False,
+                cache: Path | None = None) -> Scorer:
     """The :class:`~padim.models.scorer.Scorer` that runs on ``runtime``: a ``PadimDetector`` (torch) or a :class:`DeployedDetector`.
 
     Args:
@@ -109,6 +110,8 @@ def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", w
         runtime: one of :data:`padim.models.choices.RUNTIMES`.
         device: ``auto``, ``cpu`` or ``cuda``; ``auto`` is a GPU only where ``runtime`` can use one here.
         with_statistics: torch only: also read the streamed statistics.
+        cache: the folder for the export a ``.padim`` is turned into for another runtime (a model repository
+            keeps it outside the version's folder); by default :func:`cache_dir` chooses.
 
     Raises:
         ArtifactError: a damaged or foreign file or export.
@@ -130,20 +133,21 @@ def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", w
     target = runtime_device(chosen, device)
     log.debug("%s: %s on %s", path, chosen, target)
     sha256 = file_sha256(path)
-    cached = cache_dir(path, sha256, "onnx")  # both runtimes read the ONNX graph
+    cached = cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")  # both runtimes read the ONNX graph
     with _export_lock:
         if not is_export(cached):
             detector = load_detector(path, device="cpu")
             log.info("exporting %s for %s into %s (once; later loads read it)", path, chosen, cached)
             export_detector(detector, cached, "onnx", path, source_sha256=sha256)
             del detector
-            _prune(cached)
+            if cache is None:  # a given cache folder holds every version's export: its owner prunes it
+                _prune(cached)
     try:
         metadata = read_export(cached)
     except ArtifactError:  # a damaged cache is not the model's fault: make it again
         log.warning("%s: cached export damaged; exporting again", cached)
         shutil.rmtree(cached, ignore_errors=True)
-        return load_scorer(path, runtime, device)
+        return load_scorer(path, runtime, device, cache=cache)
     if metadata["model"]["sha256"] != sha256:
         raise ArtifactError(f"{cached}: cached export of another file; remove it")
     return DeployedDetector(cached, metadata, chosen, target, source=path)

@@ -3,6 +3,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "padim-api-key";
+const ADMIN_KEY_STORE = "padim-admin-key"; // session storage only; never in a URL
 const MODEL_THRESHOLD = 0.5; // the model's threshold is 0.5 on the score scale, always
 const HISTORY_LIMIT = 50;
 
@@ -18,10 +19,11 @@ let nextId = 1;
 let rescoreTimer = null;
 
 function apiKey() { return sessionStorage.getItem(KEY_STORE) || ""; }
+function adminKey() { return sessionStorage.getItem(ADMIN_KEY_STORE) || ""; }
 
 async function api(path, options = {}) {
   const headers = new Headers(options.headers || {});
-  const key = apiKey();
+  const key = options.admin ? adminKey() : apiKey();
   if (key) headers.set("X-API-Key", key);
   const response = await fetch(path, { ...options, headers });
   let body = null;
@@ -66,7 +68,7 @@ async function loadModels() {
     select.replaceChildren(...listing.models.map((m) => {
       const option = document.createElement("option");
       option.value = m.name;
-      option.textContent = `${m.name} — ${m.backbone}, ${describeInput(m)}`;
+      option.textContent = `${m.name} v${m.version} — ${m.backbone}, ${describeInput(m)}`;
       return option;
     }));
     select.disabled = false;
@@ -95,9 +97,10 @@ function chooseModel(name) {
   const model = state.models.find((m) => m.name === name);
   if (!model) return;
   loadMonitor();
+  showVersions(model);
   const c = model.calibration;
   $("model-info").textContent =
-    `${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
+    `Version ${model.version}. ${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
     `${(100 * c.promised_false_alarm_rate).toFixed(2)}% false alarms ` +
     `(at most ${(100 * c.false_alarm_bound).toFixed(2)}% with ${(100 * c.confidence).toFixed(0)}% confidence). ` +
     `Runtime ${model.runtime}.` +
@@ -106,6 +109,35 @@ function chooseModel(name) {
   const demo = /random/i.test(model.weights);
   $("demo-warning").hidden = !demo;
   $("demo-warning").textContent = demo ? "RANDOM WEIGHTS — demo only: these verdicts say nothing about real parts." : "";
+}
+
+// ---------------------------------------------------------------------------------- versions
+function showVersions(model) {
+  const list = $("version-list");
+  list.replaceChildren(...(model.versions || []).map((v) => {
+    const item = document.createElement("li");
+    item.dataset.version = v.version;
+    item.textContent = `v${v.version}${v.active ? " (active)" : ""} — ${v.created.replace("T", " ").replace("Z", " UTC")}, ` +
+      `${v.source}, sha256 ${v.sha256.slice(0, 12)}…` +
+      (v.calibration ? `, threshold promises ${(100 * v.calibration.promised_false_alarm_rate).toFixed(2)}%` : "");
+    if (v.active) item.className = "active";
+    return item;
+  }));
+}
+
+async function rollBack() {
+  if (!state.model) return;
+  if (!adminKey()) { $("version-message").textContent = "Enter the admin key first."; $("admin-key").focus(); return; }
+  if (!window.confirm(`Roll ${state.model} back to the version active before the current one?`)) return;
+  try {
+    const change = await api(`/models/${encodeURIComponent(state.model)}/rollback`, { method: "POST", admin: true });
+    $("version-message").textContent = `${change.model} is back on version ${change.version}.`;
+    await loadModels();
+  } catch (error) {
+    $("version-message").textContent = error.status === 404 && error.code === "not_found"
+      ? "This server has no admin routes (it runs without PADIM_ADMIN_KEY)."
+      : error.status === 401 || error.status === 403 ? "That is not the admin key." : error.message;
+  }
 }
 
 // ----------------------------------------------------------------------------------- scoring
@@ -259,8 +291,9 @@ function showMonitor(m) {
   status.className = `tag ${m.status === "alarm" ? "bad" : m.status === "normal" ? "ok" : "collecting"}`;
   status.dataset.status = m.status;
   $("monitor-verdict").textContent = m.verdict[0].toUpperCase() + m.verdict.slice(1);
-  $("monitor-window").textContent = `${m.images.toLocaleString("en")} of the last ${m.window.toLocaleString("en")} ` +
-    `images kept since ${m.since.replace("T", " ").replace("Z", " UTC")}; this server process only.`;
+  $("monitor-window").textContent = `Version ${m.version}: ${m.images.toLocaleString("en")} of the last ` +
+    `${m.window.toLocaleString("en")} images kept since ${m.since.replace("T", " ").replace("Z", " UTC")} ` +
+    "(a new version starts a new window); this server process only.";
   drawMonitor(m.histogram);
 }
 
@@ -300,6 +333,9 @@ function wire() {
     sessionStorage.setItem(KEY_STORE, event.target.value.trim());
     loadModels();
   });
+  $("admin-key").value = adminKey();
+  $("admin-key").addEventListener("change", (event) => sessionStorage.setItem(ADMIN_KEY_STORE, event.target.value.trim()));
+  $("rollback").addEventListener("click", rollBack);
   $("model").addEventListener("change", (event) => {
     chooseModel(event.target.value);
     if (state.current) { state.current.model = state.model; rescoreSoon(); }

@@ -10,7 +10,13 @@ router = APIRouter(tags=["metrics"])
             responses={200: {"description": "Prometheus text format",
                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(state: StateDep) -> Response:
+    loaded: dict[str, int] = {}
+    for model in [*state.models.values(), *state.retired]:
+        loaded[model.name] = loaded.get(model.name, 0) + 1
+    for name, count in loaded.items():
+        state.metrics.versions_loaded.labels(name).set(count)
     for name, model in state.models.items():
-        state.metrics.queue_depth.labels(name).set(model.batcher.admitted)
+        queued = model.batcher.admitted + sum(m.batcher.admitted for m in state.retired if m.name == name)
+        state.metrics.queue_depth.labels(name).set(queued)
         state.metrics.show_reading(name, model.monitor.reading()[0], model.detector.calibration.false_alarm_bound)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

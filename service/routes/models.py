@@ -1,5 +1,7 @@
 from fastapi import APIRouter
 
+from padim.core.errors import PadimError
+
 from ..deps import ApiKey, StateDep
 from ..openapi import error_responses
 from ..schemas import ModelsResponse, MonitorResponse
@@ -10,16 +12,26 @@ router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
 @router.get("", summary="metadata of every served model; the first listed is the default",
             responses=error_responses(503))
 async def list_models(state: StateDep) -> ModelsResponse:
-    state.model(None)  # 503 while loading
-    names = [state.default_name] + [n for n in state.models if n != state.default_name]
-    return ModelsResponse(default=state.default_name, models=[state.models[n].describe() for n in names])
+    if not state.ready:
+        state.model(None)  # 503 while loading
+    names = ([state.default_name] if state.default_name in state.models else []) + \
+        [n for n in state.models if n != state.default_name]
+    return ModelsResponse(default=state.default_name,
+                          models=[state.models[n].describe(_versions(state, n)) for n in names])
+
+
+def _versions(state, name: str) -> list[dict]:
+    try:
+        return state.versions(name)
+    except PadimError:  # its folder removed by hand while it is served: the model still answers
+        return []
 
 
 @router.get("/{name}/monitor", summary="the model's last images read against its calibration: flag rate, score and "
             "input drift", responses=error_responses(404, 503))
 async def monitor(name: str, state: StateDep) -> MonitorResponse:
     served = state.model(name)
-    return MonitorResponse(model=served.name, **served.monitor.to_dict())
+    return MonitorResponse(model=served.name, version=served.version, **served.monitor.to_dict())
 
 
 @router.post("/{name}/monitor/reset", summary="forget the model's window (after a fix on the line); the Prometheus "
@@ -27,4 +39,4 @@ async def monitor(name: str, state: StateDep) -> MonitorResponse:
 async def reset_monitor(name: str, state: StateDep) -> MonitorResponse:
     served = state.model(name)
     served.monitor.reset()
-    return MonitorResponse(model=served.name, **served.monitor.to_dict())
+    return MonitorResponse(model=served.name, version=served.version, **served.monitor.to_dict())

@@ -72,16 +72,17 @@ async def score_batch(request: Request, state: StateDep, heatmap: HeatmapQ = Fal
 async def _score(request: Request, state: ServiceState, name: str | None, heatmap: bool, mask: bool,
                  threshold: float | None, many: bool, monitor: bool = True) -> dict:
     started = time.perf_counter()
-    served = state.model(name)
-    request.state.model = served.name
-    datas, form_options = await _read_images(request, many, state.settings.batch_limit())
-    heatmap = form_options.get("heatmap", heatmap)
-    mask = form_options.get("mask", mask)
-    threshold = form_options.get("threshold", threshold)
-    with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-        scored, results = await _score_images(request, state, served, datas, admission, threshold, heatmap, mask)
-    if monitor:
-        state.observe(served, scored, results, own_threshold=threshold is not None)
+    # The version that admits the request scores and judges it, whatever is activated meanwhile.
+    with state.using(state.model(name)) as served:
+        request.state.model = served.name
+        datas, form_options = await _read_images(request, many, state.settings.batch_limit())
+        heatmap = form_options.get("heatmap", heatmap)
+        mask = form_options.get("mask", mask)
+        threshold = form_options.get("threshold", threshold)
+        with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
+            scored, results = await _score_images(request, state, served, datas, admission, threshold, heatmap, mask)
+        if monitor:
+            state.observe(served, scored, results, own_threshold=threshold is not None)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
         return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}

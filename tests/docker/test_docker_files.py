@@ -63,9 +63,12 @@ def test_runtime_stage_is_non_root_and_serves_models_from_a_mount():
     assert instructions("USER") == ["10001:10001"]
     assert instructions("EXPOSE") == ["8000"]
     env = " ".join(instructions("ENV"))
-    assert "PADIM_MODEL_DIR=/models" in env and "PADIM_HOST=0.0.0.0" in env
+    assert "PADIM_HOST=0.0.0.0" in env
+    # a flag, not the environment: `serve --repository /models/repo` in its place serves a repository
+    # (PADIM_MODEL_DIR in the image's environment would conflict with PADIM_REPOSITORY)
+    assert "PADIM_MODEL_DIR" not in env
     assert exec_form(instructions("ENTRYPOINT")[0]) == ["padim"]
-    assert exec_form(instructions("CMD")[0]) == ["serve"]
+    assert exec_form(instructions("CMD")[0]) == ["serve", "--model-dir", "/models"]
 
 
 def test_copied_sources_exist():

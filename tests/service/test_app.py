@@ -36,9 +36,9 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
     release = threading.Event()
     original = ServiceState._load_one
 
-    def slow_load(self, path):
+    def slow_load(self, path, cache=None):
         assert release.wait(30)
-        return original(self, path)
+        return original(self, path, cache)
 
     monkeypatch.setattr(ServiceState, "_load_one", slow_load)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
@@ -56,8 +56,8 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
 def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch, runtime):
     original = ServiceState._load_one
 
-    def poisoned(self, path):  # a model damaged in memory, after its file was verified
-        detector, sha256 = original(self, path)
+    def poisoned(self, path, cache=None):  # a model damaged in memory, after its file was verified
+        detector, sha256 = original(self, path, cache)
         if runtime == "torch":
             detector.model.mean[0, 0] = float("nan")
         else:  # the graph's output, as a damaged runtime would give it

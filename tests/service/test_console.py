@@ -200,7 +200,7 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         expected = httpx.get(f"{server.url}/models/weave/monitor").json()
         wait(browser, lambda d: d.find_element(By.ID, "monitor-status").get_attribute("data-status") == expected["status"])
         assert text(browser, "monitor-verdict") == expected["verdict"][0].upper() + expected["verdict"][1:]
-        assert text(browser, "monitor-window").startswith(f"{expected['images']} of the last 40 images kept since")
+        assert text(browser, "monitor-window").startswith(f"Version 1: {expected['images']} of the last 40 images kept since")
         # the plot: the calibration's bars and the window's drawn, the threshold line in the middle
         drawn = browser.execute_script(
             "const c = document.getElementById('monitor-plot'); const d = c.getContext('2d')"
@@ -229,3 +229,35 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         browser.switch_to.alert.accept()
         after = panel_agrees()
         assert after["status"] == "collecting" and after["images"] == 0
+
+
+def test_the_console_shows_the_version_and_an_admin_rolls_back_with_the_key_typed_in(browser, model_file, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from padim.models.repository import Repository
+
+    repository = Repository(tmp_path / "repo")
+    for _ in range(2):
+        repository.activate("weave", repository.add("weave", model_file).version)
+    env = {"PADIM_ADMIN_KEY": "adm1n-key"}
+    with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as served:
+        browser.get(served.url + "/")
+        wait(browser, lambda d: "Version 2." in text(d, "model-info"))
+        assert "weave v2" in browser.find_element(By.ID, "model").text
+        assert "v2 (active)" in text(browser, "version-list") and "v1 —" in text(browser, "version-list")
+        wait(browser, lambda d: text(d, "monitor-window").startswith("Version 2:"))
+        browser.find_element(By.ID, "rollback").click()  # no key yet: asks for it, changes nothing
+        wait(browser, lambda d: "admin key" in text(d, "version-message"))
+        browser.find_element(By.ID, "admin-key").send_keys("adm1n-key", Keys.TAB)
+        browser.find_element(By.ID, "rollback").click()
+        wait(browser, lambda d: d.switch_to.alert).accept()
+        wait(browser, lambda d: "back on version 1" in text(d, "version-message"))
+        wait(browser, lambda d: "Version 1." in text(d, "model-info"))
+        assert "v1 (active)" in text(browser, "version-list")
+        assert "adm1n" not in browser.current_url
+        assert browser.execute_script("return sessionStorage.getItem('padim-admin-key')") == "adm1n-key"
+        assert browser.execute_script("return localStorage.length") == 0
+        browser.save_screenshot(str(ARTIFACTS / "console-versions.png"))
+        listed = httpx.get(served.url + "/models").json()["models"][0]
+    assert listed["version"] == 1 and (tmp_path / "repo" / "weave" / "ACTIVE").read_text() == "1\n"

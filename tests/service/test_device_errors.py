@@ -92,7 +92,7 @@ def test_out_of_memory_is_cured_by_splitting_the_batch(model_file, faults):
         state = service(client)
         size = state.models["weave"].detector.config.image_size
         faults.sizes.clear()
-        results = state.score("weave", torch.zeros(5, 3, size, size))
+        results = state.score(state.models["weave"], torch.zeros(5, 3, size, size))
         assert len(results) == 5 and faults.sizes == [5, 3, 2]  # the whole batch, then its two halves
         assert state.device_errors == 0
         metrics = client.get("/metrics").text
@@ -112,12 +112,12 @@ def test_out_of_memory_even_split_is_503_and_repeated_failures_make_the_service_
         assert answer.json()["error"]["code"] == "device_out_of_memory"
         assert client.get("/health/ready").status_code == 200  # one failure: still ready
         faults.rule = None
-        state.score("weave", torch.zeros(2, 3, size, size))  # a success resets the count
+        state.score(state.models["weave"], torch.zeros(2, 3, size, size))  # a success resets the count
         assert state.device_errors == 0
         faults.fail(lambda batch: True, RuntimeError("CUDA error: an illegal memory access was encountered"))
         for _ in range(2):
             with pytest.raises(RuntimeError, match="illegal memory access"):
-                state.score("weave", torch.zeros(1, 3, size, size))
+                state.score(state.models["weave"], torch.zeros(1, 3, size, size))
         ready = client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["reason"].startswith("failed: 2 scoring batches in a row")
         refused = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})

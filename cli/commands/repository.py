@@ -1,0 +1,106 @@
+"""``padim repository``: a model repository's versions, offline (list, add, activate, rollback, remove)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..options import quiet_option
+
+LAYOUT = ("DIR/NAME/N/ holds version N of model NAME (a model.padim file, or an export directory's files), "
+          "DIR/NAME/ACTIVE the active version's number, DIR/NAME/HISTORY the activations (a rollback goes back one). "
+          "`padim serve --repository DIR` serves each model's active version; with PADIM_ADMIN_KEY the same changes "
+          "are made over HTTP while it runs (docs/deployment.md). Every change is atomic.")
+
+
+def register(commands) -> None:
+    repository = commands.add_parser(
+        "repository", parents=[quiet_option()], help="list, add, activate, roll back and remove model versions in a "
+        "repository (offline)", description="Change a model repository on disk, with the checks the service's admin "
+        "routes make (a version is loaded and scored once before it is added). " + LAYOUT)
+    actions = repository.add_subparsers(dest="action", metavar="ACTION", required=True,
+                                        help="what to do (padim repository ACTION --help for each)")
+    listing = actions.add_parser("list", help="every model and version, the active one marked (JSON lines)")
+    listing.add_argument("root", type=Path, metavar="DIR")
+    listing.add_argument("name", nargs="?", metavar="NAME", help="only this model")
+    add = actions.add_parser("add", help="add a model file or export directory as the next version of NAME")
+    add.add_argument("root", type=Path, metavar="DIR")
+    add.add_argument("name", metavar="NAME", help="the model's name (created when new)")
+    add.add_argument("model", type=Path, metavar="MODEL", help="a .padim file (padim train) or an export directory "
+                     "(padim export)")
+    add.add_argument("--activate", action="store_true", help="make it the active version")
+    activate = actions.add_parser("activate", help="make VERSION the active version of NAME")
+    activate.add_argument("root", type=Path, metavar="DIR")
+    activate.add_argument("name", metavar="NAME")
+    activate.add_argument("version", type=int, metavar="VERSION")
+    rollback = actions.add_parser("rollback", help="make the version active before the current one active again")
+    rollback.add_argument("root", type=Path, metavar="DIR")
+    rollback.add_argument("name", metavar="NAME")
+    remove = actions.add_parser("remove", help="delete a version that is not active (its number is never reused)")
+    remove.add_argument("root", type=Path, metavar="DIR")
+    remove.add_argument("name", metavar="NAME")
+    remove.add_argument("version", type=int, metavar="VERSION")
+    for parser in (listing, add, activate, rollback, remove):
+        parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` loads no torch
+    from padim.models.errors import UsageError, VersionNotFound
+    from padim.models.repository import Repository, check_name
+
+    if args.action != "add" and not args.root.is_dir():
+        raise UsageError(f"{args.root}: no such repository folder")
+    repository = Repository(args.root)
+    name = getattr(args, "name", None)
+    if name is not None:
+        check_name(name)
+    if args.action == "list":
+        names = [name] if name else repository.names()
+        if name and not repository.versions(name):
+            raise VersionNotFound(f"the repository has no model named {name!r}")
+        for model in names:
+            active = repository.active(model)
+            for version in repository.versions(model):
+                print(json.dumps({"model": model, **version.to_dict(), "active": version.version == active,
+                                  "calibration": version.calibration()}))
+        return 0
+    if args.action == "add":
+        _check_servable(args.model)
+        version = repository.add(name, args.model)
+        if args.activate:
+            repository.activate(name, version.version)
+        print(json.dumps({"model": name, **version.to_dict(), "active": args.activate}))
+        return 0
+    if args.action == "activate":
+        repository.activate(name, args.version)
+        number = args.version
+    elif args.action == "rollback":
+        number = repository.rollback(name)
+    else:
+        repository.remove(name, args.version)
+        print(json.dumps({"model": name, "removed": args.version}))
+        return 0
+    print(json.dumps({"model": name, **repository.version(name, number).to_dict(), "active": True}))
+    return 0
+
+
+def _check_servable(path: Path) -> None:
+    """Load the model as the service would (every tensor's digest) and score one blank picture."""
+    # imported here: `padim --help` loads no torch
+    import torch
+
+    from padim.core.errors import ArtifactError
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.errors import ExportError, UnservableModel, UsageError
+    from padim.models.repository import check_model
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or export directory")
+    check_model(path)
+    try:
+        scorer = load_scorer(path, "auto" if path.is_dir() else "torch", "cpu")
+        scorer.score(torch.zeros(1, 3, *scorer.config.input_shape))
+    except (ArtifactError, ExportError) as error:
+        raise UnservableModel(f"{path}: cannot be served: {error}") from None
