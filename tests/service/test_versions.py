@@ -343,6 +343,7 @@ def _ready(url: str, process: subprocess.Popen) -> None:
     raise AssertionError("not ready")
 
 
+@pytest.mark.load_sensitive  # the kill lands 0.5 s into an activation that exports for seconds
 def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_version(model_file, second_model, dataset,
                                                                                     tmp_path):
     root = repository_with(tmp_path, model_file)
