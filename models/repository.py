@@ -185,10 +185,13 @@ class Repository:
         path, kind = model_path_in(folder)
         try:
             recorded = json.loads((folder / VERSION_FILE).read_text())
-        except (OSError, ValueError):  # copied in by hand: describe it from the file
-            recorded = {"sha256": model_sha256(path, kind) if path.exists() else "",
+        except (OSError, ValueError):  # copied in by hand: described from the file, once
+            recorded = {"version": number, "sha256": model_sha256(path, kind) if path.exists() else "",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(folder.stat().st_mtime)),
-                        "source": "copied in"}
+                        "source": "copied in", "kind": kind}
+            if recorded["sha256"]:
+                with contextlib.suppress(OSError):  # a read-only repository: described again at the next reading
+                    write_atomically(folder / VERSION_FILE, json.dumps(recorded, indent=1) + "\n")
         return Version(name, number, path, recorded.get("sha256", ""), recorded.get("created", ""),
                        recorded.get("source", ""), kind)
 
@@ -205,11 +208,7 @@ class Repository:
 
     def history(self, name: str) -> list[int]:
         """Versions activated, oldest first (a rollback removed its entry)."""
-        try:
-            lines = (self.root / name / HISTORY).read_text().splitlines()
-        except OSError:
-            return []
-        return [int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit()]
+        return [int(line.split()[0]) for line in self._history_lines(name)]
 
     def last(self, name: str) -> int:
         try:

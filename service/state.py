@@ -43,7 +43,7 @@ from padim.models.errors import (
 from padim.models.features.embedding import TRACING
 from padim.models.model_file import served_bytes
 from padim.models.heatmaps import mask_image, overlay
-from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
+from padim.models.repository import Repository, Version, check_model, model_path_in
 from padim.models.scorer import Scorer
 from padim.models.verdicts import verdict
 
@@ -142,7 +142,6 @@ class ServedModel:
     load_seconds: float
     monitor: Monitor
     version: int = 1
-    activated: str = ""  # when this version became the active one (ISO 8601, UTC)
     in_flight: int = 0  # requests admitted by this version and not yet answered
     retired: bool = False
 
@@ -215,6 +214,12 @@ def available_memory(device: str) -> tuple[int | None, str]:
     return None, "this machine"
 
 
+def _unservable(error: Exception, path: Path) -> UnservableModel:
+    """An uploaded model that cannot be served, said without the server's path to it."""
+    message = str(error).replace(str(path), "the uploaded file")
+    return UnservableModel(message if isinstance(error, UnservableModel) else f"the model cannot be served here: {message}")
+
+
 def _collect() -> None:
     """Free what a dropped version held, and hand it back to the system (and the GPU)."""
     gc.collect()
@@ -264,7 +269,7 @@ class ServiceState:
             for name in names:
                 number = self.repository.active(name)
                 assert number is not None  # names() lists models with a version
-                await self._install(name, await self._prepare(self.repository.version(name, number)))
+                self._install(name, await self._prepare(self.repository.version(name, number)))
         else:
             files = self.settings.model_files()
             if not files:
@@ -273,7 +278,7 @@ class ServiceState:
             if len(set(names)) != len(names):
                 raise UsageError(f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
             for path, name in zip(files, names):
-                await self._install(name, await self._prepare(Version(name, 1, path, "", "", path.name,
+                self._install(name, await self._prepare(Version(name, 1, path, "", "", path.name,
                                                                       "export" if path.is_dir() else "model")))
         if names:
             self.default_name = self.settings.default_model or names[0]
@@ -304,20 +309,23 @@ class ServiceState:
         )
         return served
 
-    async def _install(self, name: str, served: ServedModel) -> ServedModel | None:
-        """Make ``served`` the active version of ``name`` at once; returns the version it replaced (retired)."""
+    def _install(self, name: str, served: ServedModel, change: str | None = None) -> None:
+        """Make ``served`` the active version of ``name`` at once, retiring the one it replaces; ``change``
+        (activate, rollback) is counted, none at start-up. The first model served is the default one."""
         served.batcher.start()
-        served.activated = utc_now()
         old = self.models.get(name)
         self.models[name] = served  # from here on, new requests go to the new version
         self.unloaded.discard(name)
+        if self.default_name is None:
+            self.default_name = name
         self.metrics.model_load.labels(name).set(served.load_seconds)
         self.metrics.model_version.labels(name).set(served.version)
+        if change is not None:
+            self.metrics.model_changes.labels(name, change).inc()
         log.info("model ready", extra={"model": name, "version": served.version, "load_seconds": round(served.load_seconds, 3),
                                        "weights": served.detector.weights.label})
         if old is not None:
             self._retire(old)
-        return old
 
     def _retire(self, old: ServedModel) -> None:
         old.retired = True
@@ -407,11 +415,11 @@ class ServiceState:
         if self.repository is None:
             if served is None:
                 raise VersionNotFound(f"no model named {name!r}")
-            calibration = served.detector.describe()["calibration"]
-            return [{"version": 1, "sha256": served.sha256, "created": served.detector.provenance.created or "",
-                     "source": "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
-                     "kind": "export" if served.path.is_dir() else "model",
-                     "active": True, "loaded": True, "calibration": calibration}]
+            fixed = Version(name, 1, served.path, served.sha256, served.detector.provenance.created or "",
+                            "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
+                            "export" if served.path.is_dir() else "model")
+            return [{**fixed.to_dict(), "active": True, "loaded": True,
+                     "calibration": served.detector.describe()["calibration"]}]
         listed = self.repository.versions(name)
         if not listed:
             raise VersionNotFound(f"the repository has no model named {name!r}")
@@ -428,7 +436,7 @@ class ServiceState:
         async with lock:
             yield
 
-    async def add_version(self, name: str, incoming: Path, sha256: str, activate: bool) -> tuple[dict, bool]:
+    async def add_version(self, name: str, incoming: Path, sha256: str, activate: bool) -> dict:
         """An uploaded model in ``incoming``: checked, loaded and warmed up beside the active version, then
         committed as the next version; activated at once when asked. Nothing changes when it fails."""
         repository = self.writable()
@@ -436,27 +444,23 @@ class ServiceState:
         try:
             check_model(path)
         except UnservableModel as error:
-            raise UnservableModel(str(error).replace(str(path), "the uploaded file")) from None  # no server paths
+            raise _unservable(error, path) from None
         async with self.changing(name, wait=True):
             try:
                 served = await self._prepare(Version(name, 0, path, sha256, "", "upload", kind))
             except (ArtifactError, ExportError, WeightsError, UsageError) as error:
                 if isinstance(error, InsufficientMemory):
                     raise
-                message = str(error).replace(str(path), "the uploaded file")
-                raise UnservableModel(f"the model cannot be served here: {message}") from None
+                raise _unservable(error, path) from None
             committed = await asyncio.to_thread(repository.commit, name, incoming, sha256, "upload")
             served.version, served.path = committed.version, committed.path
             if activate:
                 await asyncio.to_thread(repository.activate, name, committed.version)
-                await self._install(name, served)
-                self.metrics.model_changes.labels(name, "activate").inc()
-                if self.default_name is None:
-                    self.default_name = name
+                self._install(name, served, "activate")
             else:
                 await asyncio.get_running_loop().run_in_executor(self.loader, _collect)  # the check's copy
             self.metrics.model_changes.labels(name, "upload").inc()
-        return {**committed.to_dict(), "active": activate}, activate
+        return {**committed.to_dict(), "active": activate}
 
     async def activate(self, name: str, number: int, rollback: bool = False) -> dict:
         """Load version ``number`` beside the active one, point the repository at it, then swap.
@@ -468,16 +472,15 @@ class ServiceState:
                 number = repository.previous(name)
             version = repository.version(name, number)
             current = self.models.get(name)
-            if current is None or current.version != number:
-                served = await self._prepare(version)
-                await asyncio.to_thread(repository.rollback if rollback else repository.activate,
-                                        *((name,) if rollback else (name, number)))
-                await self._install(name, served)
-                self.metrics.model_changes.labels(name, "rollback" if rollback else "activate").inc()
+            if current is not None and current.version == number:
+                await asyncio.to_thread(repository.activate, name, number)  # served already: the pointer only
             else:
-                await asyncio.to_thread(repository.activate, name, number)
-            if self.default_name is None:
-                self.default_name = name
+                served = await self._prepare(version)
+                if rollback:
+                    await asyncio.to_thread(repository.rollback, name)
+                else:
+                    await asyncio.to_thread(repository.activate, name, number)
+                self._install(name, served, "rollback" if rollback else "activate")
         return {**version.to_dict(), "active": True}
 
     async def unload(self, name: str) -> None:
@@ -513,14 +516,13 @@ class ServiceState:
                 number = self.repository.active(name)
                 served = self.models.get(name)
                 if number is None or name in self.unloaded or (served is not None and served.version == number) \
-                        or (name, number) in failed or self._changing.get(name, asyncio.Lock()).locked():
+                        or (name, number) in failed:
                     continue
                 try:
                     async with self.changing(name):
-                        await self._install(name, await self._prepare(self.repository.version(name, number)))
-                    self.metrics.model_changes.labels(name, "activate").inc()
-                    if self.default_name is None:
-                        self.default_name = name
+                        self._install(name, await self._prepare(self.repository.version(name, number)), "activate")
+                except ModelBusy:  # an admin route is changing it: read it again at the next poll
+                    continue
                 except Exception as error:  # a bad copy is reported once, and the active version keeps serving
                     failed.add((name, number))
                     log.error("repository poll: version not served", extra={"model": name, "version": number,

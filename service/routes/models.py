@@ -1,3 +1,5 @@
+import asyncio
+
 from fastapi import APIRouter
 
 from padim.core.errors import PadimError
@@ -16,8 +18,8 @@ async def list_models(state: StateDep) -> ModelsResponse:
         state.model(None)  # 503 while loading
     names = ([state.default_name] if state.default_name in state.models else []) + \
         [n for n in state.models if n != state.default_name]
-    return ModelsResponse(default=state.default_name,
-                          models=[state.models[n].describe(_versions(state, n)) for n in names])
+    versions = await asyncio.to_thread(lambda: {n: _versions(state, n) for n in names})  # files: off the event loop
+    return ModelsResponse(default=state.default_name, models=[state.models[n].describe(versions[n]) for n in names])
 
 
 def _versions(state, name: str) -> list[dict]:

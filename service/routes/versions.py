@@ -64,7 +64,7 @@ async def upload(name: str, request: Request, state: StateDep,
         if x_content_sha256 is not None and x_content_sha256.lower() != digest:
             raise DigestMismatch(f"the body's sha256 is {digest}, not the {x_content_sha256.lower()} that "
                                  "X-Content-SHA256 says: the file was changed or cut on the way")
-        change, _ = await state.add_version(name, incoming, digest, activate)
+        change = await state.add_version(name, incoming, digest, activate)
     except BaseException:
         await asyncio.to_thread(repository.discard, incoming)
         raise

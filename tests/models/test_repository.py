@@ -65,6 +65,7 @@ def test_a_version_copied_in_by_hand_is_read_from_its_file(model_file, tmp_path)
     (tmp_path / "weave" / "7" / "line3.padim").write_bytes(model_file.read_bytes())
     copied = repository.version("weave", 7)
     assert copied.source == "copied in" and copied.sha256 == file_sha256(model_file) and copied.created
+    assert json.loads((tmp_path / "weave" / "7" / "version.json").read_text())["sha256"] == copied.sha256  # hashed once
     assert repository.active("weave") == 7  # no ACTIVE: the highest
     assert repository.add("weave", model_file).version == 8
     (tmp_path / "weave" / "ACTIVE").write_text("1\n")  # edited by hand

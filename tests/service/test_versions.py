@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers import IMAGE_SIZE, SCORE_RTOL, free_port, metric, run_cli, running_server
+from helpers import IMAGE_SIZE, SCORE_RTOL, metric, run_cli, running_server
 from padim.models.model_file import served_bytes
 from padim.models.repository import Repository
 from padim.service.app import create_app
@@ -325,24 +322,6 @@ def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(model_fi
 
 
 # --------------------------------------------------------------------------- kill -9
-def _start(root: Path, tmp_path: Path, port: int, env: dict) -> subprocess.Popen:
-    log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "padim", "serve", "--repository", str(root), "--port", str(port),
-                             "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
-
-
-def _ready(url: str, process: subprocess.Popen) -> None:
-    for _ in range(600):
-        assert process.poll() is None, "the server exited"
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("not ready")
-
-
 @pytest.mark.load_sensitive  # the kill lands 0.5 s into an activation that exports for seconds
 def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_version(model_file, second_model, dataset,
                                                                                     tmp_path):
@@ -350,12 +329,14 @@ def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_ver
     # version 2 is added offline; activating it exports it for ONNX Runtime first (seconds): a kill lands mid-way
     run_cli("-q", "repository", "add", root, "weave", second_model)
     env = {"PADIM_ADMIN_KEY": ADMIN, "PADIM_RUNTIME": "onnxruntime", "PADIM_CACHE_DIR": str(tmp_path / "cache")}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = _start(root, tmp_path, port, env)
-    try:
-        _ready(url, process)
+    args = ("--repository", str(root), "--device", "cpu")
+
+    def served_version(url: str) -> int:
+        return httpx.post(url + "/score", content=probe(dataset), headers={"content-type": "image/png"}).json()["model"]["version"]
+
+    with running_server(tmp_path, [], env=env, args=args) as server:
         body = second_model.read_bytes()
+        port = int(server.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as upload:  # half a body, then the server dies
             upload.sendall(f"POST /models/weave/versions?activate=true HTTP/1.1\r\nHost: x\r\nX-API-Key: {ADMIN}\r\n"
                            f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode())
@@ -365,38 +346,31 @@ def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_ver
                     break
                 time.sleep(0.05)
             assert list((root / "weave").glob(".incoming-*/model.padim"))  # the upload was being written
-            process.send_signal(signal.SIGKILL)
-            process.wait(30)
-        process = _start(root, tmp_path, port, env)
-        _ready(url, process)
-        answer = httpx.post(url + "/score", content=probe(dataset), headers={"content-type": "image/png"}).json()
-        assert answer["model"]["version"] == 1
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait(30)
+
+    with running_server(tmp_path, [], env=env, args=args) as server:
+        assert served_version(server.url) == 1
         assert [v.version for v in Repository(root).versions("weave")] == [1, 2]  # the half upload is no version
 
         def activate() -> None:
             try:
-                httpx.post(url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=60)
+                httpx.post(server.url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=60)
             except httpx.TransportError:  # the server is killed before it answers: that is the point
                 pass
 
         activation = threading.Thread(target=activate, daemon=True)
         activation.start()
         time.sleep(0.5)  # loading (exporting) version 2 beside version 1
-        process.send_signal(signal.SIGKILL)
-        process.wait(30)
-        assert (root / "weave" / "ACTIVE").read_text() == "1\n"
-        process = _start(root, tmp_path, port, env)
-        _ready(url, process)
-        answer = httpx.post(url + "/score", content=probe(dataset), headers={"content-type": "image/png"}).json()
-        assert answer["model"]["version"] == 1
-        again = httpx.post(url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=120)
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(30)
+    assert (root / "weave" / "ACTIVE").read_text() == "1\n"
+
+    with running_server(tmp_path, [], env=env, args=args) as server:
+        assert served_version(server.url) == 1
+        again = httpx.post(server.url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=120)
         assert again.status_code == 200, again.text  # what the kill left (a cache half made) does not stand in the way
-        assert httpx.post(url + "/score", content=probe(dataset),
-                          headers={"content-type": "image/png"}).json()["model"]["version"] == 2
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
+        assert served_version(server.url) == 2
 
 
 # --------------------------------------------------------------------------- memory
