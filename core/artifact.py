@@ -43,7 +43,7 @@ import torch
 
 from .errors import ArtifactError  # noqa: F401 (part of this module's interface)
 
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 #: Header keys added by this module (never part of what the caller saved).
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"

@@ -213,6 +213,10 @@ class Calibration:
         taken_scores: out-of-fold scores of the same normal images as taken, sorted, where ``scores`` are their
             changed copies' (``train --expect``: the threshold covers the line's changes); empty otherwise, the
             scores being the images' own. See :attr:`reference_scores`.
+        pictures: ``(digest, score, input distance, taken score)`` of each picture whose values are among the
+            above (NaN where it has none), unsorted: what :meth:`without` removes when a picture must go (a review
+            found it was not normal). Empty before model format 9, and for scores whose pictures are not known
+            (the held-out calibration images of ``merge``).
     """
 
     scores: tuple[float, ...]
@@ -223,11 +227,12 @@ class Calibration:
     earlier_scores: int = 0
     input_distances: tuple[float, ...] = ()
     taken_scores: tuple[float, ...] = ()
+    pictures: tuple[tuple[int, float, float, float], ...] = ()
 
     @classmethod
     def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0,
-                    input_distances: torch.Tensor | None = None, taken_scores: torch.Tensor | None = None
-                    ) -> Calibration:
+                    input_distances: torch.Tensor | None = None, taken_scores: torch.Tensor | None = None,
+                    pictures: tuple[tuple[int, float, float, float], ...] = ()) -> Calibration:
         """Threshold and scale for ``false_alarm_rate`` from ``(N,)`` normal scores.
 
         Raises:
@@ -250,7 +255,35 @@ class Calibration:
             raise CalibrationError(f"{len(taken)} scores of the images as taken for {values.numel()} calibration scores")
         reference = torch.tensor(taken, dtype=torch.float64) if taken else values
         return cls(tuple(values.tolist()), threshold, _scale(reference, threshold), method, false_alarm_rate,
-                   earlier_scores, _sorted(input_distances), taken)
+                   earlier_scores, _sorted(input_distances), taken, tuple(pictures))
+
+    def without(self, digests: set[int]) -> tuple[Calibration, int]:
+        """The calibration without the values of the pictures ``digests`` names, the threshold set again from the
+        rest for the same rate (a manual threshold stays); and how many pictures were found among :attr:`pictures`.
+
+        A picture whose values are not linked (a file older than format 9) cannot be found: its score stays.
+
+        Raises:
+            CalibrationError: too few scores would be left to set a threshold.
+        """
+        gone = [p for p in self.pictures if p[0] in digests]
+        if not gone:
+            return self, 0
+        scores, inputs, taken = list(self.scores), list(self.input_distances), list(self.taken_scores)
+        for _, score, distance, own in gone:
+            scores.remove(score)
+            if inputs and not math.isnan(distance):
+                inputs.remove(distance)
+            if taken and not math.isnan(own):
+                taken.remove(own)
+        kept = tuple(p for p in self.pictures if p[0] not in digests)
+        earlier = min(self.earlier_scores, len(scores))
+        if self.false_alarm_rate is None:  # a threshold set by hand: kept, with the scores that remain
+            reference = torch.tensor(taken or scores, dtype=torch.float64)
+            return Calibration(tuple(scores), self.threshold, _scale(reference, self.threshold), self.method, None,
+                               earlier, tuple(inputs), tuple(taken), kept), len(gone)
+        return Calibration.from_scores(torch.tensor(scores, dtype=torch.float64), self.false_alarm_rate, earlier,
+                                       _tensor(inputs), _tensor(taken), kept), len(gone)
 
     def with_threshold(self, threshold: float) -> Calibration:
         """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
@@ -259,7 +292,7 @@ class Calibration:
             raise CalibrationError(f"threshold must be finite, got {threshold}")
         values = torch.tensor(self.reference_scores, dtype=torch.float64)
         return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores,
-                           self.input_distances, self.taken_scores)
+                           self.input_distances, self.taken_scores, self.pictures)
 
     # ------------------------------------------------------------------ what it promises
     @property
@@ -339,6 +372,7 @@ class Calibration:
             "confidence": CONFIDENCE,
             "input_distances": len(self.input_distances),
             "taken_scores": len(self.taken_scores),
+            "pictures": len(self.pictures),
         }
 
     def to_header(self) -> dict:
@@ -346,7 +380,8 @@ class Calibration:
 
     @classmethod
     def from_header(cls, header: dict, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
-                    taken_scores: torch.Tensor | None = None) -> Calibration:
+                    taken_scores: torch.Tensor | None = None, digests: torch.Tensor | None = None,
+                    linked: torch.Tensor | None = None) -> Calibration:
         method = header["method"]
         if method not in METHODS:
             raise ValueError(f"unknown calibration method {method!r}")
@@ -361,9 +396,35 @@ class Calibration:
         if len(taken) != int(header.get("taken_scores", 0)):
             raise ValueError(f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
                              f"holds {len(taken)}")
+        pictures = linked_pictures(digests, linked)
+        if len(pictures) != int(header.get("pictures", 0)):
+            raise ValueError(f"the header counts {header.get('pictures', 0)} pictures' values, the file holds "
+                             f"{len(pictures)}")
         rate = header["false_alarm_rate"]
         return cls(tuple(values.tolist()), float(header["threshold"]), float(header["scale"]), method,
-                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances, taken)
+                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances, taken,
+                   pictures)
+
+    def picture_tensors(self) -> dict[str, torch.Tensor]:
+        """:attr:`pictures` as a file stores them: ``digests`` ``(N,)`` int64 and ``linked`` ``(N, 3)`` float64."""
+        if not self.pictures:
+            return {}
+        return {"digests": torch.tensor([p[0] for p in self.pictures], dtype=torch.int64),
+                "linked": torch.tensor([p[1:] for p in self.pictures], dtype=torch.float64)}
+
+
+def linked_pictures(digests: torch.Tensor | None, linked: torch.Tensor | None
+                    ) -> tuple[tuple[int, float, float, float], ...]:
+    """``(digest, score, input distance, taken score)`` rows from a file's ``(N,)`` digests and ``(N, 3)`` values."""
+    if digests is None or linked is None:
+        return ()
+    if linked.shape != (digests.shape[0], 3):
+        raise ValueError(f"{digests.shape[0]} picture digests but values of shape {tuple(linked.shape)}")
+    return tuple((int(d), *map(float, row)) for d, row in zip(digests.tolist(), linked.tolist()))
+
+
+def _tensor(values: list[float]) -> torch.Tensor | None:
+    return torch.tensor(values, dtype=torch.float64) if values else None
 
 
 def _sorted(values: torch.Tensor | None) -> tuple[float, ...]:

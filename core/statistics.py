@@ -164,6 +164,49 @@ def update_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: in
     return state
 
 
+def downdate_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES
+                    ) -> GaussianState:
+    """Remove a ``(B, P, D)`` batch of rows that ``state`` holds, in place: the inverse of :func:`update_state_`.
+
+    With ``n`` rows of mean ``mu`` and comoment ``M``, removing ``n_b`` rows of mean ``m_b`` and comoment
+    ``M_b`` (centred on ``m_b``) leaves ``n_a = n - n_b`` rows with
+    ``mu_a = (n mu - n_b m_b) / n_a`` and ``M_a = M - M_b - d d^T n_a n_b / n``, ``d = m_b - mu_a``
+    (Chan et al.'s merge solved for the other part). One row (``n_b = 1``) is Welford's downdate:
+    ``mu_a = mu - (x - mu) / (n - 1)``, ``M_a = M - n / (n - 1) v v^T`` with ``v = x - mu``.
+
+    Exact in exact arithmetic; in float64 it leaves the rounding of the statistics' own sums, not of the
+    removed rows (tested against a fit without them). Rows that were never added give statistics of nothing
+    real, and nothing can tell: the caller knows what it added (a model file's ``image_digests``).
+
+    Raises:
+        ValueError: a batch of another shape, or one that would leave fewer than 2 rows.
+    """
+    if embedding.ndim != 3 or embedding.shape[1:] != state.mean.shape:
+        raise ValueError(
+            f"cannot remove a batch of shape {tuple(embedding.shape)} from statistics of (P, D)={tuple(state.mean.shape)}"
+        )
+    n, n_b = int(state.count), embedding.shape[0]
+    if n_b == 0:
+        return state
+    n_a = n - n_b
+    if n_a < 2:
+        raise ValueError(f"removing {n_b} of {n} rows would leave fewer than 2: no covariance is left")
+    pixels, dim = state.mean.shape
+    step = max(1, slice_bytes // (8 * (n_b + 1) * dim))
+    shift = math.sqrt(n_a * n_b / n)
+    for start in range(0, pixels, step):
+        stop = min(start + step, pixels)
+        x = embedding[:, start:stop].to(ACCUMULATOR_DTYPE).transpose(0, 1)  # (c, B, D)
+        batch_mean = x.mean(dim=1)  # (c, D)
+        rest_mean = (state.mean[start:stop] * n - batch_mean * n_b) / n_a  # (c, D)
+        delta = batch_mean - rest_mean
+        rows = torch.cat([x - batch_mean.unsqueeze(1), (shift * delta).unsqueeze(1)], dim=1)  # (c, B + 1, D)
+        add_lower_products_(state.comoment[start:stop], rows, alpha=-1.0)
+        state.mean[start:stop] = rest_mean
+    state.count.sub_(n_b)
+    return state
+
+
 def all_reduce_state_(state: GaussianState, group=None) -> GaussianState:
     """Merge the states of every rank of a ``torch.distributed`` group, in place, on every rank.
 

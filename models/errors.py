@@ -109,6 +109,30 @@ class ModelBusy(Conflict):
     """Another change of the same model is under way."""
 
 
+class NotUpdatable(UsageError):
+    """A model that cannot learn from reviews: an export directory, or a file saved without statistics (--slim)."""
+
+
+class NothingToUpdate(Conflict):
+    """An update with no picture to add or take out."""
+
+
+class UpdateGateFailed(Conflict):
+    """Activating an updated version whose gate found recall fell by more than allowed (without ``force``)."""
+
+
+class RecordNotFound(UsageError):
+    """A record (or a job) the inspection record does not have."""
+
+
+class RecordGone(UsageError):
+    """What a record needs is gone for good: its picture was evicted, or the version that scored it was deleted."""
+
+
+class RecordUnavailable(PadimError, RuntimeError):
+    """A row that could not be made durable (the journal is full, or its disk failed) where one is required."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a case becomes: the command line's exit status, the service's HTTP status and error code."""
@@ -144,6 +168,12 @@ OUTCOMES: dict[type[PadimError], Outcome] = {
     ReadOnlyModels: Outcome(1, 409, "read_only_models"),
     DefaultModel: Outcome(1, 409, "default_model"),
     ModelBusy: Outcome(1, 409, "model_busy"),
+    NotUpdatable: Outcome(1, 422, "not_updatable"),
+    NothingToUpdate: Outcome(1, 409, "nothing_to_update"),
+    UpdateGateFailed: Outcome(1, 409, "update_gate_failed"),
+    RecordNotFound: Outcome(1, 404, "record_not_found"),
+    RecordGone: Outcome(1, 410, "gone"),
+    RecordUnavailable: Outcome(1, 503, "record_unavailable"),
 }
 
 

@@ -9,6 +9,7 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 | ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
 | ``calibration.input_distances`` | ``(N,)`` float64 | their input distances (:mod:`padim.core.drift`; format 7, absent when none) |
 | ``calibration.taken_scores`` | ``(N,)`` float64 | with ``expect``: the images' own scores, where ``calibration.scores`` are their changed copies' (format 8) |
+| ``calibration.digests``, ``calibration.linked`` | ``(N,)`` int64, ``(N, 3)`` float64 | each calibration picture's content digest and its score, input distance and taken score (NaN: none), unsorted (format 9) |
 | ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
 | ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
 | ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
@@ -20,7 +21,11 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
 
 Formats, all still read:
 
-- **8** (this one): ``config`` holds ``expect`` and ``fit_changes`` (the changes of the line the
+- **9** (this one): ``calibration.digests`` and ``calibration.linked`` tie each calibration score (and input
+  distance, taken score) to its picture's content digest, so that a picture found not to be normal after a
+  review can be taken out of the statistics *and* the calibration exactly (:mod:`padim.models.fit.update`).
+  Older files are read without the link: such a picture's statistics still go, its score stays.
+- **8**: ``config`` holds ``expect`` and ``fit_changes`` (the changes of the line the
   threshold covers, :mod:`padim.models.data.changes`), and ``calibration.taken_scores`` the images'
   own out-of-fold scores beside their changed copies'; older files are read with none, as they
   were calibrated.
@@ -155,6 +160,7 @@ def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, em
            if calibration.input_distances else {}),
         **({"calibration.taken_scores": torch.tensor(calibration.taken_scores, dtype=torch.float64)}
            if calibration.taken_scores else {}),
+        **{f"calibration.{k}": v for k, v in calibration.picture_tensors().items()},
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
@@ -314,7 +320,8 @@ def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_d
 def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
     if header["verified"]:
         return Calibration.from_header(header["calibration"], tensors["calibration.scores"],
-                                       tensors.get("calibration.input_distances"), tensors.get("calibration.taken_scores"))
+                                       tensors.get("calibration.input_distances"), tensors.get("calibration.taken_scores"),
+                                       tensors.get("calibration.digests"), tensors.get("calibration.linked"))
     old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
     scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
     return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),

@@ -74,6 +74,7 @@ class Version:
     created: str  # when it was added (ISO 8601, UTC)
     source: str  # what it was added from: "upload", or the file name given to `padim repository add`
     kind: str  # "model" (a .padim file) or "export" (an export directory)
+    update: dict | None = None  # a version made by an update from reviews: what it learned, its gate, forced activations
 
     def calibration(self) -> dict | None:
         """The calibration summary its header (or ``padim.json``) records; ``None`` where it cannot be read."""
@@ -86,7 +87,7 @@ class Version:
 
     def to_dict(self) -> dict:
         return {"version": self.version, "sha256": self.sha256, "created": self.created, "source": self.source,
-                "kind": self.kind}
+                "kind": self.kind, "update": self.update}
 
 
 def utc_now() -> str:
@@ -193,7 +194,7 @@ class Repository:
                 with contextlib.suppress(OSError):  # a read-only repository: described again at the next reading
                     write_atomically(folder / VERSION_FILE, json.dumps(recorded, indent=1) + "\n")
         return Version(name, number, path, recorded.get("sha256", ""), recorded.get("created", ""),
-                       recorded.get("source", ""), kind)
+                       recorded.get("source", ""), kind, recorded.get("update"))
 
     def active(self, name: str) -> int | None:
         """The active version: ``ACTIVE``'s number; without a readable one, the highest version."""
@@ -243,13 +244,16 @@ class Repository:
         path.mkdir()
         return path
 
-    def commit(self, name: str, incoming: Path, sha256: str, source: str) -> Version:
-        """Make the checked model in ``incoming`` the next version of ``name`` (not active yet)."""
+    def commit(self, name: str, incoming: Path, sha256: str, source: str, update: dict | None = None) -> Version:
+        """Make the checked model in ``incoming`` the next version of ``name`` (not active yet); ``update``: what an
+        update from reviews learned, kept in its ``version.json``."""
         with self.locked(name):
             number = self.last(name) + 1
             path, kind = model_path_in(incoming)
-            write_atomically(incoming / VERSION_FILE, json.dumps(
-                {"version": number, "sha256": sha256, "created": utc_now(), "source": source, "kind": kind}, indent=1) + "\n")
+            recorded = {"version": number, "sha256": sha256, "created": utc_now(), "source": source, "kind": kind}
+            if update is not None:
+                recorded["update"] = update
+            write_atomically(incoming / VERSION_FILE, json.dumps(recorded, indent=1) + "\n")
             write_atomically(self.root / name / LAST, f"{number}\n")
             os.rename(incoming, self.root / name / str(number))
             _sync_directory(self.root / name)
@@ -282,6 +286,14 @@ class Repository:
         except BaseException:
             self.discard(incoming)
             raise
+
+    def note_forced(self, name: str, number: int, note: dict) -> None:
+        """Keep in a version's ``version.json`` that it was activated past its update's gate (who asked, when)."""
+        with self.locked(name):
+            path = self.root / name / str(number) / VERSION_FILE
+            recorded = json.loads(path.read_text())
+            recorded.setdefault("update", {}).setdefault("forced", []).append(note)
+            write_atomically(path, json.dumps(recorded, indent=1) + "\n")
 
     def activate(self, name: str, number: int) -> None:
         """Point ``ACTIVE`` at ``number`` and add it to the history."""

@@ -141,7 +141,7 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
             return report
         with report.timed("calibrate"):
             calibration = _out_of_fold_calibration(fit, finished.scores, finished.input_distances,
-                                                   finished.taken_scores)
+                                                   finished.taken_scores, _linked(finished, dict(found.digests)))
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
         with report.timed("write"):
@@ -378,8 +378,18 @@ def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics:
     return finished
 
 
+def _linked(finished: Finished, digest_of: dict[str, int]) -> tuple[tuple[int, float, float, float], ...]:
+    """Each scored picture's digest with its score, input distance and taken score (NaN: none), in score order."""
+    nan = float("nan")
+    inputs = finished.input_distances.tolist() if finished.input_distances is not None else []
+    taken = finished.taken_scores.tolist() if finished.taken_scores is not None else []
+    return tuple((digest_of[name], float(score), inputs[i] if i < len(inputs) else nan, taken[i] if i < len(taken) else nan)
+                 for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist())) if name in digest_of)
+
+
 def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
-                             taken_scores: torch.Tensor | None = None) -> Calibration:
+                             taken_scores: torch.Tensor | None = None,
+                             pictures: tuple[tuple[int, float, float, float], ...] = ()) -> Calibration:
     """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``);
     the input distances of both kept beside them (an earlier file older than format 7 has none), and the images' own
     scores where ``scores`` are their changed copies' (``expect``, which a resume keeps)."""
@@ -394,10 +404,12 @@ def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: to
     if not len(scores) and not earlier:
         raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
                        f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images")
+    earlier_pictures = fit.earlier.pictures if fit.earlier is not None else ()
     try:
         return Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
                                        fit.config.false_alarm_rate, earlier_scores=len(earlier),
-                                       input_distances=input_distances, taken_scores=taken_scores)
+                                       input_distances=input_distances, taken_scores=taken_scores,
+                                       pictures=(*earlier_pictures, *pictures))
     except CalibrationError as error:
         raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
                        "Train on images of different parts or shots, as the line will see them") from None

@@ -17,7 +17,7 @@ from padim.core.version import __version__
 from .errors import install_error_handlers
 from .middleware import BodyGuard, RequestContext
 from .openapi import truthful_openapi
-from .routes import health, metrics, models, score, versions
+from .routes import health, metrics, models, records, score, updates, versions
 from .settings import ServiceSettings, get_settings
 from .state import ServiceState
 
@@ -45,6 +45,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(state.open_record)
         loading = asyncio.create_task(_load(state, on_fatal), name="load-models")
         polling = asyncio.create_task(state.poll(), name="repository-poll") \
             if state.settings.repository_poll_s is not None else None
@@ -65,9 +66,15 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         app.include_router(module.router)
     if settings.admin_key is not None:  # without an admin key the admin routes do not exist (404, not in OpenAPI)
         app.include_router(versions.router)
+    if settings.record_on:  # the record's routes exist only when it is on
+        app.include_router(records.router)
+        app.include_router(updates.jobs)
+        if settings.admin_key is not None:
+            app.include_router(updates.router)
     _add_console(app)
+    any_key = any(k is not None for k in (settings.api_key, settings.admin_key, settings.review_key))
     app.openapi = lambda: truthful_openapi(app, PROTECTED_TAGS, api_key_required=settings.api_key is not None,
-                                           batch_limit=settings.batch_limit())
+                                           batch_limit=settings.batch_limit(), any_key=any_key)
     app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
                        max_discard_bytes=settings.max_discard_bytes,
                        model_uploads=(versions.UPLOAD_PATH, settings.max_model_upload_bytes, settings.model_upload_timeout_s)

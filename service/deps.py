@@ -48,6 +48,31 @@ async def require_api_key(request: Request, settings: Annotated[ServiceSettings,
         raise _unauthorized("API key")
 
 
+async def require_record_reader(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
+                                ) -> None:
+    """Reading the inspection record: any key the service has (scoring, review, admin); open when none is set."""
+    keys = [k for k in (settings.api_key, settings.admin_key, settings.review_key) if k is not None]
+    if not keys:
+        return
+    given = _given_key(request)
+    if not any(_is(given, key) for key in keys):
+        raise _unauthorized("API key")
+
+
+async def require_review_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+    """Reviewing: the review key (``PADIM_REVIEW_KEY``) or the admin key; open when the service has no key at all.
+    The scoring key gets 403."""
+    if settings.api_key is None and settings.admin_key is None and settings.review_key is None:
+        return
+    given = _given_key(request)
+    if _is(given, settings.review_key) or _is(given, settings.admin_key):
+        return
+    if _is(given, settings.api_key):
+        raise ApiError(403, "forbidden", "the API key scores and reads the record; reviewing needs PADIM_REVIEW_KEY "
+                       "or the admin key")
+    raise _unauthorized("review key")
+
+
 async def require_admin_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
     """The admin key (``PADIM_ADMIN_KEY``); the scoring key gets 403, any other or none 401."""
     given = _given_key(request)
@@ -61,3 +86,5 @@ async def require_admin_key(request: Request, settings: Annotated[ServiceSetting
 StateDep = Annotated[ServiceState, Depends(get_state)]
 ApiKey = Depends(require_api_key)
 AdminKey = Depends(require_admin_key)
+RecordReader = Depends(require_record_reader)
+ReviewKey = Depends(require_review_key)

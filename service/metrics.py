@@ -43,6 +43,26 @@ class Metrics:
                                      registry=self.registry)
         self.threshold_overrides = Counter("padim_threshold_overrides_total", "images scored for requests that set "
                                            "their own threshold", ["model"], registry=self.registry)
+        # the inspection record (padim.service.record): rows on their way to the database, pictures kept
+        self.record_rows = Counter("padim_record_rows_total", "rows of the inspection record, by outcome: journaled "
+                                   "(durable on disk), committed (in the database), refused (not durable: the journal "
+                                   "was full or its disk failed)", ["outcome"], registry=self.registry)
+        self.record_rows_waiting = Gauge("padim_record_rows_waiting", "rows in the journal that the database does not "
+                                         "have yet", registry=self.registry)
+        self.record_journal_bytes = Gauge("padim_record_journal_bytes", "bytes of those rows in the journal (bounded "
+                                          "by PADIM_RECORD_JOURNAL_MAX_BYTES)", registry=self.registry)
+        self.record_database_up = Gauge("padim_record_database_up", "1 when the last write to the record's database "
+                                        "succeeded", registry=self.registry)
+        self.record_picture_bytes = Gauge("padim_record_picture_bytes", "bytes of stored pictures, by kind: pinned "
+                                          "(reviewed or learned from: never evicted), flagged, passed", ["kind"],
+                                          registry=self.registry)
+        self.record_evicted = Counter("padim_record_pictures_evicted_total", "pictures removed by retention or the "
+                                      "byte budget (their rows stay)", registry=self.registry)
+        self.reviews = Counter("padim_reviews_total", "reviews of recorded pictures, by label", ["model", "label"],
+                               registry=self.registry)
+        self.update_jobs = Counter("padim_update_jobs_total", "model updates from reviews, by outcome: succeeded, "
+                                   "failed; gate_failed when the new version lost recall", ["model", "outcome"],
+                                   registry=self.registry)
         # ... and the monitor's reading of its window (per process; padim.core.drift), set when scraped
         self.normal_flag_rate = Gauge("padim_model_normal_flag_rate", "the most normal images would be flagged: the "
                                       "calibration's false-alarm bound", ["model"], registry=self.registry)

@@ -33,6 +33,8 @@ class ScoreResult(BaseModel):
                                 "nears or passes the threshold, with the outline of the area at or above it; at the "
                                 "image's size (at most PADIM_HEATMAP_MAX_SIDE a side)")
     mask: str | None = Field(None, description="PNG, base64: white where at or above the threshold (mask=true)")
+    record_id: str | None = Field(None, description="the picture's row in the inspection record (when the record is on: "
+                                  "GET /records/{id}; a review refers to it)")
 
 
 class ScoreResponse(ScoreResult):
@@ -148,6 +150,9 @@ class VersionInfo(BaseModel):
     loaded: bool = Field(description="in memory now (the active version, and replaced ones still answering)")
     calibration: dict | None = Field(description="the calibration summary its file records: method, threshold, "
                                      "false_alarm_rate, promised_false_alarm_rate, false_alarm_bound, scores, ...")
+    update: dict | None = Field(None, description="a version made by an update from reviews (POST "
+                                "/models/{name}/update): base_version, learned_from and removed (record ids), the "
+                                "gate (recall and false alarms, old against new), job, forced activations")
 
 
 class VersionsResponse(BaseModel):
@@ -165,6 +170,7 @@ class VersionChange(BaseModel):
     source: str
     kind: Literal["model", "export"]
     active: bool = Field(description="whether it is the active version now")
+    update: dict | None = None
 
 
 class ModelsResponse(BaseModel):
@@ -252,3 +258,117 @@ class ReadyResponse(BaseModel):
     status: str = Field(description="`ready`, or `not_ready` (with status 503)")
     models: list[str] | None = Field(None, description="the served models, when ready")
     reason: str | None = Field(None, description="`loading`, `draining` or `failed: ...`, when not ready")
+
+
+class ReviewInfo(BaseModel):
+    """One review of a recorded picture (every one is kept; the latest is the record's label)."""
+
+    id: int
+    time: str = Field(description="ISO 8601, UTC")
+    label: Literal["normal", "defect"]
+    defect_type: str | None
+    note: str | None
+    reviewer: str | None
+
+
+class RecordRow(BaseModel):
+    """One scored picture, as the inspection record keeps it."""
+
+    id: str = Field(description="32 hex digits; ids sort by time")
+    time: str = Field(description="when it was scored (ISO 8601, UTC)")
+    model: str
+    version: int = Field(description="the version that scored and judged it")
+    raw_score: float
+    score: float
+    threshold: float = Field(description="the threshold the request used, on the 0..1 scale")
+    raw_threshold: float | None
+    is_anomaly: bool
+    anomalous_area: float
+    input_distance: float | None
+    width: int = Field(description="the picture's width as sent (EXIF orientation applied)")
+    height: int
+    sha256: str = Field(description="sha256 of the picture's bytes as sent (the stored picture's name)")
+    picture_bytes: int
+    fields: dict[str, str] = Field(description="the client's own fields (part, line, station, camera, ...)")
+    part: str | None
+    source: str = Field(description="http, or a line source")
+    sampled: bool = Field(description="a passed picture drawn into the review queue (PADIM_REVIEW_SAMPLE)")
+    label: Literal["normal", "defect"] | None = Field(description="the latest review's label; null: not reviewed")
+    reviewed_at: str | None
+
+
+class RecordDetail(RecordRow):
+    reviews: list[ReviewInfo] = Field(description="every review, oldest first")
+    picture_kept: bool = Field(description="the picture is stored (false once evicted; the row stays)")
+    picture_pinned: bool = Field(description="reviewed or learned from: never evicted")
+
+
+class RecordsPage(BaseModel):
+    records: list[RecordRow] = Field(description="newest first")
+    next: str | None = Field(description="the cursor of the next (older) page: pass it as cursor=; null at the end")
+
+
+class ReviewRequest(BaseModel):
+    """What an operator says of a recorded picture."""
+
+    model_config = {"extra": "forbid"}
+
+    label: Literal["normal", "defect"] = Field(description="normal: a false alarm (or a right pass), which an update "
+                                               "may learn from; defect: a real defect (or a miss)")
+    defect_type: str | None = Field(None, max_length=64, description="scratch, stain, hole, ... (free text)")
+    note: str | None = Field(None, max_length=2000)
+    reviewer: str | None = Field(None, max_length=128, description="who reviewed it")
+
+
+class RecordStorage(BaseModel):
+    """What the record holds on disk, against its budget (``GET /records/storage``)."""
+
+    database: Literal["sqlite", "postgresql"]
+    database_up: bool | None = Field(description="whether the last write to the database succeeded (null: none yet)")
+    required: bool = Field(description="PADIM_RECORD_REQUIRED")
+    rows: int = Field(description="rows in the database")
+    rows_waiting: int = Field(description="rows in the journal the database does not have yet")
+    journal_bytes: int
+    journal_max_bytes: int
+    max_bytes: int = Field(description="PADIM_RECORD_MAX_BYTES: the pictures' budget")
+    retention_days: float
+    flagged_retention_days: float
+    pictures: int = Field(description="pictures stored")
+    bytes: int = Field(description="their bytes")
+    pinned_pictures: int = Field(description="reviewed or learned from: never evicted, whatever the budget says")
+    pinned_bytes: int
+    flagged_pictures: int
+    flagged_bytes: int
+    passed_pictures: int
+    passed_bytes: int
+    evicted_pictures: int = Field(description="pictures removed by retention or the budget (their rows stay)")
+
+
+class UpdateRequest(BaseModel):
+    """``POST /models/{name}/update``: which pictures the new version learns from."""
+
+    model_config = {"extra": "forbid"}
+
+    records: list[str] | None = Field(None, max_length=10_000, description="record ids to add (each reviewed as "
+                                      "normal); default: every picture of the model reviewed as normal that the "
+                                      "version has not fitted")
+    version: int | None = Field(None, ge=1, description="the version to update; default the active one")
+
+
+class JobInfo(BaseModel):
+    """A model update and how far it got (``GET /jobs/{id}``)."""
+
+    id: str
+    model: str
+    base_version: int = Field(description="the version it updates")
+    state: Literal["queued", "running", "succeeded", "failed"]
+    phase: str = Field(description="queued, remove, add, gate, commit, activate, done")
+    progress: float = Field(description="0..1")
+    created: str
+    started: str | None
+    finished: str | None
+    request: dict
+    result: dict | None = Field(description="once succeeded: the new version, what it learned (record ids), the "
+                                "gate (recall on reviewed defects and false alarms, old against new) and whether it "
+                                "was activated")
+    error: str | None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -86,6 +87,34 @@ class ServiceSettings(BaseSettings):
     monitor_level: float = Field(0.01, gt=0, lt=1, description="level of each monitor test (flag rate, score drift, "
                                  "input drift): an alarm when its p-value is below this")
     monitor_min_images: int = Field(30, ge=1, description="images in the window before the monitor's tests are read")
+    record_dir: Path | None = Field(None, description="keep the inspection record here: a row for every scored picture "
+                                    "and the picture's bytes as sent (docs/record.md); SQLite in this folder unless "
+                                    "PADIM_RECORD_URL names a database. Off when neither is set")
+    record_url: SecretStr | None = Field(None, description="the record's database for several replicas: "
+                                         "postgresql://user:password@host/db (pictures and the journal stay in "
+                                         "PADIM_RECORD_DIR, by default $XDG_DATA_HOME/padim/record)")
+    record_max_bytes: int = Field(10_000_000_000, ge=0, description="bytes of stored pictures; past it the oldest "
+                                  "passed pictures are evicted first, then flagged ones (rows stay; reviewed and "
+                                  "learned-from pictures are never evicted)")
+    record_retention_days: float = Field(30.0, gt=0, description="passed pictures are evicted after this many days")
+    record_flagged_retention_days: float = Field(90.0, gt=0, description="flagged pictures are evicted after this "
+                                                 "many days")
+    record_required: bool = Field(False, description="a score fails with 503 record_unavailable instead of answering "
+                                  "when its row cannot be made durable (the journal is full, or its disk failed): "
+                                  "for lines that must trace every part")
+    record_journal_max_bytes: int = Field(1_000_000_000, ge=1, description="rows waiting for the database (down or "
+                                          "slow) are kept in an on-disk journal of at most this many bytes (about "
+                                          "600 bytes a row)")
+    record_timeout_s: float = Field(10.0, gt=0, description="with PADIM_RECORD_REQUIRED, how long a score waits for "
+                                    "its row to be durable before it answers 503")
+    review_sample: float = Field(0.02, ge=0, le=1, description="share of passed pictures put in the review queue "
+                                 "beside the flagged ones (misses are found only there)")
+    review_key: SecretStr | None = Field(None, description="reviews recorded pictures (POST /records/{id}/review) and "
+                                         "reads the record, without the admin key's power over models")
+    update_max_recall_drop: float = Field(0.02, ge=0, le=1, description="an updated version (POST "
+                                          "/models/{name}/update) whose recall on reviewed defects falls by more "
+                                          "than this share (and by more than one defect) is not activated without "
+                                          "force=true")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -97,9 +126,23 @@ class ServiceSettings(BaseSettings):
         if self.repository is not None and (self.models or self.model_dir is not None):
             raise ValueError("serve either a repository (PADIM_REPOSITORY) or a fixed set of models (PADIM_MODELS, "
                              "PADIM_MODEL_DIR), not both")
+        keys = {name: key.get_secret_value() for name, key in (("PADIM_API_KEY", self.api_key),
+                ("PADIM_ADMIN_KEY", self.admin_key), ("PADIM_REVIEW_KEY", self.review_key)) if key is not None}
+        if self.review_key is not None and list(keys.values()).count(keys["PADIM_REVIEW_KEY"]) > 1:
+            raise ValueError("PADIM_REVIEW_KEY must differ from PADIM_API_KEY and PADIM_ADMIN_KEY")
         if self.repository_poll_s is not None and self.repository is None:
             raise ValueError("PADIM_REPOSITORY_POLL_S needs PADIM_REPOSITORY")
         return self
+
+    @property
+    def record_on(self) -> bool:
+        return self.record_dir is not None or self.record_url is not None
+
+    def record_folder(self) -> Path:
+        """The record's folder: PADIM_RECORD_DIR, or with a database URL alone $XDG_DATA_HOME/padim/record."""
+        if self.record_dir is not None:
+            return self.record_dir
+        return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "padim" / "record"
 
     def pixel_budget(self) -> int:
         return self.decode_pixel_budget or 2 * self.max_image_pixels

@@ -35,6 +35,7 @@ from padim.models.errors import (
     NonFiniteScoreError,
     ReadOnlyModels,
     UnservableModel,
+    UpdateGateFailed,
     UsageError,
     VersionActive,
     VersionNotFound,
@@ -43,7 +44,7 @@ from padim.models.errors import (
 from padim.models.features.embedding import TRACING
 from padim.models.model_file import served_bytes
 from padim.models.heatmaps import mask_image, overlay
-from padim.models.repository import Repository, Version, check_model, model_path_in
+from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 from padim.models.scorer import Scorer
 from padim.models.verdicts import verdict
 
@@ -51,8 +52,12 @@ from .batching import MicroBatcher
 from .errors import ApiError, api_error
 from .metrics import Metrics
 from .monitor import Monitor
+from .record.recorder import Recorder
+from .record.rows import make_row
+from .record.store import RecordStore, database_url
 from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
+from .updates import UpdateJobs
 
 log = logging.getLogger("padim.service")
 
@@ -260,6 +265,26 @@ class ServiceState:
         self.pixels = PixelBudget(settings.pixel_budget())
         self._changing: dict[str, asyncio.Lock] = {}
         self._closing: set[asyncio.Task] = set()
+        self.record: Recorder | None = None  # the inspection record (PADIM_RECORD_DIR / PADIM_RECORD_URL)
+        # model updates (POST /models/{name}/update): one thread, so one update runs at a time beside scoring
+        self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-update")
+        self.jobs = UpdateJobs(self)
+        self.side: dict[tuple[str, int], Scorer] = {}  # a version that is not served, loaded to draw a record's heat map
+
+    def open_record(self) -> None:
+        """Start the inspection record when it is on (its database is brought up to date by its writer thread)."""
+        settings = self.settings
+        if not settings.record_on:
+            return
+        folder = settings.record_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        url = settings.record_url.get_secret_value() if settings.record_url is not None else None
+        store = RecordStore(database_url(url, folder))
+        self.record = Recorder(folder, store, settings.record_journal_max_bytes, settings.record_max_bytes,
+                               settings.record_retention_days, settings.record_flagged_retention_days, self.metrics)
+        self.record.start()
+        log.info("inspection record on", extra={"folder": str(folder), "database": store.kind,
+                                                "required": settings.record_required})
 
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
@@ -394,6 +419,9 @@ class ServiceState:
             await model.batcher.stop()
         for task in list(self._closing):
             task.cancel()
+        self.updates.shutdown(wait=True, cancel_futures=True)
+        if self.record is not None:
+            await asyncio.to_thread(self.record.close)
         self.inference.shutdown(wait=True)
         self.loader.shutdown(wait=True)
         self.decode.shutdown(wait=True)
@@ -462,15 +490,24 @@ class ServiceState:
             self.metrics.model_changes.labels(name, "upload").inc()
         return {**committed.to_dict(), "active": activate}
 
-    async def activate(self, name: str, number: int, rollback: bool = False) -> dict:
+    async def activate(self, name: str, number: int, rollback: bool = False, force: bool = False) -> dict:
         """Load version ``number`` beside the active one, point the repository at it, then swap.
 
-        With ``rollback``, the version is the one active before the current (409 when none)."""
+        With ``rollback``, the version is the one active before the current (409 when none). A version made by an
+        update whose gate failed is refused (409 update_gate_failed) unless ``force``, which its ``version.json``
+        then keeps."""
         repository = self.writable()
         async with self.changing(name):
             if rollback:
                 number = repository.previous(name)
             version = repository.version(name, number)
+            gate = (version.update or {}).get("gate") or {}
+            if not rollback and gate.get("passed") is False:
+                if not force:
+                    raise UpdateGateFailed(f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; "
+                                           "activate it with force=true to override (it is kept in its version.json)")
+                await asyncio.to_thread(repository.note_forced, name, number, {"time": utc_now(), "gate": gate.get("why")})
+                log.warning("version activated past its gate", extra={"model": name, "version": number})
             current = self.models.get(name)
             if current is not None and current.version == number:
                 await asyncio.to_thread(repository.activate, name, number)  # served already: the pointer only
@@ -593,6 +630,62 @@ class ServiceState:
             self.metrics.scores.labels(model.name, version).observe(result["score"])
         if own_threshold:
             self.metrics.threshold_overrides.labels(model.name).inc(len(results))
+
+    def keep(self, model: ServedModel, datas: list[bytes], digests: list[str], fields: list[dict], scored: list[tuple],
+             results: list[dict], pictures: list[tuple[int, int]]) -> list:
+        """Hand each answered picture's row and bytes to the record (never waits); each result gets its row's id.
+        Returns the rows' futures, resolved once each row is durable."""
+        assert self.record is not None
+        futures = []
+        for data, digest, field_map, (_, _, distance), result, picture in zip(datas, digests, fields, scored, results,
+                                                                              pictures):
+            row = make_row(model.name, model.version, result, distance, picture, digest, len(data), field_map,
+                           self.settings.review_sample)
+            result["record_id"] = row["id"]
+            futures.append(self.record.submit(row, data))
+        return futures
+
+    async def heatmap_of(self, name: str, version: int, data: bytes, threshold: float) -> dict:
+        """A recorded picture's result with its heat map, from the version that scored it: the served one when it is
+        loaded, else that version read from the repository (the last one so read is kept for the next request).
+
+        Raises:
+            RecordGone: the version was deleted (or the model is no longer served from a fixed set).
+        """
+        loaded = next((m for m in [*self.models.values(), *self.retired]
+                       if m.name == name and m.version == version and m.detector is not None), None)
+        loop = asyncio.get_running_loop()
+        if loaded is not None:
+            with self.using(loaded) as served:
+                return await self._draw(served, data, threshold, loop)
+        if self.repository is None:
+            raise RecordGone(f"version {version} of {name!r} is not served any more (a fixed set of models); its "
+                             "heat maps cannot be drawn again")
+        try:
+            path = (await asyncio.to_thread(self.repository.version, name, version)).path
+        except (VersionNotFound, UsageError):
+            raise RecordGone(f"version {version} of {name!r} was deleted from the repository, so its heat maps cannot "
+                             "be drawn again; the record keeps its row and picture") from None
+        key = (name, version)
+        detector = self.side.get(key)
+        if detector is None:
+            self._check_memory(path)
+            detector = await loop.run_in_executor(self.loader, load_scorer, path, "torch", self.settings.device)
+            self.side = {key: detector}  # one at a time: the last asked for
+        side = ServedModel(name, path, "", detector, None, 0.0, None, version=version)  # type: ignore[arg-type]
+        return await self._draw(side, data, threshold, loop, executor=self.loader)
+
+    async def _draw(self, served: ServedModel, data: bytes, threshold: float, loop, executor=None) -> dict:
+        decoded = await loop.run_in_executor(self.decode, self.decode_image, served, data, True)
+        batch = decoded.tensor.unsqueeze(0)
+        if executor is None:
+            scored = await loop.run_in_executor(self.inference, self.score, served, batch)
+        else:
+            scored = await loop.run_in_executor(executor, served.score_batch, batch)
+        raw, anomaly_map, _ = scored[0]
+        own = None if abs(threshold - 0.5) < 1e-12 else threshold
+        return await loop.run_in_executor(self.decode, self.build_result, served, decoded, raw, anomaly_map, own, True,
+                                          False)
 
     # ----------------------------------------------------------------- requests
     def model(self, name: str | None) -> ServedModel:

@@ -21,7 +21,9 @@ Standard library only: the setup script runs it before anything is installed.
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -76,6 +78,30 @@ def _browser() -> str | None:
     return None
 
 
+def postgres_bin() -> str | None:
+    """The folder of PostgreSQL's server programs: ``PADIM_TEST_POSTGRES_BIN``, else Debian's newest
+    ``/usr/lib/postgresql/N/bin`` (not on PATH)."""
+    given = os.environ.get("PADIM_TEST_POSTGRES_BIN")
+    if given:
+        return given
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0)
+    return os.path.dirname(found[-1]) if found else None
+
+
+def _postgres() -> str | None:
+    folder = postgres_bin()
+    if folder is None or not os.path.exists(os.path.join(folder, "initdb")):
+        return "no PostgreSQL server programs (initdb, pg_ctl in /usr/lib/postgresql/N/bin)"
+    if os.geteuid() == 0:  # the server refuses root: it runs as Debian's `postgres` user
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "no unprivileged `postgres` user to run the server as"
+        if shutil.which("runuser") is None:
+            return "no `runuser` to start the server as the `postgres` user"
+    return None
+
+
 def _promtool() -> str | None:
     return None if shutil.which("promtool") else "no `promtool` (Prometheus' rule checker)"
 
@@ -100,6 +126,8 @@ COMPONENTS = {c.marker: c for c in (
     Component("browser", "drives the inspection console in headless Chromium with chromedriver",
               ("chromium", "chromium-driver"), _browser),
     Component("promtool", "checks the Prometheus alerting rules with promtool", ("prometheus",), _promtool),
+    Component("postgres", "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",
+              ("postgresql",), _postgres),
 )}
 
 

@@ -65,3 +65,21 @@ def server(model_file, tmp_path_factory):
     """A real `padim serve` process (uvicorn) on 127.0.0.1 serving ``model_file``."""
     with running_server(tmp_path_factory.mktemp("server"), [model_file]) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """A throwaway PostgreSQL cluster (tests/postgres.py) for the whole run; each test takes a database of its own."""
+    import postgres
+
+    cluster = postgres.Cluster()
+    yield cluster
+    cluster.remove()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def record_url(request) -> str | None:
+    """The record's database: ``None`` (SQLite in the record's folder, the default) or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return None
+    return request.getfixturevalue("postgres_cluster").new_database()

@@ -25,7 +25,8 @@ def register(commands) -> None:
         "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
         "/docs. "
         f"Flags override PADIM_* environment variables ({settings_names()}; see docs/http-api.md). "
-        "The API key is read from PADIM_API_KEY only, and the admin key from PADIM_ADMIN_KEY only, never from a flag.",
+        "The API key is read from PADIM_API_KEY only, the admin key from PADIM_ADMIN_KEY only and the review key from "
+        "PADIM_REVIEW_KEY only, never from a flag.",
     )
     serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",
                        help="model files (padim train) or export directories (padim export)")
@@ -36,6 +37,10 @@ def register(commands) -> None:
                        help="serve a model repository (DIR/NAME/N/; see `padim repository --help`): each model's active "
                        "version; with PADIM_ADMIN_KEY set, versions are uploaded, activated and rolled back over HTTP "
                        "without a restart (docs/deployment.md)")
+    serve.add_argument("--record", type=Path, metavar="DIR", dest="record_dir",
+                       help="keep the inspection record in DIR: a row for every scored picture and the picture as "
+                       "sent, for review and for updates that learn from it (SQLite there unless PADIM_RECORD_URL "
+                       "names PostgreSQL; docs/record.md)")
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
     serve.add_argument("--port", type=int, help="default 8000")
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet and args.log_level is None:
         args.log_level = "warning"
     flags = {k: getattr(args, k) for k in ("models", "model_dir", "repository", "default_model", "host", "port", "device",
-                                           "runtime", "max_batch_size", "max_delay_ms", "log_level")}
+                                           "runtime", "max_batch_size", "max_delay_ms", "log_level", "record_dir")}
     try:
         settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from typing import Annotated
 
@@ -10,10 +11,13 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from padim.models.errors import RecordUnavailable
+
 from ..batching import Admission
 from ..deps import ApiKey, StateDep
 from ..errors import CLIENT_CLOSED, ApiError
 from ..openapi import error_responses
+from ..record.rows import InvalidFields, parse_fields
 from ..schemas import BatchResponse, ScoreResponse
 from ..state import ServedModel, ServiceState
 
@@ -29,6 +33,7 @@ def _image_body(many: bool) -> dict:
         # maxItems: the batch limit, a setting; filled in by service.openapi
         "file": {"type": "array", "items": file_schema, "minItems": 1} if many else file_schema,
         "heatmap": {"type": "boolean"}, "mask": {"type": "boolean"}, "threshold": {"type": "number", "minimum": 0, "maximum": 1},
+        "fields": {"type": "string", "description": FIELDS_HELP},
     }
     content = {"multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": ["file"]}}}
     if not many:  # the raw image as the body; its format is read from its bytes, not the content type
@@ -36,6 +41,11 @@ def _image_body(many: bool) -> dict:
         content["application/octet-stream"] = {"schema": file_schema}
     return {"requestBody": {"required": True, "content": content}}
 
+
+FIELDS_HELP = ('the client\'s own fields, kept in the inspection record with the verdict: a JSON object of up to 16 '
+               'names (lower-case letters, digits, _) to strings, e.g. {"part": "A-1234", "line": "3", "station": "2", '
+               '"camera": "top"}; for /score/batch an object for every file or a list of one per file, in order. Also '
+               'as the X-Padim-Fields header (for a raw image body)')
 
 ERRORS = error_responses(404, 408, 413, 415, 422, 500, 503, 504)
 
@@ -79,19 +89,50 @@ async def _score(request: Request, state: ServiceState, name: str | None, heatma
         heatmap = form_options.get("heatmap", heatmap)
         mask = form_options.get("mask", mask)
         threshold = form_options.get("threshold", threshold)
+        recording = state.record is not None and monitor
+        if recording:
+            try:
+                fields = parse_fields(form_options.get("fields", request.headers.get("x-padim-fields")),
+                                      len(datas) if many else None)
+            except InvalidFields as error:
+                raise ApiError(422, "invalid_fields", str(error)) from None
+            loop = asyncio.get_running_loop()
+            digests = await asyncio.gather(*[loop.run_in_executor(state.decode, _sha256, d) for d in datas])
         with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-            scored, results = await _score_images(request, state, served, datas, admission, threshold, heatmap, mask)
+            scored, results, pictures = await _score_images(request, state, served, datas, admission, threshold,
+                                                            heatmap, mask)
         if monitor:
             state.observe(served, scored, results, own_threshold=threshold is not None)
+        if recording:
+            futures = state.keep(served, datas, digests, fields if many else [fields], scored, results, pictures)
+            if state.settings.record_required:
+                await _durable(futures, state.settings.record_timeout_s)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
         return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
     return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def _durable(futures, timeout_s: float) -> None:
+    """Wait until every row is durable (PADIM_RECORD_REQUIRED); 503 record_unavailable when one cannot be."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]), timeout_s)
+    except TimeoutError:
+        raise RecordUnavailable(f"the record did not make this picture's row durable within {timeout_s:g} s "
+                                "(PADIM_RECORD_TIMEOUT_S); PADIM_RECORD_REQUIRED withholds the verdict") from None
+    except Exception as error:  # the journal is full, or its disk failed
+        raise RecordUnavailable(f"the inspection record cannot keep this picture's row ({error}); "
+                                "PADIM_RECORD_REQUIRED withholds the verdict until it can") from None
+
+
 async def _score_images(request: Request, state: ServiceState, served: ServedModel, datas: list[bytes],
-                        admission: Admission, threshold, heatmap, mask) -> tuple[list[tuple], list[dict]]:
-    """``[(raw_score, map, input_distance)]`` and the result of each image.
+                        admission: Admission, threshold, heatmap, mask
+                        ) -> tuple[list[tuple], list[dict], list[tuple[int, int]]]:
+    """``[(raw_score, map, input_distance)]``, the result of each image, and each picture's size as sent.
 
     A client that disconnects while its images wait for a batch takes them out of the queue (the
     batcher skips cancelled ones), so that it costs no batch; its request is logged as 499.
@@ -99,7 +140,6 @@ async def _score_images(request: Request, state: ServiceState, served: ServedMod
     loop = asyncio.get_running_loop()
     decoded = await asyncio.gather(*[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap)
                                      for d in datas])
-    del datas  # the encoded bytes are not needed any more
     futures = []
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -124,7 +164,7 @@ async def _score_images(request: Request, state: ServiceState, served: ServedMod
         loop.run_in_executor(state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
         for image, (raw, anomaly_map, _) in zip(decoded, scored)
     ]))
-    return scored, results
+    return scored, results, [image.picture for image in decoded]
 
 
 async def _disconnected(request: Request) -> None:
@@ -185,6 +225,9 @@ def _form_options(form) -> dict:
             if value not in ("true", "false"):  # the JSON spellings, as the schema says
                 raise ApiError(422, "invalid_parameter", f"{key}: expected true or false, got {value!r}")
             options[key] = value == "true"
+    value = form.get("fields")
+    if isinstance(value, str):
+        options["fields"] = value
     value = form.get("threshold")
     if isinstance(value, str):
         try:

@@ -98,9 +98,10 @@ async def _receive(request: Request, path: Path) -> tuple[str, int]:
              "one, then swapped in; requests already admitted finish on the version that admitted them",
              responses=error_responses(403, 404, 409, 422, 503, 507))
 async def activate(name: str, version: int, state: StateDep,
-                   force: Annotated[bool, Query(description="reserved: activate past the learning gate "
-                                                "(no gate exists yet; accepted and ignored)")] = False) -> VersionChange:
-    return VersionChange(model=name, **await state.activate(name, version))
+                   force: Annotated[bool, Query(description="activate a version made by an update even though its gate "
+                                                "found recall fell by more than PADIM_UPDATE_MAX_RECALL_DROP (kept in "
+                                                "its version.json)")] = False) -> VersionChange:
+    return VersionChange(model=name, **await state.activate(name, version, force=force))
 
 
 @router.post("/{name}/rollback", summary="serve the version that was active before the current one (409 when none)",

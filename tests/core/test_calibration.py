@@ -213,3 +213,23 @@ def test_the_scores_of_images_as_taken_travel_beside_their_changed_copies_and_se
         Calibration.from_scores(copies, 0.01, taken_scores=own[:3])
     plain = Calibration.from_scores(copies, 0.01)
     assert plain.taken_scores == () and plain.reference_scores == plain.scores
+
+
+def test_without_a_picture_equals_the_calibration_of_the_others():
+    """A picture's score, input distance and taken score go together; the threshold is set again from the rest."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand(60, generator=generator, dtype=torch.float64) * 10 + 10
+    inputs = torch.rand(60, generator=generator, dtype=torch.float64)
+    taken = scores - 1
+    pictures = tuple((1000 + i, float(scores[i]), float(inputs[i]), float(taken[i])) for i in range(60))
+    whole = Calibration.from_scores(scores, 0.05, input_distances=inputs, taken_scores=taken, pictures=pictures)
+    without, found = whole.without({1003, 1059, 4242})
+    keep = [i for i in range(60) if i not in (3, 59)]
+    expected = Calibration.from_scores(scores[keep], 0.05, input_distances=inputs[keep], taken_scores=taken[keep],
+                                       pictures=tuple(p for p in pictures if p[0] not in (1003, 1059)))
+    assert found == 2 and without == expected and without.count == 58
+    assert whole.without(set()) == (whole, 0)
+    # a manual threshold is kept; scores of unlinked pictures (older files) stay
+    manual, _ = whole.with_threshold(15.0).without({1003})
+    assert manual.threshold == 15.0 and manual.count == 59 and manual.method == "manual"
+    assert Calibration.from_scores(scores, 0.05).without({1003}) == (Calibration.from_scores(scores, 0.05), 0)

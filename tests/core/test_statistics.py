@@ -8,6 +8,7 @@ from padim.core.statistics import (
     GaussianAccumulator,
     NotPositiveDefiniteError,
     batch_state,
+    update_state_,
     covariance,
     finalise,
     merge_states,
@@ -153,3 +154,31 @@ def test_comoment_is_the_packed_lower_triangle_of_the_square():
     assert state.comoment.shape == (3, 15)
     torch.testing.assert_close(state.comoment, pack_lower(square))
     torch.testing.assert_close(unpack_lower(state.comoment, 5, symmetric=True), square)
+
+
+@pytest.mark.parametrize("removed", [1, 3])
+def test_downdate_equals_a_fit_without_the_rows(removed):
+    """Removing rows leaves the statistics of the others (float64 numpy reference), whatever was added first."""
+    from padim.core.statistics import downdate_state_
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(25, 6, 5, generator=generator, dtype=torch.float64) * 3 + 100  # a large offset too
+    state = batch_state(x[:11])
+    update_state_(state, x[11:])
+    gone = [2, 17, 24][:removed]
+    downdate_state_(state, x[gone])
+    kept = np.delete(x.numpy(), gone, axis=0)
+    assert int(state.count) == 25 - removed
+    np.testing.assert_allclose(state.mean.numpy(), kept.mean(0), rtol=1e-12)
+    reference = np.stack([np.cov(kept[:, p].T) for p in range(6)])
+    np.testing.assert_allclose(covariance(state).numpy(), reference, rtol=1e-9, atol=1e-9)
+
+
+def test_downdate_refuses_to_leave_fewer_than_two_rows_or_a_wrong_shape():
+    from padim.core.statistics import downdate_state_
+
+    x = torch.randn(3, 2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fewer than 2"):
+        downdate_state_(batch_state(x), x[:2])
+    with pytest.raises(ValueError, match="cannot remove"):
+        downdate_state_(batch_state(x), torch.zeros(1, 3, 2, dtype=torch.float64))

@@ -351,7 +351,7 @@ def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(im
     declared = fit_detector(CONFIG.replace(expect="typical", fit_changes=True), images, progress=False)[0]
     save_detector(declared, tmp_path / "declared.padim", with_statistics=True)
     _, header = load_artifact(tmp_path / "declared.padim")
-    assert header["format_version"] == FORMAT_VERSION == 8
+    assert header["format_version"] == FORMAT_VERSION == 9
     assert header["config"]["expect"] == str(Expected.parse("typical")) and header["config"]["fit_changes"] is True
     loaded = load_detector(tmp_path / "declared.padim", device="cpu")
     assert loaded.config.expected == Expected.parse("typical") and loaded.describe()["calibration"]["fit_changes"]

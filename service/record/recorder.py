@@ -1,0 +1,278 @@
+"""From scoring to the database without making scoring wait: the record's two writer threads.
+
+1. **journal writer**: takes the rows scoring hands it (:meth:`Recorder.submit`, which never blocks), stores
+   their pictures (once per content), and appends the rows to the journal in groups: one ``write`` and one
+   ``fsync`` for every row that arrived meanwhile. A row is *durable* once that ``fsync`` returns; its future
+   is then resolved (``PADIM_RECORD_REQUIRED`` waits for it).
+2. **database writer**: reads the journal on from what the database has, inserts up to :data:`DB_BATCH` rows
+   in one transaction, and moves the journal's ``COMMITTED`` on. While the database is down or slow it retries
+   with back-off; the rows wait in the journal (bounded: ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed
+   when it is back, and again after a restart. It also evicts pictures past their retention or the budget.
+
+**What a kill -9 can lose**: rows handed to the journal writer and not yet fsynced: at most the rows of the
+requests being answered at that moment (the journal writer's queue, bounded by :data:`QUEUE_ROWS`; it is
+emptied every few milliseconds). Without ``PADIM_RECORD_REQUIRED`` those requests may already have their
+answer; with it, no request is answered before its row is durable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from .journal import Journal, JournalFull
+from .pictures import PictureStore, sync_directories
+from .store import RecordStore
+
+log = logging.getLogger("padim.record")
+
+#: Rows inserted in one database transaction.
+DB_BATCH = 500
+#: Rows waiting for the journal writer; past this a row is refused at once (counted, or 503 when required).
+QUEUE_ROWS = 10_000
+#: Rows of one group commit at most.
+GROUP_ROWS = 1000
+#: Seconds between evictions (and after a start).
+EVICT_EVERY_S = 30.0
+#: A picture stored again (scored again) within this many seconds is not evicted meanwhile.
+SPARE_RECENT_S = 600.0
+DAY = 86400.0
+
+
+@dataclass
+class Entry:
+    row: dict
+    picture: bytes | None  # None: stored already (a re-score of the same content)
+    future: concurrent.futures.Future
+
+
+class Recorder:
+    """The journal, the pictures and the database of one record, with the threads between them.
+
+    Args:
+        folder: the record's folder (``journal/``, ``pictures/``, and ``record.sqlite`` without a URL).
+        store: the database.
+        metrics: the service's :class:`~padim.service.metrics.Metrics` (or ``None``).
+    """
+
+    def __init__(self, folder: Path, store: RecordStore, journal_max_bytes: int, max_bytes: int,
+                 retention_days: float, flagged_retention_days: float, metrics=None):
+        self.folder = Path(folder)
+        self.store = store
+        self.journal = Journal(self.folder / "journal", journal_max_bytes)
+        self.pictures = PictureStore(self.folder / "pictures")
+        self.max_bytes, self.retention_days, self.flagged_retention_days = max_bytes, retention_days, flagged_retention_days
+        self.metrics = metrics
+        self.queue: queue.Queue[Entry] = queue.Queue(QUEUE_ROWS)
+        self.database_up: bool | None = None
+        self.waiting = self.journal.waiting_rows()  # rows in the journal the database does not have
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self.ready = threading.Event()  # the database's schema is up to date
+        self._appended = threading.Event()
+        self._lock = threading.Lock()
+        self._next_eviction = 0.0
+        self._pending = 0  # rows handed in and not yet journaled (or refused)
+        self._threads = [threading.Thread(target=self._journal_loop, name="record-journal", daemon=True),
+                         threading.Thread(target=self._database_loop, name="record-database", daemon=True)]
+        self._show()
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued to the journal, give the database a last chance, and stop."""
+        self._stop.set()
+        self._appended.set()
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join(timeout)
+        self.journal.close()
+        self.store.close()
+
+    # ---------------------------------------------------------------- scoring's side
+    def submit(self, row: dict, picture: bytes) -> concurrent.futures.Future:
+        """Hand a row (and its picture's bytes) to the journal writer; never blocks. The future is resolved once
+        the row is durable, or fails with why it cannot be (:class:`JournalFull`, ``OSError``, ``queue.Full``)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            with self._lock:
+                self._pending += 1
+            self.queue.put_nowait(Entry(row, picture, future))
+        except queue.Full:
+            with self._lock:
+                self._pending -= 1
+            future.set_exception(JournalFull(f"{QUEUE_ROWS} rows are waiting for the journal writer: the disk is "
+                                             "too slow for this load"))
+            self._count("refused")
+        return future
+
+    # ---------------------------------------------------------------- the journal writer
+    def _journal_loop(self) -> None:
+        while True:
+            try:
+                first = self.queue.get(timeout=0.2)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            group = [first]
+            while len(group) < GROUP_ROWS:
+                try:
+                    group.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write_group(group)
+            finally:
+                with self._lock:
+                    self._pending -= len(group)
+
+    def _write_group(self, group: list[Entry]) -> None:
+        lines, folders, ok = [], [], []
+        for entry in group:
+            try:
+                if entry.picture is not None:
+                    written, folder = self.pictures.put(entry.row["sha256"], entry.picture)
+                    if written:
+                        folders.append(folder)
+                entry.picture = None
+                lines.append((json.dumps(entry.row, separators=(",", ":")) + "\n").encode())
+                ok.append(entry)
+            except OSError as error:
+                self._failed([entry], error)
+        if not ok:
+            return
+        try:
+            sync_directories(folders)
+            self.journal.append(lines)
+        except (JournalFull, OSError) as error:
+            self._failed(ok, error)
+            return
+        with self._lock:
+            self.waiting += len(ok)
+        for entry in ok:
+            entry.future.set_result(entry.row["id"])
+        self._count("journaled", len(ok))
+        self._show()
+        self._appended.set()
+
+    def _failed(self, entries: list[Entry], error: Exception) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
+        log.error("record: rows not journaled", extra={"rows": len(entries), "error": self.last_error})
+        for entry in entries:
+            entry.future.set_exception(error)
+        self._count("refused", len(entries))
+
+    # ---------------------------------------------------------------- the database writer
+    def _database_loop(self) -> None:
+        backoff = 0.5
+        migrated = False
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                if not migrated:  # a database down at start is waited for like one that goes away later
+                    self.store.migrate()
+                    if self.store.kind == "sqlite":  # one process owns it: what was running has stopped
+                        self.store.interrupted_jobs()
+                    migrated = True
+                    self.ready.set()
+                rows, position = self.journal.read(self.journal.position, DB_BATCH)
+                if rows:
+                    self.store.insert(rows)
+                    self.journal.commit(position)
+                    with self._lock:
+                        self.waiting = max(0, self.waiting - len(rows))
+                    self._count("committed", len(rows))
+                elif position != self.journal.position:  # a segment passed: remember it
+                    self.journal.commit(position)
+                self._up(True)
+                backoff = 0.5
+                self._evict_when_due()
+                self._show()
+                if rows:
+                    continue
+                if stopping:
+                    return
+                self._appended.wait(0.5)
+                self._appended.clear()
+            except (SQLAlchemyError, OSError) as error:
+                self._up(False, error)
+                if stopping:
+                    return
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _up(self, up: bool, error: Exception | None = None) -> None:
+        if up and self.database_up is False:
+            log.warning("record: the database is back; replaying the journal", extra={"rows": self.waiting})
+        if not up and self.database_up is not False:
+            log.error("record: the database cannot be written; rows wait in the journal",
+                      extra={"error": str(error).splitlines()[0] if error else ""})
+        if not up:
+            self.last_error = str(error).splitlines()[0] if error else None
+        self.database_up = up
+        if self.metrics is not None:
+            self.metrics.record_database_up.set(1.0 if up else 0.0)
+
+    def _evict_when_due(self) -> None:
+        now = time.time()
+        if now < self._next_eviction:
+            return
+        self._next_eviction = now + EVICT_EVERY_S
+        self.evict(now)
+
+    def evict(self, now: float | None = None) -> int:
+        """Remove pictures past their retention, then past the budget (passed ones first); rows stay. Returns
+        the pictures removed."""
+        now = time.time() if now is None else now
+        removed = 0
+        while True:
+            chosen = self.store.evictable(self.max_bytes, now - self.retention_days * DAY,
+                                          now - self.flagged_retention_days * DAY, now - SPARE_RECENT_S)
+            if not chosen:
+                break
+            for sha256, _ in chosen:
+                self.pictures.remove(sha256)
+            self.store.evicted([s for s, _ in chosen], now)
+            removed += len(chosen)
+            if len(chosen) < 1000:
+                break
+        if removed:
+            log.info("record: pictures evicted", extra={"pictures": removed})
+            if self.metrics is not None:
+                self.metrics.record_evicted.inc(removed)
+        if self.metrics is not None:
+            report = self.store.storage()
+            for kind in ("pinned", "flagged", "passed"):
+                self.metrics.record_picture_bytes.labels(kind).set(report[f"{kind}_bytes"])
+        return removed
+
+    # ---------------------------------------------------------------- metrics
+    def _count(self, outcome: str, rows: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.record_rows.labels(outcome).inc(rows)
+
+    def _show(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record_rows_waiting.set(self.waiting)
+            self.metrics.record_journal_bytes.set(self.journal.pending_bytes())
+
+    def flushed(self, timeout: float = 30.0) -> bool:
+        """Wait until every row handed in is in the database (tests, exports); ``False`` on time-out."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self._pending == 0 and self.waiting == 0:
+                return True
+            self._appended.set()
+            time.sleep(0.05)
+        return False
