@@ -45,7 +45,7 @@ COPY core ./core
 COPY models ./models
 COPY service ./service
 RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
-        -c constraints.txt ".[onnxruntime]" \
+        -c constraints.txt ".[onnxruntime,postgres]" \
     && pip uninstall -y triton \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
@@ -56,8 +56,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin padim \
-    && mkdir -p /models \
-    && chown padim:padim /models
+    && mkdir -p /models /record \
+    && chown padim:padim /models /record
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/torch /opt/torch
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \

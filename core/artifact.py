@@ -26,7 +26,7 @@ Example:
     >>> save_artifact(path, {"mean": torch.zeros(2, 3)}, {"backbone": "resnet18"})
     >>> tensors, header = load_artifact(path)
     >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"], header["verified"]
-    ('resnet18', (2, 3), 8, True)
+    ('resnet18', (2, 3), 9, True)
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -227,7 +227,7 @@ class Calibration:
     earlier_scores: int = 0
     input_distances: tuple[float, ...] = ()
     taken_scores: tuple[float, ...] = ()
-    pictures: tuple[tuple[int, float, float, float], ...] = ()
+    pictures: tuple[tuple[int, float, float, float], ...] = field(default=(), compare=False)
 
     @classmethod
     def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0,
@@ -372,7 +372,6 @@ class Calibration:
             "confidence": CONFIDENCE,
             "input_distances": len(self.input_distances),
             "taken_scores": len(self.taken_scores),
-            "pictures": len(self.pictures),
         }
 
     def to_header(self) -> dict:
@@ -397,7 +396,7 @@ class Calibration:
             raise ValueError(f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
                              f"holds {len(taken)}")
         pictures = linked_pictures(digests, linked)
-        if len(pictures) != int(header.get("pictures", 0)):
+        if "pictures" in header and len(pictures) != int(header["pictures"]):
             raise ValueError(f"the header counts {header.get('pictures', 0)} pictures' values, the file holds "
                              f"{len(pictures)}")
         rate = header["false_alarm_rate"]

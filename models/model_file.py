@@ -141,7 +141,7 @@ def store_calibration(path: str | Path, calibration: Calibration) -> None:
     """
     header = read_header(path)
     if header["format_version"] >= FORMAT_VERSION:
-        header["calibration"] = calibration.summary()
+        header["calibration"] = calibration_header(calibration)
         copy_artifact(path, path, header)
         return
     detector = load_detector(path, "cpu", with_statistics=True)
@@ -168,11 +168,16 @@ def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, em
         "kind": DETECTOR,
         **_common_header(config, weights, embedding, grid),
         "precision_dtype": str(factors.dtype).removeprefix("torch."),
-        "calibration": calibration.summary(),
+        "calibration": calibration_header(calibration),
         "has_statistics": statistics is not None,
         **provenance.to_header(),
     }
     save_artifact(path, tensors, header)
+
+
+def calibration_header(calibration: Calibration) -> dict:
+    """The header's calibration: its summary, and how many pictures' values ``calibration.digests`` links."""
+    return {**calibration.summary(), "pictures": len(calibration.pictures)}
 
 
 def served_bytes(path: str | Path) -> int:

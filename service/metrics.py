@@ -47,6 +47,8 @@ class Metrics:
         self.record_rows = Counter("padim_record_rows_total", "rows of the inspection record, by outcome: journaled "
                                    "(durable on disk), committed (in the database), refused (not durable: the journal "
                                    "was full or its disk failed)", ["outcome"], registry=self.registry)
+        for outcome in ("journaled", "committed", "refused"):  # every series from the start: rate() and alerts see 0
+            self.record_rows.labels(outcome)
         self.record_rows_waiting = Gauge("padim_record_rows_waiting", "rows in the journal that the database does not "
                                          "have yet", registry=self.registry)
         self.record_journal_bytes = Gauge("padim_record_journal_bytes", "bytes of those rows in the journal (bounded "

@@ -19,8 +19,8 @@ from .schemas import ErrorResponse
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
 _WHY = {
-    400: "the body's sha256 is not the one X-Content-SHA256 says (`digest_mismatch`), or a malformed header "
-         "(`invalid_parameter`)",
+    400: "the body's sha256 is not the one X-Content-SHA256 says (`digest_mismatch`), a malformed header "
+         "(`invalid_parameter`), or a JSON body that cannot be read (`invalid_body`)",
     401: "missing or wrong API key (`unauthorized`)",
     403: "the scoring key (PADIM_API_KEY) on an admin route, or reviewing with it (`forbidden`)",
     404: "no model of that name (`model_not_found`), no such version (`version_not_found`), no such record or job "

@@ -176,6 +176,8 @@ class VersionChange(BaseModel):
 class ModelsResponse(BaseModel):
     default: str | None = Field(description="the model POST /score uses (null: none served yet, an empty repository)")
     models: list[ModelDescription] = Field(description="the default first")
+    record: bool = Field(default=False, description="whether the inspection record is on (GET /records, the review "
+                         "queue; docs/record.md)")
 
 
 class FlagRateReading(BaseModel):

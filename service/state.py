@@ -419,6 +419,7 @@ class ServiceState:
             await model.batcher.stop()
         for task in list(self._closing):
             task.cancel()
+        self.jobs.stopping.set()  # a running update writes no version now (its row says so at the next start)
         self.updates.shutdown(wait=True, cancel_futures=True)
         if self.record is not None:
             await asyncio.to_thread(self.record.close)

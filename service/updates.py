@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from padim.core.artifact import file_sha256, read_header
@@ -38,6 +39,7 @@ class UpdateJobs:
     def __init__(self, state):
         self.state = state
         self.running: dict[str, str] = {}  # model -> job id
+        self.stopping = threading.Event()  # the service is stopping: a job commits nothing more
 
     async def start(self, name: str, records: list[str] | None, number: int | None, activate: bool) -> dict:
         """Check what the update would learn (409 when nothing), then start its job; returns the job's row."""
@@ -129,6 +131,8 @@ class UpdateJobs:
             checked = gate(version.path, output, [pictures.path(r["sha256"]) for r in plan["defects"]],
                            [pictures.path(r["sha256"]) for r in plan["held"]], state.settings.update_max_recall_drop,
                            device=state.settings.device)
+            if self.stopping.is_set():  # the job row says so at the next start: no version was written
+                raise RuntimeError("the service is stopping")
             store.set_job(job_id, phase="commit", progress=0.95)
             learned = [r["id"] for r in add if picture_name(r["sha256"]) in set(report.added)]
             removed = [r["id"] for r in remove if picture_name(r["sha256"]) in set(report.removed)]

@@ -1,7 +1,7 @@
 """The system components some tests need, beside the Python packages: one marker each.
 
 A test that needs a component carries its marker (``@pytest.mark.docker``, ``browser``,
-``promtool``). Before such a test runs, the component is looked for (once a session): where it is
+``promtool``, ``postgres``). Before such a test runs, the component is looked for (once a session): where it is
 missing the test is **skipped** with one reason naming the component and the command that
 provides it, and the run's summary lists what was missing. Where ``PADIM_TEST_REQUIRE`` is ``all``
 (``.ci/run`` sets it) or names the component (``docker,browser``), a missing component **fails**

@@ -122,3 +122,33 @@ def test_the_admin_curl_examples_run_against_a_live_server(model_file, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"version":2' in result.stdout.replace(" ", "") and '"active":true' in result.stdout.replace(" ", "")
     assert [(v["version"], v["active"]) for v in versions["versions"]] == [(1, True)]  # 2 was deleted at the end
+
+
+def test_the_record_curl_examples_run_against_a_live_server(model_file, dataset, tmp_path):
+    """The curl block of docs/record.md marked `run by tests/test_docs.py (record)`, in order."""
+    import os
+
+    import httpx
+
+    from helpers import running_server
+    from padim.models.repository import Repository
+
+    page = (ROOT / "docs" / "record.md").read_text()
+    block = re.search(r"<!-- run by tests/test_docs.py \(record\) -->\n```bash\n(.*?)^```", page, re.S | re.M).group(1)
+    assert block.count("curl ") >= 7
+    repository = Repository(tmp_path / "repo")
+    repository.activate("weave", repository.add("weave", model_file).version)
+    shutil.copyfile(dataset / "test" / "hole" / "000.png", tmp_path / "part.png")
+    env = {"PADIM_ADMIN_KEY": "docs-admin", "PADIM_REVIEW_KEY": "docs-review", "PADIM_RUNTIME": "torch",
+           "PADIM_RECORD_DIR": str(tmp_path / "record")}
+    with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as server:
+        script = "set -euo pipefail\n" + block.replace("http://127.0.0.1:8000", server.url)
+        result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, **env})
+        versions = httpx.get(server.url + "/models/weave/versions", headers={"x-api-key": "docs-admin"}).json()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"state":"succeeded"' in result.stdout.replace(" ", "") and '"label":"normal"' in result.stdout
+    assert (tmp_path / "picture.png").read_bytes() == (tmp_path / "part.png").read_bytes()
+    assert (tmp_path / "heatmap.png").read_bytes().startswith(b"\x89PNG")
+    assert [(v["version"], v["active"]) for v in versions["versions"]] == [(1, True), (2, False)]
+    assert len(versions["versions"][1]["update"]["learned_from"]) == 1

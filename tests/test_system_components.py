@@ -37,6 +37,10 @@ def test_needs_a_browser():
 def test_needs_promtool():
     pass
 
+@pytest.mark.postgres
+def test_needs_postgres():
+    pass
+
 def test_needs_nothing():
     pass
 
@@ -66,7 +70,9 @@ def fake(bin_dir: Path, name: str, script: str) -> None:
 
 def environment(bin_dir: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADIM_TEST_")}
-    return {**env, "PATH": str(bin_dir), "PYTHONPATH": str(ROOT / "tests"), **extra}
+    # PostgreSQL's server programs are found in /usr/lib/postgresql, not on PATH: point them elsewhere
+    return {**env, "PATH": str(bin_dir), "PYTHONPATH": str(ROOT / "tests"),
+            "PADIM_TEST_POSTGRES_BIN": str(bin_dir / "no-postgresql"), **extra}
 
 
 def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
@@ -83,7 +89,7 @@ def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
 def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp_path):
     result = run_sample(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b1 passed, 4 skipped\b", result.stdout), result.stdout
+    assert re.search(r"\b1 passed, 5 skipped\b", result.stdout), result.stdout
     skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", result.stdout, re.M)
     for marker in COMPONENTS:
         (reason,) = [r for r in skipped if r.startswith(f"{marker}: ")]
@@ -96,11 +102,11 @@ def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp
 def test_under_padim_test_require_a_missing_component_fails(tmp_path):
     every = run_sample(tmp_path / "all", PADIM_TEST_REQUIRE="all")
     assert every.returncode == 1, every.stdout
-    assert re.search(r"\b1 passed, 1 skipped, 3 errors\b", every.stdout), every.stdout
+    assert re.search(r"\b1 passed, 1 skipped, 4 errors\b", every.stdout), every.stdout
     for marker in COMPONENTS:
         assert re.search(rf"^{marker}: .*\[PADIM_TEST_REQUIRE=all: required\]", every.stdout, re.M), marker
     one = run_sample(tmp_path / "one", PADIM_TEST_REQUIRE="promtool")
-    assert re.search(r"\b1 passed, 3 skipped, 1 error\b", one.stdout), one.stdout
+    assert re.search(r"\b1 passed, 4 skipped, 1 error\b", one.stdout), one.stdout
     wrong = run_sample(tmp_path / "wrong", PADIM_TEST_REQUIRE="dockr")
     assert wrong.returncode == 4 and "PADIM_TEST_REQUIRE names ['dockr']" in wrong.stderr, wrong.stderr
 

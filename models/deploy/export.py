@@ -318,8 +318,7 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "weights": detector.weights.to_header(),
         "provenance": detector.provenance.to_header(),
         "description": detector.describe(),
-        # an export cannot learn from reviews (it holds no statistics): no link from its scores to their pictures
-        "calibration": {**calibration.summary(), "pictures": 0},
+        "calibration": calibration.summary(),
         "calibration_scores": list(calibration.scores),
         "calibration_input_distances": list(calibration.input_distances),
         "calibration_taken_scores": list(calibration.taken_scores),

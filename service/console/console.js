@@ -4,26 +4,40 @@
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "padim-api-key";
 const ADMIN_KEY_STORE = "padim-admin-key"; // session storage only; never in a URL
+const REVIEW_KEY_STORE = "padim-review-key";
+const REVIEW_BATCH = 50;
 const MODEL_THRESHOLD = 0.5; // the model's threshold is 0.5 on the score scale, always
 const HISTORY_LIMIT = 50;
 
 const state = {
   models: [],
+  record: false,        // the server keeps the inspection record (its review queue is shown)
   model: null,          // name
   threshold: MODEL_THRESHOLD,
   current: null,        // a history entry: {id, name, file, url, result, roundTripMs}
   history: [],
   busy: 0,
+  review: { on: false, queue: [], index: 0, urls: [] },  // the review queue of the record, when it is on
 };
 let nextId = 1;
 let rescoreTimer = null;
 
 function apiKey() { return sessionStorage.getItem(KEY_STORE) || ""; }
 function adminKey() { return sessionStorage.getItem(ADMIN_KEY_STORE) || ""; }
+function reviewKey() { return sessionStorage.getItem(REVIEW_KEY_STORE) || ""; }
+
+// which key a call carries: admin routes the admin key; reviews the review key (or the admin key); reading the
+// record any key given; everything else the API key
+function keyFor(options) {
+  if (options.admin) return adminKey();
+  if (options.review) return reviewKey() || adminKey();
+  if (options.record) return reviewKey() || apiKey() || adminKey();
+  return apiKey();
+}
 
 async function api(path, options = {}) {
   const headers = new Headers(options.headers || {});
-  const key = options.admin ? adminKey() : apiKey();
+  const key = keyFor(options);
   if (key) headers.set("X-API-Key", key);
   const response = await fetch(path, { ...options, headers });
   let body = null;
@@ -64,6 +78,8 @@ async function loadModels() {
     }
     const listing = await api("/models");
     state.models = listing.models;
+    state.record = Boolean(listing.record);
+    $("review").hidden = !state.record;
     const select = $("model");
     select.replaceChildren(...listing.models.map((m) => {
       const option = document.createElement("option");
@@ -97,6 +113,7 @@ function chooseModel(name) {
   const model = state.models.find((m) => m.name === name);
   if (!model) return;
   loadMonitor();
+  loadQueue();
   showVersions(model);
   const c = model.calibration;
   $("model-info").textContent =
@@ -138,6 +155,110 @@ async function rollBack() {
       ? "This server has no admin routes (it runs without PADIM_ADMIN_KEY)."
       : error.status === 401 || error.status === 403 ? "That is not the admin key." : error.message;
   }
+}
+
+// ------------------------------------------------------------------------------ review queue
+async function loadQueue() {
+  if (!state.model || !state.record) return null;
+  try {
+    const page = await api(`/records/queue?model=${encodeURIComponent(state.model)}&limit=${REVIEW_BATCH}`, { record: true });
+    $("review").hidden = false;
+    $("review-count").textContent = `${page.records.length}${page.next ? "+" : ""} waiting`;
+    return page.records;
+  } catch (error) {
+    if (error.status === 404) { $("review").hidden = true; return null; } // the record is off on this server
+    $("review").hidden = false;
+    $("review-count").textContent = "";
+    $("review-message").textContent = error.status === 401 ? "Enter the review key (or the API key) to read the record." : explain(error);
+    return null;
+  }
+}
+
+async function blobUrl(path) {
+  const headers = new Headers();
+  const key = keyFor({ record: true });
+  if (key) headers.set("X-API-Key", key);
+  const response = await fetch(path, { headers });
+  if (!response.ok) throw new Error(response.status === 410 ? "gone (evicted, or its version was deleted)" : `HTTP ${response.status}`);
+  return URL.createObjectURL(await response.blob());
+}
+
+async function startReview() {
+  const queue = await loadQueue();
+  if (!queue) return;
+  state.review = { on: true, queue, index: 0, urls: [] };
+  $("empty").hidden = true;
+  $("summary").hidden = true;
+  $("views").hidden = true;
+  $("review-view").hidden = false;
+  $("review-message").textContent = queue.length ? "" : "Nothing waits for review.";
+  await showReviewItem();
+}
+
+function stopReview() {
+  state.review.urls.forEach((url) => URL.revokeObjectURL(url));
+  state.review = { on: false, queue: [], index: 0, urls: [] };
+  $("review-view").hidden = true;
+  if (state.current) show(state.current); else $("empty").hidden = false;
+  loadQueue();
+}
+
+async function showReviewItem() {
+  const review = state.review;
+  const row = review.queue[review.index];
+  review.urls.forEach((url) => URL.revokeObjectURL(url));
+  review.urls = [];
+  if (!row) {
+    $("review-verdict").textContent = "";
+    $("review-verdict").className = "verdict";
+    $("review-score").textContent = "";
+    $("review-about").textContent = "";
+    $("review-position").textContent = "";
+    $("review-picture").removeAttribute("src");
+    $("review-heatmap").removeAttribute("src");
+    $("review-view").dataset.record = "";
+    if (review.queue.length) $("review-message").textContent = "Queue done. Press v for more, Esc to stop.";
+    return;
+  }
+  $("review-view").dataset.record = row.id;
+  $("review-verdict").textContent = row.is_anomaly ? "FLAGGED" : "PASSED";
+  $("review-verdict").className = `verdict ${row.is_anomaly ? "bad" : "ok"}`;
+  $("review-score").textContent = row.score.toFixed(4);
+  const fields = Object.entries(row.fields).map(([k, v]) => `${k} ${v}`).join(", ");
+  $("review-about").textContent = `${row.model} v${row.version}, ${row.time.replace("T", " ").replace("Z", " UTC")}` +
+    (fields ? `, ${fields}` : "") + (row.sampled ? " (a passed picture drawn for review)" : "");
+  $("review-position").textContent = `${review.index + 1} of ${review.queue.length}`;
+  try {
+    const [picture, heatmap] = await Promise.all([blobUrl(`/records/${row.id}/image`), blobUrl(`/records/${row.id}/heatmap`)]);
+    if (state.review.queue[state.review.index] !== row) { URL.revokeObjectURL(picture); URL.revokeObjectURL(heatmap); return; }
+    review.urls = [picture, heatmap];
+    $("review-picture").src = picture;
+    $("review-heatmap").src = heatmap;
+  } catch (error) {
+    $("review-message").textContent = `This picture cannot be shown: ${error.message}. Its row can still be reviewed.`;
+  }
+}
+
+async function labelCurrent(label) {
+  const review = state.review;
+  const row = review.queue[review.index];
+  if (!row) return;
+  try {
+    await api(`/records/${row.id}/review`, {
+      method: "POST", review: true, headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ label, reviewer: "console" }),
+    });
+    $("review-message").textContent = `Record ${row.id.slice(0, 12)}… reviewed: ${label}.`;
+    review.index += 1;
+    await showReviewItem();
+  } catch (error) {
+    $("review-message").textContent = error.status === 401 || error.status === 403
+      ? "Reviewing needs the review key (PADIM_REVIEW_KEY) or the admin key: enter it on the left." : explain(error);
+  }
+}
+
+function skipCurrent() {
+  if (state.review.index < state.review.queue.length) { state.review.index += 1; showReviewItem(); }
 }
 
 // ----------------------------------------------------------------------------------- scoring
@@ -197,6 +318,7 @@ function rescoreSoon() {
 function percent(x) { return `${(100 * x).toFixed(x < 0.001 && x > 0 ? 3 : 1)}%`; }
 
 function show(entry) {
+  if (state.review.on) stopReview();
   state.current = entry;
   renderHistory();
   $("empty").hidden = true;
@@ -336,6 +458,12 @@ function wire() {
   $("admin-key").value = adminKey();
   $("admin-key").addEventListener("change", (event) => sessionStorage.setItem(ADMIN_KEY_STORE, event.target.value.trim()));
   $("rollback").addEventListener("click", rollBack);
+  $("review-key").value = reviewKey();
+  $("review-key").addEventListener("change", (event) => {
+    sessionStorage.setItem(REVIEW_KEY_STORE, event.target.value.trim());
+    loadQueue();
+  });
+  $("review-start").addEventListener("click", startReview);
   $("model").addEventListener("change", (event) => {
     chooseModel(event.target.value);
     if (state.current) { state.current.model = state.model; rescoreSoon(); }
@@ -367,7 +495,18 @@ function wire() {
     const typing = ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)
       && document.activeElement.type !== "range" && document.activeElement.type !== "checkbox";
     if (typing || event.ctrlKey || event.metaKey || event.altKey) return;
-    if (event.key === "o") { $("file-input").click(); event.preventDefault(); }
+    if (state.review.on) {
+      if (event.key === "n") labelCurrent("normal");
+      else if (event.key === "d") labelCurrent("defect");
+      else if (event.key === "s") skipCurrent();
+      else if (event.key === "v") startReview();
+      else if (event.key === "Escape") stopReview();
+      else return;
+      event.preventDefault();
+      return;
+    }
+    if (event.key === "v" && !$("review").hidden) { startReview(); event.preventDefault(); }
+    else if (event.key === "o") { $("file-input").click(); event.preventDefault(); }
     else if (event.key === "[") setThreshold(state.threshold - 0.01);
     else if (event.key === "]") setThreshold(state.threshold + 0.01);
     else if (event.key === "r") setThreshold(MODEL_THRESHOLD);

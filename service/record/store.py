@@ -16,8 +16,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -64,6 +62,10 @@ def make_engine(url: str) -> Engine:
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Bring the database's schema to ``revision`` (every migration from the first schema up)."""
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its INFO lines would bypass the service's JSON log
+    # imported here: a service without a record never loads alembic (which logs as it is imported)
+    from alembic import command
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as connection:

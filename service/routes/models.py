@@ -19,7 +19,8 @@ async def list_models(state: StateDep) -> ModelsResponse:
     names = ([state.default_name] if state.default_name in state.models else []) + \
         [n for n in state.models if n != state.default_name]
     versions = await asyncio.to_thread(lambda: {n: _versions(state, n) for n in names})  # files: off the event loop
-    return ModelsResponse(default=state.default_name, models=[state.models[n].describe(versions[n]) for n in names])
+    return ModelsResponse(default=state.default_name, models=[state.models[n].describe(versions[n]) for n in names],
+                          record=state.record is not None)
 
 
 def _versions(state, name: str) -> list[dict]:

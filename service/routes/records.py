@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from padim.models.errors import RecordGone, RecordUnavailable
 
 from ..deps import RecordReader, ReviewKey, StateDep
+from ..errors import ApiError
 from ..openapi import error_responses
 from ..record.store import Filters
 from ..schemas import RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
@@ -64,14 +65,16 @@ async def list_records(
         verdict: Annotated[Literal["anomalous", "normal"] | None, Query(description="the verdict given")] = None,
         label: Annotated[Literal["normal", "defect", "none"] | None,
                          Query(description="the latest review's label; none: not reviewed")] = None,
-        since: Annotated[datetime | None, Query(description="scored at or after (ISO 8601)")] = None,
-        until: Annotated[datetime | None, Query(description="scored before (ISO 8601)")] = None,
+        since: Annotated[str | None, Query(description="scored at or after (ISO 8601; UTC unless it says)",
+                                           json_schema_extra={"format": "date-time"})] = None,
+        until: Annotated[str | None, Query(description="scored before (ISO 8601)",
+                                           json_schema_extra={"format": "date-time"})] = None,
         part: Annotated[str | None, Query(max_length=256, description="the client's part field")] = None,
         limit: Limit = 50,
         cursor: Annotated[str | None, Query(pattern="^[0-9a-f]{32}$", description="`next` of the previous page")] = None,
 ) -> RecordsPage:
-    filters = Filters(model=model, version=version, verdict=verdict, label=label, since=_seconds(since),
-                      until=_seconds(until), part=part)
+    filters = Filters(model=model, version=version, verdict=verdict, label=label, since=_seconds("since", since),
+                      until=_seconds("until", until), part=part)
     return _page(await on_database(state, state.record.store.list, filters, limit, cursor), limit)
 
 
@@ -136,7 +139,7 @@ async def get_heatmap(record_id: str, state: StateDep) -> Response:
 
 @router.post("/{record_id}/review", summary="review a recorded picture: normal (a false alarm an update may learn "
              "from) or defect; every review is kept, the latest counts", dependencies=[ReviewKey],
-             responses=error_responses(401, 403, 404, 422, 503))
+             responses=error_responses(400, 401, 403, 404, 422, 503))
 async def review(record_id: str, body: ReviewRequest, state: StateDep) -> RecordDetail:
     row = await on_database(state, state.record.store.review, record_id, body.label, body.defect_type, body.note,
                             body.reviewer)
@@ -149,9 +152,15 @@ def _page(rows: list[dict], limit: int) -> RecordsPage:
                        next=rows[-1]["id"] if len(rows) == limit else None)
 
 
-def _seconds(moment: datetime | None) -> float | None:
-    if moment is None:
+def _seconds(name: str, text: str | None) -> float | None:
+    """An ISO 8601 moment (``2026-11-25T08:00:00Z``; UTC unless it says) as seconds since the epoch."""
+    if text is None:
         return None
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ApiError(422, "invalid_parameter", f"{name}: expected an ISO 8601 date and time such as "
+                       f"2026-11-25T08:00:00Z, got {text!r}") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()

@@ -22,7 +22,7 @@ jobs = APIRouter(tags=["record"], dependencies=[RecordReader])
 @router.post("/models/{name}/update", status_code=202, summary="start a job that adds the pictures reviewed as normal "
              "(and takes out those reviewed as defect that it fitted) into a new version, gated on the reviewed "
              "defects; not active unless activate=true and the gate passes",
-             responses=error_responses(403, 404, 409, 422, 503))
+             responses=error_responses(400, 403, 404, 409, 422, 503))
 async def update(name: str, state: StateDep,
                  body: Annotated[UpdateRequest | None, Body()] = None,
                  activate: Annotated[bool, Query(description="activate the new version when its gate passes")] = False

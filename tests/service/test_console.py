@@ -11,6 +11,7 @@ it these tests skip, saying so.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -261,3 +262,37 @@ def test_the_console_shows_the_version_and_an_admin_rolls_back_with_the_key_type
         browser.save_screenshot(str(ARTIFACTS / "console-versions.png"))
         listed = httpx.get(served.url + "/models").json()["models"][0]
     assert listed["version"] == 1 and (tmp_path / "repo" / "weave" / "ACTIVE").read_text() == "1\n"
+
+
+def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, dataset, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    env = {"PADIM_RECORD_DIR": str(tmp_path / "record"), "PADIM_REVIEW_SAMPLE": "1", "PADIM_RUNTIME": "torch"}
+    pictures = [*sorted(dataset.glob("test/good/*.png"))[:4], dataset / "test" / "hole" / "000.png"]  # a defect last: first in the queue
+    with running_server(tmp_path, [model_file], env=env) as server:
+        ids = [api_score(server.url, p)["record_id"] for p in pictures]
+        deadline = time.time() + 30
+        while httpx.get(server.url + "/records/storage").json()["rows"] < len(ids):
+            assert time.time() < deadline
+            time.sleep(0.1)
+        browser.get(server.url + "/")
+        wait(browser, lambda d: not d.find_element(By.ID, "review").get_property("hidden"))
+        wait(browser, lambda d: text(d, "review-count") == "5 waiting")
+        body = browser.find_element(By.TAG_NAME, "body")
+        body.send_keys("v")
+        newest_first = list(reversed(ids))
+        for key, record in zip(("d", "n", "n"), newest_first):
+            wait(browser, lambda d, r=record: d.find_element(By.ID, "review-view").get_attribute("data-record") == r)
+            wait(browser, lambda d: (d.find_element(By.ID, "review-heatmap").get_attribute("src") or "").startswith("blob:"))
+            if record == newest_first[0]:  # docs/images/console-review.png is this one
+                browser.save_screenshot(str(ARTIFACTS / "console-review.png"))
+            body.send_keys(key)
+        wait(browser, lambda d: d.find_element(By.ID, "review-view").get_attribute("data-record") == newest_first[3])
+        labels = [httpx.get(f"{server.url}/records/{r}").json()["label"] for r in newest_first]
+        assert labels == ["defect", "normal", "normal", None, None]
+        reviews = httpx.get(f"{server.url}/records/{newest_first[0]}").json()["reviews"]
+        assert reviews[0]["reviewer"] == "console"
+        body.send_keys(Keys.ESCAPE)
+        wait(browser, lambda d: d.find_element(By.ID, "review-view").get_property("hidden"))
+        wait(browser, lambda d: text(d, "review-count") == "2 waiting")

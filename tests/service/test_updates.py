@@ -110,6 +110,15 @@ def test_false_alarms_reviewed_as_normal_are_learned_into_a_version_that_no_long
         rows = httpx.get(server.url + "/records", params={"version": 2, "limit": 500}, headers=admin).json()["records"]
         assert len(rows) == len(after)  # every step on the record: answers of version 2 name it
 
+        # a heat map is drawn again by the version that scored the picture: version 1, retired, read from the
+        # repository; once that version is deleted, the row and the picture stay and the heat map is 410
+        first = f"{server.url}/records/{before[0]['record_id']}"
+        assert httpx.get(first + "/heatmap", headers=admin, timeout=60).content.startswith(b"\x89PNG")
+        assert httpx.delete(server.url + "/models/weave/versions/1", headers=admin).status_code == 204
+        gone = httpx.get(first + "/heatmap", headers=admin)
+        assert gone.status_code == 410 and "deleted" in gone.json()["error"]["message"]
+        assert httpx.get(first + "/image", headers=admin).content == shifted[0].read_bytes()
+
         # a wrong review: one of the 40 was a defect after all; the update takes it out of statistics and calibration
         wrong = reviewed[7]
         label(server.url, [wrong], "defect", note="looked again: a faint stain")
