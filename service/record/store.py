@@ -149,16 +149,17 @@ class RecordStore:
             entry["first_seen"] = min(entry["first_seen"], row["time"])
             entry["last_seen"] = max(entry["last_seen"], row["time"])
             entry["flagged"] = entry["flagged"] or bool(row["is_anomaly"])
-        upsert = self._insert(pictures).values(sorted(seen.values(), key=lambda e: e["sha256"]))
+        upsert = self._insert(pictures)
         greatest = func.max if self.kind == "sqlite" else func.greatest
         upsert = upsert.on_conflict_do_update(index_elements=["sha256"], set_={
             "last_seen": greatest(pictures.c.last_seen, upsert.excluded.last_seen),
             "flagged": or_(pictures.c.flagged, upsert.excluded.flagged),
             "evicted": None,  # stored again by the journal writer
         })
+        # executemany of statements compiled once (a VALUES list of every row would be compiled again each time)
         with self.engine.begin() as connection:
-            connection.execute(self._insert(records).values(values).on_conflict_do_nothing(index_elements=["id"]))
-            connection.execute(upsert)
+            connection.execute(self._insert(records).on_conflict_do_nothing(index_elements=["id"]), values)
+            connection.execute(upsert, sorted(seen.values(), key=lambda e: e["sha256"]))
 
     def get(self, record_id: str) -> dict:
         with self.engine.connect() as connection:
