@@ -34,6 +34,7 @@ from padim.models.errors import (
     ModelBusy,
     NonFiniteScoreError,
     ReadOnlyModels,
+    RecordGone,
     UnservableModel,
     UpdateGateFailed,
     UsageError,

@@ -5,7 +5,8 @@
    ``fsync`` for every row that arrived meanwhile. A row is *durable* once that ``fsync`` returns; its future
    is then resolved (``PADIM_RECORD_REQUIRED`` waits for it).
 2. **database writer**: reads the journal on from what the database has, inserts up to :data:`DB_BATCH` rows
-   in one transaction, and moves the journal's ``COMMITTED`` on. While the database is down or slow it retries
+   in one transaction (at most one every :data:`DB_INTERVAL_S` while rows trickle in: the rows are durable
+   already, and each transaction costs CPU that scoring would otherwise have), and moves ``COMMITTED`` on. While the database is down or slow it retries
    with back-off; the rows wait in the journal (bounded: ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed
    when it is back, and again after a restart. It also evicts pictures past their retention or the budget.
 
