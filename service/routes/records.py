@@ -114,8 +114,7 @@ async def get_image(record_id: str, state: StateDep) -> Response:
     row = await on_database(state, state.record.store.get, record_id)
     data = await asyncio.to_thread(state.record.pictures.read, row["sha256"])
     if data is None:
-        raise RecordGone(f"the picture of record {record_id} was evicted (retention or the byte budget: "
-                         "GET /records/storage); its row stays")
+        raise _gone(record_id, row)
     media = next((kind for magic, kind in MEDIA_TYPES if data.startswith(magic)), "application/octet-stream")
     if media == "application/octet-stream" and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         media = "image/webp"
@@ -131,7 +130,7 @@ async def get_heatmap(record_id: str, state: StateDep) -> Response:
     row = await on_database(state, state.record.store.get, record_id)
     data = await asyncio.to_thread(state.record.pictures.read, row["sha256"])
     if data is None:
-        raise RecordGone(f"the picture of record {record_id} was evicted; its heat map cannot be drawn again")
+        raise _gone(record_id, row)
     result = await state.heatmap_of(row["model"], row["version"], data, row["threshold"])
     return Response(base64.b64decode(result["heatmap"]), media_type="image/png",
                     headers={"Cache-Control": "private, max-age=3600"})
@@ -145,6 +144,14 @@ async def review(record_id: str, body: ReviewRequest, state: StateDep) -> Record
                             body.reviewer)
     state.metrics.reviews.labels(row["model"], body.label).inc()
     return RecordDetail(**row_out(row))
+
+
+def _gone(record_id: str, row: dict) -> RecordGone:
+    if row["picture_kept"]:  # the database says it is kept: in another replica's folder, or lost with its disk
+        return RecordGone(f"the picture of record {record_id} is not in this service's record folder (stored by "
+                          "another replica?); its row stays")
+    return RecordGone(f"the picture of record {record_id} was evicted (retention or the byte budget: "
+                      "GET /records/storage); its row stays")
 
 
 def _page(rows: list[dict], limit: int) -> RecordsPage:

@@ -276,7 +276,7 @@ def test_the_scoring_key_cannot_change_models_and_without_an_admin_key_the_route
 def test_an_empty_repository_serves_the_first_upload(second_model, dataset, tmp_path):
     with in_process(tmp_path / "empty") as client:
         wait_ready(client)
-        assert client.get("/models", headers={"x-api-key": SCORING}).json() == {"default": None, "models": []}
+        assert client.get("/models", headers={"x-api-key": SCORING}).json() == {"default": None, "models": [], "record": False}
         response = client.post("/score", content=probe(dataset), headers={"content-type": "image/png", "x-api-key": SCORING})
         assert response.status_code == 404 and "upload" in response.json()["error"]["message"]
         created = client.post("/models/line3/versions?activate=true", content=second_model.read_bytes(),
