@@ -19,6 +19,7 @@ taken out is embedded exactly as it was added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -86,6 +87,14 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     fit: FitReport | None = None
 
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
+
     def to_dict(self) -> dict:
         return {"added": len(self.added), "already_fitted": len(self.already_fitted), "removed": len(self.removed),
                 "not_fitted": len(self.not_fitted), "unreadable": [list(x) for x in self.unreadable],
@@ -134,7 +143,7 @@ def update_model(source: str | Path, add: Sequence[TrainingImage], remove: Seque
     fit = load_updatable(source, run_options)
     precision = read_header(source).get("precision_dtype", "float32")
     progress_to = on_progress or (lambda *_: None)
-    with _timed(report, "remove"):
+    with report.timed("remove"):
         _take_out(fit, remove, report, progress_to)
     if fit.count < MIN_IMAGES:
         raise FitError(f"taking out {len(report.removed)} picture(s) would leave {fit.count}: a detector needs at "
@@ -148,12 +157,12 @@ def update_model(source: str | Path, add: Sequence[TrainingImage], remove: Seque
         raise FitError("nothing to update: every picture to add is fitted already, and none to take out was fitted")
     progress_to("add", 0, len(fresh))
     if fresh:
-        with _timed(report, "add"):
+        with report.timed("add"):
             report.fit = train(fit.config, fresh, output, resume=fit, progress=progress, scratch_dir=scratch_dir)
         report.added = [i.name for i in fresh if i.name not in {n for n, _ in report.fit.unreadable}]
         report.unreadable += report.fit.unreadable
     else:
-        with _timed(report, "write"):
+        with report.timed("write"):
             _write_statistics_only(fit, output, scratch_dir, precision, started, report)
     progress_to("add", len(fresh), len(fresh))
     report.fit_image_count = fit.count
@@ -229,17 +238,6 @@ def _write_statistics_only(fit: Fit, output: str | Path, scratch_dir, precision:
         if finished.factors is not None:
             finished.factors.close()
 
-
-class _timed:
-    def __init__(self, report: UpdateReport, phase: str):
-        self.report, self.phase = report, phase
-
-    def __enter__(self):
-        self.started = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.report.seconds[self.phase] = round(self.report.seconds.get(self.phase, 0.0)
-                                                + time.perf_counter() - self.started, 3)
 
 
 @dataclass(frozen=True)

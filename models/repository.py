@@ -102,10 +102,11 @@ def write_atomically(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
-    _sync_directory(path.parent)
+    sync_directory(path.parent)
 
 
-def _sync_directory(directory: Path) -> None:
+def sync_directory(directory: Path) -> None:
+    """fsync a folder, so that the names of files renamed into it survive a power loss."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -256,7 +257,7 @@ class Repository:
             write_atomically(incoming / VERSION_FILE, json.dumps(recorded, indent=1) + "\n")
             write_atomically(self.root / name / LAST, f"{number}\n")
             os.rename(incoming, self.root / name / str(number))
-            _sync_directory(self.root / name)
+            sync_directory(self.root / name)
             self._sweep(name)
         return self.version(name, number)
 

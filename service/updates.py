@@ -82,6 +82,7 @@ class UpdateJobs:
             fitted = fitted_digests(version.path)
         except ArtifactError as error:
             raise NotUpdatable(f"version {version.version} of {name!r} cannot be read: {error}") from None
+        reviewed_normal = store.labelled(name, "normal")
         if records is not None:
             rows = store.rows(records)
             wrong = [r["id"] for r in rows if r["model"] != name or r["label"] != "normal"]
@@ -91,7 +92,7 @@ class UpdateJobs:
                                  + "; an update learns only from pictures an operator confirmed normal")
             normals = rows
         else:
-            normals = store.labelled(name, "normal")
+            normals = reviewed_normal
         defects = store.labelled(name, "defect")
         pictures = self.state.record.pictures
         add = _unique(r for r in normals if sha256_digest(r["sha256"]) not in fitted and pictures.has(r["sha256"]))
@@ -99,7 +100,7 @@ class UpdateJobs:
         if not add and not remove:
             raise NothingToUpdate(f"nothing to update in version {version.version} of {name!r}: no picture reviewed "
                                   "as normal that it has not fitted, and none reviewed as defect that it fitted")
-        held = _unique(r for r in store.labelled(name, "normal") if pictures.has(r["sha256"])
+        held = _unique(r for r in reviewed_normal if pictures.has(r["sha256"])
                        and r["sha256"] not in {a["sha256"] for a in add} and sha256_digest(r["sha256"]) not in fitted)
         return {"add": add, "remove": remove, "defects": [r for r in _unique(defects) if pictures.has(r["sha256"])],
                 "held": held}

@@ -9,5 +9,6 @@
   so that scoring never waits for the database.
 - :mod:`.export`: a filtered set of rows and pictures written to a folder (``padim records export``).
 
-This package imports SQLAlchemy and Alembic, and from padim only ``padim.models.errors``.
+This package imports SQLAlchemy and Alembic, and from padim only ``padim.models.errors`` and the repository's
+``sync_directory``.
 """

@@ -17,19 +17,11 @@ from pathlib import Path
 
 from padim.models.errors import UsageError
 
-from .pictures import PictureStore
+from .pictures import PictureStore, picture_format
 from .store import Filters, RecordStore
 from .tables import records
 
-EXTENSIONS = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"BM", ".bmp"), (b"II*\x00", ".tif"),
-              (b"MM\x00*", ".tif"), (b"GIF8", ".gif"))
 COLUMNS = [c.name for c in records.columns] + ["picture"]
-
-
-def extension(data: bytes) -> str:
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return ".webp"
-    return next((ext for magic, ext in EXTENSIONS if data.startswith(magic)), ".bin")
 
 
 def export_records(store: RecordStore, pictures: PictureStore, filters: Filters, output: Path,
@@ -57,7 +49,7 @@ def export_records(store: RecordStore, pictures: PictureStore, filters: Filters,
                 if data is None:
                     written[sha256] = ""
                 else:
-                    name = f"pictures/{sha256}{extension(data)}"
+                    name = f"pictures/{sha256}{picture_format(data)[1]}"
                     (partial / name).write_bytes(data)
                     written[sha256] = name
                     counts["pictures"] += 1

@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from padim.models.repository import sync_directory
+
 log = logging.getLogger("padim.record")
 
 #: A segment is closed and a new one begun past this many bytes.
@@ -52,7 +54,7 @@ class Journal:
         self.current = (numbers[-1] + 1) if numbers else max(1, self.position.segment)
         self._handle = open(self._path(self.current), "ab")
         self._written = 0
-        _sync_directory(self.folder)
+        sync_directory(self.folder)
 
     # ---------------------------------------------------------------- writer
     def pending_bytes(self) -> int:
@@ -97,7 +99,7 @@ class Journal:
         self.current += 1
         self._handle = open(self._path(self.current), "ab")
         self._written = 0
-        _sync_directory(self.folder)
+        sync_directory(self.folder)
 
     def close(self) -> None:
         with self._lock:
@@ -184,10 +186,3 @@ def _read_lines(path: Path, offset: int, max_rows: int, chunk: int = 2**20) -> t
                     break
     return rows, consumed
 
-
-def _sync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

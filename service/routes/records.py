@@ -20,16 +20,12 @@ from padim.models.errors import RecordGone, RecordUnavailable
 from ..deps import RecordReader, ReviewKey, StateDep
 from ..errors import ApiError
 from ..openapi import error_responses
+from ..record.pictures import picture_format
 from ..record.store import Filters
 from ..schemas import RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
 from ..state import ServiceState
 
 router = APIRouter(prefix="/records", tags=["record"])
-
-#: Magic numbers of the picture formats the service reads, for the image route's content type.
-MEDIA_TYPES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"BM", "image/bmp"),
-               (b"II*\x00", "image/tiff"), (b"MM\x00*", "image/tiff"), (b"GIF8", "image/gif"))
-
 
 def iso(seconds: float | None) -> str | None:
     if seconds is None:
@@ -115,10 +111,7 @@ async def get_image(record_id: str, state: StateDep) -> Response:
     data = await asyncio.to_thread(state.record.pictures.read, row["sha256"])
     if data is None:
         raise _gone(record_id, row)
-    media = next((kind for magic, kind in MEDIA_TYPES if data.startswith(magic)), "application/octet-stream")
-    if media == "application/octet-stream" and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        media = "image/webp"
-    return Response(data, media_type=media, headers={"Cache-Control": "private, max-age=86400",
+    return Response(data, media_type=picture_format(data)[0], headers={"Cache-Control": "private, max-age=86400",
                                                      "X-Content-Type-Options": "nosniff"})
 
 
