@@ -21,6 +21,11 @@ def discover() -> list[str]:
     return packages
 
 
-setup(packages=discover(), package_dir=ROOTS,
-      package_data={"padim.service": ["console/*.html", "console/*.js", "console/*.css"],
-                    "padim.models.evaluation": ["*.html"]})
+setup(
+    packages=discover(),
+    package_dir=ROOTS,
+    package_data={
+        "padim.service": ["console/*.html", "console/*.js", "console/*.css"],
+        "padim.models.evaluation": ["*.html"],
+    },
+)

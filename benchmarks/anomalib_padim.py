@@ -42,8 +42,9 @@ def build(weights: Path, channel_index: Path, device: str, backbone: str = "resn
     from anomalib.models.image.padim.torch_model import PadimModel
 
     channels = json.loads(channel_index.read_text())
-    model = PadimModel(backbone=backbone, layers=["layer1", "layer2", "layer3"], pre_trained=False,
-                       n_features=len(channels))
+    model = PadimModel(
+        backbone=backbone, layers=["layer1", "layer2", "layer3"], pre_trained=False, n_features=len(channels)
+    )
     state = torch.load(weights, map_location="cpu", weights_only=True)
     model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
     model.idx = torch.tensor(channels)
@@ -101,13 +102,17 @@ def main() -> None:
     np.save(args.out / "maps.npy", torch.cat(maps).numpy().astype(np.float32))
     artifact = args.out / "anomalib_padim_state_dict.pt"
     torch.save(model.state_dict(), artifact)
-    (args.out / "result.json").write_text(json.dumps({
-        "version": anomalib.__version__,
-        "fit_seconds": fit_seconds,
-        "images_per_second_batch": args.batch_size / per_batch,
-        "images_per_second_batch1": 1 / single,
-        "artifact_bytes": artifact.stat().st_size,
-    }))
+    (args.out / "result.json").write_text(
+        json.dumps(
+            {
+                "version": anomalib.__version__,
+                "fit_seconds": fit_seconds,
+                "images_per_second_batch": args.batch_size / per_batch,
+                "images_per_second_batch1": 1 / single,
+                "artifact_bytes": artifact.stat().st_size,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

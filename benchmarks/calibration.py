@@ -32,18 +32,19 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from timing import machine_name, work_folder
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import GaussianAccumulator, finalise
 from padim.models import Fit, PadimConfig, fit_detector, training_images
 from padim.models.data.synthetic import CATEGORIES, DEFECTS, generate
-from timing import machine_name, work_folder
 
 HERE = Path(__file__).resolve().parent
 
 
-def old_rule_threshold(fit: Fit, names: list[str], embedded: torch.Tensor, quantile: float = 0.99,
-                       fraction: float = 0.1, minimum: int = 3) -> tuple[torch.Tensor, torch.Tensor, float]:
+def old_rule_threshold(
+    fit: Fit, names: list[str], embedded: torch.Tensor, quantile: float = 0.99, fraction: float = 0.1, minimum: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Model format 1: mean, precision factor and threshold from a per-name hold-out.
 
     An image is held out when the first 8 bytes of the sha256 of its name, over 2^64, are below
@@ -75,8 +76,12 @@ def scores_of(fit: Fit, embedded: torch.Tensor, mean: torch.Tensor, factor: torc
 
 
 def embed_all(fit: Fit, paths: list[Path], batch: int = 16) -> torch.Tensor:
-    return torch.cat([fit.embedder(fit.embedder.preprocess([Image.open(p).convert("RGB") for p in paths[i : i + batch]]))
-                      for i in range(0, len(paths), batch)])
+    return torch.cat(
+        [
+            fit.embedder(fit.embedder.preprocess([Image.open(p).convert("RGB") for p in paths[i : i + batch]]))
+            for i in range(0, len(paths), batch)
+        ]
+    )
 
 
 def main() -> None:
@@ -102,9 +107,16 @@ def main() -> None:
     work = work_folder(args.workdir, "padim-calibration-")
     data = work / "data"
     if not all((data / c).exists() for c in categories):
-        generate(data, tuple(categories), train=max(sizes), test_good=args.fresh, test_defect=args.defects, size=256, seed=11)
-    config = PadimConfig(weights=args.weights, image_size=args.image_size, false_alarm_rate=args.false_alarm_rate,
-                         workers=2, device="cpu")
+        generate(
+            data, tuple(categories), train=max(sizes), test_good=args.fresh, test_defect=args.defects, size=256, seed=11
+        )
+    config = PadimConfig(
+        weights=args.weights,
+        image_size=args.image_size,
+        false_alarm_rate=args.false_alarm_rate,
+        workers=2,
+        device="cpu",
+    )
     rows: dict = {}
     for category in categories:
         root = data / category
@@ -112,33 +124,67 @@ def main() -> None:
         fresh = sorted((root / "test" / "good").glob("*.png"))
         defects = sorted(p for d in DEFECTS for p in (root / "test" / d).glob("*.png"))
         fit = Fit.start(config)
-        train_embedded, fresh_embedded, defect_embedded = (embed_all(fit, paths) for paths in
-                                                          ([i.path for i in train], fresh, defects))
+        train_embedded, fresh_embedded, defect_embedded = (
+            embed_all(fit, paths) for paths in ([i.path for i in train], fresh, defects)
+        )
         for m in sizes:
             mean, factor, threshold = old_rule_threshold(fit, [i.name for i in train[:m]], train_embedded[:m])
-            found = {"holdout": (scores_of(fit, fresh_embedded, mean, factor), scores_of(fit, defect_embedded, mean, factor),
-                                 threshold, None, None)}
+            found = {
+                "holdout": (
+                    scores_of(fit, fresh_embedded, mean, factor),
+                    scores_of(fit, defect_embedded, mean, factor),
+                    threshold,
+                    None,
+                    None,
+                )
+            }
             for k in folds:
                 detector, report = fit_detector(config.replace(calibration_folds=k), train[:m], progress=False)
                 cal = detector.calibration
-                found[f"folds={k}"] = (scores_of(fit, fresh_embedded, detector.model.mean, detector.model.precision_factor),
-                                       scores_of(fit, defect_embedded, detector.model.mean, detector.model.precision_factor),
-                                       cal.threshold, cal, report)
+                found[f"folds={k}"] = (
+                    scores_of(fit, fresh_embedded, detector.model.mean, detector.model.precision_factor),
+                    scores_of(fit, defect_embedded, detector.model.mean, detector.model.precision_factor),
+                    cal.threshold,
+                    cal,
+                    report,
+                )
             row = {}
             for rule, (good, bad, t, cal, report) in found.items():
-                row[rule] = {"false_alarms": int((good >= t).sum()), "fresh": len(good),
-                             "flagged": int((bad >= t).sum()), "defects": len(bad), "threshold": t}
+                row[rule] = {
+                    "false_alarms": int((good >= t).sum()),
+                    "fresh": len(good),
+                    "flagged": int((bad >= t).sum()),
+                    "defects": len(bad),
+                    "threshold": t,
+                }
                 if cal is not None:
-                    row[rule].update(method=cal.method, promised=cal.promised_false_alarm_rate,
-                                     bound=cal.false_alarm_bound, seconds=report.seconds)
+                    row[rule].update(
+                        method=cal.method,
+                        promised=cal.promised_false_alarm_rate,
+                        bound=cal.false_alarm_bound,
+                        seconds=report.seconds,
+                    )
             rows.setdefault(m, {})[category] = row
-            print(f"{category:8s} M={m:4d}  " + " | ".join(
-                f"{rule}: {r['false_alarms']:3d}/{r['fresh']} false alarms, {r['flagged']:3d}/{r['defects']} defects"
-                for rule, r in row.items()), flush=True)
+            print(
+                f"{category:8s} M={m:4d}  "
+                + " | ".join(
+                    f"{rule}: {r['false_alarms']:3d}/{r['fresh']} false alarms, {r['flagged']:3d}/{r['defects']} defects"
+                    for rule, r in row.items()
+                ),
+                flush=True,
+            )
 
-    report = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "torch": torch.__version__,
-              "image_size": args.image_size, "weights": args.weights, "false_alarm_rate": args.false_alarm_rate,
-              "rules": rules, "categories": categories, "sizes": rows}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_name(),
+        "torch": torch.__version__,
+        "image_size": args.image_size,
+        "weights": args.weights,
+        "false_alarm_rate": args.false_alarm_rate,
+        "rules": rules,
+        "categories": categories,
+        "sizes": rows,
+    }
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     stem = results / f"{report['date']}-{report['machine']}-calibration"
@@ -151,12 +197,18 @@ def main() -> None:
 def markdown(report: dict) -> str:
     rate = report["false_alarm_rate"]
     rules = report["rules"]
-    lines = [f"Calibration on unseen images: {len(report['categories'])} generated categories "
-             f"({', '.join(report['categories'])}), resnet18 {report['image_size']} px, {report['weights']} weights, "
-             f"requested false-alarm rate {rate:.0%}; {report['machine']}, {report['date']}", "",
-             "| M | " + " | ".join(f"{r}: false alarms | {r}: defects flagged" for r in rules)
-             + " | " + " | ".join(f"{r}: worst category | {r}: promised (mean)" for r in rules if r != "holdout") + " |",
-             "|---|" + "---|---|" * len(rules) + "---|---|" * (len(rules) - 1)]
+    lines = [
+        f"Calibration on unseen images: {len(report['categories'])} generated categories "
+        f"({', '.join(report['categories'])}), resnet18 {report['image_size']} px, {report['weights']} weights, "
+        f"requested false-alarm rate {rate:.0%}; {report['machine']}, {report['date']}",
+        "",
+        "| M | "
+        + " | ".join(f"{r}: false alarms | {r}: defects flagged" for r in rules)
+        + " | "
+        + " | ".join(f"{r}: worst category | {r}: promised (mean)" for r in rules if r != "holdout")
+        + " |",
+        "|---|" + "---|---|" * len(rules) + "---|---|" * (len(rules) - 1),
+    ]
     for m, by_category in sorted(report["sizes"].items(), key=lambda kv: int(kv[0])):
         cells = [str(m)]
         for rule in rules:

@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from timing import machine_name, median_seconds, seeded_resnet18, work_folder
 
-from padim.models.evaluation.metrics import compute_metrics, read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.data.synthetic import generate
+from padim.models.evaluation.metrics import compute_metrics, read_mvtec_category
 from padim.models.model_file import save_detector
-from timing import machine_name, median_seconds, seeded_resnet18, work_folder
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("weave", "carpet", "tiles")
@@ -51,7 +51,9 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
     """
     peak_file = Path(tempfile.mkstemp(suffix=".kb")[1])
     start = time.perf_counter()
-    result = subprocess.run([command[0], str(HERE / "peak_rss.py"), str(peak_file), *command[1:]], capture_output=True, text=True)
+    result = subprocess.run(
+        [command[0], str(HERE / "peak_rss.py"), str(peak_file), *command[1:]], capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(command)}\n{result.stderr[-2000:]}")
@@ -62,7 +64,9 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--anomalib-python", default=sys.executable, help="interpreter with anomalib (default: this one)")
+    parser.add_argument(
+        "--anomalib-python", default=sys.executable, help="interpreter with anomalib (default: this one)"
+    )
     parser.add_argument("--memory-counts", type=int, nargs="+", default=[100, 500, 2000])
     parser.add_argument("--train-images", type=int, default=60, help="training images per category for the AUROCs")
     parser.add_argument("--image-size", type=int, default=224)
@@ -70,10 +74,14 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="keep generated data here (default: a temporary folder)")
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    check = subprocess.run([args.anomalib_python, "-c", "import anomalib; print(anomalib.__version__)"], capture_output=True, text=True)
+    check = subprocess.run(
+        [args.anomalib_python, "-c", "import anomalib; print(anomalib.__version__)"], capture_output=True, text=True
+    )
     if check.returncode != 0:
-        raise SystemExit("anomalib is not importable by --anomalib-python; install it with "
-                         "pip install -c constraints.txt '.[bench]' or point --anomalib-python to a venv that has it")
+        raise SystemExit(
+            "anomalib is not importable by --anomalib-python; install it with "
+            "pip install -c constraints.txt '.[bench]' or point --anomalib-python to a venv that has it"
+        )
     anomalib_version = check.stdout.strip()
 
     work = work_folder(args.workdir, "padim-vs-anomalib-")
@@ -85,15 +93,26 @@ def main() -> None:
     pool = work / "pool" / "carpet" / "train" / "good"
     if len(list(pool.glob("*.png"))) < max(args.memory_counts):
         print(f"generating {max(args.memory_counts)} images for the memory runs ...", flush=True)
-        generate(work / "pool", ("carpet",), train=max(args.memory_counts), test_good=0, test_defect=0, size=size, seed=8)
+        generate(
+            work / "pool", ("carpet",), train=max(args.memory_counts), test_good=0, test_defect=0, size=size, seed=8
+        )
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
     # PaDiM as published on both sides (anomalib's PaDiM: no neighbourhood average, the map smoothed with sigma 4)
-    config = PadimConfig(weights=str(weights), image_size=size, batch_size=16, device="cpu", neighbourhood=1,
-                         blur_sigma=4.0)
-    report: dict = {"date": datetime.date.today().isoformat(), "machine": machine_name(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "anomalib": anomalib_version, "image_size": size, "backbone": "resnet18",
-                    "features": 100, "categories": {}}
+    config = PadimConfig(
+        weights=str(weights), image_size=size, batch_size=16, device="cpu", neighbourhood=1, blur_sigma=4.0
+    )
+    report: dict = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "anomalib": anomalib_version,
+        "image_size": size,
+        "backbone": "resnet18",
+        "features": 100,
+        "categories": {},
+    }
 
     # --- detection quality, fit time, throughput, artifact size ----------------------------
     for category in CATEGORIES:
@@ -117,30 +136,62 @@ def main() -> None:
         (lists / "test.json").write_text(json.dumps([str(s.path) for s in samples]))
         (lists / "channels.json").write_text(json.dumps(detector.embedding.channel_index.tolist()))
         out_dir = work / "anomalib" / category
-        subprocess.run([args.anomalib_python, str(HERE / "anomalib_padim.py"), "fit-score", "--train-list", str(lists / "train.json"),
-                        "--test-list", str(lists / "test.json"), "--weights", str(weights), "--channel-index", str(lists / "channels.json"),
-                        "--out", str(out_dir), "--image-size", str(size), "--repeats", str(args.repeats)], check=True)
+        subprocess.run(
+            [
+                args.anomalib_python,
+                str(HERE / "anomalib_padim.py"),
+                "fit-score",
+                "--train-list",
+                str(lists / "train.json"),
+                "--test-list",
+                str(lists / "test.json"),
+                "--weights",
+                str(weights),
+                "--channel-index",
+                str(lists / "channels.json"),
+                "--out",
+                str(out_dir),
+                "--image-size",
+                str(size),
+                "--repeats",
+                str(args.repeats),
+            ],
+            check=True,
+        )
         theirs_run = json.loads((out_dir / "result.json").read_text())
         theirs = compute_metrics(samples, np.load(out_dir / "scores.npy"), np.load(out_dir / "maps.npy"))
         theirs["fit_seconds"] = theirs_run["fit_seconds"]
         keep = ("image_auroc", "pixel_auroc", "pro_0.3", "fit_seconds")
-        report["categories"][category] = {"padim": {k: ours[k] for k in keep}, "anomalib": {k: theirs[k] for k in keep},
-                                          "fit_images": len(train)}
-        print(f"{category}: image AUROC padim {ours['image_auroc']:.3f} / anomalib {theirs['image_auroc']:.3f}, "
-              f"pixel AUROC {ours['pixel_auroc']:.3f} / {theirs['pixel_auroc']:.3f}", flush=True)
+        report["categories"][category] = {
+            "padim": {k: ours[k] for k in keep},
+            "anomalib": {k: theirs[k] for k in keep},
+            "fit_images": len(train),
+        }
+        print(
+            f"{category}: image AUROC padim {ours['image_auroc']:.3f} / anomalib {theirs['image_auroc']:.3f}, "
+            f"pixel AUROC {ours['pixel_auroc']:.3f} / {theirs['pixel_auroc']:.3f}",
+            flush=True,
+        )
 
         if category == CATEGORIES[0]:  # throughput and artifact, once
             batch = detector.preprocess([Image.open(s.path).convert("RGB") for s in (samples * 16)[:16]])
             report["throughput"] = {
-                "padim": {"batch16": 16 / median_seconds(lambda: detector.score(batch), args.repeats),
-                          "batch1": 1 / median_seconds(lambda: detector.score(batch[:1]), args.repeats)},
-                "anomalib": {"batch16": theirs_run["images_per_second_batch"], "batch1": theirs_run["images_per_second_batch1"]},
+                "padim": {
+                    "batch16": 16 / median_seconds(lambda: detector.score(batch), args.repeats),
+                    "batch1": 1 / median_seconds(lambda: detector.score(batch[:1]), args.repeats),
+                },
+                "anomalib": {
+                    "batch16": theirs_run["images_per_second_batch"],
+                    "batch1": theirs_run["images_per_second_batch1"],
+                },
             }
             save_detector(detector, work / "padim.padim")
             save_detector(detector, work / "padim-slim.padim", with_statistics=False)
-            report["artifact_bytes"] = {"padim": (work / "padim.padim").stat().st_size,
-                                        "padim_slim": (work / "padim-slim.padim").stat().st_size,
-                                        "anomalib": theirs_run["artifact_bytes"]}
+            report["artifact_bytes"] = {
+                "padim": (work / "padim.padim").stat().st_size,
+                "padim_slim": (work / "padim-slim.padim").stat().st_size,
+                "anomalib": theirs_run["artifact_bytes"],
+            }
 
     # --- fit peak memory against N, each fit in its own process -----------------------------
     images = sorted(pool.glob("*.png"))
@@ -151,17 +202,59 @@ def main() -> None:
         for image in images[:count]:
             if not (subset / image.name).exists():
                 (subset / image.name).symlink_to(image)
-        ours_rss, ours_s, _ = run_measured([sys.executable, "-m", "padim", "-q", "train", str(subset), "--output", str(work / "mem.padim"),
-                                            "--weights", str(weights), "--image-size", str(size), "--device", "cpu",
-                                            "--neighbourhood", "1", "--blur-sigma", "4"])
+        ours_rss, ours_s, _ = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "padim",
+                "-q",
+                "train",
+                str(subset),
+                "--output",
+                str(work / "mem.padim"),
+                "--weights",
+                str(weights),
+                "--image-size",
+                str(size),
+                "--device",
+                "cpu",
+                "--neighbourhood",
+                "1",
+                "--blur-sigma",
+                "4",
+            ]
+        )
         listing = work / f"subset-{count}.json"
         listing.write_text(json.dumps([str(p) for p in sorted(subset.glob("*.png"))]))
         channels = work / "lists" / CATEGORIES[0] / "channels.json"
-        theirs_rss, theirs_s, _ = run_measured([args.anomalib_python, str(HERE / "anomalib_padim.py"), "fit-only", "--train-list", str(listing),
-                                                "--weights", str(weights), "--channel-index", str(channels), "--image-size", str(size)])
-        report["fit_memory"].append({"images": count, "padim_peak_rss_mb": ours_rss, "anomalib_peak_rss_mb": theirs_rss,
-                                     "padim_seconds": ours_s, "anomalib_seconds": theirs_s})
-        print(f"N={count}: peak RSS padim {ours_rss:.0f} MB ({ours_s:.0f} s), anomalib {theirs_rss:.0f} MB ({theirs_s:.0f} s)", flush=True)
+        theirs_rss, theirs_s, _ = run_measured(
+            [
+                args.anomalib_python,
+                str(HERE / "anomalib_padim.py"),
+                "fit-only",
+                "--train-list",
+                str(listing),
+                "--weights",
+                str(weights),
+                "--channel-index",
+                str(channels),
+                "--image-size",
+                str(size),
+            ]
+        )
+        report["fit_memory"].append(
+            {
+                "images": count,
+                "padim_peak_rss_mb": ours_rss,
+                "anomalib_peak_rss_mb": theirs_rss,
+                "padim_seconds": ours_s,
+                "anomalib_seconds": theirs_s,
+            }
+        )
+        print(
+            f"N={count}: peak RSS padim {ours_rss:.0f} MB ({ours_s:.0f} s), anomalib {theirs_rss:.0f} MB ({theirs_s:.0f} s)",
+            flush=True,
+        )
 
     write_outputs(report, args.results)
 
@@ -172,7 +265,10 @@ def write_outputs(report: dict, results: Path) -> None:
     mem = report["fit_memory"]
     if len(mem) >= 2:
         slope = lambda key: (mem[-1][key] - mem[0][key]) / (mem[-1]["images"] - mem[0]["images"])  # noqa: E731
-        report["fit_memory_slope_mb_per_image"] = {"padim": slope("padim_peak_rss_mb"), "anomalib": slope("anomalib_peak_rss_mb")}
+        report["fit_memory_slope_mb_per_image"] = {
+            "padim": slope("padim_peak_rss_mb"),
+            "anomalib": slope("anomalib_peak_rss_mb"),
+        }
     big = mem[-1]
     ratios = {
         "image_auroc_mean": np.mean([c["padim"]["image_auroc"] for c in report["categories"].values()])
@@ -188,26 +284,39 @@ def write_outputs(report: dict, results: Path) -> None:
     report["ratios_padim_over_anomalib"] = ratios
     Path(f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    lines = [f"padim vs anomalib {report['anomalib']} PaDiM: {report['machine']}, torch {report['torch']}, "
-             f"resnet18, {report['image_size']} px, 100 channels, {report['date']}", "",
-             "| category | image AUROC padim | image AUROC anomalib | pixel AUROC padim | pixel AUROC anomalib | fit s padim | fit s anomalib |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"padim vs anomalib {report['anomalib']} PaDiM: {report['machine']}, torch {report['torch']}, "
+        f"resnet18, {report['image_size']} px, 100 channels, {report['date']}",
+        "",
+        "| category | image AUROC padim | image AUROC anomalib | pixel AUROC padim | pixel AUROC anomalib | fit s padim | fit s anomalib |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, c in report["categories"].items():
         p, a = c["padim"], c["anomalib"]
-        lines.append(f"| {name} ({c['fit_images']} fit images) | {p['image_auroc']:.3f} | {a['image_auroc']:.3f} | {p['pixel_auroc']:.3f} | "
-                     f"{a['pixel_auroc']:.3f} | {p['fit_seconds']:.1f} | {a['fit_seconds']:.1f} |")
+        lines.append(
+            f"| {name} ({c['fit_images']} fit images) | {p['image_auroc']:.3f} | {a['image_auroc']:.3f} | {p['pixel_auroc']:.3f} | "
+            f"{a['pixel_auroc']:.3f} | {p['fit_seconds']:.1f} | {a['fit_seconds']:.1f} |"
+        )
     t, b = report["throughput"], report["artifact_bytes"]
-    lines += ["", "| measure | padim | anomalib | padim / anomalib |", "|---|---|---|---|",
-              f"| scoring, batch 16 (img/s) | {t['padim']['batch16']:.1f} | {t['anomalib']['batch16']:.1f} | {ratios['throughput_batch16']:.2f} |",
-              f"| scoring, batch 1 (img/s) | {t['padim']['batch1']:.1f} | {t['anomalib']['batch1']:.1f} | {ratios['throughput_batch1']:.2f} |"]
+    lines += [
+        "",
+        "| measure | padim | anomalib | padim / anomalib |",
+        "|---|---|---|---|",
+        f"| scoring, batch 16 (img/s) | {t['padim']['batch16']:.1f} | {t['anomalib']['batch16']:.1f} | {ratios['throughput_batch16']:.2f} |",
+        f"| scoring, batch 1 (img/s) | {t['padim']['batch1']:.1f} | {t['anomalib']['batch1']:.1f} | {ratios['throughput_batch1']:.2f} |",
+    ]
     for row in mem:
-        lines.append(f"| fit peak RSS, N={row['images']} (MB) | {row['padim_peak_rss_mb']:.0f} | {row['anomalib_peak_rss_mb']:.0f} | "
-                     f"{row['padim_peak_rss_mb'] / row['anomalib_peak_rss_mb']:.2f} |")
+        lines.append(
+            f"| fit peak RSS, N={row['images']} (MB) | {row['padim_peak_rss_mb']:.0f} | {row['anomalib_peak_rss_mb']:.0f} | "
+            f"{row['padim_peak_rss_mb'] / row['anomalib_peak_rss_mb']:.2f} |"
+        )
     if "fit_memory_slope_mb_per_image" in report:
         s = report["fit_memory_slope_mb_per_image"]
         lines.append(f"| fit RSS growth per image (MB) | {s['padim']:.3f} | {s['anomalib']:.3f} | |")
-    lines += [f"| artifact on disk (MB) | {b['padim'] / 1e6:.1f} (slim {b['padim_slim'] / 1e6:.1f}) | {b['anomalib'] / 1e6:.1f} | "
-              f"{ratios['artifact_size']:.2f} (slim {ratios['artifact_size_slim']:.2f}) |"]
+    lines += [
+        f"| artifact on disk (MB) | {b['padim'] / 1e6:.1f} (slim {b['padim_slim'] / 1e6:.1f}) | {b['anomalib'] / 1e6:.1f} | "
+        f"{ratios['artifact_size']:.2f} (slim {ratios['artifact_size_slim']:.2f}) |"
+    ]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib

@@ -63,8 +63,12 @@ def worker(work: Path, batch_size: int) -> None:
     model.fit(DataLoader(TensorDataset(train), batch_size=16))
     torch.save(model, work / "anomavision.pt")
     exporter = ModelExporter(work / "anomavision.pt", work / "anomavision-export", logging.getLogger("export"), "cpu")
-    onnx_path = exporter.export_onnx(input_shape=(1, 3, train.shape[-1], train.shape[-1]), output_name="model.onnx",
-                                     dynamic_batch=True, force_precision="fp32")
+    onnx_path = exporter.export_onnx(
+        input_shape=(1, 3, train.shape[-1], train.shape[-1]),
+        output_name="model.onnx",
+        dynamic_batch=True,
+        force_precision="fp32",
+    )
     runtimes = {"torch": lambda x: model.predict(torch.from_numpy(x))}
     wrapper = ModelWrapper(str(onnx_path), "cpu")
     runtimes["onnxruntime"] = wrapper.predict
@@ -111,13 +115,13 @@ def main() -> int:
 
     import torch
     from PIL import Image
+    from timing import seeded_resnet18, work_folder
 
     from padim.models import PadimConfig, fit_detector, training_images
+    from padim.models.data.synthetic import generate
     from padim.models.deploy.export import ExportError
     from padim.models.deploy.runtimes import load_scorer
-    from padim.models.data.synthetic import generate
     from padim.models.model_file import save_detector
-    from timing import seeded_resnet18, work_folder
 
     work = work_folder(args.workdir, "padim-vs-anomavision-")
     work.mkdir(parents=True, exist_ok=True)
@@ -126,8 +130,15 @@ def main() -> int:
         generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=224, seed=1)
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
     # PaDiM as published on both sides: no neighbourhood average, the map smoothed with sigma 4
-    config = PadimConfig(weights=str(weights), image_size=224, batch_size=16, device="cpu", embedding_dim=100,
-                         neighbourhood=1, blur_sigma=4.0)
+    config = PadimConfig(
+        weights=str(weights),
+        image_size=224,
+        batch_size=16,
+        device="cpu",
+        embedding_dim=100,
+        neighbourhood=1,
+        blur_sigma=4.0,
+    )
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
     save_detector(detector, work / "padim.padim")
     train_paths = sorted((category / "train" / "good").glob("*.png"))
@@ -146,8 +157,13 @@ def main() -> int:
         scorer.score(batch)
         scorer.score(batch[:1])
 
-    process = subprocess.Popen([args.anomavision_python, __file__, WORKER_FLAG, str(work), str(args.batch_size)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=work)
+    process = subprocess.Popen(
+        [args.anomavision_python, __file__, WORKER_FLAG, str(work), str(args.batch_size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=work,
+    )
     ready = None
     for line in process.stdout:
         if line.startswith("{"):
@@ -176,9 +192,15 @@ def main() -> int:
     process.stdin.close()
     process.wait(60)
 
-    report = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "rounds": args.rounds,
-              "batch_size": args.batch_size, "image_size": 224, "layers": list(config.layers), "embedding_dim": 100,
-              "img_per_s": {}}
+    report = {
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+        "image_size": 224,
+        "layers": list(config.layers),
+        "embedding_dim": 100,
+        "img_per_s": {},
+    }
     print(f"scorer alone (tensor in, map + score out), {args.rounds} interleaved rounds; img/s median (best)")
     for key, seconds in times.items():
         b = int(key.rsplit("b", 1)[1])
@@ -186,12 +208,19 @@ def main() -> int:
         report["img_per_s"][key] = {"median": round(median, 2), "best": round(best, 2)}
         print(f"  {key:<28} {median:7.1f} ({best:.1f})")
     for b in sizes:
-        ours = max((v["median"], k) for k, v in report["img_per_s"].items() if k.startswith("padim") and k.endswith(f"b{b}"))
-        theirs = max((v["median"], k) for k, v in report["img_per_s"].items()
-                     if k.startswith("anomavision") and k.endswith(f"b{b}"))
+        ours = max(
+            (v["median"], k) for k, v in report["img_per_s"].items() if k.startswith("padim") and k.endswith(f"b{b}")
+        )
+        theirs = max(
+            (v["median"], k)
+            for k, v in report["img_per_s"].items()
+            if k.startswith("anomavision") and k.endswith(f"b{b}")
+        )
         report[f"fastest_ratio_b{b}"] = round(ours[0] / theirs[0], 3)
-        print(f"batch {b}: fastest padim ({ours[1]}, {ours[0]:.1f}) / fastest AnomaVision ({theirs[1]}, {theirs[0]:.1f})"
-              f" = {ours[0] / theirs[0]:.2f}x")
+        print(
+            f"batch {b}: fastest padim ({ours[1]}, {ours[0]:.1f}) / fastest AnomaVision ({theirs[1]}, {theirs[0]:.1f})"
+            f" = {ours[0] / theirs[0]:.2f}x"
+        )
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2) + "\n")

@@ -15,15 +15,35 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.data.synthetic import generate
 from timing import work_folder
+
+from padim.models.data.synthetic import generate
 
 
 def fit_once(data: Path, output: Path, args: argparse.Namespace) -> dict:
     peak_file = output.with_suffix(".peak-kb")
-    command = [sys.executable, str(Path(__file__).parent / "peak_rss.py"), str(peak_file), "-m", "padim", "-q", "train",
-               str(data), "--output", str(output), "--weights", args.weights, "--backbone", args.backbone,
-               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--device", args.device]
+    command = [
+        sys.executable,
+        str(Path(__file__).parent / "peak_rss.py"),
+        str(peak_file),
+        "-m",
+        "padim",
+        "-q",
+        "train",
+        str(data),
+        "--output",
+        str(output),
+        "--weights",
+        args.weights,
+        "--backbone",
+        args.backbone,
+        "--image-size",
+        str(args.image_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--device",
+        args.device,
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
@@ -44,7 +64,9 @@ def main() -> None:
     work = work_folder(args.workdir, "padim-mem-")
     pool = work / "data" / "carpet" / "train" / "good"
     if len(list(pool.glob("*.png"))) < max(args.counts):
-        generate(work / "data", ("carpet",), train=max(args.counts), test_good=0, test_defect=0, size=args.image_size, seed=2)
+        generate(
+            work / "data", ("carpet",), train=max(args.counts), test_good=0, test_defect=0, size=args.image_size, seed=2
+        )
     images = sorted(pool.glob("*.png"))
     rows = []
     for count in args.counts:
@@ -56,8 +78,10 @@ def main() -> None:
                 link.symlink_to(image)
         result = fit_once(subset, work / f"model-{count}.padim", args)
         rows.append({"images": count, **result, "images_per_second": count / result["seconds"]})
-        print(f"N={count:6d}: peak RSS {result['peak_rss_mb']:8.1f} MB, {result['seconds']:7.1f} s "
-              f"({count / result['seconds']:.1f} img/s incl. start-up), model {result['model_bytes'] / 1e6:.1f} MB")
+        print(
+            f"N={count:6d}: peak RSS {result['peak_rss_mb']:8.1f} MB, {result['seconds']:7.1f} s "
+            f"({count / result['seconds']:.1f} img/s incl. start-up), model {result['model_bytes'] / 1e6:.1f} MB"
+        )
     print(json.dumps({"backbone": args.backbone, "image_size": args.image_size, "rows": rows}))
 
 

@@ -32,7 +32,16 @@ def busy() -> None:  # pragma: no cover - runs in a child process until killed
 
 def run_round(marker: str, extra: list[str]) -> tuple[bool, list[str], str, float]:
     """One pytest run: whether it passed, the failed test ids, its last line, its wall time."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-m", marker] if marker else []), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *(["-m", marker] if marker else []),
+        *extra,
+    ]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - started
@@ -57,15 +66,22 @@ def main() -> int:
     try:
         for i in range(1, args.rounds + 1):
             passed, failed, last, seconds = run_round(args.marker, args.pytest_args)
-            rounds.append({"round": i, "passed": passed, "failed": failed, "summary": last, "seconds": round(seconds, 1)})
-            print(f"round {i}/{args.rounds}: {'pass' if passed else 'FAIL'} in {seconds:.0f} s: {last}"
-                  + (f" [{', '.join(failed)}]" if failed else ""), flush=True)
+            rounds.append(
+                {"round": i, "passed": passed, "failed": failed, "summary": last, "seconds": round(seconds, 1)}
+            )
+            print(
+                f"round {i}/{args.rounds}: {'pass' if passed else 'FAIL'} in {seconds:.0f} s: {last}"
+                + (f" [{', '.join(failed)}]" if failed else ""),
+                flush=True,
+            )
     finally:
         for hog in hogs:
             hog.kill()
     good = sum(r["passed"] for r in rounds)
-    print(f"\n{good} of {len(rounds)} rounds passed with {args.load} busy process(es) beside the tests "
-          f"(selection: {args.marker or 'all'} {' '.join(args.pytest_args)})")
+    print(
+        f"\n{good} of {len(rounds)} rounds passed with {args.load} busy process(es) beside the tests "
+        f"(selection: {args.marker or 'all'} {' '.join(args.pytest_args)})"
+    )
     counts: dict[str, int] = {}
     for r in rounds:
         for test in r["failed"]:

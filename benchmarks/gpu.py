@@ -56,8 +56,11 @@ def fit(backbone: str, data: Path, out: Path, size: int, device: str, batch: int
     started = time.perf_counter()
     report = train(config, training_images(data), out, progress=False)
     seconds = time.perf_counter() - started
-    return seconds, {"phases": report.seconds, "cuda_max_memory_allocated": report.cuda_peak,
-                     "planned_bytes": report.plan.total if report.plan else None}
+    return seconds, {
+        "phases": report.seconds,
+        "cuda_max_memory_allocated": report.cuda_peak,
+        "planned_bytes": report.plan.total if report.plan else None,
+    }
 
 
 def throughput(scorer, size: int, batch: int, repeats: int) -> float:
@@ -88,7 +91,10 @@ def scorers(path: Path, device: str, tensorrt_cache: Path):
         scorer = load_scorer(path, "onnxruntime", "cuda")
     finally:
         del os.environ[TENSORRT_ENV]
-    yield "tensorrt", scorer if scorer.providers[0] == "TensorrtExecutionProvider" else "TensorRT did not take the graph"
+    yield (
+        "tensorrt",
+        scorer if scorer.providers[0] == "TensorrtExecutionProvider" else "TensorRT did not take the graph",
+    )
 
 
 def cpu_vs_gpu(path: Path, size: int) -> float:
@@ -112,43 +118,81 @@ def main() -> int:
     parser.add_argument("--save", action="store_true", help="write benchmarks/results/<date>-<machine>-gpu.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu.py: torch sees no GPU here; run it on a GPU machine (or --device cpu for a dry run)",
-              file=sys.stderr)
+        print(
+            "benchmarks/gpu.py: torch sees no GPU here; run it on a GPU machine (or --device cpu for a dry run)",
+            file=sys.stderr,
+        )
         return 2
     folder = work_folder(args.workdir, "padim-gpu-bench-")
-    (category,) = generate(folder / "data", ("weave",), train=args.images, test_good=1, test_defect=1,
-                           size=args.size, seed=0)
+    (category,) = generate(
+        folder / "data", ("weave",), train=args.images, test_good=1, test_defect=1, size=args.size, seed=0
+    )
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     results: list[dict] = []
     for backbone in args.backbones.split(","):
         model = folder / f"{backbone}-{args.device}.padim"
         seconds, detail = fit(backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch)
-        say({"backbone": backbone, "step": "fit", "device": device_name, "images": args.images, "size": args.size,
-             "seconds": round(seconds, 2), **detail}, results)
+        say(
+            {
+                "backbone": backbone,
+                "step": "fit",
+                "device": device_name,
+                "images": args.images,
+                "size": args.size,
+                "seconds": round(seconds, 2),
+                **detail,
+            },
+            results,
+        )
         for runtime, scorer in scorers(model, args.device, folder / "tensorrt"):
             if isinstance(scorer, str):
                 say({"backbone": backbone, "step": "score", "runtime": runtime, "skipped": scorer}, results)
                 continue
             for batch in (int(b) for b in args.batches.split(",")):
                 rate = throughput(scorer, args.size, batch, args.repeats)
-                say({"backbone": backbone, "step": "score", "runtime": runtime, "batch": batch,
-                     "images_per_second": round(rate, 1)}, results)
+                say(
+                    {
+                        "backbone": backbone,
+                        "step": "score",
+                        "runtime": runtime,
+                        "batch": batch,
+                        "images_per_second": round(rate, 1),
+                    },
+                    results,
+                )
             del scorer
         if args.device == "cuda":
-            say({"backbone": backbone, "step": "cpu_vs_gpu", "largest_relative_score_difference": cpu_vs_gpu(model, args.size),
-                 "stated_tolerance": CROSS_DEVICE_RTOL}, results)
+            say(
+                {
+                    "backbone": backbone,
+                    "step": "cpu_vs_gpu",
+                    "largest_relative_score_difference": cpu_vs_gpu(model, args.size),
+                    "stated_tolerance": CROSS_DEVICE_RTOL,
+                },
+                results,
+            )
         if args.cpu_fit:
             on_cpu = folder / f"{backbone}-cpu-fit.padim"
             cpu_seconds, _ = fit(backbone, category / "train" / "good", on_cpu, args.size, "cpu", args.fit_batch)
             from padim.core.artifact import read_header
 
             first, second = (read_header(p)["calibration"]["threshold"] for p in (model, on_cpu))
-            say({"backbone": backbone, "step": "threshold", "fit_device": device_name, "cpu_fit_seconds": round(cpu_seconds, 2),
-                 "relative_threshold_difference": abs(first - second) / abs(second)}, results)
+            say(
+                {
+                    "backbone": backbone,
+                    "step": "threshold",
+                    "fit_device": device_name,
+                    "cpu_fit_seconds": round(cpu_seconds, 2),
+                    "relative_threshold_difference": abs(first - second) / abs(second),
+                },
+                results,
+            )
     if args.save:
         name = f"{datetime.date.today()}-{machine_name()}-gpu.json"
         target = Path(__file__).resolve().parent / "results" / name
-        target.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "results": results}, indent=2) + "\n")
+        target.write_text(
+            json.dumps({"device": device_name, "torch": torch.__version__, "results": results}, indent=2) + "\n"
+        )
         print(f"wrote {target}", file=sys.stderr)
     return 0
 

@@ -42,36 +42,51 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 from sklearn.metrics import roc_auc_score
+from timing import machine_name, seeded_resnet18, work_folder
 
 import padim
 from padim.models import PadimConfig
 from padim.models.data.synthetic import DEFECTS, MORE_DEFECTS, add_defect, texture
-from timing import machine_name, seeded_resnet18, work_folder
 
 HERE = Path(__file__).resolve().parent
 #: Framings of each scene: ``roi`` True takes the scene's region of interest.
 SCENES = {
     # a part on a conveyor whose clutter moves from picture to picture
-    "conveyor": {"whole picture, squashed": {}, "region, squashed": {"roi": True},
-                 "region, padded": {"roi": True, "resize": "pad"},
-                 "whole picture, 2x3 tiles, position": {"tiles": (2, 3), "tile_statistics": "position"},
-                 "region, 2x2 tiles, position": {"roi": True, "tiles": (2, 2), "tile_statistics": "position"},
-                 "region, 2x2 tiles, shared": {"roi": True, "tiles": (2, 2), "tile_statistics": "shared"}},
+    "conveyor": {
+        "whole picture, squashed": {},
+        "region, squashed": {"roi": True},
+        "region, padded": {"roi": True, "resize": "pad"},
+        "whole picture, 2x3 tiles, position": {"tiles": (2, 3), "tile_statistics": "position"},
+        "region, 2x2 tiles, position": {"roi": True, "tiles": (2, 2), "tile_statistics": "position"},
+        "region, 2x2 tiles, shared": {"roi": True, "tiles": (2, 2), "tile_statistics": "shared"},
+    },
     # the surface fills the picture (a web, a sheet, a large part), small defects anywhere on it
-    "surface": {"whole picture, squashed": {},
-                "2x3 tiles, position": {"tiles": (2, 3), "tile_statistics": "position"},
-                "2x3 tiles, shared": {"tiles": (2, 3), "tile_statistics": "shared"},
-                "2x3 tiles, shared, overlap 0.25": {"tiles": (2, 3), "tile_statistics": "shared", "tile_overlap": 0.25},
-                "3x4 tiles, position": {"tiles": (3, 4), "tile_statistics": "position"},
-                "3x4 tiles, shared": {"tiles": (3, 4), "tile_statistics": "shared"}},
+    "surface": {
+        "whole picture, squashed": {},
+        "2x3 tiles, position": {"tiles": (2, 3), "tile_statistics": "position"},
+        "2x3 tiles, shared": {"tiles": (2, 3), "tile_statistics": "shared"},
+        "2x3 tiles, shared, overlap 0.25": {"tiles": (2, 3), "tile_statistics": "shared", "tile_overlap": 0.25},
+        "3x4 tiles, position": {"tiles": (3, 4), "tile_statistics": "position"},
+        "3x4 tiles, shared": {"tiles": (3, 4), "tile_statistics": "shared"},
+    },
 }
 #: Surface scene: defects are drawn at the scale of a window of this many pixels (``add_defect`` draws
 #: at its image's scale), so that they cover 0.05-0.5% of a 1536 x 1024 picture (measured and reported).
 DEFECT_WINDOW = 512
 SURFACE_DEFECTS = ("scratch", "stain", "hole", "crack")
 MAP_SCALE = 4  # pixel AUROC on maps at 1/4 of the picture's side
-SUMMARY = ("image_auroc", "pixel_auroc", "recall", "false_alarms", "fit_seconds", "seconds_per_picture",
-           "planned_fit_bytes", "fit_peak_rss_bytes", "score_peak_rss_bytes", "model_file_bytes")
+SUMMARY = (
+    "image_auroc",
+    "pixel_auroc",
+    "recall",
+    "false_alarms",
+    "fit_seconds",
+    "seconds_per_picture",
+    "planned_fit_bytes",
+    "fit_peak_rss_bytes",
+    "score_peak_rss_bytes",
+    "model_file_bytes",
+)
 
 
 def main() -> None:
@@ -125,10 +140,18 @@ def main() -> None:
                     measured = pool.submit(measure, config, train, tests, args).result()
                 scores, flagged, maps = measured.pop("scores"), measured.pop("flagged"), measured.pop("maps")
                 pixel = roc_auc_score(masks, np.concatenate([m[inside] for m in maps]))
-                row = {"scene": scene, "category": category, "framing": name,
-                       "image_auroc": roc_auc_score(labels, scores), "pixel_auroc": pixel,
-                       "recall": float(flagged[labels].mean()), "false_alarms": float(flagged[~labels].mean()),
-                       "normal_pictures": int((~labels).sum()), "defect_pictures": int(labels.sum()), **measured}
+                row = {
+                    "scene": scene,
+                    "category": category,
+                    "framing": name,
+                    "image_auroc": roc_auc_score(labels, scores),
+                    "pixel_auroc": pixel,
+                    "recall": float(flagged[labels].mean()),
+                    "false_alarms": float(flagged[~labels].mean()),
+                    "normal_pictures": int((~labels).sum()),
+                    "defect_pictures": int(labels.sum()),
+                    **measured,
+                }
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     summary = {}
@@ -137,23 +160,34 @@ def main() -> None:
             part = [r for r in rows if r["scene"] == scene and r["framing"] == name]
             if part:
                 summary[f"{scene}: {name}"] = {k: round(float(np.mean([r[k] for r in part])), 4) for k in SUMMARY}
-    result = {"machine": machine_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "weights": "seeded random resnet18 (seed 0), not ImageNet" if args.weights == "random" else args.weights,
-              "pictures": f"{args.width}x{args.height}; conveyor: part {args.part} px at {left},{top}, region of "
-                          f"interest {roi}; surface: the texture fills the picture, defects drawn at the scale of a "
-                          f"{DEFECT_WINDOW} px window",
-              "per_category": f"{args.train} training, {args.test_good} unseen normal, {args.defect_images} defect "
-                              "pictures per defect kind",
-              "defect_area_share_of_picture": areas, "image_size": args.image_size, "summary": summary, "rows": rows}
+    result = {
+        "machine": machine_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "weights": "seeded random resnet18 (seed 0), not ImageNet" if args.weights == "random" else args.weights,
+        "pictures": f"{args.width}x{args.height}; conveyor: part {args.part} px at {left},{top}, region of "
+        f"interest {roi}; surface: the texture fills the picture, defects drawn at the scale of a "
+        f"{DEFECT_WINDOW} px window",
+        "per_category": f"{args.train} training, {args.test_good} unseen normal, {args.defect_images} defect "
+        "pictures per defect kind",
+        "defect_area_share_of_picture": areas,
+        "image_size": args.image_size,
+        "summary": summary,
+        "rows": rows,
+    }
     output = args.output or HERE / "results" / f"{time.strftime('%Y-%m-%d')}-{machine_name()}-high-resolution.json"
     output.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'framing':50} {'img AUROC':>9} {'px AUROC':>9} {'recall':>7} {'FA':>6} {'fit s':>6} {'s/pic':>6} "
-          f"{'plan GB':>7} {'fit GB':>6} {'score GB':>8} {'file MB':>7}")
+    print(
+        f"{'framing':50} {'img AUROC':>9} {'px AUROC':>9} {'recall':>7} {'FA':>6} {'fit s':>6} {'s/pic':>6} "
+        f"{'plan GB':>7} {'fit GB':>6} {'score GB':>8} {'file MB':>7}"
+    )
     for name, s in summary.items():
-        print(f"{name:50} {s['image_auroc']:9.3f} {s['pixel_auroc']:9.3f} {s['recall']:7.3f} {s['false_alarms']:6.3f} "
-              f"{s['fit_seconds']:6.1f} {s['seconds_per_picture']:6.3f} {s['planned_fit_bytes'] / 1e9:7.2f} "
-              f"{s['fit_peak_rss_bytes'] / 1e9:6.2f} {s['score_peak_rss_bytes'] / 1e9:8.2f} "
-              f"{s['model_file_bytes'] / 1e6:7.1f}")
+        print(
+            f"{name:50} {s['image_auroc']:9.3f} {s['pixel_auroc']:9.3f} {s['recall']:7.3f} {s['false_alarms']:6.3f} "
+            f"{s['fit_seconds']:6.1f} {s['seconds_per_picture']:6.3f} {s['planned_fit_bytes'] / 1e9:7.2f} "
+            f"{s['fit_peak_rss_bytes'] / 1e9:6.2f} {s['score_peak_rss_bytes'] / 1e9:8.2f} "
+            f"{s['model_file_bytes'] / 1e6:7.1f}"
+        )
     print(f"defect area, share of the picture: {json.dumps(areas)}")
     print(f"results: {output}")
 
@@ -174,18 +208,28 @@ def measure(config: PadimConfig, train: list[Path], tests: list[Path], args) -> 
         flagged.append(prediction.is_anomaly)
         maps.append(small(prediction.anomaly_map, args))
     score_seconds = (time.perf_counter() - started) / len(tests)
-    return {"scores": np.array(scores), "flagged": np.array(flagged), "maps": maps, "fit_seconds": round(fit_seconds, 1),
-            "seconds_per_picture": round(score_seconds, 4), "planned_fit_bytes": detector.report.plan.total,
-            "fit_peak_rss_bytes": fit_peak,
-            "score_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "model_file_bytes": detector.source.stat().st_size, "input_shape": list(config.input_shape)}
+    return {
+        "scores": np.array(scores),
+        "flagged": np.array(flagged),
+        "maps": maps,
+        "fit_seconds": round(fit_seconds, 1),
+        "seconds_per_picture": round(score_seconds, 4),
+        "planned_fit_bytes": detector.report.plan.total,
+        "fit_peak_rss_bytes": fit_peak,
+        "score_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "model_file_bytes": detector.source.stat().st_size,
+        "input_shape": list(config.input_shape),
+    }
 
 
 def defect_areas(masks: list[np.ndarray], labels: np.ndarray) -> dict:
     """Defect area as a share of the picture: min, median, max over the defect pictures."""
     shares = np.array([m.mean() for m, label in zip(masks, labels) if label])
-    return {"min": round(float(shares.min()), 5), "median": round(float(np.median(shares)), 5),
-            "max": round(float(shares.max()), 5)}
+    return {
+        "min": round(float(shares.min()), 5),
+        "median": round(float(np.median(shares)), 5),
+        "max": round(float(shares.max()), 5),
+    }
 
 
 def belt(width: int, height: int, rng: np.random.Generator) -> Image.Image:
@@ -226,8 +270,9 @@ def make_pictures(root: Path, scene: str, category: str, args, place: tuple[int,
         if scene == "conveyor":
             return texture(category, args.part, rng)
         side = max(args.width, args.height)  # the texture at the picture's scale, cut to its shape
-        return texture(category, side, rng)[(side - args.height) // 2:(side + args.height) // 2,
-                                            (side - args.width) // 2:(side + args.width) // 2]
+        return texture(category, side, rng)[
+            (side - args.height) // 2 : (side + args.height) // 2, (side - args.width) // 2 : (side + args.width) // 2
+        ]
 
     def with_defect(defect: str) -> tuple[np.ndarray, np.ndarray]:
         image = normal()
@@ -236,18 +281,18 @@ def make_pictures(root: Path, scene: str, category: str, args, place: tuple[int,
         # drawn on a window anywhere on the surface, at the window's scale: small on the picture
         x = int(rng.integers(0, args.width - DEFECT_WINDOW))
         y = int(rng.integers(0, args.height - DEFECT_WINDOW))
-        window, small_mask = add_defect(image[y:y + DEFECT_WINDOW, x:x + DEFECT_WINDOW].copy(), defect, rng)
+        window, small_mask = add_defect(image[y : y + DEFECT_WINDOW, x : x + DEFECT_WINDOW].copy(), defect, rng)
         image = image.copy()
-        image[y:y + DEFECT_WINDOW, x:x + DEFECT_WINDOW] = window
+        image[y : y + DEFECT_WINDOW, x : x + DEFECT_WINDOW] = window
         mask = np.zeros(image.shape[:2], dtype=bool)
-        mask[y:y + DEFECT_WINDOW, x:x + DEFECT_WINDOW] = small_mask
+        mask[y : y + DEFECT_WINDOW, x : x + DEFECT_WINDOW] = small_mask
         return image, mask
 
     for i in range(args.train):
         picture(normal(), None, root / "train" / f"{i:03d}.png")
     for i in range(args.test_good):
         picture(normal(), None, root / "test" / "good" / f"{i:03d}.png")
-    for defect in (DEFECTS + MORE_DEFECTS if scene == "conveyor" else SURFACE_DEFECTS):
+    for defect in DEFECTS + MORE_DEFECTS if scene == "conveyor" else SURFACE_DEFECTS:
         for i in range(args.defect_images):
             image, mask = with_defect(defect)
             picture(image, mask, root / "test" / defect / f"{i:03d}.png")
@@ -265,7 +310,7 @@ def region_pixels(roi, args) -> np.ndarray:
     """The region of interest on the quarter-side maps, as a boolean mask."""
     inside = np.zeros((args.height // MAP_SCALE, args.width // MAP_SCALE), dtype=bool)
     x, y, w, h = (v // MAP_SCALE for v in roi)
-    inside[y:y + h, x:x + w] = True
+    inside[y : y + h, x : x + w] = True
     return inside
 
 

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import torch
+from timing import work_folder
 
 from padim.core import artifact
 from padim.core.artifact import load_artifact, save_artifact, tensor_sha256
 from padim.models import PadimConfig
 from padim.models.features.backbones import build_backbone, used_state
-from timing import work_folder
 
 
 def model_tensors(backbone: str, size: int = 224) -> dict[str, torch.Tensor]:
@@ -55,8 +55,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
     work = work_folder(args.workdir, "padim-load-check-")
-    print("| model (224 px) | file | bytes read when serving | load when serving | of which the check | "
-          "every tensor (`info --verify`) | of which the check |")
+    print(
+        "| model (224 px) | file | bytes read when serving | load when serving | of which the check | "
+        "every tensor (`info --verify`) | of which the check |"
+    )
     print("|---|---|---|---|---|---|---|")
     for backbone in args.backbones.split(","):
         path = work / f"{backbone}.padim"

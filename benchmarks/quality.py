@@ -61,6 +61,7 @@ import numpy as np
 import torch
 from PIL import Image
 from sklearn.metrics import roc_auc_score
+from timing import machine_name, median_seconds, work_folder
 
 from padim.core.calibration import Calibration, fold_of
 from padim.core.out_of_fold import out_of_fold_squared_distances
@@ -73,7 +74,6 @@ from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_categ
 from padim.models.features.embedding import Embedding
 from padim.models.fit.memory_plan import plan_fit
 from padim.models.model import PadimModel
-from timing import machine_name, median_seconds, work_folder
 
 HERE = Path(__file__).resolve().parent
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
@@ -106,20 +106,34 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=100, help="normal training images per category (generated)")
     parser.add_argument("--test-good", type=int, default=100, help="unseen normal images per category (generated)")
     parser.add_argument("--defect-images", type=int, default=24, help="images per defect kind (5 kinds, generated)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="categories measured at once (processes; the cores are shared out)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="categories measured at once (processes; the cores are shared out)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="channel seeds of every option")
     parser.add_argument("--weights", default="random", help="random (seeded resnet18, seed 0) or a resnet18 state_dict")
     parser.add_argument("--false-alarm-rate", type=float, default=0.01)
-    parser.add_argument("--grid", choices=("full", "main", "robust"), default="full",
-                        help="full: every option; main: neighbourhood 1/3 x sigma 0/2/4 x image score only (a third "
-                        "of the time); robust: main x folds x calibration, with false alarms under each nuisance")
+    parser.add_argument(
+        "--grid",
+        choices=("full", "main", "robust"),
+        default="full",
+        help="full: every option; main: neighbourhood 1/3 x sigma 0/2/4 x image score only (a third "
+        "of the time); robust: main x folds x calibration, with false alarms under each nuisance",
+    )
     parser.add_argument("--quick", action="store_true", help="2 categories, 40/40/8 images, 2 seeds")
     parser.add_argument("--costs", action="store_true", help="only the scoring costs (on the first category)")
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--rows", type=Path, help="the measurements an earlier run kept (RESULTS.rows.json) when its "
-                        "costs or product check failed: summarise and check them without measuring again")
-    parser.add_argument("--output", type=Path, help="results JSON (default benchmarks/results/DATE-MACHINE-quality.json)")
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        help="the measurements an earlier run kept (RESULTS.rows.json) when its "
+        "costs or product check failed: summarise and check them without measuring again",
+    )
+    parser.add_argument(
+        "--output", type=Path, help="results JSON (default benchmarks/results/DATE-MACHINE-quality.json)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.categories, args.train, args.test_good, args.defect_images, args.seeds = "carpet,pill", 40, 40, 8, "0,1"
@@ -128,27 +142,49 @@ def main() -> None:
     work = work_folder(args.workdir, "padim-quality-")
     data = args.mvtec or work / "data"
     if args.mvtec is None and not all((data / c).exists() for c in categories):
-        generate(data, tuple(categories), train=args.train, test_good=args.test_good, test_defect=args.defect_images,
-                 size=256, seed=24, defects=DEFECTS + MORE_DEFECTS)
+        generate(
+            data,
+            tuple(categories),
+            train=args.train,
+            test_good=args.test_good,
+            test_defect=args.defect_images,
+            size=256,
+            seed=24,
+            defects=DEFECTS + MORE_DEFECTS,
+        )
     regions = {}  # normal pictures of other regions of the material (generated data only)
     if args.grid == "robust" and args.mvtec is None:
         for nuisance, region in REGIONS.items():
             regions[nuisance] = work / f"data-{nuisance}"
             if not all((regions[nuisance] / c).exists() for c in categories):
-                generate(regions[nuisance], tuple(categories), train=0, test_good=args.test_good, test_defect=0,
-                         size=256, seed=25, region=region)
+                generate(
+                    regions[nuisance],
+                    tuple(categories),
+                    train=0,
+                    test_good=args.test_good,
+                    test_defect=0,
+                    size=256,
+                    seed=25,
+                    region=region,
+                )
     weights = args.weights
     if weights == "random":  # one backbone for every seed: the seed then draws the channels alone
         weights = str(work / "resnet18-random-seed0.pt")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             import torchvision
+
             torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
     # the paper's scoring as the base (padim's default before 2026-11-24): every option is measured against it
     base = PadimConfig(weights=weights, device="cpu", false_alarm_rate=args.false_alarm_rate, **PAPER)
     if args.costs:
-        costs = {"machine": machine_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                 "category": categories[0], **option_costs(base, data / categories[0])}
+        costs = {
+            "machine": machine_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "category": categories[0],
+            **option_costs(base, data / categories[0]),
+        }
         output = args.output or HERE / "results" / f"{time.strftime('%Y-%m-%d')}-{machine_name()}-quality-costs.json"
         output.write_text(json.dumps(costs, indent=1) + "\n")
         print(json.dumps(costs, indent=1))
@@ -164,8 +200,18 @@ def main() -> None:
         rows = []
         jobs = max(1, min(args.jobs, len(categories)))
         threads = max(1, (os.cpu_count() or 1) // jobs)
-        tasks = [(data / category, base, seeds, args.false_alarm_rate, args.grid,
-                  {k: v / category for k, v in regions.items()}, threads) for category in categories]
+        tasks = [
+            (
+                data / category,
+                base,
+                seeds,
+                args.false_alarm_rate,
+                args.grid,
+                {k: v / category for k, v in regions.items()},
+                threads,
+            )
+            for category in categories
+        ]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             for category, part in zip(categories, pool.imap(measure_in_process, tasks)):
                 rows += part
@@ -185,18 +231,33 @@ def main() -> None:
     check = product_check(base.replace(**choice), data / categories[0], args.false_alarm_rate)
     output.with_suffix(".rows.json").unlink(missing_ok=True)
     result = {
-        "machine": machine_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
         "weights": "seeded random resnet18 (seed 0), not ImageNet" if args.weights == "random" else args.weights,
-        "data": str(args.mvtec) if args.mvtec else
-        f"generated (models/data/synthetic.py, seed 24, 256 px): {args.train} training, {args.test_good} unseen normal, "
+        "data": str(args.mvtec)
+        if args.mvtec
+        else f"generated (models/data/synthetic.py, seed 24, 256 px): {args.train} training, {args.test_good} unseen normal, "
         f"{args.defect_images} x {len(DEFECTS + MORE_DEFECTS)} defect images ({', '.join(DEFECTS + MORE_DEFECTS)}) per category",
-        "nuisances": {n: (f"generated region {REGIONS[n]}" if n in REGIONS else NUISANCE_TEXT[n])
-                      for n in NUISANCES} if args.grid == "robust" else None,
-        "calibrations": {name: {"expect": str(Expected.parse(preset)), "copies": copies, "fitted": fitted}
-                         for name, (preset, copies, fitted) in CALIBRATIONS.items()} if args.grid == "robust" else None,
-        "grid": args.grid, "categories": categories, "seeds": seeds, "false_alarm_rate": args.false_alarm_rate,
-        "seconds": measured, "summary": summary, "costs": costs, "product_check": check,
-        "promise_bound": bound, "choice": choice,
+        "nuisances": {n: (f"generated region {REGIONS[n]}" if n in REGIONS else NUISANCE_TEXT[n]) for n in NUISANCES}
+        if args.grid == "robust"
+        else None,
+        "calibrations": {
+            name: {"expect": str(Expected.parse(preset)), "copies": copies, "fitted": fitted}
+            for name, (preset, copies, fitted) in CALIBRATIONS.items()
+        }
+        if args.grid == "robust"
+        else None,
+        "grid": args.grid,
+        "categories": categories,
+        "seeds": seeds,
+        "false_alarm_rate": args.false_alarm_rate,
+        "seconds": measured,
+        "summary": summary,
+        "costs": costs,
+        "product_check": check,
+        "promise_bound": bound,
+        "choice": choice,
         "rows": rows,
     }
     output.write_text(json.dumps(result, indent=1) + "\n")
@@ -211,8 +272,14 @@ def measure_in_process(task) -> list[dict]:
     return measure_category(*arguments)
 
 
-def measure_category(root: Path, base: PadimConfig, seeds: list[int], false_alarm_rate: float, grid: str = "full",
-                     regions: dict[str, Path] | None = None) -> list[dict]:
+def measure_category(
+    root: Path,
+    base: PadimConfig,
+    seeds: list[int],
+    false_alarm_rate: float,
+    grid: str = "full",
+    regions: dict[str, Path] | None = None,
+) -> list[dict]:
     """Every option on one category: a row per (preprocessing, reduction, neighbourhood, seed or ensemble,
     image score, sigma); with ``grid`` robust, per (neighbourhood, seed, sigma, image score, folds, calibration)."""
     if grid == "robust":
@@ -227,26 +294,52 @@ def measure_category(root: Path, base: PadimConfig, seeds: list[int], false_alar
         train_features = features(fit, train, crop)
         test_features = features(fit, [s.path for s in samples], crop)
         masks = load_masks(samples, base.image_size, crop)
-        combos = [("random", 1), ("random", 3)] + \
-            ([("semi_orthogonal", 1), ("semi_orthogonal", 3)] if crop is None and not main else [])
+        combos = [("random", 1), ("random", 3)] + (
+            [("semi_orthogonal", 1), ("semi_orthogonal", 3)] if crop is None and not main else []
+        )
         for reduction, neighbourhood in combos:
             config = base.replace(reduction=reduction, neighbourhood=neighbourhood)
             members = []
             for seed in seeds:
-                embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), reduction,
-                                             seed, neighbourhood)
+                embedding = Embedding.create(
+                    config.spec, config.layers, config.embedding_dim_or_default(), reduction, seed, neighbourhood
+                )
                 oof, test = distances(embedding, train_features, test_features, config.epsilon)
                 members.append((oof, test))
                 # the blur is measured on the main axis (plain resize, random subset); the rest at sigma 4
                 sigmas = MAIN_SIGMAS if main else SIGMAS if crop is None and reduction == "random" else (4.0,)
-                rows += evaluate(root.name, {"crop": crop, "reduction": reduction, "neighbourhood": neighbourhood,
-                                             "seed": seed}, oof, test, labels, masks, samples, config, false_alarm_rate,
-                                 sigmas)
+                rows += evaluate(
+                    root.name,
+                    {"crop": crop, "reduction": reduction, "neighbourhood": neighbourhood, "seed": seed},
+                    oof,
+                    test,
+                    labels,
+                    masks,
+                    samples,
+                    config,
+                    false_alarm_rate,
+                    sigmas,
+                )
             if reduction == "random" and len(seeds) > 1 and not main:
                 oof, test = ensemble(members, config, false_alarm_rate)
-                rows += evaluate(root.name, {"crop": crop, "reduction": reduction, "neighbourhood": neighbourhood,
-                                             "seed": f"ensemble of {len(seeds)}"}, oof, test, labels, masks, samples,
-                                 config, false_alarm_rate, (4.0,), squared=False)
+                rows += evaluate(
+                    root.name,
+                    {
+                        "crop": crop,
+                        "reduction": reduction,
+                        "neighbourhood": neighbourhood,
+                        "seed": f"ensemble of {len(seeds)}",
+                    },
+                    oof,
+                    test,
+                    labels,
+                    masks,
+                    samples,
+                    config,
+                    false_alarm_rate,
+                    (4.0,),
+                    squared=False,
+                )
         del train_features, test_features
     return rows
 
@@ -289,8 +382,9 @@ def embed(embedding: Embedding, stages: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def distances(embedding: Embedding, train: list[torch.Tensor], test: list[torch.Tensor], epsilon: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def distances(
+    embedding: Embedding, train: list[torch.Tensor], test: list[torch.Tensor], epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out squared distances of the training images ``(N, P)`` and the test images' ``(T, P)``."""
     x = embed(embedding, train)
     state = batch_state(x.double())
@@ -298,8 +392,13 @@ def distances(embedding: Embedding, train: list[torch.Tensor], test: list[torch.
     for start in range(0, x.shape[1], 256):  # pixel slices, as the fit does
         stop = min(start + 256, x.shape[1])
         oof[:, start:stop] = out_of_fold_squared_distances(
-            covariance(state, start, stop), state.mean[start:stop], x.shape[0], x[:, start:stop], [1] * x.shape[0],
-            epsilon)
+            covariance(state, start, stop),
+            state.mean[start:stop],
+            x.shape[0],
+            x[:, start:stop],
+            [1] * x.shape[0],
+            epsilon,
+        )
     mean, factor = finalise(state, epsilon)
     y = embed(embedding, test)
     test_squared = torch.cat([squared_mahalanobis(y[i : i + 32], mean, factor) for i in range(0, len(y), 32)])
@@ -318,8 +417,19 @@ def ensemble(members, config: PadimConfig, false_alarm_rate: float) -> tuple[tor
     return oof_sum / len(members), test_sum / len(members)
 
 
-def evaluate(category: str, option: dict, oof: torch.Tensor, test: torch.Tensor, labels: np.ndarray, masks: np.ndarray,
-             samples, config: PadimConfig, false_alarm_rate: float, sigmas=SIGMAS, squared: bool = True) -> list[dict]:
+def evaluate(
+    category: str,
+    option: dict,
+    oof: torch.Tensor,
+    test: torch.Tensor,
+    labels: np.ndarray,
+    masks: np.ndarray,
+    samples,
+    config: PadimConfig,
+    false_alarm_rate: float,
+    sigmas=SIGMAS,
+    squared: bool = True,
+) -> list[dict]:
     """Rows for every sigma and image score of one set of distances (``squared``: else plain distances)."""
     if not squared:  # an ensemble's averaged distances: square them, as the maps take squared distances
         oof, test = oof.square(), test.square()
@@ -328,31 +438,53 @@ def evaluate(category: str, option: dict, oof: torch.Tensor, test: torch.Tensor,
     defect_kinds = sorted({s.defect for s in samples} - {"good"})
     rows = []
     for sigma in sigmas:
-        test_maps = torch.cat([anomaly_maps(test[i : i + 32], (side, side), config.image_size, sigma)
-                               for i in range(0, len(test), 32)])
+        test_maps = torch.cat(
+            [anomaly_maps(test[i : i + 32], (side, side), config.image_size, sigma) for i in range(0, len(test), 32)]
+        )
         maps = test_maps.numpy()
         pixel_auroc, pro = pixel_metrics(maps, masks)
         for method in IMAGE_SCORES:
-            scores = np.concatenate([image_scores(test_maps[i : i + 64], method, test[i : i + 64]).numpy()
-                                     for i in range(0, len(test), 64)])
-            oof_scores = torch.cat([image_scores(anomaly_maps(oof[i : i + 64], (side, side), config.image_size, sigma),
-                                                 method, oof[i : i + 64]) for i in range(0, len(oof), 64)]).double()
+            scores = np.concatenate(
+                [image_scores(test_maps[i : i + 64], method, test[i : i + 64]).numpy() for i in range(0, len(test), 64)]
+            )
+            oof_scores = torch.cat(
+                [
+                    image_scores(
+                        anomaly_maps(oof[i : i + 64], (side, side), config.image_size, sigma), method, oof[i : i + 64]
+                    )
+                    for i in range(0, len(oof), 64)
+                ]
+            ).double()
             threshold = Calibration.from_scores(oof_scores, false_alarm_rate).threshold
             flagged = scores >= threshold
-            rows.append({
-                "category": category, **option, "sigma": sigma, "image_score": method,
-                "image_auroc": float(roc_auc_score(labels, scores)), "pixel_auroc": pixel_auroc, "pro": pro,
-                "recall": float(flagged[~good].mean()), "false_alarms": float(flagged[good].mean()),
-                "recall_by_defect": {d: float(flagged[np.array([s.defect == d for s in samples])].mean())
-                                     for d in defect_kinds},
-            })
+            rows.append(
+                {
+                    "category": category,
+                    **option,
+                    "sigma": sigma,
+                    "image_score": method,
+                    "image_auroc": float(roc_auc_score(labels, scores)),
+                    "pixel_auroc": pixel_auroc,
+                    "pro": pro,
+                    "recall": float(flagged[~good].mean()),
+                    "false_alarms": float(flagged[good].mean()),
+                    "recall_by_defect": {
+                        d: float(flagged[np.array([s.defect == d for s in samples])].mean()) for d in defect_kinds
+                    },
+                }
+            )
     return rows
 
 
 # ---------------------------------------------------------------------- robustness (--grid robust)
-NUISANCE_TEXT = {"brightness": "every channel x (1 +- 0.1), sign drawn", "contrast": "contrast x (1 +- 0.1), sign drawn",
-                 "shift": "moved 1-3 px in a drawn direction", "rotate": "turned +-1 degree, sign drawn",
-                 "blur": "Gaussian blur sigma 0.5-1 px", "jpeg": "JPEG quality 80"}
+NUISANCE_TEXT = {
+    "brightness": "every channel x (1 +- 0.1), sign drawn",
+    "contrast": "contrast x (1 +- 0.1), sign drawn",
+    "shift": "moved 1-3 px in a drawn direction",
+    "rotate": "turned +-1 degree, sign drawn",
+    "blur": "Gaussian blur sigma 0.5-1 px",
+    "jpeg": "JPEG quality 80",
+}
 
 
 def nuisance(kind: str, rng: np.random.Generator) -> Draw:
@@ -380,16 +512,23 @@ def picture_features(fit: Fit, pictures: list[Image.Image]) -> list[torch.Tensor
     return [torch.cat(parts) for parts in zip(*out)]
 
 
-def sliced_out_of_fold(x: torch.Tensor, sizes: list[int], epsilon: float, state=None,
-                       copies: torch.Tensor | None = None) -> torch.Tensor:
+def sliced_out_of_fold(
+    x: torch.Tensor, sizes: list[int], epsilon: float, state=None, copies: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(R, P)`` float32 out-of-fold squared distances of ``x``'s rows (or of their ``copies``), in pixel slices."""
     state = state if state is not None else batch_state(x)
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float64)
     for start in range(0, x.shape[1], 256):
         stop = min(start + 256, x.shape[1])
         out[:, start:stop] = out_of_fold_squared_distances(
-            covariance(state, start, stop), state.mean[start:stop], int(state.count), x[:, start:stop], sizes, epsilon,
-            copies=None if copies is None else copies[:, start:stop])
+            covariance(state, start, stop),
+            state.mean[start:stop],
+            int(state.count),
+            x[:, start:stop],
+            sizes,
+            epsilon,
+            copies=None if copies is None else copies[:, start:stop],
+        )
     return out.float()
 
 
@@ -408,8 +547,9 @@ def interleave(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack([x, y], dim=1).reshape(-1, *x.shape[1:])
 
 
-def measure_robust(root: Path, base: PadimConfig, seeds: list[int], false_alarm_rate: float,
-                   regions: dict[str, Path]) -> list[dict]:
+def measure_robust(
+    root: Path, base: PadimConfig, seeds: list[int], false_alarm_rate: float, regions: dict[str, Path]
+) -> list[dict]:
     """A row per (neighbourhood, seed, sigma, image score, folds, calibration): image AUROC, pixel AUROC, PRO,
     recall and false alarms on unseen normal pictures as drawn and under each nuisance."""
     train_paths = list_images(root / "train" / "good")
@@ -439,8 +579,9 @@ def measure_robust(root: Path, base: PadimConfig, seeds: list[int], false_alarm_
     for neighbourhood in (1, 3):
         config = base.replace(neighbourhood=neighbourhood)
         for seed in seeds:
-            embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), "random", seed,
-                                         neighbourhood)
+            embedding = Embedding.create(
+                config.spec, config.layers, config.embedding_dim_or_default(), "random", seed, neighbourhood
+            )
             x = embed(embedding, train_features).double()
             copies = {k: [embed(embedding, c).double() for c in v] for k, v in copy_features.items()}
             # the Gaussians: of the pictures, and of the pictures with their first copy (fitted copies)
@@ -450,8 +591,12 @@ def measure_robust(root: Path, base: PadimConfig, seeds: list[int], false_alarm_
                 mean, factor = finalise(batch_state(rows_fitted), config.epsilon)
 
                 def distances_of(stages, mean=mean, factor=factor):
-                    return torch.cat([squared_mahalanobis(embed(embedding, [s[i : i + 32] for s in stages]), mean, factor)
-                                      for i in range(0, stages[0].shape[0], 32)])
+                    return torch.cat(
+                        [
+                            squared_mahalanobis(embed(embedding, [s[i : i + 32] for s in stages]), mean, factor)
+                            for i in range(0, stages[0].shape[0], 32)
+                        ]
+                    )
 
                 scored[key] = (distances_of(test_features), {n: distances_of(v) for n, v in set_features.items()})
             out_of_fold = {}  # (calibration, folds) -> [(R, P) squared distances scored, one per copy]
@@ -467,42 +612,64 @@ def measure_robust(root: Path, base: PadimConfig, seeds: list[int], false_alarm_
                         squared = sliced_out_of_fold(both, [2 * m for m in sizes], config.epsilon)
                         out_of_fold[name, folds] = [squared[1::2]]  # the copies' rows
                     else:
-                        out_of_fold[name, folds] = [sliced_out_of_fold(xs, sizes, config.epsilon, state,
-                                                                       copies[preset][j][order]) for j in range(count)]
+                        out_of_fold[name, folds] = [
+                            sliced_out_of_fold(xs, sizes, config.epsilon, state, copies[preset][j][order])
+                            for j in range(count)
+                        ]
             side = int(round(x.shape[1] ** 0.5))
             for sigma in MAIN_SIGMAS:
+
                 def maps(squared, sigma=sigma):
-                    return torch.cat([anomaly_maps(squared[i : i + 64], (side, side), config.image_size, sigma)
-                                      for i in range(0, len(squared), 64)])
+                    return torch.cat(
+                        [
+                            anomaly_maps(squared[i : i + 64], (side, side), config.image_size, sigma)
+                            for i in range(0, len(squared), 64)
+                        ]
+                    )
 
                 test_maps = {key: maps(test) for key, (test, _) in scored.items()}
                 set_maps = {key: {n: maps(d) for n, d in sets_.items()} for key, (_, sets_) in scored.items()}
                 oof_maps = {k: [(maps(d), d) for d in v] for k, v in out_of_fold.items()}
                 pixel = {key: pixel_metrics(m.numpy(), masks) for key, m in test_maps.items()}
                 for method in IMAGE_SCORES:
+
                     def score(maps_, squared):
                         return image_scores(maps_, method, squared, config.top_fraction).double().numpy()
 
                     test_scores = {key: score(test_maps[key], test) for key, (test, _) in scored.items()}
-                    set_scores = {key: {n: score(set_maps[key][n], d) for n, d in sets_.items()}
-                                  for key, (_, sets_) in scored.items()}
+                    set_scores = {
+                        key: {n: score(set_maps[key][n], d) for n, d in sets_.items()}
+                        for key, (_, sets_) in scored.items()
+                    }
                     for (name, folds), calibration_sets in oof_maps.items():
                         preset, _, fitted_copies = CALIBRATIONS[name]
                         key = preset if fitted_copies else ""
                         oof = np.max([score(m, d) for m, d in calibration_sets], axis=0)  # one score a picture
                         threshold = Calibration.from_scores(torch.from_numpy(oof), false_alarm_rate).threshold
                         flagged = test_scores[key] >= threshold
-                        rows.append({
-                            "category": root.name, "neighbourhood": neighbourhood, "seed": seed, "sigma": sigma,
-                            "image_score": method, "folds": folds, "calibration": name,
-                            "image_auroc": float(roc_auc_score(labels, test_scores[key])), "pixel_auroc": pixel[key][0],
-                            "pro": pixel[key][1], "recall": float(flagged[labels == 1].mean()),
-                            "false_alarms": float(flagged[labels == 0].mean()),
-                            "false_alarms_by_nuisance": {n: float((v >= threshold).mean())
-                                                         for n, v in set_scores[key].items()},
-                            "recall_by_defect": {d: float(flagged[np.array([s.defect == d for s in samples])].mean())
-                                                 for d in sorted({s.defect for s in samples} - {"good"})},
-                        })
+                        rows.append(
+                            {
+                                "category": root.name,
+                                "neighbourhood": neighbourhood,
+                                "seed": seed,
+                                "sigma": sigma,
+                                "image_score": method,
+                                "folds": folds,
+                                "calibration": name,
+                                "image_auroc": float(roc_auc_score(labels, test_scores[key])),
+                                "pixel_auroc": pixel[key][0],
+                                "pro": pixel[key][1],
+                                "recall": float(flagged[labels == 1].mean()),
+                                "false_alarms": float(flagged[labels == 0].mean()),
+                                "false_alarms_by_nuisance": {
+                                    n: float((v >= threshold).mean()) for n, v in set_scores[key].items()
+                                },
+                                "recall_by_defect": {
+                                    d: float(flagged[np.array([s.defect == d for s in samples])].mean())
+                                    for d in sorted({s.defect for s in samples} - {"good"})
+                                },
+                            }
+                        )
     return rows
 
 
@@ -513,13 +680,19 @@ def pixel_metrics(maps: np.ndarray, masks: np.ndarray) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------- summaries
 def option_key(row: dict) -> tuple:
-    return (row["crop"], row["reduction"], row["neighbourhood"], "ensemble" if str(row["seed"]).startswith("ensemble")
-            else "single", row["image_score"], row["sigma"])
+    return (
+        row["crop"],
+        row["reduction"],
+        row["neighbourhood"],
+        "ensemble" if str(row["seed"]).startswith("ensemble") else "single",
+        row["image_score"],
+        row["sigma"],
+    )
 
 
 def option_name(key: tuple) -> str:
     crop, reduction, neighbourhood, members, method, sigma = key
-    return (f"{'crop' if crop else 'resize'} {reduction[:4]} nb{neighbourhood} {members[:3]} {method} s{sigma:g}")
+    return f"{'crop' if crop else 'resize'} {reduction[:4]} nb{neighbourhood} {members[:3]} {method} s{sigma:g}"
 
 
 def robust_key(row: dict) -> tuple:
@@ -536,11 +709,18 @@ def summarise_robust(rows: list[dict]) -> list[dict]:
     out = []
     for key, per_category in by_option.items():
         neighbourhood, sigma, method, folds, calibration = key
-        entry = {"option": f"nb{neighbourhood} s{sigma:g} {method} folds {folds} {calibration}",
-                 "neighbourhood": neighbourhood, "sigma": sigma, "image_score": method, "folds": folds,
-                 "calibration": calibration, "by_category": {}}
+        entry = {
+            "option": f"nb{neighbourhood} s{sigma:g} {method} folds {folds} {calibration}",
+            "neighbourhood": neighbourhood,
+            "sigma": sigma,
+            "image_score": method,
+            "folds": folds,
+            "calibration": calibration,
+            "by_category": {},
+        }
         metrics = ["image_auroc", "pixel_auroc", "pro", "recall", "false_alarms"] + [
-            k for k in next(iter(per_category.values()))[0] if k.startswith("fa_")]
+            k for k in next(iter(per_category.values()))[0] if k.startswith("fa_")
+        ]
         for metric in metrics:
             means = {c: statistics.fmean(v[metric] for v in values) for c, values in per_category.items()}
             for category, mean in means.items():
@@ -554,8 +734,11 @@ def summarise_robust(rows: list[dict]) -> list[dict]:
 
 def worst_false_alarms(entry: dict, stress: tuple[str, ...] = ("fa_region_far",)) -> float:
     """The highest mean false-alarm rate of an option over the nuisances (the stress test ``region_far`` aside)."""
-    return max(v for k, v in entry.items() if (k.startswith("fa_") and not k.endswith("_worst_category")
-                                               and k not in stress) or k == "false_alarms")
+    return max(
+        v
+        for k, v in entry.items()
+        if (k.startswith("fa_") and not k.endswith("_worst_category") and k not in stress) or k == "false_alarms"
+    )
 
 
 #: Options this close in image AUROC + recall are a tie (the seeds' spread is larger): today's scoring options win it.
@@ -573,14 +756,24 @@ def best_robust_option(summary: list[dict], bound: float) -> dict:
         top = max(e["image_auroc"] + e["recall"] for e in within)
         today = PadimConfig()
         scoring = (today.neighbourhood, today.blur_sigma, today.image_score, str(today.calibration_folds))
-        best = max((e for e in within if e["image_auroc"] + e["recall"] >= top - TIE),
-                   key=lambda e: (sum(a == b for a, b in zip(
-                       (e["neighbourhood"], e["sigma"], e["image_score"], str(e["folds"])), scoring)),
-                       e["image_auroc"] + e["recall"]))
+        best = max(
+            (e for e in within if e["image_auroc"] + e["recall"] >= top - TIE),
+            key=lambda e: (
+                sum(
+                    a == b for a, b in zip((e["neighbourhood"], e["sigma"], e["image_score"], str(e["folds"])), scoring)
+                ),
+                e["image_auroc"] + e["recall"],
+            ),
+        )
     preset, _, fitted = CALIBRATIONS[best["calibration"]]
-    return {"neighbourhood": best["neighbourhood"], "image_score": best["image_score"], "blur_sigma": best["sigma"],
-            "calibration_folds": best["folds"] if best["folds"] == "loo" else int(best["folds"]),
-            "expect": preset, "fit_changes": fitted}
+    return {
+        "neighbourhood": best["neighbourhood"],
+        "image_score": best["image_score"],
+        "blur_sigma": best["sigma"],
+        "calibration_folds": best["folds"] if best["folds"] == "loo" else int(best["folds"]),
+        "expect": preset,
+        "fit_changes": fitted,
+    }
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -592,8 +785,16 @@ def summarise(rows: list[dict]) -> list[dict]:
         by_option.setdefault(option_key(row), {}).setdefault(row["category"], []).append(row)
     out = []
     for key, per_category in by_option.items():
-        entry = {"option": option_name(key), "crop": key[0], "reduction": key[1], "neighbourhood": key[2],
-                 "members": key[3], "image_score": key[4], "sigma": key[5], "by_category": {}}
+        entry = {
+            "option": option_name(key),
+            "crop": key[0],
+            "reduction": key[1],
+            "neighbourhood": key[2],
+            "members": key[3],
+            "image_score": key[4],
+            "sigma": key[5],
+            "by_category": {},
+        }
         for metric in ("image_auroc", "pixel_auroc", "pro", "recall", "false_alarms"):
             category_means, spreads = [], []
             for category, values in per_category.items():
@@ -612,16 +813,28 @@ def summarise(rows: list[dict]) -> list[dict]:
 def baseline(summary: list[dict]) -> dict:
     """The paper (padim's default before 2026-11-24): plain resize, random subset, no neighbourhood, one seed,
     map_max, sigma 4."""
-    return next(e for e in summary if e["crop"] is None and e["reduction"] == "random" and e["neighbourhood"] == 1
-                and e["members"] == "single" and e["image_score"] == "map_max" and e["sigma"] == 4.0)
+    return next(
+        e
+        for e in summary
+        if e["crop"] is None
+        and e["reduction"] == "random"
+        and e["neighbourhood"] == 1
+        and e["members"] == "single"
+        and e["image_score"] == "map_max"
+        and e["sigma"] == 4.0
+    )
 
 
 def best_product_option(summary: list[dict]) -> dict:
     """The best single-model option that is product configuration (no crop: that is preprocessing)."""
     candidates = [e for e in summary if e["crop"] is None and e["members"] == "single"]
-    best = max(candidates, key=lambda e: (e["image_auroc"] + e["recall"]))
-    return {"reduction": best["reduction"], "neighbourhood": best["neighbourhood"], "image_score": best["image_score"],
-            "blur_sigma": best["sigma"]}
+    best = max(candidates, key=lambda e: e["image_auroc"] + e["recall"])
+    return {
+        "reduction": best["reduction"],
+        "neighbourhood": best["neighbourhood"],
+        "image_score": best["image_score"],
+        "blur_sigma": best["sigma"],
+    }
 
 
 # ---------------------------------------------------------------------- costs and the product check
@@ -642,15 +855,19 @@ def option_costs(base: PadimConfig, root: Path) -> dict:
             model = PadimModel(start.embedder, mean, factor, config.blur_sigma, method, config.top_fraction)
             seconds = median_seconds(lambda: model(batch), 5)
             reference = reference or seconds
-            costs[f"nb{neighbourhood} {method}"] = {"seconds_per_batch16": round(seconds, 4),
-                                                     "relative": round(seconds / reference, 3)}
+            costs[f"nb{neighbourhood} {method}"] = {
+                "seconds_per_batch16": round(seconds, 4),
+                "relative": round(seconds / reference, 3),
+            }
     plan = plan_fit(base, 100, spool=True)
     model_bytes = pixels * (dim * (dim + 1) // 2) * 2 + pixels * dim * 4  # float16 packed factors + mean
     with torch.inference_mode():
         backbone = median_seconds(lambda: fit.embedder(batch), 5)
         maha = median_seconds(lambda: squared_mahalanobis(torch.zeros(16, pixels, dim), mean, factor), 5)
-    costs["ensemble of k"] = {"seconds_per_batch16": f"{backbone:.4f} + k x {maha:.4f} (backbone once, a Gaussian per member)",
-                              "model_file_bytes": f"k x {model_bytes}"}
+    costs["ensemble of k"] = {
+        "seconds_per_batch16": f"{backbone:.4f} + k x {maha:.4f} (backbone once, a Gaussian per member)",
+        "model_file_bytes": f"k x {model_bytes}",
+    }
     costs["model_file_bytes_slim"] = model_bytes
     costs["fit_memory_bytes"] = plan.total
     costs["note"] = "neighbourhood and image score change neither the model file's size nor the fit's memory"
@@ -658,24 +875,37 @@ def option_costs(base: PadimConfig, root: Path) -> dict:
     return costs
 
 
-def default_versus_paper(base: PadimConfig, batch: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor,
-                         rounds: int = 9) -> dict:
+def default_versus_paper(
+    base: PadimConfig, batch: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor, rounds: int = 9
+) -> dict:
     """Scoring time of today's default (``PadimConfig()``'s scoring) and of the paper's, in interleaved rounds."""
     today = PadimConfig()  # its expected changes cost at the fit, not when scoring
-    configs = {"default": base.replace(neighbourhood=today.neighbourhood, blur_sigma=today.blur_sigma,
-                                       image_score=today.image_score, expect=today.expect,
-                                       fit_changes=today.fit_changes), "paper": base.replace(**PAPER)}
-    models = {name: PadimModel(Fit.start(c).embedder, mean, factor, c.blur_sigma, c.image_score, c.top_fraction)
-              for name, c in configs.items()}
+    configs = {
+        "default": base.replace(
+            neighbourhood=today.neighbourhood,
+            blur_sigma=today.blur_sigma,
+            image_score=today.image_score,
+            expect=today.expect,
+            fit_changes=today.fit_changes,
+        ),
+        "paper": base.replace(**PAPER),
+    }
+    models = {
+        name: PadimModel(Fit.start(c).embedder, mean, factor, c.blur_sigma, c.image_score, c.top_fraction)
+        for name, c in configs.items()
+    }
     times = {name: [] for name in models}
     with torch.inference_mode():
         for _ in range(rounds):
             for name, model in models.items():
                 times[name].append(median_seconds(lambda model=model: model(batch), 3))
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {**{f"{name}_seconds_per_batch16": round(m, 4) for name, m in medians.items()},
-            "default_relative_to_paper": round(medians["default"] / medians["paper"], 3),
-            "default": {k: getattr(configs["default"], k) for k in PAPER}, "rounds": rounds}
+    return {
+        **{f"{name}_seconds_per_batch16": round(m, 4) for name, m in medians.items()},
+        "default_relative_to_paper": round(medians["default"] / medians["paper"], 3),
+        "default": {k: getattr(configs["default"], k) for k in PAPER},
+        "rounds": rounds,
+    }
 
 
 def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.01) -> dict:
@@ -688,8 +918,14 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
     detector = padim.fit(root / "train" / "good", config=config, progress=False)  # names: relative to the folder
     ours = np.array([prediction.raw_score for prediction in detector.predict(test)])
     fit = Fit.start(config)
-    embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), config.reduction,
-                                 config.seed, config.neighbourhood)
+    embedding = Embedding.create(
+        config.spec,
+        config.layers,
+        config.embedding_dim_or_default(),
+        config.reduction,
+        config.seed,
+        config.neighbourhood,
+    )
     pictures = [Image.open(p).convert("RGB") for p in train]
     x = embed(embedding, picture_features(fit, pictures)).double()
     copies = None
@@ -702,8 +938,12 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
     side = int(round(squared.shape[1] ** 0.5))
 
     def scores(d):
-        return image_scores(anomaly_maps(d, (side, side), config.image_size, config.blur_sigma), config.image_score, d,
-                            config.top_fraction).double()
+        return image_scores(
+            anomaly_maps(d, (side, side), config.image_size, config.blur_sigma),
+            config.image_score,
+            d,
+            config.top_fraction,
+        ).double()
 
     expected = scores(squared).numpy()
     if config.copies_fitted:
@@ -711,11 +951,15 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
     else:
         oof = sliced_out_of_fold(x, [1] * len(x), config.epsilon, copies=copies)
     threshold = Calibration.from_scores(scores(oof), false_alarm_rate).threshold
-    return {"config": {k: getattr(config, k) for k in ("reduction", "neighbourhood", "image_score", "blur_sigma",
-                                                      "expect", "fit_changes")},
-            "max_relative_score_difference": float(np.max(np.abs(ours - expected) / np.abs(expected))),
-            "threshold_relative_difference": abs(detector.calibration.threshold - threshold) / threshold,
-            "images": len(test)}
+    return {
+        "config": {
+            k: getattr(config, k)
+            for k in ("reduction", "neighbourhood", "image_score", "blur_sigma", "expect", "fit_changes")
+        },
+        "max_relative_score_difference": float(np.max(np.abs(ours - expected) / np.abs(expected))),
+        "threshold_relative_difference": abs(detector.calibration.threshold - threshold) / threshold,
+        "images": len(test),
+    }
 
 
 def calibration_costs(base: PadimConfig, root: Path, rounds: int = 3) -> dict:
@@ -736,32 +980,57 @@ def calibration_costs(base: PadimConfig, root: Path, rounds: int = 3) -> dict:
     for name in names:
         preset, _, fitted = CALIBRATIONS[name]
         plan = plan_fit(base.replace(expect=preset, fit_changes=fitted), len(train), spool=True)
-        out[name] = {"fit_seconds": round(statistics.median(seconds[name]), 1),
-                     "relative_to_stable": round(statistics.median(seconds[name]) / statistics.median(seconds["stable"]), 2),
-                     "planned_memory_bytes": plan.total, "spool_bytes": plan.spool, "images": len(train),
-                     "rounds": rounds}
+        out[name] = {
+            "fit_seconds": round(statistics.median(seconds[name]), 1),
+            "relative_to_stable": round(statistics.median(seconds[name]) / statistics.median(seconds["stable"]), 2),
+            "planned_memory_bytes": plan.total,
+            "spool_bytes": plan.spool,
+            "images": len(train),
+            "rounds": rounds,
+        }
     return out
 
 
 def print_robust_table(result: dict) -> None:
     summary = result["summary"]
     nuisances = [n for n in NUISANCES if f"fa_{n}" in summary[0]]
-    print(f"weights: {result['weights']}; {len(result['categories'])} categories, seeds {result['seeds']}; recall and "
-          f"false alarms at the threshold calibrated for {result['false_alarm_rate']:.0%} (its promise's bound: "
-          f"{result['promise_bound']:.2%}); false alarms: unseen normal pictures as drawn (FA), then under each nuisance")
+    print(
+        f"weights: {result['weights']}; {len(result['categories'])} categories, seeds {result['seeds']}; recall and "
+        f"false alarms at the threshold calibrated for {result['false_alarm_rate']:.0%} (its promise's bound: "
+        f"{result['promise_bound']:.2%}); false alarms: unseen normal pictures as drawn (FA), then under each nuisance"
+    )
     print(f"{'option':46} {'AUROC':>6} {'recall':>6} {'FA':>5} " + " ".join(f"{n[:7]:>7}" for n in nuisances))
     today = PadimConfig()
     for e in summary:
         mark = ""
         preset, copies, fitted = CALIBRATIONS[e["calibration"]]
-        if (e["neighbourhood"], e["sigma"], e["image_score"], str(e["folds"]), str(Expected.parse(preset)), fitted,
-                copies <= 1) == (today.neighbourhood, today.blur_sigma, today.image_score, str(today.calibration_folds),
-                                 today.expect, today.copies_fitted, True):
+        if (
+            e["neighbourhood"],
+            e["sigma"],
+            e["image_score"],
+            str(e["folds"]),
+            str(Expected.parse(preset)),
+            fitted,
+            copies <= 1,
+        ) == (
+            today.neighbourhood,
+            today.blur_sigma,
+            today.image_score,
+            str(today.calibration_folds),
+            today.expect,
+            today.copies_fitted,
+            True,
+        ):
             mark = "  <- today's default"
-        print(f"{e['option']:46} {e['image_auroc']:6.3f} {e['recall']:6.3f} {e['false_alarms']:5.3f} "
-              + " ".join(f"{e['fa_' + n]:7.3f}" for n in nuisances) + mark)
-    print("choice (within the bound on every nuisance but region_far, then the highest AUROC + recall):",
-          json.dumps(result["choice"]))
+        print(
+            f"{e['option']:46} {e['image_auroc']:6.3f} {e['recall']:6.3f} {e['false_alarms']:5.3f} "
+            + " ".join(f"{e['fa_' + n]:7.3f}" for n in nuisances)
+            + mark
+        )
+    print(
+        "choice (within the bound on every nuisance but region_far, then the highest AUROC + recall):",
+        json.dumps(result["choice"]),
+    )
     print("costs:", json.dumps(result["costs"]))
     print("product check:", json.dumps(result["product_check"]))
 
@@ -769,7 +1038,9 @@ def print_robust_table(result: dict) -> None:
 def promise_bound(images: int, false_alarm_rate: float) -> float:
     """The false-alarm bound (95% confidence) a calibration of ``images`` out-of-fold scores gives at the requested
     rate when every score lies at or below the threshold (as the Gumbel threshold puts them here)."""
-    return Calibration.from_scores(torch.linspace(1.0, 2.0, images, dtype=torch.float64), false_alarm_rate).false_alarm_bound
+    return Calibration.from_scores(
+        torch.linspace(1.0, 2.0, images, dtype=torch.float64), false_alarm_rate
+    ).false_alarm_bound
 
 
 def print_table(result: dict) -> None:
@@ -778,17 +1049,30 @@ def print_table(result: dict) -> None:
         return
     summary = result["summary"]
     base = baseline(summary)
-    print(f"weights: {result['weights']}; {len(result['categories'])} categories, seeds {result['seeds']}; "
-          f"recall and false alarms at the threshold calibrated for {result['false_alarm_rate']:.0%}")
+    print(
+        f"weights: {result['weights']}; {len(result['categories'])} categories, seeds {result['seeds']}; "
+        f"recall and false alarms at the threshold calibrated for {result['false_alarm_rate']:.0%}"
+    )
     print(f"{'option':44} {'img AUROC':>12} {'px AUROC':>9} {'PRO':>6} {'recall':>7} {'FA':>6}")
     for e in summary[:25] + ([base] if base not in summary[:25] else []):
         today = PadimConfig()
-        mark = "  <- the paper" if e is base else "  <- today's default" if (
-            e["crop"] is None and e["reduction"] == "random" and e["members"] == "single"
-            and (e["neighbourhood"], e["image_score"], e["sigma"]) == (today.neighbourhood, today.image_score,
-                                                                     today.blur_sigma)) else ""
-        print(f"{e['option']:44} {e['image_auroc']:.3f}±{e['image_auroc_seed_spread']:.3f} {e['pixel_auroc']:9.3f} "
-              f"{e['pro']:6.3f} {e['recall']:7.3f} {e['false_alarms']:6.3f}{mark}")
+        mark = (
+            "  <- the paper"
+            if e is base
+            else "  <- today's default"
+            if (
+                e["crop"] is None
+                and e["reduction"] == "random"
+                and e["members"] == "single"
+                and (e["neighbourhood"], e["image_score"], e["sigma"])
+                == (today.neighbourhood, today.image_score, today.blur_sigma)
+            )
+            else ""
+        )
+        print(
+            f"{e['option']:44} {e['image_auroc']:.3f}±{e['image_auroc_seed_spread']:.3f} {e['pixel_auroc']:9.3f} "
+            f"{e['pro']:6.3f} {e['recall']:7.3f} {e['false_alarms']:6.3f}{mark}"
+        )
     print("costs:", json.dumps(result["costs"]))
     print("product check:", json.dumps(result["product_check"]))
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 from sklearn.metrics import roc_auc_score
+from timing import machine_name, seeded_resnet18, work_folder
 
 import padim
 from padim.models.data.synthetic import add_defect, texture
@@ -36,7 +37,6 @@ from padim.models.deploy.export import export_detector
 from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.model_file import load_detector
-from timing import machine_name, seeded_resnet18, work_folder
 
 DEFECTS = ("scratch", "stain", "hole")
 
@@ -69,7 +69,9 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=224, help="picture side and model input (default 224)")
     parser.add_argument("--train", type=int, default=200, help="training pictures (default 200)")
     parser.add_argument("--calibration", type=int, default=132, help="calibration pictures (default 132: 32 + 100)")
-    parser.add_argument("--test", type=int, default=100, help="test pictures of each kind, normal and defect (default 100)")
+    parser.add_argument(
+        "--test", type=int, default=100, help="test pictures of each kind, normal and defect (default 100)"
+    )
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7; the median is reported)")
     parser.add_argument("--category", default="weave")
     parser.add_argument("--weights", type=Path, help="a resnet18 state_dict file (default: seeded random weights)")
@@ -96,21 +98,29 @@ def main() -> int:
         for precision in ("float32", "int8"):
             options = None if precision == "float32" else QuantiseOptions("int8", work / "calibration", work / "check")
             started = time.perf_counter()
-            directory = (export_detector(detector, work / f"{fmt}-{precision}", fmt, model) if options is None else
-                         export_quantised_detector(detector, work / f"{fmt}-{precision}", fmt, model, options))
+            directory = (
+                export_detector(detector, work / f"{fmt}-{precision}", fmt, model)
+                if options is None
+                else export_quantised_detector(detector, work / f"{fmt}-{precision}", fmt, model, options)
+            )
             seconds = time.perf_counter() - started
             name = f"{'onnxruntime' if fmt == 'onnx' else 'openvino'} {precision}"
             exports[name] = directory
             metadata = json.loads((directory / "padim.json").read_text())
-            gates[name] = {"export_seconds": round(seconds, 1), **(
-                {"agreement": metadata["quantisation"]["agreement"], "calibration": metadata["calibration"]}
-                if precision == "int8" else {})}
+            gates[name] = {
+                "export_seconds": round(seconds, 1),
+                **(
+                    {"agreement": metadata["quantisation"]["agreement"], "calibration": metadata["calibration"]}
+                    if precision == "int8"
+                    else {}
+                ),
+            }
     scorers = {name: load_scorer(directory) for name, directory in exports.items()}
     inputs = detector.preprocess([Image.open(p).convert("RGB") for p in good + bad])
     labels = np.r_[np.zeros(len(good)), np.ones(len(bad))]
     rows = {name: {} for name in scorers}
     for name, scorer in scorers.items():
-        raw = torch.cat([scorer.score(inputs[i:i + 16]).raw_scores for i in range(0, len(inputs), 16)]).numpy()
+        raw = torch.cat([scorer.score(inputs[i : i + 16]).raw_scores for i in range(0, len(inputs), 16)]).numpy()
         rows[name]["auroc"] = float(roc_auc_score(labels, raw))
     for batch in (1, 16):
         chunk = inputs[:batch]
@@ -128,29 +138,51 @@ def main() -> int:
             seconds = float(np.median(times[name]))
             rows[name][f"batch{batch}_ms"] = seconds * 1e3
             rows[name][f"batch{batch}_images_per_s"] = batch / seconds
-    print(f"{machine_name()} ({platform.machine()}; {cpu_flags()}); {args.category} {args.size} px, resnet18 "
-          f"{'seeded random' if args.weights is None else args.weights.name} weights, {args.train} training pictures; "
-          f"test {len(good)} normal + {len(bad)} defect; median of {args.rounds} interleaved rounds")
-    print(f"{'scorer':<22} {'batch 1 ms':>10} {'img/s':>7} {'batch 16 ms':>12} {'img/s':>7} {'speed-up b16':>13} "
-          f"{'AUROC':>7}")
+    print(
+        f"{machine_name()} ({platform.machine()}; {cpu_flags()}); {args.category} {args.size} px, resnet18 "
+        f"{'seeded random' if args.weights is None else args.weights.name} weights, {args.train} training pictures; "
+        f"test {len(good)} normal + {len(bad)} defect; median of {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'scorer':<22} {'batch 1 ms':>10} {'img/s':>7} {'batch 16 ms':>12} {'img/s':>7} {'speed-up b16':>13} "
+        f"{'AUROC':>7}"
+    )
     for name, row in rows.items():
         base = rows[name.replace("int8", "float32")]
         row["speedup_batch16"] = base["batch16_ms"] / row["batch16_ms"]
         row["speedup_batch1"] = base["batch1_ms"] / row["batch1_ms"]
-        print(f"{name:<22} {row['batch1_ms']:>10.1f} {row['batch1_images_per_s']:>7.1f} {row['batch16_ms']:>12.1f} "
-              f"{row['batch16_images_per_s']:>7.1f} {row['speedup_batch16']:>12.2f}x {row['auroc']:>7.4f}")
+        print(
+            f"{name:<22} {row['batch1_ms']:>10.1f} {row['batch1_images_per_s']:>7.1f} {row['batch16_ms']:>12.1f} "
+            f"{row['batch16_images_per_s']:>7.1f} {row['speedup_batch16']:>12.2f}x {row['auroc']:>7.4f}"
+        )
     for name, gate in gates.items():
         if "agreement" in gate:
             a = gate["agreement"]
-            print(f"{name} gate: score error max {a['max_score_error']:.2%} median {a['median_score_error']:.2%}, maps "
-                  f"{a['max_map_error']:.2%}, rank correlation {a['rank_correlation']:.4f}, verdicts changed on the "
-                  f"{a['images']} calibration pictures {a['verdict_changes_normal']}, on the {a['check_images']} check "
-                  f"pictures {a['verdict_changes_check']}; its threshold {gate['calibration']['threshold']:.3f} "
-                  f"({gate['calibration']['method']}); export {gate['export_seconds']} s")
+            print(
+                f"{name} gate: score error max {a['max_score_error']:.2%} median {a['median_score_error']:.2%}, maps "
+                f"{a['max_map_error']:.2%}, rank correlation {a['rank_correlation']:.4f}, verdicts changed on the "
+                f"{a['images']} calibration pictures {a['verdict_changes_normal']}, on the {a['check_images']} check "
+                f"pictures {a['verdict_changes_check']}; its threshold {gate['calibration']['threshold']:.3f} "
+                f"({gate['calibration']['method']}); export {gate['export_seconds']} s"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_name(), "cpu_flags": cpu_flags(), "size": args.size,
-                                         "train": args.train, "calibration": args.calibration, "test": args.test,
-                                         "rounds": args.rounds, "scorers": rows, "gates": gates}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine_name(),
+                    "cpu_flags": cpu_flags(),
+                    "size": args.size,
+                    "train": args.train,
+                    "calibration": args.calibration,
+                    "test": args.test,
+                    "rounds": args.rounds,
+                    "scorers": rows,
+                    "gates": gates,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -43,16 +43,19 @@ from helpers import free_port  # noqa: E402
 
 
 def machine() -> str:
-    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                platform.processor())
+    name = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     return f"{os.cpu_count()}-core {name}"
 
 
 def generate(work: Path, size: int, train: int, shifted: int, defects: int) -> tuple[Path, list[Path], list[Path]]:
     from padim.models.data.synthetic import generate as synth
 
-    (category,) = synth(work / "data", ("weave",), train=train + shifted, test_good=0, test_defect=defects // 4,
-                        size=size, seed=11)
+    (category,) = synth(
+        work / "data", ("weave",), train=train + shifted, test_good=0, test_defect=defects // 4, size=size, seed=11
+    )
     normal = sorted((category / "train" / "good").glob("*.png"))
     fit, extra = normal[:train], normal[train:]
     fitted = work / "fit"
@@ -70,8 +73,24 @@ def generate(work: Path, size: int, train: int, shifted: int, defects: int) -> t
 
 def train(data: Path, output: Path, size: int) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "padim", "-q", "train", str(data), "--output", str(output), "--weights",
-                    "random", "--image-size", str(size)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "padim",
+            "-q",
+            "train",
+            str(data),
+            "--output",
+            str(output),
+            "--weights",
+            "random",
+            "--image-size",
+            str(size),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - started
 
 
@@ -81,9 +100,26 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(work / f"server-{name}.log", "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "padim", "serve", str(model), "--port", str(self.port),
-                                         "--runtime", "torch", "--device", "cpu", "--log-level", "warning"],
-                                        stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "padim",
+                "serve",
+                str(model),
+                "--port",
+                str(self.port),
+                "--runtime",
+                "torch",
+                "--device",
+                "cpu",
+                "--log-level",
+                "warning",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
         deadline = time.time() + 180
         while time.time() < deadline:
             try:
@@ -113,8 +149,10 @@ def load(url: str, pictures: list[bytes], batch: int, clients: int, seconds: flo
                 if batch == 1:
                     answer = http.post(url + "/score", content=chunk[0], headers={"content-type": "image/png"})
                 else:
-                    answer = http.post(url + "/score/batch", files=[("file", (f"{j}.png", d, "image/png"))
-                                                                    for j, d in enumerate(chunk)])
+                    answer = http.post(
+                        url + "/score/batch",
+                        files=[("file", (f"{j}.png", d, "image/png")) for j, d in enumerate(chunk)],
+                    )
                 answer.raise_for_status()
                 done[k] += batch
                 i += batch
@@ -130,11 +168,17 @@ def load(url: str, pictures: list[bytes], batch: int, clients: int, seconds: flo
 
 def throughput(model: Path, pictures: list[Path], work: Path, cluster, args) -> dict:
     data = [p.read_bytes() for p in pictures]
-    servers = {"off": Server(model, {}, work, "off"),
-               "sqlite": Server(model, {"PADIM_RECORD_DIR": str(work / "record-sqlite")}, work, "sqlite")}
+    servers = {
+        "off": Server(model, {}, work, "off"),
+        "sqlite": Server(model, {"PADIM_RECORD_DIR": str(work / "record-sqlite")}, work, "sqlite"),
+    }
     if cluster is not None:
-        servers["postgresql"] = Server(model, {"PADIM_RECORD_DIR": str(work / "record-pg"),
-                                               "PADIM_RECORD_URL": cluster.new_database()}, work, "postgresql")
+        servers["postgresql"] = Server(
+            model,
+            {"PADIM_RECORD_DIR": str(work / "record-pg"), "PADIM_RECORD_URL": cluster.new_database()},
+            work,
+            "postgresql",
+        )
     results: dict = {}
     try:
         for batch, clients in ((16, args.clients), (1, args.clients * 2)):
@@ -144,8 +188,13 @@ def throughput(model: Path, pictures: list[Path], work: Path, cluster, args) -> 
                     rounds[name].append(load(server.url, data, batch, clients, args.seconds))
             medians = {name: statistics.median(values) for name, values in rounds.items()}
             results[f"batch_{batch}"] = {
-                name: {"images_per_s": round(medians[name], 2), "rounds": [round(v, 2) for v in rounds[name]],
-                       "vs_off": round(medians[name] / medians["off"], 4)} for name in servers}
+                name: {
+                    "images_per_s": round(medians[name], 2),
+                    "rounds": [round(v, 2) for v in rounds[name]],
+                    "vs_off": round(medians[name] / medians["off"], 4),
+                }
+                for name in servers
+            }
         for name, server in servers.items():
             if name != "off":
                 results[f"rows_{name}"] = httpx.get(server.url + "/records/storage").json()["rows"]
@@ -166,15 +215,25 @@ def writer_rate(url: str | None, folder: Path, rows: int) -> dict:
     store.migrate()
     recorder = Recorder(folder, store, 10**10, 10**12, 30, 90)
     recorder.start()
-    result = {"raw_score": 5.0, "score": 0.1, "threshold": 0.5, "raw_threshold": 12.0, "is_anomaly": False,
-              "anomalous_area": 0.0}
+    result = {
+        "raw_score": 5.0,
+        "score": 0.1,
+        "threshold": 0.5,
+        "raw_threshold": 12.0,
+        "is_anomaly": False,
+        "anomalous_area": 0.0,
+    }
     pictures = [os.urandom(20_000) for _ in range(64)]  # 64 distinct contents, scored again and again
     digests = [hashlib.sha256(p).hexdigest() for p in pictures]
     started = time.perf_counter()
     for first in range(0, rows, 2000):  # in waves the journal writer's queue (10,000 rows) holds
-        futures = [recorder.submit(make_row("weave", 1, result, 3.0, (224, 224), digests[i % 64], 20_000,
-                                            {"part": str(i)}, 0.02), pictures[i % 64])
-                   for i in range(first, min(rows, first + 2000))]
+        futures = [
+            recorder.submit(
+                make_row("weave", 1, result, 3.0, (224, 224), digests[i % 64], 20_000, {"part": str(i)}, 0.02),
+                pictures[i % 64],
+            )
+            for i in range(first, min(rows, first + 2000))
+        ]
         for future in futures:
             future.result(120)
     journaled = time.perf_counter() - started
@@ -213,10 +272,15 @@ def update_cost(work: Path, fit: Path, lamp: list[Path], defects: list[Path], si
             target.write_bytes(path.read_bytes())
     refit_seconds = train(everything, work / "refit.padim", size)
     return {
-        "fitted": len(list(fit.glob("*.png"))), "reviewed": reviewed, "size": size,
-        "base_fit_s": round(base_seconds, 2), "update_s": round(update_seconds, 2),
-        "full_refit_s": round(refit_seconds, 2), "update_vs_refit": round(update_seconds / refit_seconds, 3),
-        "other_lamp_pictures": len(others), "defects": len(defects),
+        "fitted": len(list(fit.glob("*.png"))),
+        "reviewed": reviewed,
+        "size": size,
+        "base_fit_s": round(base_seconds, 2),
+        "update_s": round(update_seconds, 2),
+        "full_refit_s": round(refit_seconds, 2),
+        "update_vs_refit": round(update_seconds / refit_seconds, 3),
+        "other_lamp_pictures": len(others),
+        "defects": len(defects),
         "false_alarms_other_lamp_before": round(flag_share(base, others), 4),
         "false_alarms_other_lamp_after": round(flag_share(work / "updated.padim", others), 4),
         "false_alarms_other_lamp_refit": round(flag_share(work / "refit.padim", others), 4),
@@ -252,8 +316,12 @@ def main() -> None:
 
         cluster = postgres.Cluster()
     try:
-        report = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "torch_threads": os.cpu_count(),
-                  "update": update_cost(work, fit, lamp, defects, args.size, args.reviewed)}
+        report = {
+            "machine": machine(),
+            "date": time.strftime("%Y-%m-%d"),
+            "torch_threads": os.cpu_count(),
+            "update": update_cost(work, fit, lamp, defects, args.size, args.reviewed),
+        }
         print(json.dumps(report["update"]), flush=True)
         report["writer"] = {"sqlite": writer_rate(None, work / "writer-sqlite", args.writer_rows)}
         if cluster is not None:

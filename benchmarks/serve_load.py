@@ -31,11 +31,11 @@ import httpx
 import numpy as np
 import torch
 from PIL import Image
+from timing import median_seconds, work_folder
 
 from padim.models import PadimConfig, fit_detector, list_images, training_images
 from padim.models.data.synthetic import generate
 from padim.models.model_file import save_detector
-from timing import median_seconds, work_folder
 
 
 def free_port() -> int:
@@ -70,8 +70,14 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
     await asyncio.gather(*[worker(i) for i in range(clients)])
     elapsed = time.perf_counter() - began
     ms = np.array(latencies) * 1000
-    return {"clients": clients, "requests": len(latencies), "requests_per_second": len(latencies) / elapsed,
-            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "errors": errors}
+    return {
+        "clients": clients,
+        "requests": len(latencies),
+        "requests_per_second": len(latencies) / elapsed,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "errors": errors,
+    }
 
 
 WRK_SCRIPT = """
@@ -89,8 +95,13 @@ end
 
 def load_wrk(url: str, images: list[Path], clients: int, seconds: float, script: Path) -> dict:
     env = {**os.environ, "PADIM_BENCH_IMAGES": ";".join(map(str, images))}
-    out = subprocess.run(["wrk", "-t", "1", "-c", str(clients), "-d", f"{seconds:g}s", "--latency", "-s", str(script), url],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        ["wrk", "-t", "1", "-c", str(clients), "-d", f"{seconds:g}s", "--latency", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
 
     def field(prefix: str) -> str:
         return next(line.split()[1] for line in out.splitlines() if line.strip().startswith(prefix))
@@ -108,16 +119,27 @@ def load_wrk(url: str, images: list[Path], clients: int, seconds: float, script:
         if "Socket errors" in line:
             errors["socket"] = line.split(":", 1)[1].strip()
     total = int(next(line.split()[0] for line in out.splitlines() if "requests in" in line))
-    return {"clients": clients, "requests": total, "requests_per_second": float(field("Requests/sec")),
-            "p50_ms": to_ms(field("50%")), "p99_ms": to_ms(field("99%")), "errors": errors, "client": "wrk"}
+    return {
+        "clients": clients,
+        "requests": total,
+        "requests_per_second": float(field("Requests/sec")),
+        "p50_ms": to_ms(field("50%")),
+        "p99_ms": to_ms(field("99%")),
+        "errors": errors,
+        "client": "wrk",
+    }
 
 
 def batch_totals(url: str) -> tuple[float, float]:
     """(images scored, batches run) so far, from the server's Prometheus metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
-               if f.name == "padim_batch_size" for s in f.samples}
+    samples = {
+        s.name: s.value
+        for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+        if f.name == "padim_batch_size"
+        for s in f.samples
+    }
     return samples.get("padim_batch_size_sum", 0.0), samples.get("padim_batch_size_count", 0.0)
 
 
@@ -156,14 +178,34 @@ def main() -> None:
 
     library = library_throughput(model, test_images, args.runtime, 8)
     library16 = library_throughput(model, test_images, args.runtime, 16)
-    print(f"library ({args.runtime} runtime): {library:.1f} img/s at batch 8, {library16:.1f} at batch 16 "
-          f"({args.image_size} px, {torch.get_num_threads()} threads)")
+    print(
+        f"library ({args.runtime} runtime): {library:.1f} img/s at batch 8, {library16:.1f} at batch 16 "
+        f"({args.image_size} px, {torch.get_num_threads()} threads)"
+    )
 
     port = free_port()
     env = {**os.environ, "PADIM_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([sys.executable, "-m", "padim", "serve", "--model", str(model), "--port", str(port),
-                               "--device", "cpu", "--runtime", args.runtime, "--max-batch-size", str(args.max_batch_size),
-                               "--max-delay-ms", str(args.max_delay_ms)], env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "padim",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--runtime",
+            args.runtime,
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--max-delay-ms",
+            str(args.max_delay_ms),
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -189,14 +231,24 @@ def main() -> None:
             row["mean_batch"] = (images - last_images) / max(batches - last_batches, 1)
             last_images, last_batches = images, batches
             rows.append(row)
-            print(f"{clients:3d} clients: {row['requests_per_second']:6.1f} req/s, p50 {row['p50_ms']:7.1f} ms, "
-                  f"p99 {row['p99_ms']:7.1f} ms, {100 * row['ratio_to_library']:5.1f}% of library batch 8, "
-                  f"mean device batch {row['mean_batch']:.1f}, errors {row['errors']}")
+            print(
+                f"{clients:3d} clients: {row['requests_per_second']:6.1f} req/s, p50 {row['p50_ms']:7.1f} ms, "
+                f"p99 {row['p99_ms']:7.1f} ms, {100 * row['ratio_to_library']:5.1f}% of library batch 8, "
+                f"mean device batch {row['mean_batch']:.1f}, errors {row['errors']}"
+            )
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    print(json.dumps({"runtime": args.runtime, "library_images_per_second_batch8": library,
-                      "library_images_per_second_batch16": library16, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "runtime": args.runtime,
+                "library_images_per_second_batch8": library,
+                "library_images_per_second_batch16": library16,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

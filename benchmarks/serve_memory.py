@@ -55,12 +55,28 @@ def large_png(side: int, seed: int) -> bytes:
 
 def train_model(work: Path) -> Path:
     run = [sys.executable, "-m", "padim", "-q"]
-    subprocess.run([*run, "synth", str(work / "data"), "--categories", "weave", "--train", "12", "--size", "128"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*run, "synth", str(work / "data"), "--categories", "weave", "--train", "12", "--size", "128"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     model = work / "weave.padim"
-    subprocess.run([*run, "train", str(work / "data" / "weave" / "train" / "good"), "--weights", "random",
-                    "--image-size", "128", "--output", str(model)], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            *run,
+            "train",
+            str(work / "data" / "weave" / "train" / "good"),
+            "--weights",
+            "random",
+            "--image-size",
+            "128",
+            "--output",
+            str(model),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return model
 
 
@@ -78,8 +94,12 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PADIM_MAX_QUEUE": str(max(256, args.concurrent)), "PADIM_REQUEST_TIMEOUT_S": "300"}
-    server = subprocess.Popen([sys.executable, "-m", "padim", "serve", "--model", str(model), "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "padim", "serve", "--model", str(model), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -109,8 +129,13 @@ def main() -> None:
         started = time.perf_counter()
 
         def post(body: bytes) -> int:
-            return httpx.post(url + "/score", content=body, headers={"content-type": "image/png"},
-                              params={"heatmap": str(args.heatmap).lower()}, timeout=300).status_code
+            return httpx.post(
+                url + "/score",
+                content=body,
+                headers={"content-type": "image/png"},
+                params={"heatmap": str(args.heatmap).lower()},
+                timeout=300,
+            ).status_code
 
         with ThreadPoolExecutor(args.concurrent) as pool:
             statuses = list(pool.map(post, bodies))
@@ -119,12 +144,23 @@ def main() -> None:
         sampling = False
         sampler.join()
         after = rss_mb(server.pid)
-        print(json.dumps({
-            "concurrent": args.concurrent, "side": args.side, "png_kb": round(np.mean([len(b) for b in bodies]) / 1024, 1),
-            "heatmap": args.heatmap, "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
-            "burst_seconds": round(seconds, 2), "idle_rss_mb": round(idle), "peak_rss_mb": round(peak),
-            "peak_growth_mb": round(peak - idle), "after_rss_mb": round(after), "kept_mb": round(after - idle),
-        }))
+        print(
+            json.dumps(
+                {
+                    "concurrent": args.concurrent,
+                    "side": args.side,
+                    "png_kb": round(np.mean([len(b) for b in bodies]) / 1024, 1),
+                    "heatmap": args.heatmap,
+                    "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+                    "burst_seconds": round(seconds, 2),
+                    "idle_rss_mb": round(idle),
+                    "peak_rss_mb": round(peak),
+                    "peak_growth_mb": round(peak - idle),
+                    "after_rss_mb": round(after),
+                    "kept_mb": round(after - idle),
+                }
+            )
+        )
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)

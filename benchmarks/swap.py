@@ -49,13 +49,48 @@ def rss_mb(pid: int) -> float:
 def train(work: Path, backbone: str, seed: int, size: int, images: int) -> Path:
     data = work / "data" / "weave" / "train" / "good"
     if not data.is_dir():
-        subprocess.run([sys.executable, "-m", "padim", "-q", "synth", str(work / "data"), "--categories", "weave",
-                        "--train", str(images), "--size", str(size)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "padim",
+                "-q",
+                "synth",
+                str(work / "data"),
+                "--categories",
+                "weave",
+                "--train",
+                str(images),
+                "--size",
+                str(size),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     model = work / f"{backbone}-{size}-seed{seed}.padim"
     if not model.exists():
-        subprocess.run([sys.executable, "-m", "padim", "-q", "train", str(data), "--output", str(model), "--backbone",
-                        backbone, "--weights", "random", "--image-size", str(size), "--seed", str(seed)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "padim",
+                "-q",
+                "train",
+                str(data),
+                "--output",
+                str(model),
+                "--backbone",
+                backbone,
+                "--weights",
+                "random",
+                "--image-size",
+                str(size),
+                "--seed",
+                str(seed),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return model
 
 
@@ -67,14 +102,32 @@ def measure(work: Path, backbone: str, size: int, images: int, runtime: str, cli
     first, second = (train(work, backbone, seed, size, images) for seed in (0, 1))
     repository = work / f"repo-{backbone}-{runtime}"
     shutil.rmtree(repository, ignore_errors=True)  # a fresh repository: version 1, then 2
-    subprocess.run([sys.executable, "-m", "padim", "-q", "repository", "add", str(repository), "weave", str(first),
-                    "--activate"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "padim", "-q", "repository", "add", str(repository), "weave", str(first), "--activate"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(work / f"server-{backbone}-{runtime}.log", "w")
     env = {**os.environ, "PADIM_ADMIN_KEY": ADMIN, "PADIM_RUNTIME": runtime, "PADIM_CACHE_DIR": str(work / "cache")}
-    server = subprocess.Popen([sys.executable, "-m", "padim", "serve", "--repository", str(repository), "--port",
-                               str(port), "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "padim",
+            "serve",
+            "--repository",
+            str(repository),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -110,9 +163,12 @@ def measure(work: Path, backbone: str, size: int, images: int, runtime: str, cli
                 digest.update(block)
         swap_from = time.monotonic()
         with open(second, "rb") as body:
-            uploaded = admin.post("/models/weave/versions", params={"activate": "true"}, content=body,
-                                  headers={"content-type": "application/octet-stream",
-                                           "x-content-sha256": digest.hexdigest()})
+            uploaded = admin.post(
+                "/models/weave/versions",
+                params={"activate": "true"},
+                content=body,
+                headers={"content-type": "application/octet-stream", "x-content-sha256": digest.hexdigest()},
+            )
         swap_to = time.monotonic()
         if uploaded.status_code != 201:
             raise SystemExit(f"upload failed: {uploaded.status_code} {uploaded.text}")
@@ -136,15 +192,25 @@ def measure(work: Path, backbone: str, size: int, images: int, runtime: str, cli
             time.sleep(0.5)  # the retired version drains and is released
             rss.append(round(rss_mb(server.pid), 1))
         return {
-            "backbone": backbone, "image_size": size, "runtime": runtime, "model_file_mb": round(second.stat().st_size / 2**20, 1),
+            "backbone": backbone,
+            "image_size": size,
+            "runtime": runtime,
+            "model_file_mb": round(second.stat().st_size / 2**20, 1),
             "upload_to_active_s": round(swap_to - swap_from, 3),
             "activate_s_median": round(float(np.median(activations)), 3),
-            "clients": clients, "requests": len(answers), "failed": failed,
+            "clients": clients,
+            "requests": len(answers),
+            "failed": failed,
             "versions_seen": sorted({v for *_, v in answers if v is not None}),
-            "steady_p50_ms": percentile(steady, 50), "steady_p99_ms": percentile(steady, 99), "steady_requests": len(steady),
-            "swap_p50_ms": percentile(during, 50), "swap_p99_ms": percentile(during, 99), "swap_max_ms": percentile(during, 100),
+            "steady_p50_ms": percentile(steady, 50),
+            "steady_p99_ms": percentile(steady, 99),
+            "steady_requests": len(steady),
+            "swap_p50_ms": percentile(during, 50),
+            "swap_p99_ms": percentile(during, 99),
+            "swap_max_ms": percentile(during, 100),
             "swap_requests": len(during),
-            "rss_mb_after_each_of_ten_swaps": rss, "rss_growth_mb": round(rss[-1] - rss[0], 1),
+            "rss_mb_after_each_of_ten_swaps": rss,
+            "rss_growth_mb": round(rss[-1] - rss[0], 1),
         }
     finally:
         server.send_signal(signal.SIGTERM)
@@ -172,8 +238,17 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         results.append(result)
     if args.output is not None:
-        args.output.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-                                           "date": time.strftime("%Y-%m-%d"), "results": results}, indent=1) + "\n")
+        args.output.write_text(
+            json.dumps(
+                {
+                    "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+                    "date": time.strftime("%Y-%m-%d"),
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from PIL import Image
 from sklearn.metrics import roc_auc_score
+from timing import median_seconds, seeded_resnet18, work_folder
 
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.models.evaluation.metrics import read_mvtec_category
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.data.synthetic import generate
-from timing import median_seconds, seeded_resnet18, work_folder
+from padim.models.evaluation.metrics import read_mvtec_category
+
 
 def load_batch(paths, detector, batch_size):
     images = [Image.open(p).convert("RGB") for p in paths[:batch_size]]
@@ -57,11 +58,20 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
     if not category.exists():
-        generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=args.image_size, seed=1)
+        generate(
+            work / "data",
+            ("carpet",),
+            train=args.train_images,
+            test_good=10,
+            test_defect=5,
+            size=args.image_size,
+            seed=1,
+        )
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
-    config = PadimConfig(weights=str(weights), image_size=args.image_size, batch_size=args.batch_size,
-                         device=args.device, workers=2)
+    config = PadimConfig(
+        weights=str(weights), image_size=args.image_size, batch_size=args.batch_size, device=args.device, workers=2
+    )
     start = time.perf_counter()
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
     fit_seconds = time.perf_counter() - start
@@ -86,8 +96,12 @@ def main() -> None:
         parts = {
             "backbone": median_seconds(lambda: embedder.extractor(batch), args.repeats),
             "embedding": median_seconds(lambda: embedder.embedding(features), args.repeats),
-            "mahalanobis": median_seconds(lambda: squared_mahalanobis(flat, model.mean, model.precision_factor), args.repeats),
-            "upsample_blur_max": median_seconds(lambda: image_scores(anomaly_maps(squared, model.grid_shape, args.image_size, 4.0)), args.repeats),
+            "mahalanobis": median_seconds(
+                lambda: squared_mahalanobis(flat, model.mean, model.precision_factor), args.repeats
+            ),
+            "upsample_blur_max": median_seconds(
+                lambda: image_scores(anomaly_maps(squared, model.grid_shape, args.image_size, 4.0)), args.repeats
+            ),
         }
         total = median_seconds(lambda: detector.score(batch), args.repeats)
         single = median_seconds(lambda: detector.score(batch[:1]), args.repeats)
@@ -107,8 +121,10 @@ def main() -> None:
         "image_size": args.image_size,
         "padim": ours,
     }
-    print(f"padim   : {ours['images_per_second_batch']:.1f} img/s at batch {b} "
-          f"({1 / single:.1f} img/s at batch 1), image AUROC {auroc:.3f}")
+    print(
+        f"padim   : {ours['images_per_second_batch']:.1f} img/s at batch {b} "
+        f"({1 / single:.1f} img/s at batch 1), image AUROC {auroc:.3f}"
+    )
     for name, seconds in parts.items():
         print(f"  {name:<18} {seconds * 1000:8.1f} ms/batch ({100 * seconds / total:4.1f}%)")
     with torch.inference_mode():
@@ -146,25 +162,41 @@ def floor_report(detector, batch, features, flat, parts: dict, total: float, arg
         embedder.extractor(batch)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     work = {  # (floating-point operations, bytes that must move)
-        "backbone": (counter.get_total_flops(), nbytes(batch) + sum(nbytes(f) for f in features)
-                     + sum(nbytes(p) for p in embedder.extractor.parameters())),
+        "backbone": (
+            counter.get_total_flops(),
+            nbytes(batch) + sum(nbytes(f) for f in features) + sum(nbytes(p) for p in embedder.extractor.parameters()),
+        ),
         "embedding": (0, sum(nbytes(f) for f in features) + nbytes(flat)),
-        "mahalanobis": (2 * pixels * b * dim * dim, nbytes(model.precision_factor) + nbytes(model.mean) + 2 * nbytes(flat)),
+        "mahalanobis": (
+            2 * pixels * b * dim * dim,
+            nbytes(model.precision_factor) + nbytes(model.mean) + 2 * nbytes(flat),
+        ),
         "upsample_blur_max": (2 * b * (size * height * width + size * size * width), b * size * size * 4),
     }
     report = {"roofs": roofs, "stages": {}}
-    print(f"floor of this machine: sgemm {roofs['sgemm_gflops']:.0f} GFLOP/s, copy bandwidth {roofs['bandwidth_gbps']:.1f} GB/s")
+    print(
+        f"floor of this machine: sgemm {roofs['sgemm_gflops']:.0f} GFLOP/s, copy bandwidth {roofs['bandwidth_gbps']:.1f} GB/s"
+    )
     floor_total = 0.0
     for name, (flops, moved) in work.items():
         floor = max(flops / (roofs["sgemm_gflops"] * 1e9), moved / (roofs["bandwidth_gbps"] * 1e9))
         floor_total += floor
-        report["stages"][name] = {"gflop": flops / 1e9, "mbytes": moved / 1e6, "floor_seconds": floor,
-                                  "seconds": parts[name], "share_of_floor": floor / parts[name]}
-        print(f"  {name:<18} {parts[name] * 1000:8.1f} ms, floor {floor * 1000:7.1f} ms "
-              f"({flops / 1e9:6.2f} GFLOP, {moved / 1e6:6.1f} MB): {100 * floor / parts[name]:5.1f}% of the floor")
+        report["stages"][name] = {
+            "gflop": flops / 1e9,
+            "mbytes": moved / 1e6,
+            "floor_seconds": floor,
+            "seconds": parts[name],
+            "share_of_floor": floor / parts[name],
+        }
+        print(
+            f"  {name:<18} {parts[name] * 1000:8.1f} ms, floor {floor * 1000:7.1f} ms "
+            f"({flops / 1e9:6.2f} GFLOP, {moved / 1e6:6.1f} MB): {100 * floor / parts[name]:5.1f}% of the floor"
+        )
     report["floor_seconds"], report["share_of_floor"] = floor_total, floor_total / total
-    print(f"  whole scorer       {total * 1000:8.1f} ms, floor {floor_total * 1000:7.1f} ms: "
-          f"{100 * floor_total / total:.1f}% of the floor ({b / floor_total:.1f} img/s would be the floor)")
+    print(
+        f"  whole scorer       {total * 1000:8.1f} ms, floor {floor_total * 1000:7.1f} ms: "
+        f"{100 * floor_total / total:.1f}% of the floor ({b / floor_total:.1f} img/s would be the floor)"
+    )
     return report
 
 
@@ -193,8 +225,8 @@ def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
         difference = float(((scorer.score(batch).raw_scores.cpu() - reference).abs() / reference.abs()).max())
         cases[name] = {"max_relative_score_difference": difference}
         for b in sorted({1, args.batch_size}):
-            cases[name][f"scorer_b{b}"] = (lambda s=scorer, x=batch[:b]: s.score(x))
-            cases[name][f"end_to_end_b{b}"] = (lambda s=scorer, i=images[:b]: s.score(s.preprocess(i)))
+            cases[name][f"scorer_b{b}"] = lambda s=scorer, x=batch[:b]: s.score(x)
+            cases[name][f"end_to_end_b{b}"] = lambda s=scorer, i=images[:b]: s.score(s.preprocess(i))
     times: dict[str, dict[str, list[float]]] = {n: {} for n in cases}
     for name, fns in cases.items():  # warm-up
         for key, fn in fns.items():
@@ -218,10 +250,15 @@ def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
             b = int(key.rsplit("b", 1)[1])
             median, best = b / float(np.median(seconds)), b / min(seconds)
             torch_median = b / float(np.median(times["torch"][key]))
-            result[name][key] = {"median_images_per_second": median, "best_images_per_second": best,
-                                 "ratio_to_torch": median / torch_median}
+            result[name][key] = {
+                "median_images_per_second": median,
+                "best_images_per_second": best,
+                "ratio_to_torch": median / torch_median,
+            }
             print(f"  {name:<12} {key:<14} {median:7.1f} {best:7.1f}  x{median / torch_median:4.2f}")
-        print(f"  {name:<12} largest score difference from torch: {result[name]['max_relative_score_difference']:.1e} relative")
+        print(
+            f"  {name:<12} largest score difference from torch: {result[name]['max_relative_score_difference']:.1e} relative"
+        )
     return result
 
 

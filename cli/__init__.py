@@ -17,8 +17,7 @@ so that ``padim --help`` and ``padim health`` load no torch.
 from padim.core.lazy import lazy_exports
 from padim.core.version import DISTRIBUTION, __version__
 
-_API = {"models.api": ("Detector", "Prediction", "fit", "load"),
-        "models.config": ("PadimConfig",)}
+_API = {"models.api": ("Detector", "Prediction", "fit", "load"), "models.config": ("PadimConfig",)}
 _names, __getattr__, _dir = lazy_exports(__name__, _API)
 __all__ = ["DISTRIBUTION", "__version__", *_names]
 

@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"padim {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                     title="commands (padim COMMAND --help for each)")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, title="commands (padim COMMAND --help for each)"
+    )
     for command in COMMANDS:
         command.register(commands)
     return parser
@@ -54,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         if args.quiet or args.command not in PROGRESS_COMMANDS:
             return args.handler(args)
@@ -72,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         if type(error).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
             raise
-        print(f"padim {args.command}: error: the GPU ran out of memory ({str(error).splitlines()[0]}); use a smaller "
-              "--batch-size, free the GPU (nvidia-smi shows who holds it), or --device cpu", file=sys.stderr)
+        print(
+            f"padim {args.command}: error: the GPU ran out of memory ({str(error).splitlines()[0]}); use a smaller "
+            "--batch-size, free the GPU (nvidia-smi shows who holds it), or --device cpu",
+            file=sys.stderr,
+        )
         return 1

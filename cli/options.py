@@ -14,15 +14,21 @@ def run_options() -> argparse.ArgumentParser:
     """``--device``, ``--batch-size``, ``--workers``: how a command runs, never what it computes."""
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("how it runs")
-    group.add_argument("--device", choices=DEVICES, help="where the model runs (default auto: cuda when torch sees a GPU)")
-    group.add_argument("--batch-size", type=int, metavar="N", help=f"images per forward pass (default {DEFAULT_BATCH_SIZE})")
+    group.add_argument(
+        "--device", choices=DEVICES, help="where the model runs (default auto: cuda when torch sees a GPU)"
+    )
+    group.add_argument(
+        "--batch-size", type=int, metavar="N", help=f"images per forward pass (default {DEFAULT_BATCH_SIZE})"
+    )
     group.add_argument("--workers", type=int, metavar="N", help=f"image-decoding threads (default {DEFAULT_WORKERS})")
     return parent
 
 
-RUNTIME_HELP = ("what runs the scorer (default auto: onnxruntime on a CPU when it is installed, 1.2-1.45x faster "
-                "than torch there; torch on a GPU). A .padim file is exported once for onnxruntime/openvino and "
-                "the export cached beside it (or in $PADIM_CACHE_DIR); an export directory (padim export) runs as is")
+RUNTIME_HELP = (
+    "what runs the scorer (default auto: onnxruntime on a CPU when it is installed, 1.2-1.45x faster "
+    "than torch there; torch on a GPU). A .padim file is exported once for onnxruntime/openvino and "
+    "the export cached beside it (or in $PADIM_CACHE_DIR); an export directory (padim export) runs as is"
+)
 
 
 def runtime_option() -> argparse.ArgumentParser:
@@ -36,8 +42,13 @@ def quiet_option() -> argparse.ArgumentParser:
     """``-q`` after the command as well as before it."""
     parent = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: without -q here, the value given before the command stands
-    parent.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="no progress bars or info logs (warnings and errors still print)")
+    parent.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bars or info logs (warnings and errors still print)",
+    )
     return parent
 
 

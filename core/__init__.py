@@ -11,7 +11,13 @@ EXPORTS = {
     "artifact": ("load_artifact", "read_header", "save_artifact"),
     "calibration": ("Calibration", "fold_of"),
     "scoring": ("anomaly_maps", "image_scores", "squared_mahalanobis"),
-    "statistics": ("GaussianAccumulator", "GaussianState", "covariance", "merge_states",
-                   "precision", "precision_factor"),
+    "statistics": (
+        "GaussianAccumulator",
+        "GaussianState",
+        "covariance",
+        "merge_states",
+        "precision",
+        "precision_factor",
+    ),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -48,9 +48,18 @@ FORMAT_VERSION = 9
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"
 #: safetensors' names of the dtypes a model file holds.
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 #: Largest JSON table a file may declare (safetensors' own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -90,8 +99,11 @@ def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor | Ten
         entry = entries[name]
         if entry.dtype not in DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {entry.dtype} cannot be stored")
-        table[name] = {"dtype": DTYPES[entry.dtype], "shape": list(entry.shape),
-                       "data_offsets": [offset, offset + entry.nbytes]}
+        table[name] = {
+            "dtype": DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     full_header = {k: v for k, v in header.items() if k not in INTEGRITY_KEYS}
     full_header["format_version"] = FORMAT_VERSION
@@ -127,7 +139,9 @@ def copy_artifact(source: str | os.PathLike, target: str | os.PathLike, header: 
     """
     source = Path(source)
     table, data_start, old = _model_table(source)
-    tensors = {name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name)) for name in table}
+    tensors = {
+        name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name)) for name in table
+    }
     save_artifact(target, tensors, header)
 
 
@@ -159,8 +173,11 @@ def tensor_sizes(path: str | os.PathLike) -> dict[str, int]:
         ArtifactError: missing, truncated or foreign file.
     """
     table, _, _ = _read_table(Path(path))
-    return {name: entry["data_offsets"][1] - entry["data_offsets"][0]
-            for name, entry in table.items() if name != "__metadata__"}
+    return {
+        name: entry["data_offsets"][1] - entry["data_offsets"][0]
+        for name, entry in table.items()
+        if name != "__metadata__"
+    }
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -226,7 +243,7 @@ class _Sha256:
             self._pending.result()
             self._pending = None
 
-    def __enter__(self) -> "_Sha256":
+    def __enter__(self) -> _Sha256:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -303,8 +320,13 @@ def _file_stream(path: Path, table: dict, data_start: int, name: str, expected: 
             for first in range(0, (stop - begin) // itemsize, step):
                 count = min(step, (stop - begin) // itemsize - first)
                 out = torch.empty(count, dtype=dtype)
-                _read_into(handle.fileno(), out, data_start + begin + first * itemsize, path,
-                           digest if expected is not None else None)
+                _read_into(
+                    handle.fileno(),
+                    out,
+                    data_start + begin + first * itemsize,
+                    path,
+                    digest if expected is not None else None,
+                )
                 yield out
             if expected is not None:
                 _check_digest(path, name, digest.hexdigest(), expected)
@@ -332,8 +354,9 @@ def _expected_digest(path: Path, header: dict, name: str) -> str | None:
 
 def _check_digest(path: Path, name: str, got: str, expected: str) -> None:
     if got != expected:
-        raise ArtifactError(f"{path}: tensor {name!r} does not match its digest; the file is damaged "
-                            "(copy it again, or retrain)")
+        raise ArtifactError(
+            f"{path}: tensor {name!r} does not match its digest; the file is damaged (copy it again, or retrain)"
+        )
 
 
 def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
@@ -348,8 +371,13 @@ def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -
             expected = _expected_digest(path, header, name)
             out = torch.empty([int(d) for d in entry["shape"]], dtype=DTYPE_OF[entry["dtype"]])
             with _Sha256() as digest:
-                _read_into(handle.fileno(), out, data_start + entry["data_offsets"][0], path,
-                           digest if expected is not None else None)
+                _read_into(
+                    handle.fileno(),
+                    out,
+                    data_start + entry["data_offsets"][0],
+                    path,
+                    digest if expected is not None else None,
+                )
                 if expected is not None:
                     _check_digest(path, name, digest.hexdigest(), expected)
             tensors[name] = out
@@ -383,8 +411,9 @@ def _parse_header(path: Path, text: str) -> dict:
         )
     if version >= 2:
         if not isinstance(header.get("tensor_sha256"), dict) or header.get("header_sha256") != _header_sha256(header):
-            raise ArtifactError(f"{path}: the model header does not match its digest; the file is damaged "
-                                "(copy it again, or retrain)")
+            raise ArtifactError(
+                f"{path}: the model header does not match its digest; the file is damaged (copy it again, or retrain)"
+            )
     header["verified"] = version >= 2
     return header
 

@@ -96,8 +96,10 @@ def betainc(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 100_000):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
             d = 1.0 + numerator * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + numerator / c
@@ -230,9 +232,15 @@ class Calibration:
     pictures: tuple[tuple[int, float, float, float], ...] = field(default=(), compare=False)
 
     @classmethod
-    def from_scores(cls, scores: torch.Tensor, false_alarm_rate: float, earlier_scores: int = 0,
-                    input_distances: torch.Tensor | None = None, taken_scores: torch.Tensor | None = None,
-                    pictures: tuple[tuple[int, float, float, float], ...] = ()) -> Calibration:
+    def from_scores(
+        cls,
+        scores: torch.Tensor,
+        false_alarm_rate: float,
+        earlier_scores: int = 0,
+        input_distances: torch.Tensor | None = None,
+        taken_scores: torch.Tensor | None = None,
+        pictures: tuple[tuple[int, float, float, float], ...] = (),
+    ) -> Calibration:
         """Threshold and scale for ``false_alarm_rate`` from ``(N,)`` normal scores.
 
         Raises:
@@ -249,13 +257,25 @@ class Calibration:
         if threshold < MIN_THRESHOLD:
             raise CalibrationError(
                 f"the normal images do not vary: their out-of-fold scores are all below {MIN_THRESHOLD:g}, "
-                "so no threshold can separate normal variation from a defect")
+                "so no threshold can separate normal variation from a defect"
+            )
         taken = _sorted(taken_scores)
         if taken and len(taken) != values.numel():
-            raise CalibrationError(f"{len(taken)} scores of the images as taken for {values.numel()} calibration scores")
+            raise CalibrationError(
+                f"{len(taken)} scores of the images as taken for {values.numel()} calibration scores"
+            )
         reference = torch.tensor(taken, dtype=torch.float64) if taken else values
-        return cls(tuple(values.tolist()), threshold, _scale(reference, threshold), method, false_alarm_rate,
-                   earlier_scores, _sorted(input_distances), taken, tuple(pictures))
+        return cls(
+            tuple(values.tolist()),
+            threshold,
+            _scale(reference, threshold),
+            method,
+            false_alarm_rate,
+            earlier_scores,
+            _sorted(input_distances),
+            taken,
+            tuple(pictures),
+        )
 
     def without(self, digests: set[int]) -> tuple[Calibration, int]:
         """The calibration without the values of the pictures ``digests`` names, the threshold set again from the
@@ -280,10 +300,25 @@ class Calibration:
         earlier = min(self.earlier_scores, len(scores))
         if self.false_alarm_rate is None:  # a threshold set by hand: kept, with the scores that remain
             reference = torch.tensor(taken or scores, dtype=torch.float64)
-            return Calibration(tuple(scores), self.threshold, _scale(reference, self.threshold), self.method, None,
-                               earlier, tuple(inputs), tuple(taken), kept), len(gone)
-        return Calibration.from_scores(torch.tensor(scores, dtype=torch.float64), self.false_alarm_rate, earlier,
-                                       _tensor(inputs), _tensor(taken), kept), len(gone)
+            return Calibration(
+                tuple(scores),
+                self.threshold,
+                _scale(reference, self.threshold),
+                self.method,
+                None,
+                earlier,
+                tuple(inputs),
+                tuple(taken),
+                kept,
+            ), len(gone)
+        return Calibration.from_scores(
+            torch.tensor(scores, dtype=torch.float64),
+            self.false_alarm_rate,
+            earlier,
+            _tensor(inputs),
+            _tensor(taken),
+            kept,
+        ), len(gone)
 
     def with_threshold(self, threshold: float) -> Calibration:
         """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
@@ -291,8 +326,17 @@ class Calibration:
         if not math.isfinite(threshold):
             raise CalibrationError(f"threshold must be finite, got {threshold}")
         values = torch.tensor(self.reference_scores, dtype=torch.float64)
-        return Calibration(self.scores, threshold, _scale(values, threshold), "manual", None, self.earlier_scores,
-                           self.input_distances, self.taken_scores, self.pictures)
+        return Calibration(
+            self.scores,
+            threshold,
+            _scale(values, threshold),
+            "manual",
+            None,
+            self.earlier_scores,
+            self.input_distances,
+            self.taken_scores,
+            self.pictures,
+        )
 
     # ------------------------------------------------------------------ what it promises
     @property
@@ -334,9 +378,11 @@ class Calibration:
             needed, how = empirical_minimum(self.false_alarm_rate), " (the threshold is then their own quantile)"
         else:
             how = ""
-        return (f"{self.count} calibration score(s) cannot promise {self.false_alarm_rate:.2%} false alarms without "
-                f"assuming how normal scores are distributed (promised: {self.promised_false_alarm_rate:.2%}, at most "
-                f"{self.false_alarm_bound:.2%} with {CONFIDENCE:.0%} confidence); {needed} normal images would{how}")
+        return (
+            f"{self.count} calibration score(s) cannot promise {self.false_alarm_rate:.2%} false alarms without "
+            f"assuming how normal scores are distributed (promised: {self.promised_false_alarm_rate:.2%}, at most "
+            f"{self.false_alarm_bound:.2%} with {CONFIDENCE:.0%} confidence); {needed} normal images would{how}"
+        )
 
     # ------------------------------------------------------------------ scores
     def normalise(self, raw: torch.Tensor) -> torch.Tensor:
@@ -378,42 +424,65 @@ class Calibration:
         return self.summary()
 
     @classmethod
-    def from_header(cls, header: dict, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
-                    taken_scores: torch.Tensor | None = None, digests: torch.Tensor | None = None,
-                    linked: torch.Tensor | None = None) -> Calibration:
+    def from_header(
+        cls,
+        header: dict,
+        scores: torch.Tensor,
+        input_distances: torch.Tensor | None = None,
+        taken_scores: torch.Tensor | None = None,
+        digests: torch.Tensor | None = None,
+        linked: torch.Tensor | None = None,
+    ) -> Calibration:
         method = header["method"]
         if method not in METHODS:
             raise ValueError(f"unknown calibration method {method!r}")
         values = scores.to(torch.float64).sort().values
         if values.numel() != int(header["scores"]):
-            raise ValueError(f"the header counts {header['scores']} calibration scores, the file holds {values.numel()}")
+            raise ValueError(
+                f"the header counts {header['scores']} calibration scores, the file holds {values.numel()}"
+            )
         distances = _sorted(input_distances)
         if len(distances) != int(header.get("input_distances", 0)):
-            raise ValueError(f"the header counts {header.get('input_distances', 0)} input distances, the file holds "
-                             f"{len(distances)}")
+            raise ValueError(
+                f"the header counts {header.get('input_distances', 0)} input distances, the file holds {len(distances)}"
+            )
         taken = _sorted(taken_scores)
         if len(taken) != int(header.get("taken_scores", 0)):
-            raise ValueError(f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
-                             f"holds {len(taken)}")
+            raise ValueError(
+                f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
+                f"holds {len(taken)}"
+            )
         pictures = linked_pictures(digests, linked)
         if "pictures" in header and len(pictures) != int(header["pictures"]):
-            raise ValueError(f"the header counts {header.get('pictures', 0)} pictures' values, the file holds "
-                             f"{len(pictures)}")
+            raise ValueError(
+                f"the header counts {header.get('pictures', 0)} pictures' values, the file holds {len(pictures)}"
+            )
         rate = header["false_alarm_rate"]
-        return cls(tuple(values.tolist()), float(header["threshold"]), float(header["scale"]), method,
-                   None if rate is None else float(rate), int(header.get("earlier_scores", 0)), distances, taken,
-                   pictures)
+        return cls(
+            tuple(values.tolist()),
+            float(header["threshold"]),
+            float(header["scale"]),
+            method,
+            None if rate is None else float(rate),
+            int(header.get("earlier_scores", 0)),
+            distances,
+            taken,
+            pictures,
+        )
 
     def picture_tensors(self) -> dict[str, torch.Tensor]:
         """:attr:`pictures` as a file stores them: ``digests`` ``(N,)`` int64 and ``linked`` ``(N, 3)`` float64."""
         if not self.pictures:
             return {}
-        return {"digests": torch.tensor([p[0] for p in self.pictures], dtype=torch.int64),
-                "linked": torch.tensor([p[1:] for p in self.pictures], dtype=torch.float64)}
+        return {
+            "digests": torch.tensor([p[0] for p in self.pictures], dtype=torch.int64),
+            "linked": torch.tensor([p[1:] for p in self.pictures], dtype=torch.float64),
+        }
 
 
-def linked_pictures(digests: torch.Tensor | None, linked: torch.Tensor | None
-                    ) -> tuple[tuple[int, float, float, float], ...]:
+def linked_pictures(
+    digests: torch.Tensor | None, linked: torch.Tensor | None
+) -> tuple[tuple[int, float, float, float], ...]:
     """``(digest, score, input distance, taken score)`` rows from a file's ``(N,)`` digests and ``(N, 3)`` values."""
     if digests is None or linked is None:
         return ()

@@ -192,15 +192,27 @@ class Drift:
     @property
     def alarms(self) -> list[str]:
         """Names of the tests that fired: ``flag_rate``, ``score_drift``, ``input_drift``."""
-        return [name for name, test in (("flag_rate", self.flag_rate), ("score_drift", self.score_drift),
-                                        ("input_drift", self.input_drift)) if test is not None and test.alarm]
+        return [
+            name
+            for name, test in (
+                ("flag_rate", self.flag_rate),
+                ("score_drift", self.score_drift),
+                ("input_drift", self.input_drift),
+            )
+            if test is not None and test.alarm
+        ]
 
     def to_dict(self) -> dict:
         return {**asdict(self), "alarms": self.alarms}
 
 
-def assess(raw_scores: torch.Tensor, calibration: Calibration, input_distances: torch.Tensor | None = None,
-           level: float = LEVEL, min_images: int = MIN_IMAGES) -> Drift:
+def assess(
+    raw_scores: torch.Tensor,
+    calibration: Calibration,
+    input_distances: torch.Tensor | None = None,
+    level: float = LEVEL,
+    min_images: int = MIN_IMAGES,
+) -> Drift:
     """Read recent images against ``calibration``: flag rate, score drift and input drift.
 
     Args:
@@ -215,8 +227,16 @@ def assess(raw_scores: torch.Tensor, calibration: Calibration, input_distances: 
     raw_scores = raw_scores.detach().to(torch.float64).flatten().contiguous()
     n = raw_scores.numel()
     if n < max(1, min_images):
-        return Drift(n, "collecting", level, min_images, None, None, None,
-                     f"{n} image{'s' if n != 1 else ''} of the {min_images} a first reading needs")
+        return Drift(
+            n,
+            "collecting",
+            level,
+            min_images,
+            None,
+            None,
+            None,
+            f"{n} image{'s' if n != 1 else ''} of the {min_images} a first reading needs",
+        )
     flags = int((raw_scores >= calibration.threshold).sum())
     normal_rate = calibration.false_alarm_bound
     p_flags = binomial_tail(flags, n, normal_rate)
@@ -245,39 +265,53 @@ def _shift(recent: torch.Tensor, reference: torch.Tensor, level: float, with_psi
 def _words(drift: Drift) -> str:
     """What the reading says, for a person: the flag rate first, then each drift."""
     flag, n = drift.flag_rate, drift.images
-    said = "promised" if flag.basis == "promised" else "would give (a manual threshold, no promise; its bound on the normal scores)"
+    said = (
+        "promised"
+        if flag.basis == "promised"
+        else "would give (a manual threshold, no promise; its bound on the normal scores)"
+    )
     bound = f"at most {flag.normal_rate:.1%} ({CONFIDENCE:.0%} bound)"
     rate = f"flag rate {flag.rate:.1%} over the last {n:,} images"
     if flag.alarm:
-        sentences = [f"{rate}, the model {said} {bound}: more flags than normal images alone would give, "
-                     f"likely drift or a defect wave (p = {flag.p_value:.2g})"]
+        sentences = [
+            f"{rate}, the model {said} {bound}: more flags than normal images alone would give, "
+            f"likely drift or a defect wave (p = {flag.p_value:.2g})"
+        ]
     elif flag.rate > flag.normal_rate:  # above the bound, but so few images cannot tell it from chance
-        sentences = [f"{rate}, above what the model {said} ({bound}) but not significantly over so few images "
-                     f"(p = {flag.p_value:.2g}): keep watching"]
+        sentences = [
+            f"{rate}, above what the model {said} ({bound}) but not significantly over so few images "
+            f"(p = {flag.p_value:.2g}): keep watching"
+        ]
     else:
         sentences = [f"{rate}, within what the model {said} ({bound})"]
     shift = drift.score_drift
     if shift.alarm:
-        sentences.append(f"scores run higher than the calibration's (KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; "
-                         f"median x{shift.median_ratio:.2f}, PSI {shift.psi:.2f})")
+        sentences.append(
+            f"scores run higher than the calibration's (KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; "
+            f"median x{shift.median_ratio:.2f}, PSI {shift.psi:.2f})"
+        )
     else:
         sentences.append(f"scores as the calibration's (KS D+ {shift.statistic:.2f})")
     shift = drift.input_drift
     if shift is None:
         sentences.append("no input drift reading (the model or export predates input distances)")
     elif shift.alarm:
-        sentences.append(f"the images look unlike the training images: input distances run higher "
-                         f"(KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; median x{shift.median_ratio:.2f}): "
-                         f"lighting, camera or material may have changed. {FIXES}")
+        sentences.append(
+            f"the images look unlike the training images: input distances run higher "
+            f"(KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; median x{shift.median_ratio:.2f}): "
+            f"lighting, camera or material may have changed. {FIXES}"
+        )
     else:
         sentences.append(f"inputs like the training images (KS D+ {shift.statistic:.2f})")
     return "; ".join(sentences) + "."
 
 
 #: What to do when the images look unlike the training images and that is the line's new normal.
-FIXES = ("If the line will keep making this change, either declare it so that the threshold covers it "
-         "(padim train --expect, e.g. typical: light, placement, focus; docs/calibration.md) or teach the model the "
-         "new normal (padim train --resume MODEL with normal pictures as the line takes them now)")
+FIXES = (
+    "If the line will keep making this change, either declare it so that the threshold covers it "
+    "(padim train --expect, e.g. typical: light, placement, focus; docs/calibration.md) or teach the model the "
+    "new normal (padim train --resume MODEL with normal pictures as the line takes them now)"
+)
 
 
 def histogram(values: Sequence[float] | torch.Tensor, edges: Sequence[float]) -> list[int]:

@@ -89,10 +89,17 @@ def held_out_squared_distances(cholesky: torch.Tensor, mean: torch.Tensor, embed
     return whitened.square().sum(dim=1).T
 
 
-def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, embeddings: torch.Tensor,
-                                  fold_sizes: Sequence[int], epsilon: float, pixel_offset: int = 0,
-                                  grid_shape: tuple[int, int] | None = None, copies: torch.Tensor | None = None
-                                  ) -> torch.Tensor:
+def out_of_fold_squared_distances(
+    covariance: torch.Tensor,
+    mean: torch.Tensor,
+    count: int,
+    embeddings: torch.Tensor,
+    fold_sizes: Sequence[int],
+    epsilon: float,
+    pixel_offset: int = 0,
+    grid_shape: tuple[int, int] | None = None,
+    copies: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Squared distance of every image (or of its changed copy) under the model of every image outside its fold.
 
     Groups the folds by size and calls :func:`fold_base` and :func:`fold_squared_distances` (or
@@ -122,8 +129,10 @@ def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, 
     n = int(count)
     sizes = [int(m) for m in fold_sizes]
     if sum(sizes) != embeddings.shape[0] or any(m < 1 or n - m < 2 for m in sizes):
-        raise ValueError(f"fold sizes {sizes} do not split {embeddings.shape[0]} images of a model of {n} "
-                         "into folds that leave at least two images each")
+        raise ValueError(
+            f"fold sizes {sizes} do not split {embeddings.shape[0]} images of a model of {n} "
+            "into folds that leave at least two images each"
+        )
     x = embeddings.to(covariance.dtype).transpose(0, 1)  # (c, R, D)
     y = None if copies is None else copies.to(covariance.dtype).transpose(0, 1)
     out = torch.empty(pixels, x.shape[1], dtype=covariance.dtype, device=x.device)  # (c, R)
@@ -136,24 +145,33 @@ def out_of_fold_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, 
         members = x.index_select(1, rows).view(pixels, len(folds), m, dim)  # (c, F, m, D)
         queries = None if y is None else y.index_select(1, rows).view(pixels, len(folds), m, dim)
         if refit_is_cheaper(m, dim, len(folds)):
-            values = refit_squared_distances(covariance, mean, n, members, epsilon, pixel_offset, grid_shape,
-                                             queries)
+            values = refit_squared_distances(covariance, mean, n, members, epsilon, pixel_offset, grid_shape, queries)
         else:
             base = fold_base(covariance, n, m, epsilon, pixel_offset, grid_shape)
-            values = (fold_squared_distances(base, mean, n, members, pixel_offset) if queries is None
-                      else fold_copy_squared_distances(base, mean, n, members, queries, pixel_offset))
+            values = (
+                fold_squared_distances(base, mean, n, members, pixel_offset)
+                if queries is None
+                else fold_copy_squared_distances(base, mean, n, members, queries, pixel_offset)
+            )
         out.index_copy_(1, rows, values.reshape(pixels, -1))
     return out.T
 
 
-def fold_base(covariance: torch.Tensor, count: int, size: int, epsilon: float, pixel_offset: int = 0,
-              grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
+def fold_base(
+    covariance: torch.Tensor,
+    count: int,
+    size: int,
+    epsilon: float,
+    pixel_offset: int = 0,
+    grid_shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """``L_m``, ``L_m L_m^T = B_m / (n - 1)``: the base of every fold of ``size`` images, ``(c, D, D)``."""
     return regularised_cholesky(covariance, epsilon * (count - size - 1) / (count - 1), grid_shape, pixel_offset)
 
 
-def fold_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
-                           pixel_offset: int = 0) -> torch.Tensor:
+def fold_squared_distances(
+    base: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor, pixel_offset: int = 0
+) -> torch.Tensor:
     """Distances of folds of ``m`` images under their fold models, by the rank-``m + 1`` correction.
 
     Args:
@@ -178,14 +196,24 @@ def fold_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, m
     eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
     factor, info = torch.linalg.cholesky_ex(eye - gram)  # I - G is positive definite iff the fold model is
     _raise_if_not_positive(info, pixel_offset)
-    a = torch.cat([torch.eye(m, dtype=gram.dtype, device=gram.device),
-                   torch.full((1, m), 1.0 / k, dtype=gram.dtype, device=gram.device)])  # (m + 1, m): a_i as columns
+    a = torch.cat(
+        [
+            torch.eye(m, dtype=gram.dtype, device=gram.device),
+            torch.full((1, m), 1.0 / k, dtype=gram.dtype, device=gram.device),
+        ]
+    )  # (m + 1, m): a_i as columns
     solved = torch.cholesky_solve(a.expand(pixels, folds, m + 1, m), factor)  # (I - G)^-1 a_i
     return (n - m - 1) * ((gram @ a) * solved).sum(dim=2)  # a_i^T G (I - G)^-1 a_i
 
 
-def fold_copy_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
-                                copies: torch.Tensor, pixel_offset: int = 0) -> torch.Tensor:
+def fold_copy_squared_distances(
+    base: torch.Tensor,
+    mean: torch.Tensor,
+    count: int,
+    members: torch.Tensor,
+    copies: torch.Tensor,
+    pixel_offset: int = 0,
+) -> torch.Tensor:
     """Distances of changed copies of folds' images under their fold models (the query form, module docstring).
 
     Args:
@@ -206,7 +234,9 @@ def fold_copy_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: i
         v = members[:, :, 0] - mean.unsqueeze(1)  # (c, F, D)
         w = copies - mean.view(pixels, 1, 1, dim) + (v / (n - 1)).unsqueeze(2)  # (c, F, q, D)
         both = torch.cat([v.unsqueeze(2), w], dim=2).reshape(pixels, -1, dim).transpose(1, 2)  # (c, D, F (q + 1))
-        solved = torch.linalg.solve_triangular(base, both, upper=False).transpose(1, 2).reshape(pixels, folds, q + 1, dim)
+        solved = (
+            torch.linalg.solve_triangular(base, both, upper=False).transpose(1, 2).reshape(pixels, folds, q + 1, dim)
+        )
         b, a = solved[:, :, :1], solved[:, :, 1:]  # (c, F, 1, D), (c, F, q, D)
         room = (n - 1) ** 2 - n * b.square().sum(dim=3)  # (c, F, 1)
         _raise_if_not_positive((room <= 0).to(torch.int32), pixel_offset)
@@ -226,9 +256,16 @@ def fold_copy_squared_distances(base: torch.Tensor, mean: torch.Tensor, count: i
     return (n - m - 1) * (s.square().sum(dim=3) + correction)
 
 
-def refit_squared_distances(covariance: torch.Tensor, mean: torch.Tensor, count: int, members: torch.Tensor,
-                            epsilon: float, pixel_offset: int = 0, grid_shape: tuple[int, int] | None = None,
-                            queries: torch.Tensor | None = None) -> torch.Tensor:
+def refit_squared_distances(
+    covariance: torch.Tensor,
+    mean: torch.Tensor,
+    count: int,
+    members: torch.Tensor,
+    epsilon: float,
+    pixel_offset: int = 0,
+    grid_shape: tuple[int, int] | None = None,
+    queries: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`fold_squared_distances` (or, given ``queries`` ``(c, F, q, D)``, :func:`fold_copy_squared_distances`) by
     downdating and factorising each fold model itself (large folds)."""
     pixels, folds, m, dim = members.shape
@@ -267,4 +304,5 @@ def _raise_if_not_positive(info: torch.Tensor, pixel_offset: int) -> None:
     if bad.numel():
         raise NotPositiveDefiniteError(
             f"the model without one calibration fold is not positive definite at pixel {int(bad[0]) + pixel_offset}: "
-            "too few images outside the fold for the embedding size; raise epsilon (e.g. --epsilon 0.01) or add images")
+            "too few images outside the fold for the embedding size; raise epsilon (e.g. --epsilon 0.01) or add images"
+        )

@@ -65,7 +65,9 @@ def _pixels_index(pixels: int, dim: int, device: torch.device) -> torch.Tensor:
     return known[: pixels * packed_length(dim)]
 
 
-def unpack_lower(packed: torch.Tensor, dim: int, symmetric: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+def unpack_lower(
+    packed: torch.Tensor, dim: int, symmetric: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_lower`: ``(P, T)`` -> ``(P, D, D)``, lower-triangular or symmetric.
 
     Args:
@@ -87,8 +89,9 @@ ROW_BLOCK = 64
 BAND_BYTES = 2 * 2**20
 
 
-def add_lower_products_(packed: torch.Tensor, x: torch.Tensor, alpha: float = 1.0,
-                        row_block: int = ROW_BLOCK) -> torch.Tensor:
+def add_lower_products_(
+    packed: torch.Tensor, x: torch.Tensor, alpha: float = 1.0, row_block: int = ROW_BLOCK
+) -> torch.Tensor:
     """``packed += alpha * pack_lower(x^T x)`` per pixel, in place, without a ``(P, D, D)`` temporary.
 
     Row band ``i0 .. i1`` of ``x^T x`` is computed as one ``(c, i1 - i0, i1)`` product (the

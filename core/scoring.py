@@ -139,8 +139,12 @@ def resize_map(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tens
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 
 
-def image_scores(maps: torch.Tensor, method: str = "map_max", squared_distance: torch.Tensor | None = None,
-                 top_fraction: float = 0.01) -> torch.Tensor:
+def image_scores(
+    maps: torch.Tensor,
+    method: str = "map_max",
+    squared_distance: torch.Tensor | None = None,
+    top_fraction: float = 0.01,
+) -> torch.Tensor:
     """Image anomaly scores ``(B,)`` from the ``(B, S, S)`` maps.
 
     Args:

@@ -129,7 +129,9 @@ class EmbeddingSpool:
         """Add ``(B, P, D)`` embeddings as the next ``B`` rows; returns their row numbers."""
         count = batch.shape[0]
         if batch.shape[1:] != (self.pixels, self.dim):
-            raise ValueError(f"cannot spool a batch of shape {tuple(batch.shape)} with (P, D)=({self.pixels}, {self.dim})")
+            raise ValueError(
+                f"cannot spool a batch of shape {tuple(batch.shape)} with (P, D)=({self.pixels}, {self.dim})"
+            )
         if self.rows + count > self.capacity:
             raise ValueError(f"the spool holds {self.capacity} rows; {self.rows + count} were given")
         batch = batch.detach().to("cpu", torch.float32)

@@ -74,9 +74,7 @@ class GaussianState:
         return GaussianState(self.count.to(device), self.mean.to(device), self.comoment.to(device))
 
 
-def empty_state(
-    num_pixels: int, embedding_dim: int, device: torch.device | str = "cpu"
-) -> GaussianState:
+def empty_state(num_pixels: int, embedding_dim: int, device: torch.device | str = "cpu") -> GaussianState:
     """The state of an accumulator that has seen nothing."""
     return GaussianState(
         count=torch.zeros((), dtype=torch.int64, device=device),
@@ -132,7 +130,9 @@ def merge_states(a: GaussianState, b: GaussianState) -> GaussianState:
     return merge_states_(a.clone(), b)
 
 
-def update_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES) -> GaussianState:
+def update_state_(
+    state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES
+) -> GaussianState:
     """Add one batch of ``(B, P, D)`` embeddings to ``state`` in place.
 
     The Chan et al. update of :func:`merge_states_`, written straight into ``state.comoment``
@@ -164,8 +164,9 @@ def update_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: in
     return state
 
 
-def downdate_state_(state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES
-                    ) -> GaussianState:
+def downdate_state_(
+    state: GaussianState, embedding: torch.Tensor, slice_bytes: int = UPDATE_SLICE_BYTES
+) -> GaussianState:
     """Remove a ``(B, P, D)`` batch of rows that ``state`` holds, in place: the inverse of :func:`update_state_`.
 
     With ``n`` rows of mean ``mu`` and comoment ``M``, removing ``n_b`` rows of mean ``m_b`` and comoment
@@ -298,8 +299,9 @@ def precision_factor(
     return triangular_inverse(regularised_cholesky(covariance, epsilon, grid_shape, pixel_offset))  # W = L^-1
 
 
-def cholesky_slice(state: GaussianState, start: int, stop: int, epsilon: float,
-                   grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
+def cholesky_slice(
+    state: GaussianState, start: int, stop: int, epsilon: float, grid_shape: tuple[int, int] | None = None
+) -> torch.Tensor:
     """``L`` with ``L L^T = C / (n - 1) + epsilon I`` for pixels ``start .. stop``: ``(c, D, D)`` float64."""
     return regularised_cholesky(covariance(state, start, stop), epsilon, grid_shape, start)
 
@@ -336,9 +338,7 @@ def triangular_inverse(cholesky: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(cholesky, eye.expand_as(cholesky), upper=False)
 
 
-def precision(
-    covariance: torch.Tensor, epsilon: float, grid_shape: tuple[int, int] | None = None
-) -> torch.Tensor:
+def precision(covariance: torch.Tensor, epsilon: float, grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """Precision ``(Sigma + eps I)^-1`` ``(P, D, D)`` from the Cholesky factor (``cholesky_inverse``)."""
     return torch.cholesky_inverse(regularised_cholesky(covariance, epsilon, grid_shape))
 
@@ -346,8 +346,7 @@ def precision(
 def _check_compatible(a: GaussianState, b: GaussianState) -> None:
     if a.mean.shape != b.mean.shape:
         raise ValueError(
-            f"cannot merge statistics of shape (P, D)={tuple(a.mean.shape)} "
-            f"with (P, D)={tuple(b.mean.shape)}"
+            f"cannot merge statistics of shape (P, D)={tuple(a.mean.shape)} with (P, D)={tuple(b.mean.shape)}"
         )
 
 

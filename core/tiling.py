@@ -85,8 +85,9 @@ class Tiling:
         tiles = [images[:, :, top : top + size, left : left + size] for top, left in self.origins]
         return torch.stack(tiles, dim=1).reshape(-1, images.shape[1], size, size)
 
-    def map_operators(self, sigma: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def map_operators(
+        self, sigma: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, H_in, H)`` and ``(cols, W, W_in)``: each tile row's (column's) grid onto the input's pixels.
 
         Stitching (the mean of the tiles covering a cell), bilinear upsampling and the Gaussian blur,
@@ -97,7 +98,9 @@ class Tiling:
 
 
 @functools.lru_cache(maxsize=32)
-def _operators(tiling: Tiling, sigma: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _operators(
+    tiling: Tiling, sigma: float, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`Tiling.map_operators`, made once per device (a GPU's copy stays there)."""
     rows = _axis_operator(tiling.rows, tiling.grid[0], tiling.overlap, tiling.input_shape[0], sigma)
     cols = _axis_operator(tiling.cols, tiling.grid[1], tiling.overlap, tiling.input_shape[1], sigma)
@@ -117,8 +120,12 @@ def _axis_operator(tiles: int, length: int, overlap: int, size: int, sigma: floa
     return upsample @ place  # (tiles, size, length)
 
 
-def tiled_anomaly_maps(squared_distance: torch.Tensor, tiling: Tiling, sigma: float,
-                       operators: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def tiled_anomaly_maps(
+    squared_distance: torch.Tensor,
+    tiling: Tiling,
+    sigma: float,
+    operators: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Stitched anomaly maps of tiled pictures.
 
     Args:
@@ -131,8 +138,11 @@ def tiled_anomaly_maps(squared_distance: torch.Tensor, tiling: Tiling, sigma: fl
         ``(B, H_in, W_in)`` maps: the square root of the distances, stitched (overlaps averaged),
         upsampled and blurred as one map.
     """
-    rows_op, cols_op = operators if operators is not None else tiling.map_operators(
-        sigma, squared_distance.dtype, squared_distance.device)
+    rows_op, cols_op = (
+        operators
+        if operators is not None
+        else tiling.map_operators(sigma, squared_distance.dtype, squared_distance.device)
+    )
     height, width = tiling.grid
     distance = squared_distance.clamp_min(0).sqrt().reshape(-1, tiling.rows, tiling.cols, height, width)
     across = torch.matmul(distance, cols_op).sum(dim=2)  # (B, R, H, W_in)

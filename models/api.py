@@ -127,8 +127,14 @@ class Detector:
     :func:`fit` without ``output``).
     """
 
-    def __init__(self, scorer: Scorer, report: FitReport | None = None, batch_size: int = DEFAULT_BATCH_SIZE, workers: int = DEFAULT_WORKERS,
-                 source: Path | None = None):
+    def __init__(
+        self,
+        scorer: Scorer,
+        report: FitReport | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        workers: int = DEFAULT_WORKERS,
+        source: Path | None = None,
+    ):
         self.scorer = scorer
         self.report = report
         self.batch_size, self.workers = batch_size, workers
@@ -154,8 +160,10 @@ class Detector:
         d = self.describe()
         tiles = d.get("tiles", [1, 1])
         size = f"{d['image_size']} px" if tiles == [1, 1] else f"{tiles[0]}x{tiles[1]} tiles of {d['image_size']} px"
-        return (f"Detector({d['backbone']}, {size}, {d['weights']}, runtime={d['runtime']}, "
-                f"fitted on {d['fit_image_count']} images)")
+        return (
+            f"Detector({d['backbone']}, {size}, {d['weights']}, runtime={d['runtime']}, "
+            f"fitted on {d['fit_image_count']} images)"
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the model file (atomically): the file it was read from, statistics included, verified on the way."""
@@ -164,8 +172,9 @@ class Detector:
         copy_artifact(self.source, path, read_header(self.source))
         return Path(path)
 
-    def predict(self, images: ImageInput | Sequence[ImageInput], threshold: float | None = None
-                ) -> Prediction | list[Prediction]:
+    def predict(
+        self, images: ImageInput | Sequence[ImageInput], threshold: float | None = None
+    ) -> Prediction | list[Prediction]:
         """Score images: one input gives one :class:`Prediction`, a list (or a folder) gives a list.
 
         Args:
@@ -178,7 +187,8 @@ class Detector:
             NonFiniteScoreError: the model gave a NaN or infinite score (no verdict is made from it).
         """
         single = not isinstance(images, (list, tuple)) and not (
-            isinstance(images, (str, os.PathLike)) and Path(images).is_dir())
+            isinstance(images, (str, os.PathLike)) and Path(images).is_dir()
+        )
         results = []
         for item in self.iter_predict(images if isinstance(images, (list, tuple)) else [images], threshold):
             if isinstance(item, NonFiniteScoreError):
@@ -191,9 +201,12 @@ class Detector:
         predictions = self.predict(images if isinstance(images, (list, tuple)) else [images])
         return np.array([p.score for p in predictions], dtype=np.float64)
 
-    def iter_predict(self, images: Sequence[ImageInput], threshold: float | None = None,
-                     unreadable: list[tuple[Path, str]] | None = None
-                     ) -> Iterator[Prediction | NonFiniteScoreError]:
+    def iter_predict(
+        self,
+        images: Sequence[ImageInput],
+        threshold: float | None = None,
+        unreadable: list[tuple[Path, str]] | None = None,
+    ) -> Iterator[Prediction | NonFiniteScoreError]:
         """Predictions in order, batch by batch; a non-finite score comes as its error, not raised.
 
         Args:
@@ -214,10 +227,11 @@ class Detector:
         yield from self._predict_paths(paths, threshold, unreadable)
         yield from self._predict_memory(loaded, threshold)
 
-    def _predict_memory(self, loaded: list[tuple[str, Image.Image]], threshold
-                        ) -> Iterator[Prediction | NonFiniteScoreError]:
+    def _predict_memory(
+        self, loaded: list[tuple[str, Image.Image]], threshold
+    ) -> Iterator[Prediction | NonFiniteScoreError]:
         for start in range(0, len(loaded), self.batch_size):
-            chunk = loaded[start:start + self.batch_size]
+            chunk = loaded[start : start + self.batch_size]
             yield from self._predict_loaded([image for _, image in chunk], [name for name, _ in chunk], threshold)
 
     def _predict_paths(self, paths: list[Path], threshold, unreadable) -> Iterator[Prediction | NonFiniteScoreError]:
@@ -226,8 +240,9 @@ class Detector:
         for chunk, loaded in iter_for_model(paths, self.config, self.batch_size, self.workers, unreadable):
             yield from self._predict_loaded(loaded, [str(p) for p in chunk], threshold)
 
-    def _predict_loaded(self, loaded: list[Image.Image], names: list[str], threshold
-                        ) -> Iterator[Prediction | NonFiniteScoreError]:
+    def _predict_loaded(
+        self, loaded: list[Image.Image], names: list[str], threshold
+    ) -> Iterator[Prediction | NonFiniteScoreError]:
         out = self.scorer.score(self.scorer.preprocess(loaded))
         raw_scores, maps = out.raw_scores.cpu().tolist(), out.maps.cpu()
         calibration, weights = self.calibration, self.scorer.weights
@@ -241,13 +256,25 @@ class Detector:
             # at the picture's size and place (0 outside the region of interest), a drafted JPEG's too
             framing, picture = self.scorer.framing, image.info.get(PICTURE_SIZE)
             full = framing.to_picture(small, *(picture or image.size), picture).numpy().astype(np.float32)
-            yield Prediction(**asdict(found), source=name, anomaly_map=full, image=image, calibration=calibration,
-                             weights_label=weights.label, stamp=weights.stamp,
-                             scored_box=framing.shown_box(image.width, image.height, picture))
+            yield Prediction(
+                **asdict(found),
+                source=name,
+                anomaly_map=full,
+                image=image,
+                calibration=calibration,
+                weights_label=weights.label,
+                stamp=weights.stamp,
+                scored_box=framing.shown_box(image.width, image.height, picture),
+            )
 
 
-def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", batch_size: int = DEFAULT_BATCH_SIZE,
-         workers: int = DEFAULT_WORKERS) -> Detector:
+def load(
+    path: str | os.PathLike,
+    runtime: str = "auto",
+    device: str = "auto",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int = DEFAULT_WORKERS,
+) -> Detector:
     """A model file (``padim train``) or an export directory (``padim export``), verified, on a runtime.
 
     Args:
@@ -258,8 +285,14 @@ def load(path: str | os.PathLike, runtime: str = "auto", device: str = "auto", b
     return Detector(load_scorer(Path(path), runtime, device), batch_size=batch_size, workers=workers, source=Path(path))
 
 
-def fit(images: str | os.PathLike | Sequence[ImageInput], output: str | os.PathLike | None = None, *,
-        config: PadimConfig | str | os.PathLike | None = None, progress: bool = True, **options: Any) -> Detector:
+def fit(
+    images: str | os.PathLike | Sequence[ImageInput],
+    output: str | os.PathLike | None = None,
+    *,
+    config: PadimConfig | str | os.PathLike | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> Detector:
     """Fit a detector on normal images, calibrated as ``padim train`` does (same folds, same threshold).
 
     Args:
@@ -326,8 +359,10 @@ def _as_image(item) -> Image.Image:
     if isinstance(item, np.ndarray):
         array = item
         if array.dtype != np.uint8:
-            raise TypeError(f"an image array must be uint8 (0..255), got {array.dtype}; "
-                            "convert with (array * 255).round().astype('uint8') if it is 0..1")
+            raise TypeError(
+                f"an image array must be uint8 (0..255), got {array.dtype}; "
+                "convert with (array * 255).round().astype('uint8') if it is 0..1"
+            )
         if array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4)):
             return to_rgb(Image.fromarray(array[..., 0] if array.ndim == 3 and array.shape[2] == 1 else array))
         raise TypeError(f"an image array must be (H, W), (H, W, 3) or (H, W, 4), got shape {array.shape}")

@@ -36,15 +36,41 @@ RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 #: Earlier spellings still read (YAML files, model format 1 headers).
 RENAMED = {"features": "embedding_dim"}
 #: Fields that decide the statistics: they cannot change between a fit and its resume or merge.
-STATISTICS_FIELDS = ("backbone", "weights", "layers", "image_size", "reduction", "embedding_dim", "seed", "epsilon",
-                     "calibration_folds", "neighbourhood", "roi", "resize", "tiles", "tile_overlap", "tile_statistics",
-                     "expect", "fit_changes")
+STATISTICS_FIELDS = (
+    "backbone",
+    "weights",
+    "layers",
+    "image_size",
+    "reduction",
+    "embedding_dim",
+    "seed",
+    "epsilon",
+    "calibration_folds",
+    "neighbourhood",
+    "roi",
+    "resize",
+    "tiles",
+    "tile_overlap",
+    "tile_statistics",
+    "expect",
+    "fit_changes",
+)
 #: What a model file or export written before an option existed computed (format 4 and older), for the
 #: keys its header lacks: read so, whatever today's default, so that it keeps scoring exactly as it did
 #: (``blur_sigma`` has always been written; its default was 4 until neighbourhood 3 became the default).
-BEFORE_OPTIONS = {"neighbourhood": 1, "image_score": "map_max", "top_fraction": 0.01, "blur_sigma": 4.0,
-                  "roi": None, "resize": "squash", "tiles": (1, 1), "tile_overlap": 0.0, "tile_statistics": "position",
-                  "expect": "", "fit_changes": False}
+BEFORE_OPTIONS = {
+    "neighbourhood": 1,
+    "image_score": "map_max",
+    "top_fraction": 0.01,
+    "blur_sigma": 4.0,
+    "roi": None,
+    "resize": "squash",
+    "tiles": (1, 1),
+    "tile_overlap": 0.0,
+    "tile_statistics": "position",
+    "expect": "",
+    "fit_changes": False,
+}
 #: Fields that decide how a map and an image score are read from the distances (and so the calibration's scores).
 SCORE_FIELDS = ("blur_sigma", "image_score", "top_fraction")
 #: Fields that may differ from run to run of the same fit.
@@ -230,13 +256,13 @@ class PadimConfig:
         unknown = sorted(set(values) - set(allowed))
         retired = sorted(set(unknown) & set(RETIRED))
         if retired:
-            raise ConfigError(f"{source}: {', '.join(retired)} no longer exist{'s' if len(retired) == 1 else ''}: "
-                              "every image is now fitted and calibrated out-of-fold; set false_alarm_rate "
-                              "(default 0.01) and calibration_folds (default loo) instead")
-        if unknown:
             raise ConfigError(
-                f"{source}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+                f"{source}: {', '.join(retired)} no longer exist{'s' if len(retired) == 1 else ''}: "
+                "every image is now fitted and calibrated out-of-fold; set false_alarm_rate "
+                "(default 0.01) and calibration_folds (default loo) instead"
             )
+        if unknown:
+            raise ConfigError(f"{source}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
         return cls(**values)
 
     def replace(self, **changes: Any) -> PadimConfig:
@@ -280,17 +306,33 @@ def _validate(c: PadimConfig) -> None:
         fail("layers", list(c.layers), "list each layer once, shallowest first")
     stride = max((spec.stride_of(layer) for layer in c.layers if layer in spec.layers), default=16)
     multiple = max(stride, 16)  # every layer's grid must divide the first one's evenly
-    if not isinstance(c.image_size, int) or c.image_size < 2 * multiple or c.image_size % multiple or c.image_size > 2048:
-        fail("image_size", c.image_size, f"use a multiple of {multiple} between {2 * multiple} and 2048"
-             + (f" (layer {c.layers[-1]} has stride {stride})" if stride > 16 else ""))
+    if (
+        not isinstance(c.image_size, int)
+        or c.image_size < 2 * multiple
+        or c.image_size % multiple
+        or c.image_size > 2048
+    ):
+        fail(
+            "image_size",
+            c.image_size,
+            f"use a multiple of {multiple} between {2 * multiple} and 2048"
+            + (f" (layer {c.layers[-1]} has stride {stride})" if stride > 16 else ""),
+        )
     if c.reduction not in REDUCTIONS:
         fail("reduction", c.reduction, "choose one of: " + ", ".join(REDUCTIONS))
     total = sum(spec.channels_of(c.layers))
     if c.embedding_dim is not None and (not isinstance(c.embedding_dim, int) or not 1 <= c.embedding_dim <= total):
-        fail("embedding_dim", c.embedding_dim, f"use an integer from 1 to {total} (the channels of {', '.join(c.layers)})")
+        fail(
+            "embedding_dim",
+            c.embedding_dim,
+            f"use an integer from 1 to {total} (the channels of {', '.join(c.layers)})",
+        )
     if c.embedding_dim is None and spec.default_embedding_dim > total:
-        fail("embedding_dim", None, f"set it: the default {spec.default_embedding_dim} exceeds the {total} channels of "
-             f"{', '.join(c.layers)}")
+        fail(
+            "embedding_dim",
+            None,
+            f"set it: the default {spec.default_embedding_dim} exceeds the {total} channels of {', '.join(c.layers)}",
+        )
     if not isinstance(c.seed, int):
         fail("seed", c.seed, "use an integer")
     if not c.epsilon >= 0:
@@ -298,45 +340,98 @@ def _validate(c: PadimConfig) -> None:
     if not c.blur_sigma >= 0:
         fail("blur_sigma", c.blur_sigma, "use a number >= 0 (0 turns smoothing off)")
     if isinstance(c.neighbourhood, bool) or c.neighbourhood not in NEIGHBOURHOODS:
-        fail("neighbourhood", c.neighbourhood, "choose one of: " + ", ".join(map(str, NEIGHBOURHOODS))
-             + " (1 = no averaging)")
+        fail(
+            "neighbourhood",
+            c.neighbourhood,
+            "choose one of: " + ", ".join(map(str, NEIGHBOURHOODS)) + " (1 = no averaging)",
+        )
     if c.image_score not in IMAGE_SCORES:
         fail("image_score", c.image_score, "choose one of: " + ", ".join(IMAGE_SCORES))
-    if isinstance(c.top_fraction, bool) or not isinstance(c.top_fraction, (int, float)) or not 0 < c.top_fraction <= 0.5:
-        fail("top_fraction", c.top_fraction, "use a number above 0 and at most 0.5 (default 0.01: the top 1% of pixels)")
-    if c.roi is not None and (not isinstance(c.roi, tuple) or len(c.roi) != 4
-                              or not all(isinstance(v, int) and not isinstance(v, bool) for v in c.roi)
-                              or c.roi[0] < 0 or c.roi[1] < 0 or c.roi[2] < 16 or c.roi[3] < 16):
-        fail("roi", c.roi, "use x,y,width,height in pixels of the picture: integers, x and y >= 0, width and height "
-             ">= 16 (or leave it out for the whole picture)")
+    if (
+        isinstance(c.top_fraction, bool)
+        or not isinstance(c.top_fraction, (int, float))
+        or not 0 < c.top_fraction <= 0.5
+    ):
+        fail(
+            "top_fraction", c.top_fraction, "use a number above 0 and at most 0.5 (default 0.01: the top 1% of pixels)"
+        )
+    if c.roi is not None and (
+        not isinstance(c.roi, tuple)
+        or len(c.roi) != 4
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in c.roi)
+        or c.roi[0] < 0
+        or c.roi[1] < 0
+        or c.roi[2] < 16
+        or c.roi[3] < 16
+    ):
+        fail(
+            "roi",
+            c.roi,
+            "use x,y,width,height in pixels of the picture: integers, x and y >= 0, width and height "
+            ">= 16 (or leave it out for the whole picture)",
+        )
     if c.resize not in RESIZES:
-        fail("resize", c.resize, "choose one of: " + ", ".join(RESIZES) + " (squash: resized, aspect ratio lost; crop: "
-             "largest centred square; pad: centred on a square)")
-    if not isinstance(c.tiles, tuple) or len(c.tiles) != 2 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 8 for v in c.tiles):
+        fail(
+            "resize",
+            c.resize,
+            "choose one of: " + ", ".join(RESIZES) + " (squash: resized, aspect ratio lost; crop: "
+            "largest centred square; pad: centred on a square)",
+        )
+    if (
+        not isinstance(c.tiles, tuple)
+        or len(c.tiles) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 8 for v in c.tiles)
+    ):
         fail("tiles", c.tiles, "use ROWSxCOLS with 1 to 8 of each, e.g. 2x2 or 3x4 (1x1: no tiling)")
-    if isinstance(c.tile_overlap, bool) or not isinstance(c.tile_overlap, (int, float)) or not 0 <= c.tile_overlap <= 0.5:
+    if (
+        isinstance(c.tile_overlap, bool)
+        or not isinstance(c.tile_overlap, (int, float))
+        or not 0 <= c.tile_overlap <= 0.5
+    ):
         fail("tile_overlap", c.tile_overlap, "use a share of a tile from 0 to 0.5 (default 0: tiles side by side)")
     if c.tile_overlap and c.tiles == (1, 1):
         fail("tile_overlap", c.tile_overlap, "set tiles too (an overlap needs at least two tiles)")
     if c.tile_statistics not in TILE_STATISTICS:
-        fail("tile_statistics", c.tile_statistics, "choose one of: " + ", ".join(TILE_STATISTICS) + " (position: each "
-             "tile position its own statistics, for placed parts; shared: one set for every tile, for uniform surfaces)")
-    if isinstance(c.image_size, int) and isinstance(c.tiles, tuple) and len(c.tiles) == 2 \
-            and max(c.tiles) * c.image_size > 8192:
-        fail("tiles", c.tiles, f"keep the model input within 8192 pixels a side ({max(c.tiles)} tiles of {c.image_size})")
-    if c.calibration_folds != "loo" and (isinstance(c.calibration_folds, bool) or not isinstance(c.calibration_folds, int)
-                                         or not 2 <= c.calibration_folds <= 1000):
+        fail(
+            "tile_statistics",
+            c.tile_statistics,
+            "choose one of: " + ", ".join(TILE_STATISTICS) + " (position: each "
+            "tile position its own statistics, for placed parts; shared: one set for every tile, for uniform surfaces)",
+        )
+    if (
+        isinstance(c.image_size, int)
+        and isinstance(c.tiles, tuple)
+        and len(c.tiles) == 2
+        and max(c.tiles) * c.image_size > 8192
+    ):
+        fail(
+            "tiles", c.tiles, f"keep the model input within 8192 pixels a side ({max(c.tiles)} tiles of {c.image_size})"
+        )
+    if c.calibration_folds != "loo" and (
+        isinstance(c.calibration_folds, bool)
+        or not isinstance(c.calibration_folds, int)
+        or not 2 <= c.calibration_folds <= 1000
+    ):
         fail("calibration_folds", c.calibration_folds, "use an integer from 2 to 1000, or loo (leave-one-out)")
     if not isinstance(c.expect, str):
-        fail("expect", c.expect, "use a list of change=bound (e.g. brightness=0.1,shift=2) or a preset: "
-             + ", ".join(EXPECT_PRESETS))
+        fail(
+            "expect",
+            c.expect,
+            "use a list of change=bound (e.g. brightness=0.1,shift=2) or a preset: " + ", ".join(EXPECT_PRESETS),
+        )
     if not isinstance(c.fit_changes, bool):
         fail("fit_changes", c.fit_changes, "use true or false")
     low, high = FALSE_ALARM_RATE_RANGE
-    if isinstance(c.false_alarm_rate, bool) or not isinstance(c.false_alarm_rate, (int, float)) \
-            or not low <= c.false_alarm_rate <= high:
-        fail("false_alarm_rate", c.false_alarm_rate, f"use a number from {low:g} to {high:g} (default 0.01: 1% of normal images flagged)")
+    if (
+        isinstance(c.false_alarm_rate, bool)
+        or not isinstance(c.false_alarm_rate, (int, float))
+        or not low <= c.false_alarm_rate <= high
+    ):
+        fail(
+            "false_alarm_rate",
+            c.false_alarm_rate,
+            f"use a number from {low:g} to {high:g} (default 0.01: 1% of normal images flagged)",
+        )
     if not isinstance(c.batch_size, int) or c.batch_size < 1:
         fail("batch_size", c.batch_size, "use an integer >= 1")
     if c.device not in DEVICES:

@@ -30,17 +30,29 @@ CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
 def scoring_options(config) -> dict:
     """What part of a picture the detector sees and how it reads its maps: what ``describe`` shows of the options."""
-    return {"neighbourhood": config.neighbourhood, "blur_sigma": config.blur_sigma, "image_score": config.image_score,
-            "top_fraction": config.top_fraction, "roi": None if config.roi is None else list(config.roi),
-            "resize": config.resize, "tiles": list(config.tiles), "tile_overlap": config.tile_overlap,
-            "tile_statistics": config.tile_statistics, "input_shape": list(config.input_shape)}
+    return {
+        "neighbourhood": config.neighbourhood,
+        "blur_sigma": config.blur_sigma,
+        "image_score": config.image_score,
+        "top_fraction": config.top_fraction,
+        "roi": None if config.roi is None else list(config.roi),
+        "resize": config.resize,
+        "tiles": list(config.tiles),
+        "tile_overlap": config.tile_overlap,
+        "tile_statistics": config.tile_statistics,
+        "input_shape": list(config.input_shape),
+    }
 
 
 def calibration_options(config) -> dict:
     """The options of the calibration a user sees beside its threshold: its folds, and the changes of the line it
     covers (``expect``)."""
-    return {"folds": config.calibration_folds, "expect": config.expect, "fit_changes": config.copies_fitted,
-            "covers": promise_covers(config.expect, config.copies_fitted)}
+    return {
+        "folds": config.calibration_folds,
+        "expect": config.expect,
+        "fit_changes": config.copies_fitted,
+        "covers": promise_covers(config.expect, config.copies_fitted),
+    }
 
 
 def promise_covers(expect: str, fit_changes: bool = False) -> str:
@@ -168,8 +180,12 @@ class PadimDetector:
             "epsilon": self.config.epsilon,
             **scoring_options(self.config),
             "fit_image_count": self.provenance.fit_image_count,
-            "calibration": {**self.calibration.summary(), "source": self.provenance.calibration_source,
-                            **calibration_options(self.config), "threshold_of": "float32 scorer"},
+            "calibration": {
+                **self.calibration.summary(),
+                "source": self.provenance.calibration_source,
+                **calibration_options(self.config),
+                "threshold_of": "float32 scorer",
+            },
             "verified": self.provenance.verified,
             "runtime": self.runtime,
             "precision": "float32",

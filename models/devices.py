@@ -56,7 +56,8 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(
             "--device cuda was asked for, but torch sees no CUDA device "
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-            "check the NVIDIA driver (nvidia-smi) and, in Docker, --gpus all; or use --device cpu")
+            "check the NVIDIA driver (nvidia-smi) and, in Docker, --gpus all; or use --device cpu"
+        )
     if device == "cuda":
         configure_cuda()
     return torch.device(device)
@@ -86,8 +87,9 @@ def runtime_device(runtime: str, device: str) -> torch.device:
         return resolve_device(device)
     if runtime == "openvino":
         if device == "cuda":
-            raise UsageError("--runtime openvino runs on the CPU in padim; use --device cpu, "
-                             "or --runtime torch for the GPU")
+            raise UsageError(
+                "--runtime openvino runs on the CPU in padim; use --device cpu, or --runtime torch for the GPU"
+            )
         return torch.device("cpu")
     if runtime != "onnxruntime":
         raise UsageError(f"no device rule for runtime {runtime!r}")
@@ -95,15 +97,19 @@ def runtime_device(runtime: str, device: str) -> torch.device:
     provider = onnxruntime_has_cuda()
     if device == "cuda":
         if not provider:
-            raise UsageError("--device cuda with --runtime onnxruntime needs the onnxruntime-gpu wheel (the installed "
-                             "onnxruntime has no CUDAExecutionProvider); or use --runtime torch on the GPU")
+            raise UsageError(
+                "--device cuda with --runtime onnxruntime needs the onnxruntime-gpu wheel (the installed "
+                "onnxruntime has no CUDAExecutionProvider); or use --runtime torch on the GPU"
+            )
         return resolve_device("cuda")
     if device == "auto" and gpu and provider:
         log.debug("device auto: cuda for onnxruntime (CUDAExecutionProvider installed)")
         return resolve_device("cuda")
     if device == "auto" and gpu:
-        log.info("device auto: cpu for onnxruntime: this onnxruntime has no CUDAExecutionProvider "
-                 "(install onnxruntime-gpu, or serve the .padim file with --runtime torch to use the GPU)")
+        log.info(
+            "device auto: cpu for onnxruntime: this onnxruntime has no CUDAExecutionProvider "
+            "(install onnxruntime-gpu, or serve the .padim file with --runtime torch to use the GPU)"
+        )
     return torch.device("cpu")
 
 

@@ -21,8 +21,18 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 # Anchor colours of a perceptually ordered blue -> green -> yellow -> red ramp ("turbo"-like).
 _ANCHORS = np.array(
-    [[48, 18, 59], [50, 101, 212], [26, 188, 210], [92, 243, 99], [210, 233, 53],
-     [251, 157, 39], [226, 68, 14], [122, 4, 3]], dtype=np.float64)
+    [
+        [48, 18, 59],
+        [50, 101, 212],
+        [26, 188, 210],
+        [92, 243, 99],
+        [210, 233, 53],
+        [251, 157, 39],
+        [226, 68, 14],
+        [122, 4, 3],
+    ],
+    dtype=np.float64,
+)
 
 #: Normalised score below which a pixel is left untinted, and the tint's opacity at the threshold
 #: and at 1: a pixel is shown only as it nears the threshold, and most strongly above it.
@@ -60,12 +70,18 @@ def tint_opacity(values: np.ndarray, threshold: float = 0.5) -> np.ndarray:
     start = min(TINT_FROM, threshold * 0.5)
     below = TINT_AT_THRESHOLD * np.clip((values - start) / max(threshold - start, 1e-9), 0.0, 1.0)
     above = TINT_AT_THRESHOLD + (TINT_MAX - TINT_AT_THRESHOLD) * np.clip(
-        (values - threshold) / max(1.0 - threshold, 1e-9), 0.0, 1.0)
+        (values - threshold) / max(1.0 - threshold, 1e-9), 0.0, 1.0
+    )
     return np.where(values >= threshold, above, below)
 
 
-def overlay(image: Image.Image, normalised_map: np.ndarray, threshold: float = 0.5, outline: bool = True,
-            scored: tuple[int, int, int, int] | None = None) -> Image.Image:
+def overlay(
+    image: Image.Image,
+    normalised_map: np.ndarray,
+    threshold: float = 0.5,
+    outline: bool = True,
+    scored: tuple[int, int, int, int] | None = None,
+) -> Image.Image:
     """The image tinted where the map is high, at the image's size.
 
     Args:
@@ -95,12 +111,13 @@ def _mark_unscored(image: Image.Image, box: tuple[int, int, int, int]) -> Image.
     """Grey out everything outside ``box`` (not scored: outside the region of interest) and frame the box."""
     pixels = np.asarray(image, dtype=np.float64).copy()
     inside = np.zeros(pixels.shape[:2], dtype=bool)
-    inside[box[1]:box[3], box[0]:box[2]] = True
+    inside[box[1] : box[3], box[0] : box[2]] = True
     grey = pixels.mean(axis=2, keepdims=True) * 0.35 + 40
     pixels[~inside] = np.broadcast_to(grey, pixels.shape)[~inside]
     result = Image.fromarray(pixels.round().astype(np.uint8))
-    ImageDraw.Draw(result).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), outline=UNSCORED_FRAME,
-                                     width=max(1, round(max(image.size) / 400)))
+    ImageDraw.Draw(result).rectangle(
+        (box[0], box[1], box[2] - 1, box[3] - 1), outline=UNSCORED_FRAME, width=max(1, round(max(image.size) / 400))
+    )
     return result
 
 
@@ -109,8 +126,14 @@ def mask_image(normalised_map: np.ndarray, threshold: float = 0.5) -> Image.Imag
     return Image.fromarray(((normalised_map >= threshold) * 255).astype(np.uint8), mode="L")
 
 
-def figure(image: Image.Image, normalised_map: np.ndarray, result: VerdictLike, label: str | None = None,
-           title: str | None = None, scored: tuple[int, int, int, int] | None = None) -> Image.Image:
+def figure(
+    image: Image.Image,
+    normalised_map: np.ndarray,
+    result: VerdictLike,
+    label: str | None = None,
+    title: str | None = None,
+    scored: tuple[int, int, int, int] | None = None,
+) -> Image.Image:
     """Band (verdict, score, area, ``label``), original | overlay, colour bar: one picture to look at.
 
     Args:
@@ -149,19 +172,33 @@ def _enlarged(image: Image.Image, normalised_map: np.ndarray) -> tuple[Image.Ima
     """The image and its ``(H, W)`` map enlarged by a whole factor to at least :data:`MIN_PANEL` wide."""
     factor = -(-MIN_PANEL // image.width)
     size = (image.width * factor, image.height * factor)
-    enlarged = np.asarray(Image.fromarray(np.asarray(normalised_map, dtype=np.float32), mode="F")
-                          .resize(size, Image.BILINEAR), dtype=np.float64)
+    enlarged = np.asarray(
+        Image.fromarray(np.asarray(normalised_map, dtype=np.float32), mode="F").resize(size, Image.BILINEAR),
+        dtype=np.float64,
+    )
     return image.convert("RGB").resize(size, Image.BILINEAR), enlarged
 
 
-def _draw_band(draw: ImageDraw.ImageDraw, font, result: VerdictLike, label: str | None, title: str | None,
-               total: int, line: int, pad: int) -> None:
+def _draw_band(
+    draw: ImageDraw.ImageDraw,
+    font,
+    result: VerdictLike,
+    label: str | None,
+    title: str | None,
+    total: int,
+    line: int,
+    pad: int,
+) -> None:
     """The band above the picture: verdict, score, threshold and area; then the title, and the label at the right."""
     verdict_text = "ANOMALOUS" if result.is_anomaly else "NORMAL"
     draw.text((pad, pad), verdict_text, font=font, fill=ANOMALOUS_COLOUR if result.is_anomaly else NORMAL_COLOUR)
     x = pad + _text_size(font, verdict_text + "  ")[0]
-    draw.text((x, pad), f"score {result.score:.3f}   threshold {result.threshold:.2f}   "
-              f"area {100 * result.anomalous_area:.1f}%", font=font, fill=TEXT_COLOUR)
+    draw.text(
+        (x, pad),
+        f"score {result.score:.3f}   threshold {result.threshold:.2f}   area {100 * result.anomalous_area:.1f}%",
+        font=font,
+        fill=TEXT_COLOUR,
+    )
     second = 2 * pad + line
     room = total - 2 * pad
     if label:
@@ -169,12 +206,21 @@ def _draw_band(draw: ImageDraw.ImageDraw, font, result: VerdictLike, label: str 
         draw.text((total - pad - _text_size(font, label)[0], second), label, font=font, fill=LABEL_COLOUR)
     if title:
         while len(title) > 1 and _text_size(font, title)[0] > room:
-            title = "…" + title[max(2, len(title) // 10):]
+            title = "…" + title[max(2, len(title) // 10) :]
         draw.text((pad, second), title, font=font, fill=(170, 170, 170))
 
 
-def _draw_colour_bar(canvas: Image.Image, draw: ImageDraw.ImageDraw, font, result: VerdictLike, left: int, right: int,
-                     top: int, line: int, pad: int) -> None:
+def _draw_colour_bar(
+    canvas: Image.Image,
+    draw: ImageDraw.ImageDraw,
+    font,
+    result: VerdictLike,
+    left: int,
+    right: int,
+    top: int,
+    line: int,
+    pad: int,
+) -> None:
     """The colour ramp from ``left`` to ``right``, the threshold's tick and label, and a marker at the score."""
     ramp = colorize(np.linspace(0.0, 1.0, max(2, right - left))[None, :].repeat(line // 2 + 2, axis=0))
     canvas.paste(Image.fromarray(ramp), (left, top))
@@ -187,8 +233,10 @@ def _draw_colour_bar(canvas: Image.Image, draw: ImageDraw.ImageDraw, font, resul
     draw.line((tx, top - pad // 2, tx, bottom + pad // 2), fill=(255, 255, 255), width=2)
     sx = at(result.score)
     size = max(4, line // 3)
-    draw.polygon([(sx, bottom), (sx - size, bottom + size + 2), (sx + size, bottom + size + 2)],
-                 fill=ANOMALOUS_COLOUR if result.is_anomaly else NORMAL_COLOUR)
+    draw.polygon(
+        [(sx, bottom), (sx - size, bottom + size + 2), (sx + size, bottom + size + 2)],
+        fill=ANOMALOUS_COLOUR if result.is_anomaly else NORMAL_COLOUR,
+    )
     text_y = bottom + size + 3
     draw.text((left, text_y), "0", font=font, fill=TEXT_COLOUR)
     marker = f"threshold {result.threshold:.2f}"

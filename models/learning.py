@@ -96,11 +96,18 @@ class UpdateReport:
             self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
 
     def to_dict(self) -> dict:
-        return {"added": len(self.added), "already_fitted": len(self.already_fitted), "removed": len(self.removed),
-                "not_fitted": len(self.not_fitted), "unreadable": [list(x) for x in self.unreadable],
-                "scores_removed": self.scores_removed, "scores_kept": self.scores_kept,
-                "fit_image_count": self.fit_image_count, "seconds": self.seconds,
-                "warnings": list(self.fit.warnings) if self.fit is not None else []}
+        return {
+            "added": len(self.added),
+            "already_fitted": len(self.already_fitted),
+            "removed": len(self.removed),
+            "not_fitted": len(self.not_fitted),
+            "unreadable": [list(x) for x in self.unreadable],
+            "scores_removed": self.scores_removed,
+            "scores_kept": self.scores_kept,
+            "fit_image_count": self.fit_image_count,
+            "seconds": self.seconds,
+            "warnings": list(self.fit.warnings) if self.fit is not None else [],
+        }
 
 
 def load_updatable(source: str | Path, run_options: PadimConfig | None = None) -> Fit:
@@ -112,20 +119,31 @@ def load_updatable(source: str | Path, run_options: PadimConfig | None = None) -
     """
     source = Path(source)
     if source.is_dir():
-        raise NotUpdatable(f"{source.name}: an export directory holds no statistics; update the model file it was "
-                           "exported from (a version made by padim train without --slim), then export again")
+        raise NotUpdatable(
+            f"{source.name}: an export directory holds no statistics; update the model file it was "
+            "exported from (a version made by padim train without --slim), then export again"
+        )
     try:
         return load_fit(source, run_options)
     except ArtifactError as error:
         if "--slim" in str(error):
-            raise NotUpdatable("the model file was saved with --slim, without the statistics an update extends; "
-                               "train it again without --slim (or on every picture) and add it as a version") from None
+            raise NotUpdatable(
+                "the model file was saved with --slim, without the statistics an update extends; "
+                "train it again without --slim (or on every picture) and add it as a version"
+            ) from None
         raise NotUpdatable(f"the model file cannot be updated: {error}") from None
 
 
-def update_model(source: str | Path, add: Sequence[TrainingImage], remove: Sequence[TrainingImage],
-                 output: str | Path, run_options: PadimConfig | None = None, progress: bool = False,
-                 scratch_dir: str | Path | None = None, on_progress=None) -> UpdateReport:
+def update_model(
+    source: str | Path,
+    add: Sequence[TrainingImage],
+    remove: Sequence[TrainingImage],
+    output: str | Path,
+    run_options: PadimConfig | None = None,
+    progress: bool = False,
+    scratch_dir: str | Path | None = None,
+    on_progress=None,
+) -> UpdateReport:
     """A new model file ``output``: ``source`` with the pictures of ``remove`` taken out and those of ``add``
     added, exactly (module docstring). ``source`` is not changed.
 
@@ -146,8 +164,10 @@ def update_model(source: str | Path, add: Sequence[TrainingImage], remove: Seque
     with report.timed("remove"):
         _take_out(fit, remove, report, progress_to)
     if fit.count < MIN_IMAGES:
-        raise FitError(f"taking out {len(report.removed)} picture(s) would leave {fit.count}: a detector needs at "
-                       f"least {MIN_IMAGES}")
+        raise FitError(
+            f"taking out {len(report.removed)} picture(s) would leave {fit.count}: a detector needs at "
+            f"least {MIN_IMAGES}"
+        )
     fitted = set(fit.image_digests.tolist())
     fresh = []
     for image in add:
@@ -188,9 +208,13 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
     done = 0
     on_progress("remove", 0, len(doomed))
     taken: set[int] = set()
-    for paths, images in iter_decoded(batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]],
-                                                 fit.config.batch_size),
-                                      fit.config.workers, unreadable, fit.draft_to, fit.config.roi):
+    for paths, images in iter_decoded(
+        batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]], fit.config.batch_size),
+        fit.config.workers,
+        unreadable,
+        fit.draft_to,
+        fit.config.roi,
+    ):
         names = [doomed[p][0] for p in paths]
         with torch.no_grad():
             rows = fit.fitted(fit.embed(names, images))  # (pictures x fitted rows, P, D), as fitted
@@ -214,8 +238,9 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
         report.scores_removed, report.scores_kept = found, len(taken) - found
 
 
-def _write_statistics_only(fit: Fit, output: str | Path, scratch_dir, precision: str, started: float,
-                           report: UpdateReport) -> None:
+def _write_statistics_only(
+    fit: Fit, output: str | Path, scratch_dir, precision: str, started: float, report: UpdateReport
+) -> None:
     """The file of a fit whose statistics changed but that scored no new picture: factors, the same calibration."""
     scratch = Path(scratch_dir or Path(output).parent)
     try:
@@ -224,12 +249,23 @@ def _write_statistics_only(fit: Fit, output: str | Path, scratch_dir, precision:
         raise FitError(str(error)) from None
     finished = dataclasses.replace(finished, precision_dtype=getattr(torch, precision))
     earlier = fit.provenance
-    run = {"created": now(), "images": 0, "removed": len(report.removed), "unreadable": len(report.unreadable),
-           "already_fitted": 0, "resumed": True, "world_size": 1}
-    provenance = Provenance(fit_image_count=fit.count, calibration_source=earlier.calibration_source or "out_of_fold",
-                            unreadable_image_count=earlier.unreadable_image_count,
-                            fit_seconds=round(time.perf_counter() - started, 3), fits=[*earlier.fits, run],
-                            merged_from=list(earlier.merged_from))
+    run = {
+        "created": now(),
+        "images": 0,
+        "removed": len(report.removed),
+        "unreadable": len(report.unreadable),
+        "already_fitted": 0,
+        "resumed": True,
+        "world_size": 1,
+    }
+    provenance = Provenance(
+        fit_image_count=fit.count,
+        calibration_source=earlier.calibration_source or "out_of_fold",
+        unreadable_image_count=earlier.unreadable_image_count,
+        fit_seconds=round(time.perf_counter() - started, 3),
+        fits=[*earlier.fits, run],
+        merged_from=list(earlier.merged_from),
+    )
     try:
         if fit.earlier is None:
             raise FitError("the model file has no calibration to keep")
@@ -237,7 +273,6 @@ def _write_statistics_only(fit: Fit, output: str | Path, scratch_dir, precision:
     finally:
         if finished.factors is not None:
             finished.factors.close()
-
 
 
 @dataclass(frozen=True)
@@ -277,18 +312,31 @@ class Gate:
     def why(self) -> str:
         if not self.defects:
             return "no reviewed defect to measure recall on: review some defects to gate updates"
-        text = (f"recall on {self.defects} reviewed defect(s) {self.recall_old:.1%} -> {self.recall_new:.1%} "
-                f"(allowed drop {self.max_recall_drop:.1%}, or one defect)")
+        text = (
+            f"recall on {self.defects} reviewed defect(s) {self.recall_old:.1%} -> {self.recall_new:.1%} "
+            f"(allowed drop {self.max_recall_drop:.1%}, or one defect)"
+        )
         if self.normals:
-            text += f"; false alarms on {self.normals} held-out reviewed normal(s) {self.false_alarms_old} -> " \
-                    f"{self.false_alarms_new}"
+            text += (
+                f"; false alarms on {self.normals} held-out reviewed normal(s) {self.false_alarms_old} -> "
+                f"{self.false_alarms_new}"
+            )
         return text
 
     def to_dict(self) -> dict:
-        return {"defects": self.defects, "normals": self.normals, "caught_old": self.caught_old,
-                "caught_new": self.caught_new, "recall_old": self.recall_old, "recall_new": self.recall_new,
-                "false_alarms_old": self.false_alarms_old, "false_alarms_new": self.false_alarms_new,
-                "max_recall_drop": self.max_recall_drop, "passed": self.passed, "why": self.why()}
+        return {
+            "defects": self.defects,
+            "normals": self.normals,
+            "caught_old": self.caught_old,
+            "caught_new": self.caught_new,
+            "recall_old": self.recall_old,
+            "recall_new": self.recall_new,
+            "false_alarms_old": self.false_alarms_old,
+            "false_alarms_new": self.false_alarms_new,
+            "max_recall_drop": self.max_recall_drop,
+            "passed": self.passed,
+            "why": self.why(),
+        }
 
 
 def flagged(model_path: str | Path, pictures: Sequence[Path], device: str = "cpu", batch_size: int = 8) -> list[bool]:
@@ -305,8 +353,14 @@ def flagged(model_path: str | Path, pictures: Sequence[Path], device: str = "cpu
     return [verdicts.get(p, False) for p in pictures]
 
 
-def gate(old_path: str | Path, new_path: str | Path, defects: Sequence[Path], normals: Sequence[Path],
-         max_recall_drop: float, device: str = "cpu") -> Gate:
+def gate(
+    old_path: str | Path,
+    new_path: str | Path,
+    defects: Sequence[Path],
+    normals: Sequence[Path],
+    max_recall_drop: float,
+    device: str = "cpu",
+) -> Gate:
     """Score the reviewed defects and the held-out reviewed normals with the old and the new version."""
     old = flagged(old_path, [*defects, *normals], device)
     new = flagged(new_path, [*defects, *normals], device)

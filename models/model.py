@@ -56,8 +56,15 @@ class PadimModel(nn.Module):
         top_fraction: share of the map's pixels ``top_mean`` averages.
     """
 
-    def __init__(self, embedder: FeatureEmbedder, mean: torch.Tensor, precision_factor: torch.Tensor, blur_sigma: float,
-                 image_score: str = "map_max", top_fraction: float = 0.01):
+    def __init__(
+        self,
+        embedder: FeatureEmbedder,
+        mean: torch.Tensor,
+        precision_factor: torch.Tensor,
+        blur_sigma: float,
+        image_score: str = "map_max",
+        top_fraction: float = 0.01,
+    ):
         super().__init__()
         self.embedder = embedder
         self.blur_sigma = float(blur_sigma)
@@ -103,8 +110,9 @@ class PadimModel(nn.Module):
         return self.score_embeddings(self.embedder(batch))
 
 
-def score_distances(squared: torch.Tensor, tiling, blur_sigma: float, image_score: str = "map_max",
-                    top_fraction: float = 0.01) -> ScoreOutput:
+def score_distances(
+    squared: torch.Tensor, tiling, blur_sigma: float, image_score: str = "map_max", top_fraction: float = 0.01
+) -> ScoreOutput:
     """``(N, p)`` squared distances (a picture's rows consecutive) -> image scores ``(B,)``, maps ``(B, H_in, W_in)``
     and input distances ``(B,)``.
 

@@ -92,8 +92,9 @@ FACTOR_CHUNK_BYTES = 32 * 2**20
 
 
 # ---------------------------------------------------------------------- detectors
-def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bool = True,
-                  precision_dtype: torch.dtype | None = None) -> None:
+def save_detector(
+    detector: PadimDetector, path: str | Path, with_statistics: bool = True, precision_dtype: torch.dtype | None = None
+) -> None:
     """Write a detector held in memory to a model file, atomically.
 
     Args:
@@ -104,15 +105,35 @@ def save_detector(detector: PadimDetector, path: str | Path, with_statistics: bo
     with_statistics = with_statistics and detector.statistics is not None
     model = detector.model
     factor = model.precision_factor
-    packed = TensorStream(dtype, (factor.shape[0], packed_length(factor.shape[-1])),
-                          lambda: (pack_lower(factor[p : p + 256]).to(dtype) for p in range(0, factor.shape[0], 256)))
-    _write(path, detector.config, detector.weights, detector.backbone_weights, detector.embedding, model.grid_shape,
-           model.mean, packed, detector.calibration, detector.provenance, detector.image_digests,
-           detector.statistics if with_statistics else None)
+    packed = TensorStream(
+        dtype,
+        (factor.shape[0], packed_length(factor.shape[-1])),
+        lambda: (pack_lower(factor[p : p + 256]).to(dtype) for p in range(0, factor.shape[0], 256)),
+    )
+    _write(
+        path,
+        detector.config,
+        detector.weights,
+        detector.backbone_weights,
+        detector.embedding,
+        model.grid_shape,
+        model.mean,
+        packed,
+        detector.calibration,
+        detector.provenance,
+        detector.image_digests,
+        detector.statistics if with_statistics else None,
+    )
 
 
-def save_fitted(path: str | Path, fit: Fit, finished: Finished, calibration: Calibration, provenance: Provenance,
-                with_statistics: bool = True) -> None:
+def save_fitted(
+    path: str | Path,
+    fit: Fit,
+    finished: Finished,
+    calibration: Calibration,
+    provenance: Provenance,
+    with_statistics: bool = True,
+) -> None:
     """Write a finished fit's model file, atomically: its factors streamed from their scratch file.
 
     The factors are read a chunk of pixels at a time and converted to their storage dtype on
@@ -128,9 +149,20 @@ def save_fitted(path: str | Path, fit: Fit, finished: Finished, calibration: Cal
             count = min(rows, pixels - first)
             yield finished.factors.read(first * length * 4, (count, length), torch.float32).to(dtype)
 
-    _write(path, fit.config, fit.weights, fit.backbone_weights, fit.embedding, fit.embedder.grid_shape, finished.mean,
-           TensorStream(dtype, (pixels, length), chunks), calibration, provenance, fit.image_digests,
-           fit.statistics if with_statistics else None)
+    _write(
+        path,
+        fit.config,
+        fit.weights,
+        fit.backbone_weights,
+        fit.embedding,
+        fit.embedder.grid_shape,
+        finished.mean,
+        TensorStream(dtype, (pixels, length), chunks),
+        calibration,
+        provenance,
+        fit.image_digests,
+        fit.statistics if with_statistics else None,
+    )
 
 
 def store_calibration(path: str | Path, calibration: Calibration) -> None:
@@ -149,17 +181,34 @@ def store_calibration(path: str | Path, calibration: Calibration) -> None:
     save_detector(detector, path, with_statistics=detector.statistics is not None)
 
 
-def _write(path, config: PadimConfig, weights: WeightsInfo, backbone_weights, embedding: Embedding, grid, mean,
-           factors: TensorStream, calibration: Calibration, provenance: Provenance, image_digests,
-           statistics: GaussianState | None) -> None:
+def _write(
+    path,
+    config: PadimConfig,
+    weights: WeightsInfo,
+    backbone_weights,
+    embedding: Embedding,
+    grid,
+    mean,
+    factors: TensorStream,
+    calibration: Calibration,
+    provenance: Provenance,
+    image_digests,
+    statistics: GaussianState | None,
+) -> None:
     tensors = {
         "mean": mean.to(torch.float32),
         "precision_factor": factors,
         "calibration.scores": torch.tensor(calibration.scores, dtype=torch.float64),
-        **({"calibration.input_distances": torch.tensor(calibration.input_distances, dtype=torch.float64)}
-           if calibration.input_distances else {}),
-        **({"calibration.taken_scores": torch.tensor(calibration.taken_scores, dtype=torch.float64)}
-           if calibration.taken_scores else {}),
+        **(
+            {"calibration.input_distances": torch.tensor(calibration.input_distances, dtype=torch.float64)}
+            if calibration.input_distances
+            else {}
+        ),
+        **(
+            {"calibration.taken_scores": torch.tensor(calibration.taken_scores, dtype=torch.float64)}
+            if calibration.taken_scores
+            else {}
+        ),
         **{f"calibration.{k}": v for k, v in calibration.picture_tensors().items()},
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
@@ -217,23 +266,44 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
     except (KeyError, TypeError, ValueError) as error:
         raise _inconsistent(path, error) from None
     provenance = _read_provenance(path, header)
-    model = PadimModel(FeatureEmbedder(config, backbone_weights, embedding), mean, factor, config.blur_sigma,
-                       config.image_score, config.top_fraction)
+    model = PadimModel(
+        FeatureEmbedder(config, backbone_weights, embedding),
+        mean,
+        factor,
+        config.blur_sigma,
+        config.image_score,
+        config.top_fraction,
+    )
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
     model = model.to(resolve_device(device))
     if model.device.type == "cuda":  # float16 factors: upcast once here, not on every batch
         model.upcast_factors()
-    return PadimDetector(config, weights, backbone_weights, model, calibration, provenance,
-                         statistics, tensors.get("image_digests"), precision_dtype)
+    return PadimDetector(
+        config,
+        weights,
+        backbone_weights,
+        model,
+        calibration,
+        provenance,
+        statistics,
+        tensors.get("image_digests"),
+        precision_dtype,
+    )
 
 
 # ---------------------------------------------------------------------- fits
 def save_fit(fit: Fit, path: str | Path) -> None:
     """Write a fit's statistics alone (``train --partial``), to be combined by ``padim merge``."""
-    tensors = {**_common_tensors(fit.embedding, fit.backbone_weights, fit.image_digests),
-               **_statistics_tensors(fit.statistics)}
-    header = {"kind": PARTIAL, **_common_header(fit.config, fit.weights, fit.embedding, fit.embedder.grid_shape),
-              "has_statistics": True, **fit.provenance.to_header()}
+    tensors = {
+        **_common_tensors(fit.embedding, fit.backbone_weights, fit.image_digests),
+        **_statistics_tensors(fit.statistics),
+    }
+    header = {
+        "kind": PARTIAL,
+        **_common_header(fit.config, fit.weights, fit.embedding, fit.embedder.grid_shape),
+        "has_statistics": True,
+        **fit.provenance.to_header(),
+    }
     save_artifact(path, tensors, header)
 
 
@@ -250,8 +320,10 @@ def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
     if header.get("kind") not in (DETECTOR, PARTIAL):
         raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
     if not header.get("has_statistics", header.get("has_accumulators")):
-        raise ArtifactError(f"{path}: saved with --slim, without the statistics that resume and merge need; "
-                            "train a new model on all the images instead")
+        raise ArtifactError(
+            f"{path}: saved with --slim, without the statistics that resume and merge need; "
+            "train a new model on all the images instead"
+        )
     config, embedding, backbone_weights, weights = _read_common(path, tensors, header)
     try:
         statistics = _read_statistics(tensors, header, embedding.embedding_dim)
@@ -260,21 +332,36 @@ def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
         raise _inconsistent(path, error) from None
     if run_options is not None:
         config = config.with_run_options(run_options)
-    return Fit(config, weights, backbone_weights, embedding, statistics, tensors.get("image_digests"), earlier,
-               _read_provenance(path, header))
+    return Fit(
+        config,
+        weights,
+        backbone_weights,
+        embedding,
+        statistics,
+        tensors.get("image_digests"),
+        earlier,
+        _read_provenance(path, header),
+    )
 
 
 # ---------------------------------------------------------------------- shared parts
-def _common_tensors(embedding: Embedding, backbone_weights: dict[str, torch.Tensor],
-                    image_digests: torch.Tensor) -> dict[str, torch.Tensor]:
-    reduction = ({"embedding.channel_index": embedding.channel_index} if embedding.channel_index is not None
-                 else {"embedding.projection": embedding.projection})
+def _common_tensors(
+    embedding: Embedding, backbone_weights: dict[str, torch.Tensor], image_digests: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    reduction = (
+        {"embedding.channel_index": embedding.channel_index}
+        if embedding.channel_index is not None
+        else {"embedding.projection": embedding.projection}
+    )
     return {"image_digests": image_digests, **reduction, **{f"backbone.{k}": v for k, v in backbone_weights.items()}}
 
 
 def _statistics_tensors(statistics: GaussianState) -> dict[str, torch.Tensor]:
-    return {"statistics.count": statistics.count, "statistics.mean": statistics.mean,
-            "statistics.comoment": statistics.comoment}  # packed in memory as in the file
+    return {
+        "statistics.count": statistics.count,
+        "statistics.mean": statistics.mean,
+        "statistics.comoment": statistics.comoment,
+    }  # packed in memory as in the file
 
 
 def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embedding, grid: tuple[int, int]) -> dict:
@@ -290,7 +377,9 @@ def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embeddi
     }
 
 
-def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[PadimConfig, Embedding, dict, WeightsInfo]:
+def _read_common(
+    path, tensors: dict[str, torch.Tensor], header: dict
+) -> tuple[PadimConfig, Embedding, dict, WeightsInfo]:
     """Configuration, embedding, backbone weights and their origin: what every model file holds."""
     try:
         values = dict(header["config"])
@@ -300,8 +389,11 @@ def _read_common(path, tensors: dict[str, torch.Tensor], header: dict) -> tuple[
         if header["format_version"] < FORMAT_VERSION:  # before an option: what it computed, whatever today's defaults
             values = {**BEFORE_OPTIONS, **values}
         config = PadimConfig.from_mapping(values, source=str(path))
-        reduction = {"channel_index": tensors["embedding.channel_index"]} if "embedding.channel_index" in tensors \
+        reduction = (
+            {"channel_index": tensors["embedding.channel_index"]}
+            if "embedding.channel_index" in tensors
             else {"projection": tensors["embedding.projection"]}
+        )
         embedding = Embedding.for_layers(config.spec, config.layers, neighbourhood=config.neighbourhood, **reduction)
         if embedding.embedding_dim != int(header["embedding_dim"]):
             raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
@@ -324,22 +416,35 @@ def _read_statistics(tensors: dict[str, torch.Tensor], header: dict, embedding_d
 
 def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibration:
     if header["verified"]:
-        return Calibration.from_header(header["calibration"], tensors["calibration.scores"],
-                                       tensors.get("calibration.input_distances"), tensors.get("calibration.taken_scores"),
-                                       tensors.get("calibration.digests"), tensors.get("calibration.linked"))
+        return Calibration.from_header(
+            header["calibration"],
+            tensors["calibration.scores"],
+            tensors.get("calibration.input_distances"),
+            tensors.get("calibration.taken_scores"),
+            tensors.get("calibration.digests"),
+            tensors.get("calibration.linked"),
+        )
     old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
     scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values
-    return Calibration(tuple(scores.tolist()), float(old["threshold"]), float(old["scale"]),
-                       "manual" if old.get("quantile") is None else "quantile", None)
+    return Calibration(
+        tuple(scores.tolist()),
+        float(old["threshold"]),
+        float(old["scale"]),
+        "manual" if old.get("quantile") is None else "quantile",
+        None,
+    )
 
 
 def _read_provenance(path, header: dict) -> Provenance:
     provenance = Provenance.from_header(header)
     provenance.verified = header["verified"]
     if not provenance.verified:
-        log.warning("%s: model format %s has no digests, so its integrity is not verified, and its threshold "
-                    "comes from a few held-out images; train it again for an honest threshold",
-                    path, header["format_version"])
+        log.warning(
+            "%s: model format %s has no digests, so its integrity is not verified, and its threshold "
+            "comes from a few held-out images; train it again for an honest threshold",
+            path,
+            header["format_version"],
+        )
         provenance.calibration_source = "held_out"
     return provenance
 

@@ -58,8 +58,10 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 def check_name(name: str) -> str:
     if not NAME.match(name) or name.startswith(".") or name.isdigit():
-        raise UsageError(f"model name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                         "or digit, and not a number alone")
+        raise UsageError(
+            f"model name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit, and not a number alone"
+        )
     return name
 
 
@@ -74,7 +76,9 @@ class Version:
     created: str  # when it was added (ISO 8601, UTC)
     source: str  # what it was added from: "upload", or the file name given to `padim repository add`
     kind: str  # "model" (a .padim file) or "export" (an export directory)
-    update: dict | None = None  # a version made by an update from reviews: what it learned, its gate, forced activations
+    update: dict | None = (
+        None  # a version made by an update from reviews: what it learned, its gate, forced activations
+    )
 
     def calibration(self) -> dict | None:
         """The calibration summary its header (or ``padim.json``) records; ``None`` where it cannot be read."""
@@ -86,8 +90,14 @@ class Version:
             return None
 
     def to_dict(self) -> dict:
-        return {"version": self.version, "sha256": self.sha256, "created": self.created, "source": self.source,
-                "kind": self.kind, "update": self.update}
+        return {
+            "version": self.version,
+            "sha256": self.sha256,
+            "created": self.created,
+            "source": self.source,
+            "kind": self.kind,
+            "update": self.update,
+        }
 
 
 def utc_now() -> str:
@@ -124,8 +134,10 @@ def model_path_in(folder: Path) -> tuple[Path, str]:
         return folder, "export"
     files = sorted(p for p in folder.glob("*.padim") if p.is_file())
     if len(files) != 1:
-        raise UnservableModel(f"{folder}: a version folder holds one .padim file or an export directory's files; "
-                              f"found {len(files)} .padim files")
+        raise UnservableModel(
+            f"{folder}: a version folder holds one .padim file or an export directory's files; "
+            f"found {len(files)} .padim files"
+        )
     return files[0], "model"
 
 
@@ -165,8 +177,11 @@ class Repository:
     # ------------------------------------------------------------------ reading
     def names(self) -> list[str]:
         """Models that have at least one version, sorted."""
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and NAME.match(p.name) and not p.name.isdigit() and self._numbers(p.name))
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.is_dir() and NAME.match(p.name) and not p.name.isdigit() and self._numbers(p.name)
+        )
 
     def _numbers(self, name: str) -> list[int]:
         folder = self.root / check_name(name)  # a name is one folder of the repository, never a path out of it
@@ -182,20 +197,34 @@ class Repository:
         folder = self.root / check_name(name) / str(number)
         if not folder.is_dir():
             known = self._numbers(name)
-            raise VersionNotFound(f"model {name!r} has no version {number}"
-                                  + (f"; versions: {', '.join(map(str, known))}" if known else ""))
+            raise VersionNotFound(
+                f"model {name!r} has no version {number}"
+                + (f"; versions: {', '.join(map(str, known))}" if known else "")
+            )
         path, kind = model_path_in(folder)
         try:
             recorded = json.loads((folder / VERSION_FILE).read_text())
         except (OSError, ValueError):  # copied in by hand: described from the file, once
-            recorded = {"version": number, "sha256": model_sha256(path, kind) if path.exists() else "",
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(folder.stat().st_mtime)),
-                        "source": "copied in", "kind": kind}
+            recorded = {
+                "version": number,
+                "sha256": model_sha256(path, kind) if path.exists() else "",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(folder.stat().st_mtime)),
+                "source": "copied in",
+                "kind": kind,
+            }
             if recorded["sha256"]:
                 with contextlib.suppress(OSError):  # a read-only repository: described again at the next reading
                     write_atomically(folder / VERSION_FILE, json.dumps(recorded, indent=1) + "\n")
-        return Version(name, number, path, recorded.get("sha256", ""), recorded.get("created", ""),
-                       recorded.get("source", ""), kind, recorded.get("update"))
+        return Version(
+            name,
+            number,
+            path,
+            recorded.get("sha256", ""),
+            recorded.get("created", ""),
+            recorded.get("source", ""),
+            kind,
+            recorded.get("update"),
+        )
 
     def active(self, name: str) -> int | None:
         """The active version: ``ACTIVE``'s number; without a readable one, the highest version."""
@@ -318,8 +347,10 @@ class Repository:
         for number in reversed(self.history(name)):
             if number != current and number in numbers:
                 return number
-        raise NothingToRollBack(f"model {name!r}: no earlier activation to go back to (version {current} is the "
-                                "first one activated that is still there)")
+        raise NothingToRollBack(
+            f"model {name!r}: no earlier activation to go back to (version {current} is the "
+            "first one activated that is still there)"
+        )
 
     def rollback(self, name: str) -> int:
         """Activate :meth:`previous`, dropping the current version's entries from the end of the history."""
@@ -352,8 +383,11 @@ class Repository:
 
     def _history_lines(self, name: str) -> list[str]:
         try:
-            return [line for line in (self.root / name / HISTORY).read_text().splitlines()
-                    if line.split() and line.split()[0].isdigit()]
+            return [
+                line
+                for line in (self.root / name / HISTORY).read_text().splitlines()
+                if line.split() and line.split()[0].isdigit()
+            ]
         except OSError:
             return []
 

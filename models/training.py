@@ -91,9 +91,17 @@ class FitReport:
             self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
 
 
-def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Path, resume: Fit | None = None,
-          progress: bool = True, shard: Shard | None = None, with_statistics: bool = True,
-          scratch_dir: str | Path | None = None, announce=None) -> FitReport:
+def train(
+    config: PadimConfig,
+    images: Sequence[TrainingImage],
+    output: str | Path,
+    resume: Fit | None = None,
+    progress: bool = True,
+    shard: Shard | None = None,
+    with_statistics: bool = True,
+    scratch_dir: str | Path | None = None,
+    announce=None,
+) -> FitReport:
     """Fit (or go on fitting) a detector on normal images, with cross-fitted calibration, into ``output``.
 
     Args:
@@ -131,7 +139,7 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
             _check_enough(fit, report, earlier_count)
             unreadable = {name for name, _ in report.unreadable}
             readable = [[i for i in group if i.name not in unreadable] for group in groups]
-            scored = ([_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard))
+            scored = [_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard)
             finished = _finish(fit, report, scored, scratch, with_statistics, progress, shard)
     finally:
         if spool is not None:
@@ -140,8 +148,13 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
         if shard is not None and not shard.main:
             return report
         with report.timed("calibrate"):
-            calibration = _out_of_fold_calibration(fit, finished.scores, finished.input_distances,
-                                                   finished.taken_scores, _linked(finished, dict(found.digests)))
+            calibration = _out_of_fold_calibration(
+                fit,
+                finished.scores,
+                finished.input_distances,
+                finished.taken_scores,
+                _linked(finished, dict(found.digests)),
+            )
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
         with report.timed("write"):
@@ -152,9 +165,14 @@ def train(config: PadimConfig, images: Sequence[TrainingImage], output: str | Pa
             finished.factors.close()
 
 
-def fit_detector(config: PadimConfig, images: Sequence[TrainingImage], resume: Fit | None = None,
-                 progress: bool = True, shard: Shard | None = None, scratch_dir: str | Path | None = None
-                 ) -> tuple[PadimDetector | None, FitReport]:
+def fit_detector(
+    config: PadimConfig,
+    images: Sequence[TrainingImage],
+    resume: Fit | None = None,
+    progress: bool = True,
+    shard: Shard | None = None,
+    scratch_dir: str | Path | None = None,
+) -> tuple[PadimDetector | None, FitReport]:
     """:func:`train` into a temporary file, then that file's detector with its statistics (rank 0; ``None`` elsewhere).
 
     The detector is the one ``padim predict`` would load: float16 factors where the fit chose them.
@@ -167,8 +185,14 @@ def fit_detector(config: PadimConfig, images: Sequence[TrainingImage], resume: F
         return load_detector(path, "cpu" if config.device == "cpu" else config.device, with_statistics=True), report
 
 
-def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: bool = True,
-                shard: Shard | None = None, scratch_dir: str | Path | None = None, announce=None) -> tuple[Fit, FitReport]:
+def fit_partial(
+    config: PadimConfig,
+    images: Sequence[TrainingImage],
+    progress: bool = True,
+    shard: Shard | None = None,
+    scratch_dir: str | Path | None = None,
+    announce=None,
+) -> tuple[Fit, FitReport]:
     """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
     report = FitReport()
@@ -176,8 +200,7 @@ def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: 
         fit = Fit.start(config)
     report.listed = len(images)
     report.folds = {i.name: _fold(i.name, config) for i in images}
-    spool = _prepare(fit, report, len(images), Path(scratch_dir or tempfile.gettempdir()), True, False, shard,
-                     announce)
+    spool = _prepare(fit, report, len(images), Path(scratch_dir or tempfile.gettempdir()), True, False, shard, announce)
     try:
         with _out_of_memory_as_error(fit, report, len(images), spool, True, False):
             with report.timed("fit"):
@@ -194,9 +217,16 @@ def fit_partial(config: PadimConfig, images: Sequence[TrainingImage], progress: 
     return fit, report
 
 
-def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], run_options: PadimConfig,
-               output: str | Path, false_alarm_rate: float | None = None, progress: bool = True,
-               with_statistics: bool = True, scratch_dir: str | Path | None = None) -> FitReport:
+def merge_fits(
+    parts: Sequence[str | Path],
+    calibration_images: Sequence[Path],
+    run_options: PadimConfig,
+    output: str | Path,
+    false_alarm_rate: float | None = None,
+    progress: bool = True,
+    with_statistics: bool = True,
+    scratch_dir: str | Path | None = None,
+) -> FitReport:
     """Combine fits of disjoint images (``train --partial`` files), calibrate on images none of them fitted, write ``output``.
 
     The merged statistics equal a one-shot fit of every part's images. The parts are read one
@@ -218,8 +248,10 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
     fitted = set(merged.image_digests.tolist())
     seen = [p for p in calibration_images if file_digest(p) in fitted]
     if seen:
-        raise FitError(f"{len(seen)} calibration image(s) were fitted in the parts ({_some([(str(p), '') for p in seen])}); "
-                       "calibration needs normal images that no part has seen")
+        raise FitError(
+            f"{len(seen)} calibration image(s) were fitted in the parts ({_some([(str(p), '') for p in seen])}); "
+            "calibration needs normal images that no part has seen"
+        )
     report = FitReport(listed=len(calibration_images))
     scratch = Path(scratch_dir or Path(output).parent)
     held = [TrainingImage(p, p.name) for p in calibration_images]
@@ -228,24 +260,31 @@ def merge_fits(parts: Sequence[str | Path], calibration_images: Sequence[Path], 
         with report.timed("fit"):
             scored = _held_out(merged, held, spool, progress, report)
         if not scored.names:
-            raise FitError(f"none of the {len(calibration_images)} calibration images could be read "
-                           f"({_some(report.unreadable)})")
+            raise FitError(
+                f"none of the {len(calibration_images)} calibration images could be read ({_some(report.unreadable)})"
+            )
         finished = _finish(merged, report, [scored], scratch, with_statistics, progress, None)
     finally:
         if spool is not None:
             spool.close()
     try:
         try:
-            calibration = Calibration.from_scores(finished.scores, config.false_alarm_rate,
-                                                  input_distances=finished.input_distances,
-                                                  taken_scores=finished.taken_scores)
+            calibration = Calibration.from_scores(
+                finished.scores,
+                config.false_alarm_rate,
+                input_distances=finished.input_distances,
+                taken_scores=finished.taken_scores,
+            )
         except CalibrationError as error:
             raise FitError(f"the calibration images cannot set a threshold: {error}") from None
         provenance = Provenance(
-            fit_image_count=merged.count, calibration_source="held_out",
+            fit_image_count=merged.count,
+            calibration_source="held_out",
             unreadable_image_count=sum(p.unreadable_image_count for p in provenances),
-            fit_seconds=round(time.perf_counter() - started, 3), merged_from=[str(p) for p in parts],
-            fits=[f for p in provenances for f in p.fits])
+            fit_seconds=round(time.perf_counter() - started, 3),
+            merged_from=[str(p) for p in parts],
+            fits=[f for p in provenances for f in p.fits],
+        )
         with report.timed("write"):
             save_fitted(output, merged, finished, calibration, provenance, with_statistics)
         shortfall = calibration.shortfall()
@@ -266,11 +305,15 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
         clash = merged.config.differences(part.config, STATISTICS_FIELDS + SCORE_FIELDS)
         if clash:
             key = clash[0]
-            raise FitError(f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
-                           f"{getattr(merged.config, key)!r}; parts must come from the same configuration")
+            raise FitError(
+                f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
+                f"{getattr(merged.config, key)!r}; parts must come from the same configuration"
+            )
         if part.weights.sha256 != merged.weights.sha256:
-            raise FitError(f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
-                           f"{merged.weights.sha256[:12]})")
+            raise FitError(
+                f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
+                f"{merged.weights.sha256[:12]})"
+            )
         if not merged.embedding.same_reduction(part.embedding):
             raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
         merge_states_(merged.statistics, part.statistics)
@@ -280,8 +323,16 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
     return merged, provenances
 
 
-def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_statistics: bool, resume: bool,
-             shard: Shard | None, announce) -> EmbeddingSpool | None:
+def _prepare(
+    fit: Fit,
+    report: FitReport,
+    images: int,
+    scratch: Path,
+    with_statistics: bool,
+    resume: bool,
+    shard: Shard | None,
+    announce,
+) -> EmbeddingSpool | None:
     """The memory plan (refused when it does not fit), and the spool when it fits on the disk."""
     spool = fit.spool_or_none(scratch, images)
     plan = plan_fit(fit.config, images, spool is not None, with_statistics, resume, fit.device.type)
@@ -294,28 +345,42 @@ def _prepare(fit: Fit, report: FitReport, images: int, scratch: Path, with_stati
             spool.close()
         raise FitError(str(error)) from None
     copies = f" (and their changed copies', --expect {fit.config.expect})" if fit.config.expect else ""
-    where = (f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
-             if spool is not None
-             else f"the embeddings of {images} images{copies} ({_size(EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim))}) "
-                  f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it")
+    where = (
+        f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
+        if spool is not None
+        else f"the embeddings of {images} images{copies} ({_size(EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim))}) "
+        f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it"
+    )
     if spool is None:
         report.warnings.append(where)
     if announce is not None and (shard is None or shard.main):
         config = fit.config
-        tiles = "" if config.tile_count == 1 else (
-            f" ({config.tiles[0]}x{config.tiles[1]} tiles of {config.image_size} px, "
-            + ("a Gaussian per tile position: statistics x" + str(config.tile_count) if config.tile_statistics == "position"
-               else "one set of statistics every tile shares") + ")")
+        tiles = (
+            ""
+            if config.tile_count == 1
+            else (
+                f" ({config.tiles[0]}x{config.tiles[1]} tiles of {config.image_size} px, "
+                + (
+                    "a Gaussian per tile position: statistics x" + str(config.tile_count)
+                    if config.tile_statistics == "position"
+                    else "one set of statistics every tile shares"
+                )
+                + ")"
+            )
+        )
         announce(f"this fit{tiles} {plan.describe(free)}; {where}")
         if float64_is_slow(fit.device):
-            announce(f"{torch.cuda.get_device_name(fit.device)} runs float64 at 1/32-1/64 of its float32 rate: the "
-                     "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md")
+            announce(
+                f"{torch.cuda.get_device_name(fit.device)} runs float64 at 1/32-1/64 of its float32 rate: the "
+                "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md"
+            )
     return spool
 
 
 @contextlib.contextmanager
-def _out_of_memory_as_error(fit: Fit | None, report: FitReport, images: int, spool: EmbeddingSpool | None,
-                            with_statistics: bool, resume: bool) -> Iterator[None]:
+def _out_of_memory_as_error(
+    fit: Fit | None, report: FitReport, images: int, spool: EmbeddingSpool | None, with_statistics: bool, resume: bool
+) -> Iterator[None]:
     """A GPU out of memory in the fit becomes :class:`DoesNotFit` with its plan and what to try (not a traceback)."""
     try:
         yield
@@ -323,10 +388,13 @@ def _out_of_memory_as_error(fit: Fit | None, report: FitReport, images: int, spo
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         if report.plan is None:
-            raise DoesNotFit("the GPU ran out of memory before the fit started (putting the backbone on it): other "
-                             "processes hold its memory (nvidia-smi shows them); free it, or use --device cpu") from None
-        raise ran_out(fit.config, report.plan, report.free_memory, images, spool is not None, with_statistics,
-                      resume) from None
+            raise DoesNotFit(
+                "the GPU ran out of memory before the fit started (putting the backbone on it): other "
+                "processes hold its memory (nvidia-smi shows them); free it, or use --device cpu"
+            ) from None
+        raise ran_out(
+            fit.config, report.plan, report.free_memory, images, spool is not None, with_statistics, resume
+        ) from None
 
 
 def _spooled_scores(fit: Fit) -> Scored:
@@ -334,15 +402,17 @@ def _spooled_scores(fit: Fit) -> Scored:
     return Scored(lambda index, start, stop, r0, r1: spooled.spool.read(index, r0, r1), spooled.names, spooled.folds)
 
 
-def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool | None, progress: bool,
-              report: FitReport) -> Scored:
+def _held_out(
+    fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool | None, progress: bool, report: FitReport
+) -> Scored:
     """Embed the images scored by the fitted model (merge's calibration images): into a spool, or memory."""
 
     names, parts = [], []
     unreadable: list[tuple[Path, str]] = []
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
-        for paths, pictures in iter_decoded(batches_of([images], fit.config.batch_size), fit.config.workers,
-                                            unreadable, fit.draft_to, fit.config.roi):
+        for paths, pictures in iter_decoded(
+            batches_of([images], fit.config.batch_size), fit.config.workers, unreadable, fit.draft_to, fit.config.roi
+        ):
             embedded = fit.embed([p.name for p in paths], pictures)  # and their changed copies (expect)
             if spool is not None:
                 spool.append(embedded)
@@ -358,14 +428,16 @@ def _held_out(fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool |
     return Scored(lambda index, start, stop, r0, r1: embedded[r0:r1, start:stop], names, None)
 
 
-def _finish(fit: Fit, report: FitReport, scored, scratch: Path, with_statistics: bool, progress: bool,
-            shard: Shard | None) -> Finished:
+def _finish(
+    fit: Fit, report: FitReport, scored, scratch: Path, with_statistics: bool, progress: bool, shard: Shard | None
+) -> Finished:
     if fit.spooled is not None:
         report.spool = fit.spooled.spool.nbytes
     timing: dict[str, float] = {}
     try:
-        finished = fit.finish(scored, scratch, keep_statistics=with_statistics, progress=progress, shard=shard,
-                              timing=timing)
+        finished = fit.finish(
+            scored, scratch, keep_statistics=with_statistics, progress=progress, shard=shard, timing=timing
+        )
     except NotPositiveDefiniteError as error:
         raise FitError(str(error)) from None
     for phase, seconds in timing.items():
@@ -383,13 +455,20 @@ def _linked(finished: Finished, digest_of: dict[str, int]) -> tuple[tuple[int, f
     nan = float("nan")
     inputs = finished.input_distances.tolist() if finished.input_distances is not None else []
     taken = finished.taken_scores.tolist() if finished.taken_scores is not None else []
-    return tuple((digest_of[name], float(score), inputs[i] if i < len(inputs) else nan, taken[i] if i < len(taken) else nan)
-                 for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist())) if name in digest_of)
+    return tuple(
+        (digest_of[name], float(score), inputs[i] if i < len(inputs) else nan, taken[i] if i < len(taken) else nan)
+        for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist()))
+        if name in digest_of
+    )
 
 
-def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: torch.Tensor | None = None,
-                             taken_scores: torch.Tensor | None = None,
-                             pictures: tuple[tuple[int, float, float, float], ...] = ()) -> Calibration:
+def _out_of_fold_calibration(
+    fit: Fit,
+    scores: torch.Tensor,
+    input_distances: torch.Tensor | None = None,
+    taken_scores: torch.Tensor | None = None,
+    pictures: tuple[tuple[int, float, float, float], ...] = (),
+) -> Calibration:
     """The threshold from the new images' out-of-fold ``scores`` ``(N,)`` and those of earlier fits (``--resume``);
     the input distances of both kept beside them (an earlier file older than format 7 has none), and the images' own
     scores where ``scores`` are their changed copies' (``expect``, which a resume keeps)."""
@@ -402,17 +481,25 @@ def _out_of_fold_calibration(fit: Fit, scores: torch.Tensor, input_distances: to
         earlier_taken = fit.earlier.reference_scores if fit.earlier is not None else ()
         taken_scores = torch.cat([torch.tensor(earlier_taken, dtype=torch.float64), taken_scores])
     if not len(scores) and not earlier:
-        raise FitError(f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
-                       f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images")
+        raise FitError(
+            f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
+            f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images"
+        )
     earlier_pictures = fit.earlier.pictures if fit.earlier is not None else ()
     try:
-        return Calibration.from_scores(torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
-                                       fit.config.false_alarm_rate, earlier_scores=len(earlier),
-                                       input_distances=input_distances, taken_scores=taken_scores,
-                                       pictures=(*earlier_pictures, *pictures))
+        return Calibration.from_scores(
+            torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
+            fit.config.false_alarm_rate,
+            earlier_scores=len(earlier),
+            input_distances=input_distances,
+            taken_scores=taken_scores,
+            pictures=(*earlier_pictures, *pictures),
+        )
     except CalibrationError as error:
-        raise FitError(f"the {fit.count} fitted images cannot be calibrated: {error}. "
-                       "Train on images of different parts or shots, as the line will see them") from None
+        raise FitError(
+            f"the {fit.count} fitted images cannot be calibrated: {error}. "
+            "Train on images of different parts or shots, as the line will see them"
+        ) from None
 
 
 def _fold(name: str, config: PadimConfig) -> int | None:
@@ -445,12 +532,16 @@ def _record(report: FitReport, found) -> None:
 
 def _check_enough(fit: Fit, report: FitReport, earlier_count: int) -> None:
     if report.listed and report.fitted == 0 and not report.already_fitted:
-        raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)}); "
-                       f"a detector needs at least {MIN_IMAGES} readable normal images")
+        raise FitError(
+            f"none of the {report.listed} images could be read ({_some(report.unreadable)}); "
+            f"a detector needs at least {MIN_IMAGES} readable normal images"
+        )
     if fit.count < MIN_IMAGES:
         unread = f", {len(report.unreadable)} unreadable ({_some(report.unreadable)})" if report.unreadable else ""
-        raise FitError(f"{fit.count} readable image(s){unread}: a detector needs at least {MIN_IMAGES} normal "
-                       "images (2 to fit, and more to calibrate its threshold); a few dozen give a useful one")
+        raise FitError(
+            f"{fit.count} readable image(s){unread}: a detector needs at least {MIN_IMAGES} normal "
+            "images (2 to fit, and more to calibrate its threshold); a few dozen give a useful one"
+        )
     if report.listed and report.fitted == 0 and earlier_count:
         raise FitError(f"all {report.listed} images were already fitted in the resumed model; nothing to add")
 
@@ -459,35 +550,53 @@ def _warn(report: FitReport, calibration: Calibration, fit: Fit) -> None:
     if report.unreadable:
         report.warnings.append(f"left out {len(report.unreadable)} unreadable image(s): {_some(report.unreadable)}")
     if report.already_fitted:
-        report.warnings.append(f"left out {len(report.already_fitted)} image(s) the resumed model had already fitted "
-                               f"(same content): {_some([(n, '') for n in report.already_fitted])}")
+        report.warnings.append(
+            f"left out {len(report.already_fitted)} image(s) the resumed model had already fitted "
+            f"(same content): {_some([(n, '') for n in report.already_fitted])}"
+        )
     if report.copies:
         shown = "; ".join(" = ".join(group) for group in report.copies[:3])
         more = f" and {len(report.copies) - 3} more" if len(report.copies) > 3 else ""
-        report.warnings.append(f"{sum(len(g) - 1 for g in report.copies)} image(s) are copies of others (same content: "
-                               f"{shown}{more}): a copy in another fold pulls the threshold down; remove copies")
+        report.warnings.append(
+            f"{sum(len(g) - 1 for g in report.copies)} image(s) are copies of others (same content: "
+            f"{shown}{more}): a copy in another fold pulls the threshold down; remove copies"
+        )
     if report.unscored:
-        report.warnings.append(f"{len(report.unscored)} image(s) have no out-of-fold score: their calibration fold "
-                               f"holds all but {fit.count - len(report.unscored)} of the images")
+        report.warnings.append(
+            f"{len(report.unscored)} image(s) have no out-of-fold score: their calibration fold "
+            f"holds all but {fit.count - len(report.unscored)} of the images"
+        )
     if calibration.earlier_scores:
         report.warnings.append(
             f"{calibration.earlier_scores} of the {calibration.count} calibration scores are kept from the resumed "
             "model: its fits scored them with fewer images, so they run slightly high and the threshold errs "
-            "towards fewer false alarms; a one-shot fit on all images recalibrates them all")
+            "towards fewer false alarms; a one-shot fit on all images recalibrates them all"
+        )
     shortfall = calibration.shortfall()
     if shortfall:
         report.warnings.append(shortfall)
 
 
-def _next_provenance(fit: Fit, report: FitReport, started: float, shard: Shard | None, resumed: bool,
-                     source: str | None) -> Provenance:
+def _next_provenance(
+    fit: Fit, report: FitReport, started: float, shard: Shard | None, resumed: bool, source: str | None
+) -> Provenance:
     earlier = fit.provenance
-    run = {"created": now(), "images": report.fitted, "unreadable": len(report.unreadable),
-           "already_fitted": len(report.already_fitted), "resumed": resumed, "world_size": shard.world if shard else 1}
-    return Provenance(fit_image_count=fit.count, calibration_source=source,
-                      unreadable_image_count=earlier.unreadable_image_count + len(report.unreadable),
-                      fit_seconds=round(time.perf_counter() - started, 3), fits=[*earlier.fits, run],
-                      merged_from=list(earlier.merged_from))
+    run = {
+        "created": now(),
+        "images": report.fitted,
+        "unreadable": len(report.unreadable),
+        "already_fitted": len(report.already_fitted),
+        "resumed": resumed,
+        "world_size": shard.world if shard else 1,
+    }
+    return Provenance(
+        fit_image_count=fit.count,
+        calibration_source=source,
+        unreadable_image_count=earlier.unreadable_image_count + len(report.unreadable),
+        fit_seconds=round(time.perf_counter() - started, 3),
+        fits=[*earlier.fits, run],
+        merged_from=list(earlier.merged_from),
+    )
 
 
 def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:
@@ -498,4 +607,3 @@ def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
-

@@ -50,8 +50,9 @@ class Verdict:
         return result
 
 
-def verdict(raw_score: float, anomaly_map: torch.Tensor | np.ndarray, calibration: Calibration,
-            threshold: float | None = None) -> Verdict:
+def verdict(
+    raw_score: float, anomaly_map: torch.Tensor | np.ndarray, calibration: Calibration, threshold: float | None = None
+) -> Verdict:
     """The verdict on one image.
 
     Args:

@@ -47,8 +47,11 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(state.open_record)
         loading = asyncio.create_task(_load(state, on_fatal), name="load-models")
-        polling = asyncio.create_task(state.poll(), name="repository-poll") \
-            if state.settings.repository_poll_s is not None else None
+        polling = (
+            asyncio.create_task(state.poll(), name="repository-poll")
+            if state.settings.repository_poll_s is not None
+            else None
+        )
         try:
             yield
         finally:
@@ -73,12 +76,22 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
             app.include_router(updates.router)
     _add_console(app)
     any_key = any(k is not None for k in (settings.api_key, settings.admin_key, settings.review_key))
-    app.openapi = lambda: truthful_openapi(app, PROTECTED_TAGS, api_key_required=settings.api_key is not None,
-                                           batch_limit=settings.batch_limit(), any_key=any_key)
-    app.add_middleware(BodyGuard, max_bytes=settings.max_upload_bytes, timeout_s=settings.body_timeout_s,
-                       max_discard_bytes=settings.max_discard_bytes,
-                       model_uploads=(versions.UPLOAD_PATH, settings.max_model_upload_bytes, settings.model_upload_timeout_s)
-                       if settings.admin_key is not None else None)
+    app.openapi = lambda: truthful_openapi(
+        app,
+        PROTECTED_TAGS,
+        api_key_required=settings.api_key is not None,
+        batch_limit=settings.batch_limit(),
+        any_key=any_key,
+    )
+    app.add_middleware(
+        BodyGuard,
+        max_bytes=settings.max_upload_bytes,
+        timeout_s=settings.body_timeout_s,
+        max_discard_bytes=settings.max_discard_bytes,
+        model_uploads=(versions.UPLOAD_PATH, settings.max_model_upload_bytes, settings.model_upload_timeout_s)
+        if settings.admin_key is not None
+        else None,
+    )
     # outermost: sees every response, and answers the requests a drain timeout cancels
     app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
     return app
@@ -89,7 +102,7 @@ CONSOLE = Path(__file__).parent / "console"
 #: The console loads nothing from elsewhere; images it shows are blob: (uploads) and data: (heat maps).
 CONSOLE_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'; "
-                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",

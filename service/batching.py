@@ -94,8 +94,12 @@ class MicroBatcher:
             ApiError: 503 ``overloaded`` (with ``Retry-After``) when the queue has no room now.
         """
         if self.admitted + count > self.max_queue:
-            raise ApiError(503, "overloaded", f"the queue is full ({self.admitted} of {self.max_queue} places taken); "
-                           "retry shortly", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "overloaded",
+                f"the queue is full ({self.admitted} of {self.max_queue} places taken); retry shortly",
+                headers={"Retry-After": "1"},
+            )
         self.admitted += count
         return Admission(self, count)
 
@@ -112,7 +116,6 @@ class MicroBatcher:
 
     def _taken(self, count: int) -> None:
         self.admitted -= count
-
 
     async def _gather(self) -> list[Item]:
         batch = [await self.queue.get()]

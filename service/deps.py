@@ -31,15 +31,25 @@ def _given_key(request: Request) -> str | None:
 
 
 def _is(given: str | None, key: SecretStr | None) -> bool:
-    return given is not None and key is not None and secrets.compare_digest(given.encode(), key.get_secret_value().encode())
+    return (
+        given is not None
+        and key is not None
+        and secrets.compare_digest(given.encode(), key.get_secret_value().encode())
+    )
 
 
 def _unauthorized(which: str) -> ApiError:
-    return ApiError(401, "unauthorized", f"missing or wrong {which} (send X-API-Key or Authorization: Bearer)",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401,
+        "unauthorized",
+        f"missing or wrong {which} (send X-API-Key or Authorization: Bearer)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
-async def require_api_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+async def require_api_key(
+    request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
+) -> None:
     """The API key (or the admin key, which opens every route) when ``PADIM_API_KEY`` is set."""
     if settings.api_key is None:
         return
@@ -48,8 +58,9 @@ async def require_api_key(request: Request, settings: Annotated[ServiceSettings,
         raise _unauthorized("API key")
 
 
-async def require_record_reader(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
-                                ) -> None:
+async def require_record_reader(
+    request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
+) -> None:
     """Reading the inspection record: any key the service has (scoring, review, admin); open when none is set."""
     keys = [k for k in (settings.api_key, settings.admin_key, settings.review_key) if k is not None]
     if not keys:
@@ -59,7 +70,9 @@ async def require_record_reader(request: Request, settings: Annotated[ServiceSet
         raise _unauthorized("API key")
 
 
-async def require_review_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+async def require_review_key(
+    request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
+) -> None:
     """Reviewing: the review key (``PADIM_REVIEW_KEY``) or the admin key; open when the service has no key at all.
     The scoring key gets 403."""
     if settings.api_key is None and settings.admin_key is None and settings.review_key is None:
@@ -68,18 +81,25 @@ async def require_review_key(request: Request, settings: Annotated[ServiceSettin
     if _is(given, settings.review_key) or _is(given, settings.admin_key):
         return
     if _is(given, settings.api_key):
-        raise ApiError(403, "forbidden", "the API key scores and reads the record; reviewing needs PADIM_REVIEW_KEY "
-                       "or the admin key")
+        raise ApiError(
+            403,
+            "forbidden",
+            "the API key scores and reads the record; reviewing needs PADIM_REVIEW_KEY or the admin key",
+        )
     raise _unauthorized("review key")
 
 
-async def require_admin_key(request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]) -> None:
+async def require_admin_key(
+    request: Request, settings: Annotated[ServiceSettings, Depends(get_service_settings)]
+) -> None:
     """The admin key (``PADIM_ADMIN_KEY``); the scoring key gets 403, any other or none 401."""
     given = _given_key(request)
     if _is(given, settings.admin_key):
         return
     if _is(given, settings.api_key):
-        raise ApiError(403, "forbidden", "the API key scores images; changing models needs the admin key (PADIM_ADMIN_KEY)")
+        raise ApiError(
+            403, "forbidden", "the API key scores images; changing models needs the admin key (PADIM_ADMIN_KEY)"
+        )
     raise _unauthorized("admin key")
 
 

@@ -31,14 +31,22 @@ def api_error(error: PadimError, message: str | None = None) -> ApiError:
 
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int, setting: str = "PADIM_MAX_UPLOAD_BYTES"):
-        super().__init__(413, "payload_too_large", f"the request body is over the limit of "
-                         f"{setting} = {limit} bytes", headers={"Connection": "close"})
+        super().__init__(
+            413,
+            "payload_too_large",
+            f"the request body is over the limit of {setting} = {limit} bytes",
+            headers={"Connection": "close"},
+        )
 
 
 class BodyTimeout(ApiError):
     def __init__(self, seconds: float, setting: str = "PADIM_BODY_TIMEOUT_S"):
-        super().__init__(408, "body_timeout", f"the request body did not arrive within {seconds:g} s "
-                         f"({setting})", headers={"Connection": "close"})
+        super().__init__(
+            408,
+            "body_timeout",
+            f"the request body did not arrive within {seconds:g} s ({setting})",
+            headers={"Connection": "close"},
+        )
 
 
 #: Status recorded (metrics, access log) for a request whose client went away before the answer.
@@ -49,8 +57,16 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-_HTTP_CODES = {400: "invalid_body", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-               415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+_HTTP_CODES = {
+    400: "invalid_body",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    503: "unavailable",
+}
 
 
 def _allowed_methods(request: Request) -> list[str]:
@@ -80,7 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = error.headers
         if error.status_code == 405:  # Starlette names the methods of the first route of the path only
             headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
-        return error_response(error.status_code, _HTTP_CODES.get(error.status_code, "error"), str(error.detail), headers)
+        return error_response(
+            error.status_code, _HTTP_CODES.get(error.status_code, "error"), str(error.detail), headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -17,68 +17,160 @@ SCORE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("padim_requests_total", "HTTP requests by route and status", ["route", "status"], registry=self.registry)
-        self.latency = Histogram("padim_request_latency_seconds", "HTTP request latency", ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue_wait = Histogram("padim_queue_wait_seconds", "time an image waits for its batch", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("padim_batch_size", "images per device batch", ["model"], buckets=BATCH_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "padim_requests_total", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "padim_request_latency_seconds",
+            "HTTP request latency",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "padim_queue_wait_seconds",
+            "time an image waits for its batch",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "padim_batch_size", "images per device batch", ["model"], buckets=BATCH_BUCKETS, registry=self.registry
+        )
         self.in_flight = Gauge("padim_requests_in_flight", "HTTP requests being handled", registry=self.registry)
-        self.device_errors = Counter("padim_device_errors_total", "scoring batches that hit a device error, by "
-                                     "outcome: split (out of memory, then scored in two halves), out_of_memory "
-                                     "(503), error (500)", ["model", "outcome"], registry=self.registry)
-        self.model_load = Gauge("padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry)
+        self.device_errors = Counter(
+            "padim_device_errors_total",
+            "scoring batches that hit a device error, by "
+            "outcome: split (out of memory, then scored in two halves), out_of_memory "
+            "(503), error (500)",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.model_load = Gauge(
+            "padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry
+        )
         self.queue_depth = Gauge("padim_queue_depth", "images waiting for a batch", ["model"], registry=self.registry)
         # what the models answered: counters and a histogram (durable, summed across replicas) ...
-        self.verdicts = Counter("padim_verdicts_total", "images answered, by the model version that judged them and "
-                                "verdict (anomalous or normal, at the threshold the request used)",
-                                ["model", "version", "verdict"], registry=self.registry)
-        self.scores = Histogram("padim_score", "image scores on the calibration's 0..1 scale (threshold 0.5), by model "
-                                "version", ["model", "version"], buckets=SCORE_BUCKETS, registry=self.registry)
-        self.model_version = Gauge("padim_model_version", "the version of each model that new requests go to",
-                                   ["model"], registry=self.registry)
-        self.model_changes = Counter("padim_model_changes_total", "changes of a model while the service runs: upload "
-                                     "(a version added), activate, rollback, unload", ["model", "change"],
-                                     registry=self.registry)
-        self.versions_loaded = Gauge("padim_model_versions_loaded", "versions of each model in memory: the active one "
-                                     "and retired ones still answering requests they admitted", ["model"],
-                                     registry=self.registry)
-        self.threshold_overrides = Counter("padim_threshold_overrides_total", "images scored for requests that set "
-                                           "their own threshold", ["model"], registry=self.registry)
+        self.verdicts = Counter(
+            "padim_verdicts_total",
+            "images answered, by the model version that judged them and "
+            "verdict (anomalous or normal, at the threshold the request used)",
+            ["model", "version", "verdict"],
+            registry=self.registry,
+        )
+        self.scores = Histogram(
+            "padim_score",
+            "image scores on the calibration's 0..1 scale (threshold 0.5), by model version",
+            ["model", "version"],
+            buckets=SCORE_BUCKETS,
+            registry=self.registry,
+        )
+        self.model_version = Gauge(
+            "padim_model_version",
+            "the version of each model that new requests go to",
+            ["model"],
+            registry=self.registry,
+        )
+        self.model_changes = Counter(
+            "padim_model_changes_total",
+            "changes of a model while the service runs: upload (a version added), activate, rollback, unload",
+            ["model", "change"],
+            registry=self.registry,
+        )
+        self.versions_loaded = Gauge(
+            "padim_model_versions_loaded",
+            "versions of each model in memory: the active one and retired ones still answering requests they admitted",
+            ["model"],
+            registry=self.registry,
+        )
+        self.threshold_overrides = Counter(
+            "padim_threshold_overrides_total",
+            "images scored for requests that set their own threshold",
+            ["model"],
+            registry=self.registry,
+        )
         # the inspection record (padim.service.record): rows on their way to the database, pictures kept
-        self.record_rows = Counter("padim_record_rows_total", "rows of the inspection record, by outcome: journaled "
-                                   "(durable on disk), committed (in the database), refused (not durable: the journal "
-                                   "was full or its disk failed)", ["outcome"], registry=self.registry)
+        self.record_rows = Counter(
+            "padim_record_rows_total",
+            "rows of the inspection record, by outcome: journaled "
+            "(durable on disk), committed (in the database), refused (not durable: the journal "
+            "was full or its disk failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
         for outcome in ("journaled", "committed", "refused"):  # every series from the start: rate() and alerts see 0
             self.record_rows.labels(outcome)
-        self.record_rows_waiting = Gauge("padim_record_rows_waiting", "rows in the journal that the database does not "
-                                         "have yet", registry=self.registry)
-        self.record_journal_bytes = Gauge("padim_record_journal_bytes", "bytes of those rows in the journal (bounded "
-                                          "by PADIM_RECORD_JOURNAL_MAX_BYTES)", registry=self.registry)
-        self.record_database_up = Gauge("padim_record_database_up", "1 when the last write to the record's database "
-                                        "succeeded", registry=self.registry)
-        self.record_picture_bytes = Gauge("padim_record_picture_bytes", "bytes of stored pictures, by kind: pinned "
-                                          "(reviewed or learned from: never evicted), flagged, passed", ["kind"],
-                                          registry=self.registry)
-        self.record_evicted = Counter("padim_record_pictures_evicted_total", "pictures removed by retention or the "
-                                      "byte budget (their rows stay)", registry=self.registry)
-        self.reviews = Counter("padim_reviews_total", "reviews of recorded pictures, by label", ["model", "label"],
-                               registry=self.registry)
-        self.update_jobs = Counter("padim_update_jobs_total", "model updates from reviews, by outcome: succeeded, "
-                                   "failed; gate_failed when the new version lost recall", ["model", "outcome"],
-                                   registry=self.registry)
+        self.record_rows_waiting = Gauge(
+            "padim_record_rows_waiting",
+            "rows in the journal that the database does not have yet",
+            registry=self.registry,
+        )
+        self.record_journal_bytes = Gauge(
+            "padim_record_journal_bytes",
+            "bytes of those rows in the journal (bounded by PADIM_RECORD_JOURNAL_MAX_BYTES)",
+            registry=self.registry,
+        )
+        self.record_database_up = Gauge(
+            "padim_record_database_up",
+            "1 when the last write to the record's database succeeded",
+            registry=self.registry,
+        )
+        self.record_picture_bytes = Gauge(
+            "padim_record_picture_bytes",
+            "bytes of stored pictures, by kind: pinned (reviewed or learned from: never evicted), flagged, passed",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.record_evicted = Counter(
+            "padim_record_pictures_evicted_total",
+            "pictures removed by retention or the byte budget (their rows stay)",
+            registry=self.registry,
+        )
+        self.reviews = Counter(
+            "padim_reviews_total", "reviews of recorded pictures, by label", ["model", "label"], registry=self.registry
+        )
+        self.update_jobs = Counter(
+            "padim_update_jobs_total",
+            "model updates from reviews, by outcome: succeeded, failed; gate_failed when the new version lost recall",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
         # ... and the monitor's reading of its window (per process; padim.core.drift), set when scraped
-        self.normal_flag_rate = Gauge("padim_model_normal_flag_rate", "the most normal images would be flagged: the "
-                                      "calibration's false-alarm bound", ["model"], registry=self.registry)
-        self.monitor_images = Gauge("padim_monitor_images", "images in the monitor's window", ["model"],
-                                    registry=self.registry)
-        self.monitor_flag_rate = Gauge("padim_monitor_flag_rate", "share of the window's images at or above the "
-                                       "model's threshold", ["model"], registry=self.registry)
-        self.monitor_p_value = Gauge("padim_monitor_p_value", "p-value of each monitor test on the window (NaN while "
-                                     "collecting or unavailable): flag_rate (more flags than normal images give), "
-                                     "score_drift, input_drift (one-sided KS)", ["model", "test"], registry=self.registry)
-        self.monitor_statistic = Gauge("padim_monitor_statistic", "effect sizes: KS D+ of score_drift and "
-                                       "input_drift, score_psi", ["model", "statistic"], registry=self.registry)
-        self.monitor_alarm = Gauge("padim_monitor_alarm", "1 when a test's p-value is below PADIM_MONITOR_LEVEL",
-                                   ["model", "test"], registry=self.registry)
+        self.normal_flag_rate = Gauge(
+            "padim_model_normal_flag_rate",
+            "the most normal images would be flagged: the calibration's false-alarm bound",
+            ["model"],
+            registry=self.registry,
+        )
+        self.monitor_images = Gauge(
+            "padim_monitor_images", "images in the monitor's window", ["model"], registry=self.registry
+        )
+        self.monitor_flag_rate = Gauge(
+            "padim_monitor_flag_rate",
+            "share of the window's images at or above the model's threshold",
+            ["model"],
+            registry=self.registry,
+        )
+        self.monitor_p_value = Gauge(
+            "padim_monitor_p_value",
+            "p-value of each monitor test on the window (NaN while "
+            "collecting or unavailable): flag_rate (more flags than normal images give), "
+            "score_drift, input_drift (one-sided KS)",
+            ["model", "test"],
+            registry=self.registry,
+        )
+        self.monitor_statistic = Gauge(
+            "padim_monitor_statistic",
+            "effect sizes: KS D+ of score_drift and input_drift, score_psi",
+            ["model", "statistic"],
+            registry=self.registry,
+        )
+        self.monitor_alarm = Gauge(
+            "padim_monitor_alarm",
+            "1 when a test's p-value is below PADIM_MONITOR_LEVEL",
+            ["model", "test"],
+            registry=self.registry,
+        )
 
     def show_reading(self, model: str, drift: Drift, normal_flag_rate: float) -> None:
         """Set the monitor's gauges of ``model`` from a reading of its window."""
@@ -86,10 +178,16 @@ class Metrics:
         self.monitor_images.labels(model).set(drift.images)
         flag = drift.flag_rate
         self.monitor_flag_rate.labels(model).set(flag.rate if flag is not None else math.nan)
-        for test, result in (("flag_rate", flag), ("score_drift", drift.score_drift), ("input_drift", drift.input_drift)):
+        for test, result in (
+            ("flag_rate", flag),
+            ("score_drift", drift.score_drift),
+            ("input_drift", drift.input_drift),
+        ):
             self.monitor_p_value.labels(model, test).set(result.p_value if result is not None else math.nan)
             self.monitor_alarm.labels(model, test).set(1.0 if result is not None and result.alarm else 0.0)
-        for statistic, value in (("score_drift", drift.score_drift and drift.score_drift.statistic),
-                                 ("input_drift", drift.input_drift and drift.input_drift.statistic),
-                                 ("score_psi", drift.score_drift and drift.score_drift.psi)):
+        for statistic, value in (
+            ("score_drift", drift.score_drift and drift.score_drift.statistic),
+            ("input_drift", drift.input_drift and drift.input_drift.statistic),
+            ("score_psi", drift.score_drift and drift.score_drift.psi),
+        ):
             self.monitor_statistic.labels(model, statistic).set(math.nan if value is None else value)

@@ -27,8 +27,14 @@ class BodyGuard:
     ``Content-Length``, or from counting while a chunked body streams in.
     """
 
-    def __init__(self, app, max_bytes: int, timeout_s: float, max_discard_bytes: int,
-                 model_uploads: tuple[re.Pattern, int, float] | None = None):
+    def __init__(
+        self,
+        app,
+        max_bytes: int,
+        timeout_s: float,
+        max_discard_bytes: int,
+        model_uploads: tuple[re.Pattern, int, float] | None = None,
+    ):
         self.app, self.max_bytes, self.timeout_s, self.max_discard_bytes = app, max_bytes, timeout_s, max_discard_bytes
         self.model_uploads = model_uploads  # (path pattern, max bytes, timeout): model files, far larger than pictures
 
@@ -121,18 +127,30 @@ class RequestContext:
                 raise
             log.warning("request cancelled: the drain timeout ran out", extra={"request_id": request_id})
             if status == 500:  # nothing sent yet
-                await _send_json(send_with_id, 503, "shutting_down",
-                                 "the server is shutting down and could not finish this request; retry")
+                await _send_json(
+                    send_with_id,
+                    503,
+                    "shutting_down",
+                    "the server is shutting down and could not finish this request; retry",
+                )
         finally:
             self.metrics.in_flight.dec()
             latency = time.perf_counter() - started
             route = _route_template(scope)
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(latency)
-            access_log.info("request", extra={
-                "request_id": request_id, "method": scope["method"], "route": route, "path": scope["path"],
-                "status": status, "model": scope["state"].get("model"), "latency_ms": round(latency * 1000, 2),
-            })
+            access_log.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "route": route,
+                    "path": scope["path"],
+                    "status": status,
+                    "model": scope["state"].get("model"),
+                    "latency_ms": round(latency * 1000, 2),
+                },
+            )
 
 
 def _route_template(scope) -> str:
@@ -142,7 +160,15 @@ def _route_template(scope) -> str:
 
 async def _send_json(send, status: int, code: str, message: str) -> None:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -77,7 +77,7 @@ class Monitor:
         with self._lock:
             if self._count < self.window:
                 return self._values[: self._count].clone()
-            return torch.cat([self._values[self._next:], self._values[: self._next]])
+            return torch.cat([self._values[self._next :], self._values[: self._next]])
 
     def reading(self) -> tuple[Drift, torch.Tensor]:
         """The window's :class:`~padim.core.drift.Drift` reading, and the window itself."""

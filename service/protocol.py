@@ -71,7 +71,7 @@ class HeaderScan:
         end = window.find(b"\r\n\r\n")
         offset = len(self._tail)
         counted = len(data) if end < 0 else max(0, end + 4 - offset)
-        lines_part = data if end < 0 else data[:max(0, end + 2 - offset)]
+        lines_part = data if end < 0 else data[: max(0, end + 2 - offset)]
         self._tail = window[-3:]
         # the index in ``data`` of the byte that crosses each limit, where one does
         over_bytes = self.max_bytes - self.bytes if self.bytes + counted > self.max_bytes else None
@@ -114,9 +114,12 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self.logger.warning("connection refused: %d open (PADIM_MAX_CONNECTIONS)", len(self.connections) - 1)
-            self._reject(503, "too_many_connections",
-                         f"the server has its limit of {self.limits.max_connections} connections open; retry shortly",
-                         retry_after=1)
+            self._reject(
+                503,
+                "too_many_connections",
+                f"the server has its limit of {self.limits.max_connections} connections open; retry shortly",
+                retry_after=1,
+            )
             return
         self._start_header_timer()
 
@@ -133,12 +136,19 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._awaiting_headers:
             crossed = self._scan.feed(data)
             if crossed == "bytes":
-                self._reject(431, "headers_too_large", f"the request line and headers are over the limit of "
-                             f"{self.limits.max_header_bytes} bytes (PADIM_MAX_HEADER_BYTES)")
+                self._reject(
+                    431,
+                    "headers_too_large",
+                    f"the request line and headers are over the limit of "
+                    f"{self.limits.max_header_bytes} bytes (PADIM_MAX_HEADER_BYTES)",
+                )
                 return
             if crossed == "count":
-                self._reject(431, "too_many_headers",
-                             f"the request has more than {self.limits.max_headers} headers (PADIM_MAX_HEADERS)")
+                self._reject(
+                    431,
+                    "too_many_headers",
+                    f"the request has more than {self.limits.max_headers} headers (PADIM_MAX_HEADERS)",
+                )
                 return
         super().data_received(data)
 
@@ -152,8 +162,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
-            self._rejection = (431, "too_many_headers",
-                               f"the request has more than {self.limits.max_headers} headers (PADIM_MAX_HEADERS)")
+            self._rejection = (
+                431,
+                "too_many_headers",
+                f"the request has more than {self.limits.max_headers} headers (PADIM_MAX_HEADERS)",
+            )
             raise _Rejected
         super().on_header(name, value)
 
@@ -190,8 +203,11 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._scan.bytes == 0:  # never said anything: an idle connection
             self.transport.close()
             return
-        self._reject(408, "header_timeout", f"the request headers did not arrive within "
-                     f"{self.limits.header_timeout_s:g} s (PADIM_HEADER_TIMEOUT_S)")
+        self._reject(
+            408,
+            "header_timeout",
+            f"the request headers did not arrive within {self.limits.header_timeout_s:g} s (PADIM_HEADER_TIMEOUT_S)",
+        )
 
     def _reject(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
         """Answer ``status`` as JSON and close, lingering so the client can read the answer."""
@@ -203,8 +219,13 @@ class GuardedProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: application/json\r\n", b"content-length: ", str(len(body)).encode(), b"\r\n",
-                 b"connection: close\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+            b"connection: close\r\n",
+        ]
         if retry_after is not None:
             head += [b"retry-after: ", str(retry_after).encode(), b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))

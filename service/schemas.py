@@ -11,8 +11,11 @@ class ModelInfo(BaseModel):
     """Which model answered: returned with every score."""
 
     name: str = Field(description="the model's name (a repository's folder, or the model file's stem)")
-    version: int = Field(default=1, description="the version that scored and judged the image (a repository's "
-                         "numbered version; 1 for models served from PADIM_MODELS / PADIM_MODEL_DIR)")
+    version: int = Field(
+        default=1,
+        description="the version that scored and judged the image (a repository's "
+        "numbered version; 1 for models served from PADIM_MODELS / PADIM_MODEL_DIR)",
+    )
     backbone: str
     created: str | None = Field(description="when the model's statistics were last extended (ISO 8601, UTC)")
     sha256: str = Field(description="sha256 of the model file")
@@ -23,18 +26,27 @@ class ScoreResult(BaseModel):
     """The verdict on one image (the same keys as `padim predict`'s results.jsonl)."""
 
     score: float = Field(description="0..1; the image is anomalous at or above `threshold`")
-    raw_score: float = Field(description="the image score, Mahalanobis distance units (by default the maximum of the map)")
+    raw_score: float = Field(
+        description="the image score, Mahalanobis distance units (by default the maximum of the map)"
+    )
     is_anomaly: bool
     threshold: float = Field(description="threshold used, on the 0..1 score scale (0.5 unless the request set one)")
-    raw_threshold: float | None = Field(description="the same threshold in raw units; null when the threshold "
-                                        "is 0 or 1, which have no finite raw value")
+    raw_threshold: float | None = Field(
+        description="the same threshold in raw units; null when the threshold is 0 or 1, which have no finite raw value"
+    )
     anomalous_area: float = Field(description="share of map pixels at or above the threshold")
-    heatmap: str | None = Field(None, description="PNG, base64 (heatmap=true): the image, tinted only where the map "
-                                "nears or passes the threshold, with the outline of the area at or above it; at the "
-                                "image's size (at most PADIM_HEATMAP_MAX_SIDE a side)")
+    heatmap: str | None = Field(
+        None,
+        description="PNG, base64 (heatmap=true): the image, tinted only where the map "
+        "nears or passes the threshold, with the outline of the area at or above it; at the "
+        "image's size (at most PADIM_HEATMAP_MAX_SIDE a side)",
+    )
     mask: str | None = Field(None, description="PNG, base64: white where at or above the threshold (mask=true)")
-    record_id: str | None = Field(None, description="the picture's row in the inspection record (when the record is on: "
-                                  "GET /records/{id}; a review refers to it)")
+    record_id: str | None = Field(
+        None,
+        description="the picture's row in the inspection record (when the record is on: "
+        "GET /records/{id}; a review refers to it)",
+    )
 
 
 class ScoreResponse(ScoreResult):
@@ -61,15 +73,21 @@ class CalibrationInfo(BaseModel):
     false_alarm_bound: float = Field(description="upper bound of the rate at `confidence`")
     confidence: float
     source: str | None = Field(description="out_of_fold (the fit's images) or held_out (images no part fitted)")
-    folds: int | Literal["loo"] = Field(description="calibration folds: `loo` (leave-one-out, each image its own fold) "
-                                                    "or the number of folds K")
-    expect: str = Field(default="", description="the changes of the line the threshold covers, as bounds "
-                        "(train --expect; empty: none declared)")
+    folds: int | Literal["loo"] = Field(
+        description="calibration folds: `loo` (leave-one-out, each image its own fold) or the number of folds K"
+    )
+    expect: str = Field(
+        default="",
+        description="the changes of the line the threshold covers, as bounds (train --expect; empty: none declared)",
+    )
     fit_changes: bool = Field(default=False, description="whether each training picture's changed copy was fitted too")
     covers: str = Field(default="", description="which normal pictures the false-alarm promise is about, in words")
-    threshold_of: str = Field(default="float32 scorer", description="whose scores set the threshold: `float32 scorer` "
-                              "(the model file's), or a quantised scorer's own on held-out normal images (padim export "
-                              "--precision)")
+    threshold_of: str = Field(
+        default="float32 scorer",
+        description="whose scores set the threshold: `float32 scorer` "
+        "(the model file's), or a quantised scorer's own on held-out normal images (padim export "
+        "--precision)",
+    )
 
 
 class QuantisationAgreement(BaseModel):
@@ -114,23 +132,34 @@ class ModelDescription(ModelInfo):
     blur_sigma: float = Field(description="Gaussian smoothing of the map, in input pixels")
     image_score: str = Field(description="how the score is read from the map: map_max, patch_max or top_mean")
     top_fraction: float = Field(description="share of the map's pixels top_mean averages")
-    roi: list[int] | None = Field(default=None, description="region of interest x, y, width, height in pixels of the "
-                                  "picture (null: the whole picture); maps are 0 outside it")
+    roi: list[int] | None = Field(
+        default=None,
+        description="region of interest x, y, width, height in pixels of the "
+        "picture (null: the whole picture); maps are 0 outside it",
+    )
     resize: str = Field(default="squash", description="how the region becomes the square input: squash, crop or pad")
-    tiles: list[int] = Field(default=[1, 1], description="rows, columns of tiles of image_size pixels (1, 1: untiled); "
-                             "the tiles' maps are stitched into one map of the picture")
+    tiles: list[int] = Field(
+        default=[1, 1],
+        description="rows, columns of tiles of image_size pixels (1, 1: untiled); "
+        "the tiles' maps are stitched into one map of the picture",
+    )
     tile_overlap: float = Field(default=0.0, description="share of a tile its neighbours overlap")
-    tile_statistics: str = Field(default="position", description="position: each tile position its own statistics; "
-                                 "shared: one set every tile shares")
+    tile_statistics: str = Field(
+        default="position",
+        description="position: each tile position its own statistics; shared: one set every tile shares",
+    )
     input_shape: list[int] = Field(description="height, width of the model input in pixels (the tiles together)")
     fit_image_count: int
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
     runtime: str = Field(description="what runs the scorer: torch, onnxruntime or openvino")
     precision: Literal["float32", "int8", "fp16"] = Field(
-        default="float32", description="the backbone's precision (an export of padim export --precision)")
-    quantisation: QuantisationInfo | None = Field(default=None, description="a quantised export: its accuracy gate and "
-                                                  "the float32 calibration its own threshold replaced")
+        default="float32", description="the backbone's precision (an export of padim export --precision)"
+    )
+    quantisation: QuantisationInfo | None = Field(
+        default=None,
+        description="a quantised export: its accuracy gate and the float32 calibration its own threshold replaced",
+    )
     padim_version: str
     threshold: float = Field(description="the threshold on the score scale: 0.5")
     load_seconds: float
@@ -143,16 +172,23 @@ class VersionInfo(BaseModel):
     version: int = Field(description="monotonic; never reused, also after a version is removed")
     sha256: str = Field(description="sha256 of the model file (of the file an export was made from)")
     created: str = Field(description="when the version was added (ISO 8601, UTC)")
-    source: str = Field(description="`upload`, the file name given to `padim repository add`, `copied in`, or "
-                        "`model set` (a model of PADIM_MODELS / PADIM_MODEL_DIR)")
+    source: str = Field(
+        description="`upload`, the file name given to `padim repository add`, `copied in`, or "
+        "`model set` (a model of PADIM_MODELS / PADIM_MODEL_DIR)"
+    )
     kind: Literal["model", "export"] = Field(description="a .padim file or an export directory")
     active: bool = Field(description="new requests go to this version")
     loaded: bool = Field(description="in memory now (the active version, and replaced ones still answering)")
-    calibration: dict | None = Field(description="the calibration summary its file records: method, threshold, "
-                                     "false_alarm_rate, promised_false_alarm_rate, false_alarm_bound, scores, ...")
-    update: dict | None = Field(None, description="a version made by an update from reviews (POST "
-                                "/models/{name}/update): base_version, learned_from and removed (record ids), the "
-                                "gate (recall and false alarms, old against new), job, forced activations")
+    calibration: dict | None = Field(
+        description="the calibration summary its file records: method, threshold, "
+        "false_alarm_rate, promised_false_alarm_rate, false_alarm_bound, scores, ..."
+    )
+    update: dict | None = Field(
+        None,
+        description="a version made by an update from reviews (POST "
+        "/models/{name}/update): base_version, learned_from and removed (record ids), the "
+        "gate (recall and false alarms, old against new), job, forced activations",
+    )
 
 
 class VersionsResponse(BaseModel):
@@ -176,8 +212,10 @@ class VersionChange(BaseModel):
 class ModelsResponse(BaseModel):
     default: str | None = Field(description="the model POST /score uses (null: none served yet, an empty repository)")
     models: list[ModelDescription] = Field(description="the default first")
-    record: bool = Field(default=False, description="whether the inspection record is on (GET /records, the review "
-                         "queue; docs/record.md)")
+    record: bool = Field(
+        default=False,
+        description="whether the inspection record is on (GET /records, the review queue; docs/record.md)",
+    )
 
 
 class FlagRateReading(BaseModel):
@@ -186,11 +224,14 @@ class FlagRateReading(BaseModel):
     flags: int = Field(description="images at or above the model's own threshold (whatever a request asked for)")
     rate: float = Field(description="flags / images")
     normal_rate: float = Field(description="the most normal images would give: the calibration's false-alarm bound")
-    basis: Literal["promised", "manual"] = Field(description="promised: a requested rate's bound; manual: a threshold set "
-                                                 "by hand, its bound on the same normal scores (no promise)")
+    basis: Literal["promised", "manual"] = Field(
+        description="promised: a requested rate's bound; manual: a threshold set "
+        "by hand, its bound on the same normal scores (no promise)"
+    )
     p_value: float = Field(description="P(X >= flags), X ~ Binomial(images, normal_rate)")
-    alarm: bool = Field(description="p_value < level: more flags than normal images alone would give (drift or a "
-                        "defect wave)")
+    alarm: bool = Field(
+        description="p_value < level: more flags than normal images alone would give (drift or a defect wave)"
+    )
 
 
 class ShiftReading(BaseModel):
@@ -217,20 +258,26 @@ class MonitorResponse(BaseModel):
     """
 
     model: str
-    version: int = Field(default=1, description="the version whose answers the window holds: a new version starts a "
-                         "new window, since its threshold makes older flags incomparable")
+    version: int = Field(
+        default=1,
+        description="the version whose answers the window holds: a new version starts a "
+        "new window, since its threshold makes older flags incomparable",
+    )
     images: int = Field(description="images in the window")
-    status: Literal["collecting", "normal", "alarm"] = Field(description="collecting: fewer than min_images; alarm: "
-                                                              "a test fired")
+    status: Literal["collecting", "normal", "alarm"] = Field(
+        description="collecting: fewer than min_images; alarm: a test fired"
+    )
     alarms: list[str] = Field(description="the tests that fired: flag_rate, score_drift, input_drift")
     verdict: str = Field(description="what the reading says, in words")
     level: float = Field(description="each test's level (PADIM_MONITOR_LEVEL)")
     min_images: int
     flag_rate: FlagRateReading | None
     score_drift: ShiftReading | None = Field(description="raw scores against the calibration's out-of-fold scores")
-    input_drift: ShiftReading | None = Field(description="input distances (mean squared distance over every pixel) "
-                                             "against the training images' out-of-fold ones; null for models "
-                                             "older than format 7 and exports older than version 4")
+    input_drift: ShiftReading | None = Field(
+        description="input distances (mean squared distance over every pixel) "
+        "against the training images' out-of-fold ones; null for models "
+        "older than format 7 and exports older than version 4"
+    )
     window: int = Field(description="images the window holds at most (PADIM_MONITOR_WINDOW)")
     recorded: int = Field(description="images scored since the window was started or reset")
     threshold_overrides: int = Field(description="of them, scored for requests that set their own threshold")
@@ -315,8 +362,10 @@ class ReviewRequest(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    label: Literal["normal", "defect"] = Field(description="normal: a false alarm (or a right pass), which an update "
-                                               "may learn from; defect: a real defect (or a miss)")
+    label: Literal["normal", "defect"] = Field(
+        description="normal: a false alarm (or a right pass), which an update "
+        "may learn from; defect: a real defect (or a miss)"
+    )
     defect_type: str | None = Field(None, max_length=64, description="scratch, stain, hole, ... (free text)")
     note: str | None = Field(None, max_length=2000)
     reviewer: str | None = Field(None, max_length=128, description="who reviewed it")
@@ -351,9 +400,13 @@ class UpdateRequest(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    records: list[str] | None = Field(None, max_length=10_000, description="record ids to add (each reviewed as "
-                                      "normal); default: every picture of the model reviewed as normal that the "
-                                      "version has not fitted")
+    records: list[str] | None = Field(
+        None,
+        max_length=10_000,
+        description="record ids to add (each reviewed as "
+        "normal); default: every picture of the model reviewed as normal that the "
+        "version has not fitted",
+    )
     version: int | None = Field(None, ge=1, description="the version to update; default the active one")
 
 
@@ -370,7 +423,9 @@ class JobInfo(BaseModel):
     started: str | None
     finished: str | None
     request: dict
-    result: dict | None = Field(description="once succeeded: the new version, what it learned (record ids), the "
-                                "gate (recall on reviewed defects and false alarms, old against new) and whether it "
-                                "was activated")
+    result: dict | None = Field(
+        description="once succeeded: the new version, what it learned (record ids), the "
+        "gate (recall on reviewed defects and false alarms, old against new) and whether it "
+        "was activated"
+    )
     error: str | None

@@ -30,8 +30,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
@@ -76,8 +80,10 @@ def serve(settings: ServiceSettings) -> int:
     else:
         files = settings.model_files()
         if not files:
-            raise UsageError("no model to serve: pass --model FILE (repeatable), set PADIM_MODEL_DIR, or serve a "
-                             "repository (--repository DIR)")
+            raise UsageError(
+                "no model to serve: pass --model FILE (repeatable), set PADIM_MODEL_DIR, or serve a "
+                "repository (--repository DIR)"
+            )
     for path in files:  # missing, truncated, foreign or newer: one-line ArtifactError now
         if (path / METADATA_FILE).is_file():
             read_export(path)
@@ -96,13 +102,26 @@ def serve(settings: ServiceSettings) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=stop)
-    limits = ConnectionLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
-                              header_timeout_s=settings.header_timeout_s, max_connections=settings.max_connections,
-                              max_discard_bytes=settings.max_discard_bytes)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=settings.drain_timeout_s, lifespan="on",
-                            http=guarded_protocol(limits), timeout_keep_alive=settings.keep_alive_timeout_s,
-                            server_header=False, headers=[("server", SERVER_HEADER)])
+    limits = ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=settings.max_connections,
+        max_discard_bytes=settings.max_discard_bytes,
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+        lifespan="on",
+        http=guarded_protocol(limits),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        server_header=False,
+        headers=[("server", SERVER_HEADER)],
+    )
     server = DrainingServer(config, app.state.service)
     # uvicorn re-raises the signal it drained on once its own handlers are gone; with these
     # no-op handlers in place a clean drain ends with exit code 0 instead of death by signal.

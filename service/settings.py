@@ -21,113 +21,225 @@ class ServiceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PADIM_", frozen=True, extra="forbid")
 
-    models: list[Path] = Field(default_factory=list, description="model files or export directories; the first "
-                               "is the default")
-    model_dir: Path | None = Field(None, description="serve every *.padim file and export directory "
-                                   "(padim export) in this directory (sorted)")
-    repository: Path | None = Field(None, description="a model repository (DIR/NAME/N/...; docs/deployment.md): each "
-                                    "model's active version is served, and versions are uploaded, activated and rolled "
-                                    "back while the service runs (the admin routes, with PADIM_ADMIN_KEY); not with "
-                                    "PADIM_MODELS / PADIM_MODEL_DIR, which serve a fixed set")
-    repository_poll_s: float | None = Field(None, gt=0, description="read the repository again every this many seconds "
-                                            "and serve what it says is active (a version copied in, ACTIVE edited); "
-                                            "off by default")
+    models: list[Path] = Field(
+        default_factory=list, description="model files or export directories; the first is the default"
+    )
+    model_dir: Path | None = Field(
+        None, description="serve every *.padim file and export directory (padim export) in this directory (sorted)"
+    )
+    repository: Path | None = Field(
+        None,
+        description="a model repository (DIR/NAME/N/...; docs/deployment.md): each "
+        "model's active version is served, and versions are uploaded, activated and rolled "
+        "back while the service runs (the admin routes, with PADIM_ADMIN_KEY); not with "
+        "PADIM_MODELS / PADIM_MODEL_DIR, which serve a fixed set",
+    )
+    repository_poll_s: float | None = Field(
+        None,
+        gt=0,
+        description="read the repository again every this many seconds "
+        "and serve what it says is active (a version copied in, ACTIVE edited); "
+        "off by default",
+    )
     default_model: str | None = Field(None, description="name (file stem) of the default model")
     api_key: SecretStr | None = Field(None, description="when set, every route but /health/* and /metrics needs it")
-    admin_key: SecretStr | None = Field(None, description="opens the admin routes (upload, activate, roll back, remove, "
-                                        "unload versions) and every other route; without it those routes do not "
-                                        "exist. Must differ from PADIM_API_KEY, which cannot change models")
-    max_model_upload_bytes: int = Field(8_000_000_000, ge=1, description="largest model file an upload may carry "
-                                        "(POST /models/{name}/versions; streamed to disk, never held in memory)")
+    admin_key: SecretStr | None = Field(
+        None,
+        description="opens the admin routes (upload, activate, roll back, remove, "
+        "unload versions) and every other route; without it those routes do not "
+        "exist. Must differ from PADIM_API_KEY, which cannot change models",
+    )
+    max_model_upload_bytes: int = Field(
+        8_000_000_000,
+        ge=1,
+        description="largest model file an upload may carry "
+        "(POST /models/{name}/versions; streamed to disk, never held in memory)",
+    )
     model_upload_timeout_s: float = Field(3600.0, gt=0, description="a model upload's body must arrive within this")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
-        "auto", description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
-        "there), torch otherwise. .padim files are exported once and cached (PADIM_CACHE_DIR, else beside them)")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="largest device batch, in backbone inputs: images, or "
-                                "tiles of a tiled model, whose batches then hold max_batch_size / tiles pictures (each "
-                                "model is warmed up with the largest batch it will form, so a batch that does not fit "
-                                "fails at start, not under load)")
-    max_device_errors: int = Field(3, ge=1, description="scoring batches failing in a row on the GPU (an error that "
-                                   "splitting the batch did not cure) after which the service reports itself unready "
-                                   "(/health/ready 503), so that an orchestrator restarts it")
-    cuda_memory_fraction: float | None = Field(None, gt=0, le=1, description="most of the GPU's memory this process "
-                                               "may take (torch.cuda.set_per_process_memory_fraction), to share a GPU")
+        "auto",
+        description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
+        "there), torch otherwise. .padim files are exported once and cached (PADIM_CACHE_DIR, else beside them)",
+    )
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="largest device batch, in backbone inputs: images, or "
+        "tiles of a tiled model, whose batches then hold max_batch_size / tiles pictures (each "
+        "model is warmed up with the largest batch it will form, so a batch that does not fit "
+        "fails at start, not under load)",
+    )
+    max_device_errors: int = Field(
+        3,
+        ge=1,
+        description="scoring batches failing in a row on the GPU (an error that "
+        "splitting the batch did not cure) after which the service reports itself unready "
+        "(/health/ready 503), so that an orchestrator restarts it",
+    )
+    cuda_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="most of the GPU's memory this process "
+        "may take (torch.cuda.set_per_process_memory_fraction), to share a GPU",
+    )
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="longest wait for a batch to fill")
     preferred_batch_size: int | None = Field(
-        None, ge=1, le=1024,
+        None,
+        ge=1,
+        le=1024,
         description="send a batch once it has this many images; default 8 on CPU (larger batches are no "
-        "faster per image there), max_batch_size on CUDA")
-    max_queue: int = Field(256, ge=1, description="images per model admitted and waiting for a batch; a request "
-                           "that would go over gets 503 before its images are decoded, and a batch request with "
-                           "more images than this (or than max_batch_size) gets 422 batch_too_large")
+        "faster per image there), max_batch_size on CUDA",
+    )
+    max_queue: int = Field(
+        256,
+        ge=1,
+        description="images per model admitted and waiting for a batch; a request "
+        "that would go over gets 503 before its images are decoded, and a batch request with "
+        "more images than this (or than max_batch_size) gets 422 batch_too_large",
+    )
     request_timeout_s: float = Field(30.0, gt=0, description="a request waiting longer gets 504")
-    max_upload_bytes: int = Field(20_000_000, ge=1, description="larger bodies get 413 (the body is read and "
-                                  "discarded up to max_discard_bytes so the client can read the answer)")
-    max_discard_bytes: int = Field(64_000_000, ge=0, description="how much of a refused body (or headers) is read "
-                                   "and thrown away before the connection is closed")
+    max_upload_bytes: int = Field(
+        20_000_000,
+        ge=1,
+        description="larger bodies get 413 (the body is read and "
+        "discarded up to max_discard_bytes so the client can read the answer)",
+    )
+    max_discard_bytes: int = Field(
+        64_000_000,
+        ge=0,
+        description="how much of a refused body (or headers) is read and thrown away before the connection is closed",
+    )
     max_image_pixels: int = Field(40_000_000, ge=1, description="larger images get 413 (decompression bombs)")
     decode_workers: int = Field(DEFAULT_WORKERS, ge=1, description="threads decoding and resizing images")
     decode_pixel_budget: int | None = Field(
-        None, ge=1, description="decoded pixels in flight at once across all requests, which bounds decode "
-        "memory (Pillow holds 4 bytes a pixel); default twice max_image_pixels: two images at the limit")
+        None,
+        ge=1,
+        description="decoded pixels in flight at once across all requests, which bounds decode "
+        "memory (Pillow holds 4 bytes a pixel); default twice max_image_pixels: two images at the limit",
+    )
     max_header_bytes: int = Field(32_768, ge=1024, description="request line and headers over this get 431")
     max_headers: int = Field(100, ge=1, description="requests with more headers get 431")
-    header_timeout_s: float = Field(10.0, gt=0, description="the request line and headers must arrive within this "
-                                    "(else 408, or a silent close if nothing was sent)")
-    body_timeout_s: float = Field(60.0, gt=0, description="the body must arrive within this after the headers, else 408")
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the request line and headers must arrive within this "
+        "(else 408, or a silent close if nothing was sent)",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="the body must arrive within this after the headers, else 408"
+    )
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
     max_connections: int = Field(512, ge=1, description="open connections beyond this get 503 too_many_connections")
     heatmap_max_side: int = Field(1024, ge=16, description="heat maps and masks are at most this many pixels wide/high")
-    monitor_window: int = Field(2000, ge=1, le=1_000_000, description="recent images per model whose raw score and "
-                                "input distance the monitor keeps (16 bytes each; no image is kept) for GET "
-                                "/models/{name}/monitor and the padim_monitor_* gauges; per process, lost on restart")
-    monitor_level: float = Field(0.01, gt=0, lt=1, description="level of each monitor test (flag rate, score drift, "
-                                 "input drift): an alarm when its p-value is below this")
+    monitor_window: int = Field(
+        2000,
+        ge=1,
+        le=1_000_000,
+        description="recent images per model whose raw score and "
+        "input distance the monitor keeps (16 bytes each; no image is kept) for GET "
+        "/models/{name}/monitor and the padim_monitor_* gauges; per process, lost on restart",
+    )
+    monitor_level: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="level of each monitor test (flag rate, score drift, "
+        "input drift): an alarm when its p-value is below this",
+    )
     monitor_min_images: int = Field(30, ge=1, description="images in the window before the monitor's tests are read")
-    record_dir: Path | None = Field(None, description="keep the inspection record here: a row for every scored picture "
-                                    "and the picture's bytes as sent (docs/record.md); SQLite in this folder unless "
-                                    "PADIM_RECORD_URL names a database. Off when neither is set")
-    record_url: SecretStr | None = Field(None, description="the record's database for several replicas: "
-                                         "postgresql://user:password@host/db (pictures and the journal stay in "
-                                         "PADIM_RECORD_DIR, by default $XDG_DATA_HOME/padim/record)")
-    record_max_bytes: int = Field(10_000_000_000, ge=0, description="bytes of stored pictures; past it the oldest "
-                                  "passed pictures are evicted first, then flagged ones (rows stay; reviewed and "
-                                  "learned-from pictures are never evicted)")
+    record_dir: Path | None = Field(
+        None,
+        description="keep the inspection record here: a row for every scored picture "
+        "and the picture's bytes as sent (docs/record.md); SQLite in this folder unless "
+        "PADIM_RECORD_URL names a database. Off when neither is set",
+    )
+    record_url: SecretStr | None = Field(
+        None,
+        description="the record's database for several replicas: "
+        "postgresql://user:password@host/db (pictures and the journal stay in "
+        "PADIM_RECORD_DIR, by default $XDG_DATA_HOME/padim/record)",
+    )
+    record_max_bytes: int = Field(
+        10_000_000_000,
+        ge=0,
+        description="bytes of stored pictures; past it the oldest "
+        "passed pictures are evicted first, then flagged ones (rows stay; reviewed and "
+        "learned-from pictures are never evicted)",
+    )
     record_retention_days: float = Field(30.0, gt=0, description="passed pictures are evicted after this many days")
-    record_flagged_retention_days: float = Field(90.0, gt=0, description="flagged pictures are evicted after this "
-                                                 "many days")
-    record_required: bool = Field(False, description="a score fails with 503 record_unavailable instead of answering "
-                                  "when its row cannot be made durable (the journal is full, or its disk failed): "
-                                  "for lines that must trace every part")
-    record_journal_max_bytes: int = Field(1_000_000_000, ge=1, description="rows waiting for the database (down or "
-                                          "slow) are kept in an on-disk journal of at most this many bytes (about "
-                                          "600 bytes a row)")
-    record_timeout_s: float = Field(10.0, gt=0, description="with PADIM_RECORD_REQUIRED, how long a score waits for "
-                                    "its row to be durable before it answers 503")
-    review_sample: float = Field(0.02, ge=0, le=1, description="share of passed pictures put in the review queue "
-                                 "beside the flagged ones (misses are found only there)")
-    review_key: SecretStr | None = Field(None, description="reviews recorded pictures (POST /records/{id}/review) and "
-                                         "reads the record, without the admin key's power over models")
-    update_max_recall_drop: float = Field(0.02, ge=0, le=1, description="an updated version (POST "
-                                          "/models/{name}/update) whose recall on reviewed defects falls by more "
-                                          "than this share (and by more than one defect) is not activated without "
-                                          "force=true")
+    record_flagged_retention_days: float = Field(
+        90.0, gt=0, description="flagged pictures are evicted after this many days"
+    )
+    record_required: bool = Field(
+        False,
+        description="a score fails with 503 record_unavailable instead of answering "
+        "when its row cannot be made durable (the journal is full, or its disk failed): "
+        "for lines that must trace every part",
+    )
+    record_journal_max_bytes: int = Field(
+        1_000_000_000,
+        ge=1,
+        description="rows waiting for the database (down or "
+        "slow) are kept in an on-disk journal of at most this many bytes (about "
+        "600 bytes a row)",
+    )
+    record_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="with PADIM_RECORD_REQUIRED, how long a score waits for "
+        "its row to be durable before it answers 503",
+    )
+    review_sample: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="share of passed pictures put in the review queue "
+        "beside the flagged ones (misses are found only there)",
+    )
+    review_key: SecretStr | None = Field(
+        None,
+        description="reviews recorded pictures (POST /records/{id}/review) and "
+        "reads the record, without the admin key's power over models",
+    )
+    update_max_recall_drop: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="an updated version (POST "
+        "/models/{name}/update) whose recall on reviewed defects falls by more "
+        "than this share (and by more than one defect) is not activated without "
+        "force=true",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")
     def _consistent(self) -> ServiceSettings:
-        if self.admin_key is not None and self.api_key is not None \
-                and self.admin_key.get_secret_value() == self.api_key.get_secret_value():
+        if (
+            self.admin_key is not None
+            and self.api_key is not None
+            and self.admin_key.get_secret_value() == self.api_key.get_secret_value()
+        ):
             raise ValueError("PADIM_ADMIN_KEY must differ from PADIM_API_KEY: the scoring key must not change models")
         if self.repository is not None and (self.models or self.model_dir is not None):
-            raise ValueError("serve either a repository (PADIM_REPOSITORY) or a fixed set of models (PADIM_MODELS, "
-                             "PADIM_MODEL_DIR), not both")
-        keys = {name: key.get_secret_value() for name, key in (("PADIM_API_KEY", self.api_key),
-                ("PADIM_ADMIN_KEY", self.admin_key), ("PADIM_REVIEW_KEY", self.review_key)) if key is not None}
+            raise ValueError(
+                "serve either a repository (PADIM_REPOSITORY) or a fixed set of models (PADIM_MODELS, "
+                "PADIM_MODEL_DIR), not both"
+            )
+        keys = {
+            name: key.get_secret_value()
+            for name, key in (
+                ("PADIM_API_KEY", self.api_key),
+                ("PADIM_ADMIN_KEY", self.admin_key),
+                ("PADIM_REVIEW_KEY", self.review_key),
+            )
+            if key is not None
+        }
         if self.review_key is not None and list(keys.values()).count(keys["PADIM_REVIEW_KEY"]) > 1:
             raise ValueError("PADIM_REVIEW_KEY must differ from PADIM_API_KEY and PADIM_ADMIN_KEY")
         if self.repository_poll_s is not None and self.repository is None:
@@ -165,8 +277,11 @@ class ServiceSettings(BaseSettings):
     def model_files(self) -> list[Path]:
         files = list(self.models)
         if self.model_dir is not None:
-            files += sorted(p for p in self.model_dir.iterdir()
-                            if (p.suffix == ".padim" and p.is_file()) or (p / "padim.json").is_file())
+            files += sorted(
+                p
+                for p in self.model_dir.iterdir()
+                if (p.suffix == ".padim" and p.is_file()) or (p / "padim.json").is_file()
+            )
         return files
 
 

@@ -43,8 +43,8 @@ from padim.models.errors import (
     WeightsError,
 )
 from padim.models.features.embedding import TRACING
-from padim.models.model_file import served_bytes
 from padim.models.heatmaps import mask_image, overlay
+from padim.models.model_file import served_bytes
 from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 from padim.models.scorer import Scorer
 from padim.models.verdicts import verdict
@@ -153,14 +153,26 @@ class ServedModel:
 
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
-        return ModelInfo(name=self.name, version=self.version, backbone=self.detector.config.backbone,
-                         created=self.detector.provenance.created, sha256=self.sha256,
-                         weights=self.detector.weights.public_label)  # no server paths for clients
+        return ModelInfo(
+            name=self.name,
+            version=self.version,
+            backbone=self.detector.config.backbone,
+            created=self.detector.provenance.created,
+            sha256=self.sha256,
+            weights=self.detector.weights.public_label,
+        )  # no server paths for clients
 
     def describe(self, versions: list | None = None) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""
-        return ModelDescription(**{**self.detector.describe(), **self.info().model_dump(), "threshold": 0.5,
-                                   "load_seconds": round(self.load_seconds, 3), "versions": versions or []})
+        return ModelDescription(
+            **{
+                **self.detector.describe(),
+                **self.info().model_dump(),
+                "threshold": 0.5,
+                "load_seconds": round(self.load_seconds, 3),
+                "versions": versions or [],
+            }
+        )
 
     def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor, float | None]]:
         """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S), input_distance)]``.
@@ -174,8 +186,9 @@ class ServedModel:
             release_device_memory()
             if batch.shape[0] == 1:
                 raise
-            log.warning("out of GPU memory at batch %d; scoring it in two halves", batch.shape[0],
-                        extra={"model": self.name})
+            log.warning(
+                "out of GPU memory at batch %d; scoring it in two halves", batch.shape[0], extra={"model": self.name}
+            )
             if on_split is not None:
                 on_split()
             half = (batch.shape[0] + 1) // 2
@@ -223,7 +236,9 @@ def available_memory(device: str) -> tuple[int | None, str]:
 def _unservable(error: Exception, path: Path) -> UnservableModel:
     """An uploaded model that cannot be served, said without the server's path to it."""
     message = str(error).replace(str(path), "the uploaded file")
-    return UnservableModel(message if isinstance(error, UnservableModel) else f"the model cannot be served here: {message}")
+    return UnservableModel(
+        message if isinstance(error, UnservableModel) else f"the model cannot be served here: {message}"
+    )
 
 
 def _collect() -> None:
@@ -270,7 +285,9 @@ class ServiceState:
         # model updates (POST /models/{name}/update): one thread, so one update runs at a time beside scoring
         self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-update")
         self.jobs = UpdateJobs(self)
-        self.side: dict[tuple[str, int], Scorer] = {}  # a version that is not served, loaded to draw a record's heat map
+        self.side: dict[
+            tuple[str, int], Scorer
+        ] = {}  # a version that is not served, loaded to draw a record's heat map
 
     def open_record(self) -> None:
         """Start the inspection record when it is on (its database is brought up to date by its writer thread)."""
@@ -281,11 +298,20 @@ class ServiceState:
         folder.mkdir(parents=True, exist_ok=True)
         url = settings.record_url.get_secret_value() if settings.record_url is not None else None
         store = RecordStore(database_url(url, folder))
-        self.record = Recorder(folder, store, settings.record_journal_max_bytes, settings.record_max_bytes,
-                               settings.record_retention_days, settings.record_flagged_retention_days, self.metrics)
+        self.record = Recorder(
+            folder,
+            store,
+            settings.record_journal_max_bytes,
+            settings.record_max_bytes,
+            settings.record_retention_days,
+            settings.record_flagged_retention_days,
+            self.metrics,
+        )
         self.record.start()
-        log.info("inspection record on", extra={"folder": str(folder), "database": store.kind,
-                                                "required": settings.record_required})
+        log.info(
+            "inspection record on",
+            extra={"folder": str(folder), "database": store.kind, "required": settings.record_required},
+        )
 
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
@@ -302,14 +328,22 @@ class ServiceState:
                 raise UsageError("no model to serve: pass --model FILE, set PADIM_MODEL_DIR or PADIM_REPOSITORY")
             names = [model_name(p) for p in files]
             if len(set(names)) != len(names):
-                raise UsageError(f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+                raise UsageError(
+                    f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}"
+                )
             for path, name in zip(files, names):
-                self._install(name, await self._prepare(Version(name, 1, path, "", "", path.name,
-                                                                      "export" if path.is_dir() else "model")))
+                self._install(
+                    name,
+                    await self._prepare(
+                        Version(name, 1, path, "", "", path.name, "export" if path.is_dir() else "model")
+                    ),
+                )
         if names:
             self.default_name = self.settings.default_model or names[0]
             if self.default_name not in self.models:
-                raise UsageError(f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}")
+                raise UsageError(
+                    f"default model {self.default_name!r} is not among the loaded ones: {', '.join(names)}"
+                )
         self.ready = True
 
     async def _prepare(self, version: Version) -> ServedModel:
@@ -321,9 +355,21 @@ class ServiceState:
         detector, sha256 = await loop.run_in_executor(self.loader, self._load_one, version.path, cache)
         seconds = time.perf_counter() - started
         largest, preferred = self.settings.picture_batches(detector.device.type, detector.config.tile_count)
-        served = ServedModel(version.name, version.path, version.sha256 or sha256, detector, None, seconds,  # type: ignore[arg-type]
-                             Monitor(detector.calibration, self.settings.monitor_window, self.settings.monitor_level,
-                                     self.settings.monitor_min_images), version=version.version)
+        served = ServedModel(
+            version.name,
+            version.path,
+            version.sha256 or sha256,
+            detector,
+            None,
+            seconds,  # type: ignore[arg-type]
+            Monitor(
+                detector.calibration,
+                self.settings.monitor_window,
+                self.settings.monitor_level,
+                self.settings.monitor_min_images,
+            ),
+            version=version.version,
+        )
         served.batcher = MicroBatcher(
             score_batch=lambda batch, m=served: self.score(m, batch),  # bound to this version, never looked up by name
             executor=self.inference,
@@ -348,8 +394,15 @@ class ServiceState:
         self.metrics.model_version.labels(name).set(served.version)
         if change is not None:
             self.metrics.model_changes.labels(name, change).inc()
-        log.info("model ready", extra={"model": name, "version": served.version, "load_seconds": round(served.load_seconds, 3),
-                                       "weights": served.detector.weights.label})
+        log.info(
+            "model ready",
+            extra={
+                "model": name,
+                "version": served.version,
+                "load_seconds": round(served.load_seconds, 3),
+                "weights": served.detector.weights.label,
+            },
+        )
         if old is not None:
             self._retire(old)
 
@@ -392,7 +445,8 @@ class ServiceState:
             raise InsufficientMemory(
                 f"loading {path.name} needs about {need * LOAD_MEMORY_FACTOR / 2**20:,.0f} MiB and {where} has "
                 f"{free / 2**20:,.0f} MiB free beside the {len(self.models) + len(self.retired)} version(s) loaded; "
-                "unload a model (DELETE /models/{name}) or wait for a retired version to drain")
+                "unload a model (DELETE /models/{name}) or wait for a retired version to drain"
+            )
 
     def _load_one(self, path: Path, cache: Path | None = None) -> tuple[Scorer, str]:
         try:
@@ -404,13 +458,24 @@ class ServiceState:
         tiles = detector.config.tile_count
         _, largest = self.settings.picture_batches(detector.device.type, tiles)  # the largest batch the batcher forms
         try:
-            detector.score(torch.zeros(largest, 3, *detector.config.input_shape))  # warm-up (and cudnn's tuning) at that size
+            detector.score(
+                torch.zeros(largest, 3, *detector.config.input_shape)
+            )  # warm-up (and cudnn's tuning) at that size
         except torch.OutOfMemoryError:
             release_device_memory()
-            raise UsageError(f"{path}: a batch of {largest} images ({largest * tiles} tiles) does not fit in the GPU's memory; lower "
-                             "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU") from None
-        log.info("warmed up", extra={"model": model_name(path), "batch": largest, "device": str(detector.device),
-                                     "runtime": detector.runtime})
+            raise UsageError(
+                f"{path}: a batch of {largest} images ({largest * tiles} tiles) does not fit in the GPU's memory; lower "
+                "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU"
+            ) from None
+        log.info(
+            "warmed up",
+            extra={
+                "model": model_name(path),
+                "batch": largest,
+                "device": str(detector.device),
+                "runtime": detector.runtime,
+            },
+        )
         sha256 = detector.metadata["model"]["sha256"] if isinstance(detector, DeployedDetector) else file_sha256(path)
         return detector, sha256
 
@@ -432,9 +497,11 @@ class ServiceState:
     def writable(self) -> Repository:
         """The repository; a fixed set of models (PADIM_MODELS / PADIM_MODEL_DIR) has none to change."""
         if self.repository is None:
-            raise ReadOnlyModels("the models are served from PADIM_MODELS / PADIM_MODEL_DIR, a fixed set; serve a "
-                                 "repository (PADIM_REPOSITORY, padim serve --repository DIR) to change them while "
-                                 "the service runs")
+            raise ReadOnlyModels(
+                "the models are served from PADIM_MODELS / PADIM_MODEL_DIR, a fixed set; serve a "
+                "repository (PADIM_REPOSITORY, padim serve --repository DIR) to change them while "
+                "the service runs"
+            )
         if not self.ready:
             raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
         return self.repository
@@ -445,17 +512,36 @@ class ServiceState:
         if self.repository is None:
             if served is None:
                 raise VersionNotFound(f"no model named {name!r}")
-            fixed = Version(name, 1, served.path, served.sha256, served.detector.provenance.created or "",
-                            "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
-                            "export" if served.path.is_dir() else "model")
-            return [{**fixed.to_dict(), "active": True, "loaded": True,
-                     "calibration": served.detector.describe()["calibration"]}]
+            fixed = Version(
+                name,
+                1,
+                served.path,
+                served.sha256,
+                served.detector.provenance.created or "",
+                "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
+                "export" if served.path.is_dir() else "model",
+            )
+            return [
+                {
+                    **fixed.to_dict(),
+                    "active": True,
+                    "loaded": True,
+                    "calibration": served.detector.describe()["calibration"],
+                }
+            ]
         listed = self.repository.versions(name)
         if not listed:
             raise VersionNotFound(f"the repository has no model named {name!r}")
         loaded = {m.version for m in [served, *self.retired] if m is not None and m.name == name}
-        return [{**v.to_dict(), "active": served is not None and served.version == v.version,
-                 "loaded": v.version in loaded, "calibration": v.calibration()} for v in listed]
+        return [
+            {
+                **v.to_dict(),
+                "active": served is not None and served.version == v.version,
+                "loaded": v.version in loaded,
+                "calibration": v.calibration(),
+            }
+            for v in listed
+        ]
 
     @contextlib.asynccontextmanager
     async def changing(self, name: str, wait: bool = False):
@@ -506,9 +592,13 @@ class ServiceState:
             gate = (version.update or {}).get("gate") or {}
             if not rollback and gate.get("passed") is False:
                 if not force:
-                    raise UpdateGateFailed(f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; "
-                                           "activate it with force=true to override (it is kept in its version.json)")
-                await asyncio.to_thread(repository.note_forced, name, number, {"time": utc_now(), "gate": gate.get("why")})
+                    raise UpdateGateFailed(
+                        f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; "
+                        "activate it with force=true to override (it is kept in its version.json)"
+                    )
+                await asyncio.to_thread(
+                    repository.note_forced, name, number, {"time": utc_now(), "gate": gate.get("why")}
+                )
                 log.warning("version activated past its gate", extra={"model": name, "version": number})
             current = self.models.get(name)
             if current is not None and current.version == number:
@@ -529,8 +619,9 @@ class ServiceState:
             if name not in self.models:
                 raise VersionNotFound(f"no model named {name!r} is loaded")
             if name == self.default_name:
-                raise DefaultModel(f"{name!r} is the default model; start the service with another PADIM_DEFAULT_MODEL "
-                                   "to unload it")
+                raise DefaultModel(
+                    f"{name!r} is the default model; start the service with another PADIM_DEFAULT_MODEL to unload it"
+                )
             self._retire(self.models.pop(name))
             self.unloaded.add(name)
             self.metrics.model_changes.labels(name, "unload").inc()
@@ -540,7 +631,9 @@ class ServiceState:
         async with self.changing(name):
             served = self.models.get(name)
             if served is not None and served.version == number:
-                raise VersionActive(f"version {number} of {name!r} is being served; activate another (or roll back) first")
+                raise VersionActive(
+                    f"version {number} of {name!r} is being served; activate another (or roll back) first"
+                )
             await asyncio.to_thread(repository.remove, name, number)
 
     async def poll(self) -> None:
@@ -554,8 +647,12 @@ class ServiceState:
             for name in await asyncio.to_thread(self.repository.names):
                 number = self.repository.active(name)
                 served = self.models.get(name)
-                if number is None or name in self.unloaded or (served is not None and served.version == number) \
-                        or (name, number) in failed:
+                if (
+                    number is None
+                    or name in self.unloaded
+                    or (served is not None and served.version == number)
+                    or (name, number) in failed
+                ):
                     continue
                 try:
                     async with self.changing(name):
@@ -564,8 +661,10 @@ class ServiceState:
                     continue
                 except Exception as error:  # a bad copy is reported once, and the active version keeps serving
                     failed.add((name, number))
-                    log.error("repository poll: version not served", extra={"model": name, "version": number,
-                                                                            "error": str(error)})
+                    log.error(
+                        "repository poll: version not served",
+                        extra={"model": name, "version": number, "error": str(error)},
+                    )
 
     def score(self, model: ServedModel, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
         """Runs on the inference thread: one batch of ``model`` (a served version); counts the GPU's failures.
@@ -576,7 +675,9 @@ class ServiceState:
         name = model.name
         try:
             with TRACING:  # not while another version's backbone is traced on the loader thread
-                results = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
+                results = model.score_batch(
+                    batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc()
+                )
         except Exception as error:
             if not is_cuda_error(error):
                 raise
@@ -584,8 +685,12 @@ class ServiceState:
             self.metrics.device_errors.labels(name, "out_of_memory" if oom else "error").inc()
             self._device_failed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             if oom:
-                raise ApiError(503, "device_out_of_memory", "the GPU ran out of memory scoring this batch, even split "
-                               "in two; retry shortly", headers={"Retry-After": "1"}) from None
+                raise ApiError(
+                    503,
+                    "device_out_of_memory",
+                    "the GPU ran out of memory scoring this batch, even split in two; retry shortly",
+                    headers={"Retry-After": "1"},
+                ) from None
             raise
         self.device_errors = 0
         return results
@@ -594,8 +699,9 @@ class ServiceState:
         self.device_errors += 1
         log.error("device error", extra={"error": what, "in_a_row": self.device_errors})
         if self.device_errors >= self.settings.max_device_errors and self.failure is None:
-            self.failure = (f"{self.device_errors} scoring batches in a row failed on the GPU (last: {what}); "
-                            "restart the service")
+            self.failure = (
+                f"{self.device_errors} scoring batches in a row failed on the GPU (last: {what}); restart the service"
+            )
             self.ready = False
 
     async def check_devices(self) -> str | None:
@@ -604,15 +710,20 @@ class ServiceState:
         A failed operation (the GPU in an error state) turns the service unready for good; a probe
         that times out is reported but not kept (the GPU may be busy).
         """
-        devices = {m.detector.device for m in [*self.models.values(), *self.retired]
-                   if m.detector is not None and m.detector.device.type == "cuda"}
+        devices = {
+            m.detector.device
+            for m in [*self.models.values(), *self.retired]
+            if m.detector is not None and m.detector.device.type == "cuda"
+        }
         for device in devices:
             try:
                 await asyncio.wait_for(asyncio.to_thread(probe, device), PROBE_TIMEOUT_S)
             except TimeoutError:
                 return f"the CUDA probe on {device} took over {PROBE_TIMEOUT_S:g} s"
             except Exception as error:  # a sticky CUDA error: nothing on this GPU will work again
-                self.failure = f"the CUDA probe on {device} failed ({type(error).__name__}: {error}); restart the service"
+                self.failure = (
+                    f"the CUDA probe on {device} failed ({type(error).__name__}: {error}); restart the service"
+                )
                 self.ready = False
                 log.error("device probe failed", extra={"device": str(device), "error": str(error)})
                 return self.failure
@@ -633,16 +744,34 @@ class ServiceState:
         if own_threshold:
             self.metrics.threshold_overrides.labels(model.name).inc(len(results))
 
-    def keep(self, model: ServedModel, datas: list[bytes], digests: list[str], fields: list[dict], scored: list[tuple],
-             results: list[dict], pictures: list[tuple[int, int]]) -> list:
+    def keep(
+        self,
+        model: ServedModel,
+        datas: list[bytes],
+        digests: list[str],
+        fields: list[dict],
+        scored: list[tuple],
+        results: list[dict],
+        pictures: list[tuple[int, int]],
+    ) -> list:
         """Hand each answered picture's row and bytes to the record (never waits); each result gets its row's id.
         Returns the rows' futures, resolved once each row is durable."""
         assert self.record is not None
         futures = []
-        for data, digest, field_map, (_, _, distance), result, picture in zip(datas, digests, fields, scored, results,
-                                                                              pictures):
-            row = make_row(model.name, model.version, result, distance, picture, digest, len(data), field_map,
-                           self.settings.review_sample)
+        for data, digest, field_map, (_, _, distance), result, picture in zip(
+            datas, digests, fields, scored, results, pictures
+        ):
+            row = make_row(
+                model.name,
+                model.version,
+                result,
+                distance,
+                picture,
+                digest,
+                len(data),
+                field_map,
+                self.settings.review_sample,
+            )
             result["record_id"] = row["id"]
             futures.append(self.record.submit(row, data))
         return futures
@@ -654,20 +783,30 @@ class ServiceState:
         Raises:
             RecordGone: the version was deleted (or the model is no longer served from a fixed set).
         """
-        loaded = next((m for m in [*self.models.values(), *self.retired]
-                       if m.name == name and m.version == version and m.detector is not None), None)
+        loaded = next(
+            (
+                m
+                for m in [*self.models.values(), *self.retired]
+                if m.name == name and m.version == version and m.detector is not None
+            ),
+            None,
+        )
         loop = asyncio.get_running_loop()
         if loaded is not None:
             with self.using(loaded) as served:
                 return await self._draw(served, data, threshold, loop)
         if self.repository is None:
-            raise RecordGone(f"version {version} of {name!r} is not served any more (a fixed set of models); its "
-                             "heat maps cannot be drawn again")
+            raise RecordGone(
+                f"version {version} of {name!r} is not served any more (a fixed set of models); its "
+                "heat maps cannot be drawn again"
+            )
         try:
             path = (await asyncio.to_thread(self.repository.version, name, version)).path
         except (VersionNotFound, UsageError):
-            raise RecordGone(f"version {version} of {name!r} was deleted from the repository, so its heat maps cannot "
-                             "be drawn again; the record keeps its row and picture") from None
+            raise RecordGone(
+                f"version {version} of {name!r} was deleted from the repository, so its heat maps cannot "
+                "be drawn again; the record keeps its row and picture"
+            ) from None
         key = (name, version)
         detector = self.side.get(key)
         if detector is None:
@@ -686,8 +825,9 @@ class ServiceState:
             scored = await loop.run_in_executor(executor, served.score_batch, batch)
         raw, anomaly_map, _ = scored[0]
         own = None if abs(threshold - 0.5) < 1e-12 else threshold
-        return await loop.run_in_executor(self.decode, self.build_result, served, decoded, raw, anomaly_map, own, True,
-                                          False)
+        return await loop.run_in_executor(
+            self.decode, self.build_result, served, decoded, raw, anomaly_map, own, True, False
+        )
 
     # ----------------------------------------------------------------- requests
     def model(self, name: str | None) -> ServedModel:
@@ -699,7 +839,9 @@ class ServiceState:
         if key is None:
             raise ApiError(404, "model_not_found", "no model is served yet: upload one (POST /models/{name}/versions)")
         if key not in self.models:
-            raise ApiError(404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}")
+            raise ApiError(
+                404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}"
+            )
         return self.models[key]
 
     def decode_image(self, model: ServedModel, data: bytes, keep_image: bool) -> Decoded:
@@ -711,8 +853,12 @@ class ServiceState:
         try:
             width, height = image_dimensions(data, **limits)
             with self.pixels.hold(width * height):
-                image = open_image(data, draft_to=decode_side(model.detector.config.input_shape),
-                                   roi=model.detector.config.roi, **limits)
+                image = open_image(
+                    data,
+                    draft_to=decode_side(model.detector.config.input_shape),
+                    roi=model.detector.config.roi,
+                    **limits,
+                )
                 picture = image.info.get(PICTURE_SIZE, image.size)
                 tensor = model.detector.preprocess([image])[0]
                 shown = bounded_copy(image, self.settings.heatmap_max_side) if keep_image else None
@@ -725,16 +871,27 @@ class ServiceState:
             release_memory()
         return Decoded(tensor, shown, shown_size, large, picture)
 
-    def build_result(self, model: ServedModel, decoded: Decoded, raw: float, anomaly_map: torch.Tensor,
-                     threshold: float | None, heatmap: bool, mask: bool) -> dict:
+    def build_result(
+        self,
+        model: ServedModel,
+        decoded: Decoded,
+        raw: float,
+        anomaly_map: torch.Tensor,
+        threshold: float | None,
+        heatmap: bool,
+        mask: bool,
+    ) -> dict:
         """Runs on the decode pool: the verdict (the same as ``padim predict``'s) and the requested images."""
         calibration = model.detector.calibration
         try:
             result = verdict(raw, anomaly_map, calibration, threshold).to_dict()
         except NonFiniteScoreError as error:  # fail closed: never a verdict from a NaN
             log.error("non-finite score", extra={"model": model.name, "raw_score": str(raw)})
-            raise api_error(error, "the model gave a NaN or infinite score for this image, so no verdict is given; "
-                            "the model file may be damaged (check it with `padim info --verify`)") from None
+            raise api_error(
+                error,
+                "the model gave a NaN or infinite score for this image, so no verdict is given; "
+                "the model file may be damaged (check it with `padim info --verify`)",
+            ) from None
         if heatmap or mask:
             width, height = decoded.shown_size
             resized = model.detector.framing.to_picture(anomaly_map, width, height, decoded.picture)

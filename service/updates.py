@@ -55,8 +55,9 @@ class UpdateJobs:
         plan = await asyncio.to_thread(self._plan, name, version, records)
         self.running[name] = "starting"
         try:
-            job = await asyncio.to_thread(state.record.store.add_job, name, number,
-                                          {"records": records, "version": number, "activate": activate})
+            job = await asyncio.to_thread(
+                state.record.store.add_job, name, number, {"records": records, "version": number, "activate": activate}
+            )
         except BaseException:
             self.running.pop(name, None)
             raise
@@ -73,12 +74,16 @@ class UpdateJobs:
         """The rows to add (reviewed normal, not fitted) and to take out (reviewed defect, fitted)."""
         store = self.state.record.store
         if version.kind == "export":
-            raise NotUpdatable(f"version {version.version} of {name!r} is an export directory, which holds no "
-                               "statistics; add the model file it was exported from as a version and update that")
+            raise NotUpdatable(
+                f"version {version.version} of {name!r} is an export directory, which holds no "
+                "statistics; add the model file it was exported from as a version and update that"
+            )
         try:
             if not read_header(version.path).get("has_statistics", False):
-                raise NotUpdatable(f"version {version.version} of {name!r} was saved with --slim, without the "
-                                   "statistics an update extends; train it again without --slim and add it")
+                raise NotUpdatable(
+                    f"version {version.version} of {name!r} was saved with --slim, without the "
+                    "statistics an update extends; train it again without --slim and add it"
+                )
             fitted = fitted_digests(version.path)
         except ArtifactError as error:
             raise NotUpdatable(f"version {version.version} of {name!r} cannot be read: {error}") from None
@@ -87,9 +92,11 @@ class UpdateJobs:
             rows = store.rows(records)
             wrong = [r["id"] for r in rows if r["model"] != name or r["label"] != "normal"]
             if wrong:
-                raise UsageError(f"record {wrong[0]} is not a picture of {name!r} reviewed as normal"
-                                 + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
-                                 + "; an update learns only from pictures an operator confirmed normal")
+                raise UsageError(
+                    f"record {wrong[0]} is not a picture of {name!r} reviewed as normal"
+                    + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+                    + "; an update learns only from pictures an operator confirmed normal"
+                )
             normals = rows
         else:
             normals = reviewed_normal
@@ -98,12 +105,23 @@ class UpdateJobs:
         add = _unique(r for r in normals if sha256_digest(r["sha256"]) not in fitted and pictures.has(r["sha256"]))
         remove = _unique(r for r in defects if sha256_digest(r["sha256"]) in fitted and pictures.has(r["sha256"]))
         if not add and not remove:
-            raise NothingToUpdate(f"nothing to update in version {version.version} of {name!r}: no picture reviewed "
-                                  "as normal that it has not fitted, and none reviewed as defect that it fitted")
-        held = _unique(r for r in reviewed_normal if pictures.has(r["sha256"])
-                       and r["sha256"] not in {a["sha256"] for a in add} and sha256_digest(r["sha256"]) not in fitted)
-        return {"add": add, "remove": remove, "defects": [r for r in _unique(defects) if pictures.has(r["sha256"])],
-                "held": held}
+            raise NothingToUpdate(
+                f"nothing to update in version {version.version} of {name!r}: no picture reviewed "
+                "as normal that it has not fitted, and none reviewed as defect that it fitted"
+            )
+        held = _unique(
+            r
+            for r in reviewed_normal
+            if pictures.has(r["sha256"])
+            and r["sha256"] not in {a["sha256"] for a in add}
+            and sha256_digest(r["sha256"]) not in fitted
+        )
+        return {
+            "add": add,
+            "remove": remove,
+            "defects": [r for r in _unique(defects) if pictures.has(r["sha256"])],
+            "held": held,
+        }
 
     # ---------------------------------------------------------------- the job (on the update thread)
     def _run(self, job_id: str, name: str, version, plan: dict) -> dict:
@@ -125,28 +143,51 @@ class UpdateJobs:
         try:
             store.pin(r["sha256"] for r in [*add, *remove])  # learned from: never evicted
             output = incoming / MODEL_FILE
-            report = update_model(version.path, [image(r) for r in add], [image(r) for r in remove], output,
-                                  run_options=PadimConfig(batch_size=8, workers=1, device=state.settings.device),
-                                  on_progress=progress)
+            report = update_model(
+                version.path,
+                [image(r) for r in add],
+                [image(r) for r in remove],
+                output,
+                run_options=PadimConfig(batch_size=8, workers=1, device=state.settings.device),
+                on_progress=progress,
+            )
             store.set_job(job_id, phase="gate", progress=0.85)
-            checked = gate(version.path, output, [pictures.path(r["sha256"]) for r in plan["defects"]],
-                           [pictures.path(r["sha256"]) for r in plan["held"]], state.settings.update_max_recall_drop,
-                           device=state.settings.device)
+            checked = gate(
+                version.path,
+                output,
+                [pictures.path(r["sha256"]) for r in plan["defects"]],
+                [pictures.path(r["sha256"]) for r in plan["held"]],
+                state.settings.update_max_recall_drop,
+                device=state.settings.device,
+            )
             if self.stopping.is_set():  # the job row says so at the next start: no version was written
                 raise RuntimeError("the service is stopping")
             store.set_job(job_id, phase="commit", progress=0.95)
             learned = [r["id"] for r in add if picture_name(r["sha256"]) in set(report.added)]
             removed = [r["id"] for r in remove if picture_name(r["sha256"]) in set(report.removed)]
-            update = {"base_version": version.version, "job": job_id, "learned_from": learned, "removed": removed,
-                      "gate": checked.to_dict(), "report": report.to_dict()}
-            committed = repository.commit(name, incoming, file_sha256(output), f"update of version {version.version}",
-                                          update)
+            update = {
+                "base_version": version.version,
+                "job": job_id,
+                "learned_from": learned,
+                "removed": removed,
+                "gate": checked.to_dict(),
+                "report": report.to_dict(),
+            }
+            committed = repository.commit(
+                name, incoming, file_sha256(output), f"update of version {version.version}", update
+            )
         except BaseException:
             repository.discard(incoming)
             raise
-        return {"version": committed.version, "base_version": version.version, "learned_from": learned,
-                "removed": removed, "gate": checked.to_dict(), "report": report.to_dict(),
-                "seconds": round(time.time() - started, 3)}
+        return {
+            "version": committed.version,
+            "base_version": version.version,
+            "learned_from": learned,
+            "removed": removed,
+            "gate": checked.to_dict(),
+            "report": report.to_dict(),
+            "seconds": round(time.time() - started, 3),
+        }
 
     async def _finish(self, job_id: str, name: str, future, activate: bool) -> None:
         """Back on the event loop: activate when asked and the gate passed; the job's final state."""
@@ -162,13 +203,28 @@ class UpdateJobs:
             elif activate:
                 result["not_activated"] = "the gate failed: " + result["gate"]["why"]
             outcome = "succeeded" if result["gate"]["passed"] else "gate_failed"
-            await asyncio.to_thread(store.set_job, job_id, state="succeeded", phase="done", progress=1.0,
-                                    finished=time.time(), result=result)
+            await asyncio.to_thread(
+                store.set_job,
+                job_id,
+                state="succeeded",
+                phase="done",
+                progress=1.0,
+                finished=time.time(),
+                result=result,
+            )
             state.metrics.model_changes.labels(name, "update").inc()
             state.metrics.update_jobs.labels(name, outcome).inc()
-            log.info("model updated", extra={"model": name, "version": result["version"], "job": job_id,
-                                             "learned": len(result["learned_from"]), "removed": len(result["removed"]),
-                                             "gate": result["gate"]["why"]})
+            log.info(
+                "model updated",
+                extra={
+                    "model": name,
+                    "version": result["version"],
+                    "job": job_id,
+                    "learned": len(result["learned_from"]),
+                    "removed": len(result["removed"]),
+                    "gate": result["gate"]["why"],
+                },
+            )
         except Exception as error:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             if not isinstance(error, PadimError):
@@ -188,4 +244,3 @@ def _unique(rows) -> list[dict]:
     for row in rows:
         seen[row["sha256"]] = row
     return list(seen.values())
-

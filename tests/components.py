@@ -27,8 +27,8 @@ import pwd
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 try:
     import pytest
@@ -62,15 +62,18 @@ def _docker() -> str | None:
 
 def browser_paths() -> tuple[str | None, str | None]:
     """Chromium and its driver: ``PADIM_TEST_CHROMIUM`` / ``PADIM_TEST_CHROMEDRIVER``, else found on PATH."""
-    return (os.environ.get("PADIM_TEST_CHROMIUM") or shutil.which("chromium"),
-            os.environ.get("PADIM_TEST_CHROMEDRIVER") or shutil.which("chromedriver"))
+    return (
+        os.environ.get("PADIM_TEST_CHROMIUM") or shutil.which("chromium"),
+        os.environ.get("PADIM_TEST_CHROMEDRIVER") or shutil.which("chromedriver"),
+    )
 
 
 def _browser() -> str | None:
     chromium, driver = browser_paths()
     if chromium is None or driver is None:
-        return "no " + " and no ".join(name for name, path in (("chromium", chromium), ("chromedriver", driver))
-                                       if path is None)
+        return "no " + " and no ".join(
+            name for name, path in (("chromium", chromium), ("chromedriver", driver)) if path is None
+        )
     # Ubuntu's `chromium` is a stub that asks for the snap: it is there but does not run headless here
     version = _run(chromium, "--version")
     if version is None or version.returncode != 0 or "chrom" not in version.stdout.lower():
@@ -84,7 +87,10 @@ def postgres_bin() -> str | None:
     given = os.environ.get("PADIM_TEST_POSTGRES_BIN")
     if given:
         return given
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0,
+    )
     return os.path.dirname(found[-1]) if found else None
 
 
@@ -120,15 +126,30 @@ class Component:
         return f"{self.marker}: {why}; provided by {SETUP}, or deselect with -m 'not {self.marker}'"
 
 
-COMPONENTS = {c.marker: c for c in (
-    Component("docker", "builds and runs the Docker image on a local engine with a local base image",
-              ("docker.io", "debootstrap"), _docker),
-    Component("browser", "drives the inspection console in headless Chromium with chromedriver",
-              ("chromium", "chromium-driver"), _browser),
-    Component("promtool", "checks the Prometheus alerting rules with promtool", ("prometheus",), _promtool),
-    Component("postgres", "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",
-              ("postgresql",), _postgres),
-)}
+COMPONENTS = {
+    c.marker: c
+    for c in (
+        Component(
+            "docker",
+            "builds and runs the Docker image on a local engine with a local base image",
+            ("docker.io", "debootstrap"),
+            _docker,
+        ),
+        Component(
+            "browser",
+            "drives the inspection console in headless Chromium with chromedriver",
+            ("chromium", "chromium-driver"),
+            _browser,
+        ),
+        Component("promtool", "checks the Prometheus alerting rules with promtool", ("prometheus",), _promtool),
+        Component(
+            "postgres",
+            "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",
+            ("postgresql",),
+            _postgres,
+        ),
+    )
+}
 
 
 @functools.cache
@@ -151,8 +172,10 @@ _SKIPPED: dict[str, int] = {}
 
 def pytest_configure(config):
     for component in COMPONENTS.values():
-        config.addinivalue_line("markers", f"{component.marker}: {component.needed_by} "
-                                           f"(skipped with the reason where missing; {SETUP} provides it)")
+        config.addinivalue_line(
+            "markers",
+            f"{component.marker}: {component.needed_by} (skipped with the reason where missing; {SETUP} provides it)",
+        )
     try:
         required()
     except ValueError as error:  # a misspelt PADIM_TEST_REQUIRE stops the run at once
@@ -173,8 +196,9 @@ def pytest_runtest_setup(item):
             continue
         reason = COMPONENTS[marker].reason(why)
         if marker in required():
-            pytest.fail(f"{reason} [PADIM_TEST_REQUIRE={os.environ.get('PADIM_TEST_REQUIRE')}: required]",
-                        pytrace=False)
+            pytest.fail(
+                f"{reason} [PADIM_TEST_REQUIRE={os.environ.get('PADIM_TEST_REQUIRE')}: required]", pytrace=False
+            )
         _SKIPPED[marker] = _SKIPPED.get(marker, 0) + 1
         pytest.skip(reason)
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import IMAGE_SIZE, run_cli, running_server
+
 from padim.models.data.synthetic import generate
 
 
@@ -53,8 +53,19 @@ def weights_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def model_file(dataset, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model") / "weave.padim"
-    result = run_cli("-q", "train", dataset / "train" / "good", "--output", path,
-                     "--weights", "random", "--image-size", IMAGE_SIZE, "--batch-size", 8)
+    result = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--batch-size",
+        8,
+    )
     summary = json.loads(result.stdout)
     assert summary["images"] == 30
     return path

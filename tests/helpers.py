@@ -44,11 +44,17 @@ def assert_same_verdict(got: dict, expected: dict, rel: float = SCORE_RTOL) -> N
     assert got["is_anomaly"] == expected["is_anomaly"], (got, expected)
 
 
-def run_cli(*args, check: bool = True, env: dict | None = None, timeout: int = 300, cwd=None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, check: bool = True, env: dict | None = None, timeout: int = 300, cwd=None
+) -> subprocess.CompletedProcess:
     """Run the real ``padim`` command line in a subprocess."""
     result = subprocess.run(
         [sys.executable, "-m", "padim", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"padim {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr}")
@@ -70,8 +76,14 @@ class Server:
 
 
 @contextmanager
-def running_server(tmp_path: Path, models: list[Path], env: dict | None = None, args: tuple = (), wait_ready: bool = True,
-                   padim: tuple[str, ...] = (sys.executable, "-m", "padim")):
+def running_server(
+    tmp_path: Path,
+    models: list[Path],
+    env: dict | None = None,
+    args: tuple = (),
+    wait_ready: bool = True,
+    padim: tuple[str, ...] = (sys.executable, "-m", "padim"),
+):
     """A real ``padim serve`` process on 127.0.0.1 (``padim``: how to run the command line)."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
@@ -110,8 +122,11 @@ def tensor_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
     raw = Path(path).read_bytes()
     length = int.from_bytes(raw[:8], "little")
     entries = json.loads(raw[8 : 8 + length])
-    return {name: (8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
-            for name, e in entries.items() if name != "__metadata__"}
+    return {
+        name: (8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
+        for name, e in entries.items()
+        if name != "__metadata__"
+    }
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -176,6 +191,6 @@ def normal_and_shifted(root: Path, count: int) -> tuple[list[Path], list[Path]]:
 def score_in_batches(url: str, paths, **params) -> None:
     """POST ``paths`` to ``url``'s ``/score/batch``, eight images a request, each answered 200."""
     for first in range(0, len(paths), 8):
-        files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first:first + 8]]
+        files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first : first + 8]]
         answer = httpx.post(url + "/score/batch", files=files, params=params, timeout=60)
         assert answer.status_code == 200, answer.text

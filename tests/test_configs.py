@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import run_cli
+
 from padim.core.artifact import read_header
 from padim.models.config import RENAMED, PadimConfig, read_config_file
 
@@ -54,8 +54,22 @@ def test_a_config_trains_a_tiny_model(path, dataset, tmp_path):
     for source in sorted((dataset / "train" / "good").glob("*.png"))[:6]:
         shutil.copy(source, images / source.name)
     output = tmp_path / f"{path.stem}.padim"
-    result = run_cli("-q", "train", images, "--config", path, "--weights", "random", "--image-size", 64,
-                     "--output", output, "--device", "cpu", timeout=600)
+    result = run_cli(
+        "-q",
+        "train",
+        images,
+        "--config",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--output",
+        output,
+        "--device",
+        "cpu",
+        timeout=600,
+    )
     summary = json.loads(result.stdout)
     assert summary["fit_image_count"] == 6
     stored = read_header(output)["config"]

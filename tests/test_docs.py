@@ -47,8 +47,13 @@ def test_ci_runs_the_readmes_test_command_as_written():
 def test_the_site_builds_with_no_broken_link(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert mkdocs, "mkdocs is a test dependency (pip install -e '.[test]')"
-    result = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "site" / "calibration" / "index.html").is_file()
 
@@ -103,8 +108,8 @@ def test_the_admin_curl_examples_run_against_a_live_server(model_file, tmp_path)
     import os
 
     import httpx
-
     from helpers import running_server
+
     from padim.models.repository import Repository
 
     page = (ROOT / "docs" / "http-api.md").read_text()
@@ -116,8 +121,9 @@ def test_the_admin_curl_examples_run_against_a_live_server(model_file, tmp_path)
     env = {"PADIM_ADMIN_KEY": "docs-admin", "PADIM_API_KEY": "docs-scoring"}
     with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as server:
         script = "set -euo pipefail\n" + block.replace("http://127.0.0.1:8000", server.url)
-        result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                                env={**os.environ, **env})
+        result = subprocess.run(
+            ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
         versions = httpx.get(server.url + "/models/weave/versions", headers={"x-api-key": "docs-admin"}).json()
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"version":2' in result.stdout.replace(" ", "") and '"active":true' in result.stdout.replace(" ", "")
@@ -129,8 +135,8 @@ def test_the_record_curl_examples_run_against_a_live_server(model_file, dataset,
     import os
 
     import httpx
-
     from helpers import running_server
+
     from padim.models.repository import Repository
 
     page = (ROOT / "docs" / "record.md").read_text()
@@ -139,12 +145,17 @@ def test_the_record_curl_examples_run_against_a_live_server(model_file, dataset,
     repository = Repository(tmp_path / "repo")
     repository.activate("weave", repository.add("weave", model_file).version)
     shutil.copyfile(dataset / "test" / "hole" / "000.png", tmp_path / "part.png")
-    env = {"PADIM_ADMIN_KEY": "docs-admin", "PADIM_REVIEW_KEY": "docs-review", "PADIM_RUNTIME": "torch",
-           "PADIM_RECORD_DIR": str(tmp_path / "record")}
+    env = {
+        "PADIM_ADMIN_KEY": "docs-admin",
+        "PADIM_REVIEW_KEY": "docs-review",
+        "PADIM_RUNTIME": "torch",
+        "PADIM_RECORD_DIR": str(tmp_path / "record"),
+    }
     with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as server:
         script = "set -euo pipefail\n" + block.replace("http://127.0.0.1:8000", server.url)
-        result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                                env={**os.environ, **env})
+        result = subprocess.run(
+            ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
         versions = httpx.get(server.url + "/models/weave/versions", headers={"x-api-key": "docs-admin"}).json()
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"state":"succeeded"' in result.stdout.replace(" ", "") and '"label":"normal"' in result.stdout

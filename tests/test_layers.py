@@ -136,8 +136,17 @@ def test_no_cycle_between_the_rooms_of_models():
 
 
 def test_layers_are_told_apart():
-    assert [layer(n) for n in ("padim.core.statistics", "padim.models.fit.in_progress", "padim.service.state",
-                               "padim.commands.train", "padim.cli", "padim")] == [0, 1, 2, 3, 3, 3]
+    assert [
+        layer(n)
+        for n in (
+            "padim.core.statistics",
+            "padim.models.fit.in_progress",
+            "padim.service.state",
+            "padim.commands.train",
+            "padim.cli",
+            "padim",
+        )
+    ] == [0, 1, 2, 3, 3, 3]
 
 
 def test_the_cycle_checker_finds_a_cycle():
@@ -158,10 +167,15 @@ def function_imports() -> list[tuple[str, int, str]]:
     return found
 
 
+def _in_import(line: str) -> bool:
+    """A line of an import statement, one of several lines of a parenthesised one included."""
+    return line.startswith(("import ", "from ")) or line == ")" or (line.endswith(",") and " " not in line.rstrip(","))
+
+
 def says_why(lines: list[str], lineno: int) -> bool:
     """A comment on a line of the import's block of imports, or on the line just above the block."""
     above = lineno - 1
-    while above >= 0 and (not lines[above].strip() or lines[above].strip().startswith(("import ", "from "))):
+    while above >= 0 and (not lines[above].strip() or _in_import(lines[above].strip())):
         if "#" in lines[above]:
             return True
         above -= 1
@@ -173,8 +187,11 @@ def test_imports_inside_functions_say_why_and_never_dodge_a_cycle():
     for name, lineno, lines, node in function_imports():
         if not says_why(lines, lineno):
             unexplained.append(f"{MODULES[name].relative_to(ROOT)}:{lineno}")
-        if layer(name) < layer("padim") and isinstance(node, ast.ImportFrom) and (node.level or
-                                                                                (node.module or "").startswith("padim")):
+        if (
+            layer(name) < layer("padim")
+            and isinstance(node, ast.ImportFrom)
+            and (node.level or (node.module or "").startswith("padim"))
+        ):
             library.append(f"{MODULES[name].relative_to(ROOT)}:{lineno}")
     assert not unexplained, f"imports inside functions without a comment saying why: {unexplained}"
     assert not library, f"the library imports its own modules inside functions: {library}"

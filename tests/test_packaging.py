@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import running_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +41,11 @@ def wheel(tmp_path_factory) -> Path:
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     for name in SOURCES:
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
-        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        copy(
+            ROOT / name,
+            source / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
+        )
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", out, source)
     (built,) = out.glob("padim_inspect-*.whl")
     return built
@@ -61,7 +64,10 @@ def tree_files() -> set[str]:
 def test_the_wheel_holds_every_file_of_the_tree(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     packaged = {n for n in names if n.startswith("padim/")}
-    assert packaged == tree_files(), {"missing": sorted(tree_files() - packaged), "extra": sorted(packaged - tree_files())}
+    assert packaged == tree_files(), {
+        "missing": sorted(tree_files() - packaged),
+        "extra": sorted(packaged - tree_files()),
+    }
     assert "padim/service/routes/score.py" in packaged
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Name: padim-inspect" in metadata
@@ -73,18 +79,25 @@ def test_the_wheel_holds_every_file_of_the_tree(wheel):
 def installed(wheel, tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("venv")
     run(sys.executable, "-m", "venv", venv)  # with its own pip: the console script must run its own python
-    site = Path(run(venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    site = Path(
+        run(venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    )
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel)
     return venv
 
 
 def test_every_module_imports_from_the_installed_wheel(installed):
-    modules = sorted(f.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-                     for f in tree_files() if f.endswith(".py") and not f.endswith("__main__.py"))
-    code = ("import importlib, padim, sys\n"
-            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
-            "print(padim.__file__, padim.__version__)")
+    modules = sorted(
+        f.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        for f in tree_files()
+        if f.endswith(".py") and not f.endswith("__main__.py")
+    )
+    code = (
+        "import importlib, padim, sys\n"
+        f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+        "print(padim.__file__, padim.__version__)"
+    )
     where, version = run(installed / "bin" / "python", "-c", code, cwd=installed).stdout.split()
     assert where.startswith(str(installed)) and "site-packages" in where, where  # not the source tree
     assert version != "0+unknown"
@@ -94,7 +107,9 @@ def test_installed_command_trains_and_serves(installed, dataset, tmp_path):
     padim = installed / "bin" / "padim"
     assert "train" in run(padim, "--help").stdout
     model = tmp_path / "weave.padim"
-    run(padim, "-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", "64")
+    run(
+        padim, "-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", "64"
+    )
     with running_server(tmp_path, [model], padim=(str(padim),)) as server:
         image = (dataset / "test" / "hole" / "000.png").read_bytes()
         answer = httpx.post(server.url + "/score", content=image, headers={"content-type": "image/png"}, timeout=60)

@@ -16,13 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from components import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SAMPLE = '''
+SAMPLE = """
 import pytest
 
 @pytest.mark.docker
@@ -48,7 +46,7 @@ def test_needs_nothing():
 @pytest.mark.docker
 def test_needs_a_gpu_and_docker():
     pass
-'''
+"""
 
 
 def bare_path(tmp_path: Path, tools=("bash", "dirname", "grep", "cat", "env")) -> Path:
@@ -71,19 +69,41 @@ def fake(bin_dir: Path, name: str, script: str) -> None:
 def environment(bin_dir: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADIM_TEST_")}
     # PostgreSQL's server programs are found in /usr/lib/postgresql, not on PATH: point them elsewhere
-    return {**env, "PATH": str(bin_dir), "PYTHONPATH": str(ROOT / "tests"),
-            "PADIM_TEST_POSTGRES_BIN": str(bin_dir / "no-postgresql"), **extra}
+    return {
+        **env,
+        "PATH": str(bin_dir),
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PADIM_TEST_POSTGRES_BIN": str(bin_dir / "no-postgresql"),
+        **extra,
+    }
 
 
 def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     # conftest's pytest_configure would hide GPUs; here the sample needs the marker only
-    command = [sys.executable, "-m", "pytest", "-p", "components", "-p", "no:cacheprovider", "-q", "-rs",
-               "--strict-markers", "test_sample.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "components",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+        "--strict-markers",
+        "test_sample.py",
+    ]
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env=environment(bare_path(tmp_path), CUDA_VISIBLE_DEVICES="", **extra))
+    return subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment(bare_path(tmp_path), CUDA_VISIBLE_DEVICES="", **extra),
+    )
 
 
 def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp_path):
@@ -118,8 +138,9 @@ def test_a_component_given_by_its_variable_is_found_and_a_stub_is_not(tmp_path):
     fake(bin_dir, "driver", "exit 0")
     check = [sys.executable, str(ROOT / "tests" / "components.py"), "report"]
     for chromium, expected in (("chromium-stub", "does not run"), ("chromium-real", "browser   ok")):
-        env = environment(bin_dir, PADIM_TEST_CHROMIUM=str(bin_dir / chromium),
-                          PADIM_TEST_CHROMEDRIVER=str(bin_dir / "driver"))
+        env = environment(
+            bin_dir, PADIM_TEST_CHROMIUM=str(bin_dir / chromium), PADIM_TEST_CHROMEDRIVER=str(bin_dir / "driver")
+        )
         report = subprocess.run(check, capture_output=True, text=True, env=env, timeout=60)
         assert report.returncode == 0 and expected in report.stdout, report.stdout
 
@@ -129,15 +150,25 @@ def test_setup_without_root_installs_nothing_and_says_what_is_missing(tmp_path):
     log = tmp_path / "apt.log"
     fake(bin_dir, "id", "echo 1000")
     fake(bin_dir, "apt-get", f'echo "$*" >> {log}; exit 3')
-    done = subprocess.run(["bash", str(ROOT / "tests" / "setup-system.sh")], capture_output=True, text=True,
-                          env=environment(bin_dir), timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "setup-system.sh")],
+        capture_output=True,
+        text=True,
+        env=environment(bin_dir),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not root" in done.stdout and not log.exists()
     for marker in COMPONENTS:
         assert re.search(rf"^  {marker} +missing: ", done.stdout, re.M), done.stdout
     assert "will be skipped" in done.stdout
-    required = subprocess.run(["bash", str(ROOT / "tests" / "setup-system.sh")], capture_output=True, text=True,
-                              env=environment(bin_dir, PADIM_TEST_REQUIRE="all"), timeout=60)
+    required = subprocess.run(
+        ["bash", str(ROOT / "tests" / "setup-system.sh")],
+        capture_output=True,
+        text=True,
+        env=environment(bin_dir, PADIM_TEST_REQUIRE="all"),
+        timeout=60,
+    )
     assert required.returncode == 1 and "required by PADIM_TEST_REQUIRE but missing: " in required.stderr
 
 
@@ -147,8 +178,13 @@ def test_setup_as_root_asks_apt_get_for_every_missing_package_at_once(tmp_path):
     fake(bin_dir, "id", "echo 0")
     fake(bin_dir, "dpkg-query", "exit 1")  # nothing installed
     fake(bin_dir, "apt-get", f'echo "$*" >> {log}; case " $* " in *" install "*) exit 3;; esac')
-    done = subprocess.run(["bash", str(ROOT / "tests" / "setup-system.sh")], capture_output=True, text=True,
-                          env=environment(bin_dir, PADIM_TEST_REQUIRE="all"), timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "setup-system.sh")],
+        capture_output=True,
+        text=True,
+        env=environment(bin_dir, PADIM_TEST_REQUIRE="all"),
+        timeout=60,
+    )
     installs = [line.split() for line in log.read_text().splitlines() if "install" in line.split()]
     wanted = {p for component in COMPONENTS.values() for p in component.packages}
     assert installs and wanted <= set(installs[0]), installs  # one apt-get call for all of them

@@ -6,7 +6,35 @@ comes with it), so that building every parser (``padim --help``) and ``padim hea
 torch; ``tests/cli/test_commands.py`` checks that they do not.
 """
 
-from . import drift, evaluate, export, fetch_weights, health, info, merge, predict, records, repository, serve, synth, train
+from . import (
+    drift,
+    evaluate,
+    export,
+    fetch_weights,
+    health,
+    info,
+    merge,
+    predict,
+    records,
+    repository,
+    serve,
+    synth,
+    train,
+)
 
 #: Every command, in the order of ``padim --help``.
-COMMANDS = (train, merge, predict, evaluate, drift, export, serve, repository, records, health, info, fetch_weights, synth)
+COMMANDS = (
+    train,
+    merge,
+    predict,
+    evaluate,
+    drift,
+    export,
+    serve,
+    repository,
+    records,
+    health,
+    info,
+    fetch_weights,
+    synth,
+)

@@ -17,7 +17,8 @@ DRIFT_EXIT_STATUS = 3
 
 def register(commands) -> None:
     drift = commands.add_parser(
-        "drift", parents=[run_options(), runtime_option(), quiet_option()],
+        "drift",
+        parents=[run_options(), runtime_option(), quiet_option()],
         help="read a folder of recent images against the model's calibration (flag rate, score and input drift)",
         description="Score the images of FOLDER (recent images from the line, normal-looking or not: no labels) and "
         "read them against the model's calibration, as the service's monitor does: the flag rate against what "
@@ -28,14 +29,30 @@ def register(commands) -> None:
         "Models older than format 7 (exports older than version 4) have no input-drift reference: that test is "
         "left out. See docs/monitoring.md.",
     )
-    drift.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
+    drift.add_argument(
+        "model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)"
+    )
     drift.add_argument("folder", type=Path, metavar="FOLDER", help="folder of recent images (searched recursively)")
-    drift.add_argument("--report", type=Path, metavar="DIR",
-                       help="write DIR/drift.html (plots, tests, highest-scoring images; opens offline) and DIR/drift.json")
-    drift.add_argument("--level", type=float, default=None, metavar="P",
-                       help="level of each test: an alarm when its p-value is below P (default 0.01)")
-    drift.add_argument("--min-images", type=int, default=None, metavar="N",
-                       help="fewest readable images to read a folder (default 30); fewer is an error")
+    drift.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="write DIR/drift.html (plots, tests, highest-scoring images; opens offline) and DIR/drift.json",
+    )
+    drift.add_argument(
+        "--level",
+        type=float,
+        default=None,
+        metavar="P",
+        help="level of each test: an alarm when its p-value is below P (default 0.01)",
+    )
+    drift.add_argument(
+        "--min-images",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fewest readable images to read a folder (default 30); fewer is an error",
+    )
     drift.set_defaults(handler=run)
 
 
@@ -59,13 +76,21 @@ def run(args: argparse.Namespace) -> int:
     scorer = load(args)
     recent = score_folder(scorer, paths, batch_size(args), workers(args), progress=not args.quiet)
     if len(recent.raw_scores) < min_images:
-        raise UsageError(f"{args.folder}: {len(recent.raw_scores)} readable image(s); the tests need at least "
-                         f"{min_images} (--min-images)" + (f"; {len(recent.unreadable)} could not be read"
-                                                           if recent.unreadable else ""))
+        raise UsageError(
+            f"{args.folder}: {len(recent.raw_scores)} readable image(s); the tests need at least "
+            f"{min_images} (--min-images)"
+            + (f"; {len(recent.unreadable)} could not be read" if recent.unreadable else "")
+        )
     drift = read_drift(recent, scorer.calibration, level, min_images)
-    summary = {"model": str(args.model), "folder": str(args.folder), **drift.to_dict(),
-               "unreadable": len(recent.unreadable)}
+    summary = {
+        "model": str(args.model),
+        "folder": str(args.folder),
+        **drift.to_dict(),
+        "unreadable": len(recent.unreadable),
+    }
     if args.report:
-        summary["report"] = str(write_drift_report(args.report, recent, drift, scorer, str(args.model), str(args.folder)))
+        summary["report"] = str(
+            write_drift_report(args.report, recent, drift, scorer, str(args.model), str(args.folder))
+        )
     print(json.dumps(summary))
     return DRIFT_EXIT_STATUS if drift.alarms else 0

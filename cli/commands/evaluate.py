@@ -14,24 +14,40 @@ from .predict import load
 
 def register(commands) -> None:
     evaluate = commands.add_parser(
-        "evaluate", parents=[run_options(), runtime_option(), quiet_option()], help="metrics on an MVTec AD-layout category",
+        "evaluate",
+        parents=[run_options(), runtime_option(), quiet_option()],
+        help="metrics on an MVTec AD-layout category",
         description="Score CATEGORY_DIR/test and report image AUROC, pixel AUROC, PRO (up to 30% FPR) and F1 "
         "at the model's threshold, plus the F1-optimal threshold, as JSON on stdout. --output also writes it to a "
         "file; --report DIR writes an HTML report (curves, histograms, the worst false alarms and misses with their "
         "heat maps; images embedded, opens offline) and evaluation.json into DIR. "
         "The model file changes only with --calibrate.",
     )
-    evaluate.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
-    evaluate.add_argument("category_dir", type=Path, metavar="CATEGORY_DIR",
-                          help="folder with test/<good|defect>/ and ground_truth/<defect>/")
-    evaluate.add_argument("--output", "-o", type=Path, metavar="FILE",
-                          help="also write the JSON to this file (default: stdout only)")
-    evaluate.add_argument("--report", type=Path, metavar="DIR",
-                          help="write DIR/report.html and DIR/evaluation.json")
-    evaluate.add_argument("--gallery", type=int, default=6, metavar="N",
-                          help="worst false alarms and worst misses shown in the report, each (default 6)")
-    evaluate.add_argument("--calibrate", action="store_true",
-                          help="store the F1-optimal threshold in the model file (a .padim file, not an export)")
+    evaluate.add_argument(
+        "model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)"
+    )
+    evaluate.add_argument(
+        "category_dir",
+        type=Path,
+        metavar="CATEGORY_DIR",
+        help="folder with test/<good|defect>/ and ground_truth/<defect>/",
+    )
+    evaluate.add_argument(
+        "--output", "-o", type=Path, metavar="FILE", help="also write the JSON to this file (default: stdout only)"
+    )
+    evaluate.add_argument("--report", type=Path, metavar="DIR", help="write DIR/report.html and DIR/evaluation.json")
+    evaluate.add_argument(
+        "--gallery",
+        type=int,
+        default=6,
+        metavar="N",
+        help="worst false alarms and worst misses shown in the report, each (default 6)",
+    )
+    evaluate.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="store the F1-optimal threshold in the model file (a .padim file, not an export)",
+    )
     evaluate.set_defaults(handler=run)
 
 
@@ -42,14 +58,20 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.evaluation.report import write_report
 
     if args.calibrate and is_export(args.model):
-        raise UsageError(f"{args.model}: --calibrate writes the threshold into the .padim model file; "
-                         "calibrate that file, then export it again")
+        raise UsageError(
+            f"{args.model}: --calibrate writes the threshold into the .padim model file; "
+            "calibrate that file, then export it again"
+        )
     detector = load(args)
     scored = score_category(detector, args.category_dir, batch_size(args), workers(args), progress=not args.quiet)
-    result = {"category": str(args.category_dir),
-              **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks),
-              "model": str(args.model), "runtime": detector.runtime, "device": detector.device.type,
-              "weights": detector.weights.label}
+    result = {
+        "category": str(args.category_dir),
+        **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks),
+        "model": str(args.model),
+        "runtime": detector.runtime,
+        "device": detector.device.type,
+        "weights": detector.weights.label,
+    }
     if args.calibrate:
         _calibrate(args.model, detector, scored, result)
     if args.report is not None:

@@ -17,7 +17,9 @@ TRITON_EXAMPLE = "tritonserver --model-repository DIR"
 
 def register(commands) -> None:
     export = commands.add_parser(
-        "export", parents=[quiet_option()], help="export the whole scorer to ONNX, OpenVINO IR or a Triton model repository",
+        "export",
+        parents=[quiet_option()],
+        help="export the whole scorer to ONNX, OpenVINO IR or a Triton model repository",
         description="Write the whole scorer as one graph: normalised images (B, 3, S, S) in, anomaly_map (B, S, S) "
         "and raw_score (B,) out, with the backbone, channel reduction, Mahalanobis distance, upsampling, blur and "
         "maximum inside. Beside it, padim.json gives the input size and normalisation, the threshold and "
@@ -33,34 +35,73 @@ def register(commands) -> None:
     )
     export.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
     export.add_argument("--format", "-f", choices=EXPORT_FORMATS, default="onnx", help="default onnx")
-    export.add_argument("--output", "-o", type=Path, required=True, metavar="DIR",
-                        help="directory to write (an earlier export there is replaced once the new one is complete)")
+    export.add_argument(
+        "--output",
+        "-o",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="directory to write (an earlier export there is replaced once the new one is complete)",
+    )
     export.add_argument("--name", help="Triton model name (default: the model file's stem)")
-    export.add_argument("--triton-device", choices=("gpu", "cpu"), default="gpu",
-                        help="--format triton: where Triton runs the model (default gpu: KIND_GPU, one instance on "
-                        "each GPU; cpu: KIND_CPU)")
-    export.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
-                        help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
-                        "as protobuf stops at 2 GB)")
+    export.add_argument(
+        "--triton-device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="--format triton: where Triton runs the model (default gpu: KIND_GPU, one instance on "
+        "each GPU; cpu: KIND_CPU)",
+    )
+    export.add_argument(
+        "--external-data",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
+        "as protobuf stops at 2 GB)",
+    )
     quantised = export.add_argument_group("quantised scorers (--precision int8|fp16)")
-    quantised.add_argument("--precision", choices=EXPORT_PRECISIONS, default="float32",
-                           help="the backbone's precision (default float32). int8: CPUs (--format onnx or openvino; triton "
-                           "with --triton-device cpu); fp16: CUDA (--format onnx or triton)")
-    quantised.add_argument("--calibration-images", type=Path, metavar="DIR",
-                           help="normal images, never the test set (needed with --precision): the first "
-                           "--quantiser-images of a seeded shuffle calibrate the quantiser, the rest (at least 20; "
-                           "about 99 to promise 1%% false alarms, 1,000 for the empirical quantile) the threshold "
-                           "and the accuracy gate")
-    quantised.add_argument("--check-images", type=Path, metavar="DIR",
-                           help="defect images the accuracy gate also compares (verdict changes, AUROC)")
-    quantised.add_argument("--quantiser-images", type=int, default=32, metavar="N",
-                           help="images that calibrate the int8 quantiser's ranges (default 32)")
-    quantised.add_argument("--max-score-error", type=float, default=0.25, metavar="R",
-                           help="the gate: largest relative raw-score difference allowed (default 0.25, see "
-                           "docs/quantisation.md)")
+    quantised.add_argument(
+        "--precision",
+        choices=EXPORT_PRECISIONS,
+        default="float32",
+        help="the backbone's precision (default float32). int8: CPUs (--format onnx or openvino; triton "
+        "with --triton-device cpu); fp16: CUDA (--format onnx or triton)",
+    )
+    quantised.add_argument(
+        "--calibration-images",
+        type=Path,
+        metavar="DIR",
+        help="normal images, never the test set (needed with --precision): the first "
+        "--quantiser-images of a seeded shuffle calibrate the quantiser, the rest (at least 20; "
+        "about 99 to promise 1%% false alarms, 1,000 for the empirical quantile) the threshold "
+        "and the accuracy gate",
+    )
+    quantised.add_argument(
+        "--check-images",
+        type=Path,
+        metavar="DIR",
+        help="defect images the accuracy gate also compares (verdict changes, AUROC)",
+    )
+    quantised.add_argument(
+        "--quantiser-images",
+        type=int,
+        default=32,
+        metavar="N",
+        help="images that calibrate the int8 quantiser's ranges (default 32)",
+    )
+    quantised.add_argument(
+        "--max-score-error",
+        type=float,
+        default=0.25,
+        metavar="R",
+        help="the gate: largest relative raw-score difference allowed (default 0.25, see docs/quantisation.md)",
+    )
     quantised.add_argument("--force", action="store_true", help="write the export even when the gate fails (recorded)")
-    quantised.add_argument("--false-alarm-rate", type=float, metavar="A",
-                           help="the quantised scorer's threshold rate (default: the model's)")
+    quantised.add_argument(
+        "--false-alarm-rate",
+        type=float,
+        metavar="A",
+        help="the quantised scorer's threshold rate (default: the model's)",
+    )
     export.set_defaults(handler=run)
 
 
@@ -76,41 +117,82 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--triton-device is for --format triton")
     quantise = None
     if args.precision == "float32":
-        given = [flag for flag, value in (("--calibration-images", args.calibration_images),
-                                          ("--check-images", args.check_images), ("--force", args.force),
-                                          ("--false-alarm-rate", args.false_alarm_rate)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--calibration-images", args.calibration_images),
+                ("--check-images", args.check_images),
+                ("--force", args.force),
+                ("--false-alarm-rate", args.false_alarm_rate),
+            )
+            if value
+        ]
         if given:
             raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8 or fp16")
     else:
         from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
 
         if args.calibration_images is None:
-            raise UsageError(f"--precision {args.precision} needs --calibration-images DIR: normal images (never the "
-                             "test set) to calibrate the quantiser and its threshold")
-        quantise = QuantiseOptions(args.precision, args.calibration_images, args.check_images, args.quantiser_images,
-                                   args.max_score_error, args.force, args.false_alarm_rate)
+            raise UsageError(
+                f"--precision {args.precision} needs --calibration-images DIR: normal images (never the "
+                "test set) to calibrate the quantiser and its threshold"
+            )
+        quantise = QuantiseOptions(
+            args.precision,
+            args.calibration_images,
+            args.check_images,
+            args.quantiser_images,
+            args.max_score_error,
+            args.force,
+            args.false_alarm_rate,
+        )
     started = time.perf_counter()
     detector = load_detector(args.model, device="cpu")
     external = {"auto": None, "always": True, "never": False}[args.external_data]
     if quantise is None:
-        directory = export_detector(detector, args.output, args.format, args.model,
-                                    source_sha256=file_sha256(args.model), name=args.name, external_data=external,
-                                    triton_device=args.triton_device)
+        directory = export_detector(
+            detector,
+            args.output,
+            args.format,
+            args.model,
+            source_sha256=file_sha256(args.model),
+            name=args.name,
+            external_data=external,
+            triton_device=args.triton_device,
+        )
     else:
         from padim.models.deploy.quantise import export_quantised_detector  # as above
 
-        directory = export_quantised_detector(detector, args.output, args.format, args.model, quantise,
-                                              source_sha256=file_sha256(args.model), name=args.name,
-                                              external_data=external, triton_device=args.triton_device,
-                                              progress=not args.quiet)
+        directory = export_quantised_detector(
+            detector,
+            args.output,
+            args.format,
+            args.model,
+            quantise,
+            source_sha256=file_sha256(args.model),
+            name=args.name,
+            external_data=external,
+            triton_device=args.triton_device,
+            progress=not args.quiet,
+        )
     files = sorted(p for p in directory.rglob("*") if p.is_file())
-    report = {"model": str(args.model), "format": args.format, "output": str(directory),
-              "files": {str(p.relative_to(directory)): p.stat().st_size for p in files},
-              "seconds": round(time.perf_counter() - started, 2)}
+    report = {
+        "model": str(args.model),
+        "format": args.format,
+        "output": str(directory),
+        "files": {str(p.relative_to(directory)): p.stat().st_size for p in files},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
     if quantise is not None:
         metadata = json.loads((directory / "padim.json").read_text())
-        report.update({"precision": args.precision, "calibration": metadata["calibration"],
-                       "threshold_of": metadata["threshold_of"], "quantisation": metadata["quantisation"]})
+        report.update(
+            {
+                "precision": args.precision,
+                "calibration": metadata["calibration"],
+                "threshold_of": metadata["threshold_of"],
+                "quantisation": metadata["quantisation"],
+            }
+        )
     if args.format == "triton":
         report["serve_with"] = TRITON_EXAMPLE.replace("DIR", str(args.output))
     print(json.dumps(report, indent=2))

@@ -13,7 +13,8 @@ from ..options import quiet_option
 
 def register(commands) -> None:
     fetch = commands.add_parser(
-        "fetch-weights", parents=[quiet_option()],
+        "fetch-weights",
+        parents=[quiet_option()],
         help="download ImageNet backbone weights into torch's cache (for offline nodes and images)",
         description="Download torchvision's IMAGENET1K_V1 weights of each BACKBONE into $TORCH_HOME/hub/checkpoints "
         "(default ~/.cache/torch). Run it where there is internet, then copy that directory, or bake it into "
@@ -34,5 +35,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown backbone(s) {', '.join(unknown)}; choose from: {', '.join(BACKBONES)}")
     for name in args.backbones:
         _, info = build_backbone(name, "imagenet")
-        print(json.dumps({"backbone": name, "weights": info.detail, "cache": str(Path(torch.hub.get_dir()) / "checkpoints")}))
+        print(
+            json.dumps(
+                {"backbone": name, "weights": info.detail, "cache": str(Path(torch.hub.get_dir()) / "checkpoints")}
+            )
+        )
     return 0

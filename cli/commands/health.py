@@ -13,7 +13,9 @@ from ..options import quiet_option
 
 def register(commands) -> None:
     health = commands.add_parser(
-        "health", parents=[quiet_option()], help="exit 0 when a local `padim serve` is ready (Docker HEALTHCHECK)",
+        "health",
+        parents=[quiet_option()],
+        help="exit 0 when a local `padim serve` is ready (Docker HEALTHCHECK)",
         description="GET http://127.0.0.1:$PADIM_PORT/health/ready; exit 0 on 200, 1 otherwise. Imports no torch.",
     )
     health.add_argument("--url", help="default http://127.0.0.1:${PADIM_PORT:-8000}/health/ready")

@@ -14,14 +14,26 @@ VERIFY_BY_DEFAULT_BYTES = 2**30
 
 def register(commands) -> None:
     info = commands.add_parser(
-        "info", parents=[quiet_option()], help="print a model file's metadata as JSON",
+        "info",
+        parents=[quiet_option()],
+        help="print a model file's metadata as JSON",
         description="What a model file holds: images fitted, calibration (scores used, threshold, requested and "
         "promised false-alarm rates), backbone, and its full header. The header's digest is always checked; every "
-        "tensor too for files up to 1 GiB (larger ones: --verify), and the output says which was checked.")
-    info.add_argument("model", type=Path, metavar="MODEL", help="model file, or an export directory (padim export: its "
-                      "precision, the threshold it uses and why, and a quantised scorer's accuracy gate)")
-    info.add_argument("--verify", action="store_true", help="check every tensor against its digest even in a file over "
-                      "1 GiB (reads the whole file; smaller files are always checked)")
+        "tensor too for files up to 1 GiB (larger ones: --verify), and the output says which was checked.",
+    )
+    info.add_argument(
+        "model",
+        type=Path,
+        metavar="MODEL",
+        help="model file, or an export directory (padim export: its "
+        "precision, the threshold it uses and why, and a quantised scorer's accuracy gate)",
+    )
+    info.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every tensor against its digest even in a file over "
+        "1 GiB (reads the whole file; smaller files are always checked)",
+    )
     info.set_defaults(handler=run)
 
 
@@ -44,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         "file": str(args.model),
         "size_bytes": size,
         "kind": header.get("kind"),
-        "verified": ("every tensor" if whole else "header only (--verify checks every tensor)") if header["verified"]
+        "verified": ("every tensor" if whole else "header only (--verify checks every tensor)")
+        if header["verified"]
         else False,
         "backbone": config.get("backbone"),
         "image_size": config.get("image_size"),
@@ -52,12 +65,18 @@ def run(args: argparse.Namespace) -> int:
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),
-        "calibration": {**calibration, "source": header.get("calibration_source"),
-                        "folds": config.get("calibration_folds"), "expect": config.get("expect", ""),
-                        "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
-                        "covers": promise_covers(config.get("expect", ""),
-                                                 bool(config.get("expect")) and config.get("fit_changes", False))}
-        if calibration else None,
+        "calibration": {
+            **calibration,
+            "source": header.get("calibration_source"),
+            "folds": config.get("calibration_folds"),
+            "expect": config.get("expect", ""),
+            "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
+            "covers": promise_covers(
+                config.get("expect", ""), bool(config.get("expect")) and config.get("fit_changes", False)
+            ),
+        }
+        if calibration
+        else None,
         "header": header,
     }
     print(json.dumps(summary, indent=2))

@@ -14,19 +14,30 @@ from ..options import quiet_option, run_options
 
 def register(commands) -> None:
     merge = commands.add_parser(
-        "merge", parents=[run_options(), quiet_option()], help="combine partial fits (train --partial) into one model",
+        "merge",
+        parents=[run_options(), quiet_option()],
+        help="combine partial fits (train --partial) into one model",
         description="Add up the statistics of PARTS (refused unless every setting that shapes the statistics and "
         "the backbone weights match), derive the precision factors, and set the threshold from the scores of the "
         "normal images of --calibration-dir, which no part may have fitted (checked by content).",
     )
     merge.add_argument("parts", type=Path, nargs="+", metavar="PART", help="files written by `padim train --partial`")
     merge.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
-    merge.add_argument("--calibration-dir", type=Path, required=True, metavar="DIR",
-                       help="normal images kept out of every part, to set the threshold")
+    merge.add_argument(
+        "--calibration-dir",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="normal images kept out of every part, to set the threshold",
+    )
     merge.add_argument("--false-alarm-rate", type=float, metavar="RATE", help="default: the parts' setting (0.01)")
     merge.add_argument("--slim", action="store_true", help="leave the statistics out of the merged file")
-    merge.add_argument("--scratch-dir", type=Path, metavar="DIR",
-                       help="where the calibration images' embeddings and the factors wait (default: the output's folder)")
+    merge.add_argument(
+        "--scratch-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the calibration images' embeddings and the factors wait (default: the output's folder)",
+    )
     merge.set_defaults(handler=run)
 
 
@@ -42,12 +53,29 @@ def run(args: argparse.Namespace) -> int:
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UsageError(f"--calibration-dir {args.calibration_dir}: no images found")
-    report = merge_fits(args.parts, calibration, options, args.output, args.false_alarm_rate,
-                        progress=not args.quiet, with_statistics=not args.slim, scratch_dir=args.scratch_dir)
+    report = merge_fits(
+        args.parts,
+        calibration,
+        options,
+        args.output,
+        args.false_alarm_rate,
+        progress=not args.quiet,
+        with_statistics=not args.slim,
+        scratch_dir=args.scratch_dir,
+    )
     header = read_header(args.output)
-    print(json.dumps({"model": str(args.output), "parts": len(args.parts), "fit_image_count": header["fit_image_count"],
-                      "calibration": {**header["calibration"], "source": header["calibration_source"]},
-                      "size_bytes": args.output.stat().st_size, "weights": WeightsInfo(**header["weights"]).label}))
+    print(
+        json.dumps(
+            {
+                "model": str(args.output),
+                "parts": len(args.parts),
+                "fit_image_count": header["fit_image_count"],
+                "calibration": {**header["calibration"], "source": header["calibration_source"]},
+                "size_bytes": args.output.stat().st_size,
+                "weights": WeightsInfo(**header["weights"]).label,
+            }
+        )
+    )
     for warning in report.warnings:
         print(f"padim merge: warning: {warning}", file=sys.stderr)
     return 0

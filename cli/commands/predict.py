@@ -15,14 +15,17 @@ from ..options import batch_size, quiet_option, run_options, runtime_option, som
 
 def register(commands) -> None:
     predict = commands.add_parser(
-        "predict", parents=[run_options(), runtime_option(), quiet_option()],
+        "predict",
+        parents=[run_options(), runtime_option(), quiet_option()],
         help="score images and write results, maps and heat maps",
         description="Score images. Writes OUT_DIR/results.jsonl (one line per image: the verdict), "
         "OUT_DIR/maps/<relative path>.npy (float32 anomaly map, raw units, at the image's own size) and "
         "OUT_DIR/heatmaps/<relative path>.png (heat map over the image; threshold = middle of the colour ramp). "
         "An image whose score is not finite gets an error line and no verdict, and predict exits 1.",
     )
-    predict.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)")
+    predict.add_argument(
+        "model", type=Path, metavar="MODEL", help="model file (padim train) or export directory (padim export)"
+    )
     predict.add_argument("inputs", type=Path, nargs="+", metavar="IMAGE_OR_DIR", help="images, or folders of images")
     predict.add_argument("--output", "-o", type=Path, required=True, metavar="OUT_DIR", help="folder for the results")
     predict.add_argument("--no-heatmaps", action="store_true", help="skip the heat-map PNGs")
@@ -100,11 +103,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         results.close()
     elapsed = time.perf_counter() - started
-    print(json.dumps({"images": len(items), "anomalous": results.anomalous,
-                      "failed": len(results.non_finite) + len(results.unreadable), "unreadable": len(results.unreadable),
-                      "results": str(results.path) if results.file is not None else None,
-                      "images_per_second": round(len(items) / elapsed, 2), "runtime": detector.runtime,
-                      "device": str(detector.scorer.device.type), "weights": detector.scorer.weights.label}))
+    print(
+        json.dumps(
+            {
+                "images": len(items),
+                "anomalous": results.anomalous,
+                "failed": len(results.non_finite) + len(results.unreadable),
+                "unreadable": len(results.unreadable),
+                "results": str(results.path) if results.file is not None else None,
+                "images_per_second": round(len(items) / elapsed, 2),
+                "runtime": detector.runtime,
+                "device": str(detector.scorer.device.type),
+                "weights": detector.scorer.weights.label,
+            }
+        )
+    )
     _fail_on_errors(results, len(items))
     return 0
 
@@ -137,11 +150,15 @@ def _save(result, name: Path, args: argparse.Namespace) -> dict:
 
 def _fail_on_errors(results: Results, total: int) -> None:
     if results.non_finite:
-        raise UsageError(f"{len(results.non_finite)} of {total} image(s) got a NaN or infinite score and no verdict "
-                         f"({some(results.non_finite)}); the model file may be damaged: check it with `padim info --verify`")
+        raise UsageError(
+            f"{len(results.non_finite)} of {total} image(s) got a NaN or infinite score and no verdict "
+            f"({some(results.non_finite)}); the model file may be damaged: check it with `padim info --verify`"
+        )
     if results.unreadable:
-        raise UsageError(f"{len(results.unreadable)} of {total} image(s) could not be read "
-                         f"({some(results.unreadable)}); see their error lines in {results.path}")
+        raise UsageError(
+            f"{len(results.unreadable)} of {total} image(s) could not be read "
+            f"({some(results.unreadable)}); see their error lines in {results.path}"
+        )
 
 
 def load(args: argparse.Namespace):

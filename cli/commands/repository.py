@@ -8,27 +8,34 @@ from pathlib import Path
 
 from ..options import quiet_option
 
-LAYOUT = ("DIR/NAME/N/ holds version N of model NAME (a model.padim file, or an export directory's files), "
-          "DIR/NAME/ACTIVE the active version's number, DIR/NAME/HISTORY the activations (a rollback goes back one). "
-          "`padim serve --repository DIR` serves each model's active version; with PADIM_ADMIN_KEY the same changes "
-          "are made over HTTP while it runs (docs/deployment.md). Every change is atomic.")
+LAYOUT = (
+    "DIR/NAME/N/ holds version N of model NAME (a model.padim file, or an export directory's files), "
+    "DIR/NAME/ACTIVE the active version's number, DIR/NAME/HISTORY the activations (a rollback goes back one). "
+    "`padim serve --repository DIR` serves each model's active version; with PADIM_ADMIN_KEY the same changes "
+    "are made over HTTP while it runs (docs/deployment.md). Every change is atomic."
+)
 
 
 def register(commands) -> None:
     repository = commands.add_parser(
-        "repository", parents=[quiet_option()], help="list, add, activate, roll back and remove model versions in a "
-        "repository (offline)", description="Change a model repository on disk, with the checks the service's admin "
-        "routes make (a version is loaded and scored once before it is added). " + LAYOUT)
-    actions = repository.add_subparsers(dest="action", metavar="ACTION", required=True,
-                                        help="what to do (padim repository ACTION --help for each)")
+        "repository",
+        parents=[quiet_option()],
+        help="list, add, activate, roll back and remove model versions in a repository (offline)",
+        description="Change a model repository on disk, with the checks the service's admin "
+        "routes make (a version is loaded and scored once before it is added). " + LAYOUT,
+    )
+    actions = repository.add_subparsers(
+        dest="action", metavar="ACTION", required=True, help="what to do (padim repository ACTION --help for each)"
+    )
     listing = actions.add_parser("list", help="every model and version, the active one marked (JSON lines)")
     listing.add_argument("root", type=Path, metavar="DIR")
     listing.add_argument("name", nargs="?", metavar="NAME", help="only this model")
     add = actions.add_parser("add", help="add a model file or export directory as the next version of NAME")
     add.add_argument("root", type=Path, metavar="DIR")
     add.add_argument("name", metavar="NAME", help="the model's name (created when new)")
-    add.add_argument("model", type=Path, metavar="MODEL", help="a .padim file (padim train) or an export directory "
-                     "(padim export)")
+    add.add_argument(
+        "model", type=Path, metavar="MODEL", help="a .padim file (padim train) or an export directory (padim export)"
+    )
     add.add_argument("--activate", action="store_true", help="make it the active version")
     activate = actions.add_parser("activate", help="make VERSION the active version of NAME")
     activate.add_argument("root", type=Path, metavar="DIR")
@@ -63,8 +70,16 @@ def run(args: argparse.Namespace) -> int:
         for model in names:
             active = repository.active(model)
             for version in repository.versions(model):
-                print(json.dumps({"model": model, **version.to_dict(), "active": version.version == active,
-                                  "calibration": version.calibration()}))
+                print(
+                    json.dumps(
+                        {
+                            "model": model,
+                            **version.to_dict(),
+                            "active": version.version == active,
+                            "calibration": version.calibration(),
+                        }
+                    )
+                )
         return 0
     if args.action == "add":
         _check_servable(args.model)

@@ -20,7 +20,9 @@ def settings_names() -> str:
 
 def register(commands) -> None:
     serve = commands.add_parser(
-        "serve", parents=[quiet_option()], help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
+        "serve",
+        parents=[quiet_option()],
+        help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
         description="Serve one or more model files or export directories. Each is named by its file stem; the first "
         "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
         "/docs. "
@@ -28,19 +30,39 @@ def register(commands) -> None:
         "The API key is read from PADIM_API_KEY only, the admin key from PADIM_ADMIN_KEY only and the review key from "
         "PADIM_REVIEW_KEY only, never from a flag.",
     )
-    serve.add_argument("model_args", type=Path, nargs="*", metavar="MODEL",
-                       help="model files (padim train) or export directories (padim export)")
-    serve.add_argument("--model", type=Path, action="append", dest="models", metavar="MODEL",
-                       help="the same, as a flag (repeatable; the older spelling)")
+    serve.add_argument(
+        "model_args",
+        type=Path,
+        nargs="*",
+        metavar="MODEL",
+        help="model files (padim train) or export directories (padim export)",
+    )
+    serve.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        dest="models",
+        metavar="MODEL",
+        help="the same, as a flag (repeatable; the older spelling)",
+    )
     serve.add_argument("--model-dir", type=Path, help="serve every *.padim and export directory in this directory")
-    serve.add_argument("--repository", type=Path, metavar="DIR",
-                       help="serve a model repository (DIR/NAME/N/; see `padim repository --help`): each model's active "
-                       "version; with PADIM_ADMIN_KEY set, versions are uploaded, activated and rolled back over HTTP "
-                       "without a restart (docs/deployment.md)")
-    serve.add_argument("--record", type=Path, metavar="DIR", dest="record_dir",
-                       help="keep the inspection record in DIR: a row for every scored picture and the picture as "
-                       "sent, for review and for updates that learn from it (SQLite there unless PADIM_RECORD_URL "
-                       "names PostgreSQL; docs/record.md)")
+    serve.add_argument(
+        "--repository",
+        type=Path,
+        metavar="DIR",
+        help="serve a model repository (DIR/NAME/N/; see `padim repository --help`): each model's active "
+        "version; with PADIM_ADMIN_KEY set, versions are uploaded, activated and rolled back over HTTP "
+        "without a restart (docs/deployment.md)",
+    )
+    serve.add_argument(
+        "--record",
+        type=Path,
+        metavar="DIR",
+        dest="record_dir",
+        help="keep the inspection record in DIR: a row for every scored picture and the picture as "
+        "sent, for review and for updates that learn from it (SQLite there unless PADIM_RECORD_URL "
+        "names PostgreSQL; docs/record.md)",
+    )
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
     serve.add_argument("--port", type=int, help="default 8000")
@@ -62,12 +84,28 @@ def run(args: argparse.Namespace) -> int:
     args.models = [*args.model_args, *(args.models or [])] or None
     if args.quiet and args.log_level is None:
         args.log_level = "warning"
-    flags = {k: getattr(args, k) for k in ("models", "model_dir", "repository", "default_model", "host", "port", "device",
-                                           "runtime", "max_batch_size", "max_delay_ms", "log_level", "record_dir")}
+    flags = {
+        k: getattr(args, k)
+        for k in (
+            "models",
+            "model_dir",
+            "repository",
+            "default_model",
+            "host",
+            "port",
+            "device",
+            "runtime",
+            "max_batch_size",
+            "max_delay_ms",
+            "log_level",
+            "record_dir",
+        )
+    }
     try:
         settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as error:
         first = error.errors()[0]
-        raise UsageError(f"{'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']} "
-                         f"(given {first.get('input')!r})") from None
+        raise UsageError(
+            f"{'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']} (given {first.get('input')!r})"
+        ) from None
     return serve(settings)

@@ -14,17 +14,25 @@ from ..options import quiet_option
 
 def register(commands) -> None:
     synth = commands.add_parser(
-        "synth", parents=[quiet_option()], help="generate an MVTec-layout data set of textures and parts with synthetic defects",
+        "synth",
+        parents=[quiet_option()],
+        help="generate an MVTec-layout data set of textures and parts with synthetic defects",
         description="Write OUT_DIR/<category>/{train/good,test/<good|defect>,ground_truth/<defect>}. "
         "For demos and tests; works offline.",
     )
     synth.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write the categories into")
-    synth.add_argument("--categories", default="weave,carpet,tiles",
-                       help="comma-separated, of the textures weave, carpet, tiles, leather, wood and the placed parts "
-                       "pill, nut, board (default weave,carpet,tiles)")
-    synth.add_argument("--defects", default="scratch,stain,hole",
-                       help="comma-separated, of scratch, stain, hole, crack (thin, branching) and speck (0.03-0.15%% of "
-                       "the picture) (default scratch,stain,hole)")
+    synth.add_argument(
+        "--categories",
+        default="weave,carpet,tiles",
+        help="comma-separated, of the textures weave, carpet, tiles, leather, wood and the placed parts "
+        "pill, nut, board (default weave,carpet,tiles)",
+    )
+    synth.add_argument(
+        "--defects",
+        default="scratch,stain,hole",
+        help="comma-separated, of scratch, stain, hole, crack (thin, branching) and speck (0.03-0.15%% of "
+        "the picture) (default scratch,stain,hole)",
+    )
     synth.add_argument("--train", type=int, default=40, help="normal training images per category (default 40)")
     synth.add_argument("--test-good", type=int, default=8, help="normal test images per category (default 8)")
     synth.add_argument("--test-defect", type=int, default=4, help="test images per defect type (default 4)")
@@ -47,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--defects: unknown {unknown}; choose from {', '.join(DEFECTS + MORE_DEFECTS)}")
     if args.size < 32:
         raise UsageError("--size: use at least 32 pixels")
-    written = generate(args.out_dir, categories, args.train, args.test_good, args.test_defect, args.size, args.seed,
-                       defects)
+    written = generate(
+        args.out_dir, categories, args.train, args.test_good, args.test_defect, args.size, args.seed, defects
+    )
     print(json.dumps({"categories": [str(p) for p in written]}))
     return 0

@@ -71,8 +71,10 @@ class Expected:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LIMITS[f.name]:
-                raise ValueError(f"expect: {f.name}={value!r} is not allowed; use a number from 0 to "
-                                 f"{LIMITS[f.name]:g}{' (the lowest JPEG quality; 0: none)' if f.name == 'jpeg' else ''}")
+                raise ValueError(
+                    f"expect: {f.name}={value!r} is not allowed; use a number from 0 to "
+                    f"{LIMITS[f.name]:g}{' (the lowest JPEG quality; 0: none)' if f.name == 'jpeg' else ''}"
+                )
             if f.name == "jpeg" and value and value < 10:
                 raise ValueError(f"expect: jpeg={value!r} is not allowed; use a JPEG quality from 10 to 95 (0: none)")
 
@@ -92,8 +94,10 @@ class Expected:
             name, equals, value = part.partition("=")
             name = name.strip()
             if not equals or name not in names:
-                raise ValueError(f"expect: {part!r} is not a change; write NAME=VALUE with NAME one of "
-                                 f"{', '.join(names)}, or a preset: {', '.join(PRESETS)}")
+                raise ValueError(
+                    f"expect: {part!r} is not a change; write NAME=VALUE with NAME one of "
+                    f"{', '.join(names)}, or a preset: {', '.join(PRESETS)}"
+                )
             if name in values:
                 raise ValueError(f"expect: {name} is given twice")
             try:
@@ -120,9 +124,15 @@ class Expected:
         quality = None
         if self.jpeg:
             quality = int(round(self.jpeg + unit[1] * (JPEG_BEST - self.jpeg)))
-        return Draw(brightness=1.0 + self.brightness * float(u[0]), contrast=1.0 + self.contrast * float(u[1]),
-                    dx=self.shift * float(u[2]), dy=self.shift * float(u[3]), angle=self.rotate * float(u[4]),
-                    sigma=self.blur * float(unit[0]), quality=quality)
+        return Draw(
+            brightness=1.0 + self.brightness * float(u[0]),
+            contrast=1.0 + self.contrast * float(u[1]),
+            dx=self.shift * float(u[2]),
+            dy=self.shift * float(u[3]),
+            angle=self.rotate * float(u[4]),
+            sigma=self.blur * float(unit[0]),
+            quality=quality,
+        )
 
 
 def seeded(name: str, copy: int = 0) -> np.random.Generator:

@@ -91,8 +91,11 @@ class Framing:
             return 0, 0, width, height
         x, y, w, h = self.roi
         if x + w > width or y + h > height:
-            raise ImageError(name, f"the model's region of interest x={x}, y={y}, {w}x{h} does not lie inside this "
-                             f"{width}x{height} picture (the model was fitted on pictures that hold it)")
+            raise ImageError(
+                name,
+                f"the model's region of interest x={x}, y={y}, {w}x{h} does not lie inside this "
+                f"{width}x{height} picture (the model was fitted on pictures that hold it)",
+            )
         return x, y, x + w, y + h
 
     def square(self, width: int, height: int, name: str = "image") -> tuple[int, int, int, int]:
@@ -118,11 +121,16 @@ class Framing:
     def scored_box(self, width: int, height: int) -> tuple[int, int, int, int]:
         """``(left, top, right, bottom)``: the picture pixels a map covers (the region; its square with crop)."""
         region, square = self.region(width, height), self.square(width, height)
-        return (max(region[0], square[0]), max(region[1], square[1]), min(region[2], square[2]),
-                min(region[3], square[3]))
+        return (
+            max(region[0], square[0]),
+            max(region[1], square[1]),
+            min(region[2], square[2]),
+            min(region[3], square[3]),
+        )
 
-    def shown_box(self, width: int, height: int, picture: tuple[int, int] | None = None
-                  ) -> tuple[int, int, int, int] | None:
+    def shown_box(
+        self, width: int, height: int, picture: tuple[int, int] | None = None
+    ) -> tuple[int, int, int, int] | None:
         """:meth:`scored_box` on a ``width x height`` view of the picture (``picture``: its own size), or
         ``None`` when the whole picture is scored (nothing to mark)."""
         picture = picture or (width, height)
@@ -162,14 +170,18 @@ class Framing:
         if self.tiled_shape is None:  # a square of the part's longer side
             box_w = box_h = max(part.size)
         else:
-            box_w, box_h = max(part.width, round((box[2] - box[0]) * sx)), max(part.height, round((box[3] - box[1]) * sy))
+            box_w, box_h = (
+                max(part.width, round((box[2] - box[0]) * sx)),
+                max(part.height, round((box[3] - box[1]) * sy)),
+            )
         canvas = Image.new(image.mode, (box_w, box_h), fill)
         canvas.paste(part, ((canvas.width - part.width) // 2, (canvas.height - part.height) // 2))
         return canvas.resize(size, resample)
 
     # ------------------------------------------------------------------ maps
-    def to_picture(self, anomaly_map: torch.Tensor, width: int, height: int,
-                   picture: tuple[int, int] | None = None) -> torch.Tensor:
+    def to_picture(
+        self, anomaly_map: torch.Tensor, width: int, height: int, picture: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """An ``(S, S)`` (``(H_in, W_in)``) map of the model input -> ``(height, width)``: the picture's map, 0
         outside the scored box.
 
@@ -193,23 +205,32 @@ class Framing:
         ox, oy = round(box[0]), round(box[1])  # where the square's first pixel lands
         x1, y1 = min(x1, ox + bw), min(y1, oy + bh)
         if x1 > x0 and y1 > y0:
-            out[y0:y1, x0:x1] = placed[y0 - oy:y1 - oy, x0 - ox:x1 - ox]
+            out[y0:y1, x0:x1] = placed[y0 - oy : y1 - oy, x0 - ox : x1 - ox]
         return out
 
     def describe(self) -> dict:
         """What a client of an export does before the graph, in words and values."""
-        steps = "the whole picture" if self.roi is None else \
-            f"the region x={self.roi[0]}, y={self.roi[1]}, {self.roi[2]}x{self.roi[3]} pixels of the picture"
+        steps = (
+            "the whole picture"
+            if self.roi is None
+            else f"the region x={self.roi[0]}, y={self.roi[1]}, {self.roi[2]}x{self.roi[3]} pixels of the picture"
+        )
         h, w = self.input_shape
         shape = "square" if h == w else f"{w}:{h} box"
-        how = {"squash": f"resized to {w}x{h} (aspect ratio not kept)",
-               "crop": f"its largest centred {shape} resized to {w}x{h}",
-               "pad": ("centred on a square of its longer side" if h == w else f"centred on the smallest {shape} around "
-                       "it") + f" filled with RGB {PAD_FILL}, resized to {w}x{h}"}[self.resize]
-        return {"roi": None if self.roi is None else list(self.roi), "resize": self.resize,
-                "steps": f"{steps}, {how}, bilinear with antialiasing (PIL Image.resize, BILINEAR)"}
+        how = {
+            "squash": f"resized to {w}x{h} (aspect ratio not kept)",
+            "crop": f"its largest centred {shape} resized to {w}x{h}",
+            "pad": (
+                "centred on a square of its longer side" if h == w else f"centred on the smallest {shape} around it"
+            )
+            + f" filled with RGB {PAD_FILL}, resized to {w}x{h}",
+        }[self.resize]
+        return {
+            "roi": None if self.roi is None else list(self.roi),
+            "resize": self.resize,
+            "steps": f"{steps}, {how}, bilinear with antialiasing (PIL Image.resize, BILINEAR)",
+        }
 
 
 def _bilinear(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
-

@@ -63,8 +63,13 @@ def image_dimensions(source: bytes, max_pixels: int | None = None, limit_name: s
         return image.size
 
 
-def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None, draft_to: int | None = None,
-               limit_name: str | None = None, roi: tuple[int, int, int, int] | None = None) -> Image.Image:
+def open_image(
+    source: str | os.PathLike | bytes,
+    max_pixels: int | None = None,
+    draft_to: int | None = None,
+    limit_name: str | None = None,
+    roi: tuple[int, int, int, int] | None = None,
+) -> Image.Image:
     """Decode a file or bytes into an 8-bit RGB image with EXIF orientation applied.
 
     Args:
@@ -99,8 +104,9 @@ def open_image(source: str | os.PathLike | bytes, max_pixels: int | None = None,
 
 
 @contextmanager
-def _opened(source: str | os.PathLike | bytes, max_pixels: int | None = None,
-            limit_name: str | None = None) -> Iterator[tuple[str, Image.Image]]:
+def _opened(
+    source: str | os.PathLike | bytes, max_pixels: int | None = None, limit_name: str | None = None
+) -> Iterator[tuple[str, Image.Image]]:
     """The image with its header read, and Pillow's errors as :class:`ImageError` without object reprs."""
     name = "image" if isinstance(source, bytes) else str(source)
     try:
@@ -125,8 +131,9 @@ def _opened(source: str | os.PathLike | bytes, max_pixels: int | None = None,
 
 def _check_pixels(name: str, image: Image.Image, max_pixels: int | None, limit_name: str | None) -> None:
     if max_pixels is not None and image.width * image.height > max_pixels:
-        raise ImageTooLarge(name, f"{image.width}x{image.height} pixels is over the limit of "
-                            f"{_limit(max_pixels, limit_name)} pixels")
+        raise ImageTooLarge(
+            name, f"{image.width}x{image.height} pixels is over the limit of {_limit(max_pixels, limit_name)} pixels"
+        )
 
 
 def _limit(max_pixels: int, limit_name: str | None) -> str:
@@ -191,8 +198,12 @@ def to_model_input(
 
 
 def iter_batches(
-    paths: Sequence[Path], batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
-    draft_to: int | None = None, roi: tuple[int, int, int, int] | None = None,
+    paths: Sequence[Path],
+    batch_size: int,
+    workers: int = 2,
+    unreadable: list[tuple[Path, str]] | None = None,
+    draft_to: int | None = None,
+    roi: tuple[int, int, int, int] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
     """Decode images in a thread pool, ahead of the consumer, and yield them in order by batch.
 
@@ -206,18 +217,28 @@ def iter_batches(
 
 
 def iter_for_model(
-    paths: Sequence[Path], config, batch_size: int, workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
+    paths: Sequence[Path],
+    config,
+    batch_size: int,
+    workers: int = 2,
+    unreadable: list[tuple[Path, str]] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
     """:func:`iter_batches` for a model of ``config`` (a :class:`~padim.models.config.PadimConfig`): each picture
     drafted towards its input side and cut to its region of interest, as training read them."""
-    return iter_batches(paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape), roi=config.roi)
+    return iter_batches(
+        paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape), roi=config.roi
+    )
 
 
 def iter_decoded(
-    batches: Sequence[Sequence[Path]], workers: int = 2, unreadable: list[tuple[Path, str]] | None = None,
-    draft_to: int | None = None, roi: tuple[int, int, int, int] | None = None,
+    batches: Sequence[Sequence[Path]],
+    workers: int = 2,
+    unreadable: list[tuple[Path, str]] | None = None,
+    draft_to: int | None = None,
+    roi: tuple[int, int, int, int] | None = None,
 ) -> Iterator[tuple[list[Path], list[Image.Image]]]:
     """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds)."""
+
     def decode(path: Path) -> Image.Image | ImageError:
         try:
             return open_image(path, draft_to=draft_to, roi=roi)

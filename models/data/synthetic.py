@@ -86,8 +86,10 @@ def texture(category: str, size: int, rng: np.random.Generator, region: float = 
         # growth rings around a far-away centre, their phase bent by a slow random field
         centre = np.array([rng.uniform(-1.5, -0.8), rng.uniform(0.2, 0.8)])
         radius = np.hypot(x - centre[0], y - centre[1])
-        bend = sum(rng.uniform(0.002, 0.006) * np.sin(2 * np.pi * (rng.uniform(1, 3) * y + rng.uniform(0, 1)))
-                   for _ in range(3))
+        bend = sum(
+            rng.uniform(0.002, 0.006) * np.sin(2 * np.pi * (rng.uniform(1, 3) * y + rng.uniform(0, 1)))
+            for _ in range(3)
+        )
         rings = np.sin(2 * np.pi * (radius + bend) / rng.uniform(0.045, 0.055))
         base = 0.55 + 0.12 * rings + 0.05 * np.sin(2 * np.pi * 37 * y + rng.uniform(0, 2 * np.pi))
         tint = np.array([0.78, 0.55, 0.33]) * rng.uniform(0.95, 1.05)
@@ -135,15 +137,23 @@ def _placed_part(category: str, size: int, rng: np.random.Generator) -> np.ndarr
         for k in range(5):
             y = c - half * 0.8 + k * half * 0.4
             draw.line([(c - half * 0.9, y), (c + half * 0.9, y)], fill=copper, width=max(1, big // 120))
-        for (x, y, w, h) in [(-0.6, -0.6, 0.5, 0.3), (0.1, -0.55, 0.45, 0.45), (-0.55, 0.15, 0.3, 0.55),
-                             (0.2, 0.3, 0.5, 0.2)]:
+        for x, y, w, h in [
+            (-0.6, -0.6, 0.5, 0.3),
+            (0.1, -0.55, 0.45, 0.45),
+            (-0.55, 0.15, 0.3, 0.55),
+            (0.2, 0.3, 0.5, 0.2),
+        ]:
             draw.rectangle([c + x * half, c + y * half, c + (x + w) * half, c + (y + h) * half], fill=(20, 20, 24))
         for k in range(6):
             x = c + (-0.7 + 0.28 * k) * half
-            draw.ellipse([x - big * 0.012, c + 0.75 * half - big * 0.012, x + big * 0.012, c + 0.75 * half + big * 0.012],
-                         fill=(225, 225, 215))
+            draw.ellipse(
+                [x - big * 0.012, c + 0.75 * half - big * 0.012, x + big * 0.012, c + 0.75 * half + big * 0.012],
+                fill=(225, 225, 215),
+            )
     shift = rng.uniform(-0.02, 0.02, size=2) * big
-    canvas = canvas.rotate(float(rng.uniform(-3, 3)), resample=Image.BILINEAR, translate=tuple(shift), fillcolor=background)
+    canvas = canvas.rotate(
+        float(rng.uniform(-3, 3)), resample=Image.BILINEAR, translate=tuple(shift), fillcolor=background
+    )
     image = np.asarray(canvas.resize((size, size), Image.LANCZOS), dtype=np.float64) / 255.0
     image = image * rng.uniform(0.96, 1.04) + rng.normal(0, 0.02, size=image.shape)
     return np.clip(image, 0, 1)
@@ -191,8 +201,11 @@ def add_defect(image: np.ndarray, defect: str, rng: np.random.Generator) -> tupl
         width = max(1, size // 150)
         draw.line(points, fill=255, width=width)
         fork = points[len(points) // 2]
-        draw.line([fork, (fork[0] + rng.uniform(-0.06, 0.06) * size, fork[1] + rng.uniform(-0.06, 0.06) * size)],
-                  fill=255, width=width)
+        draw.line(
+            [fork, (fork[0] + rng.uniform(-0.06, 0.06) * size, fork[1] + rng.uniform(-0.06, 0.06) * size)],
+            fill=255,
+            width=width,
+        )
         colour = np.array([0.05, 0.04, 0.04])
         alpha = np.asarray(mask_img, dtype=np.float64) / 255.0 * 0.85
     elif defect == "speck":  # a small spot of foreign material, bright or dark

@@ -40,8 +40,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torchvision
@@ -153,10 +154,17 @@ class ExportedScorer(nn.Module):
 
 
 # ---------------------------------------------------------------------- writing
-def export_detector(detector: PadimDetector, output: str | Path, fmt: str, source: str | Path,
-                    source_sha256: str | None = None, name: str | None = None,
-                    external_data: bool | None = None, triton_device: str = "gpu",
-                    write_graph: Callable[[Path, Path], Any] | None = None) -> Path:
+def export_detector(
+    detector: PadimDetector,
+    output: str | Path,
+    fmt: str,
+    source: str | Path,
+    source_sha256: str | None = None,
+    name: str | None = None,
+    external_data: bool | None = None,
+    triton_device: str = "gpu",
+    write_graph: Callable[[Path, Path], Any] | None = None,
+) -> Path:
     """Write ``detector`` as ``fmt`` into the directory ``output`` (created; replaced atomically).
 
     Args:
@@ -202,21 +210,29 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
             files = quantised.files
         else:
             onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
-            files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists()
-                                        else [])
+            files = [onnx_path.name] + (
+                [f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else []
+            )
             if fmt == "openvino":
                 files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
                 for leftover in (onnx_path, Path(f"{onnx_path}.data")):
                     leftover.unlink(missing_ok=True)
         meta_dir = staging / name if fmt == "triton" else staging
         prefix = "1/" if fmt == "triton" else ""
-        metadata = export_metadata(detector, fmt, source, source_sha256,
-                                   {prefix + f: file_sha256(graph_dir / f) for f in files}, quantised)
+        metadata = export_metadata(
+            detector, fmt, source, source_sha256, {prefix + f: file_sha256(graph_dir / f) for f in files}, quantised
+        )
         if fmt == "triton":
             tiles = detector.config.tile_count
-            (meta_dir / "config.pbtxt").write_text(triton_config(
-                name, detector.config.input_shape, max_batch_size=max(1, TRITON_MAX_BATCH // tiles), device=triton_device,
-                tiles=tiles))
+            (meta_dir / "config.pbtxt").write_text(
+                triton_config(
+                    name,
+                    detector.config.input_shape,
+                    max_batch_size=max(1, TRITON_MAX_BATCH // tiles),
+                    device=triton_device,
+                    tiles=tiles,
+                )
+            )
         (meta_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
         log.info("exported %s as %s in %.1f s", source, fmt, time.perf_counter() - started)
         _replace_dir(staging, output)
@@ -226,8 +242,9 @@ def export_detector(detector: PadimDetector, output: str | Path, fmt: str, sourc
     return output / name if fmt == "triton" else output
 
 
-def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None,
-                 backbone_dtype: torch.dtype = torch.float32) -> Path:
+def _export_onnx(
+    detector: PadimDetector, path: Path, external_data: bool | None, backbone_dtype: torch.dtype = torch.float32
+) -> Path:
     scorer = ExportedScorer(detector, backbone_dtype).eval().to("cpu")
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
@@ -239,8 +256,16 @@ def _export_onnx(detector: PadimDetector, path: Path, external_data: bool | None
         for noisy in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         program = torch.onnx.export(
-            scorer, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
-            dynamic_shapes={"images": {0: batch}}, opset_version=OPSET, optimize=True, verbose=False)
+            scorer,
+            (example,),
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes={"images": {0: batch}},
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
         program.save(str(path), external_data=external)
     return path
 
@@ -264,8 +289,9 @@ def _convert_openvino(onnx_path: Path, xml_path: Path) -> list[str]:
     return [xml_path.name, xml_path.with_suffix(".bin").name]
 
 
-def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str],
-                    quantised: Any = None) -> dict:
+def export_metadata(
+    detector: PadimDetector, fmt: str, source: Path, source_sha256: str, files: dict[str, str], quantised: Any = None
+) -> dict:
     """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs.
 
     A quantised export (``quantised``, a :class:`padim.models.deploy.quantise.Quantised`) carries the quantised scorer's own calibration (its threshold,
@@ -285,36 +311,59 @@ def export_metadata(detector: PadimDetector, fmt: str, source: Path, source_sha2
         "model": {"file": source.name, "sha256": source_sha256, "created": detector.provenance.created},
         "files_sha256": files,
         "input": {
-            "name": INPUT_NAME, "shape": ["batch", 3, height, width], "dtype": "float32", "layout": "NCHW",
+            "name": INPUT_NAME,
+            "shape": ["batch", 3, height, width],
+            "dtype": "float32",
+            "layout": "NCHW",
             "channels": "RGB",
             "resize": framing["steps"],
-            "framing": {"roi": framing["roi"], "resize": framing["resize"], "pad_fill": list(PAD_FILL),
-                        "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
-                               "the region (padim.models.data.framing.Framing.to_picture)"},
-            "tiles": {"rows": detector.config.tiles[0], "cols": detector.config.tiles[1],
-                      "tile_size": detector.config.image_size, "overlap_pixels": detector.config.tiling.overlap
-                      * detector.config.tiling.cell, "statistics": detector.config.tile_statistics,
-                      "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
-                               "stitched into one anomaly_map there"},
+            "framing": {
+                "roi": framing["roi"],
+                "resize": framing["resize"],
+                "pad_fill": list(PAD_FILL),
+                "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
+                "the region (padim.models.data.framing.Framing.to_picture)",
+            },
+            "tiles": {
+                "rows": detector.config.tiles[0],
+                "cols": detector.config.tiles[1],
+                "tile_size": detector.config.image_size,
+                "overlap_pixels": detector.config.tiling.overlap * detector.config.tiling.cell,
+                "statistics": detector.config.tile_statistics,
+                "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
+                "stitched into one anomaly_map there",
+            },
             "normalisation": "(pixel / 255 - mean) / std, per channel",
-            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
         },
         "outputs": {
-            "anomaly_map": {"shape": ["batch", height, width], "dtype": "float32",
-                            "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)"},
-            "raw_score": {"shape": ["batch"], "dtype": "float32",
-                          "meaning": f"image score ({detector.config.image_score}) of each anomaly_map"},
-            "input_distance": {"shape": ["batch"], "dtype": "float32",
-                               "meaning": "mean squared Mahalanobis distance over every feature pixel of the picture "
-                                          "(input drift: compared with calibration_input_distances)"},
+            "anomaly_map": {
+                "shape": ["batch", height, width],
+                "dtype": "float32",
+                "meaning": "Mahalanobis distance per pixel, upsampled and blurred (raw units)",
+            },
+            "raw_score": {
+                "shape": ["batch"],
+                "dtype": "float32",
+                "meaning": f"image score ({detector.config.image_score}) of each anomaly_map",
+            },
+            "input_distance": {
+                "shape": ["batch"],
+                "dtype": "float32",
+                "meaning": "mean squared Mahalanobis distance over every feature pixel of the picture "
+                "(input drift: compared with calibration_input_distances)",
+            },
         },
         "verdict": {
             "rule": "anomalous when raw_score >= calibration.threshold",
             "score": "1 / (1 + exp(-(raw_score - calibration.threshold) / calibration.scale))",
         },
         "precision_dtype": str(detector.precision_dtype).removeprefix("torch."),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in
-                   detector.config.replace(embedding_dim=detector.embedding.embedding_dim).to_dict().items()},
+        "config": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in detector.config.replace(embedding_dim=detector.embedding.embedding_dim).to_dict().items()
+        },
         "weights": detector.weights.to_header(),
         "provenance": detector.provenance.to_header(),
         "description": detector.describe(),
@@ -337,8 +386,9 @@ def metadata_sha256(metadata: dict) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def triton_config(name: str, size: int | tuple[int, int], max_batch_size: int = TRITON_MAX_BATCH, device: str = "gpu",
-                  tiles: int = 1) -> str:
+def triton_config(
+    name: str, size: int | tuple[int, int], max_batch_size: int = TRITON_MAX_BATCH, device: str = "gpu", tiles: int = 1
+) -> str:
     """``config.pbtxt`` of the ONNX graph on Triton's onnxruntime backend, with dynamic batching.
 
     ``device`` ``gpu``: one instance on every GPU Triton sees (``KIND_GPU``; Triton refuses to load
@@ -352,8 +402,12 @@ def triton_config(name: str, size: int | tuple[int, int], max_batch_size: int = 
     ``max_batch_size * tiles`` tiles a batch).
     """
     height, width = (size, size) if isinstance(size, int) else size
-    tiled = f"\n# Tiled: each picture is cut into {tiles} tiles inside the graph; a batch of {max_batch_size} pictures is " \
-            f"{max_batch_size * tiles} tiles." if tiles > 1 else ""
+    tiled = (
+        f"\n# Tiled: each picture is cut into {tiles} tiles inside the graph; a batch of {max_batch_size} pictures is "
+        f"{max_batch_size * tiles} tiles."
+        if tiles > 1
+        else ""
+    )
     return f"""# padim {__version__}: the whole scorer (backbone, Mahalanobis, map, maximum) on onnxruntime.
 # Feed RGB images framed to {width}x{height} and normalised as padim.json says (input.resize, input.normalisation).{tiled}
 name: "{name}"
@@ -400,8 +454,9 @@ instance_group [
 def _replace_dir(staging: Path, output: Path) -> None:
     """Move ``staging`` to ``output``; an existing export there is replaced only once the new one is complete."""
     if output.exists():
-        if output.is_dir() and (any(output.glob(f"*/{METADATA_FILE}")) or (output / METADATA_FILE).exists()
-                                or not any(output.iterdir())):
+        if output.is_dir() and (
+            any(output.glob(f"*/{METADATA_FILE}")) or (output / METADATA_FILE).exists() or not any(output.iterdir())
+        ):
             old = output.with_name(f".{output.name}.old-{os.getpid()}")
             output.rename(old)
             staging.rename(output)
@@ -429,8 +484,10 @@ def read_export(directory: str | Path) -> dict:
     if not isinstance(metadata, dict) or metadata.get("kind") != EXPORT_KIND:
         raise ArtifactError(f"{path}: not a padim export description")
     if int(metadata.get("export_version", 0)) > EXPORT_VERSION:
-        raise ArtifactError(f"{path}: export version {metadata['export_version']} is newer than this padim "
-                            f"({__version__}) reads; upgrade padim")
+        raise ArtifactError(
+            f"{path}: export version {metadata['export_version']} is newer than this padim "
+            f"({__version__}) reads; upgrade padim"
+        )
     if metadata.get("metadata_sha256") != metadata_sha256(metadata):
         raise ArtifactError(f"{path}: its contents do not match its digest (edited or damaged); export again")
     for name, digest in metadata["files_sha256"].items():
@@ -448,4 +505,6 @@ def require(package: str):
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ExportError(f"{package} is not installed; install it with: pip install 'padim-inspect[{extra}]'") from None
+        raise ExportError(
+            f"{package} is not installed; install it with: pip install 'padim-inspect[{extra}]'"
+        ) from None

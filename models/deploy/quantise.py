@@ -105,11 +105,15 @@ def check_combination(precision: str, fmt: str, triton_device: str) -> None:
         ExportError: ``fp16`` for OpenVINO (CPU here: use float32 or int8), ``int8`` for Triton on a GPU.
     """
     if precision == "fp16" and fmt == "openvino":
-        raise ExportError("--precision fp16 is for CUDA (ONNX Runtime, TensorRT, Triton): use --format onnx or triton; "
-                          "for OpenVINO on a CPU use --precision int8 or float32")
+        raise ExportError(
+            "--precision fp16 is for CUDA (ONNX Runtime, TensorRT, Triton): use --format onnx or triton; "
+            "for OpenVINO on a CPU use --precision int8 or float32"
+        )
     if precision == "int8" and fmt == "triton" and triton_device == "gpu":
-        raise ExportError("--precision int8 graphs run on ONNX Runtime's CPU provider: use --triton-device cpu, or "
-                          "--precision fp16 for a GPU")
+        raise ExportError(
+            "--precision int8 graphs run on ONNX Runtime's CPU provider: use --triton-device cpu, or "
+            "--precision fp16 for a GPU"
+        )
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,14 @@ class CalibrationSplit:
     threshold: tuple[Path, ...]
 
     def describe(self, folder: Path) -> dict:
-        return {"folder": str(folder), "quantiser_images": len(self.quantiser), "threshold_images": len(self.threshold),
-                "split": f"seeded permutation (seed {SPLIT_SEED}) of the sorted file names: the first "
-                         f"{len(self.quantiser)} calibrate the quantiser, the other {len(self.threshold)} the threshold "
-                         "and the accuracy gate"}
+        return {
+            "folder": str(folder),
+            "quantiser_images": len(self.quantiser),
+            "threshold_images": len(self.threshold),
+            "split": f"seeded permutation (seed {SPLIT_SEED}) of the sorted file names: the first "
+            f"{len(self.quantiser)} calibrate the quantiser, the other {len(self.threshold)} the threshold "
+            "and the accuracy gate",
+        }
 
 
 def split_calibration(paths: list[Path], quantiser_images: int, precision: str) -> CalibrationSplit:
@@ -140,7 +148,8 @@ def split_calibration(paths: list[Path], quantiser_images: int, precision: str) 
             f"--calibration-images has {len(paths)} image(s); {precision} needs at least {needed}: "
             + (f"{quantiser_images} to calibrate the quantiser (--quantiser-images) and " if quantiser_images else "")
             + f"{MIN_THRESHOLD_IMAGES} more for the threshold (about 99 to promise 1% false alarms, 1,000 for the "
-            "empirical quantile)")
+            "empirical quantile)"
+        )
     order = np.random.default_rng(SPLIT_SEED).permutation(len(paths))
     shuffled = [paths[i] for i in order]
     return CalibrationSplit(tuple(shuffled[:quantiser_images]), tuple(shuffled[quantiser_images:]))
@@ -207,10 +216,14 @@ class Agreement:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
     def sentence(self) -> str:
-        verdicts = f"{self.verdict_changes} of {self.images + self.check_images} verdicts changed at the float32 threshold"
-        return (f"largest relative raw-score difference {self.max_score_error:.2%} (median {self.median_score_error:.2%}; "
-                f"tolerance {self.tolerance:.2%}), maps {self.max_map_error:.2%}, rank correlation "
-                f"{self.rank_correlation:.4f}, {verdicts}")
+        verdicts = (
+            f"{self.verdict_changes} of {self.images + self.check_images} verdicts changed at the float32 threshold"
+        )
+        return (
+            f"largest relative raw-score difference {self.max_score_error:.2%} (median {self.median_score_error:.2%}; "
+            f"tolerance {self.tolerance:.2%}), maps {self.max_map_error:.2%}, rank correlation "
+            f"{self.rank_correlation:.4f}, {verdicts}"
+        )
 
 
 @dataclass
@@ -222,8 +235,14 @@ class Scored:
     input_distances: np.ndarray
 
 
-def compare(reference_normal: Scored, quantised_normal: Scored, threshold: float, tolerance: float,
-            reference_check: Scored | None = None, quantised_check: Scored | None = None) -> Agreement:
+def compare(
+    reference_normal: Scored,
+    quantised_normal: Scored,
+    threshold: float,
+    tolerance: float,
+    reference_check: Scored | None = None,
+    quantised_check: Scored | None = None,
+) -> Agreement:
     """The accuracy gate: the quantised scorer's answers against float32's at the model's ``threshold``."""
     from sklearn.metrics import roc_auc_score  # as scipy: only for an export that needs it
 
@@ -241,12 +260,21 @@ def compare(reference_normal: Scored, quantised_normal: Scored, threshold: float
         auroc = (float(roc_auc_score(labels, reference)), float(roc_auc_score(labels, quantised)))
     worst = float(errors.max())
     return Agreement(
-        images=normal_n, check_images=check_n, rank_correlation=rank_correlation(reference, quantised),
-        max_score_error=worst, median_score_error=float(np.median(errors)), max_map_error=float(maps.max()),
-        verdict_changes=int(changed.sum()), verdict_changes_normal=int(changed[:normal_n].sum()),
-        verdict_changes_check=int(changed[normal_n:].sum()), tolerance=tolerance,
+        images=normal_n,
+        check_images=check_n,
+        rank_correlation=rank_correlation(reference, quantised),
+        max_score_error=worst,
+        median_score_error=float(np.median(errors)),
+        max_map_error=float(maps.max()),
+        verdict_changes=int(changed.sum()),
+        verdict_changes_normal=int(changed[:normal_n].sum()),
+        verdict_changes_check=int(changed[normal_n:].sum()),
+        tolerance=tolerance,
         passed=bool(np.isfinite(quantised).all()) and worst <= tolerance,
-        auroc_float32=auroc[0], auroc_quantised=auroc[1], threshold=threshold)
+        auroc_float32=auroc[0],
+        auroc_quantised=auroc[1],
+        threshold=threshold,
+    )
 
 
 # ---------------------------------------------------------------------- graphs
@@ -273,8 +301,13 @@ def quantise_onnxruntime(float_graph: Path, output: Path, batches: list[np.ndarr
     """
     # optional extras ([onnxruntime]): imported only when asked for
     import onnx
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
-    from onnxruntime.quantization import quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     model = onnx.load(str(float_graph), load_external_data=False)
@@ -293,13 +326,28 @@ def quantise_onnxruntime(float_graph: Path, output: Path, batches: list[np.ndarr
             batch = next(self._batches, None)
             return None if batch is None else {"images": batch}
 
-    settings = {"format": "QDQ", "weights": "int8, per channel", "activations": "uint8", "reduce_range": True,
-                "calibration": "MinMax", "quantised": f"{len(convolutions)} backbone convolutions"}
+    settings = {
+        "format": "QDQ",
+        "weights": "int8, per channel",
+        "activations": "uint8",
+        "reduce_range": True,
+        "calibration": "MinMax",
+        "quantised": f"{len(convolutions)} backbone convolutions",
+    }
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress: keep stdout for JSON
-        quantize_static(str(prepared), str(output), Reader(), quant_format=QuantFormat.QDQ,
-                        nodes_to_quantize=convolutions, op_types_to_quantize=["Conv"], per_channel=True,
-                        reduce_range=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        calibrate_method=CalibrationMethod.MinMax)
+        quantize_static(
+            str(prepared),
+            str(output),
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            nodes_to_quantize=convolutions,
+            op_types_to_quantize=["Conv"],
+            per_channel=True,
+            reduce_range=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+        )
     prepared.unlink(missing_ok=True)
     quantised = onnx.load(str(output))
     widened = widen_onnx_ranges(quantised, HEADROOM)
@@ -356,17 +404,30 @@ def quantise_openvino(float_graph: Path, output: Path, batches: list[np.ndarray]
     # only convolutions: NNCF would also put its quantisers on the embedding's pooling and the statistics
     logging.getLogger("nncf").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress bars: keep stdout for JSON
-        quantised = nncf.quantize(model, nncf.Dataset(batches), subset_size=sum(len(b) for b in batches),
-                                  ignored_scope=nncf.IgnoredScope(types=others, validate=False))
+        quantised = nncf.quantize(
+            model,
+            nncf.Dataset(batches),
+            subset_size=sum(len(b) for b in batches),
+            ignored_scope=nncf.IgnoredScope(types=others, validate=False),
+        )
     widened = widen_openvino_ranges(quantised, HEADROOM)
     ov.save_model(quantised, str(output), compress_to_fp16=False)
-    return {"runtime": "openvino", "headroom": f"activation ranges x{HEADROOM} ({widened} quantisers)", "tool": f"nncf.quantize (nncf {nncf.__version__})", "format": "FakeQuantize",
-            "weights": "int8, per channel", "activations": "uint8", "preset": "performance",
-            "quantised": "the convolutions (every other operation in nncf's ignored scope)"}
+    return {
+        "runtime": "openvino",
+        "headroom": f"activation ranges x{HEADROOM} ({widened} quantisers)",
+        "tool": f"nncf.quantize (nncf {nncf.__version__})",
+        "format": "FakeQuantize",
+        "weights": "int8, per channel",
+        "activations": "uint8",
+        "preset": "performance",
+        "quantised": "the convolutions (every other operation in nncf's ignored scope)",
+    }
 
 
 # ---------------------------------------------------------------------- scoring folders
-def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool, changed: bool = False) -> list[np.ndarray]:
+def load_inputs(
+    detector, paths: tuple[Path, ...], what: str, progress: bool, changed: bool = False
+) -> list[np.ndarray]:
     """``paths`` decoded, framed and normalised as ``train`` did: a list of ``(b, 3, S, S)`` float32 batches
     (``changed``: each picture after its seeded draw of the model's expected changes, as ``train`` draws them).
 
@@ -379,7 +440,9 @@ def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool, ch
         try:
             for chunk, images in iter_for_model(list(paths), config, BATCH):
                 if changed:
-                    images = [apply(image, config.expected.draw(seeded(path.name))) for path, image in zip(chunk, images)]
+                    images = [
+                        apply(image, config.expected.draw(seeded(path.name))) for path, image in zip(chunk, images)
+                    ]
                 batches.append(np.ascontiguousarray(detector.preprocess(images).numpy(), dtype=np.float32))
                 bar.update(len(chunk))
         except ImageError as error:  # the export needs every image it was given
@@ -390,8 +453,9 @@ def load_inputs(detector, paths: tuple[Path, ...], what: str, progress: bool, ch
 def run_graph(session, batches: list[np.ndarray]) -> Scored:
     """Every batch through a runtime session (``OnnxRuntimeSession``/``OpenVinoSession``)."""
     outs = [session.run(batch) for batch in batches]
-    return Scored(np.concatenate([o[1] for o in outs]), np.concatenate([o[0] for o in outs]),
-                  np.concatenate([o[2] for o in outs]))
+    return Scored(
+        np.concatenate([o[1] for o in outs]), np.concatenate([o[0] for o in outs]), np.concatenate([o[2] for o in outs])
+    )
 
 
 def folder_images(folder: Path, flag: str) -> list[Path]:
@@ -407,19 +471,23 @@ def recalibrate(scored: Scored, false_alarm_rate: float, changed: Scored | None 
     """The quantised scorer's threshold for ``false_alarm_rate`` from its scores of the threshold images (of their
     changed copies, ``changed``, for a model that expects the line's changes; the images' own are kept beside)."""
     own = torch.from_numpy(scored.raw_scores.astype(np.float64))
-    return Calibration.from_scores(own if changed is None else torch.from_numpy(changed.raw_scores.astype(np.float64)),
-                                   false_alarm_rate,
-                                   input_distances=torch.from_numpy(scored.input_distances.astype(np.float64)),
-                                   taken_scores=None if changed is None else own)
+    return Calibration.from_scores(
+        own if changed is None else torch.from_numpy(changed.raw_scores.astype(np.float64)),
+        false_alarm_rate,
+        input_distances=torch.from_numpy(scored.input_distances.astype(np.float64)),
+        taken_scores=None if changed is None else own,
+    )
 
 
 def promise_line(calibration: Calibration) -> str:
     shortfall = calibration.shortfall()
     if shortfall:
         return shortfall
-    return (f"{calibration.count} held-out normal images promise {calibration.promised_false_alarm_rate:.2%} false "
-            f"alarms (at most {calibration.false_alarm_bound:.2%} with 95% confidence; "
-            f"{images_needed(calibration.false_alarm_rate)} images are the fewest for this rate)")
+    return (
+        f"{calibration.count} held-out normal images promise {calibration.promised_false_alarm_rate:.2%} false "
+        f"alarms (at most {calibration.false_alarm_bound:.2%} with 95% confidence; "
+        f"{images_needed(calibration.false_alarm_rate)} images are the fewest for this rate)"
+    )
 
 
 # ---------------------------------------------------------------------- the export
@@ -443,21 +511,39 @@ class Quantised:
 
     @property
     def threshold_of(self) -> str:
-        return (f"{self.precision} scorer ({self.settings['runtime']}) on {self.calibration.count} held-out normal images "
-                f"of {self.split['folder']} (not used to quantise)")
+        return (
+            f"{self.precision} scorer ({self.settings['runtime']}) on {self.calibration.count} held-out normal images "
+            f"of {self.split['folder']} (not used to quantise)"
+        )
 
     def describe(self, float32: Calibration) -> dict:
-        return {"precision": self.precision, **self.settings, "calibration_images": self.split,
-                "check_images": self.check_folder, "agreement": self.agreement.to_dict(),
-                "float32_calibration": float32.summary(), "promise": promise_line(self.calibration),
-                "verified": "unverified: built to ONNX Runtime's CUDA/TensorRT documentation; checked here on the CPU "
-                            "provider only" if self.precision == "fp16" else "checked on this runtime by the gate"}
+        return {
+            "precision": self.precision,
+            **self.settings,
+            "calibration_images": self.split,
+            "check_images": self.check_folder,
+            "agreement": self.agreement.to_dict(),
+            "float32_calibration": float32.summary(),
+            "promise": promise_line(self.calibration),
+            "verified": "unverified: built to ONNX Runtime's CUDA/TensorRT documentation; checked here on the CPU "
+            "provider only"
+            if self.precision == "fp16"
+            else "checked on this runtime by the gate",
+        }
 
 
-def export_quantised_detector(detector, output: str | Path, fmt: str, source: str | Path, options: QuantiseOptions,
-                              source_sha256: str | None = None, name: str | None = None,
-                              external_data: bool | None = None, triton_device: str = "gpu",
-                              progress: bool = False) -> Path:
+def export_quantised_detector(
+    detector,
+    output: str | Path,
+    fmt: str,
+    source: str | Path,
+    options: QuantiseOptions,
+    source_sha256: str | None = None,
+    name: str | None = None,
+    external_data: bool | None = None,
+    triton_device: str = "gpu",
+    progress: bool = False,
+) -> Path:
     """:func:`padim.models.deploy.export.export_detector` with a quantised backbone: gated, then given its own threshold.
 
     Returns:
@@ -471,16 +557,34 @@ def export_quantised_detector(detector, output: str | Path, fmt: str, source: st
     check_combination(options.precision, fmt, triton_device)
     require("openvino" if fmt == "openvino" else "onnxruntime")
     if options.false_alarm_rate is None and detector.calibration.false_alarm_rate is None:
-        raise ExportError("the model's threshold was set by hand (evaluate --calibrate), so it names no false-alarm "
-                          "rate: give the quantised scorer's with --false-alarm-rate")
-    return export_detector(detector, output, fmt, source, source_sha256=source_sha256, name=name,
-                           external_data=external_data, triton_device=triton_device,
-                           write_graph=lambda graph_dir, staging: export_quantised(
-                               detector, graph_dir, fmt, options, staging, external_data, progress))
+        raise ExportError(
+            "the model's threshold was set by hand (evaluate --calibrate), so it names no false-alarm "
+            "rate: give the quantised scorer's with --false-alarm-rate"
+        )
+    return export_detector(
+        detector,
+        output,
+        fmt,
+        source,
+        source_sha256=source_sha256,
+        name=name,
+        external_data=external_data,
+        triton_device=triton_device,
+        write_graph=lambda graph_dir, staging: export_quantised(
+            detector, graph_dir, fmt, options, staging, external_data, progress
+        ),
+    )
 
 
-def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptions, staging: Path,
-                     external_data: bool | None, progress: bool) -> Quantised:
+def export_quantised(
+    detector,
+    graph_dir: Path,
+    fmt: str,
+    options: QuantiseOptions,
+    staging: Path,
+    external_data: bool | None,
+    progress: bool,
+) -> Quantised:
     """Write the quantised graph of ``detector`` into ``graph_dir`` and gate and recalibrate it.
 
     The float32 graph is exported into a scratch folder under ``staging`` (removed), scored beside
@@ -490,21 +594,28 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
         ExportError: a calibration folder too small, or an unreadable image.
         AccuracyGateFailed: scores moved past ``options.max_score_error`` and ``options.force`` is off.
     """
-    split = split_calibration(folder_images(options.calibration_images, "--calibration-images"), options.quantiser_images,
-                              options.precision)
+    split = split_calibration(
+        folder_images(options.calibration_images, "--calibration-images"), options.quantiser_images, options.precision
+    )
     check = folder_images(options.check_images, "--check-images") if options.check_images else []
     rate = options.false_alarm_rate if options.false_alarm_rate is not None else detector.calibration.false_alarm_rate
     work = staging / ".work"
     work.mkdir()
     cpu = torch.device("cpu")
     runtime = "openvino" if fmt == "openvino" else "onnxruntime"
-    session = (lambda graph: OpenVinoSession(graph, cpu)) if runtime == "openvino" else (
-        lambda graph: OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
+    session = (
+        (lambda graph: OpenVinoSession(graph, cpu))
+        if runtime == "openvino"
+        else (lambda graph: OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
+    )
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
     quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
     normal = load_inputs(detector, split.threshold, "threshold images", progress)
-    changed = (load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress,
-                           changed=True) if detector.config.expect else [])
+    changed = (
+        load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress, changed=True)
+        if detector.config.expect
+        else []
+    )
     defects = load_inputs(detector, tuple(check), "check images", progress) if check else []
     reference = session(float_graph)
     reference_normal = run_graph(reference, normal)
@@ -513,9 +624,13 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
     log.info("quantising the backbone: %s on %s", options.precision, runtime)
     if options.precision == "fp16":
         graph = _export_onnx(detector, graph_dir / ONNX_FILE, external_data, backbone_dtype=torch.float16)
-        settings = {"runtime": runtime, "tool": "torch.onnx.export of the backbone in float16",
-                    "weights": "float16", "activations": "float16 (input and features float32)",
-                    "quantised": "the backbone"}
+        settings = {
+            "runtime": runtime,
+            "tool": "torch.onnx.export of the backbone in float16",
+            "weights": "float16",
+            "activations": "float16 (input and features float32)",
+            "quantised": "the backbone",
+        }
     elif runtime == "openvino":
         graph = graph_dir / OPENVINO_FILE
         settings = quantise_openvino(float_graph, graph, quantiser)
@@ -527,13 +642,20 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
     quantised_changed = run_graph(quantised, changed) if changed else None
     quantised_check = run_graph(quantised, defects) if defects else None
     del quantised
-    agreement = compare(reference_normal, quantised_normal, detector.calibration.threshold, options.max_score_error,
-                        reference_check, quantised_check)
+    agreement = compare(
+        reference_normal,
+        quantised_normal,
+        detector.calibration.threshold,
+        options.max_score_error,
+        reference_check,
+        quantised_check,
+    )
     if not agreement.passed:
         if not options.force:
             raise AccuracyGateFailed(
                 f"the {options.precision} scorer is not accurate enough: {agreement.sentence()}; nothing was written. "
-                "Raise --max-score-error if this is acceptable for your line, or --force to write it anyway")
+                "Raise --max-score-error if this is acceptable for your line, or --force to write it anyway"
+            )
         agreement = Agreement(**{**asdict(agreement), "forced": True})
         log.warning("accuracy gate failed, written anyway (--force): %s", agreement.sentence())
     calibration = recalibrate(quantised_normal, rate, quantised_changed)
@@ -541,5 +663,12 @@ def export_quantised(detector, graph_dir: Path, fmt: str, options: QuantiseOptio
         leftover.unlink()
     work.rmdir()
     files = sorted(p.name for p in graph_dir.iterdir() if p.is_file())
-    return Quantised(options.precision, files, calibration, agreement, settings, split.describe(options.calibration_images),
-                     None if options.check_images is None else str(options.check_images))
+    return Quantised(
+        options.precision,
+        files,
+        calibration,
+        agreement,
+        settings,
+        split.describe(options.calibration_images),
+        None if options.check_images is None else str(options.check_images),
+    )

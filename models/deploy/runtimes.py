@@ -42,9 +42,9 @@ from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
     INPUT_NAME,
     METADATA_FILE,
-    OUTPUT_NAMES,
     ONNX_FILE,
     OPENVINO_FILE,
+    OUTPUT_NAMES,
     ExportError,
     export_detector,
     read_export,
@@ -101,8 +101,13 @@ def export_runtime(path: Path, runtime: str) -> str:
     return runtime
 
 
-def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", with_statistics: bool = False,
-                cache: Path | None = None) -> Scorer:
+def load_scorer(
+    path: str | Path,
+    runtime: str = "auto",
+    device: str = "auto",
+    with_statistics: bool = False,
+    cache: Path | None = None,
+) -> Scorer:
     """The :class:`~padim.models.scorer.Scorer` that runs on ``runtime``: a ``PadimDetector`` (torch) or a :class:`DeployedDetector`.
 
     Args:
@@ -133,7 +138,9 @@ def load_scorer(path: str | Path, runtime: str = "auto", device: str = "auto", w
     target = runtime_device(chosen, device)
     log.debug("%s: %s on %s", path, chosen, target)
     sha256 = file_sha256(path)
-    cached = cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")  # both runtimes read the ONNX graph
+    cached = (
+        cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")
+    )  # both runtimes read the ONNX graph
     with _export_lock:
         if not is_export(cached):
             detector = load_detector(path, device="cpu")
@@ -165,8 +172,10 @@ def cache_dir(model_path: Path, sha256: str, fmt: str) -> Path:
     beside = model_path.resolve().parent
     if os.access(beside, os.W_OK):
         return beside / ".padim-cache" / leaf
-    for root in (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "padim",
-                 Path(tempfile.gettempdir()) / "padim-cache"):
+    for root in (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "padim",
+        Path(tempfile.gettempdir()) / "padim-cache",
+    ):
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -190,8 +199,9 @@ TENSORRT_ENV = "PADIM_TENSORRT_CACHE"
 TENSORRT_MAX_BATCH = 64
 
 
-def onnxruntime_providers(available: list[str], device: torch.device, image_size: int | tuple[int, int] | None,
-                          tensorrt_cache: str | None) -> list:
+def onnxruntime_providers(
+    available: list[str], device: torch.device, image_size: int | tuple[int, int] | None, tensorrt_cache: str | None
+) -> list:
     """ONNX Runtime's providers, best first, for ``device`` (see :class:`OnnxRuntimeSession`).
 
     Raises:
@@ -200,20 +210,36 @@ def onnxruntime_providers(available: list[str], device: torch.device, image_size
     if device.type != "cuda":
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in available:
-        raise ExportError("--device cuda with --runtime onnxruntime needs onnxruntime-gpu "
-                          f"(this onnxruntime has {', '.join(available)}); or use --runtime torch")
-    cuda = ("CUDAExecutionProvider", {"device_id": device.index or 0, "cudnn_conv_algo_search": "EXHAUSTIVE",
-                                      "use_tf32": 0})
+        raise ExportError(
+            "--device cuda with --runtime onnxruntime needs onnxruntime-gpu "
+            f"(this onnxruntime has {', '.join(available)}); or use --runtime torch"
+        )
+    cuda = (
+        "CUDAExecutionProvider",
+        {"device_id": device.index or 0, "cudnn_conv_algo_search": "EXHAUSTIVE", "use_tf32": 0},
+    )
     providers: list = [cuda, "CPUExecutionProvider"]
     if tensorrt_cache and "TensorrtExecutionProvider" in available and image_size:
         Path(tensorrt_cache).mkdir(parents=True, exist_ok=True)
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
         shape = lambda batch: f"{INPUT_NAME}:{batch}x3x{height}x{width}"  # noqa: E731
-        providers.insert(0, ("TensorrtExecutionProvider", {
-            "device_id": device.index or 0, "trt_engine_cache_enable": True, "trt_engine_cache_path": str(tensorrt_cache),
-            "trt_timing_cache_enable": True, "trt_timing_cache_path": str(tensorrt_cache), "trt_fp16_enable": False,
-            "trt_profile_min_shapes": shape(1), "trt_profile_opt_shapes": shape(16),
-            "trt_profile_max_shapes": shape(TENSORRT_MAX_BATCH)}))
+        providers.insert(
+            0,
+            (
+                "TensorrtExecutionProvider",
+                {
+                    "device_id": device.index or 0,
+                    "trt_engine_cache_enable": True,
+                    "trt_engine_cache_path": str(tensorrt_cache),
+                    "trt_timing_cache_enable": True,
+                    "trt_timing_cache_path": str(tensorrt_cache),
+                    "trt_fp16_enable": False,
+                    "trt_profile_min_shapes": shape(1),
+                    "trt_profile_opt_shapes": shape(16),
+                    "trt_profile_max_shapes": shape(TENSORRT_MAX_BATCH),
+                },
+            ),
+        )
     return providers
 
 
@@ -235,21 +261,26 @@ class DeployedDetector:
         self.metadata = metadata
         try:
             # an export from before the scoring options computes what they were then (its graph says so too)
-            self.config = PadimConfig.from_mapping({**BEFORE_OPTIONS, **metadata["config"]},
-                                                   source=str(directory / METADATA_FILE))
+            self.config = PadimConfig.from_mapping(
+                {**BEFORE_OPTIONS, **metadata["config"]}, source=str(directory / METADATA_FILE)
+            )
             self.weights = WeightsInfo(**metadata["weights"])
             self.provenance = Provenance.from_header(metadata["provenance"])
             distances = metadata.get("calibration_input_distances")  # export version 4
             taken = metadata.get("calibration_taken_scores")  # export version 6
             self.calibration = Calibration.from_header(
-                metadata["calibration"], torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
+                metadata["calibration"],
+                torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
                 None if distances is None else torch.tensor(distances, dtype=torch.float64),
-                None if taken is None else torch.tensor(taken, dtype=torch.float64))
+                None if taken is None else torch.tensor(taken, dtype=torch.float64),
+            )
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
             self.precision = metadata.get("precision", "float32")  # export version 5
             self.threshold_of = metadata.get("threshold_of", "float32 scorer")  # export version 5
         except (KeyError, TypeError, ValueError) as error:
-            raise ArtifactError(f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})") from None
+            raise ArtifactError(
+                f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})"
+            ) from None
         self.statistics = None
         self.image_size = self.config.image_size
         self.framing = Framing.of(self.config)
@@ -257,8 +288,10 @@ class DeployedDetector:
         graph = self.directory / (ONNX_FILE if (self.directory / ONNX_FILE).is_file() else OPENVINO_FILE)
         if runtime == "onnxruntime":
             if graph.suffix != ".onnx":
-                raise ExportError(f"{directory}: an OpenVINO export; run it with --runtime openvino, "
-                                  "or export with --format onnx for onnxruntime")
+                raise ExportError(
+                    f"{directory}: an OpenVINO export; run it with --runtime openvino, "
+                    "or export with --format onnx for onnxruntime"
+                )
             self._session = OnnxRuntimeSession(graph, device, self.config.input_shape)
         elif runtime == "openvino":
             self._session = OpenVinoSession(graph, device)
@@ -283,18 +316,35 @@ class DeployedDetector:
         tensors; no input distances from an export older than version 4)."""
         images = np.ascontiguousarray(batch.detach().cpu().numpy(), dtype=np.float32)
         maps, raw_scores, *rest = self._session.run(images)
-        return ScoreOutput(torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None)
+        return ScoreOutput(
+            torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None
+        )
 
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
         quantisation = self.metadata.get("quantisation")
-        return {**self.metadata["description"], **scoring_options(self.config), "runtime": self.runtime,
-                "precision": self.precision,
-                "calibration": {**self.metadata["description"]["calibration"], **self.calibration.summary(),
-                                **calibration_options(self.config), "threshold_of": self.threshold_of,
-                                **({"source": "held_out"} if self.precision != "float32" else {})},
-                **({"quantisation": {k: quantisation[k] for k in ("agreement", "float32_calibration", "promise",
-                                                                  "verified", "tool")}} if quantisation else {})}
+        return {
+            **self.metadata["description"],
+            **scoring_options(self.config),
+            "runtime": self.runtime,
+            "precision": self.precision,
+            "calibration": {
+                **self.metadata["description"]["calibration"],
+                **self.calibration.summary(),
+                **calibration_options(self.config),
+                "threshold_of": self.threshold_of,
+                **({"source": "held_out"} if self.precision != "float32" else {}),
+            },
+            **(
+                {
+                    "quantisation": {
+                        k: quantisation[k] for k in ("agreement", "float32_calibration", "promise", "verified", "tool")
+                    }
+                }
+                if quantisation
+                else {}
+            ),
+        }
 
 
 class OnnxRuntimeSession:
@@ -316,7 +366,9 @@ class OnnxRuntimeSession:
         # Its threads otherwise spin after each run, taking the cores from image decoding and
         # torch's own ops around it (measured, 2 cores: end to end at batch 1, 47.5 -> 53.4 img/s).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = onnxruntime_providers(ort.get_available_providers(), device, image_size, os.environ.get(TENSORRT_ENV))
+        providers = onnxruntime_providers(
+            ort.get_available_providers(), device, image_size, os.environ.get(TENSORRT_ENV)
+        )
         self.session = ort.InferenceSession(str(graph), options, providers=providers)
         self.providers = self.session.get_providers()
 
@@ -333,8 +385,9 @@ class OpenVinoSession:
         if device.type == "cuda":
             raise ExportError("--runtime openvino runs on the CPU here; use --device cpu, or --runtime torch for CUDA")
         core = ov.Core()
-        self.model = core.compile_model(core.read_model(str(graph)), "CPU",
-                                        {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"})
+        self.model = core.compile_model(
+            core.read_model(str(graph)), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+        )
         self.providers = ["CPU"]
         self._outputs = {name for output in self.model.outputs for name in output.get_names()}
         self._local = threading.local()

@@ -71,21 +71,47 @@ def read_drift(recent: Recent, calibration, level: float = LEVEL, min_images: in
     return assess(torch.tensor(recent.raw_scores, dtype=torch.float64), calibration, inputs, level, min_images)
 
 
-def write_drift_report(directory: str | Path, recent: Recent, drift: Drift, scorer, model_label: str,
-                       folder_label: str) -> Path:
+def write_drift_report(
+    directory: str | Path, recent: Recent, drift: Drift, scorer, model_label: str, folder_label: str
+) -> Path:
     """Write ``DIR/drift.html`` and ``DIR/drift.json`` (each replaced atomically); returns the HTML path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     calibration = scorer.calibration
     order = np.argsort(-np.asarray(recent.raw_scores), kind="stable")[:LISTED]
-    highest = [{"path": recent.names[i], "raw_score": recent.raw_scores[i], "score": calibration.score(recent.raw_scores[i]),
-                "is_anomaly": recent.raw_scores[i] >= calibration.threshold} for i in order]
-    document = {"model": model_label, "folder": folder_label, **drift.to_dict(), "calibration": calibration.summary(),
-                "unreadable": [{"path": p, "reason": r} for p, r in recent.unreadable], "highest": highest}
-    page = TEMPLATE.render(
-        model_label=model_label, folder=folder_label, weights_label=scorer.weights.label, stamp=scorer.weights.stamp,
-        runtime=scorer.runtime, created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), drift=drift,
-        rows=_rows(drift), plot=_plot(recent, calibration), highest=highest, unreadable=recent.unreadable) + "\n"
+    highest = [
+        {
+            "path": recent.names[i],
+            "raw_score": recent.raw_scores[i],
+            "score": calibration.score(recent.raw_scores[i]),
+            "is_anomaly": recent.raw_scores[i] >= calibration.threshold,
+        }
+        for i in order
+    ]
+    document = {
+        "model": model_label,
+        "folder": folder_label,
+        **drift.to_dict(),
+        "calibration": calibration.summary(),
+        "unreadable": [{"path": p, "reason": r} for p, r in recent.unreadable],
+        "highest": highest,
+    }
+    page = (
+        TEMPLATE.render(
+            model_label=model_label,
+            folder=folder_label,
+            weights_label=scorer.weights.label,
+            stamp=scorer.weights.stamp,
+            runtime=scorer.runtime,
+            created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            drift=drift,
+            rows=_rows(drift),
+            plot=_plot(recent, calibration),
+            highest=highest,
+            unreadable=recent.unreadable,
+        )
+        + "\n"
+    )
     write_atomically(directory / JSON_FILE, json.dumps(document, indent=2) + "\n")
     write_atomically(directory / REPORT_FILE, page)
     return directory / REPORT_FILE
@@ -99,15 +125,30 @@ def _rows(drift: Drift) -> list[dict]:
     rows = []
     if drift.flag_rate is not None:
         flag = drift.flag_rate
-        rows.append({"test": "flag rate (one-sided binomial)", "value": f"{flag.flags} of {drift.images} flagged "
-                     f"({flag.rate:.1%}); normal images give at most {flag.normal_rate:.1%} ({flag.basis})",
-                     "p_value": f"{flag.p_value:.3g}", "alarm": flag.alarm})
-    for name, shift in (("score drift (one-sided KS)", drift.score_drift), ("input drift (one-sided KS)", drift.input_drift)):
+        rows.append(
+            {
+                "test": "flag rate (one-sided binomial)",
+                "value": f"{flag.flags} of {drift.images} flagged "
+                f"({flag.rate:.1%}); normal images give at most {flag.normal_rate:.1%} ({flag.basis})",
+                "p_value": f"{flag.p_value:.3g}",
+                "alarm": flag.alarm,
+            }
+        )
+    for name, shift in (
+        ("score drift (one-sided KS)", drift.score_drift),
+        ("input drift (one-sided KS)", drift.input_drift),
+    ):
         if shift is None:
             continue
         psi = f", PSI {shift.psi:.3f}" if shift.psi is not None else ""
-        rows.append({"test": name, "value": f"D+ {shift.statistic:.3f}, median x{shift.median_ratio:.3f}{psi}",
-                     "p_value": f"{shift.p_value:.3g}", "alarm": shift.alarm})
+        rows.append(
+            {
+                "test": name,
+                "value": f"D+ {shift.statistic:.3f}, median x{shift.median_ratio:.3f}{psi}",
+                "p_value": f"{shift.p_value:.3g}",
+                "alarm": shift.alarm,
+            }
+        )
     return rows
 
 

@@ -45,7 +45,9 @@ def read_mvtec_category(root: str | Path) -> list[Sample]:
     root = Path(root)
     test = root / "test"
     if not test.is_dir():
-        raise UsageError(f"{root}: not an MVTec-layout category (no test/ directory; expected train/good, test/<good|defect>, ground_truth/<defect>)")
+        raise UsageError(
+            f"{root}: not an MVTec-layout category (no test/ directory; expected train/good, test/<good|defect>, ground_truth/<defect>)"
+        )
     samples = []
     for defect_dir in sorted(d for d in test.iterdir() if d.is_dir()):
         for path in list_images(defect_dir):
@@ -128,8 +130,13 @@ class Scored:
         return load_masks(self.samples, self.framing or tuple(self.maps.shape[-2:]))
 
 
-def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT_BATCH_SIZE, workers: int = DEFAULT_WORKERS,
-                   progress: bool = True) -> Scored:
+def score_category(
+    detector: Scorer,
+    root: str | Path,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = True,
+) -> Scored:
     """Score every test image of a category (any runtime's detector)."""
     samples = read_mvtec_category(root)
     raw_scores, maps = [], []
@@ -140,7 +147,9 @@ def score_category(detector: Scorer, root: str | Path, batch_size: int = DEFAULT
             maps.append(out.maps.cpu())
             bar.update(len(chunk))
     threshold = detector.calibration.threshold if detector.calibration else None
-    return Scored(samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold, Framing.of(detector.config))
+    return Scored(
+        samples, torch.cat(raw_scores).numpy(), torch.cat(maps).numpy(), threshold, Framing.of(detector.config)
+    )
 
 
 def load_masks(samples: list[Sample], size: int | tuple[int, int] | Framing) -> np.ndarray:
@@ -163,8 +172,13 @@ def load_masks(samples: list[Sample], size: int | tuple[int, int] | Framing) -> 
     return torch.stack(masks).numpy()
 
 
-def compute_metrics(samples: list[Sample], raw_scores: np.ndarray, maps: np.ndarray, threshold: float | None = None,
-                    masks: np.ndarray | None = None) -> dict:
+def compute_metrics(
+    samples: list[Sample],
+    raw_scores: np.ndarray,
+    maps: np.ndarray,
+    threshold: float | None = None,
+    masks: np.ndarray | None = None,
+) -> dict:
     """Image AUROC, pixel AUROC, PRO and F1 from any detector's scores ``(N,)`` and maps ``(N, S, S)``.
 
     Args:
@@ -209,10 +223,14 @@ def threshold_metrics(samples: list[Sample], raw_scores: np.ndarray, threshold: 
     if threshold is not None:
         flagged = scores >= threshold
         result["confusion_at_threshold"] = {
-            "true_negatives": int((~flagged & ~labels).sum()), "false_positives": int((flagged & ~labels).sum()),
-            "false_negatives": int((~flagged & labels).sum()), "true_positives": int((flagged & labels).sum()),
+            "true_negatives": int((~flagged & ~labels).sum()),
+            "false_positives": int((flagged & ~labels).sum()),
+            "false_negatives": int((~flagged & labels).sum()),
+            "true_positives": int((flagged & labels).sum()),
         }
-        result["flagged_by_defect"] = {d: [int(flagged[mask_d].sum()), int(mask_d.sum())]
-                                       for d in sorted({s.defect for s in samples})
-                                       if (mask_d := np.array([s.defect == d for s in samples])).any()}
+        result["flagged_by_defect"] = {
+            d: [int(flagged[mask_d].sum()), int(mask_d.sum())]
+            for d in sorted({s.defect for s in samples})
+            if (mask_d := np.array([s.defect == d for s in samples])).any()
+        }
     return result

@@ -11,8 +11,9 @@ from pathlib import Path
 import jinja2
 
 #: The templates beside this module (values are HTML-escaped by the template).
-TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("padim.models.evaluation", "."), autoescape=True,
-                               undefined=jinja2.StrictUndefined)
+TEMPLATES = jinja2.Environment(
+    loader=jinja2.PackageLoader("padim.models.evaluation", "."), autoescape=True, undefined=jinja2.StrictUndefined
+)
 
 
 def data_uri(data: bytes, mime: str) -> str:

@@ -33,8 +33,9 @@ REPORT_FILE, JSON_FILE = "report.html", "evaluation.json"
 GALLERY_SIDE = 320
 
 
-def write_report(directory: str | Path, scored: Scored, metrics: dict, detector, model_label: str,
-                 gallery: int = 6) -> Path:
+def write_report(
+    directory: str | Path, scored: Scored, metrics: dict, detector, model_label: str, gallery: int = 6
+) -> Path:
     """Write ``DIR/report.html`` and ``DIR/evaluation.json`` (each replaced atomically); returns the HTML path.
 
     Args:
@@ -48,9 +49,16 @@ def write_report(directory: str | Path, scored: Scored, metrics: dict, detector,
     directory.mkdir(parents=True, exist_ok=True)
     calibration = detector.calibration
     labels = np.array([s.is_anomalous for s in scored.samples])
-    per_image = [{"path": str(s.path), "defect": s.defect, "raw_score": float(r), "score": calibration.score(float(r)),
-                  "is_anomaly": bool(scored.raw_threshold is not None and r >= scored.raw_threshold)}
-                 for s, r in zip(scored.samples, scored.raw_scores)]
+    per_image = [
+        {
+            "path": str(s.path),
+            "defect": s.defect,
+            "raw_score": float(r),
+            "score": calibration.score(float(r)),
+            "is_anomaly": bool(scored.raw_threshold is not None and r >= scored.raw_threshold),
+        }
+        for s, r in zip(scored.samples, scored.raw_scores)
+    ]
     document = {**metrics, "per_image": per_image}
     plots = _plots(scored, labels, metrics)
     page = _page(scored, metrics, detector, model_label, plots, _gallery(scored, labels, detector, gallery))
@@ -66,7 +74,9 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
     scores = scored.raw_scores.astype(np.float64)
     if labels.any() and not labels.all():
         fpr, tpr, _ = roc_curve(labels, scores)
-        fig, ax = _axes(plt, "Image ROC", "false-positive rate (good images flagged)", "true-positive rate (defects caught)")
+        fig, ax = _axes(
+            plt, "Image ROC", "false-positive rate (good images flagged)", "true-positive rate (defects caught)"
+        )
         ax.plot(fpr, tpr, color="#1f6feb", lw=2, label=f"AUROC {metrics['image_auroc']:.3f}")
         if threshold is not None:
             flagged = scores >= threshold
@@ -86,7 +96,9 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
         plots["pixel_roc"] = _png(plt, fig)
 
         fpr, pro = pro_curve(scored.maps, masks)
-        fig, ax = _axes(plt, "Per-region overlap (PRO)", "false-positive rate (normal pixels)", "mean overlap per defect region")
+        fig, ax = _axes(
+            plt, "Per-region overlap (PRO)", "false-positive rate (normal pixels)", "mean overlap per defect region"
+        )
         ax.plot(fpr, pro, color="#8250df", lw=2, label=f"normalised area to 30% FPR {metrics['pro_0.3']:.3f}")
         ax.axvspan(0, 0.3, color="#8250df", alpha=0.08)
         ax.axvline(0.3, color="#8250df", ls=":", lw=1)
@@ -94,15 +106,28 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
         plots["pro"] = _png(plt, fig)
 
     defects = sorted({s.defect for s in scored.samples})
-    fig, ax = _axes(plt, "Image scores: good against each defect type", "raw score (Mahalanobis distance)", "images",
-                    size=(7.5, 3.6), square=False)
+    fig, ax = _axes(
+        plt,
+        "Image scores: good against each defect type",
+        "raw score (Mahalanobis distance)",
+        "images",
+        size=(7.5, 3.6),
+        square=False,
+    )
     bins = np.histogram_bin_edges(scores, bins=min(40, max(10, len(scores) // 3)))
     colours = ["#2da44e", "#d1242f", "#bf8700", "#8250df", "#1f6feb", "#cf222e", "#0a3069", "#953800"]
     for i, defect in enumerate(["good", *[d for d in defects if d != "good"]]):
         chosen = np.array([s.defect == defect for s in scored.samples])
         if chosen.any():
-            ax.hist(scores[chosen], bins=bins, alpha=0.55 if defect != "good" else 0.7, color=colours[i % len(colours)],
-                    label=f"{defect} ({chosen.sum()})", histtype="stepfilled", edgecolor="none")
+            ax.hist(
+                scores[chosen],
+                bins=bins,
+                alpha=0.55 if defect != "good" else 0.7,
+                color=colours[i % len(colours)],
+                label=f"{defect} ({chosen.sum()})",
+                histtype="stepfilled",
+                edgecolor="none",
+            )
     if threshold is not None:
         ax.axvline(threshold, color="black", ls="--", lw=1.5, label=f"threshold {threshold:.3g}")
     ax.legend(fontsize=8, ncols=2)
@@ -136,8 +161,10 @@ def _gallery(scored: Scored, labels: np.ndarray, detector, count: int) -> dict[s
     order = np.argsort(-scored.raw_scores, kind="stable")
     false_alarms = [i for i in order if not labels[i]][:count]
     misses = [i for i in order[::-1] if labels[i]][:count]
-    return {"false_alarms": [_card(scored, i, detector) for i in false_alarms],
-            "misses": [_card(scored, i, detector) for i in misses]}
+    return {
+        "false_alarms": [_card(scored, i, detector) for i in false_alarms],
+        "misses": [_card(scored, i, detector) for i in misses],
+    }
 
 
 def _card(scored: Scored, index: int, detector) -> dict:
@@ -149,36 +176,61 @@ def _card(scored: Scored, index: int, detector) -> dict:
     small = torch.from_numpy(scored.maps[index])
     full = detector.framing.to_picture(small, image.width, image.height, picture_size)  # 0 outside the region
     found = verdict(float(scored.raw_scores[index]), small, detector.calibration)
-    picture = figure(image, detector.calibration.normalise(full.double()).numpy(), found,
-                     label=detector.weights.stamp, title=f"{sample.defect}/{sample.path.name}",
-                     scored=detector.framing.shown_box(image.width, image.height, picture_size))
+    picture = figure(
+        image,
+        detector.calibration.normalise(full.double()).numpy(),
+        found,
+        label=detector.weights.stamp,
+        title=f"{sample.defect}/{sample.path.name}",
+        scored=detector.framing.shown_box(image.width, image.height, picture_size),
+    )
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG", optimize=True)
-    return {"path": str(sample.path), "defect": sample.defect, "score": found.score, "is_anomaly": found.is_anomaly,
-            "image": data_uri(buffer.getvalue(), "image/png")}
+    return {
+        "path": str(sample.path),
+        "defect": sample.defect,
+        "score": found.score,
+        "is_anomaly": found.is_anomaly,
+        "image": data_uri(buffer.getvalue(), "image/png"),
+    }
 
 
 # ----------------------------------------------------------------------------------------- page
 #: The page, a Jinja2 template beside this module.
 TEMPLATE = TEMPLATES.get_template("report.html")
-CAPTIONS = {"image_roc": "Image ROC: good images flagged against defective ones caught, at every threshold",
-            "pixel_roc": "Pixel ROC: normal pixels against defect pixels",
-            "pro": "PRO: the share of each defect region found, averaged over regions"}
+CAPTIONS = {
+    "image_roc": "Image ROC: good images flagged against defective ones caught, at every threshold",
+    "pixel_roc": "Pixel ROC: normal pixels against defect pixels",
+    "pro": "PRO: the share of each defect region found, averaged over regions",
+}
 
 
 def _page(scored: Scored, metrics: dict, detector, model_label: str, plots: dict[str, str], gallery: dict) -> str:
     confusion = metrics.get("confusion_at_threshold")
     if confusion:
-        confusion = {**confusion, "good": confusion["true_negatives"] + confusion["false_positives"],
-                     "bad": confusion["true_positives"] + confusion["false_negatives"]}
-    return TEMPLATE.render(
-        category_name=Path(metrics["category"]).name, category=str(metrics["category"]), model_label=model_label,
-        weights_label=detector.weights.label, runtime=detector.runtime, stamp=detector.weights.stamp,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        summary=_summary_rows(scored, metrics, detector.calibration.summary()), confusion=confusion,
-        defects=_defect_rows(metrics),
-        curves=[{"uri": uri, "caption": CAPTIONS[name]} for name, uri in plots.items() if name in CAPTIONS],
-        histogram=plots.get("histogram"), gallery=gallery) + "\n"
+        confusion = {
+            **confusion,
+            "good": confusion["true_negatives"] + confusion["false_positives"],
+            "bad": confusion["true_positives"] + confusion["false_negatives"],
+        }
+    return (
+        TEMPLATE.render(
+            category_name=Path(metrics["category"]).name,
+            category=str(metrics["category"]),
+            model_label=model_label,
+            weights_label=detector.weights.label,
+            runtime=detector.runtime,
+            stamp=detector.weights.stamp,
+            created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            summary=_summary_rows(scored, metrics, detector.calibration.summary()),
+            confusion=confusion,
+            defects=_defect_rows(metrics),
+            curves=[{"uri": uri, "caption": CAPTIONS[name]} for name, uri in plots.items() if name in CAPTIONS],
+            histogram=plots.get("histogram"),
+            gallery=gallery,
+        )
+        + "\n"
+    )
 
 
 def _number(value, digits: int = 3) -> str:
@@ -186,15 +238,25 @@ def _number(value, digits: int = 3) -> str:
 
 
 def _summary_rows(scored: Scored, metrics: dict, calibration: dict) -> list[tuple[str, str]]:
-    return [("Image AUROC", _number(metrics.get("image_auroc"))), ("Pixel AUROC", _number(metrics.get("pixel_auroc"))),
-            ("PRO (to 30% FPR)", _number(metrics.get("pro_0.3"))),
-            ("F1 at the threshold", _number(metrics.get("f1_at_threshold"))),
-            ("Best F1 (threshold)", f"{_number(metrics.get('f1_optimal'))} "
-             f"({_number(metrics.get('f1_optimal_raw_threshold'), 4)})" if "f1_optimal" in metrics else "n/a"),
-            ("Threshold (raw)", _number(scored.raw_threshold, 4)),
-            ("Promised false-alarm rate", f"{calibration['promised_false_alarm_rate']:.2%} "
-             f"(at most {calibration['false_alarm_bound']:.2%} with {calibration['confidence']:.0%} confidence)"),
-            ("Test images", f"{metrics['images']} ({metrics['anomalous_images']} defective)")]
+    return [
+        ("Image AUROC", _number(metrics.get("image_auroc"))),
+        ("Pixel AUROC", _number(metrics.get("pixel_auroc"))),
+        ("PRO (to 30% FPR)", _number(metrics.get("pro_0.3"))),
+        ("F1 at the threshold", _number(metrics.get("f1_at_threshold"))),
+        (
+            "Best F1 (threshold)",
+            f"{_number(metrics.get('f1_optimal'))} ({_number(metrics.get('f1_optimal_raw_threshold'), 4)})"
+            if "f1_optimal" in metrics
+            else "n/a",
+        ),
+        ("Threshold (raw)", _number(scored.raw_threshold, 4)),
+        (
+            "Promised false-alarm rate",
+            f"{calibration['promised_false_alarm_rate']:.2%} "
+            f"(at most {calibration['false_alarm_bound']:.2%} with {calibration['confidence']:.0%} confidence)",
+        ),
+        ("Test images", f"{metrics['images']} ({metrics['anomalous_images']} defective)"),
+    ]
 
 
 def _defect_rows(metrics: dict) -> list[dict]:
@@ -202,7 +264,14 @@ def _defect_rows(metrics: dict) -> list[dict]:
     rows = []
     for defect in sorted(set(flagged) | set(by_defect), key=lambda d: (d != "good", d)):
         hits, total = flagged.get(defect, (None, None))
-        rows.append({"defect": defect, "images": "" if total is None else total,
-                     "auroc": "—" if defect == "good" else _number(by_defect.get(defect)),
-                     "flagged": "n/a" if hits is None else f"{hits} of {total}" + (" (false alarms)" if defect == "good" else "")})
+        rows.append(
+            {
+                "defect": defect,
+                "images": "" if total is None else total,
+                "auroc": "—" if defect == "good" else _number(by_defect.get(defect)),
+                "flagged": "n/a"
+                if hits is None
+                else f"{hits} of {total}" + (" (false alarms)" if defect == "good" else ""),
+            }
+        )
     return rows

@@ -116,8 +116,9 @@ class WeightsInfo:
         return {"source": self.source, "detail": self.detail, "sha256": self.sha256}
 
 
-def build_backbone(name: str, weights: str, seed: int = 0,
-                   layers: tuple[str, ...] = ("layer1", "layer2", "layer3")) -> tuple[nn.Module, WeightsInfo]:
+def build_backbone(
+    name: str, weights: str, seed: int = 0, layers: tuple[str, ...] = ("layer1", "layer2", "layer3")
+) -> tuple[nn.Module, WeightsInfo]:
     """A torchvision backbone in eval mode with the requested weights.
 
     Args:
@@ -184,9 +185,7 @@ def used_state(backbone: nn.Module, spec: BackboneSpec, layers: tuple[str, ...])
 def _load_file(model: nn.Module, spec: BackboneSpec, path: Path, layers: tuple[str, ...]) -> None:
     name = spec.name
     if not path.is_file():
-        raise WeightsError(
-            f"--weights {path}: no such file (use imagenet, random, or the path of a state_dict)"
-        )
+        raise WeightsError(f"--weights {path}: no such file (use imagenet, random, or the path of a state_dict)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:

@@ -27,7 +27,6 @@ from padim.models.data.framing import Framing
 from padim.models.data.images import to_model_input
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
 
-
 #: Held while torch.fx traces a backbone. Tracing patches ``torch.nn.Module.__call__`` for the whole
 #: process, so a module that runs in another thread meanwhile fails ("module is not installed as a
 #: submodule"); a service that loads a model beside one that scores takes it around each batch (the
@@ -102,16 +101,34 @@ class Embedding(nn.Module):
             self.embedding_dim = int(projection.shape[1])
 
     @classmethod
-    def for_layers(cls, spec: BackboneSpec, layers: tuple[str, ...], channel_index: torch.Tensor | None = None,
-                   projection: torch.Tensor | None = None, neighbourhood: int = 1) -> Embedding:
+    def for_layers(
+        cls,
+        spec: BackboneSpec,
+        layers: tuple[str, ...],
+        channel_index: torch.Tensor | None = None,
+        projection: torch.Tensor | None = None,
+        neighbourhood: int = 1,
+    ) -> Embedding:
         """The embedding of ``layers`` of ``spec`` with a given channel subset or projection."""
         strides = tuple(spec.stride_of(layer) for layer in layers)
-        return cls(spec.channels_of(layers), strides, channel_index=channel_index, projection=projection,
-                   neighbourhood=neighbourhood)
+        return cls(
+            spec.channels_of(layers),
+            strides,
+            channel_index=channel_index,
+            projection=projection,
+            neighbourhood=neighbourhood,
+        )
 
     @classmethod
-    def create(cls, spec: BackboneSpec, layers: tuple[str, ...], embedding_dim: int, reduction: str,
-               seed: int, neighbourhood: int = 1) -> Embedding:
+    def create(
+        cls,
+        spec: BackboneSpec,
+        layers: tuple[str, ...],
+        embedding_dim: int,
+        reduction: str,
+        seed: int,
+        neighbourhood: int = 1,
+    ) -> Embedding:
         """A seeded random channel subset or semi-orthogonal projection of ``embedding_dim`` channels."""
         total = sum(spec.channels_of(layers))
         generator = torch.Generator().manual_seed(seed)
@@ -128,8 +145,11 @@ class Embedding(nn.Module):
             return False
         if self.channel_index is not None and other.channel_index is not None:
             return torch.equal(self.channel_index.cpu(), other.channel_index.cpu())
-        return self.projection is not None and other.projection is not None \
+        return (
+            self.projection is not None
+            and other.projection is not None
             and torch.equal(self.projection.cpu(), other.projection.cpu())
+        )
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """``[(B, C_l, H_l, W_l)]`` -> ``(B, D, H_0, W_0)``."""
@@ -141,8 +161,9 @@ class Embedding(nn.Module):
             else:
                 reduced = F.conv2d(feature, part.to(feature.dtype))
             if self.neighbourhood > 1 and reduced.shape[1]:  # each layer on its own grid: deeper layers see farther
-                reduced = F.avg_pool2d(reduced, self.neighbourhood, stride=1, padding=self.neighbourhood // 2,
-                                       count_include_pad=False)
+                reduced = F.avg_pool2d(
+                    reduced, self.neighbourhood, stride=1, padding=self.neighbourhood // 2, count_include_pad=False
+                )
             if scale != 1:
                 reduced = F.interpolate(reduced, scale_factor=scale, mode="nearest")
             parts.append(reduced)

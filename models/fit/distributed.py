@@ -53,8 +53,10 @@ def from_environment(device: torch.device) -> Shard | None:
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} GPU(s); "
-                             "start torchrun with --nproc-per-node at most the GPU count")
+            raise UsageError(
+                f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} GPU(s); "
+                "start torchrun with --nproc-per-node at most the GPU count"
+            )
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
     else:

@@ -182,9 +182,17 @@ class Fit:
         provenance: what earlier fits recorded (image counts, fits).
     """
 
-    def __init__(self, config: PadimConfig, weights: WeightsInfo, backbone_weights: dict[str, torch.Tensor],
-                 embedding: Embedding, statistics: GaussianState | None = None, image_digests: torch.Tensor | None = None,
-                 earlier: Calibration | None = None, provenance: Provenance | None = None):
+    def __init__(
+        self,
+        config: PadimConfig,
+        weights: WeightsInfo,
+        backbone_weights: dict[str, torch.Tensor],
+        embedding: Embedding,
+        statistics: GaussianState | None = None,
+        image_digests: torch.Tensor | None = None,
+        earlier: Calibration | None = None,
+        provenance: Provenance | None = None,
+    ):
         self.config = config
         self.weights = weights
         self.backbone_weights = backbone_weights
@@ -205,8 +213,14 @@ class Fit:
         backbone, weights = build_backbone(config.backbone, config.weights, config.seed, config.layers)
         backbone_weights = used_state(backbone, config.spec, config.layers)
         weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_weights))
-        embedding = Embedding.create(config.spec, config.layers, config.embedding_dim_or_default(), config.reduction,
-                                     config.seed, config.neighbourhood)
+        embedding = Embedding.create(
+            config.spec,
+            config.layers,
+            config.embedding_dim_or_default(),
+            config.reduction,
+            config.seed,
+            config.neighbourhood,
+        )
         return cls(config, weights, backbone_weights, embedding)
 
     @property
@@ -266,7 +280,7 @@ class Fit:
     def slice_pixels(self) -> int:
         """Pixels per slice of the finish: one ``(c, D, D)`` float64 buffer in :data:`SLICE_BYTES`."""
         budget = SLICE_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
-        return max(1, min(self.pixels, budget // (8 * self.embedder.embedding_dim ** 2)))
+        return max(1, min(self.pixels, budget // (8 * self.embedder.embedding_dim**2)))
 
     def groups(self, images: Sequence[TrainingImage]) -> list[list[TrainingImage]]:
         """``images`` grouped by calibration fold (fold order, then name); one image a fold for ``loo``."""
@@ -287,8 +301,13 @@ class Fit:
         return EmbeddingSpool(directory, rows, self.pixels, self.embedder.embedding_dim, self.slice_pixels)
 
     # ------------------------------------------------------------------ pass 1
-    def accumulate(self, groups: Sequence[Sequence[TrainingImage]], progress: bool = True, shard: Shard | None = None,
-                   spool: EmbeddingSpool | None = None) -> Accumulated:
+    def accumulate(
+        self,
+        groups: Sequence[Sequence[TrainingImage]],
+        progress: bool = True,
+        shard: Shard | None = None,
+        spool: EmbeddingSpool | None = None,
+    ) -> Accumulated:
         """Pass 1: embed every image of ``groups`` (this rank's whole folds under ``shard``).
 
         With a ``spool``, the embeddings go there (:attr:`spooled`) and :meth:`finish` forms
@@ -316,8 +335,9 @@ class Fit:
         def run() -> None:
             nonlocal fitted_rows
             with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
-                for paths, images in iter_decoded(batches, self.config.workers, unreadable, self.draft_to,
-                                                  self.config.roi):
+                for paths, images in iter_decoded(
+                    batches, self.config.workers, unreadable, self.draft_to, self.config.roi
+                ):
                     embedded = self.embed([name_of[p] for p in paths], images)  # (B * spooled rows, P, D)
                     fitted = self.fitted(embedded)
                     fitted_rows += fitted.shape[0]
@@ -336,8 +356,11 @@ class Fit:
         distributed.together(run, shard, self.device)
         if spooled is not None:
             dim = self.embedder.embedding_dim
-            total_sum = spooled.total if spooled.total is not None else torch.zeros(
-                self.pixels, dim, dtype=ACCUMULATOR_DTYPE, device=self.device)
+            total_sum = (
+                spooled.total
+                if spooled.total is not None
+                else torch.zeros(self.pixels, dim, dtype=ACCUMULATOR_DTYPE, device=self.device)
+            )
             count = torch.tensor(float(fitted_rows), dtype=ACCUMULATOR_DTYPE, device=self.device)
             distributed.sum_(total_sum, shard)
             distributed.sum_(count, shard)
@@ -355,32 +378,42 @@ class Fit:
             self.statistics = statistics
         found = distributed.gather(([(name_of[p], reason) for p, reason in unreadable], digests), shard)
         new = [d for _, part in found for d in part]
-        self.image_digests = torch.cat([self.image_digests, torch.tensor([d for _, d in new], dtype=torch.int64)]).sort().values
+        self.image_digests = (
+            torch.cat([self.image_digests, torch.tensor([d for _, d in new], dtype=torch.int64)]).sort().values
+        )
         return Accumulated(sorted(x for part, _ in found for x in part), new)
 
-    def embed_again(self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
-                    ) -> Iterator[Scored]:
+    def embed_again(
+        self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
+    ) -> Iterator[Scored]:
         """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time.
 
         Batched as pass 1 batched them without a spool, so that every image's embedding is the
         one its statistics hold (the out-of-fold correction removes exactly those).
         """
         mine = distributed.folds_of(groups, shard)
-        with tqdm(total=sum(len(f) for f in mine), desc="calibrate: embedding again", unit="img",
-                  disable=not progress, leave=False) as bar:
+        with tqdm(
+            total=sum(len(f) for f in mine),
+            desc="calibrate: embedding again",
+            unit="img",
+            disable=not progress,
+            leave=False,
+        ) as bar:
             for chunk in self._memory_groups(mine):
                 fold_of_path = {i.path: k for k, fold in enumerate(chunk) for i in fold}
                 name_of = {i.path: i.name for fold in chunk for i in fold}
                 names, rows_fold, parts = [], [], []
-                for paths, images in iter_decoded(batches_of(chunk, self.config.batch_size), self.config.workers, [],
-                                                  self.draft_to, self.config.roi):
+                for paths, images in iter_decoded(
+                    batches_of(chunk, self.config.batch_size), self.config.workers, [], self.draft_to, self.config.roi
+                ):
                     parts.append(self.embed([name_of[p] for p in paths], images).cpu())
                     names += self.per_row(name_of[p] for p in paths)
                     rows_fold += self.per_row(fold_of_path[p] for p in paths)
                     bar.update(len(paths))
                 embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
-                yield Scored(lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names,
-                             run_lengths(rows_fold))
+                yield Scored(
+                    lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names, run_lengths(rows_fold)
+                )
 
     def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
         """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
@@ -396,8 +429,15 @@ class Fit:
         return chunks
 
     # ------------------------------------------------------------------ finish
-    def finish(self, scored: Iterator[Scored] | Sequence[Scored], scratch: Path | None, keep_statistics: bool = True,
-               progress: bool = True, shard: Shard | None = None, timing: dict[str, float] | None = None) -> Finished:
+    def finish(
+        self,
+        scored: Iterator[Scored] | Sequence[Scored],
+        scratch: Path | None,
+        keep_statistics: bool = True,
+        progress: bool = True,
+        shard: Shard | None = None,
+        timing: dict[str, float] | None = None,
+    ) -> Finished:
         """Statistics, factors and scores, a slice of pixels at a time (module docstring).
 
         Args:
@@ -434,10 +474,17 @@ class Fit:
                 rows = sum(len(r) for r in keep)
                 squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
                 first_pass = number == 0
-                with tqdm(total=pixels, desc="finish" if first_pass else "calibrate", unit="px", disable=not progress,
-                          leave=False) as bar:
+                with tqdm(
+                    total=pixels,
+                    desc="finish" if first_pass else "calibrate",
+                    unit="px",
+                    disable=not progress,
+                    leave=False,
+                ) as bar:
                     for index, (start, stop) in enumerate(slices):
-                        covariance, cholesky = self._cholesky(state, index, start, stop, first_pass, shard, grid, timing)
+                        covariance, cholesky = self._cholesky(
+                            state, index, start, stop, first_pass, shard, grid, timing
+                        )
                         started = time.perf_counter()
                         if first_pass and factors is not None:
                             stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
@@ -449,8 +496,22 @@ class Fit:
                                 sample_half = half if sample_half is None else torch.cat([sample_half, half], 1)
                         timing["finish"] += time.perf_counter() - started
                         started = time.perf_counter()
-                        distributed.together(functools.partial(self._score_slice, source, keep, cholesky, covariance, state,
-                                                                 index, start, stop, squared), shard, device)
+                        distributed.together(
+                            functools.partial(
+                                self._score_slice,
+                                source,
+                                keep,
+                                cholesky,
+                                covariance,
+                                state,
+                                index,
+                                start,
+                                stop,
+                                squared,
+                            ),
+                            shard,
+                            device,
+                        )
                         del covariance, cholesky
                         timing["calibrate"] += time.perf_counter() - started
                         bar.update(stop - start)
@@ -475,16 +536,25 @@ class Fit:
         input_distances = torch.cat(inputs) if inputs else torch.zeros(0, dtype=torch.float64)
         taken_scores = torch.cat(taken) if taken else torch.zeros(0, dtype=torch.float64)
         if shard is not None:  # every rank scored its own folds
-            gathered = distributed.gather((names, scores.tolist(), unscored, input_distances.tolist(),
-                                           taken_scores.tolist()), shard)
+            gathered = distributed.gather(
+                (names, scores.tolist(), unscored, input_distances.tolist(), taken_scores.tolist()), shard
+            )
             names = [n for part, *_ in gathered for n in part]
             scores = torch.tensor([s for _, part, *_ in gathered for s in part], dtype=torch.float64)
             unscored = [n for _, _, part, *_ in gathered for n in part]
             input_distances = torch.tensor([s for *_, part, _ in gathered for s in part], dtype=torch.float64)
             taken_scores = torch.tensor([s for *_, part in gathered for s in part], dtype=torch.float64)
-        return Finished(state.mean.to(torch.float32).cpu(), factors, self._precision_dtype(float16_change), scores,
-                        names, unscored, float16_change, input_distances,
-                        taken_scores if self.config.expect else None)
+        return Finished(
+            state.mean.to(torch.float32).cpu(),
+            factors,
+            self._precision_dtype(float16_change),
+            scores,
+            names,
+            unscored,
+            float16_change,
+            input_distances,
+            taken_scores if self.config.expect else None,
+        )
 
     # ------------------------------------------------------------------ finish, by part
     def _merged_statistics(self, keep: bool) -> _State:
@@ -508,8 +578,17 @@ class Fit:
             target = base if base is not None else empty_state(pixels, dim, self.device)
         return _State(n, mean, target, base, spooled)
 
-    def _cholesky(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None,
-                  grid, timing: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cholesky(
+        self,
+        state: _State,
+        index: int,
+        start: int,
+        stop: int,
+        forming: bool,
+        shard: Shard | None,
+        grid,
+        timing: dict[str, float],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Covariance ``C / (n - 1)`` and ``L`` of pixels ``start .. stop``, forming (and keeping) the comoment first."""
         started = time.perf_counter()
         covariance = self._comoment(state, index, start, stop, forming, shard).div_(state.count - 1)  # (c, D, D)
@@ -517,8 +596,9 @@ class Fit:
         timing["finish"] += time.perf_counter() - started
         return covariance, cholesky
 
-    def _comoment(self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
-                  ) -> torch.Tensor:
+    def _comoment(
+        self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
+    ) -> torch.Tensor:
         """Symmetric ``(c, D, D)`` float64 comoment of every image, for pixels ``start .. stop``."""
         dim = self.embedder.embedding_dim
         spooled = state.spooled
@@ -575,13 +655,25 @@ class Fit:
                     self._comoment(state, index, start, stop, True, shard)
                 else:
                     _, cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
-                    factors.write(start * packed_length(self.embedder.embedding_dim) * 4,
-                                  pack_lower(triangular_inverse(cholesky).to(torch.float32)))
+                    factors.write(
+                        start * packed_length(self.embedder.embedding_dim) * 4,
+                        pack_lower(triangular_inverse(cholesky).to(torch.float32)),
+                    )
                 bar.update(stop - start)
         self._formed(state, keep)
 
-    def _score_slice(self, source: Scored, keep: list[list[str]], cholesky: torch.Tensor, covariance: torch.Tensor,
-                     state: _State, index: int, start: int, stop: int, squared: torch.Tensor) -> None:
+    def _score_slice(
+        self,
+        source: Scored,
+        keep: list[list[str]],
+        cholesky: torch.Tensor,
+        covariance: torch.Tensor,
+        state: _State,
+        index: int,
+        start: int,
+        stop: int,
+        squared: torch.Tensor,
+    ) -> None:
         """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``.
 
         Out-of-fold: the folds of each size share one base (one Cholesky factorisation of the
@@ -623,13 +715,19 @@ class Fit:
                 if refit:
                     values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
                     if copies is not None:
-                        values = _rejoin(values, refit_squared_distances(covariance, mean, count, members, epsilon,
-                                                                         start, grid, copies), self.rows_per_image)
+                        values = _rejoin(
+                            values,
+                            refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, copies),
+                            self.rows_per_image,
+                        )
                 else:
                     values = fold_squared_distances(base, mean, count, members, start)
                     if copies is not None:
-                        values = _rejoin(values, fold_copy_squared_distances(base, mean, count, members, copies,
-                                                                             start), self.rows_per_image)
+                        values = _rejoin(
+                            values,
+                            fold_copy_squared_distances(base, mean, count, members, copies, start),
+                            self.rows_per_image,
+                        )
                 values = values.cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     squared[target : target + m, start:stop] = values[:, f].T
@@ -644,12 +742,18 @@ class Fit:
         for first in range(0, squared.shape[0], rows):
             block = squared[first : first + rows]
             own, scored = split_rows(block, self.rows_per_image) if config.expect else (block, block)
-            out = score_distances(scored, self.embedder.tiling, config.blur_sigma, config.image_score,
-                                  config.top_fraction)
+            out = score_distances(
+                scored, self.embedder.tiling, config.blur_sigma, config.image_score, config.top_fraction
+            )
             scores.append(out.raw_scores)
             inputs.append(own.reshape(out.raw_scores.shape[0], -1).mean(1).to(torch.float64))
-            taken.append(score_distances(own, self.embedder.tiling, config.blur_sigma, config.image_score,
-                                         config.top_fraction).raw_scores if config.expect else out.raw_scores)
+            taken.append(
+                score_distances(
+                    own, self.embedder.tiling, config.blur_sigma, config.image_score, config.top_fraction
+                ).raw_scores
+                if config.expect
+                else out.raw_scores
+            )
         if not scores:
             empty = torch.zeros(0, dtype=torch.float64)
             return empty, empty, empty
@@ -677,8 +781,9 @@ class _State:
     spooled: Spooled | None
 
 
-def _scoreable(source: Scored, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
-               ) -> list[list[str]]:
+def _scoreable(
+    source: Scored, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
+) -> list[list[str]]:
     """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each in the
     statistics, ``spooled`` in the source), the rest named in ``unscored`` (once a picture)."""
     spooled = spooled or per_image
@@ -704,14 +809,18 @@ def _sample(source: Scored, index: int, start: int, stop: int, per_image: int = 
 def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, c)`` squared distances of ``sample`` with float32 and float16-rounded factors, as the scorer computes them."""
     mean = mean.to(torch.float32)
-    return (squared_mahalanobis(sample, mean, factor).cpu(),
-            squared_mahalanobis(sample, mean, factor.half().float()).cpu())
+    return (
+        squared_mahalanobis(sample, mean, factor).cpu(),
+        squared_mahalanobis(sample, mean, factor.half().float()).cpu(),
+    )
 
 
 def _relative_change(exact: torch.Tensor, half: torch.Tensor, tiling, config: PadimConfig) -> float:
     """Largest relative change of image scores from ``(N, p)`` distances (float16 against float32 factors)."""
-    first, second = (score_distances(d, tiling, config.blur_sigma, config.image_score, config.top_fraction).raw_scores
-                     for d in (exact, half))
+    first, second = (
+        score_distances(d, tiling, config.blur_sigma, config.image_score, config.top_fraction).raw_scores
+        for d in (exact, half)
+    )
     return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
 
 

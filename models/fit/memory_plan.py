@@ -88,14 +88,22 @@ class FitPlan:
 
     def describe(self, free: int | None) -> str:
         """One line: the total, its parts and the free memory."""
-        parts = (f"statistics {_gb(self.statistics)}, finish {_gb(self.finish)}, backbone {_gb(self.backbone)}, "
-                 f"process {_gb(self.process)}")
+        parts = (
+            f"statistics {_gb(self.statistics)}, finish {_gb(self.finish)}, backbone {_gb(self.backbone)}, "
+            f"process {_gb(self.process)}"
+        )
         room = f" of {_gb(free)} free" if free is not None else ""
         return f"needs about {_gb(self.total)} on the {self.device.upper()}{room} ({parts})"
 
 
-def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: bool = True, resume: bool = False,
-             device: str | None = None) -> FitPlan:
+def plan_fit(
+    config: PadimConfig,
+    images: int,
+    spool: bool,
+    keep_statistics: bool = True,
+    resume: bool = False,
+    device: str | None = None,
+) -> FitPlan:
     """The memory a fit of ``images`` images will need (see the module docstring).
 
     Args:
@@ -104,8 +112,9 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
         resume: statistics are read from a file (they are then held whatever ``keep_statistics``).
         device: ``cpu`` or ``cuda`` (default: the config's, resolved).
     """
-    device = device or ("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-                        else "cpu")
+    device = device or (
+        "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     spec = BACKBONES[config.backbone]
     rows, cols = grid_shape(config)
     tiles, per_image = config.tile_count, config.rows_per_image  # a picture's tiles; its rows in the statistics
@@ -123,8 +132,15 @@ def plan_fit(config: PadimConfig, images: int, spool: bool, keep_statistics: boo
     embedding = config.batch_size * tiles * rows * cols * dim * 4 * (1 if spool else 3) * (2 if config.expect else 1)
     update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
     backbone = 2 * _weights_bytes(config) + activations + embedding + update
-    return FitPlan(device, statistics, finish, backbone, PROCESS_BYTES[device],
-                   EmbeddingSpool.size(images * spooled, pixels, dim) if spool else 0, pixels * packed_length(dim) * 4)
+    return FitPlan(
+        device,
+        statistics,
+        finish,
+        backbone,
+        PROCESS_BYTES[device],
+        EmbeddingSpool.size(images * spooled, pixels, dim) if spool else 0,
+        pixels * packed_length(dim) * 4,
+    )
 
 
 def free_memory(device: str) -> int | None:
@@ -154,17 +170,22 @@ def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
     return free_disk(directory) >= needed
 
 
-def check(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool,
-          resume: bool) -> None:
+def check(
+    config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool, resume: bool
+) -> None:
     """Raise :class:`DoesNotFit` naming the options that would fit, when ``plan`` exceeds ``free``."""
     if free is None or plan.total <= free:
         return
-    advice = "; ".join(_alternatives(config, plan, free, images, spool, keep_statistics, resume)) or "a machine with more memory"
+    advice = (
+        "; ".join(_alternatives(config, plan, free, images, spool, keep_statistics, resume))
+        or "a machine with more memory"
+    )
     raise DoesNotFit(f"this fit {plan.describe(free)}, so it would run out of memory; what would fit: {advice}")
 
 
-def ran_out(config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool,
-            resume: bool) -> DoesNotFit:
+def ran_out(
+    config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool, resume: bool
+) -> DoesNotFit:
     """The error for a fit that ran out of GPU memory although its plan fitted: what to try, smallest change first.
 
     The plan's parts are estimates and other processes may hold the GPU's memory; the options
@@ -177,12 +198,15 @@ def ran_out(config: PadimConfig, plan: FitPlan, free: int | None, images: int, s
     room = f"; {_gb(free)} was free before it started" if free is not None else ""
     where = "GPU" if plan.device == "cuda" else "CPU"
     others = "; other processes on the GPU take from it too" if plan.device == "cuda" else ""
-    return DoesNotFit(f"the {where} ran out of memory during the fit (its plan: {_gb(plan.total)}{room}{others}); "
-                      f"try: {'; '.join(options)}")
+    return DoesNotFit(
+        f"the {where} ran out of memory during the fit (its plan: {_gb(plan.total)}{room}{others}); "
+        f"try: {'; '.join(options)}"
+    )
 
 
-def _alternatives(config: PadimConfig, plan: FitPlan, free: int, images: int, spool: bool, keep_statistics: bool,
-                  resume: bool) -> list[str]:
+def _alternatives(
+    config: PadimConfig, plan: FitPlan, free: int, images: int, spool: bool, keep_statistics: bool, resume: bool
+) -> list[str]:
     """Options (as flags, with their totals) whose plan fits in ``free``: a smaller image, fewer dims, --slim, the CPU."""
 
     def fits(changed: PadimConfig, **kwargs) -> int | None:
@@ -211,8 +235,9 @@ def _alternatives(config: PadimConfig, plan: FitPlan, free: int, images: int, sp
     if config.tile_count > 1 and config.tile_statistics == "position" and not resume:
         total = fits(config.replace(tile_statistics="shared"))
         if total is not None:  # the statistics of one tile instead of one per tile position
-            options.append(f"--tile-statistics shared (one set of statistics for every tile: uniform surfaces; "
-                           f"{_gb(total)})")
+            options.append(
+                f"--tile-statistics shared (one set of statistics for every tile: uniform surfaces; {_gb(total)})"
+            )
     if keep_statistics and spool and not resume:
         total = fits(config, keep_statistics=False)
         if total is not None:
@@ -247,4 +272,3 @@ def _cgroup_room() -> int | None:
 def _gb(nbytes: int) -> str:
     """Decimal units, as disks and the docs count them: 1 GB = 10^9 bytes."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
-

@@ -24,8 +24,14 @@ from .tables import records
 COLUMNS = [c.name for c in records.columns] + ["picture"]
 
 
-def export_records(store: RecordStore, pictures: PictureStore, filters: Filters, output: Path,
-                   with_reviews: bool = True, on_row: Callable[[], None] | None = None) -> dict:
+def export_records(
+    store: RecordStore,
+    pictures: PictureStore,
+    filters: Filters,
+    output: Path,
+    with_reviews: bool = True,
+    on_row: Callable[[], None] | None = None,
+) -> dict:
     """Write the rows ``filters`` selects, and their pictures, into ``output`` (which must not exist).
 
     Returns:

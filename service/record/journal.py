@@ -77,8 +77,10 @@ class Journal:
         """
         size = sum(len(line) for line in lines)
         if self.pending_bytes() + size > self.max_bytes:
-            raise JournalFull(f"the journal holds {self.pending_bytes()} bytes of rows the database does not have, "
-                              f"and PADIM_RECORD_JOURNAL_MAX_BYTES is {self.max_bytes}")
+            raise JournalFull(
+                f"the journal holds {self.pending_bytes()} bytes of rows the database does not have, "
+                f"and PADIM_RECORD_JOURNAL_MAX_BYTES is {self.max_bytes}"
+            )
         with self._lock:
             if self._written >= SEGMENT_BYTES:
                 self._rotate()
@@ -185,4 +187,3 @@ def _read_lines(path: Path, offset: int, max_rows: int, chunk: int = 2**20) -> t
                 if len(rows) >= max_rows:
                     break
     return rows, consumed
-

@@ -66,19 +66,24 @@ class PictureStore:
             return 0
 
 
-
 #: Magic numbers of the picture formats the service reads: ``(magic, media type, file extension)``.
-FORMATS = ((b"\x89PNG\r\n\x1a\n", "image/png", ".png"), (b"\xff\xd8\xff", "image/jpeg", ".jpg"),
-           (b"BM", "image/bmp", ".bmp"), (b"II*\x00", "image/tiff", ".tif"), (b"MM\x00*", "image/tiff", ".tif"),
-           (b"GIF8", "image/gif", ".gif"))
+FORMATS = (
+    (b"\x89PNG\r\n\x1a\n", "image/png", ".png"),
+    (b"\xff\xd8\xff", "image/jpeg", ".jpg"),
+    (b"BM", "image/bmp", ".bmp"),
+    (b"II*\x00", "image/tiff", ".tif"),
+    (b"MM\x00*", "image/tiff", ".tif"),
+    (b"GIF8", "image/gif", ".gif"),
+)
 
 
 def picture_format(data: bytes) -> tuple[str, str]:
     """``(media type, file extension)`` of a picture's bytes, from their magic number."""
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp", ".webp"
-    return next(((kind, ext) for magic, kind, ext in FORMATS if data.startswith(magic)),
-                ("application/octet-stream", ".bin"))
+    return next(
+        ((kind, ext) for magic, kind, ext in FORMATS if data.startswith(magic)), ("application/octet-stream", ".bin")
+    )
 
 
 def sync_directories(folders) -> None:

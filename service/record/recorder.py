@@ -67,13 +67,25 @@ class Recorder:
         metrics: the service's :class:`~padim.service.metrics.Metrics` (or ``None``).
     """
 
-    def __init__(self, folder: Path, store: RecordStore, journal_max_bytes: int, max_bytes: int,
-                 retention_days: float, flagged_retention_days: float, metrics=None):
+    def __init__(
+        self,
+        folder: Path,
+        store: RecordStore,
+        journal_max_bytes: int,
+        max_bytes: int,
+        retention_days: float,
+        flagged_retention_days: float,
+        metrics=None,
+    ):
         self.folder = Path(folder)
         self.store = store
         self.journal = Journal(self.folder / "journal", journal_max_bytes)
         self.pictures = PictureStore(self.folder / "pictures")
-        self.max_bytes, self.retention_days, self.flagged_retention_days = max_bytes, retention_days, flagged_retention_days
+        self.max_bytes, self.retention_days, self.flagged_retention_days = (
+            max_bytes,
+            retention_days,
+            flagged_retention_days,
+        )
         self.metrics = metrics
         self.queue: queue.Queue[Entry] = queue.Queue(QUEUE_ROWS)
         self.database_up: bool | None = None
@@ -85,8 +97,10 @@ class Recorder:
         self._lock = threading.Lock()
         self._next_eviction = 0.0
         self._pending = 0  # rows handed in and not yet journaled (or refused)
-        self._threads = [threading.Thread(target=self._journal_loop, name="record-journal", daemon=True),
-                         threading.Thread(target=self._database_loop, name="record-database", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._journal_loop, name="record-journal", daemon=True),
+            threading.Thread(target=self._database_loop, name="record-database", daemon=True),
+        ]
         self._show()
 
     def start(self) -> None:
@@ -115,8 +129,9 @@ class Recorder:
         except queue.Full:
             with self._lock:
                 self._pending -= 1
-            future.set_exception(JournalFull(f"{QUEUE_ROWS} rows are waiting for the journal writer: the disk is "
-                                             "too slow for this load"))
+            future.set_exception(
+                JournalFull(f"{QUEUE_ROWS} rows are waiting for the journal writer: the disk is too slow for this load")
+            )
             self._count("refused")
         return future
 
@@ -223,8 +238,10 @@ class Recorder:
         if up and self.database_up is False:
             log.warning("record: the database is back; replaying the journal", extra={"rows": self.waiting})
         if not up and self.database_up is not False:
-            log.error("record: the database cannot be written; rows wait in the journal",
-                      extra={"error": str(error).splitlines()[0] if error else ""})
+            log.error(
+                "record: the database cannot be written; rows wait in the journal",
+                extra={"error": str(error).splitlines()[0] if error else ""},
+            )
         if not up:
             self.last_error = str(error).splitlines()[0] if error else None
         self.database_up = up
@@ -244,8 +261,12 @@ class Recorder:
         now = time.time() if now is None else now
         removed = 0
         while True:
-            chosen = self.store.evictable(self.max_bytes, now - self.retention_days * DAY,
-                                          now - self.flagged_retention_days * DAY, now - SPARE_RECENT_S)
+            chosen = self.store.evictable(
+                self.max_bytes,
+                now - self.retention_days * DAY,
+                now - self.flagged_retention_days * DAY,
+                now - SPARE_RECENT_S,
+            )
             if not chosen:
                 break
             for sha256, _ in chosen:

@@ -54,24 +54,48 @@ def _one(value) -> dict[str, str]:
         raise InvalidFields(f"fields: {len(value)} names; at most {MAX_FIELDS}")
     for key, item in value.items():
         if not FIELD_NAME.match(key):
-            raise InvalidFields(f"fields: name {key!r}: use 1-32 lower-case letters, digits or '_', starting with a "
-                                "letter")
+            raise InvalidFields(
+                f"fields: name {key!r}: use 1-32 lower-case letters, digits or '_', starting with a letter"
+            )
         if not isinstance(item, str) or len(item) > MAX_VALUE:
             raise InvalidFields(f"fields: {key!r} must be a string of at most {MAX_VALUE} characters")
     return dict(value)
 
 
-def make_row(model: str, version: int, result: dict, input_distance: float | None, picture: tuple[int, int],
-             sha256: str, size: int, fields: dict[str, str], sample: float, source: str = "http",
-             now: float | None = None) -> dict:
+def make_row(
+    model: str,
+    version: int,
+    result: dict,
+    input_distance: float | None,
+    picture: tuple[int, int],
+    sha256: str,
+    size: int,
+    fields: dict[str, str],
+    sample: float,
+    source: str = "http",
+    now: float | None = None,
+) -> dict:
     """The row of one answered picture (JSON-ready: it goes through the journal)."""
     now = time.time() if now is None else now
     anomalous = bool(result["is_anomaly"])
-    return {"id": new_id(now), "time": now, "model": model, "version": int(version),
-            "raw_score": float(result["raw_score"]), "score": float(result["score"]),
-            "threshold": float(result["threshold"]), "raw_threshold": result.get("raw_threshold"),
-            "is_anomaly": anomalous, "anomalous_area": float(result["anomalous_area"]),
-            "input_distance": None if input_distance is None else float(input_distance),
-            "width": int(picture[0]), "height": int(picture[1]), "sha256": sha256, "picture_bytes": int(size),
-            "fields": fields, "part": fields.get("part"), "source": source,
-            "sampled": (not anomalous) and random.random() < sample}
+    return {
+        "id": new_id(now),
+        "time": now,
+        "model": model,
+        "version": int(version),
+        "raw_score": float(result["raw_score"]),
+        "score": float(result["score"]),
+        "threshold": float(result["threshold"]),
+        "raw_threshold": result.get("raw_threshold"),
+        "is_anomaly": anomalous,
+        "anomalous_area": float(result["anomalous_area"]),
+        "input_distance": None if input_distance is None else float(input_distance),
+        "width": int(picture[0]),
+        "height": int(picture[1]),
+        "sha256": sha256,
+        "picture_bytes": int(size),
+        "fields": fields,
+        "part": fields.get("part"),
+        "source": source,
+        "sampled": (not anomalous) and random.random() < sample,
+    }

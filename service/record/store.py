@@ -139,23 +139,36 @@ class RecordStore:
         What each picture holds is updated with them."""
         if not rows:
             return
-        values = [{c.name: row.get(c.name) for c in records.columns if c.name not in ("label", "reviewed_at")}
-                  for row in rows]
+        values = [
+            {c.name: row.get(c.name) for c in records.columns if c.name not in ("label", "reviewed_at")} for row in rows
+        ]
         seen: dict[str, dict] = {}
         for row in rows:
-            entry = seen.setdefault(row["sha256"], {"sha256": row["sha256"], "bytes": row["picture_bytes"],
-                                                    "first_seen": row["time"], "last_seen": row["time"],
-                                                    "flagged": False, "pinned": False, "evicted": None})
+            entry = seen.setdefault(
+                row["sha256"],
+                {
+                    "sha256": row["sha256"],
+                    "bytes": row["picture_bytes"],
+                    "first_seen": row["time"],
+                    "last_seen": row["time"],
+                    "flagged": False,
+                    "pinned": False,
+                    "evicted": None,
+                },
+            )
             entry["first_seen"] = min(entry["first_seen"], row["time"])
             entry["last_seen"] = max(entry["last_seen"], row["time"])
             entry["flagged"] = entry["flagged"] or bool(row["is_anomaly"])
         upsert = self._insert(pictures)
         greatest = func.max if self.kind == "sqlite" else func.greatest
-        upsert = upsert.on_conflict_do_update(index_elements=["sha256"], set_={
-            "last_seen": greatest(pictures.c.last_seen, upsert.excluded.last_seen),
-            "flagged": or_(pictures.c.flagged, upsert.excluded.flagged),
-            "evicted": None,  # stored again by the journal writer
-        })
+        upsert = upsert.on_conflict_do_update(
+            index_elements=["sha256"],
+            set_={
+                "last_seen": greatest(pictures.c.last_seen, upsert.excluded.last_seen),
+                "flagged": or_(pictures.c.flagged, upsert.excluded.flagged),
+                "evicted": None,  # stored again by the journal writer
+            },
+        )
         # executemany of statements compiled once (a VALUES list of every row would be compiled again each time)
         with self.engine.begin() as connection:
             connection.execute(self._insert(records).on_conflict_do_nothing(index_elements=["id"]), values)
@@ -166,13 +179,20 @@ class RecordStore:
             row = connection.execute(select(records).where(records.c.id == record_id)).mappings().first()
             if row is None:
                 raise RecordNotFound(f"no record {record_id!r}")
-            history = connection.execute(select(reviews).where(reviews.c.record_id == record_id)
-                                         .order_by(reviews.c.id)).mappings().all()
-            picture = connection.execute(select(pictures.c.evicted, pictures.c.pinned)
-                                         .where(pictures.c.sha256 == row["sha256"])).first()
-        return {**dict(row), "reviews": [dict(r) for r in history],
-                "picture_kept": picture is not None and picture.evicted is None,
-                "picture_pinned": bool(picture is not None and picture.pinned)}
+            history = (
+                connection.execute(select(reviews).where(reviews.c.record_id == record_id).order_by(reviews.c.id))
+                .mappings()
+                .all()
+            )
+            picture = connection.execute(
+                select(pictures.c.evicted, pictures.c.pinned).where(pictures.c.sha256 == row["sha256"])
+            ).first()
+        return {
+            **dict(row),
+            "reviews": [dict(r) for r in history],
+            "picture_kept": picture is not None and picture.evicted is None,
+            "picture_pinned": bool(picture is not None and picture.pinned),
+        }
 
     def list(self, filters: Filters, limit: int, before: str | None = None) -> list[dict]:
         """Newest first; ``before``: the cursor, an id (rows older than it)."""
@@ -205,17 +225,28 @@ class RecordStore:
             return int(connection.execute(query).scalar_one())
 
     # ---------------------------------------------------------------- reviews
-    def review(self, record_id: str, label: str, defect_type: str | None, note: str | None,
-               reviewer: str | None, now: float | None = None) -> dict:
+    def review(
+        self,
+        record_id: str,
+        label: str,
+        defect_type: str | None,
+        note: str | None,
+        reviewer: str | None,
+        now: float | None = None,
+    ) -> dict:
         """Add a review (the audit trail keeps every one; the latest is the record's label) and pin the picture."""
         now = time.time() if now is None else now
         with self.engine.begin() as connection:
             row = connection.execute(select(records.c.sha256).where(records.c.id == record_id)).first()
             if row is None:
-                raise RecordNotFound(f"no record {record_id!r} (a row still in the journal reaches the database "
-                                     "within seconds; retry)")
-            connection.execute(reviews.insert().values(record_id=record_id, time=now, label=label,
-                                                       defect_type=defect_type, note=note, reviewer=reviewer))
+                raise RecordNotFound(
+                    f"no record {record_id!r} (a row still in the journal reaches the database within seconds; retry)"
+                )
+            connection.execute(
+                reviews.insert().values(
+                    record_id=record_id, time=now, label=label, defect_type=defect_type, note=note, reviewer=reviewer
+                )
+            )
             connection.execute(update(records).where(records.c.id == record_id).values(label=label, reviewed_at=now))
             connection.execute(update(pictures).where(pictures.c.sha256 == row.sha256).values(pinned=True))
         return self.get(record_id)
@@ -226,9 +257,12 @@ class RecordStore:
 
     def labelled(self, model: str, label: str) -> list[dict]:
         """The latest row of each picture of ``model`` whose latest review says ``label``, with a kept picture."""
-        query = (select(records).join(pictures, pictures.c.sha256 == records.c.sha256)
-                 .where(records.c.model == model, records.c.label == label, pictures.c.evicted.is_(None))
-                 .order_by(records.c.id))
+        query = (
+            select(records)
+            .join(pictures, pictures.c.sha256 == records.c.sha256)
+            .where(records.c.model == model, records.c.label == label, pictures.c.evicted.is_(None))
+            .order_by(records.c.id)
+        )
         with self.engine.connect() as connection:
             rows = [dict(r) for r in connection.execute(query).mappings().all()]
         latest: dict[str, dict] = {}
@@ -238,11 +272,15 @@ class RecordStore:
 
     def rows(self, ids: list[str]) -> list[dict]:
         with self.engine.connect() as connection:
-            found = {r["id"]: dict(r) for r in connection.execute(select(records).where(records.c.id.in_(ids)))
-                     .mappings().all()}
+            found = {
+                r["id"]: dict(r)
+                for r in connection.execute(select(records).where(records.c.id.in_(ids))).mappings().all()
+            }
         missing = [i for i in ids if i not in found]
         if missing:
-            raise RecordNotFound(f"no record {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise RecordNotFound(
+                f"no record {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         return [found[i] for i in ids]
 
     # ---------------------------------------------------------------- pictures
@@ -250,38 +288,61 @@ class RecordStore:
         """What the stored pictures hold: in all, pinned (never evicted), flagged and passed, and evicted."""
         kept = pictures.c.evicted.is_(None)
         with self.engine.connect() as connection:
+
             def total(*where):
-                return connection.execute(select(func.count(), func.coalesce(func.sum(pictures.c.bytes), 0))
-                                          .where(*where)).one()
+                return connection.execute(
+                    select(func.count(), func.coalesce(func.sum(pictures.c.bytes), 0)).where(*where)
+                ).one()
+
             every = total(kept)
             pinned = total(kept, pictures.c.pinned)
             flagged = total(kept, ~pictures.c.pinned, pictures.c.flagged)
             passed = total(kept, ~pictures.c.pinned, ~pictures.c.flagged)
             evicted = connection.execute(select(func.count()).where(~kept)).scalar_one()
-        return {"pictures": int(every[0]), "bytes": int(every[1]), "pinned_pictures": int(pinned[0]),
-                "pinned_bytes": int(pinned[1]), "flagged_pictures": int(flagged[0]), "flagged_bytes": int(flagged[1]),
-                "passed_pictures": int(passed[0]), "passed_bytes": int(passed[1]), "evicted_pictures": int(evicted)}
+        return {
+            "pictures": int(every[0]),
+            "bytes": int(every[1]),
+            "pinned_pictures": int(pinned[0]),
+            "pinned_bytes": int(pinned[1]),
+            "flagged_pictures": int(flagged[0]),
+            "flagged_bytes": int(flagged[1]),
+            "passed_pictures": int(passed[0]),
+            "passed_bytes": int(passed[1]),
+            "evicted_pictures": int(evicted),
+        }
 
-    def evictable(self, max_bytes: int, passed_before: float, flagged_before: float, spare_after: float,
-                  limit: int = 1000) -> list[tuple[str, int]]:
+    def evictable(
+        self, max_bytes: int, passed_before: float, flagged_before: float, spare_after: float, limit: int = 1000
+    ) -> list[tuple[str, int]]:
         """Pictures to evict, in order: past their retention, then (while the kept bytes are over ``max_bytes``)
         passed ones oldest first, then flagged ones oldest first; never pinned ones, nor any seen after
         ``spare_after`` (being stored again). ``(sha256, bytes)``."""
         kept = and_(pictures.c.evicted.is_(None), ~pictures.c.pinned, pictures.c.last_seen < spare_after)
         with self.engine.connect() as connection:
             expired = connection.execute(
-                select(pictures.c.sha256, pictures.c.bytes).where(kept, or_(
-                    and_(~pictures.c.flagged, pictures.c.last_seen < passed_before),
-                    and_(pictures.c.flagged, pictures.c.last_seen < flagged_before))).limit(limit)).all()
-            held = connection.execute(select(func.coalesce(func.sum(pictures.c.bytes), 0))
-                                      .where(pictures.c.evicted.is_(None))).scalar_one()
+                select(pictures.c.sha256, pictures.c.bytes)
+                .where(
+                    kept,
+                    or_(
+                        and_(~pictures.c.flagged, pictures.c.last_seen < passed_before),
+                        and_(pictures.c.flagged, pictures.c.last_seen < flagged_before),
+                    ),
+                )
+                .limit(limit)
+            ).all()
+            held = connection.execute(
+                select(func.coalesce(func.sum(pictures.c.bytes), 0)).where(pictures.c.evicted.is_(None))
+            ).scalar_one()
             over = int(held) - sum(b for _, b in expired) - max_bytes
             chosen = [(s, int(b)) for s, b in expired]
             if over > 0:
                 taken = {s for s, _ in chosen}
                 candidates = connection.execute(
-                    select(pictures.c.sha256, pictures.c.bytes).where(kept)
-                    .order_by(pictures.c.flagged, pictures.c.last_seen).limit(limit)).all()
+                    select(pictures.c.sha256, pictures.c.bytes)
+                    .where(kept)
+                    .order_by(pictures.c.flagged, pictures.c.last_seen)
+                    .limit(limit)
+                ).all()
                 for sha256, size in candidates:
                     if over <= 0:
                         break
@@ -293,14 +354,28 @@ class RecordStore:
 
     def evicted(self, sha256s: list[str], now: float | None = None) -> None:
         with self.engine.begin() as connection:
-            connection.execute(update(pictures).where(pictures.c.sha256.in_(sha256s), ~pictures.c.pinned)
-                               .values(evicted=time.time() if now is None else now))
+            connection.execute(
+                update(pictures)
+                .where(pictures.c.sha256.in_(sha256s), ~pictures.c.pinned)
+                .values(evicted=time.time() if now is None else now)
+            )
 
     # ---------------------------------------------------------------- jobs
     def add_job(self, model: str, base_version: int, request: dict) -> dict:
-        job = {"id": new_id(), "model": model, "base_version": base_version, "state": "queued", "phase": "queued",
-               "progress": 0.0, "created": time.time(), "started": None, "finished": None, "request": request,
-               "result": None, "error": None}
+        job = {
+            "id": new_id(),
+            "model": model,
+            "base_version": base_version,
+            "state": "queued",
+            "phase": "queued",
+            "progress": 0.0,
+            "created": time.time(),
+            "started": None,
+            "finished": None,
+            "request": request,
+            "result": None,
+            "error": None,
+        }
         with self.engine.begin() as connection:
             connection.execute(jobs.insert().values(**job))
         return job
@@ -321,9 +396,15 @@ class RecordStore:
     def interrupted_jobs(self) -> None:
         """Jobs left queued or running by a process that stopped: failed, saying so (no version was written)."""
         with self.engine.begin() as connection:
-            connection.execute(update(jobs).where(jobs.c.state.in_(("queued", "running"))).values(
-                state="failed", finished=time.time(),
-                error="the service stopped before the update finished; no version was written; start it again"))
+            connection.execute(
+                update(jobs)
+                .where(jobs.c.state.in_(("queued", "running")))
+                .values(
+                    state="failed",
+                    finished=time.time(),
+                    error="the service stopped before the update finished; no version was written; start it again",
+                )
+            )
 
 
 __all__ = ["LABELS", "Filters", "RecordStore", "current_revision", "database_url", "metadata", "migrate", "new_id"]

@@ -12,7 +12,8 @@ metadata = MetaData()
 
 #: One row per scored picture. ``label`` is the latest review's (``reviews`` keeps every one).
 records = Table(
-    "records", metadata,
+    "records",
+    metadata,
     Column("id", String(32), primary_key=True),  # 12 hex digits of milliseconds, then 20 random: sorts by time
     Column("time", Float, nullable=False, index=True),
     Column("model", String(64), nullable=False),
@@ -40,7 +41,8 @@ records = Table(
 
 #: Every review, oldest first: a later one does not erase an earlier one (the latest counts).
 reviews = Table(
-    "reviews", metadata,
+    "reviews",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("record_id", String(32), ForeignKey("records.id", ondelete="CASCADE"), nullable=False, index=True),
     Column("time", Float, nullable=False),
@@ -52,7 +54,8 @@ reviews = Table(
 
 #: What each stored picture holds, for the byte budget and retention: the files are under the record's folder.
 pictures = Table(
-    "pictures", metadata,
+    "pictures",
+    metadata,
     Column("sha256", String(64), primary_key=True),
     Column("bytes", Integer, nullable=False),
     Column("first_seen", Float, nullable=False),
@@ -64,7 +67,8 @@ pictures = Table(
 
 #: Model updates (POST /models/{name}/update): their progress and result, readable from every replica.
 jobs = Table(
-    "jobs", metadata,
+    "jobs",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("model", String(64), nullable=False, index=True),
     Column("base_version", Integer, nullable=False),

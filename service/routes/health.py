@@ -12,10 +12,14 @@ async def live() -> LiveResponse:
     return LiveResponse(status="alive")
 
 
-@router.get("/ready", summary="every model is loaded and warm, the GPU (if any) answers a tiny operation, and the "
-            "server is not draining (always open)",
-            response_model=ReadyResponse, response_model_exclude_none=True,
-            responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}})
+@router.get(
+    "/ready",
+    summary="every model is loaded and warm, the GPU (if any) answers a tiny operation, and the "
+    "server is not draining (always open)",
+    response_model=ReadyResponse,
+    response_model_exclude_none=True,
+    responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}},
+)
 async def ready(state: StateDep):
     device_problem = await state.check_devices() if state.ready and not state.draining else None
     if state.ready and not state.draining and device_problem is None:

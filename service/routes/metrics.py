@@ -6,9 +6,14 @@ from ..deps import StateDep
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", summary="Prometheus metrics (open, for scrapers)", response_class=Response,
-            responses={200: {"description": "Prometheus text format",
-                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (open, for scrapers)",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    },
+)
 async def metrics(state: StateDep) -> Response:
     loaded: dict[str, int] = {}
     for model in [*state.models.values(), *state.retired]:

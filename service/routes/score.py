@@ -32,7 +32,9 @@ def _image_body(many: bool) -> dict:
     properties = {
         # maxItems: the batch limit, a setting; filled in by service.openapi
         "file": {"type": "array", "items": file_schema, "minItems": 1} if many else file_schema,
-        "heatmap": {"type": "boolean"}, "mask": {"type": "boolean"}, "threshold": {"type": "number", "minimum": 0, "maximum": 1},
+        "heatmap": {"type": "boolean"},
+        "mask": {"type": "boolean"},
+        "threshold": {"type": "number", "minimum": 0, "maximum": 1},
         "fields": {"type": "string", "description": FIELDS_HELP},
     }
     content = {"multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": ["file"]}}}
@@ -42,45 +44,99 @@ def _image_body(many: bool) -> dict:
     return {"requestBody": {"required": True, "content": content}}
 
 
-FIELDS_HELP = ('the client\'s own fields, kept in the inspection record with the verdict: a JSON object of up to 16 '
-               'names (lower-case letters, digits, _) to strings, e.g. {"part": "A-1234", "line": "3", "station": "2", '
-               '"camera": "top"}; for /score/batch an object for every file or a list of one per file, in order. Also '
-               'as the X-Padim-Fields header (for a raw image body)')
+FIELDS_HELP = (
+    "the client's own fields, kept in the inspection record with the verdict: a JSON object of up to 16 "
+    'names (lower-case letters, digits, _) to strings, e.g. {"part": "A-1234", "line": "3", "station": "2", '
+    '"camera": "top"}; for /score/batch an object for every file or a list of one per file, in order. Also '
+    "as the X-Padim-Fields header (for a raw image body)"
+)
 
 ERRORS = error_responses(404, 408, 413, 415, 422, 500, 503, 504)
 
 
 HeatmapQ = Annotated[bool, Query(description="return the heat map (PNG, base64)")]
 MaskQ = Annotated[bool, Query(description="return the binary mask at the threshold (PNG, base64)")]
-MonitorQ = Annotated[bool, Query(description="count the image in the model's monitor and verdict metrics; false for "
-                                  "a second look at an image already scored (the console's re-scores)")]
-ThresholdQ = Annotated[float | None, Query(ge=0, le=1, description="override the threshold (0..1 score scale) for this request")]
+MonitorQ = Annotated[
+    bool,
+    Query(
+        description="count the image in the model's monitor and verdict metrics; false for "
+        "a second look at an image already scored (the console's re-scores)"
+    ),
+]
+ThresholdQ = Annotated[
+    float | None, Query(ge=0, le=1, description="override the threshold (0..1 score scale) for this request")
+]
 
 
-@router.post("/score", response_model=ScoreResponse, response_model_exclude_unset=True, openapi_extra=_image_body(False),
-             responses=ERRORS, summary="score one image with the default model")
-async def score(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False, threshold: ThresholdQ = None,
-                monitor: MonitorQ = True):
+@router.post(
+    "/score",
+    response_model=ScoreResponse,
+    response_model_exclude_unset=True,
+    openapi_extra=_image_body(False),
+    responses=ERRORS,
+    summary="score one image with the default model",
+)
+async def score(
+    request: Request,
+    state: StateDep,
+    heatmap: HeatmapQ = False,
+    mask: MaskQ = False,
+    threshold: ThresholdQ = None,
+    monitor: MonitorQ = True,
+):
     return await _score(request, state, None, heatmap, mask, threshold, many=False, monitor=monitor)
 
 
-@router.post("/models/{name}/score", response_model=ScoreResponse, response_model_exclude_unset=True,
-             openapi_extra=_image_body(False), responses=ERRORS, summary="score one image with the named model")
-async def score_with(name: str, request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
-                     threshold: ThresholdQ = None, monitor: MonitorQ = True):
+@router.post(
+    "/models/{name}/score",
+    response_model=ScoreResponse,
+    response_model_exclude_unset=True,
+    openapi_extra=_image_body(False),
+    responses=ERRORS,
+    summary="score one image with the named model",
+)
+async def score_with(
+    name: str,
+    request: Request,
+    state: StateDep,
+    heatmap: HeatmapQ = False,
+    mask: MaskQ = False,
+    threshold: ThresholdQ = None,
+    monitor: MonitorQ = True,
+):
     return await _score(request, state, name, heatmap, mask, threshold, many=False, monitor=monitor)
 
 
-@router.post("/score/batch", response_model=BatchResponse, response_model_exclude_unset=True, openapi_extra=_image_body(True),
-             responses=ERRORS, summary="score several images (multipart 'file' parts), one result each, in order")
-async def score_batch(request: Request, state: StateDep, heatmap: HeatmapQ = False, mask: MaskQ = False,
-                      threshold: ThresholdQ = None, model: Annotated[str | None, Query(description="model name")] = None,
-                      monitor: MonitorQ = True):
+@router.post(
+    "/score/batch",
+    response_model=BatchResponse,
+    response_model_exclude_unset=True,
+    openapi_extra=_image_body(True),
+    responses=ERRORS,
+    summary="score several images (multipart 'file' parts), one result each, in order",
+)
+async def score_batch(
+    request: Request,
+    state: StateDep,
+    heatmap: HeatmapQ = False,
+    mask: MaskQ = False,
+    threshold: ThresholdQ = None,
+    model: Annotated[str | None, Query(description="model name")] = None,
+    monitor: MonitorQ = True,
+):
     return await _score(request, state, model, heatmap, mask, threshold, many=True, monitor=monitor)
 
 
-async def _score(request: Request, state: ServiceState, name: str | None, heatmap: bool, mask: bool,
-                 threshold: float | None, many: bool, monitor: bool = True) -> dict:
+async def _score(
+    request: Request,
+    state: ServiceState,
+    name: str | None,
+    heatmap: bool,
+    mask: bool,
+    threshold: float | None,
+    many: bool,
+    monitor: bool = True,
+) -> dict:
     started = time.perf_counter()
     # The version that admits the request scores and judges it, whatever is activated meanwhile.
     with state.using(state.model(name)) as served:
@@ -92,15 +148,17 @@ async def _score(request: Request, state: ServiceState, name: str | None, heatma
         recording = state.record is not None and monitor
         if recording:
             try:
-                fields = parse_fields(form_options.get("fields", request.headers.get("x-padim-fields")),
-                                      len(datas) if many else None)
+                fields = parse_fields(
+                    form_options.get("fields", request.headers.get("x-padim-fields")), len(datas) if many else None
+                )
             except InvalidFields as error:
                 raise ApiError(422, "invalid_fields", str(error)) from None
             loop = asyncio.get_running_loop()
             digests = await asyncio.gather(*[loop.run_in_executor(state.decode, _sha256, d) for d in datas])
         with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-            scored, results, pictures = await _score_images(request, state, served, datas, admission, threshold,
-                                                            heatmap, mask)
+            scored, results, pictures = await _score_images(
+                request, state, served, datas, admission, threshold, heatmap, mask
+            )
         if monitor:
             state.observe(served, scored, results, own_threshold=threshold is not None)
         if recording:
@@ -122,48 +180,72 @@ async def _durable(futures, timeout_s: float) -> None:
     try:
         await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]), timeout_s)
     except TimeoutError:
-        raise RecordUnavailable(f"the record did not make this picture's row durable within {timeout_s:g} s "
-                                "(PADIM_RECORD_TIMEOUT_S); PADIM_RECORD_REQUIRED withholds the verdict") from None
+        raise RecordUnavailable(
+            f"the record did not make this picture's row durable within {timeout_s:g} s "
+            "(PADIM_RECORD_TIMEOUT_S); PADIM_RECORD_REQUIRED withholds the verdict"
+        ) from None
     except Exception as error:  # the journal is full, or its disk failed
-        raise RecordUnavailable(f"the inspection record cannot keep this picture's row ({error}); "
-                                "PADIM_RECORD_REQUIRED withholds the verdict until it can") from None
+        raise RecordUnavailable(
+            f"the inspection record cannot keep this picture's row ({error}); "
+            "PADIM_RECORD_REQUIRED withholds the verdict until it can"
+        ) from None
 
 
-async def _score_images(request: Request, state: ServiceState, served: ServedModel, datas: list[bytes],
-                        admission: Admission, threshold, heatmap, mask
-                        ) -> tuple[list[tuple], list[dict], list[tuple[int, int]]]:
+async def _score_images(
+    request: Request,
+    state: ServiceState,
+    served: ServedModel,
+    datas: list[bytes],
+    admission: Admission,
+    threshold,
+    heatmap,
+    mask,
+) -> tuple[list[tuple], list[dict], list[tuple[int, int]]]:
     """``[(raw_score, map, input_distance)]``, the result of each image, and each picture's size as sent.
 
     A client that disconnects while its images wait for a batch takes them out of the queue (the
     batcher skips cancelled ones), so that it costs no batch; its request is logged as 499.
     """
     loop = asyncio.get_running_loop()
-    decoded = await asyncio.gather(*[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap)
-                                     for d in datas])
+    decoded = await asyncio.gather(
+        *[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap) for d in datas]
+    )
     futures = []
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         for image in decoded:
             futures.append(served.batcher.submit(image.tensor, admission))
         answered = asyncio.gather(*futures)
-        done, _ = await asyncio.wait({answered, gone}, timeout=state.settings.request_timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {answered, gone}, timeout=state.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
         if answered not in done:
             answered.cancel()
             if gone in done:
-                raise ApiError(CLIENT_CLOSED, "client_disconnected", "the client closed the connection before its images were scored")
-            raise ApiError(504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is "
-                           "overloaded")
+                raise ApiError(
+                    CLIENT_CLOSED,
+                    "client_disconnected",
+                    "the client closed the connection before its images were scored",
+                )
+            raise ApiError(
+                504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded"
+            )
         scored = answered.result()
     finally:
         gone.cancel()
         for future in futures:  # a failed or abandoned request leaves nothing for the batcher to do
             if not future.done():
                 future.cancel()
-    results = list(await asyncio.gather(*[
-        loop.run_in_executor(state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask)
-        for image, (raw, anomaly_map, _) in zip(decoded, scored)
-    ]))
+    results = list(
+        await asyncio.gather(
+            *[
+                loop.run_in_executor(
+                    state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask
+                )
+                for image, (raw, anomaly_map, _) in zip(decoded, scored)
+            ]
+        )
+    )
     return scored, results, [image.picture for image in decoded]
 
 
@@ -195,22 +277,34 @@ async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[
         if any(not isinstance(p, UploadFile) for p in parts):
             raise ApiError(422, "missing_file", "'file' must be a file part, not a text field")
         if not many and len(parts) > 1:
-            raise ApiError(422, "too_many_files", f"{len(parts)} 'file' parts: /score takes one image "
-                           "(use /score/batch for several)")
+            raise ApiError(
+                422,
+                "too_many_files",
+                f"{len(parts)} 'file' parts: /score takes one image (use /score/batch for several)",
+            )
         if len(parts) > batch_limit:
-            raise ApiError(422, "batch_too_large", f"{len(parts)} images in one request; at most {batch_limit} "
-                           "(the smaller of PADIM_MAX_BATCH_SIZE and PADIM_MAX_QUEUE): split the batch")
+            raise ApiError(
+                422,
+                "batch_too_large",
+                f"{len(parts)} images in one request; at most {batch_limit} "
+                "(the smaller of PADIM_MAX_BATCH_SIZE and PADIM_MAX_QUEUE): split the batch",
+            )
         datas = [await p.read() for p in parts]
         await form.close()
         options = _form_options(form)
     elif content_type.startswith(("image/", "application/octet-stream")):
         if many:
-            raise ApiError(415, "unsupported_media_type", "/score/batch takes multipart/form-data with several 'file' parts")
+            raise ApiError(
+                415, "unsupported_media_type", "/score/batch takes multipart/form-data with several 'file' parts"
+            )
         datas = [await request.body()]
     else:
-        raise ApiError(415, "unsupported_media_type",
-                       f"content type {content_type or 'none'!r}: send the image as multipart field 'file' "
-                       "or as the raw body with an image/* (or application/octet-stream) content type")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"content type {content_type or 'none'!r}: send the image as multipart field 'file' "
+            "or as the raw body with an image/* (or application/octet-stream) content type",
+        )
     for i, data in enumerate(datas):
         if not data:
             raise ApiError(422, "empty_body", "the image is empty" + (f" (file part {i})" if many else ""))

@@ -19,21 +19,30 @@ router = APIRouter(tags=["admin"], dependencies=[AdminKey])
 jobs = APIRouter(tags=["record"], dependencies=[RecordReader])
 
 
-@router.post("/models/{name}/update", status_code=202, summary="start a job that adds the pictures reviewed as normal "
-             "(and takes out those reviewed as defect that it fitted) into a new version, gated on the reviewed "
-             "defects; not active unless activate=true and the gate passes",
-             responses=error_responses(400, 403, 404, 409, 422, 503))
-async def update(name: str, state: StateDep,
-                 body: Annotated[UpdateRequest | None, Body()] = None,
-                 activate: Annotated[bool, Query(description="activate the new version when its gate passes")] = False
-                 ) -> JobInfo:
+@router.post(
+    "/models/{name}/update",
+    status_code=202,
+    summary="start a job that adds the pictures reviewed as normal "
+    "(and takes out those reviewed as defect that it fitted) into a new version, gated on the reviewed "
+    "defects; not active unless activate=true and the gate passes",
+    responses=error_responses(400, 403, 404, 409, 422, 503),
+)
+async def update(
+    name: str,
+    state: StateDep,
+    body: Annotated[UpdateRequest | None, Body()] = None,
+    activate: Annotated[bool, Query(description="activate the new version when its gate passes")] = False,
+) -> JobInfo:
     body = body or UpdateRequest()
     job = await state.jobs.start(name, body.records, body.version, activate)
     return JobInfo(**_job_out(job))
 
 
-@jobs.get("/jobs/{job_id}", summary="a model update's progress and, once done, its result",
-          responses=error_responses(401, 404, 503))
+@jobs.get(
+    "/jobs/{job_id}",
+    summary="a model update's progress and, once done, its result",
+    responses=error_responses(401, 404, 503),
+)
 async def get_job(job_id: str, state: StateDep) -> JobInfo:
     return JobInfo(**_job_out(await on_database(state, state.record.store.job, job_id)))
 

@@ -31,29 +31,50 @@ UPLOAD_PATH = re.compile(r"^/models/[^/]+/versions/?$")
 WRITE_BYTES = 8 * 2**20
 SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 
-@router.get("/{name}/versions", summary="every version of a model, the active one marked, with its calibration",
-            responses=error_responses(403, 404, 503))
+
+@router.get(
+    "/{name}/versions",
+    summary="every version of a model, the active one marked, with its calibration",
+    responses=error_responses(403, 404, 503),
+)
 async def list_versions(name: str, state: StateDep) -> VersionsResponse:
     if not state.ready:
         state.model(None)  # 503 while loading
     return VersionsResponse(model=name, versions=await asyncio.to_thread(state.versions, name))
 
 
-@router.post("/{name}/versions", status_code=201, summary="upload a model file as the next version (streamed to disk; "
-             "loaded and warmed up beside the active version to check that it can be served)",
-             responses=error_responses(400, 403, 408, 409, 413, 415, 422, 503, 507),
-             openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-async def upload(name: str, request: Request, state: StateDep,
-                 activate: Annotated[bool, Query(description="activate it once loaded")] = False,
-                 x_content_sha256: Annotated[str | None, Header(description="the body's sha256 (hex); a mismatch is "
-                                                                "refused (400 digest_mismatch)")] = None) -> VersionChange:
+@router.post(
+    "/{name}/versions",
+    status_code=201,
+    summary="upload a model file as the next version (streamed to disk; "
+    "loaded and warmed up beside the active version to check that it can be served)",
+    responses=error_responses(400, 403, 408, 409, 413, 415, 422, 503, 507),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
+async def upload(
+    name: str,
+    request: Request,
+    state: StateDep,
+    activate: Annotated[bool, Query(description="activate it once loaded")] = False,
+    x_content_sha256: Annotated[
+        str | None, Header(description="the body's sha256 (hex); a mismatch is refused (400 digest_mismatch)")
+    ] = None,
+) -> VersionChange:
     repository = state.writable()
     check_name(name)
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("application/octet-stream"):
-        raise ApiError(415, "unsupported_media_type", f"content type {content_type or 'none'!r}: send the model file "
-                       "as the raw body with content type application/octet-stream")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"content type {content_type or 'none'!r}: send the model file "
+            "as the raw body with content type application/octet-stream",
+        )
     if x_content_sha256 is not None and not SHA256.match(x_content_sha256):
         raise ApiError(400, "invalid_parameter", "X-Content-SHA256: expected 64 hexadecimal digits")
     incoming = await asyncio.to_thread(repository.incoming, name)
@@ -62,8 +83,10 @@ async def upload(name: str, request: Request, state: StateDep,
         if size == 0:
             raise ApiError(422, "empty_body", "the model file is empty")
         if x_content_sha256 is not None and x_content_sha256.lower() != digest:
-            raise DigestMismatch(f"the body's sha256 is {digest}, not the {x_content_sha256.lower()} that "
-                                 "X-Content-SHA256 says: the file was changed or cut on the way")
+            raise DigestMismatch(
+                f"the body's sha256 is {digest}, not the {x_content_sha256.lower()} that "
+                "X-Content-SHA256 says: the file was changed or cut on the way"
+            )
         change = await state.add_version(name, incoming, digest, activate)
     except BaseException:
         await asyncio.to_thread(repository.discard, incoming)
@@ -94,31 +117,54 @@ async def _receive(request: Request, path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-@router.post("/{name}/versions/{version}/activate", summary="serve this version: loaded and warmed up beside the active "
-             "one, then swapped in; requests already admitted finish on the version that admitted them",
-             responses=error_responses(403, 404, 409, 422, 503, 507))
-async def activate(name: str, version: int, state: StateDep,
-                   force: Annotated[bool, Query(description="activate a version made by an update even though its gate "
-                                                "found recall fell by more than PADIM_UPDATE_MAX_RECALL_DROP (kept in "
-                                                "its version.json)")] = False) -> VersionChange:
+@router.post(
+    "/{name}/versions/{version}/activate",
+    summary="serve this version: loaded and warmed up beside the active "
+    "one, then swapped in; requests already admitted finish on the version that admitted them",
+    responses=error_responses(403, 404, 409, 422, 503, 507),
+)
+async def activate(
+    name: str,
+    version: int,
+    state: StateDep,
+    force: Annotated[
+        bool,
+        Query(
+            description="activate a version made by an update even though its gate "
+            "found recall fell by more than PADIM_UPDATE_MAX_RECALL_DROP (kept in "
+            "its version.json)"
+        ),
+    ] = False,
+) -> VersionChange:
     return VersionChange(model=name, **await state.activate(name, version, force=force))
 
 
-@router.post("/{name}/rollback", summary="serve the version that was active before the current one (409 when none)",
-             responses=error_responses(403, 404, 409, 503, 507))
+@router.post(
+    "/{name}/rollback",
+    summary="serve the version that was active before the current one (409 when none)",
+    responses=error_responses(403, 404, 409, 503, 507),
+)
 async def rollback(name: str, state: StateDep) -> VersionChange:
     return VersionChange(model=name, **await state.activate(name, 0, rollback=True))
 
 
-@router.delete("/{name}/versions/{version}", status_code=204, summary="delete a version that is not active (its "
-               "number is never given again)", responses=error_responses(403, 404, 409, 503))
+@router.delete(
+    "/{name}/versions/{version}",
+    status_code=204,
+    summary="delete a version that is not active (its number is never given again)",
+    responses=error_responses(403, 404, 409, 503),
+)
 async def remove(name: str, version: int, state: StateDep) -> Response:
     await state.remove(name, version)
     return Response(status_code=204)
 
 
-@router.delete("/{name}", status_code=204, summary="stop serving a model (not the default one); its files stay, and "
-               "activating a version serves it again", responses=error_responses(403, 404, 409, 503))
+@router.delete(
+    "/{name}",
+    status_code=204,
+    summary="stop serving a model (not the default one); its files stay, and activating a version serves it again",
+    responses=error_responses(403, 404, 409, 503),
+)
 async def unload(name: str, state: StateDep) -> Response:
     await state.unload(name)
     return Response(status_code=204)

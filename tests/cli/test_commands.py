@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import IMAGE_SIZE, normal_and_shifted, run_cli
 from PIL import Image
 
-from helpers import IMAGE_SIZE, normal_and_shifted, run_cli
 from padim.core import load_artifact
 
 # Image-AUROC floor for the generated 'weave' category with random resnet18 weights at 64 px.
@@ -42,8 +42,9 @@ def test_train_writes_a_labelled_self_contained_model(model_file):
     assert json.loads(run_cli("info", "--verify", model_file).stdout)["verified"] == "every tensor"
 
 
-def test_info_finds_a_flipped_bit_without_being_asked_and_says_when_it_checked_the_header_only(model_file, tmp_path,
-                                                                                               monkeypatch, capsys):
+def test_info_finds_a_flipped_bit_without_being_asked_and_says_when_it_checked_the_header_only(
+    model_file, tmp_path, monkeypatch, capsys
+):
     from padim.cli import main
     from padim.commands import info
 
@@ -59,8 +60,18 @@ def test_info_finds_a_flipped_bit_without_being_asked_and_says_when_it_checked_t
 
 
 def test_train_says_what_the_threshold_promises(dataset, tmp_path):
-    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
-                     "--image-size", IMAGE_SIZE, "--false-alarm-rate", "0.02")
+    result = run_cli(
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "m.padim",
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--false-alarm-rate",
+        "0.02",
+    )
     summary = json.loads(result.stdout)
     calibration = summary["calibration"]
     assert summary["fitted"] == summary["fit_image_count"] == calibration["scores"] == 30
@@ -74,7 +85,9 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     (plan,) = [line for line in result.stderr.splitlines() if "this fit needs about" in line]
     assert "GB free" in plan and "removed when the fit ends" in plan
     # each picture's embeddings and its changed copy's (the default expects the line's changes) wait on disk
-    assert "embeddings (and their changed copies', --expect brightness=0.2," in plan and f"spooled to {tmp_path}" in plan
+    assert (
+        "embeddings (and their changed copies', --expect brightness=0.2," in plan and f"spooled to {tmp_path}" in plan
+    )
     assert summary["spooled_bytes"] == 30 * 2 * (IMAGE_SIZE // 4) ** 2 * 100 * 4
     assert summary["memory"]["planned_bytes"] < summary["memory"]["free_bytes"]
     assert set(summary["phase_seconds"]) == {"fit", "finish", "calibrate", "write"}
@@ -82,15 +95,30 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
 
 def test_hashed_folds_slim_with_a_scratch_dir(dataset, tmp_path):
     scratch = tmp_path / "scratch"
-    result = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
-                     "--image-size", IMAGE_SIZE, "--calibration-folds", "7", "--slim", "--scratch-dir", scratch)
+    result = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "m.padim",
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--calibration-folds",
+        "7",
+        "--slim",
+        "--scratch-dir",
+        scratch,
+    )
     summary = json.loads(result.stdout)
     assert summary["calibration"]["folds"] == 7 and summary["calibration"]["scores"] == 30
     _, header = load_artifact(tmp_path / "m.padim")
     assert header["has_statistics"] is False and header["config"]["calibration_folds"] == 7
     assert list(scratch.iterdir()) == []  # the spool and the factors had no names, and are gone
-    bad = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "x.padim", "--calibration-folds", "1",
-                  check=False)
+    bad = run_cli(
+        "train", dataset / "train" / "good", "--output", tmp_path / "x.padim", "--calibration-folds", "1", check=False
+    )
     assert bad.returncode == 1 and "calibration_folds: 1 is not allowed" in bad.stderr and "loo" in bad.stderr
 
 
@@ -102,8 +130,18 @@ def test_predict_outputs(model_file, dataset, tmp_path):
     calibration = load_artifact(model_file)[1]["calibration"]
     for record in lines:
         # the service's keys (tests/service), and the score recomputed from the file's header
-        assert set(record) == {"path", "score", "raw_score", "is_anomaly", "threshold", "raw_threshold",
-                               "anomalous_area", "weights", "map", "heatmap"}
+        assert set(record) == {
+            "path",
+            "score",
+            "raw_score",
+            "is_anomaly",
+            "threshold",
+            "raw_threshold",
+            "anomalous_area",
+            "weights",
+            "map",
+            "heatmap",
+        }
         logistic = 1 / (1 + math.exp(-(record["raw_score"] - calibration["threshold"]) / calibration["scale"]))
         assert record["score"] == pytest.approx(logistic, rel=1e-12)
         assert record["threshold"] == 0.5 and record["raw_threshold"] == pytest.approx(calibration["threshold"])
@@ -180,32 +218,90 @@ def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
     torch.testing.assert_close(resumed["statistics.mean"], whole["statistics.mean"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(resumed["statistics.comoment"], whole["statistics.comoment"], rtol=1e-5, atol=1e-5)
     # changing an architectural option on resume is refused
-    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
-                    "--image-size", "128", check=False)
+    clash = run_cli(
+        "-q",
+        "train",
+        part_b,
+        "--output",
+        tmp_path / "x.padim",
+        "--resume",
+        tmp_path / "a.padim",
+        "--image-size",
+        "128",
+        check=False,
+    )
     assert clash.returncode == 1 and "image_size=64" in clash.stderr
     config = tmp_path / "c.yaml"
     config.write_text("image_size: 128\n")  # a value from YAML is checked as a flag is
-    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
-                    "--config", config, check=False)
+    clash = run_cli(
+        "-q",
+        "train",
+        part_b,
+        "--output",
+        tmp_path / "x.padim",
+        "--resume",
+        tmp_path / "a.padim",
+        "--config",
+        config,
+        check=False,
+    )
     assert clash.returncode == 1 and "image_size=64" in clash.stderr and "--config" in clash.stderr
     # the earlier out-of-fold scores were read from their maps one way: another image score would mix two scales
-    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
-                    "--image-score", "patch_max", check=False)
+    clash = run_cli(
+        "-q",
+        "train",
+        part_b,
+        "--output",
+        tmp_path / "x.padim",
+        "--resume",
+        tmp_path / "a.padim",
+        "--image-score",
+        "patch_max",
+        check=False,
+    )
     assert clash.returncode == 1 and "image_score='map_max'" in clash.stderr
-    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
-                    "--neighbourhood", "1", check=False)
+    clash = run_cli(
+        "-q",
+        "train",
+        part_b,
+        "--output",
+        tmp_path / "x.padim",
+        "--resume",
+        tmp_path / "a.padim",
+        "--neighbourhood",
+        "1",
+        check=False,
+    )
     assert clash.returncode == 1 and "neighbourhood=3" in clash.stderr
     # the earlier scores were computed with (or without) the declared changes: so must the new ones be
-    clash = run_cli("-q", "train", part_b, "--output", tmp_path / "x.padim", "--resume", tmp_path / "a.padim",
-                    "--expect", "typical", check=False)
+    clash = run_cli(
+        "-q",
+        "train",
+        part_b,
+        "--output",
+        tmp_path / "x.padim",
+        "--resume",
+        tmp_path / "a.padim",
+        "--expect",
+        "typical",
+        check=False,
+    )
     assert clash.returncode == 1 and "--resume" in clash.stderr and "expect=" in clash.stderr
     assert not (tmp_path / "x.padim").exists()
 
 
 def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_path, model_file):
     common = ["--weights", "random", "--image-size", IMAGE_SIZE, "--batch-size", 8]
-    done = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "line.padim", *common,
-                   "--expect", "brightness=0.1,shift=2", "--fit-changes")
+    done = run_cli(
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "line.padim",
+        *common,
+        "--expect",
+        "brightness=0.1,shift=2",
+        "--fit-changes",
+    )
     summary = json.loads(done.stdout)
     assert summary["calibration"]["expect"] == "brightness=0.1,shift=2" and summary["calibration"]["fit_changes"]
     assert "on pictures within the declared changes brightness=0.1,shift=2" in done.stderr
@@ -216,21 +312,61 @@ def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_p
     _, header = load_artifact(tmp_path / "line.padim")
     assert header["fit_image_count"] == 30 and header["calibration"]["scores"] == 30  # one score a picture
     # a preset is stored as its bounds; fitting copies without saying which changes is refused
-    preset = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "p.padim", *common,
-                     "--expect", "typical", "--no-fit-changes")
-    assert json.loads(preset.stdout)["calibration"]["expect"] == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
-    refused = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "x.padim", *common,
-                      "--expect", "stable", "--fit-changes", check=False)
+    preset = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "p.padim",
+        *common,
+        "--expect",
+        "typical",
+        "--no-fit-changes",
+    )
+    assert (
+        json.loads(preset.stdout)["calibration"]["expect"]
+        == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
+    )
+    refused = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "x.padim",
+        *common,
+        "--expect",
+        "stable",
+        "--fit-changes",
+        check=False,
+    )
     assert refused.returncode == 1 and "--fit-changes fits each picture's changed copy" in refused.stderr
-    wrong = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "x.padim", *common,
-                    "--expect", "brightness=2", check=False)
+    wrong = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "x.padim",
+        *common,
+        "--expect",
+        "brightness=2",
+        check=False,
+    )
     assert wrong.returncode == 1 and "brightness=2.0 is not allowed; use a number from 0 to 0.5" in wrong.stderr
     assert not (tmp_path / "x.padim").exists()
 
 
 def test_train_with_a_state_dict_file(dataset, tmp_path, weights_file):
-    run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "f.padim",
-            "--weights", weights_file, "--image-size", IMAGE_SIZE)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "f.padim",
+        "--weights",
+        weights_file,
+        "--image-size",
+        IMAGE_SIZE,
+    )
     _, header = load_artifact(tmp_path / "f.padim")
     assert header["weights"]["source"] == "file"
 
@@ -238,12 +374,23 @@ def test_train_with_a_state_dict_file(dataset, tmp_path, weights_file):
 def test_config_file_and_flag_precedence(dataset, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("weights: random\nimage_size: 32\nembedding_dim: 20\n")
-    run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "c.padim",
-            "--config", config, "--image-size", IMAGE_SIZE)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "c.padim",
+        "--config",
+        config,
+        "--image-size",
+        IMAGE_SIZE,
+    )
     _, header = load_artifact(tmp_path / "c.padim")
     assert header["config"]["image_size"] == IMAGE_SIZE and header["embedding_dim"] == 20
     config.write_text("backbone: resnet19\n")
-    bad = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "d.padim", "--config", config, check=False)
+    bad = run_cli(
+        "train", dataset / "train" / "good", "--output", tmp_path / "d.padim", "--config", config, check=False
+    )
     assert bad.returncode == 1 and "choose one of: resnet18" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -259,7 +406,9 @@ def test_truncated_model_is_a_one_line_error(model_file, dataset, tmp_path, cut)
 
 
 def _train_folder(folder, output, *extra):
-    return run_cli("train", folder, "--output", output, "--weights", "random", "--image-size", "32", *extra, check=False)
+    return run_cli(
+        "train", folder, "--output", output, "--weights", "random", "--image-size", "32", *extra, check=False
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -326,17 +475,33 @@ def test_predict_fails_closed_on_non_finite_scores(model_file, dataset, tmp_path
         return detector
 
     monkeypatch.setattr(runtimes, "load_detector", poisoned)
-    code = main(["-q", "predict", str(model_file), str(dataset / "test" / "hole"), "--output", str(tmp_path / "o"),
-                     "--runtime", "torch"])  # the poisoned torch model itself
+    code = main(
+        [
+            "-q",
+            "predict",
+            str(model_file),
+            str(dataset / "test" / "hole"),
+            "--output",
+            str(tmp_path / "o"),
+            "--runtime",
+            "torch",
+        ]
+    )  # the poisoned torch model itself
     captured = capsys.readouterr()
     assert code == 1 and "4 of 4 image(s) got a NaN or infinite score and no verdict" in captured.err
     records = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 4 and all(r["error"]["code"] == "non_finite_score" and "is_anomaly" not in r for r in records)
+    assert len(records) == 4 and all(
+        r["error"]["code"] == "non_finite_score" and "is_anomaly" not in r for r in records
+    )
 
 
 def test_offline_imagenet_is_a_clear_error(dataset, tmp_path):
     # an unreachable proxy makes any download fail fast, as on an offline node
-    env = {"TORCH_HOME": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+    env = {
+        "TORCH_HOME": str(tmp_path / "cache"),
+        "https_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+    }
     result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", check=False, env=env)
     assert result.returncode == 1
     assert "resnet18-f37072fd.pth" in result.stderr and "--weights" in result.stderr
@@ -349,9 +514,23 @@ def test_interrupted_training_leaves_no_file(tmp_path):
     (category,) = generate(tmp_path / "data", ("carpet",), train=300, test_good=0, test_defect=0, size=64)
     output = tmp_path / "m.padim"
     process = subprocess.Popen(
-        [sys.executable, "-m", "padim", "train", category / "train" / "good", "--output", output,
-         "--weights", "random", "--image-size", "64", "--batch-size", "4"],
-        stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "padim",
+            "train",
+            category / "train" / "good",
+            "--output",
+            output,
+            "--weights",
+            "random",
+            "--image-size",
+            "64",
+            "--batch-size",
+            "4",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
         # Ctrl-C as in a terminal: a test run started in the background (`pytest &`) ignores SIGINT,
         # and a child would inherit that and never see the signal
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -388,11 +567,22 @@ def test_predict_mirrors_input_folders_under_output(model_file, dataset, tmp_pat
     test = dataset / "test"
     run_cli("-q", "predict", model_file, test / "hole", test / "scratch", "--output", tmp_path / "a", "--no-maps")
     assert sorted(p.relative_to(tmp_path / "a" / "heatmaps").as_posix() for p in (tmp_path / "a").rglob("*.png")) == [
-        f"{d}/{i:03d}.png" for d in ("hole", "scratch") for i in range(4)]
-    run_cli("-q", "predict", model_file, test / "hole" / "000.png", test / "good" / "000.png", "--output", tmp_path / "b",
-            "--no-heatmaps")
+        f"{d}/{i:03d}.png" for d in ("hole", "scratch") for i in range(4)
+    ]
+    run_cli(
+        "-q",
+        "predict",
+        model_file,
+        test / "hole" / "000.png",
+        test / "good" / "000.png",
+        "--output",
+        tmp_path / "b",
+        "--no-heatmaps",
+    )
     assert sorted(p.relative_to(tmp_path / "b" / "maps").as_posix() for p in (tmp_path / "b").rglob("*.npy")) == [
-        "good/000.npy", "hole/000.npy"]
+        "good/000.npy",
+        "hole/000.npy",
+    ]
 
 
 def test_predict_reports_unreadable_images_and_scores_the_rest(model_file, dataset, tmp_path):
@@ -403,7 +593,9 @@ def test_predict_reports_unreadable_images_and_scores_the_rest(model_file, datas
     result = run_cli("-q", "predict", model_file, images, "--output", tmp_path / "o", check=False)
     assert result.returncode == 1 and "1 of 2 image(s) could not be read" in result.stderr
     assert "BufferedReader" not in result.stderr
-    records = {Path(r["path"]).name: r for r in map(json.loads, (tmp_path / "o" / "results.jsonl").read_text().splitlines())}
+    records = {
+        Path(r["path"]).name: r for r in map(json.loads, (tmp_path / "o" / "results.jsonl").read_text().splitlines())
+    }
     assert "score" in records["a.png"] and records["b.png"]["error"]["code"] == "unreadable_image"
     # a predict that fails before scoring anything leaves nothing behind
     failed = run_cli("-q", "predict", tmp_path / "missing.padim", images, "--output", tmp_path / "none", check=False)
@@ -411,8 +603,9 @@ def test_predict_reports_unreadable_images_and_scores_the_rest(model_file, datas
 
 
 def test_evaluate_writes_no_file_unless_asked_and_a_report_when_asked(model_file, dataset, tmp_path):
-    result = run_cli("-q", "evaluate", model_file, dataset, "--report", tmp_path / "report", "--gallery", "2",
-                     cwd=tmp_path)
+    result = run_cli(
+        "-q", "evaluate", model_file, dataset, "--report", tmp_path / "report", "--gallery", "2", cwd=tmp_path
+    )
     printed = json.loads(result.stdout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no evaluation.json left in the cwd
     saved = json.loads((tmp_path / "report" / "evaluation.json").read_text())
@@ -422,8 +615,16 @@ def test_evaluate_writes_no_file_unless_asked_and_a_report_when_asked(model_file
     confusion = printed["confusion_at_threshold"]
     assert sum(confusion.values()) == 18 and confusion["true_positives"] + confusion["false_negatives"] == 12
     page = (tmp_path / "report" / "report.html").read_text()
-    for heading in ("Image ROC", "Pixel ROC", "PRO", "Score histograms", "Worst false alarms", "Worst misses",
-                    "By defect type", "RANDOM WEIGHTS"):
+    for heading in (
+        "Image ROC",
+        "Pixel ROC",
+        "PRO",
+        "Score histograms",
+        "Worst false alarms",
+        "Worst misses",
+        "By defect type",
+        "RANDOM WEIGHTS",
+    ):
         assert heading in page, heading
     assert page.count('src="data:image/png;base64,') == 4 + 2 + 2  # three curves and histograms, two cards each
     assert "http://" not in page and "https://" not in page  # self-contained: opens offline
@@ -433,7 +634,9 @@ def test_drift_exits_0_on_normal_images_and_3_on_shifted_ones_with_a_report(mode
     normal, shifted = normal_and_shifted(tmp_path / "line", 40)
     calm = run_cli("-q", "drift", model_file, normal[0].parent, "--report", tmp_path / "calm")
     reading = json.loads(calm.stdout)
-    assert calm.returncode == 0 and reading["status"] == "normal" and reading["alarms"] == [] and reading["images"] == 40
+    assert (
+        calm.returncode == 0 and reading["status"] == "normal" and reading["alarms"] == [] and reading["images"] == 40
+    )
     assert reading["input_drift"] is not None and reading["flag_rate"]["basis"] == "promised"
     drift = run_cli("-q", "drift", model_file, shifted[0].parent, "--report", tmp_path / "drift", check=False)
     reading = json.loads(drift.stdout)
@@ -442,7 +645,13 @@ def test_drift_exits_0_on_normal_images_and_3_on_shifted_ones_with_a_report(mode
     saved = json.loads((tmp_path / "drift" / "drift.json").read_text())
     assert saved["alarms"] == reading["alarms"] and len(saved["highest"]) == 20 and saved["images"] == 40
     page = (tmp_path / "drift" / "drift.html").read_text()
-    for text in ("ALARM", "flag rate (one-sided binomial)", "input drift (one-sided KS)", "Highest scores", "RANDOM WEIGHTS"):
+    for text in (
+        "ALARM",
+        "flag rate (one-sided binomial)",
+        "input drift (one-sided KS)",
+        "Highest scores",
+        "RANDOM WEIGHTS",
+    ):
         assert text in page, text
     assert page.count('src="data:image/png;base64,') == 1 and "https://" not in page
     # too few images, or a bad level: a one-line error (exit 1), not a verdict
@@ -498,8 +707,22 @@ def test_a_region_of_interest_through_train_predict_and_evaluate(dataset, tmp_pa
     shutil.copytree(dataset / "train" / "good", train)
     Image.new("RGB", (40, 40), (90, 90, 90)).save(train / "small.png")  # cannot hold the region
     model = tmp_path / "roi.padim"
-    result = run_cli("train", train, "--output", model, "--weights", "random", "--image-size", 64,
-                     "--roi", "8,16,80,64", "--resize", "crop", "--calibration-folds", 2)
+    result = run_cli(
+        "train",
+        train,
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--roi",
+        "8,16,80,64",
+        "--resize",
+        "crop",
+        "--calibration-folds",
+        2,
+    )
     assert "small.png" in result.stderr and "does not lie inside this 40x40 picture" in result.stderr
     summary = json.loads(result.stdout)
     assert summary["unreadable"] == 1 and summary["fitted"] == 30
@@ -519,8 +742,24 @@ def test_a_region_of_interest_through_train_predict_and_evaluate(dataset, tmp_pa
 
 def test_a_tiled_model_trains_predicts_and_evaluates_through_the_cli(dataset, tmp_path):
     model = tmp_path / "tiled.padim"
-    result = run_cli("train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-                     "--tiles", "2x2", "--tile-overlap", "0.25", "--calibration-folds", 2, "--embedding-dim", 32)
+    result = run_cli(
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--tiles",
+        "2x2",
+        "--tile-overlap",
+        "0.25",
+        "--calibration-folds",
+        2,
+        "--embedding-dim",
+        32,
+    )
     assert "this fit (2x2 tiles of 64 px, a Gaussian per tile position: statistics x4) needs about" in result.stderr
     info = json.loads(run_cli("-q", "info", model).stdout)
     assert info["header"]["config"]["tiles"] == [2, 2] and info["tiles"] == [2, 2]
@@ -532,16 +771,35 @@ def test_a_tiled_model_trains_predicts_and_evaluates_through_the_cli(dataset, tm
 
 @pytest.mark.parametrize("value, message", [("2by2", "is not ROWSxCOLS"), ("9x1", "tiles: (9, 1) is not allowed")])
 def test_bad_tiles_are_a_one_line_error(dataset, tmp_path, value, message):
-    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
-                     "--tiles", value, check=False)
+    result = run_cli(
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "m.padim",
+        "--weights",
+        "random",
+        "--tiles",
+        value,
+        check=False,
+    )
     assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "m.padim").exists()
 
 
-@pytest.mark.parametrize("value, message", [("1,2,3", "is not x,y,width,height"),
-                                            ("0,0,8,8", "roi: (0, 0, 8, 8) is not allowed")])
+@pytest.mark.parametrize(
+    "value, message", [("1,2,3", "is not x,y,width,height"), ("0,0,8,8", "roi: (0, 0, 8, 8) is not allowed")]
+)
 def test_a_bad_region_of_interest_is_a_one_line_error(dataset, tmp_path, value, message):
-    result = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "m.padim", "--weights", "random",
-                     "--roi", value, check=False)
+    result = run_cli(
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        tmp_path / "m.padim",
+        "--weights",
+        "random",
+        "--roi",
+        value,
+        check=False,
+    )
     assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "m.padim").exists()

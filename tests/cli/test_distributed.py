@@ -11,18 +11,44 @@ import sys
 
 import pytest
 import torch
-
 from helpers import IMAGE_SIZE, free_port, run_cli
+
 from padim.core import load_artifact
 
-COMMON = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--batch-size", "1", "--device", "cpu"]  # Gloo, on any machine
+COMMON = [
+    "--weights",
+    "random",
+    "--image-size",
+    str(IMAGE_SIZE),
+    "--batch-size",
+    "1",
+    "--device",
+    "cpu",
+]  # Gloo, on any machine
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "padim", "-q", *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, **ONE_THREAD})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "padim",
+        "-q",
+        *map(str, args),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, **ONE_THREAD}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -62,21 +88,48 @@ def test_partial_fits_merged_equal_one_shot(dataset, tmp_path):
         for p in chunk:
             (tmp_path / name / p.name).write_bytes(p.read_bytes())
     for name in ("a", "b", "ab"):
-        out = json.loads(run_cli("-q", "train", tmp_path / name, "--output", tmp_path / f"{name}.part", "--partial", *COMMON).stdout)
+        out = json.loads(
+            run_cli("-q", "train", tmp_path / name, "--output", tmp_path / f"{name}.part", "--partial", *COMMON).stdout
+        )
         assert out["kind"] == "partial" and out["fitted"] == out["fit_image_count"] == len(folders[name])
-    merged = json.loads(run_cli("-q", "merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",
-                                "--calibration-dir", tmp_path / "calibration").stdout)
+    merged = json.loads(
+        run_cli(
+            "-q",
+            "merge",
+            tmp_path / "a.part",
+            tmp_path / "b.part",
+            "--output",
+            tmp_path / "m.padim",
+            "--calibration-dir",
+            tmp_path / "calibration",
+        ).stdout
+    )
     assert merged["fit_image_count"] == 24 and merged["calibration"]["scores"] == 6
     m, header = load_artifact(tmp_path / "m.padim")
     ab, _ = load_artifact(tmp_path / "ab.part")
     assert_same_statistics(m, ab)
     assert header["kind"] == "padim-detector" and header["calibration"]["scores"] == 6
-    assert header["calibration_source"] == "held_out" and header["merged_from"] == [str(tmp_path / "a.part"), str(tmp_path / "b.part")]
-    overlap = run_cli("merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "x.padim",
-                      "--calibration-dir", tmp_path / "a", check=False)
-    assert overlap.returncode == 1 and "were fitted in the parts" in overlap.stderr and not (tmp_path / "x.padim").exists()
+    assert header["calibration_source"] == "held_out" and header["merged_from"] == [
+        str(tmp_path / "a.part"),
+        str(tmp_path / "b.part"),
+    ]
+    overlap = run_cli(
+        "merge",
+        tmp_path / "a.part",
+        tmp_path / "b.part",
+        "--output",
+        tmp_path / "x.padim",
+        "--calibration-dir",
+        tmp_path / "a",
+        check=False,
+    )
+    assert (
+        overlap.returncode == 1 and "were fitted in the parts" in overlap.stderr and not (tmp_path / "x.padim").exists()
+    )
     run_cli("-q", "predict", tmp_path / "m.padim", dataset / "test" / "good", "--output", tmp_path / "pred")
-    refused = run_cli("predict", tmp_path / "a.part", dataset / "test" / "good", "--output", tmp_path / "p2", check=False)
+    refused = run_cli(
+        "predict", tmp_path / "a.part", dataset / "test" / "good", "--output", tmp_path / "p2", check=False
+    )
     assert refused.returncode == 1 and "padim merge" in refused.stderr
 
 
@@ -87,23 +140,42 @@ def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
     assert_same_statistics(load_artifact(tmp_path / "two.part")[0], load_artifact(tmp_path / "one.part")[0])
 
 
-@pytest.mark.parametrize("flag, value, message", [("--image-size", "32", "image_size=32"), ("--seed", "1", "seed=1"),
-                                                  ("--layers", "layer1,layer2", "layers=")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--image-size", "32", "image_size=32"), ("--seed", "1", "seed=1"), ("--layers", "layer1,layer2", "layers=")],
+)
 def test_mismatched_parts_are_refused(dataset, tmp_path, weights_file, flag, value, message):
     data = tmp_path / "few"
     data.mkdir()
     for p in sorted((dataset / "train" / "good").glob("*.png"))[:6]:
         (data / p.name).write_bytes(p.read_bytes())
-    args = ["--weights", weights_file, "--image-size", str(IMAGE_SIZE), "--embedding-dim", "50"]  # same weights whatever --seed
+    args = [
+        "--weights",
+        weights_file,
+        "--image-size",
+        str(IMAGE_SIZE),
+        "--embedding-dim",
+        "50",
+    ]  # same weights whatever --seed
     run_cli("-q", "train", data, "--output", tmp_path / "a.part", "--partial", *args)
     run_cli("-q", "train", data, "--output", tmp_path / "b.part", "--partial", *args, flag, value)
-    result = run_cli("merge", tmp_path / "a.part", tmp_path / "b.part", "--output", tmp_path / "m.padim",
-                     "--calibration-dir", data, check=False)
+    result = run_cli(
+        "merge",
+        tmp_path / "a.part",
+        tmp_path / "b.part",
+        "--output",
+        tmp_path / "m.padim",
+        "--calibration-dir",
+        data,
+        check=False,
+    )
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "m.padim").exists()
 
 
-def test_a_rank_joins_its_group_and_gpu_before_it_loads_the_model_it_resumes(dataset, model_file, tmp_path, monkeypatch):
+def test_a_rank_joins_its_group_and_gpu_before_it_loads_the_model_it_resumes(
+    dataset, model_file, tmp_path, monkeypatch
+):
     """Loading --resume first put every rank's statistics on cuda:0 (finding 2 of the GPU review)."""
     from padim.cli import main
     from padim.models.errors import UsageError
@@ -122,8 +194,19 @@ def test_a_rank_joins_its_group_and_gpu_before_it_loads_the_model_it_resumes(dat
     monkeypatch.setattr(distributed, "from_environment", join)
     monkeypatch.setattr(distributed, "leave", lambda shard: events.append("leave"))
     monkeypatch.setattr("padim.models.model_file.load_fit", load_fit)
-    status = main(["-q", "train", str(dataset / "train" / "good"), "--output", str(tmp_path / "m.padim"),
-                   "--resume", str(model_file), "--device", "cpu"])
+    status = main(
+        [
+            "-q",
+            "train",
+            str(dataset / "train" / "good"),
+            "--output",
+            str(tmp_path / "m.padim"),
+            "--resume",
+            str(model_file),
+            "--device",
+            "cpu",
+        ]
+    )
     assert status == 1 and events == ["join", "load", "leave"]
 
 

@@ -5,6 +5,7 @@ import hashlib
 import json
 
 from helpers import run_cli
+
 from padim.service.record.recorder import Recorder
 from padim.service.record.rows import make_row
 from padim.service.record.store import RecordStore, database_url
@@ -21,10 +22,27 @@ def test_export_writes_the_selected_rows_and_their_pictures(dataset, tmp_path):
     rows = []
     for i, path in enumerate(paths + paths[:2]):  # two pictures scored twice: exported once
         data = path.read_bytes()
-        result = {"raw_score": 1.0 + i, "score": 0.1 * i, "threshold": 0.5, "raw_threshold": 4.0,
-                  "is_anomaly": i >= 4, "anomalous_area": 0.0}
-        rows.append(make_row("weave", 1, result, 2.0, (96, 96), hashlib.sha256(data).hexdigest(), len(data),
-                             {"part": f"P{i}"}, sample=0.0))
+        result = {
+            "raw_score": 1.0 + i,
+            "score": 0.1 * i,
+            "threshold": 0.5,
+            "raw_threshold": 4.0,
+            "is_anomaly": i >= 4,
+            "anomalous_area": 0.0,
+        }
+        rows.append(
+            make_row(
+                "weave",
+                1,
+                result,
+                2.0,
+                (96, 96),
+                hashlib.sha256(data).hexdigest(),
+                len(data),
+                {"part": f"P{i}"},
+                sample=0.0,
+            )
+        )
         recorder.submit(rows[-1], data).result(10)
     assert recorder.flushed(30)
     store.review(rows[1]["id"], "normal", None, "ok", "ana")

@@ -31,18 +31,30 @@ def test_what_the_service_would_refuse_is_refused_with_one_line(model_file, data
     damaged = tmp_path / "damaged.padim"
     damaged.write_bytes(model_file.read_bytes()[:5000])
     partial = tmp_path / "partial.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", partial, "--weights", "random", "--image-size", 32,
-            "--partial")
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        partial,
+        "--weights",
+        "random",
+        "--image-size",
+        32,
+        "--partial",
+    )
     for bad in (damaged, partial, tmp_path / "missing.padim"):
         result = run_cli("repository", "add", root, "weave", bad, check=False)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not list(root.glob("weave/[0-9]*"))
     run_cli("-q", "repository", "add", root, "weave", model_file, "--activate")
-    for args, words in ((("rollback", root, "weave"), "no earlier activation"),
-                        (("remove", root, "weave", "1"), "is active"),
-                        (("activate", root, "weave", "5"), "no version 5"),
-                        (("list", root, "other"), "no model named"),
-                        (("add", root, "../up", model_file), "model name")):
+    for args, words in (
+        (("rollback", root, "weave"), "no earlier activation"),
+        (("remove", root, "weave", "1"), "is active"),
+        (("activate", root, "weave", "5"), "no version 5"),
+        (("list", root, "other"), "no model named"),
+        (("add", root, "../up", model_file), "model name"),
+    ):
         result = run_cli("repository", *args, check=False)
         assert result.returncode == 1 and words in result.stderr, (args, result.stderr)

@@ -3,8 +3,8 @@ import struct
 
 import pytest
 import torch
-
 from helpers import tensor_byte_ranges
+
 from padim.core import artifact
 from padim.core.artifact import ArtifactError, load_artifact, read_header, save_artifact
 from padim.core.packing import pack_lower, unpack_lower
@@ -144,7 +144,9 @@ def test_streamed_tensors_are_written_chunk_by_chunk_and_any_safetensors_reader_
     from safetensors import safe_open
 
     big = torch.randn(10, 7, dtype=torch.float64)
-    stream = artifact.TensorStream(torch.float16, (6, 5), lambda: (torch.arange(i * 10, i * 10 + 10).half() for i in range(3)))
+    stream = artifact.TensorStream(
+        torch.float16, (6, 5), lambda: (torch.arange(i * 10, i * 10 + 10).half() for i in range(3))
+    )
     tensors = {"count": torch.tensor(3), "big": big, "factor": stream, "flag": torch.tensor([True, False])}
     save_artifact(tmp_path / "m.padim", tensors, {"kind": "test"})
     loaded, header = load_artifact(tmp_path / "m.padim")
@@ -155,7 +157,11 @@ def test_streamed_tensors_are_written_chunk_by_chunk_and_any_safetensors_reader_
         for name in ("count", "big", "factor", "flag"):
             assert torch.equal(handle.get_tensor(name), loaded[name])
     with pytest.raises(ValueError, match="declared"):
-        save_artifact(tmp_path / "short.padim", {"f": artifact.TensorStream(torch.float16, (6, 5), lambda: [torch.zeros(3).half()])}, {})
+        save_artifact(
+            tmp_path / "short.padim",
+            {"f": artifact.TensorStream(torch.float16, (6, 5), lambda: [torch.zeros(3).half()])},
+            {},
+        )
     assert not (tmp_path / "short.padim").exists()
 
 
@@ -171,7 +177,7 @@ def test_copy_with_a_new_header_streams_the_tensors_and_keeps_them(tmp_path):
 
 def test_a_damaged_file_is_not_copied(tmp_path):
     save_artifact(tmp_path / "m.padim", {"a": torch.randn(1000)}, {"v": 1})
-    (start, end), = tensor_byte_ranges(tmp_path / "m.padim").values()
+    ((start, end),) = tensor_byte_ranges(tmp_path / "m.padim").values()
     flip_bit(tmp_path / "m.padim", (start + end) // 2)
     with pytest.raises(ArtifactError, match="'a' does not match its digest"):
         artifact.copy_artifact(tmp_path / "m.padim", tmp_path / "copy.padim", {"v": 2})
@@ -185,8 +191,11 @@ def test_a_tensor_without_a_digest_is_refused_by_load_and_by_copy(tmp_path):
     from safetensors.torch import save_file
 
     tensors = {"a": torch.ones(3), "b": torch.zeros(2)}
-    header = {"format_version": artifact.FORMAT_VERSION, "kind": "test",
-              "tensor_sha256": {"a": artifact.tensor_sha256(tensors["a"])}}
+    header = {
+        "format_version": artifact.FORMAT_VERSION,
+        "kind": "test",
+        "tensor_sha256": {"a": artifact.tensor_sha256(tensors["a"])},
+    }
     header["header_sha256"] = artifact._header_sha256(header)
     path = tmp_path / "altered.padim"
     save_file(tensors, str(path), metadata={artifact.HEADER_KEY: json.dumps(header, sort_keys=True)})

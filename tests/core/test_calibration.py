@@ -121,11 +121,19 @@ def test_what_is_promised_and_the_shortfall_message():
     assert manual.promised_false_alarm_rate == pytest.approx((61 - manual.covered) / 61)
     # at the empirical quantile the promise is the conformal one: exactly the request or less
     many = Calibration.from_scores(torch.from_numpy(np.random.default_rng(7).normal(size=1000)), 0.01)
-    assert many.method == "empirical" and many.covered == 991 and many.promised_false_alarm_rate == pytest.approx(10 / 1001)
+    assert (
+        many.method == "empirical"
+        and many.covered == 991
+        and many.promised_false_alarm_rate == pytest.approx(10 / 1001)
+    )
     assert many.shortfall() is None
     # enough scores to promise 1%, but a fitted tail inside them: the hint names what would do
-    inside = Calibration.from_scores(torch.cat([torch.linspace(10.0, 20.0, 150, dtype=torch.float64),
-                                                torch.tensor([40.0, 45.0], dtype=torch.float64)]), 0.01)
+    inside = Calibration.from_scores(
+        torch.cat(
+            [torch.linspace(10.0, 20.0, 150, dtype=torch.float64), torch.tensor([40.0, 45.0], dtype=torch.float64)]
+        ),
+        0.01,
+    )
     assert inside.method == "gumbel_tail" and inside.covered == 150
     assert "1000 normal images would (the threshold is then their own quantile)" in inside.shortfall()
 
@@ -147,8 +155,9 @@ def _gaussian_model(seed: int):
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(SIDE * SIDE, DIM, DIM, generator=g, dtype=torch.float64) / 2 + torch.eye(DIM, dtype=torch.float64)
     mean = torch.randn(SIDE * SIDE, DIM, generator=g, dtype=torch.float64)
-    return lambda n, gen: (mean + torch.einsum("pde,npe->npd", mix, torch.randn(n, SIDE * SIDE, DIM, generator=gen,
-                                                                              dtype=torch.float64))).float()
+    return lambda n, gen: (
+        mean + torch.einsum("pde,npe->npd", mix, torch.randn(n, SIDE * SIDE, DIM, generator=gen, dtype=torch.float64))
+    ).float()
 
 
 def _image_scores(x, mean, factor):
@@ -177,8 +186,10 @@ def _realised_rate(count: int, rate: float, repeats: int, fresh: int = 4000) -> 
     return np.array(realised), methods
 
 
-@pytest.mark.parametrize("count, rate, method", [(50, 0.05, "gumbel_tail"), (150, 0.05, "gumbel_tail"),
-                                                 (400, 0.05, "empirical"), (1200, 0.01, "empirical")])
+@pytest.mark.parametrize(
+    "count, rate, method",
+    [(50, 0.05, "gumbel_tail"), (150, 0.05, "gumbel_tail"), (400, 0.05, "empirical"), (1200, 0.01, "empirical")],
+)
 def test_realised_false_alarm_rate_matches_the_request(count, rate, method):
     realised, methods = _realised_rate(count, rate, repeats=max(8, 3000 // count))
     # the error of the mean over calibration sets: the binomial error of the fresh counts plus the
@@ -225,8 +236,13 @@ def test_without_a_picture_equals_the_calibration_of_the_others():
     whole = Calibration.from_scores(scores, 0.05, input_distances=inputs, taken_scores=taken, pictures=pictures)
     without, found = whole.without({1003, 1059, 4242})
     keep = [i for i in range(60) if i not in (3, 59)]
-    expected = Calibration.from_scores(scores[keep], 0.05, input_distances=inputs[keep], taken_scores=taken[keep],
-                                       pictures=tuple(p for p in pictures if p[0] not in (1003, 1059)))
+    expected = Calibration.from_scores(
+        scores[keep],
+        0.05,
+        input_distances=inputs[keep],
+        taken_scores=taken[keep],
+        pictures=tuple(p for p in pictures if p[0] not in (1003, 1059)),
+    )
     assert found == 2 and without == expected and without.count == 58
     assert whole.without(set()) == (whole, 0)
     # a manual threshold is kept; scores of unlinked pictures (older files) stay

@@ -9,13 +9,28 @@ from padim.core.calibration import Calibration
 from padim.core.drift import LEVEL, assess, binomial_tail, histogram, ks_greater, population_stability
 
 
-@pytest.mark.parametrize("k,n,p", [(0, 10, 0.1), (1, 10, 0.1), (3, 10, 0.1), (7, 40, 0.019), (40, 2000, 0.019),
-                                   (60, 2000, 0.019), (10, 10, 0.5), (11, 10, 0.5), (5, 100, 0.0), (5, 100, 1.0)])
+@pytest.mark.parametrize(
+    "k,n,p",
+    [
+        (0, 10, 0.1),
+        (1, 10, 0.1),
+        (3, 10, 0.1),
+        (7, 40, 0.019),
+        (40, 2000, 0.019),
+        (60, 2000, 0.019),
+        (10, 10, 0.5),
+        (11, 10, 0.5),
+        (5, 100, 0.0),
+        (5, 100, 1.0),
+    ],
+)
 def test_binomial_tail_is_scipys_survival_function(k, n, p):
     assert binomial_tail(k, n, p) == pytest.approx(stats.binom.sf(k - 1, n, p), rel=1e-9, abs=1e-300)
 
 
-@pytest.mark.parametrize("shift,n,m", [(0.0, 200, 300), (0.3, 200, 300), (-0.3, 50, 1000), (0.1, 1000, 60), (1.0, 40, 40)])
+@pytest.mark.parametrize(
+    "shift,n,m", [(0.0, 200, 300), (0.3, 200, 300), (-0.3, 50, 1000), (0.1, 1000, 60), (1.0, 40, 40)]
+)
 def test_ks_greater_is_scipys_one_sided_asymptotic_test(shift, n, m):
     rng = np.random.default_rng(int(100 * shift) + n)
     reference, recent = rng.standard_normal(m), rng.standard_normal(n) + shift
@@ -41,8 +56,12 @@ def test_population_stability_on_the_reference_deciles_by_hand():
     a = np.bincount(np.searchsorted(edges, recent, side="right"), minlength=10) / len(recent)
     e, a = np.maximum(e, 1e-4), np.maximum(a, 1e-4)
     expected = float(np.sum((a - e) * np.log(a / e)))
-    assert population_stability(torch.from_numpy(recent), torch.from_numpy(reference)) == pytest.approx(expected, rel=1e-9)
-    assert population_stability(torch.from_numpy(reference), torch.from_numpy(reference)) == pytest.approx(0.0, abs=1e-3)
+    assert population_stability(torch.from_numpy(recent), torch.from_numpy(reference)) == pytest.approx(
+        expected, rel=1e-9
+    )
+    assert population_stability(torch.from_numpy(reference), torch.from_numpy(reference)) == pytest.approx(
+        0.0, abs=1e-3
+    )
 
 
 def test_histogram_puts_outliers_in_the_end_bins():
@@ -61,13 +80,16 @@ def test_a_window_too_small_is_collecting_and_a_normal_one_is_normal():
     calibration = _calibration(rng)
     few = assess(torch.from_numpy(rng.gumbel(10.0, 1.0, 10)), calibration, min_images=30)
     assert few.status == "collecting" and few.flag_rate is None and "10 images of the 30" in few.verdict
-    window = assess(torch.from_numpy(rng.gumbel(10.0, 1.0, 500)), calibration,
-                    torch.from_numpy(rng.normal(100.0, 5.0, 500)))
+    window = assess(
+        torch.from_numpy(rng.gumbel(10.0, 1.0, 500)), calibration, torch.from_numpy(rng.normal(100.0, 5.0, 500))
+    )
     assert window.status == "normal" and window.alarms == [] and window.flag_rate.basis == "promised"
     assert window.flag_rate.normal_rate == calibration.false_alarm_bound
     assert "within what the model promised" in window.verdict
     as_json = window.to_dict()
-    assert as_json["flag_rate"]["flags"] == window.flag_rate.flags and as_json["alarms"] == [] and as_json["images"] == 500
+    assert (
+        as_json["flag_rate"]["flags"] == window.flag_rate.flags and as_json["alarms"] == [] and as_json["images"] == 500
+    )
 
 
 def test_a_rate_above_the_bound_but_not_significant_is_not_called_within_it():
@@ -124,8 +146,9 @@ def test_on_normal_images_each_alarm_fires_at_most_at_its_level_over_disjoint_wi
     for _ in range(20):
         calibration = _calibration(rng, count=300, rate=0.02)
         for _ in range(50):
-            reading = assess(torch.from_numpy(rng.gumbel(10.0, 1.0, 200)), calibration,
-                             torch.from_numpy(rng.normal(100.0, 5.0, 200)))
+            reading = assess(
+                torch.from_numpy(rng.gumbel(10.0, 1.0, 200)), calibration, torch.from_numpy(rng.normal(100.0, 5.0, 200))
+            )
             windows += 1
             for name in reading.alarms:
                 fired[name] += 1

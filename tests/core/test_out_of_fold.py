@@ -4,8 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from padim.core.out_of_fold import (fold_base, held_out_squared_distances, out_of_fold_squared_distances,
-                                    refit_is_cheaper)
+from padim.core.out_of_fold import (
+    fold_base,
+    held_out_squared_distances,
+    out_of_fold_squared_distances,
+    refit_is_cheaper,
+)
 from padim.core.statistics import NotPositiveDefiniteError, batch_state, cholesky_slice, covariance
 
 
@@ -32,8 +36,9 @@ def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float, copies: np.
     return out
 
 
-def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2, copies: np.ndarray | None = None
-         ) -> np.ndarray:
+def ours(
+    x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2, copies: np.ndarray | None = None
+) -> np.ndarray:
     """The same distances from the full model's Cholesky factor, a slice of pixels at a time."""
     tensor = torch.from_numpy(x)
     state = batch_state(tensor)
@@ -41,19 +46,30 @@ def ours(x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2, copie
     parts = []
     for start in range(0, pixels, -(-pixels // slices)):
         stop = min(start + -(-pixels // slices), pixels)
-        parts.append(out_of_fold_squared_distances(covariance(state, start, stop), state.mean[start:stop], len(x),
-                                                   tensor[:, start:stop], sizes, epsilon, pixel_offset=start,
-                                                   copies=None if copies is None else
-                                                   torch.from_numpy(copies[:, start:stop])))
+        parts.append(
+            out_of_fold_squared_distances(
+                covariance(state, start, stop),
+                state.mean[start:stop],
+                len(x),
+                tensor[:, start:stop],
+                sizes,
+                epsilon,
+                pixel_offset=start,
+                copies=None if copies is None else torch.from_numpy(copies[:, start:stop]),
+            )
+        )
     return torch.cat(parts, dim=1).numpy()
 
 
-@pytest.mark.parametrize("n, dim, sizes", [
-    (30, 6, [5, 6, 3, 7, 4, 5]),          # uneven folds, more images than channels
-    (12, 20, [3, 2, 4, 3]),               # fewer images than channels: PaDiM's usual case
-    (9, 5, [1] * 9),                      # leave-one-out
-    (40, 4, [30, 10]),                    # a fold as large as the embedding: refitted
-])
+@pytest.mark.parametrize(
+    "n, dim, sizes",
+    [
+        (30, 6, [5, 6, 3, 7, 4, 5]),  # uneven folds, more images than channels
+        (12, 20, [3, 2, 4, 3]),  # fewer images than channels: PaDiM's usual case
+        (9, 5, [1] * 9),  # leave-one-out
+        (40, 4, [30, 10]),  # a fold as large as the embedding: refitted
+    ],
+)
 def test_out_of_fold_equals_same_epsilon_refit_in_float64(n, dim, sizes):
     rng = np.random.default_rng(n + dim)
     x = rng.normal(size=(n, 3, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 3, dim)) * 5
@@ -61,13 +77,16 @@ def test_out_of_fold_equals_same_epsilon_refit_in_float64(n, dim, sizes):
     np.testing.assert_allclose(ours(x, sizes, epsilon=0.01), expected, rtol=1e-9, atol=0)
 
 
-@pytest.mark.parametrize("n, dim, sizes", [
-    (9, 5, [1] * 9),                      # leave-one-out: Sherman-Morrison
-    (12, 20, [1] * 12),                   # leave-one-out, fewer images than channels
-    (30, 6, [5, 6, 3, 7, 4, 5]),          # K folds: the query form of the Woodbury correction
-    (12, 20, [3, 2, 4, 3]),
-    (40, 4, [30, 10]),                    # refitted, scoring the copies
-])
+@pytest.mark.parametrize(
+    "n, dim, sizes",
+    [
+        (9, 5, [1] * 9),  # leave-one-out: Sherman-Morrison
+        (12, 20, [1] * 12),  # leave-one-out, fewer images than channels
+        (30, 6, [5, 6, 3, 7, 4, 5]),  # K folds: the query form of the Woodbury correction
+        (12, 20, [3, 2, 4, 3]),
+        (40, 4, [30, 10]),  # refitted, scoring the copies
+    ],
+)
 def test_changed_copies_are_scored_as_by_a_refit_without_their_original(n, dim, sizes):
     """``train --expect``: the copy of an image, under the model of every image but the original's fold."""
     rng = np.random.default_rng(n * dim)
@@ -76,8 +95,9 @@ def test_changed_copies_are_scored_as_by_a_refit_without_their_original(n, dim, 
     expected = refit_distances(x, sizes, epsilon=0.01, copies=copies)
     np.testing.assert_allclose(ours(x, sizes, epsilon=0.01, copies=copies), expected, rtol=1e-9, atol=0)
     # a copy that is the image itself gives the image's own out-of-fold distance
-    np.testing.assert_allclose(ours(x, sizes, epsilon=0.01, copies=x.copy()), ours(x, sizes, epsilon=0.01),
-                               rtol=1e-10, atol=0)
+    np.testing.assert_allclose(
+        ours(x, sizes, epsilon=0.01, copies=x.copy()), ours(x, sizes, epsilon=0.01), rtol=1e-10, atol=0
+    )
 
 
 def test_large_folds_take_the_refit_and_small_ones_the_correction():

@@ -29,7 +29,9 @@ def test_squared_mahalanobis_matches_scipy_and_sklearn():
         # sklearn's mahalanobis is squared too, with its own (biased) covariance estimate
         biased = np.stack([np.cov(train[p], rowvar=False, bias=True)])
         w_biased = precision_factor(torch.from_numpy(biased), epsilon=0.0)
-        ours_biased = squared_mahalanobis(torch.from_numpy(queries[:, p : p + 1]), torch.from_numpy(means[p : p + 1]), w_biased)
+        ours_biased = squared_mahalanobis(
+            torch.from_numpy(queries[:, p : p + 1]), torch.from_numpy(means[p : p + 1]), w_biased
+        )
         np.testing.assert_allclose(ours_biased[:, 0].numpy(), estimator.mahalanobis(queries[:, p]), rtol=1e-9)
 
 
@@ -102,7 +104,9 @@ def test_anomaly_maps_shape_and_image_score_is_max():
     torch.testing.assert_close(flat, torch.full((1, 32, 32), 3.0))  # sqrt, and blur keeps constants
 
 
-@pytest.mark.parametrize("grid, size, sigma", [((56, 56), 224, 4.0), ((16, 16), 64, 4.0), ((4, 6), 32, 0.0), ((2, 2), 16, 4.0)])
+@pytest.mark.parametrize(
+    "grid, size, sigma", [((56, 56), 224, 4.0), ((16, 16), 64, 4.0), ((4, 6), 32, 0.0), ((2, 2), 16, 4.0)]
+)
 def test_operator_maps_equal_interpolate_then_blur(grid, size, sigma):
     squared = torch.rand(3, grid[0] * grid[1], dtype=torch.float64) * 50
     distance = squared.sqrt().view(3, 1, *grid)
@@ -118,8 +122,9 @@ def test_image_scores_by_method_against_numpy():
     maps = anomaly_maps(squared, grid, size, 2.0)  # (B, S, S)
     flat = maps.numpy().reshape(4, -1)
     np.testing.assert_allclose(image_scores(maps).numpy(), flat.max(axis=1), rtol=0)
-    np.testing.assert_allclose(image_scores(maps, "patch_max", squared).numpy(), np.sqrt(squared.numpy().max(axis=1)),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        image_scores(maps, "patch_max", squared).numpy(), np.sqrt(squared.numpy().max(axis=1)), rtol=1e-12
+    )
     k = round(0.05 * size * size)
     expected_top = np.sort(flat, axis=1)[:, -k:].mean(axis=1)
     np.testing.assert_allclose(image_scores(maps, "top_mean", top_fraction=0.05).numpy(), expected_top, rtol=1e-12)

@@ -4,18 +4,18 @@ import numpy as np
 import pytest
 import torch
 
+from padim.core.packing import pack_lower, unpack_lower
 from padim.core.statistics import (
     GaussianAccumulator,
     NotPositiveDefiniteError,
     batch_state,
-    update_state_,
     covariance,
     finalise,
     merge_states,
     precision,
     precision_factor,
+    update_state_,
 )
-from padim.core.packing import pack_lower, unpack_lower
 
 
 def reference_moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +112,9 @@ def test_precision_factor_and_precision_match_numpy_inverse():
 def test_not_positive_definite_names_the_pixel():
     cov = torch.eye(3, dtype=torch.float64).repeat(6, 1, 1)
     cov[4, 0, 0] = -1.0
-    with pytest.raises(NotPositiveDefiniteError, match=r"pixel 4 \(row 2, column 0 of the 3x2 feature grid\).*raise epsilon"):
+    with pytest.raises(
+        NotPositiveDefiniteError, match=r"pixel 4 \(row 2, column 0 of the 3x2 feature grid\).*raise epsilon"
+    ):
         precision_factor(cov, epsilon=0.0, grid_shape=(3, 2))
 
 

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from helpers import reference_maps
 
 from padim.core.scoring import anomaly_maps
 from padim.core.tiling import Tiling, picture_maps, tiled_anomaly_maps
-
-from helpers import reference_maps
 
 
 @pytest.mark.parametrize("rows, cols, overlap, sigma", [(2, 2, 0, 0.0), (2, 3, 4, 0.0), (3, 2, 2, 2.0), (1, 3, 5, 4.0)])
@@ -46,8 +45,9 @@ def test_rows_of_shared_statistics_are_grouped_by_picture():
     torch.testing.assert_close(by_position, by_tile_rows)
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(rows=0), "at least 1 x 1"), (dict(size=30), "multiple"),
-                                             (dict(overlap=16), "below")])
+@pytest.mark.parametrize(
+    "kwargs, message", [(dict(rows=0), "at least 1 x 1"), (dict(size=30), "multiple"), (dict(overlap=16), "below")]
+)
 def test_bad_layouts_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Tiling(**{"rows": 2, "cols": 2, "size": 64, "cell": 4, **kwargs})

@@ -11,12 +11,14 @@ import json
 
 import pytest
 import torch
-
 from helpers import IMAGE_SIZE, run_cli
+
 from padim.models.devices import CROSS_DEVICE_RTOL
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run with -m cuda on a GPU)")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run with -m cuda on a GPU)"),
+]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,16 +30,40 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def gpu_model(dataset, tmp_path_factory):
     """A model fitted on the GPU through the real CLI."""
     path = tmp_path_factory.mktemp("gpu") / "weave.padim"
-    result = run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random",
-                     "--image-size", IMAGE_SIZE, "--batch-size", 8, "--device", "cuda")
+    result = run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--batch-size",
+        8,
+        "--device",
+        "cuda",
+    )
     return path, json.loads(result.stdout)
 
 
 def test_fit_save_load_score_on_the_gpu(gpu_model, dataset, tmp_path):
     path, summary = gpu_model
     assert summary["memory"]["device"] == "cuda" and summary["cuda_max_memory_allocated"] > 0
-    run_cli("-q", "predict", path, dataset / "test", "--device", "cuda", "--runtime", "torch", "--output", tmp_path,
-            "--no-heatmaps")
+    run_cli(
+        "-q",
+        "predict",
+        path,
+        dataset / "test",
+        "--device",
+        "cuda",
+        "--runtime",
+        "torch",
+        "--output",
+        tmp_path,
+        "--no-heatmaps",
+    )
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 18 and all(r["raw_score"] > 0 for r in rows)
 
@@ -78,8 +104,12 @@ def test_a_fit_out_of_gpu_memory_is_a_clear_error(dataset, tmp_path):
     torch.cuda.set_per_process_memory_fraction(16 * 2**20 / total)  # 16 MB: less than resnet18's weights
     try:
         with pytest.raises(DoesNotFit, match="the GPU ran out of memory"):
-            train(PadimConfig(weights="random", image_size=64, device="cuda"), images, tmp_path / "m.padim",
-                  progress=False)
+            train(
+                PadimConfig(weights="random", image_size=64, device="cuda"),
+                images,
+                tmp_path / "m.padim",
+                progress=False,
+            )
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
@@ -95,8 +125,9 @@ def test_the_service_refuses_to_start_when_its_largest_batch_does_not_fit(model_
     from padim.service.settings import ServiceSettings
 
     total = torch.cuda.get_device_properties(0).total_memory
-    settings = ServiceSettings(models=[model_file], device="cuda", runtime="torch",
-                               cuda_memory_fraction=16 * 2**20 / total)
+    settings = ServiceSettings(
+        models=[model_file], device="cuda", runtime="torch", cuda_memory_fraction=16 * 2**20 / total
+    )
     try:
         with TestClient(create_app(settings)) as client:
             for _ in range(600):

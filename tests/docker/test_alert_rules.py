@@ -28,8 +28,11 @@ def test_the_rules_are_valid_and_fire_as_their_unit_tests_say():
 def test_every_metric_the_rules_read_is_one_the_server_exports(server, dataset):
     image = (dataset / "test" / "good" / "000.png").read_bytes()
     assert httpx.post(server.url + "/score", content=image, headers={"content-type": "image/png"}).status_code == 200
-    exported = {sample.name for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
-                for sample in family.samples}
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+        for sample in family.samples
+    }
     read = set(re.findall(r"\b(padim_[a-z_]*[a-z])\b(?!_\*)", (RULES / "padim-alerts.yml").read_text()))
     assert read and read <= exported, read - exported
     # and the unit tests feed the series the rules read, label for label

@@ -8,18 +8,17 @@ reaches a GPU.
 import fnmatch
 import json
 import re
-from importlib import resources
 import shlex
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 import yaml
-
 from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +44,9 @@ def test_hadolint_passes():
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     import subprocess
 
-    result = subprocess.run([hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -83,8 +83,11 @@ def padim_commands() -> list[list[str]]:
     """Every padim command line the Dockerfile and the compose file run."""
     commands = [exec_form(instructions("ENTRYPOINT")[0]) + exec_form(instructions("CMD")[0])]
     for run in instructions("RUN"):
-        commands += [shlex.split(part.strip().removeprefix("then "))[:2] for part in re.split(r"&&|;", run)
-                     if re.match(r"\s*(then\s+)?padim\b", part)]
+        commands += [
+            shlex.split(part.strip().removeprefix("then "))[:2]
+            for part in re.split(r"&&|;", run)
+            if re.match(r"\s*(then\s+)?padim\b", part)
+        ]
     health = instructions("HEALTHCHECK")[0]
     commands.append(exec_form(health.split(" CMD ", 1)[1]))
     service = COMPOSE["services"]["padim"]
@@ -130,7 +133,9 @@ def test_compose_file_follows_the_compose_spec():
     assert service["env_file"] == ["padim.env"] and (ROOT / "docker" / "padim.env.example").exists()
     assert service["restart"] == "unless-stopped"
     assert service["environment"]["PADIM_MODEL_DIR"] == "/models"
-    assert service["build"]["context"] == ".." and (ROOT / "docker" / service["build"]["context"] / "Dockerfile").exists()
+    assert (
+        service["build"]["context"] == ".." and (ROOT / "docker" / service["build"]["context"] / "Dockerfile").exists()
+    )
 
 
 def test_commented_cpu_variant_is_valid_too():
@@ -151,20 +156,27 @@ def test_a_broken_compose_file_is_caught():
 
 
 def test_dockerignore_keeps_data_out_and_every_copied_source_in():
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
     def ignored(path: str) -> bool:  # Docker matches each pattern against the path and its parents
         parts = path.split("/")
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-        return any(fnmatch.fnmatch(prefix, pattern.removeprefix("**/")) or fnmatch.fnmatch(parts[-1], pattern.removeprefix("**/"))
-                   for pattern in patterns for prefix in prefixes)
+        return any(
+            fnmatch.fnmatch(prefix, pattern.removeprefix("**/"))
+            or fnmatch.fnmatch(parts[-1], pattern.removeprefix("**/"))
+            for pattern in patterns
+            for prefix in prefixes
+        )
 
     for path in ("data/good/000.png", "line3.padim", ".venv/bin/python", ".git/HEAD", "tests/conftest.py"):
         assert ignored(path), path
     copied = [source for copy in instructions("COPY") if not copy.startswith("--from") for source in copy.split()[:-1]]
     for source in copied:
-        for path in ([p for p in (ROOT / source).rglob("*.py")] if (ROOT / source).is_dir() else [ROOT / source]):
+        for path in [p for p in (ROOT / source).rglob("*.py")] if (ROOT / source).is_dir() else [ROOT / source]:
             assert not ignored(path.relative_to(ROOT).as_posix()), path  # e.g. "models" once hid models/
 
 
@@ -189,10 +201,15 @@ def test_test_base_installs_the_engine_when_dockerd_is_missing(tmp_path, client)
     fake_apt.chmod(0o755)
     if client:
         fake_docker = bin_dir / "docker"
-        fake_docker.write_text(f'#!{shutil.which("bash")}\nexit 1\n')
+        fake_docker.write_text(f"#!{shutil.which('bash')}\nexit 1\n")
         fake_docker.chmod(0o755)
-    done = subprocess.run([str(bin_dir / "bash"), str(ROOT / "docker" / "test-base.sh")], capture_output=True,
-                          text=True, env={"PATH": str(bin_dir)}, timeout=60)
+    done = subprocess.run(
+        [str(bin_dir / "bash"), str(ROOT / "docker" / "test-base.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(bin_dir)},
+        timeout=60,
+    )
     assert done.returncode != 0, "the fake apt-get fails, so the script must stop there"
     installs = [line for line in log.read_text().splitlines() if "install" in line.split()]
     assert installs, log.read_text()

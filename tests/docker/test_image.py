@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import assert_same_verdict, free_port, large_png, metric, run_cli
 
 pytestmark = pytest.mark.docker
@@ -46,14 +45,28 @@ def docker(*args: str, check: bool = True, timeout: float = 600) -> subprocess.C
 @pytest.fixture(scope="module")
 def image(docker_report):
     started = time.perf_counter()
-    docker("build", "--force-rm", "--network", "host", "--build-arg", f"CUDA_IMAGE={BASE}", "--build-arg", "BAKE_WEIGHTS=",
-           "-t", IMAGE, str(ROOT), timeout=1800)
+    docker(
+        "build",
+        "--force-rm",
+        "--network",
+        "host",
+        "--build-arg",
+        f"CUDA_IMAGE={BASE}",
+        "--build-arg",
+        "BAKE_WEIGHTS=",
+        "-t",
+        IMAGE,
+        str(ROOT),
+        timeout=1800,
+    )
     # The build stage is a second ~6 GB image that nothing needs once the final one exists: on a
     # machine with little disk it is the difference between passing and ENOSPC.
     docker("image", "prune", "-f", "--filter", "label=padim.stage=build")
     size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout)
-    docker_report.append(f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in "
-                         f"{time.perf_counter() - started:.0f} s; removed after the tests")
+    docker_report.append(
+        f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in "
+        f"{time.perf_counter() - started:.0f} s; removed after the tests"
+    )
     try:
         yield IMAGE
     finally:
@@ -65,9 +78,24 @@ def trained(image, dataset, tmp_path_factory) -> Path:
     """A model trained inside the image, as uid 10001, into a host folder."""
     models = tmp_path_factory.mktemp("image-models")
     models.chmod(0o777)  # written by the image's user
-    result = docker("run", "--rm", "-v", f"{dataset / 'train' / 'good'}:/data:ro", "-v", f"{models}:/models", image,
-                    "-q", "train", "/data", "--output", "/models/weave.padim", "--weights", "random",
-                    "--image-size", "64")
+    result = docker(
+        "run",
+        "--rm",
+        "-v",
+        f"{dataset / 'train' / 'good'}:/data:ro",
+        "-v",
+        f"{models}:/models",
+        image,
+        "-q",
+        "train",
+        "/data",
+        "--output",
+        "/models/weave.padim",
+        "--weights",
+        "random",
+        "--image-size",
+        "64",
+    )
     summary = json.loads(result.stdout)
     assert summary["fitted"] == 30 and summary["calibration"]["scores"] == 30
     return models / "weave.padim"
@@ -84,7 +112,10 @@ def container(image, trained):
         status = ""
         while time.time() < deadline:
             status = docker("inspect", "-f", "{{.State.Health.Status}}", name).stdout.strip()
-            if status in ("healthy", "unhealthy") or docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true":
+            if (
+                status in ("healthy", "unhealthy")
+                or docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true"
+            ):
                 break
             time.sleep(1)
         assert status == "healthy", f"health {status!r}:\n{docker('logs', name, check=False).stderr[-3000:]}"
@@ -96,8 +127,9 @@ def container(image, trained):
 def test_served_score_equals_padim_predict_on_the_host(container, trained, dataset, tmp_path):
     name, url = container
     image_path = dataset / "test" / "hole" / "000.png"
-    served = httpx.post(url + "/score", content=image_path.read_bytes(), headers={"content-type": "image/png"},
-                        timeout=60).json()
+    served = httpx.post(
+        url + "/score", content=image_path.read_bytes(), headers={"content-type": "image/png"}, timeout=60
+    ).json()
     run_cli("-q", "predict", trained, image_path, "--output", tmp_path, "--no-heatmaps", "--no-maps")
     (local,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert served["raw_score"] == pytest.approx(local["raw_score"], rel=1e-4)
@@ -155,11 +187,35 @@ def test_the_image_scores_on_the_gpu_with_gpus_all(image, trained, dataset, tmp_
     if "nvidia" not in docker("info", "-f", "{{json .Runtimes}}").stdout:
         pytest.skip("Docker has no NVIDIA runtime (install the NVIDIA Container Toolkit)")
     image_path = dataset / "test" / "good" / "000.png"
-    result = docker("run", "--rm", "--gpus", "all", "-v", f"{trained.parent}:/models:ro", "-v", f"{image_path}:/in.png:ro",
-                    "--entrypoint", "sh", image, "-c", "padim -q predict /models/weave.padim /in.png --device cuda "
-                    "--runtime torch --no-heatmaps --output /tmp/out && cat /tmp/out/results.jsonl")
+    result = docker(
+        "run",
+        "--rm",
+        "--gpus",
+        "all",
+        "-v",
+        f"{trained.parent}:/models:ro",
+        "-v",
+        f"{image_path}:/in.png:ro",
+        "--entrypoint",
+        "sh",
+        image,
+        "-c",
+        "padim -q predict /models/weave.padim /in.png --device cuda "
+        "--runtime torch --no-heatmaps --output /tmp/out && cat /tmp/out/results.jsonl",
+    )
     on_gpu = json.loads(result.stdout.strip().splitlines()[-1])
-    run_cli("-q", "predict", trained, image_path, "--output", tmp_path, "--no-heatmaps", "--device", "cpu",
-            "--runtime", "torch")
+    run_cli(
+        "-q",
+        "predict",
+        trained,
+        image_path,
+        "--output",
+        tmp_path,
+        "--no-heatmaps",
+        "--device",
+        "cpu",
+        "--runtime",
+        "torch",
+    )
     on_cpu = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
     assert on_gpu["raw_score"] == pytest.approx(on_cpu["raw_score"], rel=CROSS_DEVICE_RTOL)

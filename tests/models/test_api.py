@@ -7,12 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import IMAGE_SIZE, SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli
 from PIL import Image
 
 import padim
-from helpers import IMAGE_SIZE, SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli
 from padim.models import ConfigError, ImageError
-
 
 
 @pytest.mark.load_sensitive
@@ -53,15 +52,25 @@ def test_a_threshold_changes_the_verdict_as_the_service_would(model_file, datase
     path = dataset / "test" / "hole" / "000.png"
     base = detector.predict(path)
     stricter, never = detector.predict(path, threshold=0.999), detector.predict(path, threshold=1.0)
-    assert base.is_anomaly and stricter.anomalous_area < base.anomalous_area and stricter.raw_threshold > base.raw_threshold
+    assert (
+        base.is_anomaly
+        and stricter.anomalous_area < base.anomalous_area
+        and stricter.raw_threshold > base.raw_threshold
+    )
     assert not never.is_anomaly and never.anomalous_area == 0 and never.to_dict()["raw_threshold"] is None
     good = detector.predict(dataset / "test" / "good" / "000.png", threshold=0.0)
     assert good.is_anomaly and good.anomalous_area == 1.0
 
 
 def test_fit_from_a_folder_matches_padim_train(dataset, model_file, tmp_path):
-    detector = padim.fit(dataset / "train" / "good", tmp_path / "api.padim", weights="random",
-                         image_size=IMAGE_SIZE, batch_size=8, progress=False)
+    detector = padim.fit(
+        dataset / "train" / "good",
+        tmp_path / "api.padim",
+        weights="random",
+        image_size=IMAGE_SIZE,
+        batch_size=8,
+        progress=False,
+    )
     assert detector.report.fitted == 30
     cli = padim.load(model_file, runtime="torch")
     assert detector.calibration.threshold == pytest.approx(cli.calibration.threshold, rel=1e-5)

@@ -8,8 +8,13 @@ from padim.models.data.changes import Expected
 
 def test_defaults_follow_the_paper():
     c = PadimConfig()
-    assert (c.backbone, c.layers, c.image_size, c.embedding_dim_or_default(), c.epsilon) == \
-        ("resnet18", ("layer1", "layer2", "layer3"), 224, 100, 0.01)
+    assert (c.backbone, c.layers, c.image_size, c.embedding_dim_or_default(), c.epsilon) == (
+        "resnet18",
+        ("layer1", "layer2", "layer3"),
+        224,
+        100,
+        0.01,
+    )
     assert PadimConfig(backbone="wide_resnet50_2").embedding_dim_or_default() == 550
     # the default follows the backbone, also when it is changed later
     assert PadimConfig().replace(backbone="wide_resnet50_2").embedding_dim_or_default() == 550
@@ -60,7 +65,10 @@ def test_bad_values_say_what_is_allowed(changes, message):
 
 def test_expected_changes_are_kept_as_their_bounds_and_decide_the_calibration():
     assert PadimConfig(expect="typical").expect == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
-    assert PadimConfig(expect="stable").expect == "" and PadimConfig(expect="shift=2, blur=0.5").expect == "shift=2,blur=0.5"
+    assert (
+        PadimConfig(expect="stable").expect == ""
+        and PadimConfig(expect="shift=2, blur=0.5").expect == "shift=2,blur=0.5"
+    )
     base = PadimConfig(expect="", fit_changes=False)
     # the calibration's scores (and, fitted, the statistics) depend on them: --resume and merge keep them
     assert base.differences(base.replace(expect="typical", fit_changes=True)) == ["expect", "fit_changes"]
@@ -113,8 +121,9 @@ def test_replace_ignores_none_and_is_frozen():
 
 @pytest.mark.parametrize("name", ["demo", "resnet18", "wide_resnet50_2"])
 def test_the_shipped_configs_load_with_current_names(name):
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
     values = yaml.safe_load(path.read_text())

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import tensor_byte_ranges
 from PIL import Image
 
-from helpers import tensor_byte_ranges
 from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
@@ -48,8 +48,12 @@ def test_round_trip_and_float16_storage(detector, images, tmp_path):
         if dtype == torch.float16:  # chunked upcast == upcasting the same values first
             embedding = loaded.model.embedder(batch)
             first = squared_mahalanobis(embedding, loaded.model.mean, loaded.model.precision_factor.float())
-            torch.testing.assert_close(squared_mahalanobis(embedding, loaded.model.mean, loaded.model.precision_factor),
-                                       first, rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                squared_mahalanobis(embedding, loaded.model.mean, loaded.model.precision_factor),
+                first,
+                rtol=1e-6,
+                atol=0,
+            )
         assert loaded.calibration == detector.calibration
         # stored tensors read back: exact by construction
         assert torch.equal(loaded.statistics.comoment, detector.statistics.comoment)
@@ -119,7 +123,6 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     """A file as the first version wrote it: held-out calibration, no digests."""
     from safetensors.torch import save_file
 
-
     path = tmp_path / "new.padim"
     save_detector(detector, path)
     tensors, header = load_artifact(path)
@@ -127,23 +130,46 @@ def test_format_one_models_still_load_and_resume(detector, images, tmp_path, cap
     del tensors["image_digests"]
     for name in ("count", "mean", "comoment"):  # format 1 called the statistics accumulators
         tensors[f"accumulator.{name}"] = tensors.pop(f"statistics.{name}")
-    old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified", "calibration",
-                                                         "fits", "calibration_source", "unreadable_image_count",
-                                                         "has_statistics")}
-    old["config"] = {k: v for k, v in old["config"].items() if k not in ("false_alarm_rate", "calibration_folds",
-                                                                         "embedding_dim")}
+    old = {
+        k: v
+        for k, v in header.items()
+        if k
+        not in (
+            "tensor_sha256",
+            "header_sha256",
+            "verified",
+            "calibration",
+            "fits",
+            "calibration_source",
+            "unreadable_image_count",
+            "has_statistics",
+        )
+    }
+    old["config"] = {
+        k: v for k, v in old["config"].items() if k not in ("false_alarm_rate", "calibration_folds", "embedding_dim")
+    }
     old["config"].update(holdout_fraction=0.1, min_holdout=3, threshold_quantile=0.99, features=100)
-    old.update(format_version=1, training_image_count=30, holdout_image_count=5, has_accumulators=True,
-               calibration={"quantile": 0.99, "threshold": 21.5, "scale": 1.5, "holdout_count": 5})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "old.padim"),
-              metadata={"padim": json.dumps(old)})
+    old.update(
+        format_version=1,
+        training_image_count=30,
+        holdout_image_count=5,
+        has_accumulators=True,
+        calibration={"quantile": 0.99, "threshold": 21.5, "scale": 1.5, "holdout_count": 5},
+    )
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(tmp_path / "old.padim"),
+        metadata={"padim": json.dumps(old)},
+    )
     with caplog.at_level("WARNING"):
         loaded = load_detector(tmp_path / "old.padim", device="cpu")
     assert "integrity is not verified" in caplog.text and "train it again" in caplog.text
     assert loaded.calibration.threshold == 21.5 and loaded.calibration.method == "quantile"
     assert loaded.describe()["verified"] is False and loaded.provenance.calibration_source == "held_out"
     batch = detector.preprocess(pictures(images, 2))
-    torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0)  # float16 factors
+    torch.testing.assert_close(
+        loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0
+    )  # float16 factors
     resumed, report = fit_detector(CONFIG, images[:4], resume=load_fit(tmp_path / "old.padim"), progress=False)
     assert resumed.calibration.earlier_scores == 5
     assert int(resumed.statistics.count) == int(detector.statistics.count) + 4 * resumed.config.rows_per_picture
@@ -164,7 +190,11 @@ def older_format_of(tensors, header, target, version: int) -> None:
     old["format_version"] = version
     old["tensor_sha256"] = {name: artifact.tensor_sha256(t) for name, t in tensors.items()}
     old["header_sha256"] = artifact._header_sha256(old)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(target), metadata={"padim": json.dumps(old, sort_keys=True)})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(target),
+        metadata={"padim": json.dumps(old, sort_keys=True)},
+    )
 
 
 def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, images, dataset, tmp_path):
@@ -173,7 +203,9 @@ def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, 
     older_format(tmp_path / "new.padim", tmp_path / "two.padim", 2)
     loaded = load_detector(tmp_path / "two.padim", device="cpu", with_statistics=True)
     assert loaded.provenance.verified
-    assert loaded.calibration == detector.calibration and torch.equal(loaded.statistics.comoment, detector.statistics.comoment)
+    assert loaded.calibration == detector.calibration and torch.equal(
+        loaded.statistics.comoment, detector.statistics.comoment
+    )
     batch = detector.preprocess(pictures(images, 2))
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
     # evaluate --calibrate on it: written again, in this format
@@ -196,8 +228,12 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
     save_detector(fitted, tmp_path / "options.padim")
     _, header = load_artifact(tmp_path / "options.padim")
     assert header["format_version"] == FORMAT_VERSION
-    assert {k: header["config"][k] for k in ("neighbourhood", "image_score", "top_fraction", "blur_sigma")} == \
-        {"neighbourhood": 5, "image_score": "top_mean", "top_fraction": 0.05, "blur_sigma": 2.0}
+    assert {k: header["config"][k] for k in ("neighbourhood", "image_score", "top_fraction", "blur_sigma")} == {
+        "neighbourhood": 5,
+        "image_score": "top_mean",
+        "top_fraction": 0.05,
+        "blur_sigma": 2.0,
+    }
     loaded = load_detector(tmp_path / "options.padim", device="cpu")
     assert loaded.model.embedder.embedding.neighbourhood == 5 and loaded.model.image_score == "top_mean"
     batch = fitted.preprocess(pictures(images, 4))
@@ -214,10 +250,12 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
 
 def _defaults_changed(init):
     """``PadimConfig.__init__`` as if the defaults were patch_max and sigma 8 as well."""
+
     def changed(self, *args, **kwargs):
         kwargs.setdefault("image_score", "patch_max")
         kwargs.setdefault("blur_sigma", 8.0)
         init(self, *args, **kwargs)
+
     return changed
 
 
@@ -225,8 +263,9 @@ def _defaults_changed(init):
 def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_path, monkeypatch, sigma, had_sigma):
     # fitted as every model was before the options: no neighbourhood, the map's maximum (a header
     # without blur_sigma, which none was, would have meant the default of then: 4)
-    before = fit_detector(CONFIG.replace(neighbourhood=1, image_score="map_max", blur_sigma=sigma), images,
-                          progress=False)[0]
+    before = fit_detector(
+        CONFIG.replace(neighbourhood=1, image_score="map_max", blur_sigma=sigma), images, progress=False
+    )[0]
     save_detector(before, tmp_path / "new.padim")
     tensors, header = load_artifact(tmp_path / "new.padim")
     for key in ("neighbourhood", "image_score", "top_fraction") + (() if had_sigma else ("blur_sigma",)):
@@ -254,7 +293,9 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
     batch = pictures(images, 3)
     assert torch.equal(loaded.preprocess(batch), framed.preprocess(batch))
     # the region is what was fitted: another framing of the same pictures is another input
-    assert not torch.equal(framed.preprocess(batch), fit_detector(CONFIG, images[:3], progress=False)[0].preprocess(batch))
+    assert not torch.equal(
+        framed.preprocess(batch), fit_detector(CONFIG, images[:3], progress=False)[0].preprocess(batch)
+    )
     # a format-4 file (no roi, no resize) is read as it was fitted: the whole picture, squashed
     plain = fit_detector(CONFIG, images, progress=False)[0]
     save_detector(plain, tmp_path / "plain.padim")
@@ -264,8 +305,12 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
     older_format_of(tensors, header, tmp_path / "four.padim", 4)
     four = load_detector(tmp_path / "four.padim", device="cpu")
     assert four.config.roi is None and four.config.resize == "squash" and four.framing.is_whole_picture
-    torch.testing.assert_close(four.score(plain.preprocess(batch)).raw_scores, plain.score(plain.preprocess(batch)).raw_scores,
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        four.score(plain.preprocess(batch)).raw_scores,
+        plain.score(plain.preprocess(batch)).raw_scores,
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("statistics", ["position", "shared"])
@@ -296,7 +341,9 @@ def test_tiles_travel_in_the_file_and_a_format_five_file_is_untiled(images, tmp_
     five = load_detector(tmp_path / "five.padim", device="cpu")
     assert five.config.tiles == (1, 1) and five.config.input_shape == (CONFIG.image_size,) * 2
     plain_batch = plain.preprocess(pictures(images, 3))
-    torch.testing.assert_close(five.score(plain_batch).raw_scores, plain.score(plain_batch).raw_scores, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        five.score(plain_batch).raw_scores, plain.score(plain_batch).raw_scores, rtol=1e-6, atol=0
+    )
 
 
 def test_each_tile_position_is_scored_as_that_crop_of_the_input(images):
@@ -322,7 +369,9 @@ def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detec
     torch.testing.assert_close(out.input_distances, squared.mean(1), rtol=1e-5, atol=0)
     save_detector(detector, tmp_path / "seven.padim")
     tensors, header = load_artifact(tmp_path / "seven.padim")
-    assert header["calibration"]["input_distances"] == 30 and tensors["calibration.input_distances"].dtype == torch.float64
+    assert (
+        header["calibration"]["input_distances"] == 30 and tensors["calibration.input_distances"].dtype == torch.float64
+    )
     assert load_detector(tmp_path / "seven.padim", device="cpu").calibration == calibration
     # a format-6 file: no input distances, everything else as it was
     del tensors["calibration.input_distances"], header["calibration"]["input_distances"]
@@ -338,10 +387,12 @@ def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detec
 
 def _default_expect(init, expect: str, fit_changes: bool):
     """``PadimConfig.__init__`` as if the defaults declared ``expect`` (and ``fit_changes``)."""
+
     def changed(self, *args, **kwargs):
         kwargs.setdefault("expect", expect)
         kwargs.setdefault("fit_changes", fit_changes)
         init(self, *args, **kwargs)
+
     return changed
 
 

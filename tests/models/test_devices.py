@@ -44,8 +44,10 @@ def test_cuda_without_a_gpu_is_a_usage_error_that_says_what_to_check(machine):
         resolve_device("gpu")
 
 
-@pytest.mark.parametrize(("gpu", "ort_cuda", "expected"), [
-    (False, False, "cpu"), (True, False, "cpu"), (True, True, "cuda"), (False, True, "cpu")])
+@pytest.mark.parametrize(
+    ("gpu", "ort_cuda", "expected"),
+    [(False, False, "cpu"), (True, False, "cpu"), (True, True, "cuda"), (False, True, "cpu")],
+)
 def test_onnxruntime_auto_takes_the_gpu_only_with_its_cuda_provider(machine, gpu, ort_cuda, expected):
     machine(gpu, ort_cuda)
     assert runtime_device("onnxruntime", "auto").type == expected
@@ -89,8 +91,18 @@ def test_onnxruntime_providers_cuda_first_and_tensorrt_only_when_asked(tmp_path)
         onnxruntime_providers(["CPUExecutionProvider"], torch.device("cuda"), 224, None)
 
 
-@pytest.mark.parametrize(("capability", "slow"), [
-    ((7, 5), True), ((8, 6), True), ((8, 9), True), ((12, 0), True), ((7, 0), False), ((8, 0), False), ((9, 0), False)])
+@pytest.mark.parametrize(
+    ("capability", "slow"),
+    [
+        ((7, 5), True),
+        ((8, 6), True),
+        ((8, 9), True),
+        ((12, 0), True),
+        ((7, 0), False),
+        ((8, 0), False),
+        ((9, 0), False),
+    ],
+)
 def test_float64_rate_by_compute_capability(capability, slow):
     """T4 7.5, A10 8.6, L4 8.9, RTX 50 12.0 are slow at float64; V100 7.0, A100 8.0, H100 9.0 are not."""
     assert float64_is_slow(torch.device("cuda"), capability) is slow

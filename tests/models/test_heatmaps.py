@@ -3,9 +3,21 @@
 import numpy as np
 from PIL import Image
 
+from padim.models.heatmaps import (
+    _ANCHORS,
+    ANOMALOUS_COLOUR,
+    NORMAL_COLOUR,
+    TINT_AT_THRESHOLD,
+    TINT_FROM,
+    TINT_MAX,
+    UNSCORED_FRAME,
+    colorize,
+    figure,
+    mask_image,
+    overlay,
+    tint_opacity,
+)
 from padim.models.verdicts import Verdict
-from padim.models.heatmaps import (UNSCORED_FRAME, ANOMALOUS_COLOUR, NORMAL_COLOUR, TINT_AT_THRESHOLD, TINT_FROM, TINT_MAX, _ANCHORS,
-                                       colorize, figure, mask_image, overlay, tint_opacity)
 
 
 def test_ramp_runs_through_its_anchors_and_clips():
@@ -49,8 +61,8 @@ def test_figure_puts_the_verdict_and_label_in_a_band_outside_the_pictures():
     gap = max(4, 300 // 80)
     band = plain.shape[0] - 80 - (plain.shape[0] - 80) // 2  # the band is as tall as the colour bar
     assert plain.shape[1] == 2 * 300 + gap
-    np.testing.assert_array_equal(plain[band:band + 80, :300], np.asarray(image))  # the original, untouched
-    np.testing.assert_array_equal(plain[band:band + 80, 300 + gap:], np.asarray(overlay(image, values, 0.5)))
+    np.testing.assert_array_equal(plain[band : band + 80, :300], np.asarray(image))  # the original, untouched
+    np.testing.assert_array_equal(plain[band : band + 80, 300 + gap :], np.asarray(overlay(image, values, 0.5)))
     changed = np.argwhere((plain != labelled).any(axis=2))
     assert len(changed) and changed[:, 0].max() < band  # the label is in the band, never over a picture
     assert (plain[:band] == ANOMALOUS_COLOUR).all(axis=2).any()  # the verdict, in its colour

@@ -5,14 +5,13 @@ import shutil
 
 import pytest
 import torch
+from test_detector import older_format_of
 
 from padim.core.artifact import load_artifact
 from padim.models import PadimConfig, TrainingImage, fit_detector, list_images, train
 from padim.models.errors import FitError, NotUpdatable
 from padim.models.learning import picture_name, update_model
 from padim.models.model_file import load_detector
-
-from test_detector import older_format_of
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0)
 #: Statistics of the same pictures embedded in other batches agree to the last bits of a convolution (as resume's).
@@ -42,8 +41,9 @@ def assert_same_statistics(got, expected):
     assert sorted(got.image_digests.tolist()) == sorted(expected.image_digests.tolist())
     torch.testing.assert_close(got.statistics.mean, expected.statistics.mean, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got.statistics.comoment, expected.statistics.comoment, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(got.model.precision_factor.float(), expected.model.precision_factor.float(),
-                               rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        got.model.precision_factor.float(), expected.model.precision_factor.float(), rtol=1e-3, atol=1e-3
+    )
 
 
 def test_an_update_equals_a_one_shot_fit_and_an_undo_a_fit_without(pictures, base, tmp_path):
@@ -102,6 +102,9 @@ def test_a_format_eight_file_loses_the_statistics_of_a_picture_but_keeps_its_sco
     assert undo.scores_removed == 0 and undo.scores_kept == 1
     undone = load_detector(tmp_path / "undone.padim", "cpu", with_statistics=True)
     assert undone.calibration.scores == eight.calibration.scores
-    assert int(undone.statistics.count) == int(load_detector(tmp_path / "nine.padim", "cpu", with_statistics=True)
-                                              .statistics.count) - CONFIG.rows_per_picture
+    assert (
+        int(undone.statistics.count)
+        == int(load_detector(tmp_path / "nine.padim", "cpu", with_statistics=True).statistics.count)
+        - CONFIG.rows_per_picture
+    )
     shutil.rmtree(tmp_path)

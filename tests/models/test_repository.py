@@ -23,7 +23,9 @@ def test_a_version_is_a_numbered_folder_with_its_file_and_what_is_known_of_it(mo
     assert version.sha256 == file_sha256(model_file)  # an independent reading of the bytes
     recorded = json.loads((tmp_path / "repo" / "weave" / "1" / "version.json").read_text())
     assert recorded["version"] == 1 and recorded["sha256"] == version.sha256
-    assert repository.active("weave") == 1 and not (tmp_path / "repo" / "weave" / "ACTIVE").exists()  # highest by default
+    assert (
+        repository.active("weave") == 1 and not (tmp_path / "repo" / "weave" / "ACTIVE").exists()
+    )  # highest by default
     repository.activate("weave", 1)
     assert (tmp_path / "repo" / "weave" / "ACTIVE").read_text() == "1\n"
     assert version.calibration()["threshold"] > 0

@@ -6,16 +6,25 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import reference_maps
 
 from padim.core.calibration import Calibration, fold_of
 from padim.core.scoring import anomaly_maps, image_scores
 from padim.core.spool import EmbeddingSpool
-from padim.models import (DoesNotFit, Fit, FitError, PadimConfig, TrainingImage, fit_detector, fit_partial,
-                          list_images, merge_fits, train)
+from padim.models import (
+    DoesNotFit,
+    Fit,
+    FitError,
+    PadimConfig,
+    TrainingImage,
+    fit_detector,
+    fit_partial,
+    list_images,
+    merge_fits,
+    train,
+)
 from padim.models.fit.in_progress import Scored
 from padim.models.model_file import load_detector, load_fit, save_fit
-
-from helpers import reference_maps
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 #: The mechanics against brute-force refits of the pictures as taken: no changed copies (those have their own test).
@@ -51,36 +60,65 @@ def refit_squared(x: np.ndarray, folds: list[int], epsilon: float) -> np.ndarray
     return squared
 
 
-def refit_scores(x: np.ndarray, folds: list[int], epsilon: float, grid, size: int, sigma: float,
-                 method: str = "map_max", top_fraction: float = 0.01) -> np.ndarray:
+def refit_scores(
+    x: np.ndarray,
+    folds: list[int],
+    epsilon: float,
+    grid,
+    size: int,
+    sigma: float,
+    method: str = "map_max",
+    top_fraction: float = 0.01,
+) -> np.ndarray:
     """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
     squared = torch.from_numpy(refit_squared(x, folds, epsilon))
     return image_scores(anomaly_maps(squared, grid, size, sigma), method, squared, top_fraction).numpy()
 
 
-@pytest.mark.parametrize("folds, neighbourhood, image_score", [(5, 1, "map_max"), ("loo", 3, "map_max"),
-                                                               ("loo", 1, "patch_max"), (5, 3, "top_mean")])
+@pytest.mark.parametrize(
+    "folds, neighbourhood, image_score",
+    [(5, 1, "map_max"), ("loo", 3, "map_max"), ("loo", 1, "patch_max"), (5, 3, "top_mean")],
+)
 def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds, neighbourhood, image_score):
     # every scoring option: the calibration reads each image's score as the scorer will
-    config = AS_TAKEN.replace(image_size=32, embedding_dim=12, calibration_folds=folds, neighbourhood=neighbourhood,
-                            image_score=image_score, top_fraction=0.05)
+    config = AS_TAKEN.replace(
+        image_size=32,
+        embedding_dim=12,
+        calibration_folds=folds,
+        neighbourhood=neighbourhood,
+        image_score=image_score,
+        top_fraction=0.05,
+    )
     fit = Fit.start(config)
     groups = fit.groups(images)
     spool = fit.spool_or_none(tmp_path, len(images))
     assert spool is not None
     assert not fit.accumulate(groups, progress=False, spool=spool).unreadable
-    assert all(fold_of(i.name, 5) == k for k, g in enumerate(groups) for i in g) if folds == 5 else \
-        all(len(g) == 1 for g in groups)
+    assert (
+        all(fold_of(i.name, 5) == k for k, g in enumerate(groups) for i in g)
+        if folds == 5
+        else all(len(g) == 1 for g in groups)
+    )
     x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
     scored = Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)
     finished = fit.finish([scored], tmp_path, progress=False)
     spool.close()
     assert finished.scored == names and not finished.unscored
-    expected = refit_scores(x, sizes, config.epsilon, fit.embedder.grid_shape, config.image_size, config.blur_sigma,
-                            image_score, config.top_fraction)
+    expected = refit_scores(
+        x,
+        sizes,
+        config.epsilon,
+        fit.embedder.grid_shape,
+        config.image_size,
+        config.blur_sigma,
+        image_score,
+        config.top_fraction,
+    )
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
     # input distances: the mean of each image's out-of-fold squared distances (input drift's reference)
-    np.testing.assert_allclose(finished.input_distances.numpy(), refit_squared(x, sizes, config.epsilon).mean(1), rtol=1e-6)
+    np.testing.assert_allclose(
+        finished.input_distances.numpy(), refit_squared(x, sizes, config.epsilon).mean(1), rtol=1e-6
+    )
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)
     np.testing.assert_allclose(fit.statistics.mean.numpy(), x.mean(axis=0), rtol=1e-10, atol=1e-10)
@@ -92,8 +130,15 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     # the calibration of a tiled model: every picture's tiles out of the fold's model (in the shared mode a fold
     # is still whole pictures: all their tiles leave together), the score read from the stitched map
     images = images[:12]
-    config = AS_TAKEN.replace(image_size=32, embedding_dim=8, calibration_folds=folds, tiles=(2, 2), tile_overlap=0.25,
-                            tile_statistics=statistics, blur_sigma=2.0)
+    config = AS_TAKEN.replace(
+        image_size=32,
+        embedding_dim=8,
+        calibration_folds=folds,
+        tiles=(2, 2),
+        tile_overlap=0.25,
+        tile_statistics=statistics,
+        blur_sigma=2.0,
+    )
     fit = Fit.start(config)
     spool = fit.spool_or_none(tmp_path, len(images))
     assert not fit.accumulate(fit.groups(images), progress=False, spool=spool).unreadable
@@ -101,8 +146,9 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     per_image = 4 if statistics == "shared" else 1
     assert x.shape == (len(images) * per_image, 64 * 4 // per_image, 8) and fit.count == len(images)
     assert all(size % per_image == 0 for size in sizes)
-    finished = fit.finish([Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)],
-                          tmp_path, progress=False)
+    finished = fit.finish(
+        [Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)], tmp_path, progress=False
+    )
     spool.close()
     assert finished.scored == names[::per_image] and not finished.unscored
     squared = refit_squared(x, sizes, config.epsilon).reshape(len(images), 4 * 64)  # (B, T * P): rows of a picture
@@ -113,9 +159,16 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     finished.factors.close()
 
 
-@pytest.mark.parametrize("folds, fit_changes, statistics", [("loo", False, "position"), (5, False, "position"),
-                                                            ("loo", True, "position"), (5, True, "position"),
-                                                            ("loo", False, "shared")])
+@pytest.mark.parametrize(
+    "folds, fit_changes, statistics",
+    [
+        ("loo", False, "position"),
+        (5, False, "position"),
+        ("loo", True, "position"),
+        (5, True, "position"),
+        ("loo", False, "shared"),
+    ],
+)
 def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp_path, folds, fit_changes, statistics):
     """``--expect``: each picture's calibration score is its changed copy's, under a model fitted from scratch
     without that picture's fold (and without the fold's copies when they are fitted); its input distance stays
@@ -126,9 +179,15 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
 
     images = images[:14]
     tiles = (2, 1) if statistics == "shared" else (1, 1)
-    config = CONFIG.replace(image_size=32, embedding_dim=10, calibration_folds=folds, tiles=tiles,
-                            tile_statistics=statistics, expect="brightness=0.2,shift=2,rotate=2,blur=1",
-                            fit_changes=fit_changes)
+    config = CONFIG.replace(
+        image_size=32,
+        embedding_dim=10,
+        calibration_folds=folds,
+        tiles=tiles,
+        tile_statistics=statistics,
+        expect="brightness=0.2,shift=2,rotate=2,blur=1",
+        fit_changes=fit_changes,
+    )
     fit = Fit.start(config)
     spool = fit.spool_or_none(tmp_path, len(images))
     assert not fit.accumulate(fit.groups(images), progress=False, spool=spool).unreadable
@@ -141,10 +200,12 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
     by_name = {i.name: i for i in images}
     pictures = [Image.open(by_name[n].path).convert("RGB") for n in order]
     changed = [apply(p, config.expected.draw(seeded(n))) for p, n in zip(pictures, order)]
-    np.testing.assert_allclose(copies, fit.embedder(fit.embedder.preprocess(changed)).double().numpy(),
-                               rtol=1e-4, atol=1e-4)
-    finished = fit.finish([Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)],
-                          tmp_path, progress=False)
+    np.testing.assert_allclose(
+        copies, fit.embedder(fit.embedder.preprocess(changed)).double().numpy(), rtol=1e-4, atol=1e-4
+    )
+    finished = fit.finish(
+        [Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)], tmp_path, progress=False
+    )
     spool.close()
     assert finished.scored == order and not finished.unscored
     # the reference: per fold of pictures, a float64 refit on the rest (their copies too when fitted)
@@ -153,11 +214,14 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
     expected_copy, expected_own, start = [], [], 0
     for k in picture_folds:
         out_rows = np.arange(start * per, (start + k) * per)
-        out_fitted = (np.concatenate([np.arange((start + j) * 2 * per, (start + j + 1) * 2 * per) for j in range(k)])
-                      if fit_changes else out_rows)
+        out_fitted = (
+            np.concatenate([np.arange((start + j) * 2 * per, (start + j + 1) * 2 * per) for j in range(k)])
+            if fit_changes
+            else out_rows
+        )
         rest = np.delete(fitted, out_fitted, axis=0)
         joined = np.concatenate([rest, copies[out_rows], own[out_rows]])  # scored as the last 2 k T rows
-        squared = refit_squared(joined, [len(rest), 2 * k * per], config.epsilon)[len(rest):]
+        squared = refit_squared(joined, [len(rest), 2 * k * per], config.epsilon)[len(rest) :]
         expected_copy.append(squared[: k * per])
         expected_own.append(squared[k * per :])
         start += k
@@ -165,8 +229,9 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
     pixels = squared_copy.shape[1] * per  # a picture's distances, tiles together
     expected = reference_maps(squared_copy.reshape(len(images), pixels), config.tiling, config.blur_sigma)
     np.testing.assert_allclose(finished.scores.numpy(), expected.reshape(len(images), -1).max(axis=1), rtol=1e-6)
-    np.testing.assert_allclose(finished.input_distances.numpy(), squared_own.reshape(len(images), -1).mean(1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        finished.input_distances.numpy(), squared_own.reshape(len(images), -1).mean(1), rtol=1e-6
+    )
     # the pictures' own scores are kept beside: what a line that does not change scores (the score-drift reference)
     taken = reference_maps(squared_own.reshape(len(images), pixels), config.tiling, config.blur_sigma)
     np.testing.assert_allclose(finished.taken_scores.numpy(), taken.reshape(len(images), -1).max(axis=1), rtol=1e-6)
@@ -195,8 +260,10 @@ def line_pictures(tmp_path_factory):
         Image.fromarray((texture("leather", 96, rng) * 255).astype(np.uint8)).save(path)
         train.append(TrainingImage(path, path.name))
     declared = Expected.parse(DECLARED)
-    fresh = [apply(Image.fromarray((texture("leather", 96, rng) * 255).astype(np.uint8)), declared.draw(seeded(f"x{i}")))
-             for i in range(600)]
+    fresh = [
+        apply(Image.fromarray((texture("leather", 96, rng) * 255).astype(np.uint8)), declared.draw(seeded(f"x{i}")))
+        for i in range(600)
+    ]
     return train, fresh
 
 
@@ -205,8 +272,9 @@ def test_with_expect_the_flag_rate_on_changed_pictures_stays_within_the_promise(
     """The image-level flag-rate test: pictures drawn within the declared changes are flagged at most as often as the
     calibration's bound says; without the declaration the same pictures blow the promise up."""
     train, fresh = line_pictures
-    config = CONFIG.replace(calibration_folds="loo", batch_size=32, false_alarm_rate=0.05, expect=expect,
-                            fit_changes=fit_changes)
+    config = CONFIG.replace(
+        calibration_folds="loo", batch_size=32, false_alarm_rate=0.05, expect=expect, fit_changes=fit_changes
+    )
     detector, _ = fit_detector(config, train, progress=False)
     scores = torch.cat([detector.score(detector.preprocess(fresh[i : i + 100])).raw_scores for i in range(0, 600, 100)])
     realised = float((scores >= detector.calibration.threshold).double().mean())
@@ -226,9 +294,16 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
     again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
     assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
-    assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(cal.promised_false_alarm_rate)
+    assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(
+        cal.promised_false_alarm_rate
+    )
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
-    assert report.spool == len(images) * 2 * 16 * 16 * 100 * 4 and set(report.seconds) == {"fit", "finish", "calibrate", "write"}
+    assert report.spool == len(images) * 2 * 16 * 16 * 100 * 4 and set(report.seconds) == {
+        "fit",
+        "finish",
+        "calibrate",
+        "write",
+    }
 
 
 def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
@@ -243,8 +318,9 @@ def test_resume_equals_one_shot_statistics_and_folds(images, tmp_path):
     # themselves agree to float64 round-off (tests/core)
     torch.testing.assert_close(resumed.statistics.mean, whole.statistics.mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(resumed.statistics.comoment, whole.statistics.comoment, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(resumed.model.precision_factor.float(), whole.model.precision_factor.float(),
-                               rtol=1e-3, atol=1e-3)  # float16 as stored
+    torch.testing.assert_close(
+        resumed.model.precision_factor.float(), whole.model.precision_factor.float(), rtol=1e-3, atol=1e-3
+    )  # float16 as stored
     # calibration: the earlier scores are kept as they were, and said to be earlier ones
     cal = resumed.calibration
     assert cal.count == len(images) and cal.earlier_scores == len(first)
@@ -277,16 +353,20 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     changed = [apply(Image.open(i.path).convert("RGB"), CONFIG.expected.draw(seeded(i.path.name))) for i in held]
     held_scores = merged.score(merged.preprocess(changed)).raw_scores
     expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
-    assert merged.calibration.threshold == pytest.approx(expected.threshold, rel=1e-3)  # float16 factors score them here
+    assert merged.calibration.threshold == pytest.approx(
+        expected.threshold, rel=1e-3
+    )  # float16 factors score them here
     assert merged.provenance.calibration_source == "held_out"
     with pytest.raises(FitError, match="were fitted in the parts"):
         merge_fits(parts, [i.path for i in a[:2] + held], CONFIG, tmp_path / "x.padim", progress=False)
 
 
-@pytest.mark.parametrize("expect, fit_changes", [("", False), ("brightness=0.1,shift=2", False),
-                                                 ("brightness=0.1,shift=2", True)])
-def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(images, tmp_path, monkeypatch, expect,
-                                                                             fit_changes):
+@pytest.mark.parametrize(
+    "expect, fit_changes", [("", False), ("brightness=0.1,shift=2", False), ("brightness=0.1,shift=2", True)]
+)
+def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(
+    images, tmp_path, monkeypatch, expect, fit_changes
+):
     config = CONFIG.replace(expect=expect, fit_changes=fit_changes)
     spooled, _ = fit_detector(config, images, progress=False)
     monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 0)
@@ -324,7 +404,9 @@ def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_pa
     assert not (tmp_path / "never.padim").exists()
 
 
-def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_what_would(images, tmp_path, monkeypatch):
+def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_what_would(
+    images, tmp_path, monkeypatch
+):
     from padim.models.fit.memory_plan import plan_fit
 
     room = plan_fit(CONFIG.replace(image_size=128), len(images), spool=True, device="cpu").total
@@ -338,15 +420,23 @@ def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_w
 
 
 @pytest.mark.parametrize("phase", ["accumulate", "finish"])
-def test_running_out_of_gpu_memory_mid_fit_is_an_error_with_the_plan_and_what_to_try(images, tmp_path, monkeypatch, phase):
+def test_running_out_of_gpu_memory_mid_fit_is_an_error_with_the_plan_and_what_to_try(
+    images, tmp_path, monkeypatch, phase
+):
     """torch raises OutOfMemoryError on a GPU; the fit answers with its plan and smaller options, leaving nothing behind."""
+
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(Fit, phase, out_of_memory)
     with pytest.raises(DoesNotFit) as info:
-        train(CONFIG.replace(image_size=96), images[:12], tmp_path / "m.padim", progress=False,
-              scratch_dir=tmp_path / "scratch")
+        train(
+            CONFIG.replace(image_size=96),
+            images[:12],
+            tmp_path / "m.padim",
+            progress=False,
+            scratch_dir=tmp_path / "scratch",
+        )
     message = str(info.value)
     assert message.startswith("the CPU ran out of memory during the fit (its plan: ")
     assert "--batch-size 4" in message and "\n" not in message
@@ -385,7 +475,9 @@ def test_copies_are_named(images, tmp_path):
     copy.write_bytes(images[3].path.read_bytes())
     _, report = fit_detector(CONFIG, images[:8] + [TrainingImage(copy, copy.name)], progress=False)
     assert report.copies == [["003.png", "copy-of-003.png"]]
-    assert any("1 image(s) are copies of others (same content: 003.png = copy-of-003.png)" in w for w in report.warnings)
+    assert any(
+        "1 image(s) are copies of others (same content: 003.png = copy-of-003.png)" in w for w in report.warnings
+    )
 
 
 def test_unreadable_images_are_left_out_and_named(images, tmp_path):

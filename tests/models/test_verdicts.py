@@ -18,7 +18,9 @@ def test_verdict_against_a_hand_computation():
     anomaly_map[:2, :3] = CALIBRATION.threshold + 1  # 6 of 64 pixels over the threshold
     raw = float(anomaly_map.max())
     result = verdict(raw, torch.from_numpy(anomaly_map), CALIBRATION)
-    assert result.is_anomaly and result.threshold == 0.5 and result.raw_threshold == pytest.approx(CALIBRATION.threshold)
+    assert (
+        result.is_anomaly and result.threshold == 0.5 and result.raw_threshold == pytest.approx(CALIBRATION.threshold)
+    )
     assert result.score == pytest.approx(1 / (1 + math.exp(-(raw - CALIBRATION.threshold) / CALIBRATION.scale)))
     assert result.anomalous_area == 6 / 64
     assert set(result.to_dict()) == {"score", "raw_score", "is_anomaly", "threshold", "raw_threshold", "anomalous_area"}

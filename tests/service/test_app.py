@@ -9,13 +9,13 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from helpers import running_server
 from PIL import Image
 from pydantic import ValidationError
 
-from helpers import running_server
 from padim.service.app import create_app
-from padim.service.state import ServiceState
 from padim.service.settings import ServiceSettings
+from padim.service.state import ServiceState
 
 
 def png(dataset, name="good/000.png") -> bytes:
@@ -46,7 +46,9 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
         ready = client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["reason"] == "loading"
         early = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
-        assert early.status_code == 503 and early.headers["retry-after"] and early.json()["error"]["code"] == "not_ready"
+        assert (
+            early.status_code == 503 and early.headers["retry-after"] and early.json()["error"]["code"] == "not_ready"
+        )
         release.set()
         wait_ready(client)
         assert client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).status_code == 200
@@ -66,17 +68,24 @@ def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, 
             def nan_run(images):
                 maps, raw, *rest = run(images)
                 return [maps * float("nan"), raw, *rest]
+
             detector._session.run = nan_run
         return detector, sha256
 
     monkeypatch.setattr(ServiceState, "_load_one", poisoned)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu", runtime=runtime))) as client:
         wait_ready(client)
-        for response in (client.post("/score", content=png(dataset), headers={"content-type": "image/png"}),
-                         client.post("/score/batch", files=[("file", ("a.png", png(dataset))),
-                                                            ("file", ("b.png", png(dataset, "hole/000.png")))])):
+        for response in (
+            client.post("/score", content=png(dataset), headers={"content-type": "image/png"}),
+            client.post(
+                "/score/batch",
+                files=[("file", ("a.png", png(dataset))), ("file", ("b.png", png(dataset, "hole/000.png")))],
+            ),
+        ):
             assert response.status_code == 500, response.text
-            assert response.json() == {"error": {"code": "non_finite_score", "message": response.json()["error"]["message"]}}
+            assert response.json() == {
+                "error": {"code": "non_finite_score", "message": response.json()["error"]["message"]}
+            }
             assert "is_anomaly" not in response.text
         assert client.get("/health/live").status_code == 200
 
@@ -126,11 +135,23 @@ def test_model_dir_from_environment_and_full_queue_answers_503(model_file, datas
     models = tmp_path / "models"
     models.mkdir()
     (models / "weave.padim").write_bytes(model_file.read_bytes())
-    env = {"PADIM_MODEL_DIR": str(models), "PADIM_MAX_QUEUE": "1", "PADIM_MAX_BATCH_SIZE": "1", "PADIM_MAX_DELAY_MS": "0"}
+    env = {
+        "PADIM_MODEL_DIR": str(models),
+        "PADIM_MAX_QUEUE": "1",
+        "PADIM_MAX_BATCH_SIZE": "1",
+        "PADIM_MAX_DELAY_MS": "0",
+    }
     with running_server(tmp_path, [], env=env) as srv:
         data = png(dataset)
         with ThreadPoolExecutor(24) as pool:
-            responses = list(pool.map(lambda _: httpx.post(srv.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=60), range(48)))
+            responses = list(
+                pool.map(
+                    lambda _: httpx.post(
+                        srv.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=60
+                    ),
+                    range(48),
+                )
+            )
         statuses = [r.status_code for r in responses]
         assert set(statuses) <= {200, 503} and 200 in statuses
         assert 503 in statuses, "48 simultaneous requests should overflow a queue of 1"
@@ -162,8 +183,10 @@ def test_image_modes_are_scored_like_rgb(server, dataset, mode):
         reference = converted.convert("RGB")
     rgb = io.BytesIO()
     reference.save(rgb, format="PNG")
-    scores = [httpx.post(server.url + "/score", content=body, headers={"content-type": "image/png"}, timeout=60)
-              for body in (buffer.getvalue(), rgb.getvalue())]
+    scores = [
+        httpx.post(server.url + "/score", content=body, headers={"content-type": "image/png"}, timeout=60)
+        for body in (buffer.getvalue(), rgb.getvalue())
+    ]
     assert [r.status_code for r in scores] == [200, 200], scores[0].text
     assert scores[0].json()["raw_score"] == pytest.approx(scores[1].json()["raw_score"], rel=1e-5)
 
@@ -174,8 +197,10 @@ def test_every_setting_is_in_the_docs_settings_table():
     from padim.service.settings import ServiceSettings
 
     page = (Path(__file__).parents[2] / "docs" / "http-api.md").read_text()
-    table = page[page.index("**Settings** come from"):]
-    missing = [f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table]
+    table = page[page.index("**Settings** come from") :]
+    missing = [
+        f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table
+    ]
     assert not missing, f"not in the settings table of docs/http-api.md: {missing}"
 
 
@@ -183,8 +208,7 @@ def test_clients_see_a_weights_file_by_name_and_digest_never_its_server_path(dat
     from helpers import run_cli
 
     model = tmp_path / "filed.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", weights_file,
-            "--image-size", 32)
+    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", weights_file, "--image-size", 32)
     with TestClient(create_app(ServiceSettings(models=[model], device="cpu"))) as client:
         wait_ready(client)
         (described,) = client.get("/models").json()["models"]

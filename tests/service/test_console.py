@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from components import browser_paths
 from helpers import SCORE_ATOL, running_server
 
@@ -36,9 +35,18 @@ def browser():
     options = Options()
     options.binary_location = chromium
     # a closed network: no background connections, no first-run, a fresh profile
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1366,768"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1366,768",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(chromedriver), options=options)
     driver.set_page_load_timeout(30)
@@ -62,8 +70,13 @@ def text(driver, element_id: str) -> str:
 
 
 def api_score(url: str, path: Path, **params) -> dict:
-    response = httpx.post(f"{url}/models/weave/score", content=path.read_bytes(), params=params,
-                          headers={"content-type": "image/png"}, timeout=60)
+    response = httpx.post(
+        f"{url}/models/weave/score",
+        content=path.read_bytes(),
+        params=params,
+        headers={"content-type": "image/png"},
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -101,9 +114,12 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
     moved = api_score(server.url, defect, threshold=above)
     assert text(browser, "verdict") == ("ANOMALOUS" if moved["is_anomaly"] else "NORMAL")
     assert float(browser.find_element(By.ID, "area").get_attribute("data-value")) == pytest.approx(
-        moved["anomalous_area"], abs=1e-3)  # a few pixels on the threshold may fall either way
+        moved["anomalous_area"], abs=1e-3
+    )  # a few pixels on the threshold may fall either way
     browser.find_element(By.ID, "show-mask").click()
-    assert browser.find_element(By.ID, "mask").is_displayed() and not browser.find_element(By.ID, "overlay").is_displayed()
+    assert (
+        browser.find_element(By.ID, "mask").is_displayed() and not browser.find_element(By.ID, "overlay").is_displayed()
+    )
     browser.save_screenshot(str(ARTIFACTS / "console-threshold.png"))
 
     # keyboard only: r resets to the model's threshold
@@ -118,7 +134,11 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
 def test_several_images_fill_the_session_history(browser, server, dataset):
     from selenium.webdriver.common.by import By
 
-    paths = [dataset / "test" / "good" / "000.png", dataset / "test" / "hole" / "001.png", dataset / "test" / "good" / "001.png"]
+    paths = [
+        dataset / "test" / "good" / "000.png",
+        dataset / "test" / "hole" / "001.png",
+        dataset / "test" / "good" / "001.png",
+    ]
     browser.get(server.url + "/")
     wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
     browser.find_element(By.ID, "file-input").send_keys("\n".join(map(str, paths)))
@@ -128,9 +148,13 @@ def test_several_images_fill_the_session_history(browser, server, dataset):
     assert tags == pytest.approx(expected, abs=0.5e-3 + SCORE_ATOL)
     browser.find_elements(By.CSS_SELECTOR, "#history button")[2].click()  # the first image again
     first = api_score(server.url, paths[0])["score"]
-    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#history button")[2].get_attribute("aria-current")
-         == "true")
-    assert float(browser.find_element(By.ID, "score").get_attribute("data-value")) == pytest.approx(first, abs=SCORE_ATOL)
+    wait(
+        browser,
+        lambda d: d.find_elements(By.CSS_SELECTOR, "#history button")[2].get_attribute("aria-current") == "true",
+    )
+    assert float(browser.find_element(By.ID, "score").get_attribute("data-value")) == pytest.approx(
+        first, abs=SCORE_ATOL
+    )
 
 
 def test_a_server_with_an_api_key_asks_for_it_and_the_key_stays_in_the_tab(browser, model_file, dataset, tmp_path):
@@ -165,13 +189,29 @@ def test_the_page_and_its_files_come_from_the_server_only(server):
 
 
 def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, dataset, tmp_path):
+    from helpers import run_cli
     from selenium.webdriver.common.by import By
 
-    from helpers import run_cli
-
     model = tmp_path / "tiled.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-            "--tiles", "2x2", "--roi", "8,8,80,80", "--calibration-folds", 2, "--embedding-dim", 32)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--tiles",
+        "2x2",
+        "--roi",
+        "8,8,80,80",
+        "--calibration-folds",
+        2,
+        "--embedding-dim",
+        32,
+    )
     with running_server(tmp_path, [model]) as srv:
         browser.get(srv.url + "/")
         wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
@@ -182,26 +222,31 @@ def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, datas
         path = dataset / "test" / "hole" / "000.png"
         browser.find_element(By.ID, "file-input").send_keys(str(path))
         wait(browser, lambda d: d.find_element(By.ID, "score").text)
-        response = httpx.post(f"{srv.url}/score", content=path.read_bytes(), headers={"content-type": "image/png"},
-                              timeout=60)
+        response = httpx.post(
+            f"{srv.url}/score", content=path.read_bytes(), headers={"content-type": "image/png"}, timeout=60
+        )
         shown = float(browser.find_element(By.ID, "score").get_attribute("data-value"))
         assert shown == pytest.approx(response.json()["score"], abs=SCORE_ATOL)
         browser.save_screenshot(str(ARTIFACTS / "console-tiled.png"))
 
 
 def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, tmp_path):
-    from selenium.webdriver.common.by import By
-
     from helpers import normal_and_shifted, score_in_batches
+    from selenium.webdriver.common.by import By
 
     normal, shifted = normal_and_shifted(tmp_path / "line", 40)
     env = {"PADIM_MONITOR_WINDOW": "40", "PADIM_MONITOR_MIN_IMAGES": "30"}
 
     def panel_agrees() -> dict:
         expected = httpx.get(f"{server.url}/models/weave/monitor").json()
-        wait(browser, lambda d: d.find_element(By.ID, "monitor-status").get_attribute("data-status") == expected["status"])
+        wait(
+            browser,
+            lambda d: d.find_element(By.ID, "monitor-status").get_attribute("data-status") == expected["status"],
+        )
         assert text(browser, "monitor-verdict") == expected["verdict"][0].upper() + expected["verdict"][1:]
-        assert text(browser, "monitor-window").startswith(f"Version 1: {expected['images']} of the last 40 images kept since")
+        assert text(browser, "monitor-window").startswith(
+            f"Version 1: {expected['images']} of the last 40 images kept since"
+        )
         # the plot: the calibration's bars and the window's drawn, the threshold line in the middle
         drawn = browser.execute_script(
             "const c = document.getElementById('monitor-plot'); const d = c.getContext('2d')"
@@ -209,7 +254,8 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
             "for (let i = 0; i < d.length; i += 4) { if (d[i+3] === 0) continue;"
             " if (d[i+2] > 150 && d[i] < 100) blue++; else if (d[i] > 180 && d[i+1] < 80) red++;"
             " else if (Math.abs(d[i] - d[i+2]) < 30 && d[i] > 120 && d[i] < 230) grey++; }"
-            "return {blue, grey, red};")
+            "return {blue, grey, red};"
+        )
         assert drawn["grey"] > 100 and drawn["red"] > 50, drawn
         assert (drawn["blue"] > 50) == (expected["images"] > 0), drawn
         return expected
@@ -224,7 +270,9 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         assert drift["status"] == "alarm" and text(browser, "monitor-status") == "ALARM"
         assert "more flags than normal images alone would give" in text(browser, "monitor-verdict")
         browser.execute_script("document.getElementById('monitor').scrollIntoView()")
-        assert browser.execute_script("const a = document.querySelector('aside'); return a.scrollWidth <= a.clientWidth")
+        assert browser.execute_script(
+            "const a = document.querySelector('aside'); return a.scrollWidth <= a.clientWidth"
+        )
         browser.save_screenshot(str(ARTIFACTS / "console-monitor-alarm.png"))
         browser.find_element(By.ID, "monitor-reset").click()
         browser.switch_to.alert.accept()
@@ -269,7 +317,10 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
     from selenium.webdriver.common.keys import Keys
 
     env = {"PADIM_RECORD_DIR": str(tmp_path / "record"), "PADIM_REVIEW_SAMPLE": "1", "PADIM_RUNTIME": "torch"}
-    pictures = [*sorted(dataset.glob("test/good/*.png"))[:4], dataset / "test" / "hole" / "000.png"]  # a defect last: first in the queue
+    pictures = [
+        *sorted(dataset.glob("test/good/*.png"))[:4],
+        dataset / "test" / "hole" / "000.png",
+    ]  # a defect last: first in the queue
     with running_server(tmp_path, [model_file], env=env) as server:
         ids = [api_score(server.url, p)["record_id"] for p in pictures]
         deadline = time.time() + 30
@@ -284,7 +335,10 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
         newest_first = list(reversed(ids))
         for key, record in zip(("d", "n", "n"), newest_first):
             wait(browser, lambda d, r=record: d.find_element(By.ID, "review-view").get_attribute("data-record") == r)
-            wait(browser, lambda d: (d.find_element(By.ID, "review-heatmap").get_attribute("src") or "").startswith("blob:"))
+            wait(
+                browser,
+                lambda d: (d.find_element(By.ID, "review-heatmap").get_attribute("src") or "").startswith("blob:"),
+            )
             if record == newest_first[0]:  # docs/images/console-review.png is this one
                 browser.save_screenshot(str(ARTIFACTS / "console-review.png"))
             body.send_keys(key)

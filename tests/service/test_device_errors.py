@@ -141,10 +141,14 @@ def test_an_error_that_is_not_the_gpus_is_a_500_and_does_not_count(model_file, d
 
 
 @pytest.mark.parametrize(("preferred", "gpu", "expected"), [(None, False, 8), (3, False, 3), (None, True, 16)])
-def test_warm_up_runs_the_largest_batch_the_batcher_will_form(model_file, faults, preferred, gpu, expected, monkeypatch):
+def test_warm_up_runs_the_largest_batch_the_batcher_will_form(
+    model_file, faults, preferred, gpu, expected, monkeypatch
+):
     monkeypatch.setattr(state_module, "probe", lambda device: None)
     faults.gpu = gpu
-    client = started(ServiceSettings(models=[model_file], device="cpu", max_batch_size=16, preferred_batch_size=preferred))
+    client = started(
+        ServiceSettings(models=[model_file], device="cpu", max_batch_size=16, preferred_batch_size=preferred)
+    )
     try:
         assert faults.sizes[0] == expected
     finally:

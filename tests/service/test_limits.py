@@ -21,14 +21,18 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from PIL import Image
-
 from helpers import SCORE_RTOL, large_png, metric, running_server
+from PIL import Image
 
 pytestmark = pytest.mark.load_sensitive  # timeouts, connection counts, memory
 
-STRICT = {"PADIM_HEADER_TIMEOUT_S": "1", "PADIM_BODY_TIMEOUT_S": "1", "PADIM_KEEP_ALIVE_TIMEOUT_S": "1",
-          "PADIM_MAX_UPLOAD_BYTES": "1000000", "PADIM_MAX_CONNECTIONS": "24"}
+STRICT = {
+    "PADIM_HEADER_TIMEOUT_S": "1",
+    "PADIM_BODY_TIMEOUT_S": "1",
+    "PADIM_KEEP_ALIVE_TIMEOUT_S": "1",
+    "PADIM_MAX_UPLOAD_BYTES": "1000000",
+    "PADIM_MAX_CONNECTIONS": "24",
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +105,11 @@ def wait_for(condition, seconds: float = 30.0) -> None:
 
 # ----------------------------------------------------------------------------- headers
 def many_headers(count: int, value: bytes = b"v") -> bytes:
-    return (b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, value) for i in range(count))
-            + b"\r\n")
+    return (
+        b"GET /health/live HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, value) for i in range(count))
+        + b"\r\n"
+    )
 
 
 HEADER_CASES = [
@@ -119,7 +126,7 @@ HEADER_IDS = ["8MB-header", "40-large-headers", "150-short-headers", "10000-head
 
 def crossed_first(request: bytes, max_bytes: int = 32_768, max_headers: int = 100) -> str | None:
     """An independent reading of the rule: split the head into lines, find where each limit is crossed."""
-    head = request[:request.find(b"\r\n\r\n") + 4] if b"\r\n\r\n" in request else request
+    head = request[: request.find(b"\r\n\r\n") + 4] if b"\r\n\r\n" in request else request
     over_bytes = max_bytes if len(head) > max_bytes else None
     ends = [i for i, byte in enumerate(head[:-2] if head.endswith(b"\r\n\r\n") else head) if byte == ord("\n")]
     over_count = ends[max_headers + 1] if len(ends) > max_headers + 1 else None
@@ -136,12 +143,12 @@ def test_which_header_limit_a_request_breaks_does_not_depend_on_how_its_bytes_ar
     assert {"bytes": "headers_too_large", "count": "too_many_headers"}[expected] == code
     for size in (1, 2, 3, 5, 64, 1000, 65_536, len(request_bytes)):
         scan = HeaderScan(32_768, 100)  # the first verdict stops the reads, as the server does
-        verdicts = (scan.feed(request_bytes[i:i + size]) for i in range(0, len(request_bytes), size))
+        verdicts = (scan.feed(request_bytes[i : i + size]) for i in range(0, len(request_bytes), size))
         assert next((v for v in verdicts if v is not None), None) == expected, size
     within = many_headers(99, b"a" * 200)  # Host and 99 more: 100 headers, 21 KB, within both
     for size in (1, 3, 1000, len(within)):
         scan = HeaderScan(32_768, 100)
-        assert all(scan.feed(within[i:i + size]) is None for i in range(0, len(within), size)), size
+        assert all(scan.feed(within[i : i + size]) is None for i in range(0, len(within), size)), size
         assert crossed_first(within) is None
 
 
@@ -212,11 +219,15 @@ def test_body_over_the_limit_is_read_so_the_client_gets_the_413(strict, chunked)
     with connect(strict.url) as sock:
         if chunked:
             head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nTransfer-Encoding: chunked\r\n\r\n"
-            chunks = b"".join(b"%x\r\n" % 100_000 + body[i:i + 100_000] + b"\r\n" for i in range(0, len(body), 100_000))
+            chunks = b"".join(
+                b"%x\r\n" % 100_000 + body[i : i + 100_000] + b"\r\n" for i in range(0, len(body), 100_000)
+            )
             sock.sendall(head + chunks + b"0\r\n\r\n")
         else:
-            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n"
-                         % len(body) + body)
+            sock.sendall(
+                b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body
+            )
         status, answered = answer(sock)
     assert status == 413 and answered["error"]["code"] == "payload_too_large"
     assert "PADIM_MAX_UPLOAD_BYTES = 1000000" in answered["error"]["message"]
@@ -225,14 +236,17 @@ def test_body_over_the_limit_is_read_so_the_client_gets_the_413(strict, chunked)
 def test_client_gone_mid_body_is_counted_499_and_logged_as_info(strict):
     before = metric(strict.url, "padim_requests_total", route="/score", status="499")
     with connect(strict.url) as sock:
-        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n"
-                     + b"a" * 1000)
+        sock.sendall(
+            b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n"
+            + b"a" * 1000
+        )
         time.sleep(0.2)
     wait_for(lambda: metric(strict.url, "padim_requests_total", route="/score", status="499") == before + 1, 10)
     assert metric(strict.url, "padim_requests_total", route="/score", status="500") == 0
     entries = [json.loads(line) for line in strict.logs().splitlines() if line.startswith("{")]
-    assert any(e["message"] == "client disconnected before sending the whole request" and e["level"] == "info"
-               for e in entries)
+    assert any(
+        e["message"] == "client disconnected before sending the whole request" and e["level"] == "info" for e in entries
+    )
     assert not [e for e in entries if e["level"] == "error"] and "Traceback" not in strict.logs()
 
 
@@ -260,8 +274,13 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
         for _ in range(3):
             httpx.post(srv.url + "/score", content=small.getvalue(), headers={"content-type": "image/png"}, timeout=60)
         time.sleep(0.5)
-        post = lambda _: httpx.post(srv.url + "/score", content=big, headers={"content-type": "image/png"},
-                                    params={"heatmap": "true"}, timeout=300)
+        post = lambda _: httpx.post(
+            srv.url + "/score",
+            content=big,
+            headers={"content-type": "image/png"},
+            params={"heatmap": "true"},
+            timeout=300,
+        )
         responses, idle, peak = burst(srv.process.pid, post)
         after = rss_mb(srv.process.pid)
     assert [r.status_code for r in responses] == [200] * 16
@@ -291,8 +310,25 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
     from helpers import run_cli
 
     model = tmp_path / "tiled.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-            "--tiles", "3x3", "--tile-statistics", "shared", "--calibration-folds", 2, "--embedding-dim", 32)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--tiles",
+        "3x3",
+        "--tile-statistics",
+        "shared",
+        "--calibration-folds",
+        2,
+        "--embedding-dim",
+        32,
+    )
     pictures = {"image/png": line_camera_picture("PNG"), "image/jpeg": line_camera_picture("JPEG")}
     with running_server(tmp_path, [model]) as srv:
         described = httpx.get(srv.url + "/models").json()["models"][0]
@@ -301,8 +337,13 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
             httpx.post(srv.url + "/score", content=body, headers={"content-type": kind}, timeout=120)
         time.sleep(0.5)
         kinds = list(pictures) * 8
-        post = lambda i: httpx.post(srv.url + "/score", content=pictures[kinds[i]], params={"heatmap": "true"},
-                                    headers={"content-type": kinds[i]}, timeout=300)
+        post = lambda i: httpx.post(
+            srv.url + "/score",
+            content=pictures[kinds[i]],
+            params={"heatmap": "true"},
+            headers={"content-type": kinds[i]},
+            timeout=300,
+        )
         responses, idle, peak = burst(srv.process.pid, post)
     assert [r.status_code for r in responses] == [200] * 16
     heat = Image.open(io.BytesIO(base64.b64decode(responses[0].json()["heatmap"])))
@@ -319,8 +360,11 @@ def test_overload_is_refused_before_decoding_and_a_batch_over_the_queue_is_422(m
         assert too_many.status_code == 422 and too_many.json()["error"]["code"] == "batch_too_large"
 
         holder: dict = {}
-        thread = threading.Thread(target=lambda: holder.update(r=httpx.post(
-            srv.url + "/score/batch", files=[("file", ("a.png", big))] * 4, timeout=300)))
+        thread = threading.Thread(
+            target=lambda: holder.update(
+                r=httpx.post(srv.url + "/score/batch", files=[("file", ("a.png", big))] * 4, timeout=300)
+            )
+        )
         thread.start()
         wait_for(lambda: metric(srv.url, "padim_queue_depth", model="weave") == 4)  # 4 places taken, decoding
         # not an image at all: a 422 if it were decoded; a 503 because the queue is full is answered first
@@ -336,8 +380,11 @@ def test_drain_timeout_answers_503_shutting_down_and_exits_0(model_file, tmp_pat
     env = {"PADIM_DRAIN_TIMEOUT_S": "1", "PADIM_DECODE_PIXEL_BUDGET": "40000000"}
     with running_server(tmp_path, [model_file], env=env) as srv:
         holder: dict = {}
-        thread = threading.Thread(target=lambda: holder.update(r=httpx.post(
-            srv.url + "/score/batch", files=[("file", ("a.png", big))] * 16, timeout=120)))
+        thread = threading.Thread(
+            target=lambda: holder.update(
+                r=httpx.post(srv.url + "/score/batch", files=[("file", ("a.png", big))] * 16, timeout=120)
+            )
+        )
         thread.start()
         wait_for(lambda: metric(srv.url, "padim_queue_depth", model="weave") == 16)
         srv.process.send_signal(signal.SIGTERM)

@@ -4,7 +4,6 @@ import time
 
 import httpx
 import pytest
-
 from helpers import metric, normal_and_shifted, running_server, score_in_batches
 
 WINDOW = 40
@@ -27,10 +26,13 @@ def assert_metrics_agree(url: str, monitor: dict) -> None:
     assert metric(url, "padim_monitor_images", model="weave") == monitor["images"]
     for test in ("flag_rate", "score_drift", "input_drift"):
         assert metric(url, "padim_monitor_alarm", model="weave", test=test) == float(test in monitor["alarms"])
-        assert metric(url, "padim_monitor_p_value", model="weave", test=test) == pytest.approx(monitor[test]["p_value"],
-                                                                                               rel=1e-9, abs=1e-300)
+        assert metric(url, "padim_monitor_p_value", model="weave", test=test) == pytest.approx(
+            monitor[test]["p_value"], rel=1e-9, abs=1e-300
+        )
     assert metric(url, "padim_monitor_flag_rate", model="weave") == pytest.approx(monitor["flag_rate"]["rate"])
-    assert metric(url, "padim_model_normal_flag_rate", model="weave") == pytest.approx(monitor["flag_rate"]["normal_rate"])
+    assert metric(url, "padim_model_normal_flag_rate", model="weave") == pytest.approx(
+        monitor["flag_rate"]["normal_rate"]
+    )
 
 
 def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file, line, tmp_path):
@@ -54,12 +56,17 @@ def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file
         assert "look unlike the training images" in drift["verdict"] and "padim train --expect" in drift["verdict"]
         assert drift["input_drift"]["median_ratio"] > 1 and drift["score_drift"]["psi"] > 0.25
         assert_metrics_agree(server.url, drift)
-        answered = sum(metric(server.url, "padim_verdicts_total", model="weave", verdict=v) for v in ("anomalous", "normal"))
+        answered = sum(
+            metric(server.url, "padim_verdicts_total", model="weave", verdict=v) for v in ("anomalous", "normal")
+        )
         assert answered == 2 * WINDOW and metric(server.url, "padim_score_count", model="weave") == 2 * WINDOW
         # fixed: the window is forgotten, the counters are not
         after = httpx.post(server.url + "/models/weave/monitor/reset").json()
         assert after["status"] == "collecting" and after["images"] == 0 and after["recorded"] == 0
-        assert metric(server.url, "padim_verdicts_total", model="weave", verdict="anomalous") >= drift["flag_rate"]["flags"]
+        assert (
+            metric(server.url, "padim_verdicts_total", model="weave", verdict="anomalous")
+            >= drift["flag_rate"]["flags"]
+        )
         score_in_batches(server.url, normal)
         again = reading(server.url)
         assert again["status"] == "normal" and again["alarms"] == []

@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from PIL import Image
-
 from helpers import metric, running_server
+from PIL import Image
 
 SCORING, REVIEW, ADMIN = "scoring-key-1", "review-key-22", "admin-key-333"
 
@@ -26,8 +25,13 @@ def record_env(tmp_path, record_url, **more) -> dict:
 
 def score(url: str, path, fields: dict | None = None, headers: dict | None = None) -> httpx.Response:
     data = {"fields": json.dumps(fields)} if fields else {}
-    return httpx.post(url + "/score", files={"file": (path.name, path.read_bytes(), "image/png")}, data=data,
-                      headers=headers, timeout=60)
+    return httpx.post(
+        url + "/score",
+        files={"file": (path.name, path.read_bytes(), "image/png")},
+        data=data,
+        headers=headers,
+        timeout=60,
+    )
 
 
 def wait_recorded(url: str, rows: int, headers: dict | None = None, timeout: float = 60) -> dict:
@@ -55,6 +59,7 @@ def assert_row_is_the_answer(url: str, answer: dict, path, fields: dict, headers
 def test_every_answer_of_a_concurrent_load_has_its_row(model_file, dataset, record_url, tmp_path):
     pictures = sorted(dataset.glob("test/*/*.png"))
     with running_server(tmp_path, [model_file], env=record_env(tmp_path, record_url)) as server:
+
         def client(k: int) -> list:
             answers = []
             for i, path in enumerate(pictures):
@@ -64,11 +69,17 @@ def test_every_answer_of_a_concurrent_load_has_its_row(model_file, dataset, reco
                 if i % 3 == 0:  # a batch of two: fields as a list, one per file, in order
                     other = pictures[(i + 1) % len(pictures)]
                     both = [fields, {"part": "twin", "camera": "top"}]
-                    answer = httpx.post(server.url + "/score/batch", data={"fields": json.dumps(both)}, timeout=60,
-                                        files=[("file", (p.name, p.read_bytes(), "image/png")) for p in (path, other)])
+                    answer = httpx.post(
+                        server.url + "/score/batch",
+                        data={"fields": json.dumps(both)},
+                        timeout=60,
+                        files=[("file", (p.name, p.read_bytes(), "image/png")) for p in (path, other)],
+                    )
                     assert answer.status_code == 200, answer.text
                     body = answer.json()
-                    answers += [({**a, "model": body["model"]}, p, f) for a, p, f in zip(body["results"], (path, other), both)]
+                    answers += [
+                        ({**a, "model": body["model"]}, p, f) for a, p, f in zip(body["results"], (path, other), both)
+                    ]
                 else:
                     answer = score(server.url, path, fields)
                     assert answer.status_code == 200, answer.text
@@ -78,7 +89,9 @@ def test_every_answer_of_a_concurrent_load_has_its_row(model_file, dataset, reco
         with ThreadPoolExecutor(4) as pool:
             answers = [a for part in pool.map(client, range(4)) for a in part]
         report = wait_recorded(server.url, len(answers))
-        assert report["rows"] == len(answers) and report["database"] == ("sqlite" if record_url is None else "postgresql")
+        assert report["rows"] == len(answers) and report["database"] == (
+            "sqlite" if record_url is None else "postgresql"
+        )
         assert len({a["record_id"] for a, _, _ in answers}) == len(answers)
         for answer, path, fields in answers:
             assert_row_is_the_answer(server.url, answer, path, fields)
@@ -92,8 +105,9 @@ def test_every_answer_of_a_concurrent_load_has_its_row(model_file, dataset, reco
 
 @pytest.mark.postgres
 @pytest.mark.load_sensitive
-def test_rows_wait_in_the_journal_while_postgres_is_down_and_none_is_lost(model_file, dataset, postgres_cluster,
-                                                                          tmp_path):
+def test_rows_wait_in_the_journal_while_postgres_is_down_and_none_is_lost(
+    model_file, dataset, postgres_cluster, tmp_path
+):
     pictures = sorted(dataset.glob("test/*/*.png"))
     env = record_env(tmp_path, postgres_cluster.new_database())
     with running_server(tmp_path, [model_file], env=env) as server:
@@ -117,7 +131,9 @@ def test_rows_wait_in_the_journal_while_postgres_is_down_and_none_is_lost(model_
         assert report["rows"] == len(ids) and report["database_up"]
         listed, cursor = [], None
         while True:
-            page = httpx.get(server.url + "/records", params={"limit": 500, **({"cursor": cursor} if cursor else {})}).json()
+            page = httpx.get(
+                server.url + "/records", params={"limit": 500, **({"cursor": cursor} if cursor else {})}
+            ).json()
             listed += [r["id"] for r in page["records"]]
             if page["next"] is None:
                 break
@@ -127,11 +143,13 @@ def test_rows_wait_in_the_journal_while_postgres_is_down_and_none_is_lost(model_
 
 @pytest.mark.postgres
 @pytest.mark.load_sensitive
-def test_required_rows_answer_503_only_when_the_journal_cannot_take_them(model_file, dataset, postgres_cluster,
-                                                                         tmp_path):
+def test_required_rows_answer_503_only_when_the_journal_cannot_take_them(
+    model_file, dataset, postgres_cluster, tmp_path
+):
     pictures = sorted(dataset.glob("test/*/*.png"))
-    env = record_env(tmp_path, postgres_cluster.new_database(), PADIM_RECORD_REQUIRED="true",
-                     PADIM_RECORD_JOURNAL_MAX_BYTES="4000")  # about six rows
+    env = record_env(
+        tmp_path, postgres_cluster.new_database(), PADIM_RECORD_REQUIRED="true", PADIM_RECORD_JOURNAL_MAX_BYTES="4000"
+    )  # about six rows
     with running_server(tmp_path, [model_file], env=env) as server:
         wait_recorded(server.url, 0)
         postgres_cluster.stop()
@@ -209,18 +227,28 @@ def test_keys_reviews_and_bad_input(model_file, dataset, tmp_path):
         assert httpx.post(record + "/review", json=said, headers=review).status_code == 200
         again = httpx.post(record + "/review", json={"label": "defect", "defect_type": "hole"}, headers=admin).json()
         assert again["label"] == "defect" and [r["label"] for r in again["reviews"]] == ["normal", "defect"]
-        assert httpx.get(server.url + "/records", params={"label": "defect"}, headers=scoring).json()["records"][0][
-            "id"] == answer["record_id"]
+        assert (
+            httpx.get(server.url + "/records", params={"label": "defect"}, headers=scoring).json()["records"][0]["id"]
+            == answer["record_id"]
+        )
         unknown = httpx.post(f"{server.url}/records/{'0' * 32}/review", json=said, headers=review)
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "record_not_found"
         bad_label = httpx.post(record + "/review", json={"label": "maybe"}, headers=review)
         assert bad_label.status_code == 422 and bad_label.json()["error"]["code"] == "invalid_parameter"
         for fields in ('{"Part": "x"}', '{"part": 3}', "[1]", "not json"):
-            bad = httpx.post(server.url + "/score", files={"file": (path.name, path.read_bytes(), "image/png")},
-                             data={"fields": fields}, headers=scoring)
+            bad = httpx.post(
+                server.url + "/score",
+                files={"file": (path.name, path.read_bytes(), "image/png")},
+                data={"fields": fields},
+                headers=scoring,
+            )
             assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_fields", fields
-        raw = httpx.post(server.url + "/score", content=path.read_bytes(), timeout=60,
-                         headers={**scoring, "Content-Type": "image/png", "X-Padim-Fields": '{"line": "7"}'}).json()
+        raw = httpx.post(
+            server.url + "/score",
+            content=path.read_bytes(),
+            timeout=60,
+            headers={**scoring, "Content-Type": "image/png", "X-Padim-Fields": '{"line": "7"}'},
+        ).json()
         wait_recorded(server.url, 2, headers=scoring)
         assert httpx.get(f"{server.url}/records/{raw['record_id']}", headers=scoring).json()["fields"] == {"line": "7"}
         assert metric(server.url, "padim_reviews_total", model="weave", label="defect") == 1

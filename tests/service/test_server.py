@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli, running_server
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli, running_server
 from padim.core.artifact import FORMAT_VERSION, read_header
 
 
@@ -52,9 +52,15 @@ def test_raw_body_and_named_model_and_threshold_override(server, dataset):
     raw = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"})
     named = httpx.post(server.url + "/models/weave/score", content=data, headers={"content-type": "image/png"})
     assert raw.json()["raw_score"] == pytest.approx(named.json()["raw_score"], rel=1e-6)
-    strict = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, params={"threshold": 1.0})
+    strict = httpx.post(
+        server.url + "/score", content=data, headers={"content-type": "image/png"}, params={"threshold": 1.0}
+    )
     lenient = httpx.post(server.url + "/score", files={"file": ("x.png", data)}, data={"threshold": "0"})
-    assert strict.json()["is_anomaly"] is False and strict.json()["threshold"] == 1.0 and strict.json()["anomalous_area"] == 0.0
+    assert (
+        strict.json()["is_anomaly"] is False
+        and strict.json()["threshold"] == 1.0
+        and strict.json()["anomalous_area"] == 0.0
+    )
     assert lenient.json()["is_anomaly"] is True and lenient.json()["anomalous_area"] == 1.0
 
 
@@ -69,8 +75,9 @@ def test_octet_stream_body_is_scored_like_an_image_body(server, dataset):
 def test_threshold_zero_or_one_has_no_raw_value_and_says_so(server, dataset):
     data = (dataset / "test" / "good" / "000.png").read_bytes()
     for threshold, anomalous in ((0.0, True), (1.0, False)):
-        answer = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"},
-                            params={"threshold": threshold}).json()
+        answer = httpx.post(
+            server.url + "/score", content=data, headers={"content-type": "image/png"}, params={"threshold": threshold}
+        ).json()
         assert answer["raw_threshold"] is None and answer["is_anomaly"] is anomalous
 
 
@@ -96,11 +103,23 @@ def test_predict_and_serve_agree_under_every_runtime(runtime, model_file, datase
         run_cli("-q", "export", model_file, "--output", tmp_path / "export")
         model, flags = tmp_path / "export", ()
     run_cli("-q", "predict", model, dataset / "test", "--output", tmp_path / "p", "--no-heatmaps", "--no-maps", *flags)
-    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path / "t", "--no-heatmaps", "--no-maps",
-            "--runtime", "torch")
+    run_cli(
+        "-q",
+        "predict",
+        model_file,
+        dataset / "test",
+        "--output",
+        tmp_path / "t",
+        "--no-heatmaps",
+        "--no-maps",
+        "--runtime",
+        "torch",
+    )
     records = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
-    torch_scores = {json.loads(line)["path"]: json.loads(line)["raw_score"]
-                    for line in (tmp_path / "t" / "results.jsonl").read_text().splitlines()}
+    torch_scores = {
+        json.loads(line)["path"]: json.loads(line)["raw_score"]
+        for line in (tmp_path / "t" / "results.jsonl").read_text().splitlines()
+    }
     with running_server(tmp_path, [model], args=flags) as served:
         described = httpx.get(served.url + "/models").json()["models"][0]
         assert described["runtime"] == ("onnxruntime" if runtime == "export" else runtime)
@@ -133,8 +152,13 @@ def test_64_concurrent_requests_equal_their_sequential_scores(server, dataset):
         # batches of any composition give the same score, to float32 round-off
         assert response.json()["raw_score"] == pytest.approx(sequential[path], rel=1e-5)
     metrics = httpx.get(server.url + "/metrics").text
-    sizes = {s.labels.get("le"): s.value for f in text_string_to_metric_families(metrics)
-             if f.name == "padim_batch_size" for s in f.samples if s.name.endswith("_bucket")}
+    sizes = {
+        s.labels.get("le"): s.value
+        for f in text_string_to_metric_families(metrics)
+        if f.name == "padim_batch_size"
+        for s in f.samples
+        if s.name.endswith("_bucket")
+    }
     assert sizes["1.0"] < sizes["+Inf"], "concurrent requests should have been batched together"
 
 
@@ -145,30 +169,35 @@ def truncated_png(dataset) -> bytes:
 
 def bomb_png(width: int, height: int) -> bytes:
     """A valid PNG header announcing a huge image, with a tiny body."""
+
     def chunk(kind, payload):
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
-@pytest.mark.parametrize("case, status, code", [
-    ("empty", 422, "empty_body"),
-    ("not_image", 422, "invalid_image"),
-    ("truncated_png", 422, "invalid_image"),
-    ("truncated_jpeg", 422, "invalid_image"),
-    ("text_type", 415, "unsupported_media_type"),
-    ("no_file_field", 422, "missing_file"),
-    ("too_large", 413, "payload_too_large"),
-    ("too_large_chunked", 413, "payload_too_large"),
-    ("bomb", 413, "image_too_large"),
-    ("absurd_bomb", 413, "image_too_large"),
-    ("batch_over_limit", 422, "batch_too_large"),
-    ("two_files_to_score", 422, "too_many_files"),
-    ("form_flag_not_json_bool", 422, "invalid_parameter"),
-    ("unknown_model", 404, "model_not_found"),
-    ("threshold_query", 422, "invalid_parameter"),
-    ("threshold_form", 422, "invalid_parameter"),
-])
+@pytest.mark.parametrize(
+    "case, status, code",
+    [
+        ("empty", 422, "empty_body"),
+        ("not_image", 422, "invalid_image"),
+        ("truncated_png", 422, "invalid_image"),
+        ("truncated_jpeg", 422, "invalid_image"),
+        ("text_type", 415, "unsupported_media_type"),
+        ("no_file_field", 422, "missing_file"),
+        ("too_large", 413, "payload_too_large"),
+        ("too_large_chunked", 413, "payload_too_large"),
+        ("bomb", 413, "image_too_large"),
+        ("absurd_bomb", 413, "image_too_large"),
+        ("batch_over_limit", 422, "batch_too_large"),
+        ("two_files_to_score", 422, "too_many_files"),
+        ("form_flag_not_json_bool", 422, "invalid_parameter"),
+        ("unknown_model", 404, "model_not_found"),
+        ("threshold_query", 422, "invalid_parameter"),
+        ("threshold_form", 422, "invalid_parameter"),
+    ],
+)
 def test_bad_input_gets_a_clear_answer_and_the_server_stays_up(server, dataset, case, status, code):
     url, png = server.url + "/score", (dataset / "test" / "good" / "000.png").read_bytes()
     jpeg = png_bytes(Image.open(io.BytesIO(png)).convert("RGB"), "JPEG")
@@ -176,19 +205,27 @@ def test_bad_input_gets_a_clear_answer_and_the_server_stays_up(server, dataset, 
         "empty": lambda: httpx.post(url, content=b"", headers={"content-type": "image/png"}),
         "not_image": lambda: httpx.post(url, files={"file": ("a.png", b"definitely not an image")}),
         "truncated_png": lambda: httpx.post(url, content=truncated_png(dataset), headers={"content-type": "image/png"}),
-        "truncated_jpeg": lambda: httpx.post(url, content=jpeg[: len(jpeg) // 3], headers={"content-type": "image/jpeg"}),
+        "truncated_jpeg": lambda: httpx.post(
+            url, content=jpeg[: len(jpeg) // 3], headers={"content-type": "image/jpeg"}
+        ),
         "text_type": lambda: httpx.post(url, content=b"hello", headers={"content-type": "text/plain"}),
         "no_file_field": lambda: httpx.post(url, data={"image": "x"}, files={"other": ("a.png", png)}),
         "too_large": lambda: httpx.post(url, content=b"\0" * 21_000_000, headers={"content-type": "image/png"}),
-        "too_large_chunked": lambda: httpx.post(url, content=(b"\0" * 1_000_000 for _ in range(25)), headers={"content-type": "image/png"}),
+        "too_large_chunked": lambda: httpx.post(
+            url, content=(b"\0" * 1_000_000 for _ in range(25)), headers={"content-type": "image/png"}
+        ),
         "bomb": lambda: httpx.post(url, content=bomb_png(20000, 20000), headers={"content-type": "image/png"}),
         # beyond Pillow's own bomb limit (2 x 89478485 pixels), which it refuses before we see the size
         "absurd_bomb": lambda: httpx.post(url, content=bomb_png(100000, 100000), headers={"content-type": "image/png"}),
         "batch_over_limit": lambda: httpx.post(server.url + "/score/batch", files=[("file", ("a.png", png))] * 33),
         "two_files_to_score": lambda: httpx.post(url, files=[("file", ("a.png", png)), ("file", ("b.png", png))]),
         "form_flag_not_json_bool": lambda: httpx.post(url, files={"file": ("a.png", png)}, data={"heatmap": "yes"}),
-        "unknown_model": lambda: httpx.post(server.url + "/models/nope/score", content=png, headers={"content-type": "image/png"}),
-        "threshold_query": lambda: httpx.post(url, content=png, headers={"content-type": "image/png"}, params={"threshold": 1.5}),
+        "unknown_model": lambda: httpx.post(
+            server.url + "/models/nope/score", content=png, headers={"content-type": "image/png"}
+        ),
+        "threshold_query": lambda: httpx.post(
+            url, content=png, headers={"content-type": "image/png"}, params={"threshold": 1.5}
+        ),
         "threshold_form": lambda: httpx.post(url, files={"file": ("a.png", png)}, data={"threshold": "-0.1"}),
     }
     try:
@@ -218,22 +255,37 @@ def test_health_models_docs_and_metrics(server, model_file):
     assert str(model_file.parent) not in models_text and "/tmp" not in models_text and ".padim" not in models_text
     calibration = info["calibration"]
     assert calibration["scores"] == 30 and calibration["source"] == "out_of_fold" and calibration["threshold"] > 0
-    assert calibration["false_alarm_rate"] == 0.01 and 0 < calibration["promised_false_alarm_rate"] <= calibration["false_alarm_bound"]
+    assert (
+        calibration["false_alarm_rate"] == 0.01
+        and 0 < calibration["promised_false_alarm_rate"] <= calibration["false_alarm_bound"]
+    )
     # what the promise covers: the changes of the line the model was trained to expect (train --expect)
     header = read_header(model_file)["config"]
     assert calibration["expect"] == header["expect"] and calibration["fit_changes"] == (
-        bool(header["expect"]) and header["fit_changes"])
-    assert calibration["covers"].startswith("pictures within the declared changes" if header["expect"]
-                                            else "pictures like the training pictures")
+        bool(header["expect"]) and header["fit_changes"]
+    )
+    assert calibration["covers"].startswith(
+        "pictures within the declared changes" if header["expect"] else "pictures like the training pictures"
+    )
     assert httpx.get(server.url + "/docs").status_code == 200
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/score", "/score/batch", "/models/{name}/score", "/health/ready", "/metrics"} <= set(spec["paths"])
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("padim_requests", "padim_request_latency_seconds", "padim_queue_wait_seconds", "padim_batch_size",
-                 "padim_requests_in_flight", "padim_model_load_seconds"):
+    for name in (
+        "padim_requests",
+        "padim_request_latency_seconds",
+        "padim_queue_wait_seconds",
+        "padim_batch_size",
+        "padim_requests_in_flight",
+        "padim_model_load_seconds",
+    ):
         assert name in families, name
-    statuses = {(s.labels["route"], s.labels["status"]) for s in families["padim_requests"].samples if s.name == "padim_requests_total"}
+    statuses = {
+        (s.labels["route"], s.labels["status"])
+        for s in families["padim_requests"].samples
+        if s.name == "padim_requests_total"
+    }
     assert ("/health/ready", "200") in statuses
 
 
@@ -251,7 +303,9 @@ def test_logs_are_json_lines_with_request_ids(server):
 def test_api_key(model_file, dataset, tmp_path):
     png = (dataset / "test" / "good" / "000.png").read_bytes()
     with running_server(tmp_path, [model_file], env={"PADIM_API_KEY": "s3cret"}) as srv:
-        score = lambda **headers: httpx.post(srv.url + "/score", content=png, headers={"content-type": "image/png", **headers})
+        score = lambda **headers: httpx.post(
+            srv.url + "/score", content=png, headers={"content-type": "image/png", **headers}
+        )
         assert score().status_code == 401 and score().json()["error"]["code"] == "unauthorized"
         assert score(**{"x-api-key": "wrong"}).status_code == 401
         assert score(**{"x-api-key": "s3cret"}).status_code == 200
@@ -287,8 +341,8 @@ def test_bad_model_file_stops_start_up_with_one_line(model_file, tmp_path, probl
     if problem == "truncated":
         path.write_bytes(model_file.read_bytes()[:100_000])
     elif problem == "newer":
-        from padim.core.artifact import load_artifact, save_artifact
         from padim.core import artifact
+        from padim.core.artifact import load_artifact, save_artifact
 
         tensors, header = load_artifact(model_file)
         header["format_version"] = FORMAT_VERSION + 1
@@ -323,8 +377,11 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
             request_id = uuid.uuid4().hex
             try:
                 with httpx.Client(timeout=60) as c:  # a fresh connection per request
-                    r = c.post(srv.url + "/score", content=png,
-                               headers={"content-type": "image/png", "connection": "close", "x-request-id": request_id})
+                    r = c.post(
+                        srv.url + "/score",
+                        content=png,
+                        headers={"content-type": "image/png", "connection": "close", "x-request-id": request_id},
+                    )
                 outcome = r.status_code
             except httpx.ConnectError:
                 outcome = "refused"  # the listener was already closed
@@ -345,8 +402,9 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
             t.join(60)
         code = srv.process.wait(30)
     assert code == 0, srv.logs()
-    received = {e["request_id"]: e["status"] for e in map(json.loads, srv.logs().splitlines())
-                if e.get("route") == "/score"}
+    received = {
+        e["request_id"]: e["status"] for e in map(json.loads, srv.logs().splitlines()) if e.get("route") == "/score"
+    }
     assert set(received.values()) == {200}
     for request_id, outcome in outcomes:
         if outcome == 200:
@@ -359,7 +417,9 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
 def test_serve_takes_models_positionally_like_the_other_commands(model_file, tmp_path):
     copy = tmp_path / "line4.padim"
     copy.write_bytes(model_file.read_bytes())
-    with running_server(tmp_path, [model_file], args=(str(copy),)) as running:  # `serve line4.padim --model weave.padim`
+    with running_server(
+        tmp_path, [model_file], args=(str(copy),)
+    ) as running:  # `serve line4.padim --model weave.padim`
         listing = httpx.get(running.url + "/models", timeout=10).json()
     assert listing["default"] == "line4" and [m["name"] for m in listing["models"]] == ["line4", "weave"]
 
@@ -368,8 +428,23 @@ def test_a_framed_model_is_served_as_predict_scores_it(dataset, tmp_path):
     """Region of interest + pad: the service frames as train did, maps back onto the picture, refuses a
     picture that cannot hold the region, and GET /models says how it frames."""
     model = tmp_path / "framed.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--roi",
+        "8,16,80,64",
+        "--resize",
+        "pad",
+        "--calibration-folds",
+        2,
+    )
     run_cli("-q", "predict", model, dataset / "test" / "hole" / "000.png", "--output", tmp_path / "p")
     expected = json.loads((tmp_path / "p" / "results.jsonl").read_text().splitlines()[0])
     with running_server(tmp_path, [model]) as srv:
@@ -382,8 +457,9 @@ def test_a_framed_model_is_served_as_predict_scores_it(dataset, tmp_path):
         assert mask.shape == (96, 96) and not mask[outside].any()
         heat = np.asarray(Image.open(io.BytesIO(base64.b64decode(got.json()["heatmap"]))).convert("RGB"), dtype=int)
         assert heat.shape == (96, 96, 3) and np.ptp(heat[0:10, 0:96], axis=2).max() <= 2  # outside: greyed out
-        small = httpx.post(srv.url + "/score", content=png_bytes(Image.new("RGB", (50, 50))),
-                           headers={"content-type": "image/png"})
+        small = httpx.post(
+            srv.url + "/score", content=png_bytes(Image.new("RGB", (50, 50))), headers={"content-type": "image/png"}
+        )
         assert small.status_code == 422 and "does not lie inside this 50x50 picture" in small.json()["error"]["message"]
         described = httpx.get(srv.url + "/models").json()["models"][0]
         assert described["roi"] == [8, 16, 80, 64] and described["resize"] == "pad"

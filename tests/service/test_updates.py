@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from helpers import normal_and_shifted, run_cli, running_server
 
 ADMIN, REVIEW = "admin-key-333", "review-key-22"
@@ -20,8 +19,12 @@ def line(model_file, tmp_path):
     """A repository with the session's model as version 1, served with the record on and keys."""
     repository = tmp_path / "repository"
     run_cli("repository", "add", repository, "weave", model_file, "--activate")
-    env = {"PADIM_ADMIN_KEY": ADMIN, "PADIM_REVIEW_KEY": REVIEW, "PADIM_RUNTIME": "torch",
-           "PADIM_RECORD_DIR": str(tmp_path / "record")}
+    env = {
+        "PADIM_ADMIN_KEY": ADMIN,
+        "PADIM_REVIEW_KEY": REVIEW,
+        "PADIM_RUNTIME": "torch",
+        "PADIM_RECORD_DIR": str(tmp_path / "record"),
+    }
     return repository, env, ("--repository", str(repository), "--device", "cpu")
 
 
@@ -29,10 +32,14 @@ def score_all(url: str, paths) -> list[dict]:
     """Each picture's answer, eight a request, with its part number in the record."""
     answers = []
     for first in range(0, len(paths), 8):
-        chunk = paths[first:first + 8]
-        answer = httpx.post(url + "/score/batch", timeout=60, headers=admin,
-                            files=[("file", (p.name, p.read_bytes(), "image/png")) for p in chunk],
-                            data={"fields": json.dumps([{"part": p.stem} for p in chunk])})
+        chunk = paths[first : first + 8]
+        answer = httpx.post(
+            url + "/score/batch",
+            timeout=60,
+            headers=admin,
+            files=[("file", (p.name, p.read_bytes(), "image/png")) for p in chunk],
+            data={"fields": json.dumps([{"part": p.stem} for p in chunk])},
+        )
         assert answer.status_code == 200, answer.text
         answers += answer.json()["results"]
     return answers
@@ -104,8 +111,10 @@ def test_false_alarms_reviewed_as_normal_are_learned_into_a_version_that_no_long
         assert activated.status_code == 200, activated.text
         after = score_all(server.url, shifted[60:])
         assert all(a["record_id"] for a in after)
-        assert flags(after) <= flags(others_before) / 3 and flags(after) <= 0.15 * len(after), \
-            (flags(others_before), flags(after))
+        assert flags(after) <= flags(others_before) / 3 and flags(after) <= 0.15 * len(after), (
+            flags(others_before),
+            flags(after),
+        )
         wait_rows(server.url, len(before) + len(seen_defects) + 2 * len(still))
         rows = httpx.get(server.url + "/records", params={"version": 2, "limit": 500}, headers=admin).json()["records"]
         assert len(rows) == len(after)  # every step on the record: answers of version 2 name it
@@ -132,8 +141,9 @@ def test_false_alarms_reviewed_as_normal_are_learned_into_a_version_that_no_long
         # version 3 has learned every review (the active version 2 still holds the wrong picture)
         nothing = httpx.post(server.url + "/models/weave/update", json={"version": 3}, headers=admin)
         assert nothing.status_code == 409 and nothing.json()["error"]["code"] == "nothing_to_update"
-        not_normal = httpx.post(server.url + "/models/weave/update", json={"records": [wrong["record_id"]]},
-                                headers=admin)
+        not_normal = httpx.post(
+            server.url + "/models/weave/update", json={"records": [wrong["record_id"]]}, headers=admin
+        )
         assert not_normal.status_code == 422 and "reviewed as normal" in not_normal.json()["error"]["message"]
         unknown = httpx.post(server.url + "/models/weave/update", json={"records": ["f" * 32]}, headers=admin)
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "record_not_found"
@@ -142,8 +152,20 @@ def test_false_alarms_reviewed_as_normal_are_learned_into_a_version_that_no_long
         assert httpx.get(f"{server.url}/jobs/{'0' * 32}", headers=admin).status_code == 404
 
         slim = tmp_path / "slim.padim"
-        run_cli("-q", "train", dataset / "train" / "good", "--output", slim, "--weights", "random", "--image-size", 64,
-                "--batch-size", 8, "--slim")
+        run_cli(
+            "-q",
+            "train",
+            dataset / "train" / "good",
+            "--output",
+            slim,
+            "--weights",
+            "random",
+            "--image-size",
+            64,
+            "--batch-size",
+            8,
+            "--slim",
+        )
         added = json.loads(run_cli("repository", "add", repository, "weave", slim).stdout)
         refused = httpx.post(server.url + "/models/weave/update", json={"version": added["version"]}, headers=admin)
         assert refused.status_code == 422 and refused.json()["error"]["code"] == "not_updatable"
@@ -167,8 +189,9 @@ def test_the_gate_holds_back_a_version_that_loses_recall(line, tmp_path):
         assert not result["activated"] and "gate failed" in result["not_activated"]
         refused = httpx.post(server.url + "/models/weave/versions/2/activate", headers=admin)
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "update_gate_failed"
-        forced = httpx.post(server.url + "/models/weave/versions/2/activate", params={"force": "true"}, headers=admin,
-                            timeout=120)
+        forced = httpx.post(
+            server.url + "/models/weave/versions/2/activate", params={"force": "true"}, headers=admin, timeout=120
+        )
         assert forced.status_code == 200 and forced.json()["active"]
         version = json.loads((repository / "weave" / "2" / "version.json").read_text())
         assert version["update"]["forced"][0]["gate"] == gate["why"]

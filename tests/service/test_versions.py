@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import IMAGE_SIZE, SCORE_RTOL, metric, run_cli, running_server
+
 from padim.models.model_file import served_bytes
 from padim.models.repository import Repository
 from padim.service.app import create_app
@@ -33,8 +33,23 @@ OCTET = {"content-type": "application/octet-stream"}
 def second_model(dataset, tmp_path_factory) -> Path:
     """Another model of the same line: other random projection (another --seed), so other raw scores."""
     path = tmp_path_factory.mktemp("second") / "weave-v2.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size",
-            IMAGE_SIZE, "--batch-size", 8, "--seed", 1, "--false-alarm-rate", 0.05)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--batch-size",
+        8,
+        "--seed",
+        1,
+        "--false-alarm-rate",
+        0.05,
+    )
     return path
 
 
@@ -77,13 +92,22 @@ def wait_ready(client) -> None:
 
 
 def in_process(root: Path, **settings):
-    settings = {"repository": root, "admin_key": ADMIN, "api_key": SCORING, "device": "cpu", "runtime": "torch", **settings}
+    settings = {
+        "repository": root,
+        "admin_key": ADMIN,
+        "api_key": SCORING,
+        "device": "cpu",
+        "runtime": "torch",
+        **settings,
+    }
     return TestClient(create_app(ServiceSettings(**settings)))
 
 
 # --------------------------------------------------------------------------- a real server under load
 @pytest.mark.load_sensitive
-def test_upload_activate_and_roll_back_under_load_fail_no_request(model_file, second_model, predicted, dataset, tmp_path):
+def test_upload_activate_and_roll_back_under_load_fail_no_request(
+    model_file, second_model, predicted, dataset, tmp_path
+):
     root = repository_with(tmp_path, model_file)
     env = {"PADIM_ADMIN_KEY": ADMIN, "PADIM_API_KEY": SCORING, "PADIM_RUNTIME": "torch"}
     answers: list[tuple[float, float, int, dict]] = []  # (sent, answered, status, body)
@@ -104,8 +128,12 @@ def test_upload_activate_and_roll_back_under_load_fail_no_request(model_file, se
         admin = httpx.Client(base_url=server.url, timeout=120, headers={"x-api-key": ADMIN})
         time.sleep(1.0)
         activate_sent = time.monotonic()
-        uploaded = admin.post("/models/weave/versions", params={"activate": "true"}, content=second_model.read_bytes(),
-                              headers={**OCTET, "x-content-sha256": hashlib.sha256(second_model.read_bytes()).hexdigest()})
+        uploaded = admin.post(
+            "/models/weave/versions",
+            params={"activate": "true"},
+            content=second_model.read_bytes(),
+            headers={**OCTET, "x-content-sha256": hashlib.sha256(second_model.read_bytes()).hexdigest()},
+        )
         activated = time.monotonic()
         assert uploaded.status_code == 201, uploaded.text
         assert uploaded.json()["version"] == 2 and uploaded.json()["active"]
@@ -121,9 +149,11 @@ def test_upload_activate_and_roll_back_under_load_fail_no_request(model_file, se
         listed = admin.get("/models/weave/versions").json()["versions"]
         swaps = metric(server.url, "padim_model_changes_total", model="weave", change="activate")
         rollbacks = metric(server.url, "padim_model_changes_total", model="weave", change="rollback")
-        by_version = {v: metric(server.url, "padim_verdicts_total", model="weave", version=str(v), verdict="normal")
-                      + metric(server.url, "padim_verdicts_total", model="weave", version=str(v), verdict="anomalous")
-                      for v in (1, 2)}
+        by_version = {
+            v: metric(server.url, "padim_verdicts_total", model="weave", version=str(v), verdict="normal")
+            + metric(server.url, "padim_verdicts_total", model="weave", version=str(v), verdict="anomalous")
+            for v in (1, 2)
+        }
         logs = server.logs()
     assert answers and all(status == 200 for _, _, status, _ in answers), [a for a in answers if a[2] != 200][:3]
     reference = {1: predicted["first"]["raw_score"], 2: predicted["second"]["raw_score"]}
@@ -145,7 +175,8 @@ def test_upload_activate_and_roll_back_under_load_fail_no_request(model_file, se
 
 # --------------------------------------------------------------------------- inside the server
 def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_version_that_admitted_it(
-        model_file, second_model, predicted, dataset, tmp_path):
+    model_file, second_model, predicted, dataset, tmp_path
+):
     root = repository_with(tmp_path, model_file)
     with in_process(root) as client:
         wait_ready(client)
@@ -161,8 +192,11 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
             time.sleep(0.02)
         first = state.models["weave"]
         assert first.in_flight == 1
-        uploaded = client.post("/models/weave/versions?activate=true", content=second_model.read_bytes(),
-                               headers={**OCTET, "x-api-key": ADMIN})
+        uploaded = client.post(
+            "/models/weave/versions?activate=true",
+            content=second_model.read_bytes(),
+            headers={**OCTET, "x-api-key": ADMIN},
+        )
         assert uploaded.status_code == 201 and state.models["weave"].version == 2  # swapped while the batch waits
         assert first.retired and first in state.retired and first.batcher._task is not None
         release.set()
@@ -170,7 +204,9 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
         waiting.join(30)
         assert result["model"]["version"] == 1
         assert result["raw_score"] == pytest.approx(predicted["first"]["raw_score"], rel=SCORE_RTOL)
-        assert result["score"] == pytest.approx(predicted["first"]["score"], abs=1e-6)  # judged by version 1's calibration
+        assert result["score"] == pytest.approx(
+            predicted["first"]["score"], abs=1e-6
+        )  # judged by version 1's calibration
         after = score(client, dataset)
         assert after["model"]["version"] == 2
         assert after["raw_score"] == pytest.approx(predicted["second"]["raw_score"], rel=SCORE_RTOL)
@@ -187,8 +223,18 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
 def test_bad_input_changes_nothing(model_file, second_model, dataset, tmp_path):
     root = repository_with(tmp_path, model_file)
     partial = tmp_path / "partial.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", partial, "--weights", "random", "--image-size",
-            IMAGE_SIZE, "--partial")
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        partial,
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--partial",
+    )
     body = second_model.read_bytes()
     admin = {"x-api-key": ADMIN}
     with in_process(root) as client:
@@ -206,10 +252,16 @@ def test_bad_input_changes_nothing(model_file, second_model, dataset, tmp_path):
         refused(client.post(upload, content=body[: len(body) // 2], headers={**OCTET, **admin}), 422, "invalid_model")
         refused(client.post(upload, content=b"\0" * 4096, headers={**OCTET, **admin}), 422, "invalid_model")
         refused(client.post(upload, content=partial.read_bytes(), headers={**OCTET, **admin}), 422, "invalid_model")
-        refused(client.post(upload, content=body, headers={**OCTET, **admin, "x-content-sha256": "0" * 64}),
-                400, "digest_mismatch")
-        refused(client.post(upload, content=body, headers={"content-type": "image/png", **admin}), 415,
-                "unsupported_media_type")
+        refused(
+            client.post(upload, content=body, headers={**OCTET, **admin, "x-content-sha256": "0" * 64}),
+            400,
+            "digest_mismatch",
+        )
+        refused(
+            client.post(upload, content=body, headers={"content-type": "image/png", **admin}),
+            415,
+            "unsupported_media_type",
+        )
         refused(client.post(upload, content=b"", headers={**OCTET, **admin}), 422, "empty_body")
         refused(client.post("/models/weave/versions/9/activate", headers=admin), 404, "version_not_found")
         refused(client.post("/models/other/versions/1/activate", headers=admin), 404, "version_not_found")
@@ -224,8 +276,12 @@ def test_bad_input_changes_nothing(model_file, second_model, dataset, tmp_path):
         # two activations racing: one goes through, the other is told another change is under way
         assert client.post(upload, content=body, headers={**OCTET, **admin}).status_code == 201
         answers: list = []
-        racers = [threading.Thread(target=lambda: answers.append(client.post("/models/weave/versions/2/activate",
-                                                                             headers=admin))) for _ in range(2)]
+        racers = [
+            threading.Thread(
+                target=lambda: answers.append(client.post("/models/weave/versions/2/activate", headers=admin))
+            )
+            for _ in range(2)
+        ]
         for racer in racers:
             racer.start()
         for racer in racers:
@@ -238,24 +294,37 @@ def test_bad_input_changes_nothing(model_file, second_model, dataset, tmp_path):
 def test_a_fixed_set_of_models_cannot_be_changed(model_file, dataset):
     with TestClient(create_app(ServiceSettings(models=[model_file], admin_key=ADMIN, device="cpu"))) as client:
         wait_ready(client)
-        for response in (client.post("/models/weave/versions", content=model_file.read_bytes(),
-                                     headers={**OCTET, "x-api-key": ADMIN}),
-                         client.post("/models/weave/rollback", headers={"x-api-key": ADMIN}),
-                         client.post("/models/weave/versions/1/activate", headers={"x-api-key": ADMIN})):
+        for response in (
+            client.post(
+                "/models/weave/versions", content=model_file.read_bytes(), headers={**OCTET, "x-api-key": ADMIN}
+            ),
+            client.post("/models/weave/rollback", headers={"x-api-key": ADMIN}),
+            client.post("/models/weave/versions/1/activate", headers={"x-api-key": ADMIN}),
+        ):
             assert response.status_code == 409 and response.json()["error"]["code"] == "read_only_models", response.text
             assert "PADIM_REPOSITORY" in response.json()["error"]["message"]
         listed = client.get("/models/weave/versions", headers={"x-api-key": ADMIN}).json()["versions"]
         assert [(v["version"], v["active"]) for v in listed] == [(1, True)]
 
 
-def test_the_scoring_key_cannot_change_models_and_without_an_admin_key_the_routes_do_not_exist(model_file, dataset, tmp_path):
+def test_the_scoring_key_cannot_change_models_and_without_an_admin_key_the_routes_do_not_exist(
+    model_file, dataset, tmp_path
+):
     root = repository_with(tmp_path, model_file)
     with in_process(root) as client:
         wait_ready(client)
-        for headers, status in (({"x-api-key": SCORING}, 403), ({"authorization": f"Bearer {SCORING}"}, 403),
-                                ({}, 401), ({"x-api-key": "wrong"}, 401)):
-            for method, path in (("get", "/models/weave/versions"), ("post", "/models/weave/rollback"),
-                                 ("delete", "/models/weave"), ("post", "/models/weave/versions/1/activate")):
+        for headers, status in (
+            ({"x-api-key": SCORING}, 403),
+            ({"authorization": f"Bearer {SCORING}"}, 403),
+            ({}, 401),
+            ({"x-api-key": "wrong"}, 401),
+        ):
+            for method, path in (
+                ("get", "/models/weave/versions"),
+                ("post", "/models/weave/rollback"),
+                ("delete", "/models/weave"),
+                ("post", "/models/weave/versions/1/activate"),
+            ):
                 response = getattr(client, method)(path, headers=headers)
                 assert response.status_code == status, (method, path, response.text)
         assert score(client, dataset, key=ADMIN)["model"]["version"] == 1  # the admin key opens every route
@@ -269,18 +338,29 @@ def test_the_scoring_key_cannot_change_models_and_without_an_admin_key_the_route
         assert not [p for p in client.get("/openapi.json").json()["paths"] if "versions" in p or "rollback" in p]
     with pytest.raises(ValueError, match="must differ"):
         ServiceSettings(repository=root, admin_key="same", api_key="same")
-    refused = run_cli("serve", "--repository", root, env={"PADIM_ADMIN_KEY": "same", "PADIM_API_KEY": "same"}, check=False)
+    refused = run_cli(
+        "serve", "--repository", root, env={"PADIM_ADMIN_KEY": "same", "PADIM_API_KEY": "same"}, check=False
+    )
     assert refused.returncode == 1 and "must differ" in refused.stderr
 
 
 def test_an_empty_repository_serves_the_first_upload(second_model, dataset, tmp_path):
     with in_process(tmp_path / "empty") as client:
         wait_ready(client)
-        assert client.get("/models", headers={"x-api-key": SCORING}).json() == {"default": None, "models": [], "record": False}
-        response = client.post("/score", content=probe(dataset), headers={"content-type": "image/png", "x-api-key": SCORING})
+        assert client.get("/models", headers={"x-api-key": SCORING}).json() == {
+            "default": None,
+            "models": [],
+            "record": False,
+        }
+        response = client.post(
+            "/score", content=probe(dataset), headers={"content-type": "image/png", "x-api-key": SCORING}
+        )
         assert response.status_code == 404 and "upload" in response.json()["error"]["message"]
-        created = client.post("/models/line3/versions?activate=true", content=second_model.read_bytes(),
-                              headers={**OCTET, "x-api-key": ADMIN})
+        created = client.post(
+            "/models/line3/versions?activate=true",
+            content=second_model.read_bytes(),
+            headers={**OCTET, "x-api-key": ADMIN},
+        )
         assert created.status_code == 201 and created.json()["version"] == 1
         assert score(client, dataset)["model"] == {**score(client, dataset)["model"], "name": "line3", "version": 1}
         described = client.get("/models", headers={"x-api-key": SCORING}).json()
@@ -304,8 +384,9 @@ def test_a_version_copied_into_the_repository_is_picked_up_by_the_poll(model_fil
         assert score(client, dataset)["model"]["version"] == 2
 
 
-def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(model_file, second_model, dataset, tmp_path,
-                                                                        monkeypatch):
+def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(
+    model_file, second_model, dataset, tmp_path, monkeypatch
+):
     import padim.service.state as state_module
 
     root = repository_with(tmp_path, model_file)
@@ -313,8 +394,11 @@ def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(model_fi
         wait_ready(client)
         held = served_bytes(second_model)  # the tensors a served version holds (the statistics stay on disk)
         monkeypatch.setattr(state_module, "available_memory", lambda device: (held, "this machine"))
-        response = client.post("/models/weave/versions?activate=true", content=second_model.read_bytes(),
-                               headers={**OCTET, "x-api-key": ADMIN})
+        response = client.post(
+            "/models/weave/versions?activate=true",
+            content=second_model.read_bytes(),
+            headers={**OCTET, "x-api-key": ADMIN},
+        )
         assert response.status_code == 507 and response.json()["error"]["code"] == "insufficient_memory"
         assert "MiB" in response.json()["error"]["message"]
         assert score(client, dataset)["model"]["version"] == 1
@@ -323,8 +407,9 @@ def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(model_fi
 
 # --------------------------------------------------------------------------- kill -9
 @pytest.mark.load_sensitive  # the kill lands 0.5 s into an activation that exports for seconds
-def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_version(model_file, second_model, dataset,
-                                                                                    tmp_path):
+def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_version(
+    model_file, second_model, dataset, tmp_path
+):
     root = repository_with(tmp_path, model_file)
     # version 2 is added offline; activating it exports it for ONNX Runtime first (seconds): a kill lands mid-way
     run_cli("-q", "repository", "add", root, "weave", second_model)
@@ -332,14 +417,18 @@ def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_ver
     args = ("--repository", str(root), "--device", "cpu")
 
     def served_version(url: str) -> int:
-        return httpx.post(url + "/score", content=probe(dataset), headers={"content-type": "image/png"}).json()["model"]["version"]
+        return httpx.post(url + "/score", content=probe(dataset), headers={"content-type": "image/png"}).json()[
+            "model"
+        ]["version"]
 
     with running_server(tmp_path, [], env=env, args=args) as server:
         body = second_model.read_bytes()
         port = int(server.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as upload:  # half a body, then the server dies
-            upload.sendall(f"POST /models/weave/versions?activate=true HTTP/1.1\r\nHost: x\r\nX-API-Key: {ADMIN}\r\n"
-                           f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            upload.sendall(
+                f"POST /models/weave/versions?activate=true HTTP/1.1\r\nHost: x\r\nX-API-Key: {ADMIN}\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            )
             upload.sendall(body[: len(body) // 2])
             for _ in range(100):
                 if list((root / "weave").glob(".incoming-*/model.padim")):
@@ -392,8 +481,12 @@ def test_memory_after_ten_swaps_stays_within_one_model_of_the_start(model_file, 
         def swap_to(version: int) -> None:
             assert admin.post(f"/models/weave/versions/{version}/activate").status_code == 200
             for _ in range(5):
-                assert httpx.post(server.url + "/score", content=probe(dataset),
-                                  headers={"content-type": "image/png"}).json()["model"]["version"] == version
+                assert (
+                    httpx.post(
+                        server.url + "/score", content=probe(dataset), headers={"content-type": "image/png"}
+                    ).json()["model"]["version"]
+                    == version
+                )
 
         swap_to(1)
         swap_to(2)  # both versions have been loaded once: allocator pools and imports are warm
@@ -406,7 +499,9 @@ def test_memory_after_ten_swaps_stays_within_one_model_of_the_start(model_file, 
         loaded = metric(server.url, "padim_model_versions_loaded", model="weave")
     model_size = max(model_file.stat().st_size, second_model.stat().st_size)
     assert loaded == 1
-    assert end - start < model_size, f"RSS grew {(end - start) / 2**20:.1f} MiB over ten swaps (model {model_size / 2**20:.1f} MiB)"
+    assert end - start < model_size, (
+        f"RSS grew {(end - start) / 2**20:.1f} MiB over ten swaps (model {model_size / 2**20:.1f} MiB)"
+    )
 
 
 def test_a_model_upload_has_its_own_size_limit_and_the_pictures_keep_theirs(model_file, dataset, tmp_path):
@@ -414,13 +509,22 @@ def test_a_model_upload_has_its_own_size_limit_and_the_pictures_keep_theirs(mode
     size = model_file.stat().st_size
     with in_process(root, max_model_upload_bytes=size - 1, max_upload_bytes=100_000) as client:
         wait_ready(client)
-        too_large = client.post("/models/weave/versions", content=model_file.read_bytes(),
-                                headers={**OCTET, "x-api-key": ADMIN})
+        too_large = client.post(
+            "/models/weave/versions", content=model_file.read_bytes(), headers={**OCTET, "x-api-key": ADMIN}
+        )
         assert too_large.status_code == 413 and "PADIM_MAX_MODEL_UPLOAD_BYTES" in too_large.json()["error"]["message"]
-        picture = client.post("/score", content=b"\0" * 200_000, headers={"content-type": "image/png", "x-api-key": SCORING})
+        picture = client.post(
+            "/score", content=b"\0" * 200_000, headers={"content-type": "image/png", "x-api-key": SCORING}
+        )
         assert picture.status_code == 413 and "PADIM_MAX_UPLOAD_BYTES" in picture.json()["error"]["message"]
-    with in_process(root, max_model_upload_bytes=size, max_upload_bytes=100_000) as client:  # far over the picture limit
+    with in_process(
+        root, max_model_upload_bytes=size, max_upload_bytes=100_000
+    ) as client:  # far over the picture limit
         wait_ready(client)
-        assert client.post("/models/weave/versions", content=model_file.read_bytes(),
-                           headers={**OCTET, "x-api-key": ADMIN}).status_code == 201
+        assert (
+            client.post(
+                "/models/weave/versions", content=model_file.read_bytes(), headers={**OCTET, "x-api-key": ADMIN}
+            ).status_code
+            == 201
+        )
         assert not list((root / "weave").glob(".incoming-*"))

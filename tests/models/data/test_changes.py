@@ -15,30 +15,44 @@ from padim.models.data.framing import PICTURE_SIZE
 
 def noise_picture(width: int = 80, height: int = 64, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
-    smooth = Image.fromarray(rng.uniform(0, 255, (height, width, 3)).astype(np.uint8)).filter(ImageFilter.GaussianBlur(2))
+    smooth = Image.fromarray(rng.uniform(0, 255, (height, width, 3)).astype(np.uint8)).filter(
+        ImageFilter.GaussianBlur(2)
+    )
     return smooth
 
 
 def test_presets_and_lists_parse_to_their_bounds_and_print_back():
     assert not Expected.parse("") and not Expected.parse("stable") and not Expected.parse(None)
     typical = Expected.parse("typical")
-    assert (typical.brightness, typical.contrast, typical.shift, typical.rotate, typical.blur, typical.jpeg) == \
-        (0.1, 0.1, 3, 1, 1, 80)
+    assert (typical.brightness, typical.contrast, typical.shift, typical.rotate, typical.blur, typical.jpeg) == (
+        0.1,
+        0.1,
+        3,
+        1,
+        1,
+        80,
+    )
     assert Expected.parse(str(typical)) == typical and typical.preset() == "typical"
     assert str(Expected.parse(" shift = 2 , brightness=0.05")) == "brightness=0.05,shift=2"
     assert set(EXPECT_PRESETS) == {"stable", "typical", "rough"}
 
 
-@pytest.mark.parametrize("text, message", [
-    ("bright=0.1", "'bright=0.1' is not a change; write NAME=VALUE with NAME one of brightness, contrast, shift, "
-                   "rotate, blur, jpeg, or a preset: stable, typical, rough"),
-    ("shift", "'shift' is not a change"),
-    ("shift=two", "shift='two' is not a number"),
-    ("brightness=0.7", "brightness=0.7 is not allowed; use a number from 0 to 0.5"),
-    ("rotate=-1", "rotate=-1.0 is not allowed"),
-    ("jpeg=5", "use a JPEG quality from 10 to 95 (0: none)"),
-    ("blur=1,blur=2", "blur is given twice"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "bright=0.1",
+            "'bright=0.1' is not a change; write NAME=VALUE with NAME one of brightness, contrast, shift, "
+            "rotate, blur, jpeg, or a preset: stable, typical, rough",
+        ),
+        ("shift", "'shift' is not a change"),
+        ("shift=two", "shift='two' is not a number"),
+        ("brightness=0.7", "brightness=0.7 is not allowed; use a number from 0 to 0.5"),
+        ("rotate=-1", "rotate=-1.0 is not allowed"),
+        ("jpeg=5", "use a JPEG quality from 10 to 95 (0: none)"),
+        ("blur=1,blur=2", "blur is given twice"),
+    ],
+)
 def test_a_bad_declaration_says_what_is_allowed(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Expected.parse(text)

@@ -29,19 +29,21 @@ def textured(width: int = 240, height: int = 180, seed: int = 0) -> Image.Image:
 def reference_square(image: Image.Image, roi, resize: str, size: int = SIZE) -> np.ndarray:
     """Crop the region, make it square by hand, resize: the route the framing shortcuts."""
     x, y, w, h = roi if roi is not None else (0, 0, *image.size)
-    region = np.asarray(image)[y:y + h, x:x + w]
+    region = np.asarray(image)[y : y + h, x : x + w]
     if resize == "crop":
         side = min(w, h)
         top, left = (h - side) // 2, (w - side) // 2
-        region = region[top:top + side, left:left + side]
+        region = region[top : top + side, left : left + side]
     elif resize == "pad":
         side = max(w, h)
         canvas = np.empty((side, side, 3), dtype=np.uint8)
         canvas[...] = PAD_FILL
         top, left = (side - h) // 2, (side - w) // 2
-        canvas[top:top + h, left:left + w] = region
+        canvas[top : top + h, left : left + w] = region
         region = canvas
-    return np.asarray(Image.fromarray(np.ascontiguousarray(region)).resize((size, size), Image.BILINEAR), dtype=np.int16)
+    return np.asarray(
+        Image.fromarray(np.ascontiguousarray(region)).resize((size, size), Image.BILINEAR), dtype=np.int16
+    )
 
 
 @pytest.mark.parametrize("resize", ["squash", "crop", "pad"])
@@ -61,8 +63,9 @@ def test_the_whole_picture_squashed_is_what_padim_always_did():
     assert np.array_equal(np.asarray(got), np.asarray(image.resize((SIZE, SIZE), Image.BILINEAR)))
     small = torch.rand(SIZE, SIZE)
     back = Framing(None, "squash", SIZE).to_picture(small, 240, 180)
-    expected = torch.nn.functional.interpolate(small[None, None], size=(180, 240), mode="bilinear",
-                                               align_corners=False)[0, 0]
+    expected = torch.nn.functional.interpolate(
+        small[None, None], size=(180, 240), mode="bilinear", align_corners=False
+    )[0, 0]
     assert torch.equal(back, expected)
 
 
@@ -75,7 +78,7 @@ def test_a_marker_comes_back_where_it_was(roi, resize):
     left, top, right, bottom = framing.scored_box(width, height)
     spot = ((left + right) // 2 + 7, (top + bottom) // 2 - 5)  # inside what the model scores
     picture = np.zeros((height, width, 3), dtype=np.uint8)
-    picture[spot[1] - 3:spot[1] + 4, spot[0] - 3:spot[0] + 4] = 255
+    picture[spot[1] - 3 : spot[1] + 4, spot[0] - 3 : spot[0] + 4] = 255
     square = np.asarray(framing.to_square(Image.fromarray(picture)), dtype=np.float32)[..., 0]
     if resize == "pad":
         square = np.where(square == PAD_FILL[0], 0, square)  # the fill is not a marker
@@ -112,7 +115,7 @@ def test_a_tiled_input_keeps_the_tiles_shape_and_a_marker_comes_back_where_it_wa
     s_left, s_top, s_right, s_bottom = framing.scored_box(width, height)
     spot = ((s_left + s_right) // 2 + 7, (s_top + s_bottom) // 2 - 5)
     picture = np.zeros((height, width, 3), dtype=np.uint8)
-    picture[spot[1] - 3:spot[1] + 4, spot[0] - 3:spot[0] + 4] = 255
+    picture[spot[1] - 3 : spot[1] + 4, spot[0] - 3 : spot[0] + 4] = 255
     framed = np.asarray(framing.to_square(Image.fromarray(picture)), dtype=np.float32)[..., 0]
     assert framed.shape == (128, 192)
     if resize == "pad":

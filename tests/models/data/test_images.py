@@ -5,8 +5,15 @@ import pytest
 from PIL import Image
 
 from padim.models.data.framing import PICTURE_SIZE, Framing
-from padim.models.data.images import (ImageError, ImageTooLarge, bounded_copy, image_dimensions, list_images, open_image,
-                                 to_model_input)
+from padim.models.data.images import (
+    ImageError,
+    ImageTooLarge,
+    bounded_copy,
+    image_dimensions,
+    list_images,
+    open_image,
+    to_model_input,
+)
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
@@ -65,7 +72,12 @@ def test_list_images_recursive_sorted(tmp_path):
     for name in ["b/2.PNG", "a/1.jpg", "c.bmp", "notes.txt", "z.tif"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x")
-    assert [p.relative_to(tmp_path).as_posix() for p in list_images(tmp_path)] == ["a/1.jpg", "b/2.PNG", "c.bmp", "z.tif"]
+    assert [p.relative_to(tmp_path).as_posix() for p in list_images(tmp_path)] == [
+        "a/1.jpg",
+        "b/2.PNG",
+        "c.bmp",
+        "z.tif",
+    ]
     with pytest.raises(ImageError, match="no such file"):
         list_images(tmp_path / "missing")
 

@@ -4,17 +4,31 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 from PIL import Image
 
 from padim.models.data.synthetic import MORE_DEFECTS, OBJECTS, add_defect, texture
 from padim.models.evaluation.metrics import read_mvtec_category
 
-from helpers import run_cli
-
 
 def test_synth_writes_parts_and_the_harder_defects_in_the_mvtec_layout(tmp_path):
-    result = run_cli("-q", "synth", tmp_path, "--categories", "pill,board", "--defects", "crack,speck", "--train", 3,
-                     "--test-good", 2, "--test-defect", 2, "--size", 96)
+    result = run_cli(
+        "-q",
+        "synth",
+        tmp_path,
+        "--categories",
+        "pill,board",
+        "--defects",
+        "crack,speck",
+        "--train",
+        3,
+        "--test-good",
+        2,
+        "--test-defect",
+        2,
+        "--size",
+        96,
+    )
     written = json.loads(result.stdout)["categories"]
     assert [p.rsplit("/", 1)[-1] for p in written] == ["pill", "board"]
     samples = read_mvtec_category(tmp_path / "pill")
@@ -58,6 +72,7 @@ def test_the_harder_defects_are_small_and_change_the_pixels_their_mask_covers(de
 @pytest.mark.parametrize("category", ["leather", "weave", "pill"])
 def test_another_region_is_the_same_material_a_little_shifted(category):
     """``region``: every uniform draw moved by half its width per region; noise and print stay as drawn."""
+
     def pictures(region):
         rng = np.random.default_rng(3)
         return np.stack([texture(category, 64, rng, region) for _ in range(16)])

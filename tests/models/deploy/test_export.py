@@ -9,10 +9,10 @@ import onnx
 import onnxruntime
 import pytest
 from google.protobuf import text_format
+from helpers import assert_same_verdict, run_cli
 from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
-from helpers import assert_same_verdict, run_cli
 from padim.models.deploy.export import METADATA_FILE, export_detector, read_export, triton_config
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.model_file import load_detector
@@ -36,7 +36,10 @@ def _dims(value_info) -> list:
 def test_triton_config_matches_the_graphs_real_inputs_and_outputs(triton_repo):
     model_dir = triton_repo / "weave_line3"
     assert sorted(p.relative_to(triton_repo).as_posix() for p in triton_repo.rglob("*") if p.is_file()) == [
-        "weave_line3/1/model.onnx", "weave_line3/config.pbtxt", f"weave_line3/{METADATA_FILE}"]
+        "weave_line3/1/model.onnx",
+        "weave_line3/config.pbtxt",
+        f"weave_line3/{METADATA_FILE}",
+    ]
     config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     graph = onnx.load(str(model_dir / "1" / "model.onnx"), load_external_data=False).graph
     assert config.name == "weave_line3" and config.platform == "onnxruntime_onnx"
@@ -59,7 +62,9 @@ def test_triton_config_matches_the_graphs_real_inputs_and_outputs(triton_repo):
 
 
 def test_triton_runs_the_model_on_the_gpu_by_default_and_on_the_cpu_when_asked(triton_repo):
-    written = text_format.Parse((triton_repo / "weave_line3" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    written = text_format.Parse(
+        (triton_repo / "weave_line3" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    )
     assert [g.kind for g in written.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     on_cpu = text_format.Parse(triton_config("m", 64, device="cpu"), model_config_pb2.ModelConfig())
     assert [g.kind for g in on_cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
@@ -85,11 +90,23 @@ def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
     """A client that knows only padim.json (numpy, PIL, onnxruntime; no padim) scores as padim predict."""
     run_cli("-q", "export", model_file, "--output", tmp_path / "e")
     meta = json.loads((tmp_path / "e" / METADATA_FILE).read_text())
-    assert meta["input"]["name"] == "images" and meta["input"]["layout"] == "NCHW" and meta["input"]["channels"] == "RGB"
+    assert (
+        meta["input"]["name"] == "images" and meta["input"]["layout"] == "NCHW" and meta["input"]["channels"] == "RGB"
+    )
     size = meta["input"]["shape"][2]
     session = onnxruntime.InferenceSession(str(tmp_path / "e" / "model.onnx"), providers=["CPUExecutionProvider"])
-    run_cli("-q", "predict", model_file, dataset / "test" / "hole", "--output", tmp_path / "p", "--no-maps",
-            "--no-heatmaps", "--runtime", "torch")
+    run_cli(
+        "-q",
+        "predict",
+        model_file,
+        dataset / "test" / "hole",
+        "--output",
+        tmp_path / "p",
+        "--no-maps",
+        "--no-heatmaps",
+        "--runtime",
+        "torch",
+    )
     for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         image = Image.open(record["path"]).convert("RGB").resize((size, size), Image.BILINEAR)
@@ -106,8 +123,21 @@ def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
 
 def test_fp16_factors_stay_fp16_and_packed_in_the_graph(dataset, tmp_path):
     model = tmp_path / "half.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-            "--precision-dtype", "float16", "--calibration-folds", 2)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--precision-dtype",
+        "float16",
+        "--calibration-folds",
+        2,
+    )
     run_cli("-q", "export", model, "--output", tmp_path / "e")
     graph = onnx.load(str(tmp_path / "e" / "model.onnx")).graph
     factor = next(t for t in graph.initializer if t.name == "precision_factor_packed")
@@ -174,22 +204,47 @@ def test_export_of_an_in_memory_detector_writes_the_same_graph_inputs(model_file
 def test_padim_json_says_how_to_frame_a_picture_for_a_client(dataset, tmp_path):
     """A framed model (region + pad): a client cropping and padding as padim.json says scores as padim predict."""
     model = tmp_path / "framed.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", model, "--weights", "random", "--image-size", 64,
-            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        model,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--roi",
+        "8,16,80,64",
+        "--resize",
+        "pad",
+        "--calibration-folds",
+        2,
+    )
     run_cli("-q", "export", model, "--output", tmp_path / "e")
     meta = json.loads((tmp_path / "e" / METADATA_FILE).read_text())
     framing, size = meta["input"]["framing"], meta["input"]["shape"][2]
     session = onnxruntime.InferenceSession(str(tmp_path / "e" / "model.onnx"), providers=["CPUExecutionProvider"])
-    run_cli("-q", "predict", model, dataset / "test" / "stain", "--output", tmp_path / "p", "--no-maps",
-            "--no-heatmaps", "--runtime", "torch")
+    run_cli(
+        "-q",
+        "predict",
+        model,
+        dataset / "test" / "stain",
+        "--output",
+        tmp_path / "p",
+        "--no-maps",
+        "--no-heatmaps",
+        "--runtime",
+        "torch",
+    )
     for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         x, y, w, h = framing["roi"]
-        region = np.asarray(Image.open(record["path"]).convert("RGB"))[y:y + h, x:x + w]
+        region = np.asarray(Image.open(record["path"]).convert("RGB"))[y : y + h, x : x + w]
         side = max(w, h)
         canvas = np.empty((side, side, 3), dtype=np.uint8)
         canvas[...] = framing["pad_fill"]
-        canvas[(side - h) // 2:(side - h) // 2 + h, (side - w) // 2:(side - w) // 2 + w] = region
+        canvas[(side - h) // 2 : (side - h) // 2 + h, (side - w) // 2 : (side - w) // 2 + w] = region
         image = Image.fromarray(canvas).resize((size, size), Image.BILINEAR)
         pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
         _, raw, _ = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})

@@ -14,10 +14,10 @@ import onnx
 import onnxruntime
 import pytest
 import torch
+from helpers import run_cli, running_server
 from PIL import Image
 from scipy.stats import mannwhitneyu, spearmanr
 
-from helpers import run_cli, running_server
 from padim.core.calibration import Calibration
 from padim.models.data.images import list_images
 from padim.models.data.synthetic import texture
@@ -59,9 +59,23 @@ def defects(dataset, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int8_export(model_file, calibration_images, defects, tmp_path_factory):
     output = tmp_path_factory.mktemp("int8") / "line3-int8"
-    result = run_cli("-q", "export", model_file, "-o", output, "--precision", "int8", "--calibration-images",
-                     calibration_images, "--check-images", defects, "--quantiser-images", QUANTISER,
-                     "--false-alarm-rate", RATE)
+    result = run_cli(
+        "-q",
+        "export",
+        model_file,
+        "-o",
+        output,
+        "--precision",
+        "int8",
+        "--calibration-images",
+        calibration_images,
+        "--check-images",
+        defects,
+        "--quantiser-images",
+        QUANTISER,
+        "--false-alarm-rate",
+        RATE,
+    )
     return output, json.loads(result.stdout)
 
 
@@ -71,12 +85,13 @@ def inputs_of(detector, paths) -> np.ndarray:
 
 def run_in_eights(graph, batch: np.ndarray) -> list[np.ndarray]:
     session = onnxruntime.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    outs = [session.run(None, {"images": batch[i:i + 8]}) for i in range(0, len(batch), 8)]
+    outs = [session.run(None, {"images": batch[i : i + 8]}) for i in range(0, len(batch), 8)]
     return [np.concatenate([o[k] for o in outs]) for k in range(3)]
 
 
 def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did_not_see(
-        int8_export, model_file, calibration_images, defects):
+    int8_export, model_file, calibration_images, defects
+):
     output, report = int8_export
     metadata = json.loads((output / METADATA_FILE).read_text())
     assert metadata["export_version"] == EXPORT_VERSION and metadata["precision"] == report["precision"] == "int8"
@@ -94,8 +109,9 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
     from padim.models.data.changes import apply, seeded
 
     assert reference.config.expect
-    changed = reference.preprocess([apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name)))
-                                    for p in held_out]).numpy()
+    changed = reference.preprocess(
+        [apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name))) for p in held_out]
+    ).numpy()
     copies = run_in_eights(output / "model.onnx", changed)[1]
     # the threshold: the conformal quantile of the int8 scorer's scores of the copies, numpy float64
     rank = math.ceil((len(copies) + 1) * (1 - RATE))
@@ -161,22 +177,43 @@ def test_a_quantised_export_is_served_and_says_which_threshold_it_uses(int8_expo
         assert served["calibration"]["threshold"] == pytest.approx(report["calibration"]["threshold"])
         assert served["calibration"]["threshold_of"] == report["threshold_of"]
         picture = sorted((dataset / "test" / "good").glob("*.png"))[0]
-        scored = httpx.post(f"{server.url}/score", files={"file": ("a.png", picture.read_bytes(), "image/png")},
-                            timeout=60).json()
+        scored = httpx.post(
+            f"{server.url}/score", files={"file": ("a.png", picture.read_bytes(), "image/png")}, timeout=60
+        ).json()
         assert scored["raw_threshold"] == pytest.approx(report["calibration"]["threshold"])  # its own, not float32's
     # the float32 model file says its threshold is its own
     float_described = load_scorer(model_file, runtime="torch").describe()
-    assert float_described["precision"] == "float32" and float_described["calibration"]["threshold_of"] == "float32 scorer"
+    assert (
+        float_described["precision"] == "float32" and float_described["calibration"]["threshold_of"] == "float32 scorer"
+    )
 
 
 def test_the_gate_refuses_to_write_beyond_its_tolerance_and_force_writes_it_marked(
-        model_file, calibration_images, tmp_path):
+    model_file, calibration_images, tmp_path
+):
     output = tmp_path / "refused"
-    args = ("-q", "export", model_file, "-o", output, "--precision", "int8", "--calibration-images", calibration_images,
-            "--quantiser-images", QUANTISER, "--max-score-error", "1e-9")
+    args = (
+        "-q",
+        "export",
+        model_file,
+        "-o",
+        output,
+        "--precision",
+        "int8",
+        "--calibration-images",
+        calibration_images,
+        "--quantiser-images",
+        QUANTISER,
+        "--max-score-error",
+        "1e-9",
+    )
     refused = run_cli(*args, check=False)
     assert refused.returncode == 4, refused.stderr
-    assert "not accurate enough" in refused.stderr and "--force" in refused.stderr and "nothing was written" in refused.stderr
+    assert (
+        "not accurate enough" in refused.stderr
+        and "--force" in refused.stderr
+        and "nothing was written" in refused.stderr
+    )
     assert not output.exists() and not list(tmp_path.glob(".refused*"))
     forced = json.loads(run_cli(*args, "--force").stdout)
     agreement = forced["quantisation"]["agreement"]
@@ -185,10 +222,26 @@ def test_the_gate_refuses_to_write_beyond_its_tolerance_and_force_writes_it_mark
 
 
 def test_openvino_int8_is_quantised_by_nncf_and_scores_within_the_gates_tolerance(
-        model_file, calibration_images, tmp_path):
+    model_file, calibration_images, tmp_path
+):
     output = tmp_path / "ov-int8"
-    report = json.loads(run_cli("-q", "export", model_file, "-f", "openvino", "-o", output, "--precision", "int8",
-                                "--calibration-images", calibration_images, "--quantiser-images", QUANTISER).stdout)
+    report = json.loads(
+        run_cli(
+            "-q",
+            "export",
+            model_file,
+            "-f",
+            "openvino",
+            "-o",
+            output,
+            "--precision",
+            "int8",
+            "--calibration-images",
+            calibration_images,
+            "--quantiser-images",
+            QUANTISER,
+        ).stdout
+    )
     quantisation = report["quantisation"]
     assert quantisation["runtime"] == "openvino" and quantisation["tool"].startswith("nncf.quantize")
     assert sorted(p.name for p in output.iterdir()) == sorted([METADATA_FILE, "model.bin", "model.xml"])
@@ -204,34 +257,52 @@ def test_openvino_int8_is_quantised_by_nncf_and_scores_within_the_gates_toleranc
 
 def test_fp16_backbone_is_float16_in_the_graph_and_within_its_tolerance(model_file, calibration_images, tmp_path):
     output = tmp_path / "fp16"
-    report = json.loads(run_cli("-q", "export", model_file, "-f", "triton", "-o", output, "--precision", "fp16",
-                                "--calibration-images", calibration_images).stdout)
+    report = json.loads(
+        run_cli(
+            "-q",
+            "export",
+            model_file,
+            "-f",
+            "triton",
+            "-o",
+            output,
+            "--precision",
+            "fp16",
+            "--calibration-images",
+            calibration_images,
+        ).stdout
+    )
     model_dir = output / model_file.stem
     quantisation = report["quantisation"]
     assert report["precision"] == "fp16" and quantisation["verified"].startswith("unverified")
-    assert quantisation["calibration_images"]["quantiser_images"] == 0  # fp16 needs no ranges: every image sets the threshold
+    assert (
+        quantisation["calibration_images"]["quantiser_images"] == 0
+    )  # fp16 needs no ranges: every image sets the threshold
     assert report["calibration"]["scores"] == CALIBRATION
     graph = onnx.load(str(model_dir / "1" / "model.onnx")).graph
     initialisers = {t.name: t for t in graph.initializer}
     conv_weights = [initialisers[n.input[1]] for n in graph.node if n.op_type == "Conv" and n.input[1] in initialisers]
     assert conv_weights and all(w.data_type == onnx.TensorProto.FLOAT16 for w in conv_weights)
     assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # clients still send float32
-    assert 'data_type: TYPE_FP32' in (model_dir / "config.pbtxt").read_text()
+    assert "data_type: TYPE_FP32" in (model_dir / "config.pbtxt").read_text()
     reference = load_detector(model_file, device="cpu")
     batch = inputs_of(reference, sorted(list_images(calibration_images))[:8])
     _, raw, _ = run_in_eights(model_dir / "1" / "model.onnx", batch)
     np.testing.assert_allclose(raw, reference.score(torch.from_numpy(batch)).raw_scores.numpy(), rtol=FP16_RTOL)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ((), "needs --calibration-images"),
-    (("--precision", "float32", "--calibration-images", "."), "are for a quantised export"),
-    (("-f", "openvino", "--precision", "fp16", "--calibration-images", "."), "fp16 is for CUDA"),
-    (("-f", "triton", "--precision", "int8", "--calibration-images", "."), "--triton-device cpu"),
-    (("--precision", "int8", "--calibration-images", "missing-folder"), "not a folder"),
-    (("--precision", "int8", "--calibration-images", "CAL", "--quantiser-images", "60"), "needs at least 80"),
-    (("--precision", "int8", "--calibration-images", "CAL", "--max-score-error", "0"), "must be positive"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ((), "needs --calibration-images"),
+        (("--precision", "float32", "--calibration-images", "."), "are for a quantised export"),
+        (("-f", "openvino", "--precision", "fp16", "--calibration-images", "."), "fp16 is for CUDA"),
+        (("-f", "triton", "--precision", "int8", "--calibration-images", "."), "--triton-device cpu"),
+        (("--precision", "int8", "--calibration-images", "missing-folder"), "not a folder"),
+        (("--precision", "int8", "--calibration-images", "CAL", "--quantiser-images", "60"), "needs at least 80"),
+        (("--precision", "int8", "--calibration-images", "CAL", "--max-score-error", "0"), "must be positive"),
+    ],
+)
 def test_quantised_export_flags_are_checked(model_file, calibration_images, tmp_path, extra, message):
     extra = tuple(str(calibration_images) if a == "CAL" else a for a in extra)
     if not extra:
@@ -246,10 +317,12 @@ def test_the_split_is_disjoint_seeded_and_stated(tmp_path):
     split = split_calibration(list(reversed(paths)), 12, "int8")  # the order given does not matter
     assert split == split_calibration(paths, 12, "int8")
     assert len(split.quantiser) == 12 and len(split.threshold) == 38
-    assert set(split.quantiser).isdisjoint(split.threshold) and set(split.quantiser) | set(split.threshold) == set(paths)
+    assert set(split.quantiser).isdisjoint(split.threshold) and set(split.quantiser) | set(split.threshold) == set(
+        paths
+    )
     assert split_calibration(paths, 12, "fp16").quantiser == ()
     with pytest.raises(ExportError, match=f"at least {12 + MIN_THRESHOLD_IMAGES}"):
-        split_calibration(paths[:12 + MIN_THRESHOLD_IMAGES - 1], 12, "int8")
+        split_calibration(paths[: 12 + MIN_THRESHOLD_IMAGES - 1], 12, "int8")
 
 
 def test_gate_statistics_match_independent_references():

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 from PIL import Image
 
 from padim.core.artifact import ArtifactError
@@ -21,12 +22,14 @@ from padim.models.deploy.export import ExportError, read_export
 from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime
 from padim.models.model_file import load_detector, save_detector
 
-from helpers import run_cli
-
 #: (image size, reduction, stored factor dtype, neighbourhood, image score): each size with both
 #: reductions and both dtypes, each neighbourhood and each image score at least once.
-CASES = [(224, "random", "float32", 1, "map_max"), (224, "semi_orthogonal", "float16", 3, "patch_max"),
-         (320, "random", "float16", 3, "top_mean"), (320, "semi_orthogonal", "float32", 5, "map_max")]
+CASES = [
+    (224, "random", "float32", 1, "map_max"),
+    (224, "semi_orthogonal", "float16", 3, "patch_max"),
+    (320, "random", "float16", 3, "top_mean"),
+    (320, "semi_orthogonal", "float32", 5, "map_max"),
+]
 RUNTIMES = ("onnxruntime", "openvino")
 
 
@@ -34,10 +37,33 @@ RUNTIMES = ("onnxruntime", "openvino")
 def case_model(request, dataset, tmp_path_factory):
     size, reduction, dtype, neighbourhood, image_score = request.param
     path = tmp_path_factory.mktemp("runtimes") / f"m{size}.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", size,
-            "--reduction", reduction, "--precision-dtype", dtype, "--calibration-folds", 2, "--batch-size", 8,
-            "--embedding-dim", 64, "--neighbourhood", neighbourhood, "--image-score", image_score,
-            "--top-fraction", 0.02)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        size,
+        "--reduction",
+        reduction,
+        "--precision-dtype",
+        dtype,
+        "--calibration-folds",
+        2,
+        "--batch-size",
+        8,
+        "--embedding-dim",
+        64,
+        "--neighbourhood",
+        neighbourhood,
+        "--image-score",
+        image_score,
+        "--top-fraction",
+        0.02,
+    )
     return path, size, dtype
 
 
@@ -62,7 +88,9 @@ def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
     assert deployed.precision_dtype == reference.precision_dtype
     got = deployed.score(batch)
     assert got.maps.shape == expected.maps.shape == (5, size, size)
-    relative = ((got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs()).max()
+    relative = (
+        (got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs()
+    ).max()
     assert relative <= 1e-4, f"{runtime}: image scores differ by {float(relative):.2e} relative"
     assert (got.maps - expected.maps).abs().max() <= 1e-3
     # batch of one: the dynamic batch dimension, not only the exported example's
@@ -88,8 +116,9 @@ def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_grap
     import onnxruntime
 
     run_cli("-q", "export", path, "--format", "triton", "--output", tmp_path / "triton", "--name", "m")
-    session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
-                                           providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(
+        str(tmp_path / "triton" / "m" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     _, raw, _ = session.run(None, {"images": batch.numpy()})
     assert np.allclose(raw, expected.numpy(), rtol=1e-4)
 
@@ -189,7 +218,9 @@ def test_a_missing_runtime_says_what_to_install(model_file, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_openvino)
     monkeypatch.setattr("importlib.import_module", lambda name: no_openvino(name))
-    with pytest.raises(ExportError, match=r"openvino is not installed; install it with: pip install 'padim-inspect\[openvino\]'"):
+    with pytest.raises(
+        ExportError, match=r"openvino is not installed; install it with: pip install 'padim-inspect\[openvino\]'"
+    ):
         load_scorer(model_file, "openvino", "cpu")
 
 
@@ -209,8 +240,21 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     from padim.models.deploy.export import METADATA_FILE, metadata_sha256
 
     path = tmp_path / "paper.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
-            "--neighbourhood", 1, "--calibration-folds", 2)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--neighbourhood",
+        1,
+        "--calibration-folds",
+        2,
+    )
     run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
     # padim.json as an export before format 4 wrote it: no scoring options, no framing (export version 1)
     metadata = json.loads((tmp_path / "onnx" / METADATA_FILE).read_text())
@@ -226,14 +270,32 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     assert deployed.framing.is_whole_picture and deployed.describe()["resize"] == "squash"
     assert deployed.describe()["neighbourhood"] == 1 and deployed.describe()["image_score"] == "map_max"
     batch = torch.randn(2, 3, 64, 64)
-    torch.testing.assert_close(deployed.score(batch).raw_scores, load_detector(path, device="cpu").score(batch).raw_scores,
-                               rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        deployed.score(batch).raw_scores, load_detector(path, device="cpu").score(batch).raw_scores, rtol=1e-4, atol=0
+    )
 
 
 def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to_frame(dataset, tmp_path):
     path = tmp_path / "framed.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
-            "--roi", "8,16,80,64", "--resize", "pad", "--calibration-folds", 2, "--embedding-dim", 32)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--roi",
+        "8,16,80,64",
+        "--resize",
+        "pad",
+        "--calibration-folds",
+        2,
+        "--embedding-dim",
+        32,
+    )
     reference = load_detector(path, device="cpu")
     pictures = [Image.open(p).convert("RGB") for p in sorted((dataset / "test").rglob("*.png"))[::3][:4]]
     expected = reference.score(reference.preprocess(pictures)).raw_scores.double()
@@ -256,9 +318,33 @@ def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to
 @pytest.mark.parametrize("statistics", ["position", "shared"])
 def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_graph(dataset, tmp_path, statistics):
     path = tmp_path / "tiled.padim"
-    run_cli("-q", "train", dataset / "train" / "good", "--output", path, "--weights", "random", "--image-size", 64,
-            "--tiles", "2x3", "--tile-overlap", "0.25", "--tile-statistics", statistics, "--roi", "4,16,88,60",
-            "--resize", "crop", "--calibration-folds", 2, "--embedding-dim", 32, "--blur-sigma", 2)
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        64,
+        "--tiles",
+        "2x3",
+        "--tile-overlap",
+        "0.25",
+        "--tile-statistics",
+        statistics,
+        "--roi",
+        "4,16,88,60",
+        "--resize",
+        "crop",
+        "--calibration-folds",
+        2,
+        "--embedding-dim",
+        32,
+        "--blur-sigma",
+        2,
+    )
     reference = load_detector(path, device="cpu")
     pictures = [Image.open(p).convert("RGB") for p in sorted((dataset / "test").rglob("*.png"))[::3][:4]]
     batch = reference.preprocess(pictures)
@@ -272,7 +358,7 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
         assert torch.equal(deployed.preprocess(pictures), batch)  # the client sends the whole framed picture
         got = deployed.score(batch)
         assert got.maps.shape == expected.maps.shape == (4, height, width)
-        relative = ((got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs())
+        relative = (got.raw_scores.double() - expected.raw_scores.double()).abs() / expected.raw_scores.double().abs()
         assert relative.max() <= 1e-4, f"{runtime}: image scores differ by {float(relative.max()):.2e} relative"
         assert (got.maps - expected.maps).abs().max() <= 1e-3
         assert torch.allclose(deployed.score(batch[:1]).raw_scores, got.raw_scores[:1], rtol=1e-5)  # dynamic batch
@@ -288,8 +374,9 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
     config = text_format.Parse((tmp_path / "triton" / "m" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert list(config.input[0].dims) == [3, 112, 160] and list(config.output[0].dims) == [112, 160]
     assert config.max_batch_size == 32 // 6
-    session = onnxruntime.InferenceSession(str(tmp_path / "triton" / "m" / "1" / "model.onnx"),
-                                           providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(
+        str(tmp_path / "triton" / "m" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     maps, raw, inputs = session.run(None, {"images": batch.numpy()})
     np.testing.assert_allclose(raw, expected.raw_scores.numpy(), rtol=1e-4)
     np.testing.assert_allclose(inputs, expected.input_distances.numpy(), rtol=1e-4)

@@ -76,19 +76,25 @@ def test_neighbourhood_averages_each_layer_on_its_own_grid_then_reduces(reductio
     emb = Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1, neighbourhood=k)
     assert emb.neighbourhood == k
     g = torch.Generator().manual_seed(4)
-    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4), generator=g, dtype=torch.float64)
-             for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    feats = [
+        torch.randn(2, c, 16 // (s // 4), 16 // (s // 4), generator=g, dtype=torch.float64)
+        for c, s in zip(spec.channels[:3], spec.strides[:3])
+    ]
     # the reference: average every full layer (scipy), upsample, concatenate, then reduce
     averaged = [torch.from_numpy(neighbour_mean(f.numpy(), k)) for f in feats]
     full = naive_embedding(averaged, emb.scales)
-    expected = full.index_select(1, emb.channel_index) if reduction == "random" \
+    expected = (
+        full.index_select(1, emb.channel_index)
+        if reduction == "random"
         else torch.einsum("bchw,cd->bdhw", full, emb.projection.double())
+    )
     got = emb([f.float() for f in feats]).double()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     plain = Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1)
     assert not torch.allclose(plain([f.float() for f in feats]), got.float(), atol=1e-3)
     assert not plain.same_reduction(emb) and emb.same_reduction(
-        Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1, neighbourhood=k))
+        Embedding.create(spec, LAYERS, embedding_dim=40, reduction=reduction, seed=1, neighbourhood=k)
+    )
 
 
 @pytest.mark.parametrize("k", [0, 2, 4])

@@ -32,8 +32,9 @@ def test_the_plan_grows_with_images_only_by_their_distances():
     few, many = (plan_fit(PadimConfig(weights="random"), images=n, spool=True, device="cpu") for n in (100, 800))
     # (N, P) float32 out-of-fold distances of the pictures and of their changed copies: 17.6 MB
     assert many.total - few.total == 700 * 2 * 56 * 56 * 4
-    few, many = (plan_fit(PadimConfig(weights="random", expect="stable"), images=n, spool=True, device="cpu")
-                 for n in (100, 800))
+    few, many = (
+        plan_fit(PadimConfig(weights="random", expect="stable"), images=n, spool=True, device="cpu") for n in (100, 800)
+    )
     assert many.total - few.total == 700 * 56 * 56 * 4  # without copies: 8.8 MB
 
 

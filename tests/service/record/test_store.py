@@ -20,10 +20,26 @@ def store_for(record_url, tmp_path) -> RecordStore:
 
 
 def row(model="weave", anomalous=False, data=b"picture", when=None, part=None, version=1):
-    result = {"raw_score": 20.0 if anomalous else 5.0, "score": 0.9 if anomalous else 0.1, "threshold": 0.5,
-              "raw_threshold": 12.0, "is_anomaly": anomalous, "anomalous_area": 0.1 if anomalous else 0.0}
-    return make_row(model, version, result, 3.5, (96, 64), hashlib.sha256(data).hexdigest(), len(data),
-                    {"part": part} if part else {}, sample=0.0, now=when)
+    result = {
+        "raw_score": 20.0 if anomalous else 5.0,
+        "score": 0.9 if anomalous else 0.1,
+        "threshold": 0.5,
+        "raw_threshold": 12.0,
+        "is_anomaly": anomalous,
+        "anomalous_area": 0.1 if anomalous else 0.0,
+    }
+    return make_row(
+        model,
+        version,
+        result,
+        3.5,
+        (96, 64),
+        hashlib.sha256(data).hexdigest(),
+        len(data),
+        {"part": part} if part else {},
+        sample=0.0,
+        now=when,
+    )
 
 
 def test_migrations_go_from_the_first_schema_up_and_build_the_tables(record_url, tmp_path):
@@ -32,11 +48,15 @@ def test_migrations_go_from_the_first_schema_up_and_build_the_tables(record_url,
     assert current_revision(store.engine) == "0001"
     first = row(part="A-1")
     with store.engine.begin() as connection:  # a row written by the first schema
-        connection.execute(sa.text("INSERT INTO records (id, time, model, version, raw_score, score, threshold, "
-                                   "is_anomaly, anomalous_area, width, height, sha256, picture_bytes, fields, part, "
-                                   "source, sampled) VALUES (:id, :time, 'weave', 1, 5.0, 0.1, 0.5, false, 0.0, 96, "
-                                   "64, :sha256, 7, '{\"part\": \"A-1\"}', 'A-1', 'http', false)"),
-                           {"id": first["id"], "time": first["time"], "sha256": first["sha256"]})
+        connection.execute(
+            sa.text(
+                "INSERT INTO records (id, time, model, version, raw_score, score, threshold, "
+                "is_anomaly, anomalous_area, width, height, sha256, picture_bytes, fields, part, "
+                "source, sampled) VALUES (:id, :time, 'weave', 1, 5.0, 0.1, 0.5, false, 0.0, 96, "
+                "64, :sha256, 7, '{\"part\": \"A-1\"}', 'A-1', 'http', false)"
+            ),
+            {"id": first["id"], "time": first["time"], "sha256": first["sha256"]},
+        )
     assert not sa.inspect(store.engine).has_table("jobs")
     store.migrate()
     assert current_revision(store.engine) == "0002" and sa.inspect(store.engine).has_table("jobs")
@@ -87,8 +107,9 @@ def test_reviews_keep_a_trail_and_the_latest_counts(record_url, tmp_path):
 def test_the_budget_evicts_oldest_passed_pictures_first_never_pinned_ones_and_keeps_rows(record_url, tmp_path):
     store = store_for(record_url, tmp_path)
     store.migrate()
-    recorder = Recorder(tmp_path, store, journal_max_bytes=10**7, max_bytes=3000, retention_days=30,
-                        flagged_retention_days=90)
+    recorder = Recorder(
+        tmp_path, store, journal_max_bytes=10**7, max_bytes=3000, retention_days=30, flagged_retention_days=90
+    )
     now = time.time() - 3600  # an hour ago: nothing is spared as being stored again
     pictures = [(f"passed {i}".encode() * 100, i >= 6, now + i) for i in range(10)]  # 6 passed, then 4 flagged
     rows = []
