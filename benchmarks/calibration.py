@@ -60,7 +60,7 @@ def old_rule_threshold(
         held.remove(max(held, key=keys.__getitem__))
     fitted = [i for i in range(len(names)) if i not in held]
     accumulator = GaussianAccumulator().partial_fit(embedded[fitted])
-    mean, factor = finalise(accumulator.state, fit.config.epsilon, fit.embedder.grid_shape)
+    mean, factor = finalise(accumulator.state, fit.config.gaussian.epsilon, fit.embedder.grid_shape)
     held_scores = scores_of(fit, embedded[sorted(held)], mean, factor)
     return mean, factor, float(torch.quantile(held_scores, quantile))
 
@@ -70,7 +70,9 @@ def scores_of(fit: Fit, embedded: torch.Tensor, mean: torch.Tensor, factor: torc
     out = []
     for start in range(0, embedded.shape[0], 32):
         squared = squared_mahalanobis(embedded[start : start + 32], mean, factor)
-        maps = anomaly_maps(squared, fit.embedder.grid_shape, fit.config.image_size, fit.config.blur_sigma)
+        maps = anomaly_maps(
+            squared, fit.embedder.grid_shape, fit.config.features.image_size, fit.config.scoring.blur_sigma
+        )
         out.append(image_scores(maps).double())
     return torch.cat(out)
 
@@ -168,7 +170,8 @@ def main() -> None:
             print(
                 f"{category:8s} M={m:4d}  "
                 + " | ".join(
-                    f"{rule}: {r['false_alarms']:3d}/{r['fresh']} false alarms, {r['flagged']:3d}/{r['defects']} defects"
+                    f"{rule}: {r['false_alarms']:3d}/{r['fresh']} false alarms, {r['flagged']:3d}/{r['defects']} "
+                    "defects"
                     for rule, r in row.items()
                 ),
                 flush=True,

@@ -177,8 +177,10 @@ def main() -> None:
             batch = detector.preprocess([Image.open(s.path).convert("RGB") for s in (samples * 16)[:16]])
             report["throughput"] = {
                 "padim": {
-                    "batch16": 16 / median_seconds(lambda: detector.score(batch), args.repeats),
-                    "batch1": 1 / median_seconds(lambda: detector.score(batch[:1]), args.repeats),
+                    "batch16": 16
+                    / median_seconds(lambda detector=detector, batch=batch: detector.score(batch), args.repeats),
+                    "batch1": 1
+                    / median_seconds(lambda detector=detector, batch=batch: detector.score(batch[:1]), args.repeats),
                 },
                 "anomalib": {
                     "batch16": theirs_run["images_per_second_batch"],
@@ -252,7 +254,8 @@ def main() -> None:
             }
         )
         print(
-            f"N={count}: peak RSS padim {ours_rss:.0f} MB ({ours_s:.0f} s), anomalib {theirs_rss:.0f} MB ({theirs_s:.0f} s)",
+            f"N={count}: peak RSS padim {ours_rss:.0f} MB ({ours_s:.0f} s), anomalib {theirs_rss:.0f} MB "
+            f"({theirs_s:.0f} s)",
             flush=True,
         )
 
@@ -288,13 +291,15 @@ def write_outputs(report: dict, results: Path) -> None:
         f"padim vs anomalib {report['anomalib']} PaDiM: {report['machine']}, torch {report['torch']}, "
         f"resnet18, {report['image_size']} px, 100 channels, {report['date']}",
         "",
-        "| category | image AUROC padim | image AUROC anomalib | pixel AUROC padim | pixel AUROC anomalib | fit s padim | fit s anomalib |",
+        "| category | image AUROC padim | image AUROC anomalib | pixel AUROC padim | pixel AUROC anomalib | fit s "
+        "padim | fit s anomalib |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, c in report["categories"].items():
         p, a = c["padim"], c["anomalib"]
         lines.append(
-            f"| {name} ({c['fit_images']} fit images) | {p['image_auroc']:.3f} | {a['image_auroc']:.3f} | {p['pixel_auroc']:.3f} | "
+            f"| {name} ({c['fit_images']} fit images) | {p['image_auroc']:.3f} | {a['image_auroc']:.3f} | "
+            f"{p['pixel_auroc']:.3f} | "
             f"{a['pixel_auroc']:.3f} | {p['fit_seconds']:.1f} | {a['fit_seconds']:.1f} |"
         )
     t, b = report["throughput"], report["artifact_bytes"]
@@ -302,19 +307,23 @@ def write_outputs(report: dict, results: Path) -> None:
         "",
         "| measure | padim | anomalib | padim / anomalib |",
         "|---|---|---|---|",
-        f"| scoring, batch 16 (img/s) | {t['padim']['batch16']:.1f} | {t['anomalib']['batch16']:.1f} | {ratios['throughput_batch16']:.2f} |",
-        f"| scoring, batch 1 (img/s) | {t['padim']['batch1']:.1f} | {t['anomalib']['batch1']:.1f} | {ratios['throughput_batch1']:.2f} |",
+        f"| scoring, batch 16 (img/s) | {t['padim']['batch16']:.1f} | {t['anomalib']['batch16']:.1f} | "
+        f"{ratios['throughput_batch16']:.2f} |",
+        f"| scoring, batch 1 (img/s) | {t['padim']['batch1']:.1f} | {t['anomalib']['batch1']:.1f} | "
+        f"{ratios['throughput_batch1']:.2f} |",
     ]
     for row in mem:
         lines.append(
-            f"| fit peak RSS, N={row['images']} (MB) | {row['padim_peak_rss_mb']:.0f} | {row['anomalib_peak_rss_mb']:.0f} | "
+            f"| fit peak RSS, N={row['images']} (MB) | {row['padim_peak_rss_mb']:.0f} | "
+            f"{row['anomalib_peak_rss_mb']:.0f} | "
             f"{row['padim_peak_rss_mb'] / row['anomalib_peak_rss_mb']:.2f} |"
         )
     if "fit_memory_slope_mb_per_image" in report:
         s = report["fit_memory_slope_mb_per_image"]
         lines.append(f"| fit RSS growth per image (MB) | {s['padim']:.3f} | {s['anomalib']:.3f} | |")
     lines += [
-        f"| artifact on disk (MB) | {b['padim'] / 1e6:.1f} (slim {b['padim_slim'] / 1e6:.1f}) | {b['anomalib'] / 1e6:.1f} | "
+        f"| artifact on disk (MB) | {b['padim'] / 1e6:.1f} (slim {b['padim_slim'] / 1e6:.1f}) | "
+        f"{b['anomalib'] / 1e6:.1f} | "
         f"{ratios['artifact_size']:.2f} (slim {ratios['artifact_size_slim']:.2f}) |"
     ]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")

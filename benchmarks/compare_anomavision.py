@@ -197,7 +197,7 @@ def main() -> int:
         "rounds": args.rounds,
         "batch_size": args.batch_size,
         "image_size": 224,
-        "layers": list(config.layers),
+        "layers": list(config.features.layers),
         "embedding_dim": 100,
         "img_per_s": {},
     }

@@ -105,7 +105,8 @@ def main() -> int:
     scorer = detector.scorer
     rows = []
     header = (
-        f"{'scenario':<12} {'flag rate':>10} {'alarms: flag':>13} {'score KS':>9} {'input KS':>9} {'brightness KS':>14} "
+        f"{'scenario':<12} {'flag rate':>10} {'alarms: flag':>13} {'score KS':>9} {'input KS':>9} "
+        f"{'brightness KS':>14} "
         f"{'score median':>13} {'input median':>13}"
     )
     print(header)
@@ -141,7 +142,8 @@ def main() -> int:
         rows.append(row)
         print(
             f"{scenario:<12} {row['mean_flag_rate']:>10.1%} {row['alarm_rate_flag_rate']:>13.0%} "
-            f"{row['alarm_rate_score_drift']:>9.0%} {row['alarm_rate_input_drift']:>9.0%} {row['alarm_rate_brightness']:>14.0%} "
+            f"{row['alarm_rate_score_drift']:>9.0%} {row['alarm_rate_input_drift']:>9.0%} "
+            f"{row['alarm_rate_brightness']:>14.0%} "
             f"{row['score_median_ratio']:>13.3f} {row['input_median_ratio']:>13.3f}"
         )
     cost = overhead(detector, args.size, rng)

@@ -224,7 +224,7 @@ def measure(config: PadimConfig, train: list[Path], tests: list[Path], args) -> 
 
 def defect_areas(masks: list[np.ndarray], labels: np.ndarray) -> dict:
     """Defect area as a share of the picture: min, median, max over the defect pictures."""
-    shares = np.array([m.mean() for m, label in zip(masks, labels) if label])
+    shares = np.array([m.mean() for m, label in zip(masks, labels, strict=True) if label])
     return {
         "min": round(float(shares.min()), 5),
         "median": round(float(np.median(shares)), 5),

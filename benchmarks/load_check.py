@@ -26,7 +26,7 @@ from padim.models.features.backbones import build_backbone, used_state
 def model_tensors(backbone: str, size: int = 224) -> dict[str, torch.Tensor]:
     """Tensors of a fitted detector of ``backbone`` as ``PadimDetector.save`` writes them."""
     config = PadimConfig(backbone=backbone, weights="random", image_size=size)
-    state = used_state(build_backbone(backbone, "random")[0], config.spec, config.layers)
+    state = used_state(build_backbone(backbone, "random")[0], config.spec, config.features.layers)
     pixels = (size // 4) ** 2
     dim = config.embedding_dim_or_default()
     packed = dim * (dim + 1) // 2
@@ -68,9 +68,9 @@ def main() -> None:
         row = [backbone, f"{path.stat().st_size / 1e9:.2f} GB"]
         for skip in (("statistics.",), ()):
             load_artifact(path, skip_prefixes=skip)  # warm the page cache: time the check, not the disk
-            seconds = min(timed(lambda: load_artifact(path, skip_prefixes=skip)) for _ in range(3))
+            seconds = min(timed(lambda path=path, skip=skip: load_artifact(path, skip_prefixes=skip)) for _ in range(3))
             loaded, _ = load_artifact(path, skip_prefixes=skip)
-            check = min(timed(lambda: [tensor_sha256(t) for t in loaded.values()]) for _ in range(3))
+            check = min(timed(lambda loaded=loaded: [tensor_sha256(t) for t in loaded.values()]) for _ in range(3))
             size = sum(t.numel() * t.element_size() for t in loaded.values())
             if skip:
                 row.append(f"{size / 1e9:.2f} GB")

@@ -41,7 +41,7 @@ The backbone is seeded random resnet18 weights (ImageNet weights cannot be fetch
     python benchmarks/quality.py                        # the frozen benchmark (25 minutes on 2 cores)
     python benchmarks/quality.py --quick                # 2 categories, fewer images: a smoke run
     python benchmarks/quality.py --grid main            # neighbourhood x image score x sigma 0/2/4 (12 minutes)
-    python benchmarks/quality.py --grid robust          # the same x folds x calibration, under nuisances (default choice)
+    python benchmarks/quality.py --grid robust          # the same x folds x calibration, under nuisances
     python benchmarks/quality.py --costs                # scoring time only: each option, today's default vs the paper
     python benchmarks/quality.py --mvtec /data/mvtec --categories bottle,carpet --weights r18.pth
 """
@@ -49,6 +49,7 @@ The backbone is seeded random resnet18 weights (ImageNet weights cannot be fetch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -72,7 +73,7 @@ from padim.models.data.changes import Draw, Expected, apply, seeded
 from padim.models.data.synthetic import CATEGORIES, DEFECTS, MORE_DEFECTS, generate
 from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_category
 from padim.models.features.embedding import Embedding
-from padim.models.fit.memory_plan import plan_fit
+from padim.models.fit.memory_plan import FitFacts, plan_fit
 from padim.models.model import PadimModel
 
 HERE = Path(__file__).resolve().parent
@@ -213,7 +214,7 @@ def main() -> None:
             for category in categories
         ]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for category, part in zip(categories, pool.imap(measure_in_process, tasks)):
+            for category, part in zip(categories, pool.imap(measure_in_process, tasks), strict=True):
                 rows += part
                 print(f"{category}: done after {time.time() - started:.0f} s", file=sys.stderr, flush=True)
         measured = round(time.time() - started)
@@ -237,8 +238,10 @@ def main() -> None:
         "weights": "seeded random resnet18 (seed 0), not ImageNet" if args.weights == "random" else args.weights,
         "data": str(args.mvtec)
         if args.mvtec
-        else f"generated (models/data/synthetic.py, seed 24, 256 px): {args.train} training, {args.test_good} unseen normal, "
-        f"{args.defect_images} x {len(DEFECTS + MORE_DEFECTS)} defect images ({', '.join(DEFECTS + MORE_DEFECTS)}) per category",
+        else f"generated (models/data/synthetic.py, seed 24, 256 px): {args.train} training, "
+        f"{args.test_good} unseen normal, "
+        f"{args.defect_images} x {len(DEFECTS + MORE_DEFECTS)} defect images ({', '.join(DEFECTS + MORE_DEFECTS)}) "
+        "per category",
         "nuisances": {n: (f"generated region {REGIONS[n]}" if n in REGIONS else NUISANCE_TEXT[n]) for n in NUISANCES}
         if args.grid == "robust"
         else None,
@@ -293,7 +296,7 @@ def measure_category(
         fit = Fit.start(base)
         train_features = features(fit, train, crop)
         test_features = features(fit, [s.path for s in samples], crop)
-        masks = load_masks(samples, base.image_size, crop)
+        masks = load_masks(samples, base.features.image_size, crop)
         combos = [("random", 1), ("random", 3)] + (
             [("semi_orthogonal", 1), ("semi_orthogonal", 3)] if crop is None and not main else []
         )
@@ -302,9 +305,14 @@ def measure_category(
             members = []
             for seed in seeds:
                 embedding = Embedding.create(
-                    config.spec, config.layers, config.embedding_dim_or_default(), reduction, seed, neighbourhood
+                    config.spec,
+                    config.features.layers,
+                    config.embedding_dim_or_default(),
+                    reduction,
+                    seed,
+                    neighbourhood,
                 )
-                oof, test = distances(embedding, train_features, test_features, config.epsilon)
+                oof, test = distances(embedding, train_features, test_features, config.gaussian.epsilon)
                 members.append((oof, test))
                 # the blur is measured on the main axis (plain resize, random subset); the rest at sigma 4
                 sigmas = MAIN_SIGMAS if main else SIGMAS if crop is None and reduction == "random" else (4.0,)
@@ -350,7 +358,7 @@ def features(fit: Fit, paths: list[Path], crop: float | None) -> list[torch.Tens
     for start in range(0, len(paths), 32):
         images = [cropped(Image.open(p).convert("RGB"), crop) for p in paths[start : start + 32]]
         out.append(fit.embedder.extractor(fit.embedder.preprocess(images)))
-    return [torch.cat(parts) for parts in zip(*out)]
+    return [torch.cat(parts) for parts in zip(*out, strict=True)]
 
 
 def cropped(image: Image.Image, crop: float | None) -> Image.Image:
@@ -410,7 +418,9 @@ def ensemble(members, config: PadimConfig, false_alarm_rate: float) -> tuple[tor
     oof_sum, test_sum = 0, 0
     for oof, test in members:
         side = int(round(oof.shape[1] ** 0.5))
-        scores = image_scores(anomaly_maps(oof, (side, side), config.image_size, config.blur_sigma)).double()
+        scores = image_scores(
+            anomaly_maps(oof, (side, side), config.features.image_size, config.scoring.blur_sigma)
+        ).double()
         threshold = Calibration.from_scores(scores, false_alarm_rate).threshold
         oof_sum = oof_sum + oof.clamp_min(0).sqrt() / threshold
         test_sum = test_sum + test.clamp_min(0).sqrt() / threshold
@@ -439,7 +449,10 @@ def evaluate(
     rows = []
     for sigma in sigmas:
         test_maps = torch.cat(
-            [anomaly_maps(test[i : i + 32], (side, side), config.image_size, sigma) for i in range(0, len(test), 32)]
+            [
+                anomaly_maps(test[i : i + 32], (side, side), config.features.image_size, sigma)
+                for i in range(0, len(test), 32)
+            ]
         )
         maps = test_maps.numpy()
         pixel_auroc, pro = pixel_metrics(maps, masks)
@@ -450,7 +463,9 @@ def evaluate(
             oof_scores = torch.cat(
                 [
                     image_scores(
-                        anomaly_maps(oof[i : i + 64], (side, side), config.image_size, sigma), method, oof[i : i + 64]
+                        anomaly_maps(oof[i : i + 64], (side, side), config.features.image_size, sigma),
+                        method,
+                        oof[i : i + 64],
                     )
                     for i in range(0, len(oof), 64)
                 ]
@@ -509,7 +524,7 @@ def nuisance(kind: str, rng: np.random.Generator) -> Draw:
 def picture_features(fit: Fit, pictures: list[Image.Image]) -> list[torch.Tensor]:
     """The backbone's stages of pictures in memory, as :func:`features` of files."""
     out = [fit.embedder.extractor(fit.embedder.preprocess(pictures[i : i + 32])) for i in range(0, len(pictures), 32)]
-    return [torch.cat(parts) for parts in zip(*out)]
+    return [torch.cat(parts) for parts in zip(*out, strict=True)]
 
 
 def sliced_out_of_fold(
@@ -568,19 +583,19 @@ def measure_robust(
             expected = Expected.parse(preset)
             have = copies_of.setdefault(preset, [])
             for j in range(len(have), count):
-                have.append([apply(p, expected.draw(seeded(n, j))) for p, n in zip(train, names)])
+                have.append([apply(p, expected.draw(seeded(n, j))) for p, n in zip(train, names, strict=True)])
     fit = Fit.start(base)
     train_features = picture_features(fit, train)
     test_features = features(fit, [s.path for s in samples], None)
     set_features = {n: picture_features(fit, v) for n, v in sets.items()}
     copy_features = {k: [picture_features(fit, c) for c in v] for k, v in copies_of.items()}
-    masks = load_masks(samples, base.image_size, None)
+    masks = load_masks(samples, base.features.image_size, None)
     rows = []
     for neighbourhood in (1, 3):
         config = base.replace(neighbourhood=neighbourhood)
         for seed in seeds:
             embedding = Embedding.create(
-                config.spec, config.layers, config.embedding_dim_or_default(), "random", seed, neighbourhood
+                config.spec, config.features.layers, config.embedding_dim_or_default(), "random", seed, neighbourhood
             )
             x = embed(embedding, train_features).double()
             copies = {k: [embed(embedding, c).double() for c in v] for k, v in copy_features.items()}
@@ -588,9 +603,9 @@ def measure_robust(
             fitted = {"": x, **{k: interleave(x, v[0]) for k, v in copies.items()}}
             scored = {}  # statistics -> (test, {nuisance: distances})
             for key, rows_fitted in fitted.items():
-                mean, factor = finalise(batch_state(rows_fitted), config.epsilon)
+                mean, factor = finalise(batch_state(rows_fitted), config.gaussian.epsilon)
 
-                def distances_of(stages, mean=mean, factor=factor):
+                def distances_of(stages, mean=mean, factor=factor, embedding=embedding):
                     return torch.cat(
                         [
                             squared_mahalanobis(embed(embedding, [s[i : i + 32] for s in stages]), mean, factor)
@@ -606,23 +621,23 @@ def measure_robust(
                 state = batch_state(xs)
                 for name, (preset, count, fitted_copies) in CALIBRATIONS.items():
                     if not count:
-                        out_of_fold[name, folds] = [sliced_out_of_fold(xs, sizes, config.epsilon, state)]
+                        out_of_fold[name, folds] = [sliced_out_of_fold(xs, sizes, config.gaussian.epsilon, state)]
                     elif fitted_copies:
                         both = interleave(xs, copies[preset][0][order])
-                        squared = sliced_out_of_fold(both, [2 * m for m in sizes], config.epsilon)
+                        squared = sliced_out_of_fold(both, [2 * m for m in sizes], config.gaussian.epsilon)
                         out_of_fold[name, folds] = [squared[1::2]]  # the copies' rows
                     else:
                         out_of_fold[name, folds] = [
-                            sliced_out_of_fold(xs, sizes, config.epsilon, state, copies[preset][j][order])
+                            sliced_out_of_fold(xs, sizes, config.gaussian.epsilon, state, copies[preset][j][order])
                             for j in range(count)
                         ]
             side = int(round(x.shape[1] ** 0.5))
             for sigma in MAIN_SIGMAS:
 
-                def maps(squared, sigma=sigma):
+                def maps(squared, sigma=sigma, side=side, config=config):
                     return torch.cat(
                         [
-                            anomaly_maps(squared[i : i + 64], (side, side), config.image_size, sigma)
+                            anomaly_maps(squared[i : i + 64], (side, side), config.features.image_size, sigma)
                             for i in range(0, len(squared), 64)
                         ]
                     )
@@ -633,8 +648,8 @@ def measure_robust(
                 pixel = {key: pixel_metrics(m.numpy(), masks) for key, m in test_maps.items()}
                 for method in IMAGE_SCORES:
 
-                    def score(maps_, squared):
-                        return image_scores(maps_, method, squared, config.top_fraction).double().numpy()
+                    def score(maps_, squared, method=method, top_fraction=config.scoring.top_fraction):
+                        return image_scores(maps_, method, squared, top_fraction).double().numpy()
 
                     test_scores = {key: score(test_maps[key], test) for key, (test, _) in scored.items()}
                     set_scores = {
@@ -755,12 +770,20 @@ def best_robust_option(summary: list[dict], bound: float) -> dict:
     else:
         top = max(e["image_auroc"] + e["recall"] for e in within)
         today = PadimConfig()
-        scoring = (today.neighbourhood, today.blur_sigma, today.image_score, str(today.calibration_folds))
+        scoring = (
+            today.gaussian.neighbourhood,
+            today.scoring.blur_sigma,
+            today.scoring.image_score,
+            str(today.gaussian.calibration_folds),
+        )
         best = max(
             (e for e in within if e["image_auroc"] + e["recall"] >= top - TIE),
             key=lambda e: (
                 sum(
-                    a == b for a, b in zip((e["neighbourhood"], e["sigma"], e["image_score"], str(e["folds"])), scoring)
+                    a == b
+                    for a, b in zip(
+                        (e["neighbourhood"], e["sigma"], e["image_score"], str(e["folds"])), scoring, strict=True
+                    )
                 ),
                 e["image_auroc"] + e["recall"],
             ),
@@ -852,14 +875,14 @@ def option_costs(base: PadimConfig, root: Path) -> dict:
         for method in IMAGE_SCORES:
             config = base.replace(neighbourhood=neighbourhood, image_score=method)
             start = Fit.start(config)
-            model = PadimModel(start.embedder, mean, factor, config.blur_sigma, method, config.top_fraction)
-            seconds = median_seconds(lambda: model(batch), 5)
+            model = PadimModel(start.embedder, mean, factor, dataclasses.replace(config.scoring, image_score=method))
+            seconds = median_seconds(lambda model=model: model(batch), 5)
             reference = reference or seconds
             costs[f"nb{neighbourhood} {method}"] = {
                 "seconds_per_batch16": round(seconds, 4),
                 "relative": round(seconds / reference, 3),
             }
-    plan = plan_fit(base, 100, spool=True)
+    plan = plan_fit(base, FitFacts(100, spool=True))
     model_bytes = pixels * (dim * (dim + 1) // 2) * 2 + pixels * dim * 4  # float16 packed factors + mean
     with torch.inference_mode():
         backbone = median_seconds(lambda: fit.embedder(batch), 5)
@@ -882,18 +905,15 @@ def default_versus_paper(
     today = PadimConfig()  # its expected changes cost at the fit, not when scoring
     configs = {
         "default": base.replace(
-            neighbourhood=today.neighbourhood,
-            blur_sigma=today.blur_sigma,
-            image_score=today.image_score,
-            expect=today.expect,
-            fit_changes=today.fit_changes,
+            neighbourhood=today.gaussian.neighbourhood,
+            blur_sigma=today.scoring.blur_sigma,
+            image_score=today.scoring.image_score,
+            expect=today.gaussian.expect,
+            fit_changes=today.gaussian.fit_changes,
         ),
         "paper": base.replace(**PAPER),
     }
-    models = {
-        name: PadimModel(Fit.start(c).embedder, mean, factor, c.blur_sigma, c.image_score, c.top_fraction)
-        for name, c in configs.items()
-    }
+    models = {name: PadimModel(Fit.start(c).embedder, mean, factor, c.scoring) for name, c in configs.items()}
     times = {name: [] for name in models}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -920,36 +940,36 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
     fit = Fit.start(config)
     embedding = Embedding.create(
         config.spec,
-        config.layers,
+        config.features.layers,
         config.embedding_dim_or_default(),
-        config.reduction,
-        config.seed,
-        config.neighbourhood,
+        config.features.reduction,
+        config.features.seed,
+        config.gaussian.neighbourhood,
     )
     pictures = [Image.open(p).convert("RGB") for p in train]
     x = embed(embedding, picture_features(fit, pictures)).double()
     copies = None
-    if config.expect:  # the product's draws: one seeded copy a picture, by name (names relative to the folder)
-        changed = [apply(p, config.expected.draw(seeded(path.name))) for p, path in zip(pictures, train)]
+    if config.gaussian.expect:  # the product's draws: one seeded copy a picture, by name (names relative to the folder)
+        changed = [apply(p, config.expected.draw(seeded(path.name))) for p, path in zip(pictures, train, strict=True)]
         copies = embed(embedding, picture_features(fit, changed)).double()
     rows = interleave(x, copies) if config.copies_fitted else x
-    mean, factor = finalise(batch_state(rows), config.epsilon)
+    mean, factor = finalise(batch_state(rows), config.gaussian.epsilon)
     squared = squared_mahalanobis(embed(embedding, features(fit, test, None)), mean, factor)
     side = int(round(squared.shape[1] ** 0.5))
 
     def scores(d):
         return image_scores(
-            anomaly_maps(d, (side, side), config.image_size, config.blur_sigma),
-            config.image_score,
+            anomaly_maps(d, (side, side), config.features.image_size, config.scoring.blur_sigma),
+            config.scoring.image_score,
             d,
-            config.top_fraction,
+            config.scoring.top_fraction,
         ).double()
 
     expected = scores(squared).numpy()
     if config.copies_fitted:
-        oof = sliced_out_of_fold(rows, [2] * len(x), config.epsilon)[1::2]
+        oof = sliced_out_of_fold(rows, [2] * len(x), config.gaussian.epsilon)[1::2]
     else:
-        oof = sliced_out_of_fold(x, [1] * len(x), config.epsilon, copies=copies)
+        oof = sliced_out_of_fold(x, [1] * len(x), config.gaussian.epsilon, copies=copies)
     threshold = Calibration.from_scores(scores(oof), false_alarm_rate).threshold
     return {
         "config": {
@@ -979,7 +999,7 @@ def calibration_costs(base: PadimConfig, root: Path, rounds: int = 3) -> dict:
     out = {}
     for name in names:
         preset, _, fitted = CALIBRATIONS[name]
-        plan = plan_fit(base.replace(expect=preset, fit_changes=fitted), len(train), spool=True)
+        plan = plan_fit(base.replace(expect=preset, fit_changes=fitted), FitFacts(len(train), spool=True))
         out[name] = {
             "fit_seconds": round(statistics.median(seconds[name]), 1),
             "relative_to_stable": round(statistics.median(seconds[name]) / statistics.median(seconds["stable"]), 2),
@@ -1013,11 +1033,11 @@ def print_robust_table(result: dict) -> None:
             fitted,
             copies <= 1,
         ) == (
-            today.neighbourhood,
-            today.blur_sigma,
-            today.image_score,
-            str(today.calibration_folds),
-            today.expect,
+            today.gaussian.neighbourhood,
+            today.scoring.blur_sigma,
+            today.scoring.image_score,
+            str(today.gaussian.calibration_folds),
+            today.gaussian.expect,
             today.copies_fitted,
             True,
         ):
@@ -1065,7 +1085,7 @@ def print_table(result: dict) -> None:
                 and e["reduction"] == "random"
                 and e["members"] == "single"
                 and (e["neighbourhood"], e["image_score"], e["sigma"])
-                == (today.neighbourhood, today.image_score, today.blur_sigma)
+                == (today.gaussian.neighbourhood, today.scoring.image_score, today.scoring.blur_sigma)
             )
             else ""
         )

@@ -175,7 +175,8 @@ def floor_report(detector, batch, features, flat, parts: dict, total: float, arg
     }
     report = {"roofs": roofs, "stages": {}}
     print(
-        f"floor of this machine: sgemm {roofs['sgemm_gflops']:.0f} GFLOP/s, copy bandwidth {roofs['bandwidth_gbps']:.1f} GB/s"
+        f"floor of this machine: sgemm {roofs['sgemm_gflops']:.0f} GFLOP/s, copy bandwidth "
+        f"{roofs['bandwidth_gbps']:.1f} GB/s"
     )
     floor_total = 0.0
     for name, (flops, moved) in work.items():
@@ -228,8 +229,8 @@ def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
             cases[name][f"scorer_b{b}"] = lambda s=scorer, x=batch[:b]: s.score(x)
             cases[name][f"end_to_end_b{b}"] = lambda s=scorer, i=images[:b]: s.score(s.preprocess(i))
     times: dict[str, dict[str, list[float]]] = {n: {} for n in cases}
-    for name, fns in cases.items():  # warm-up
-        for key, fn in fns.items():
+    for fns in cases.values():  # warm-up
+        for fn in fns.values():
             if callable(fn):
                 fn()
     for _ in range(args.rounds):
@@ -257,7 +258,8 @@ def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
             }
             print(f"  {name:<12} {key:<14} {median:7.1f} {best:7.1f}  x{median / torch_median:4.2f}")
         print(
-            f"  {name:<12} largest score difference from torch: {result[name]['max_relative_score_difference']:.1e} relative"
+            f"  {name:<12} largest score difference from torch: "
+            f"{result[name]['max_relative_score_difference']:.1e} relative"
         )
     return result
 

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, DEVICES, RUNTIMES
+from padim.models import options
+from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, RUNTIMES
 
 
 def run_options() -> argparse.ArgumentParser:
     """``--device``, ``--batch-size``, ``--workers``: how a command runs, never what it computes."""
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("how it runs")
-    group.add_argument(
-        "--device", choices=DEVICES, help="where the model runs (default auto: cuda when torch sees a GPU)"
-    )
-    group.add_argument(
-        "--batch-size", type=int, metavar="N", help=f"images per forward pass (default {DEFAULT_BATCH_SIZE})"
-    )
-    group.add_argument("--workers", type=int, metavar="N", help=f"image-decoding threads (default {DEFAULT_WORKERS})")
+    options.add_flags(parent.add_argument_group("how it runs"), "run")
     return parent
 
 

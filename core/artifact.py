@@ -139,7 +139,7 @@ def copy_artifact(source: str | os.PathLike, target: str | os.PathLike, header: 
     """
     source = Path(source)
     table, data_start, old = _model_table(source)
-    tensors = {
+    tensors: dict[str, torch.Tensor | TensorStream] = {
         name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name)) for name in table
     }
     save_artifact(target, tensors, header)
@@ -361,7 +361,7 @@ def _check_digest(path: Path, name: str, got: str, expected: str) -> None:
 
 def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
     table, data_start, header = _model_table(path)
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     if not load_tensors:
         return tensors, header
     with open(path, "rb") as handle:
@@ -385,7 +385,7 @@ def _open(path: Path, load_tensors: bool, skip_prefixes: tuple[str, ...] = ()) -
 
 
 def _read_into(fd: int, out: torch.Tensor, offset: int, path: Path, digest: _Sha256 | None = None) -> None:
-    """Fill ``out`` from the file at ``offset``, feeding each chunk read to ``digest`` (hashed while the next is read)."""
+    """Fill ``out`` from the file at ``offset``, each chunk read fed to ``digest`` (hashed while the next is read)."""
     view, done = _bytes_of(out), 0
     while done < len(view):
         got = os.preadv(fd, [view[done : done + CHUNK_BYTES]], offset + done)
@@ -420,7 +420,7 @@ def _parse_header(path: Path, text: str) -> dict:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _numel(shape) -> int:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CalibrationError  # noqa: F401 (part of this module's interface)
+from .limits import FALSE_ALARM_RATE_RANGE
 
 #: Confidence of the upper bound stored with every model.
 CONFIDENCE = 0.95
@@ -63,8 +64,6 @@ MEDIAN_SCORE = 0.1
 #: Raw thresholds below this (Mahalanobis units) mean the normal images do not vary at all.
 MIN_THRESHOLD = 1e-3
 EULER_GAMMA = 0.5772156649015329
-#: Allowed range of the requested false-alarm rate.
-FALSE_ALARM_RATE_RANGE = (1e-6, 0.5)
 
 #: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores.
 METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile")
@@ -488,7 +487,10 @@ def linked_pictures(
         return ()
     if linked.shape != (digests.shape[0], 3):
         raise ValueError(f"{digests.shape[0]} picture digests but values of shape {tuple(linked.shape)}")
-    return tuple((int(d), *map(float, row)) for d, row in zip(digests.tolist(), linked.tolist()))
+    return tuple(
+        (int(d), float(score), float(distance), float(taken))
+        for d, (score, distance, taken) in zip(digests.tolist(), linked.tolist(), strict=True)
+    )
 
 
 def _tensor(values: list[float]) -> torch.Tensor | None:

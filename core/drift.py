@@ -251,7 +251,8 @@ def assess(
         if values.numel() >= min_images:
             input_drift = _shift(values, torch.tensor(calibration.input_distances, dtype=torch.float64), level)
     drift = Drift(n, "normal", level, min_images, flag_rate, score_drift, input_drift, "")
-    return replace(drift, status="alarm" if drift.alarms else "normal", verdict=_words(drift))
+    words = _words(n, flag_rate, score_drift, input_drift)
+    return replace(drift, status="alarm" if drift.alarms else "normal", verdict=words)
 
 
 def _shift(recent: torch.Tensor, reference: torch.Tensor, level: float, with_psi: bool = False) -> Shift:
@@ -262,9 +263,8 @@ def _shift(recent: torch.Tensor, reference: torch.Tensor, level: float, with_psi
     return Shift(statistic, p_value, p_value < level, ratio, psi)
 
 
-def _words(drift: Drift) -> str:
-    """What the reading says, for a person: the flag rate first, then each drift."""
-    flag, n = drift.flag_rate, drift.images
+def _words(n: int, flag: FlagRate, score_drift: Shift, input_drift: Shift | None) -> str:
+    """What the reading of ``n`` images says, for a person: the flag rate first, then each drift."""
     said = (
         "promised"
         if flag.basis == "promised"
@@ -284,25 +284,25 @@ def _words(drift: Drift) -> str:
         ]
     else:
         sentences = [f"{rate}, within what the model {said} ({bound})"]
-    shift = drift.score_drift
-    if shift.alarm:
+    if score_drift.alarm:
         sentences.append(
-            f"scores run higher than the calibration's (KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; "
-            f"median x{shift.median_ratio:.2f}, PSI {shift.psi:.2f})"
+            f"scores run higher than the calibration's (KS D+ {score_drift.statistic:.2f}, p = "
+            f"{score_drift.p_value:.2g}; "
+            f"median x{score_drift.median_ratio:.2f}, PSI {score_drift.psi:.2f})"
         )
     else:
-        sentences.append(f"scores as the calibration's (KS D+ {shift.statistic:.2f})")
-    shift = drift.input_drift
-    if shift is None:
+        sentences.append(f"scores as the calibration's (KS D+ {score_drift.statistic:.2f})")
+    if input_drift is None:
         sentences.append("no input drift reading (the model or export predates input distances)")
-    elif shift.alarm:
+    elif input_drift.alarm:
         sentences.append(
             f"the images look unlike the training images: input distances run higher "
-            f"(KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}; median x{shift.median_ratio:.2f}): "
+            f"(KS D+ {input_drift.statistic:.2f}, p = {input_drift.p_value:.2g}; median "
+            f"x{input_drift.median_ratio:.2f}): "
             f"lighting, camera or material may have changed. {FIXES}"
         )
     else:
-        sentences.append(f"inputs like the training images (KS D+ {shift.statistic:.2f})")
+        sentences.append(f"inputs like the training images (KS D+ {input_drift.statistic:.2f})")
     return "; ".join(sentences) + "."
 
 

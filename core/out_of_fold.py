@@ -20,8 +20,8 @@ Woodbury identity gives the squared distance of the fold's image ``i`` under the
 because ``x_i - mu_k = U a_i``. ``B_m`` depends on the fold only through its size, so one
 Cholesky factorisation per distinct fold size serves every fold of that size (one, for
 leave-one-out, where the correction is a closed form in ``q = ||L_1^-1 (x - mu)||^2``:
-``d^2 = (n - 2) n^2 q / ((n - 1) ((n - 1)^2 - n q))``). Per pixel a fold then costs one triangular solve with ``m + 1`` right-hand
-sides (``D^2 (m + 1)``) and an ``(m + 1) x (m + 1)`` Cholesky, against a downdate and a
+``d^2 = (n - 2) n^2 q / ((n - 1) ((n - 1)^2 - n q))``). Per pixel a fold then costs one triangular solve
+with ``m + 1`` right-hand sides (``D^2 (m + 1)``) and an ``(m + 1) x (m + 1)`` Cholesky, against a downdate and a
 factorisation (``D^3 / 3``) for a refit. The correction cancels strongly when the fold spans
 directions the other images do not (``I - G`` nearly singular), so it runs in float64: in
 float32 it lost 3e-4 relative at ``D = 100``. Folds with ``m + 1`` comparable to ``D`` are

@@ -172,4 +172,4 @@ def free_disk(directory: str | os.PathLike) -> int:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")

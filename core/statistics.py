@@ -184,7 +184,8 @@ def downdate_state_(
     """
     if embedding.ndim != 3 or embedding.shape[1:] != state.mean.shape:
         raise ValueError(
-            f"cannot remove a batch of shape {tuple(embedding.shape)} from statistics of (P, D)={tuple(state.mean.shape)}"
+            f"cannot remove a batch of shape {tuple(embedding.shape)} from statistics of (P, "
+            f"D)={tuple(state.mean.shape)}"
         )
     n, n_b = int(state.count), embedding.shape[0]
     if n_b == 0:
@@ -273,7 +274,8 @@ def regularised_cholesky(
         pixel = int(bad[0]) + pixel_offset
         where = f"pixel {pixel}"
         if grid_shape is not None:
-            where += f" (row {pixel // grid_shape[1]}, column {pixel % grid_shape[1]} of the {grid_shape[0]}x{grid_shape[1]} feature grid)"
+            row, column = divmod(pixel, grid_shape[1])
+            where += f" (row {row}, column {column} of the {grid_shape[0]}x{grid_shape[1]} feature grid)"
         raise NotPositiveDefiniteError(
             f"the covariance at {where} is not positive definite even with epsilon={epsilon:g} "
             f"({bad.numel()} of {covariance.shape[0]} pixels checked fail). "

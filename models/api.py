@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,13 +39,14 @@ from padim.models.data.images import iter_for_model, list_images, open_image, to
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.heatmaps import figure, mask_image, overlay
 from padim.models.model_file import load_detector
+from padim.models.options import OPTIONS
 from padim.models.scorer import Scorer
 from padim.models.training import FitError, FitReport, TrainingImage, train, training_images
 from padim.models.verdicts import NonFiniteScoreError, Verdict, verdict
 
 #: What :meth:`Detector.predict` takes as one image: a path, a PIL image, or an ``(H, W)`` /
 #: ``(H, W, 3)`` / ``(H, W, 4)`` uint8 array (RGB order, as PIL and imageio give; 0..255).
-ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray]
+ImageInput = str | os.PathLike | Image.Image | np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -246,7 +247,7 @@ class Detector:
         out = self.scorer.score(self.scorer.preprocess(loaded))
         raw_scores, maps = out.raw_scores.cpu().tolist(), out.maps.cpu()
         calibration, weights = self.calibration, self.scorer.weights
-        for name, image, raw, small in zip(names, loaded, raw_scores, maps):
+        for name, image, raw, small in zip(names, loaded, raw_scores, maps, strict=True):
             try:
                 found = verdict(raw, small, calibration, threshold)
             except NonFiniteScoreError as error:
@@ -302,7 +303,7 @@ def fit(
         output: write the model file here too.
         config: a :class:`PadimConfig`, or a YAML file of options (as ``padim train --config``).
         progress: progress bars on stderr.
-        **options: :class:`PadimConfig` fields, e.g. ``backbone="wide_resnet50_2"``,
+        **options: :class:`PadimConfig` options (:mod:`padim.models.options`), e.g. ``backbone="wide_resnet50_2"``,
             ``weights="random"``, ``image_size=256``, ``false_alarm_rate=0.005``.
 
     Raises:
@@ -313,7 +314,7 @@ def fit(
         config = PadimConfig()
     elif not isinstance(config, PadimConfig):
         config = read_config_file(config, label="config")[0]
-    allowed = list(PadimConfig.__dataclass_fields__)
+    allowed = list(OPTIONS)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -328,12 +329,14 @@ def fit(
             if not found:
                 raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
             report = train(config, found, output, progress=progress, scratch_dir=scratch)
-        scorer = load_detector(output, device=config.device)
+        scorer = load_detector(output, device=config.run.device)
     except BaseException:
         if kept is not None:
             shutil.rmtree(kept, ignore_errors=True)
         raise
-    detector = Detector(scorer, report, batch_size=config.batch_size, workers=config.workers, source=Path(output))
+    detector = Detector(
+        scorer, report, batch_size=config.run.batch_size, workers=config.run.workers, source=Path(output)
+    )
     if kept is not None:
         weakref.finalize(detector, shutil.rmtree, kept, True)
     return detector

@@ -17,7 +17,6 @@ from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
-from padim.models.devices import resolve_device  # noqa: F401 (its old home; padim.models.devices has it)
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding
 from padim.models.model import PadimModel, ScoreOutput
@@ -28,30 +27,19 @@ FLOAT16_TOLERANCE = 1e-3
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
 
-def scoring_options(config) -> dict:
-    """What part of a picture the detector sees and how it reads its maps: what ``describe`` shows of the options."""
-    return {
-        "neighbourhood": config.neighbourhood,
-        "blur_sigma": config.blur_sigma,
-        "image_score": config.image_score,
-        "top_fraction": config.top_fraction,
-        "roi": None if config.roi is None else list(config.roi),
-        "resize": config.resize,
-        "tiles": list(config.tiles),
-        "tile_overlap": config.tile_overlap,
-        "tile_statistics": config.tile_statistics,
-        "input_shape": list(config.input_shape),
-    }
+def shown_options(config: PadimConfig) -> dict:
+    """The options a served model's description shows (declared ``shown``), and the model input they make."""
+    return {**config.shown(), "input_shape": list(config.input_shape)}
 
 
-def calibration_options(config) -> dict:
+def calibration_options(config: PadimConfig) -> dict:
     """The options of the calibration a user sees beside its threshold: its folds, and the changes of the line it
     covers (``expect``)."""
     return {
-        "folds": config.calibration_folds,
-        "expect": config.expect,
+        "folds": config.gaussian.calibration_folds,
+        "expect": config.gaussian.expect,
         "fit_changes": config.copies_fitted,
-        "covers": promise_covers(config.expect, config.copies_fitted),
+        "covers": promise_covers(config.gaussian.expect, config.copies_fitted),
     }
 
 
@@ -169,16 +157,12 @@ class PadimDetector:
     def describe(self) -> dict:
         """Metadata a user sees (``padim info``, ``GET /models``, results files)."""
         return {
-            "backbone": self.config.backbone,
+            "backbone": self.config.features.backbone,
             "weights": self.weights.label,
             "weights_source": self.weights.source,
-            "layers": list(self.config.layers),
-            "image_size": self.config.image_size,
+            **shown_options(self.config),
             "embedding_dim": self.embedding.embedding_dim,
-            "reduction": self.config.reduction,
             "grid": list(self.model.grid_shape),
-            "epsilon": self.config.epsilon,
-            **scoring_options(self.config),
             "fit_image_count": self.provenance.fit_image_count,
             "calibration": {
                 **self.calibration.summary(),

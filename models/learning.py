@@ -209,11 +209,11 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
     on_progress("remove", 0, len(doomed))
     taken: set[int] = set()
     for paths, images in iter_decoded(
-        batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]], fit.config.batch_size),
-        fit.config.workers,
+        batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]], fit.config.run.batch_size),
+        fit.config.run.workers,
         unreadable,
         fit.draft_to,
-        fit.config.roi,
+        fit.config.framing.roi,
     ):
         names = [doomed[p][0] for p in paths]
         with torch.no_grad():
@@ -244,7 +244,7 @@ def _write_statistics_only(
     """The file of a fit whose statistics changed but that scored no new picture: factors, the same calibration."""
     scratch = Path(scratch_dir or Path(output).parent)
     try:
-        finished = fit.finish([], scratch, keep_statistics=True, progress=False)
+        finished = fit.finish([], scratch, with_statistics=True, progress=False)
     except NotPositiveDefiniteError as error:
         raise FitError(str(error)) from None
     finished = dataclasses.replace(finished, precision_dtype=getattr(torch, precision))
@@ -348,7 +348,7 @@ def flagged(model_path: str | Path, pictures: Sequence[Path], device: str = "cpu
     with torch.no_grad():
         for paths, images in iter_for_model(pictures, detector.config, batch_size, workers=1, unreadable=[]):
             raw = detector.score(detector.preprocess(images)).raw_scores.cpu()
-            for path, value in zip(paths, raw.tolist()):
+            for path, value in zip(paths, raw.tolist(), strict=True):
                 verdicts[path] = detector.calibration.score(value) >= 0.5
     return [verdicts.get(p, False) for p in pictures]
 

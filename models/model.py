@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from padim.core.scoring import image_scores, squared_mahalanobis
-from padim.core.tiling import picture_maps
+from padim.core.tiling import Tiling, picture_maps
 from padim.models.features.embedding import FeatureEmbedder
+from padim.models.options import ScoringOptions
 
 
 class ScoreOutput(NamedTuple):
@@ -50,10 +51,8 @@ class PadimModel(nn.Module):
             factors (as a model file may store them) are kept float16 and upcast chunk by chunk
             when scoring (:func:`padim.core.scoring.squared_mahalanobis`), other dtypes become
             float32.
-        blur_sigma: Gaussian smoothing of the map, in input pixels.
-        image_score: how the image score is read from the map (``map_max``, ``patch_max``,
-            ``top_mean``: :func:`padim.core.scoring.image_scores`).
-        top_fraction: share of the map's pixels ``top_mean`` averages.
+        scoring: how a map and an image score are read from the distances (smoothing, ``map_max``,
+            ``patch_max`` or ``top_mean``: :func:`padim.core.scoring.image_scores`).
     """
 
     def __init__(
@@ -61,15 +60,11 @@ class PadimModel(nn.Module):
         embedder: FeatureEmbedder,
         mean: torch.Tensor,
         precision_factor: torch.Tensor,
-        blur_sigma: float,
-        image_score: str = "map_max",
-        top_fraction: float = 0.01,
+        scoring: ScoringOptions,
     ):
         super().__init__()
         self.embedder = embedder
-        self.blur_sigma = float(blur_sigma)
-        self.image_score = image_score
-        self.top_fraction = float(top_fraction)
+        self.scoring = scoring
         self.register_buffer("mean", mean.to(torch.float32))  # (P, D)
         kept = torch.float16 if precision_factor.dtype == torch.float16 else torch.float32
         self.register_buffer("precision_factor", precision_factor.to(kept))  # (P, D, D)
@@ -102,7 +97,7 @@ class PadimModel(nn.Module):
         """``(N, p, D)`` embeddings (a picture's rows consecutive) -> raw image scores ``(B,)`` and maps
         ``(B, H_in, W_in)``."""
         squared = squared_mahalanobis(embedding, self.mean, self.precision_factor)  # (N, p)
-        return score_distances(squared, self.embedder.tiling, self.blur_sigma, self.image_score, self.top_fraction)
+        return score_distances(squared, self.embedder.tiling, self.scoring)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> ScoreOutput:
@@ -110,9 +105,7 @@ class PadimModel(nn.Module):
         return self.score_embeddings(self.embedder(batch))
 
 
-def score_distances(
-    squared: torch.Tensor, tiling, blur_sigma: float, image_score: str = "map_max", top_fraction: float = 0.01
-) -> ScoreOutput:
+def score_distances(squared: torch.Tensor, tiling: Tiling, scoring: ScoringOptions) -> ScoreOutput:
     """``(N, p)`` squared distances (a picture's rows consecutive) -> image scores ``(B,)``, maps ``(B, H_in, W_in)``
     and input distances ``(B,)``.
 
@@ -120,5 +113,6 @@ def score_distances(
     (:func:`padim.core.tiling.picture_maps`), the image score read from the whole picture's map, the
     input distance the mean of the picture's squared distances.
     """
-    per_picture, maps = picture_maps(squared, tiling, blur_sigma)  # (B, T * P), (B, H_in, W_in)
-    return ScoreOutput(image_scores(maps, image_score, per_picture, top_fraction), maps, per_picture.mean(1))
+    per_picture, maps = picture_maps(squared, tiling, scoring.blur_sigma)  # (B, T * P), (B, H_in, W_in)
+    scores = image_scores(maps, scoring.image_score, per_picture, scoring.top_fraction)
+    return ScoreOutput(scores, maps, per_picture.mean(1))

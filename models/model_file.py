@@ -1,55 +1,28 @@
 """The model file of a detector or a partial fit: its tensors, its header, and older formats.
 
-A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds:
+A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (``P``: pixels of the statistics,
+``T x`` the grid with a Gaussian per tile position; ``T = D (D + 1) / 2`` entries of a packed triangle):
 
-| tensor | shape | what |
-|---|---|---|
-| ``mean`` | ``(P, D)`` float32 | per-pixel mean (detectors); ``P`` is ``T x`` the grid with a Gaussian per tile position |
-| ``precision_factor`` | ``(P, D (D + 1) / 2)`` | packed lower-triangular ``W`` (detectors; float16 or float32) |
-| ``calibration.scores`` | ``(N,)`` float64 | out-of-fold (or held-out) normal scores (detectors) |
-| ``calibration.input_distances`` | ``(N,)`` float64 | their input distances (:mod:`padim.core.drift`; format 7, absent when none) |
-| ``calibration.taken_scores`` | ``(N,)`` float64 | with ``expect``: the images' own scores, where ``calibration.scores`` are their changed copies' (format 8) |
-| ``calibration.digests``, ``calibration.linked`` | ``(N,)`` int64, ``(N, 3)`` float64 | each calibration picture's content digest and its score, input distance and taken score (NaN: none), unsorted (format 9) |
-| ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` | ``()``, ``(P, D)``, ``(P, D (D + 1) / 2)`` | the float64 statistics, comoment packed as in memory (resume, merge; not in ``--slim`` files) |
-| ``image_digests`` | ``(N,)`` int64 | content digests of the fitted images |
-| ``embedding.channel_index`` or ``embedding.projection`` | ``(D,)`` or ``(C, D)`` | the channel reduction |
-| ``backbone.*`` | | the backbone weights used |
+- ``mean`` ``(P, D)`` float32 and ``precision_factor`` ``(P, T)`` (float16 or float32, the packed lower-triangular
+  ``W``): detectors.
+- ``calibration.scores``, ``calibration.input_distances``, ``calibration.taken_scores`` ``(N,)`` float64: the
+  normal pictures' out-of-fold (or held-out) scores, input distances and, with ``expect``, their own scores where
+  ``scores`` are their changed copies'; ``calibration.digests`` ``(N,)`` int64 and ``calibration.linked``
+  ``(N, 3)`` float64 tie each to its picture's content digest (unsorted; NaN: none).
+- ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` (``()``, ``(P, D)``, ``(P, T)``): the float64
+  statistics, packed as in memory (resume, merge; not in ``--slim`` files; ``count`` counts tiles when they
+  share the statistics).
+- ``image_digests`` ``(N,)`` int64: content digests of the fitted pictures.
+- ``embedding.channel_index`` ``(D,)`` or ``embedding.projection`` ``(C, D)``: the channel reduction.
+- ``backbone.*``: the backbone weights used.
 
-(a statistics ``count`` counts tiles when tiles share the statistics) and a header with ``kind`` (``padim-detector`` or ``padim-partial``), ``config``, ``weights``,
-``embedding_dim``, ``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
-:class:`~padim.models.detector.Provenance` fields.
+The header holds ``kind`` (``padim-detector`` or ``padim-partial``), ``config`` (flat: every option,
+:meth:`~padim.models.config.PadimConfig.stored`), ``weights``, ``embedding_dim``, ``grid``, ``precision_dtype``,
+``calibration``, ``has_statistics`` and the :class:`~padim.models.detector.Provenance` fields.
 
-Formats, all still read:
-
-- **9** (this one): ``calibration.digests`` and ``calibration.linked`` tie each calibration score (and input
-  distance, taken score) to its picture's content digest, so that a picture found not to be normal after a
-  review can be taken out of the statistics *and* the calibration exactly (:mod:`padim.models.fit.update`).
-  Older files are read without the link: such a picture's statistics still go, its score stays.
-- **8**: ``config`` holds ``expect`` and ``fit_changes`` (the changes of the line the
-  threshold covers, :mod:`padim.models.data.changes`), and ``calibration.taken_scores`` the images'
-  own out-of-fold scores beside their changed copies'; older files are read with none, as they
-  were calibrated.
-- **7**: ``calibration.input_distances``, the out-of-fold input distances of the
-  normal images (the reference of input drift, :mod:`padim.core.drift`); older files have none
-  and are served without that reading.
-- **6**: ``config`` holds ``tiles``, ``tile_overlap`` and ``tile_statistics``
-  (:mod:`padim.core.tiling`); older files are read untiled, as they were fitted.
-- **5**: ``config`` holds ``roi`` and ``resize`` (what part of a picture the model
-  sees, and how it becomes the square input: :mod:`padim.models.data.framing`); older files are
-  read with the whole picture squashed, as they were fitted.
-- **4**: ``config`` holds ``neighbourhood``, ``image_score`` and ``top_fraction``
-  (:class:`~padim.models.config.PadimConfig`); a file of an older format is read with the values
-  it computed (:data:`~padim.models.config.BEFORE_OPTIONS`: no averaging, the map's maximum),
-  whatever today's defaults (since 2026-11-24: neighbourhood 3, no smoothing; a format-4 file
-  names all its options, so it is read as written). An older padim refuses a format-4 file
-  rather than score it without its options.
-- **3**: ``config.calibration_folds`` may be ``"loo"`` (leave-one-out, the default
-  from this format on). Out-of-fold scores are computed in float64 from one factorisation
-  per fold size (:mod:`padim.core.out_of_fold`), for the same fold models as before. A fit
-  writes the file from its statistics and its factors' scratch file as streams
-  (:func:`save_fitted`), never holding both in memory.
-- **2**: digests of every tensor and of the header.
-- **1**: no digests, a held-out calibration, ``accumulator.*`` tensors.
+Every earlier format is read (docs/file-format.md has a table of what each added): a file is read with the
+options it was fitted with, and those it predates take the value they computed then (each option's ``before``,
+:mod:`padim.models.options`), whatever today's defaults, so that it keeps scoring as it did.
 """
 
 from __future__ import annotations
@@ -74,7 +47,7 @@ from padim.core.calibration import Calibration
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
-from padim.models.config import BEFORE_OPTIONS, RETIRED, PadimConfig
+from padim.models.config import RETIRED, PadimConfig
 from padim.models.detector import PadimDetector, Provenance
 from padim.models.devices import resolve_device
 from padim.models.features.backbones import WeightsInfo
@@ -270,9 +243,7 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         FeatureEmbedder(config, backbone_weights, embedding),
         mean,
         factor,
-        config.blur_sigma,
-        config.image_score,
-        config.top_fraction,
+        config.scoring,
     )
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
     model = model.to(resolve_device(device))
@@ -365,12 +336,11 @@ def _statistics_tensors(statistics: GaussianState) -> dict[str, torch.Tensor]:
 
 
 def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embedding, grid: tuple[int, int]) -> dict:
-    stored = config.replace(embedding_dim=embedding.embedding_dim)  # D as built, not "the default"
     return {
         "padim_version": __version__,
         "torch_version": torch.__version__,
         "torchvision_version": torchvision.__version__,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in stored.to_dict().items()},
+        "config": config.stored(embedding.embedding_dim),
         "weights": weights.to_header(),
         "embedding_dim": embedding.embedding_dim,
         "grid": list(grid),
@@ -386,15 +356,15 @@ def _read_common(
         if not header["verified"]:  # format 1: a held-out share instead of folds
             for key in RETIRED:
                 values.pop(key, None)
-        if header["format_version"] < FORMAT_VERSION:  # before an option: what it computed, whatever today's defaults
-            values = {**BEFORE_OPTIONS, **values}
-        config = PadimConfig.from_mapping(values, source=str(path))
+        config = PadimConfig.from_stored(values, str(path), older=header["format_version"] < FORMAT_VERSION)
         reduction = (
             {"channel_index": tensors["embedding.channel_index"]}
             if "embedding.channel_index" in tensors
             else {"projection": tensors["embedding.projection"]}
         )
-        embedding = Embedding.for_layers(config.spec, config.layers, neighbourhood=config.neighbourhood, **reduction)
+        embedding = Embedding.for_layers(
+            config.spec, config.features.layers, neighbourhood=config.gaussian.neighbourhood, **reduction
+        )
         if embedding.embedding_dim != int(header["embedding_dim"]):
             raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
         backbone_weights = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}

@@ -9,6 +9,7 @@ out and why, what the threshold can promise, and what the fit cost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -21,14 +22,23 @@ from tqdm.auto import tqdm
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
-from padim.models.config import SCORE_FIELDS, STATISTICS_FIELDS, PadimConfig
+from padim.models.config import CALIBRATION, PadimConfig
 from padim.models.data.images import iter_decoded, list_images
 from padim.models.detector import PadimDetector, Provenance, now
 from padim.models.devices import float64_is_slow
 from padim.models.errors import FitError  # noqa: F401 (part of this module's interface)
 from padim.models.fit.distributed import Shard
-from padim.models.fit.in_progress import Finished, Fit, Scored, TrainingImage, batches_of, file_digest
-from padim.models.fit.memory_plan import DoesNotFit, FitPlan, check, free_memory, plan_fit, ran_out
+from padim.models.fit.in_progress import (
+    Finished,
+    Fit,
+    HeldRows,
+    ScoringPass,
+    SpooledRows,
+    TrainingImage,
+    batches_of,
+    file_digest,
+)
+from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
 from padim.models.model_file import load_detector, load_fit, save_fitted
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
@@ -123,16 +133,17 @@ def train(
     """
     started = time.perf_counter()
     report = FitReport()
-    with _out_of_memory_as_error(None, report, len(images), None, with_statistics, resume is not None):
+    with _out_of_memory_as_error(None, report, None):
         fit = resume if resume is not None else Fit.start(config)
     config = fit.config
     images = _leave_out_fitted(fit, images, report)
     groups = fit.groups(images)
     earlier_count = fit.count
     scratch = Path(scratch_dir or Path(output).parent)
-    spool = _prepare(fit, report, len(images), scratch, with_statistics, resume is not None, shard, announce)
+    facts = FitFacts(len(images), spool=False, with_statistics=with_statistics, resume=resume is not None)
+    spool, facts = _prepare(fit, report, facts, scratch, shard, announce)
     try:
-        with _out_of_memory_as_error(fit, report, len(images), spool, with_statistics, resume is not None):
+        with _out_of_memory_as_error(fit, report, facts):
             with report.timed("fit"):
                 found = fit.accumulate(groups, progress, shard, spool)
             _record(report, found)
@@ -140,7 +151,7 @@ def train(
             unreadable = {name for name, _ in report.unreadable}
             readable = [[i for i in group if i.name not in unreadable] for group in groups]
             scored = [_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard)
-            finished = _finish(fit, report, scored, scratch, with_statistics, progress, shard)
+            finished = _finish(fit, report, scored, scratch, facts, progress, shard)
     finally:
         if spool is not None:
             spool.close()
@@ -182,7 +193,9 @@ def fit_detector(
         report = train(config, images, path, resume, progress, shard, scratch_dir=folder)
         if shard is not None and not shard.main:
             return None, report
-        return load_detector(path, "cpu" if config.device == "cpu" else config.device, with_statistics=True), report
+        return load_detector(
+            path, "cpu" if config.run.device == "cpu" else config.run.device, with_statistics=True
+        ), report
 
 
 def fit_partial(
@@ -196,20 +209,21 @@ def fit_partial(
     """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
     report = FitReport()
-    with _out_of_memory_as_error(None, report, len(images), None, True, False):
+    with _out_of_memory_as_error(None, report, None):
         fit = Fit.start(config)
     report.listed = len(images)
     report.folds = {i.name: _fold(i.name, config) for i in images}
-    spool = _prepare(fit, report, len(images), Path(scratch_dir or tempfile.gettempdir()), True, False, shard, announce)
+    scratch = Path(scratch_dir or tempfile.gettempdir())
+    spool, facts = _prepare(fit, report, FitFacts(len(images), spool=False), scratch, shard, announce)
     try:
-        with _out_of_memory_as_error(fit, report, len(images), spool, True, False):
+        with _out_of_memory_as_error(fit, report, facts):
             with report.timed("fit"):
                 found = fit.accumulate(fit.groups(images), progress, shard, spool)
             _record(report, found)
             if not fit.count:
                 raise FitError(f"none of the {report.listed} images could be read ({_some(report.unreadable)})")
             with report.timed("finish"):
-                fit.finish(None, None, keep_statistics=True, progress=progress, shard=shard)
+                fit.finish([], None, with_statistics=True, progress=progress, shard=shard)
     finally:
         if spool is not None:
             spool.close()
@@ -227,7 +241,7 @@ def merge_fits(
     with_statistics: bool = True,
     scratch_dir: str | Path | None = None,
 ) -> FitReport:
-    """Combine fits of disjoint images (``train --partial`` files), calibrate on images none of them fitted, write ``output``.
+    """Combine fits of disjoint images (``train --partial`` files), calibrate on images none fitted, write ``output``.
 
     The merged statistics equal a one-shot fit of every part's images. The parts are read one
     at a time and added to the first, so that two parts' statistics at most are in memory. The
@@ -263,7 +277,8 @@ def merge_fits(
             raise FitError(
                 f"none of the {len(calibration_images)} calibration images could be read ({_some(report.unreadable)})"
             )
-        finished = _finish(merged, report, [scored], scratch, with_statistics, progress, None)
+        facts = FitFacts(len(held), spool is not None, with_statistics, resume=True)
+        finished = _finish(merged, report, [scored], scratch, facts, progress, None)
     finally:
         if spool is not None:
             spool.close()
@@ -271,7 +286,7 @@ def merge_fits(
         try:
             calibration = Calibration.from_scores(
                 finished.scores,
-                config.false_alarm_rate,
+                config.verdict.false_alarm_rate,
                 input_distances=finished.input_distances,
                 taken_scores=finished.taken_scores,
             )
@@ -302,12 +317,12 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
     provenances = [merged.provenance]
     for source in parts[1:]:
         part = load_fit(source, run_options=run_options)
-        clash = merged.config.differences(part.config, STATISTICS_FIELDS + SCORE_FIELDS)
+        clash = merged.config.differences(part.config, CALIBRATION)
         if clash:
             key = clash[0]
             raise FitError(
-                f"{source}: {key}={getattr(part.config, key)!r} but {parts[0]} has "
-                f"{getattr(merged.config, key)!r}; parts must come from the same configuration"
+                f"{source}: {key}={part.config.to_dict()[key]!r} but {parts[0]} has "
+                f"{merged.config.to_dict()[key]!r}; parts must come from the same configuration"
             )
         if part.weights.sha256 != merged.weights.sha256:
             raise FitError(
@@ -324,31 +339,30 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
 
 
 def _prepare(
-    fit: Fit,
-    report: FitReport,
-    images: int,
-    scratch: Path,
-    with_statistics: bool,
-    resume: bool,
-    shard: Shard | None,
-    announce,
-) -> EmbeddingSpool | None:
-    """The memory plan (refused when it does not fit), and the spool when it fits on the disk."""
+    fit: Fit, report: FitReport, facts: FitFacts, scratch: Path, shard: Shard | None, announce
+) -> tuple[EmbeddingSpool | None, FitFacts]:
+    """The memory plan (refused when it does not fit), and the spool when it fits on the disk; ``facts`` with
+    whether it does."""
+    images = facts.images
     spool = fit.spool_or_none(scratch, images)
-    plan = plan_fit(fit.config, images, spool is not None, with_statistics, resume, fit.device.type)
+    facts = dataclasses.replace(facts, spool=spool is not None)
+    plan = plan_fit(fit.config, facts, fit.device.type)
     free = free_memory(fit.device.type)
     report.plan, report.free_memory = plan, free
     try:
-        check(fit.config, plan, free, images, spool is not None, with_statistics, resume)
+        check(fit.config, plan, free, facts)
     except DoesNotFit as error:
         if spool is not None:
             spool.close()
         raise FitError(str(error)) from None
-    copies = f" (and their changed copies', --expect {fit.config.expect})" if fit.config.expect else ""
+    copies = (
+        f" (and their changed copies', --expect {fit.config.gaussian.expect})" if fit.config.gaussian.expect else ""
+    )
+    spooled_bytes = EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim)
     where = (
         f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
         if spool is not None
-        else f"the embeddings of {images} images{copies} ({_size(EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim))}) "
+        else f"the embeddings of {images} images{copies} ({_size(spooled_bytes)}) "
         f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it"
     )
     if spool is None:
@@ -359,10 +373,10 @@ def _prepare(
             ""
             if config.tile_count == 1
             else (
-                f" ({config.tiles[0]}x{config.tiles[1]} tiles of {config.image_size} px, "
+                f" ({config.framing.tiles[0]}x{config.framing.tiles[1]} tiles of {config.features.image_size} px, "
                 + (
                     "a Gaussian per tile position: statistics x" + str(config.tile_count)
-                    if config.tile_statistics == "position"
+                    if config.framing.tile_statistics == "position"
                     else "one set of statistics every tile shares"
                 )
                 + ")"
@@ -374,44 +388,44 @@ def _prepare(
                 f"{torch.cuda.get_device_name(fit.device)} runs float64 at 1/32-1/64 of its float32 rate: the "
                 "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md"
             )
-    return spool
+    return spool, facts
 
 
 @contextlib.contextmanager
-def _out_of_memory_as_error(
-    fit: Fit | None, report: FitReport, images: int, spool: EmbeddingSpool | None, with_statistics: bool, resume: bool
-) -> Iterator[None]:
+def _out_of_memory_as_error(fit: Fit | None, report: FitReport, facts: FitFacts | None) -> Iterator[None]:
     """A GPU out of memory in the fit becomes :class:`DoesNotFit` with its plan and what to try (not a traceback)."""
     try:
         yield
     except torch.OutOfMemoryError:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        if report.plan is None:
+        if report.plan is None or fit is None or facts is None:
             raise DoesNotFit(
                 "the GPU ran out of memory before the fit started (putting the backbone on it): other "
                 "processes hold its memory (nvidia-smi shows them); free it, or use --device cpu"
             ) from None
-        raise ran_out(
-            fit.config, report.plan, report.free_memory, images, spool is not None, with_statistics, resume
-        ) from None
+        raise ran_out(fit.config, report.plan, report.free_memory, facts) from None
 
 
-def _spooled_scores(fit: Fit) -> Scored:
+def _spooled_scores(fit: Fit) -> ScoringPass:
     spooled = fit.spooled
-    return Scored(lambda index, start, stop, r0, r1: spooled.spool.read(index, r0, r1), spooled.names, spooled.folds)
+    return ScoringPass(SpooledRows(spooled.spool), spooled.names, spooled.folds)
 
 
 def _held_out(
     fit: Fit, images: Sequence[TrainingImage], spool: EmbeddingSpool | None, progress: bool, report: FitReport
-) -> Scored:
+) -> ScoringPass:
     """Embed the images scored by the fitted model (merge's calibration images): into a spool, or memory."""
 
     names, parts = [], []
     unreadable: list[tuple[Path, str]] = []
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
         for paths, pictures in iter_decoded(
-            batches_of([images], fit.config.batch_size), fit.config.workers, unreadable, fit.draft_to, fit.config.roi
+            batches_of([images], fit.config.run.batch_size),
+            fit.config.run.workers,
+            unreadable,
+            fit.draft_to,
+            fit.config.framing.roi,
         ):
             embedded = fit.embed([p.name for p in paths], pictures)  # and their changed copies (expect)
             if spool is not None:
@@ -423,20 +437,19 @@ def _held_out(
     report.unreadable = [(str(p), reason) for p, reason in unreadable]
     if spool is not None:
         report.spool = spool.nbytes
-        return Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, None)
-    embedded = torch.cat(parts) if parts else torch.zeros(0)
-    return Scored(lambda index, start, stop, r0, r1: embedded[r0:r1, start:stop], names, None)
+        return ScoringPass(SpooledRows(spool), names, None)
+    return ScoringPass(HeldRows(torch.cat(parts) if parts else torch.zeros(0)), names, None)
 
 
 def _finish(
-    fit: Fit, report: FitReport, scored, scratch: Path, with_statistics: bool, progress: bool, shard: Shard | None
+    fit: Fit, report: FitReport, passes, scratch: Path, facts: FitFacts, progress: bool, shard: Shard | None
 ) -> Finished:
     if fit.spooled is not None:
         report.spool = fit.spooled.spool.nbytes
     timing: dict[str, float] = {}
     try:
         finished = fit.finish(
-            scored, scratch, keep_statistics=with_statistics, progress=progress, shard=shard, timing=timing
+            passes, scratch, with_statistics=facts.with_statistics, progress=progress, shard=shard, timing=timing
         )
     except NotPositiveDefiniteError as error:
         raise FitError(str(error)) from None
@@ -457,7 +470,7 @@ def _linked(finished: Finished, digest_of: dict[str, int]) -> tuple[tuple[int, f
     taken = finished.taken_scores.tolist() if finished.taken_scores is not None else []
     return tuple(
         (digest_of[name], float(score), inputs[i] if i < len(inputs) else nan, taken[i] if i < len(taken) else nan)
-        for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist()))
+        for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist(), strict=True))
         if name in digest_of
     )
 
@@ -483,13 +496,13 @@ def _out_of_fold_calibration(
     if not len(scores) and not earlier:
         raise FitError(
             f"no image could be scored out-of-fold: the {fit.count} readable images all fall in one of "
-            f"the {fit.config.calibration_folds} calibration folds (folds come from file names); add images"
+            f"the {fit.config.gaussian.calibration_folds} calibration folds (folds come from file names); add images"
         )
     earlier_pictures = fit.earlier.pictures if fit.earlier is not None else ()
     try:
         return Calibration.from_scores(
             torch.cat([torch.tensor(earlier, dtype=torch.float64), scores]),
-            fit.config.false_alarm_rate,
+            fit.config.verdict.false_alarm_rate,
             earlier_scores=len(earlier),
             input_distances=input_distances,
             taken_scores=taken_scores,
@@ -503,7 +516,7 @@ def _out_of_fold_calibration(
 
 
 def _fold(name: str, config: PadimConfig) -> int | None:
-    return None if config.calibration_folds == "loo" else fold_of(name, config.calibration_folds)
+    return None if config.gaussian.calibration_folds == "loo" else fold_of(name, config.gaussian.calibration_folds)
 
 
 def _leave_out_fitted(fit: Fit, images: Sequence[TrainingImage], report: FitReport) -> list[TrainingImage]:

@@ -85,7 +85,7 @@ class MicroBatcher:
             item = self.queue.get_nowait()
             self._taken(1)
             if not item.future.done():
-                item.future.set_exception(ApiError(503, "shutting_down", "the server is shutting down"))
+                item.future.set_exception(ApiError("shutting_down", "the server is shutting down"))
 
     def admit(self, count: int) -> Admission:
         """Reserve queue places for ``count`` images, before they are decoded.
@@ -95,7 +95,6 @@ class MicroBatcher:
         """
         if self.admitted + count > self.max_queue:
             raise ApiError(
-                503,
                 "overloaded",
                 f"the queue is full ({self.admitted} of {self.max_queue} places taken); retry shortly",
                 headers={"Retry-After": "1"},
@@ -152,14 +151,14 @@ class MicroBatcher:
                     answer = error
                 else:
                     log.exception("scoring a batch of %d failed", len(batch))
-                    answer = ApiError(500, "scoring_failed", f"scoring failed: {type(error).__name__}")
+                    answer = ApiError("scoring_failed", f"scoring failed: {type(error).__name__}")
                 for item in batch:
                     if not item.future.done():
                         item.future.set_exception(answer)
                 continue
             if self.on_batch is not None:
                 self.on_batch(len(batch), [started - item.enqueued for item in batch])
-            for item, result in zip(batch, results):
+            for item, result in zip(batch, results, strict=False):
                 if not item.future.done():
                     item.future.set_result(result)
 

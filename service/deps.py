@@ -40,7 +40,6 @@ def _is(given: str | None, key: SecretStr | None) -> bool:
 
 def _unauthorized(which: str) -> ApiError:
     return ApiError(
-        401,
         "unauthorized",
         f"missing or wrong {which} (send X-API-Key or Authorization: Bearer)",
         headers={"WWW-Authenticate": "Bearer"},
@@ -82,7 +81,6 @@ async def require_review_key(
         return
     if _is(given, settings.api_key):
         raise ApiError(
-            403,
             "forbidden",
             "the API key scores and reads the record; reviewing needs PADIM_REVIEW_KEY or the admin key",
         )
@@ -97,9 +95,7 @@ async def require_admin_key(
     if _is(given, settings.admin_key):
         return
     if _is(given, settings.api_key):
-        raise ApiError(
-            403, "forbidden", "the API key scores images; changing models needs the admin key (PADIM_ADMIN_KEY)"
-        )
+        raise ApiError("forbidden", "the API key scores images; changing models needs the admin key (PADIM_ADMIN_KEY)")
     raise _unauthorized("admin key")
 
 

@@ -12,27 +12,57 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from padim.core.errors import PadimError
-from padim.models.errors import outcome
+from padim.models.errors import OUTCOMES, outcome
+
+#: Status recorded (metrics, access log) for a request whose client went away before the answer.
+CLIENT_CLOSED = 499
+#: The service's own answers (a request's shape, keys, admission, scoring), by code: their HTTP status.
+SERVICE_CODES = {
+    "invalid_parameter": 422,
+    "invalid_fields": 422,
+    "invalid_multipart": 422,
+    "missing_file": 422,
+    "empty_body": 422,
+    "too_many_files": 422,
+    "batch_too_large": 422,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "model_not_found": 404,
+    "body_timeout": 408,
+    "payload_too_large": 413,
+    "unsupported_media_type": 415,
+    "client_disconnected": CLIENT_CLOSED,
+    "scoring_failed": 500,
+    "not_ready": 503,
+    "overloaded": 503,
+    "shutting_down": 503,
+    "device_out_of_memory": 503,
+    "timeout": 504,
+}
+#: Every error code the service answers with its HTTP status, each once: the library's errors from
+#: :data:`padim.models.errors.OUTCOMES`, and the service's own.
+STATUS: dict[str, int] = {row.code: row.http_status for row in OUTCOMES.values()} | SERVICE_CODES
 
 
 class ApiError(Exception):
-    """An error answered to the client as is."""
+    """An error answered to the client as is; its status is the code's (:data:`STATUS`) unless ``status`` says
+    otherwise (a malformed header: 400)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None, status: int | None = None):
         super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers
+        self.status = STATUS[code] if status is None else status
+        self.code, self.message, self.headers = code, message, headers
 
 
 def api_error(error: PadimError, message: str | None = None) -> ApiError:
     """The answer to ``error``: its HTTP status and code from :data:`padim.models.errors.OUTCOMES`."""
     row = outcome(error)
-    return ApiError(row.http_status, row.code, message or str(error))
+    return ApiError(row.code, message or str(error), status=row.http_status)
 
 
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int, setting: str = "PADIM_MAX_UPLOAD_BYTES"):
         super().__init__(
-            413,
             "payload_too_large",
             f"the request body is over the limit of {setting} = {limit} bytes",
             headers={"Connection": "close"},
@@ -42,15 +72,10 @@ class BodyTooLarge(ApiError):
 class BodyTimeout(ApiError):
     def __init__(self, seconds: float, setting: str = "PADIM_BODY_TIMEOUT_S"):
         super().__init__(
-            408,
             "body_timeout",
             f"the request body did not arrive within {seconds:g} s ({setting})",
             headers={"Connection": "close"},
         )
-
-
-#: Status recorded (metrics, access log) for a request whose client went away before the answer.
-CLIENT_CLOSED = 499
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

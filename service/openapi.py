@@ -41,8 +41,10 @@ _WHY = {
     "`batch_too_large`, `invalid_parameter`); a model file that cannot be served (`invalid_model`) or a bad "
     "model name (`invalid_request`); client fields that are not a small map of strings (`invalid_fields`); a "
     "model that cannot learn from reviews, an export or a --slim file (`not_updatable`)",
-    500: "the model gave a non-finite score, so no verdict (`non_finite_score`); or an internal error",
-    503: "models still loading (`not_ready`), the queue full (`overloaded`) or the server shutting down "
+    500: "the model gave a non-finite score, so no verdict (`non_finite_score`); scoring failed (`scoring_failed`); "
+    "or an internal error",
+    503: "models still loading (`not_ready`), the queue full (`overloaded`), a batch out of GPU memory even in two "
+    "halves (`device_out_of_memory`) or the server shutting down "
     "(`shutting_down`); with PADIM_RECORD_REQUIRED, a row the record cannot make durable "
     "(`record_unavailable`); the record's database unreachable (`record_unavailable`)",
     504: "not scored within PADIM_REQUEST_TIMEOUT_S (`timeout`)",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
+
+from padim.models.options import shown_fields
 
 
 class ModelInfo(BaseModel):
@@ -118,36 +120,17 @@ class QuantisationInfo(BaseModel):
     tool: str
 
 
-class ModelDescription(ModelInfo):
+#: The options a served model's description shows, with their help as the description: from their declaration.
+ShownOptions = create_model(
+    "ShownOptions", **{name: (kind, Field(description=what)) for name, (kind, what) in shown_fields().items()}
+)
+
+
+class ModelDescription(ModelInfo, ShownOptions):
     """A served model in full (``GET /models``)."""
 
     weights_source: str
-    layers: list[str]
-    image_size: int
-    embedding_dim: int
-    reduction: str
     grid: list[int]
-    epsilon: float
-    neighbourhood: int = Field(description="features averaged over K x K neighbours per layer (1: none, the paper)")
-    blur_sigma: float = Field(description="Gaussian smoothing of the map, in input pixels")
-    image_score: str = Field(description="how the score is read from the map: map_max, patch_max or top_mean")
-    top_fraction: float = Field(description="share of the map's pixels top_mean averages")
-    roi: list[int] | None = Field(
-        default=None,
-        description="region of interest x, y, width, height in pixels of the "
-        "picture (null: the whole picture); maps are 0 outside it",
-    )
-    resize: str = Field(default="squash", description="how the region becomes the square input: squash, crop or pad")
-    tiles: list[int] = Field(
-        default=[1, 1],
-        description="rows, columns of tiles of image_size pixels (1, 1: untiled); "
-        "the tiles' maps are stitched into one map of the picture",
-    )
-    tile_overlap: float = Field(default=0.0, description="share of a tile its neighbours overlap")
-    tile_statistics: str = Field(
-        default="position",
-        description="position: each tile position its own statistics; shared: one set every tile shares",
-    )
     input_shape: list[int] = Field(description="height, width of the model input in pixels (the tiles together)")
     fit_image_count: int
     calibration: CalibrationInfo

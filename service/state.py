@@ -130,12 +130,28 @@ class Decoded:
     picture: tuple[int, int] = (0, 0)  # (width, height) of the picture as sent (EXIF orientation applied)
 
 
+@dataclass(frozen=True)
+class ScoredImage:
+    """One image of a scored batch, as the inference thread hands it back.
+
+    Attributes:
+        raw_score: the image score (Mahalanobis distance units).
+        map: ``(H_in, W_in)`` anomaly map at the model input's size, on the CPU.
+        input_distance: the mean squared distance over the picture's feature pixels (input drift); ``None`` from
+            exports that do not compute it.
+    """
+
+    raw_score: float
+    map: torch.Tensor
+    input_distance: float | None
+
+
 @dataclass(eq=False)
 class ServedModel:
     """One loaded version of a model, with its own batcher and monitor.
 
     A request holds the version it was admitted by (:meth:`ServiceState.using`) until it is answered:
-    its images are scored by this version's batcher, which is bound to this detector, and judged by
+    its images are scored by this version's batcher, which is bound to this scorer, and judged by
     this calibration, whatever is activated meanwhile. A replaced version is *retired*: it takes no new
     request and is closed once its last one is answered.
     """
@@ -143,7 +159,7 @@ class ServedModel:
     name: str
     path: Path
     sha256: str
-    detector: Scorer
+    scorer: Scorer
     batcher: MicroBatcher
     load_seconds: float
     monitor: Monitor
@@ -156,17 +172,17 @@ class ServedModel:
         return ModelInfo(
             name=self.name,
             version=self.version,
-            backbone=self.detector.config.backbone,
-            created=self.detector.provenance.created,
+            backbone=self.scorer.config.features.backbone,
+            created=self.scorer.provenance.created,
             sha256=self.sha256,
-            weights=self.detector.weights.public_label,
+            weights=self.scorer.weights.public_label,
         )  # no server paths for clients
 
     def describe(self, versions: list | None = None) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""
         return ModelDescription(
             **{
-                **self.detector.describe(),
+                **self.scorer.describe(),
                 **self.info().model_dump(),
                 "threshold": 0.5,
                 "load_seconds": round(self.load_seconds, 3),
@@ -174,7 +190,7 @@ class ServedModel:
             }
         )
 
-    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[tuple[float, torch.Tensor, float | None]]:
+    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[ScoredImage]:
         """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S), input_distance)]``.
 
         Out of GPU memory, the cache is emptied and the batch scored again in two halves
@@ -198,11 +214,11 @@ class ServedModel:
                 release_device_memory()
                 raise
 
-    def _score(self, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
-        out = self.detector.score(batch)
+    def _score(self, batch: torch.Tensor) -> list[ScoredImage]:
+        out = self.scorer.score(batch)
         raw, maps = out.raw_scores.cpu(), out.maps.cpu()
         inputs = out.input_distances.cpu().tolist() if out.input_distances is not None else [None] * batch.shape[0]
-        return [(float(raw[i]), maps[i], inputs[i]) for i in range(batch.shape[0])]
+        return [ScoredImage(float(raw[i]), maps[i], inputs[i]) for i in range(batch.shape[0])]
 
 
 def _size_on_disk(path: Path) -> int:
@@ -315,7 +331,7 @@ class ServiceState:
 
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
-        """Load every model (the active version of each, from a repository), warm it up, start its batcher; then ready."""
+        """Load every model (each one's active version, from a repository), warm it up, start its batcher; ready."""
         if self.repository is not None:
             names = self.repository.names()
             for name in names:
@@ -331,7 +347,7 @@ class ServiceState:
                 raise UsageError(
                     f"two model files have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}"
                 )
-            for path, name in zip(files, names):
+            for path, name in zip(files, names, strict=True):
                 self._install(
                     name,
                     await self._prepare(
@@ -352,18 +368,18 @@ class ServiceState:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         cache = self.repository.cache_root(version.name) if self.repository is not None else None
-        detector, sha256 = await loop.run_in_executor(self.loader, self._load_one, version.path, cache)
+        scorer, sha256 = await loop.run_in_executor(self.loader, self._load_one, version.path, cache)
         seconds = time.perf_counter() - started
-        largest, preferred = self.settings.picture_batches(detector.device.type, detector.config.tile_count)
+        largest, preferred = self.settings.picture_batches(scorer.device.type, scorer.config.tile_count)
         served = ServedModel(
             version.name,
             version.path,
             version.sha256 or sha256,
-            detector,
+            scorer,
             None,
             seconds,  # type: ignore[arg-type]
             Monitor(
-                detector.calibration,
+                scorer.calibration,
                 self.settings.monitor_window,
                 self.settings.monitor_level,
                 self.settings.monitor_min_images,
@@ -400,7 +416,7 @@ class ServiceState:
                 "model": name,
                 "version": served.version,
                 "load_seconds": round(served.load_seconds, 3),
-                "weights": served.detector.weights.label,
+                "weights": served.scorer.weights.label,
             },
         )
         if old is not None:
@@ -422,7 +438,7 @@ class ServiceState:
         await old.batcher.stop()
         if old in self.retired:
             self.retired.remove(old)
-        old.detector = None  # type: ignore[assignment]  # the last reference to the tensors (batcher and monitor hold none)
+        old.scorer = None  # type: ignore[assignment]  # the last reference to the tensors (batcher and monitor hold none)
         await asyncio.get_running_loop().run_in_executor(self.loader, _collect)
         log.info("version retired", extra={"model": old.name, "version": old.version})
 
@@ -450,21 +466,22 @@ class ServiceState:
 
     def _load_one(self, path: Path, cache: Path | None = None) -> tuple[Scorer, str]:
         try:
-            detector = load_scorer(path, self.settings.runtime, self.settings.device, cache=cache)
+            scorer = load_scorer(path, self.settings.runtime, self.settings.device, cache=cache)
         except ExportError as error:
             raise ExportError(f"{path}: {error}") from None
-        if detector.device.type == "cuda" and self.settings.cuda_memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(self.settings.cuda_memory_fraction, detector.device)
-        tiles = detector.config.tile_count
-        _, largest = self.settings.picture_batches(detector.device.type, tiles)  # the largest batch the batcher forms
+        if scorer.device.type == "cuda" and self.settings.cuda_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self.settings.cuda_memory_fraction, scorer.device)
+        tiles = scorer.config.tile_count
+        _, largest = self.settings.picture_batches(scorer.device.type, tiles)  # the largest batch the batcher forms
         try:
-            detector.score(
-                torch.zeros(largest, 3, *detector.config.input_shape)
+            scorer.score(
+                torch.zeros(largest, 3, *scorer.config.input_shape)
             )  # warm-up (and cudnn's tuning) at that size
         except torch.OutOfMemoryError:
             release_device_memory()
             raise UsageError(
-                f"{path}: a batch of {largest} images ({largest * tiles} tiles) does not fit in the GPU's memory; lower "
+                f"{path}: a batch of {largest} images ({largest * tiles} tiles) does not fit in the GPU's memory; "
+                "lower "
                 "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU"
             ) from None
         log.info(
@@ -472,12 +489,12 @@ class ServiceState:
             extra={
                 "model": model_name(path),
                 "batch": largest,
-                "device": str(detector.device),
-                "runtime": detector.runtime,
+                "device": str(scorer.device),
+                "runtime": scorer.runtime,
             },
         )
-        sha256 = detector.metadata["model"]["sha256"] if isinstance(detector, DeployedDetector) else file_sha256(path)
-        return detector, sha256
+        sha256 = scorer.metadata["model"]["sha256"] if isinstance(scorer, DeployedDetector) else file_sha256(path)
+        return scorer, sha256
 
     async def close(self) -> None:
         self.ready = False
@@ -503,7 +520,7 @@ class ServiceState:
                 "the service runs"
             )
         if not self.ready:
-            raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
+            raise ApiError("not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
         return self.repository
 
     def versions(self, name: str) -> list[dict]:
@@ -517,7 +534,7 @@ class ServiceState:
                 1,
                 served.path,
                 served.sha256,
-                served.detector.provenance.created or "",
+                served.scorer.provenance.created or "",
                 "model set",  # PADIM_MODELS / PADIM_MODEL_DIR; no file names for clients
                 "export" if served.path.is_dir() else "model",
             )
@@ -526,7 +543,7 @@ class ServiceState:
                     **fixed.to_dict(),
                     "active": True,
                     "loaded": True,
-                    "calibration": served.detector.describe()["calibration"],
+                    "calibration": served.scorer.describe()["calibration"],
                 }
             ]
         listed = self.repository.versions(name)
@@ -666,7 +683,7 @@ class ServiceState:
                         extra={"model": name, "version": number, "error": str(error)},
                     )
 
-    def score(self, model: ServedModel, batch: torch.Tensor) -> list[tuple[float, torch.Tensor, float | None]]:
+    def score(self, model: ServedModel, batch: torch.Tensor) -> list[ScoredImage]:
         """Runs on the inference thread: one batch of ``model`` (a served version); counts the GPU's failures.
 
         A batch that is out of GPU memory even in two halves answers 503 (retry); after
@@ -686,7 +703,6 @@ class ServiceState:
             self._device_failed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             if oom:
                 raise ApiError(
-                    503,
                     "device_out_of_memory",
                     "the GPU ran out of memory scoring this batch, even split in two; retry shortly",
                     headers={"Retry-After": "1"},
@@ -705,15 +721,15 @@ class ServiceState:
             self.ready = False
 
     async def check_devices(self) -> str | None:
-        """Why the GPU cannot serve now (a tiny operation on every CUDA device in use fails or hangs); ``None`` if it can.
+        """Why the GPU cannot serve now (a tiny operation on a CUDA device in use fails or hangs); ``None`` if it can.
 
         A failed operation (the GPU in an error state) turns the service unready for good; a probe
         that times out is reported but not kept (the GPU may be busy).
         """
         devices = {
-            m.detector.device
+            m.scorer.device
             for m in [*self.models.values(), *self.retired]
-            if m.detector is not None and m.detector.device.type == "cuda"
+            if m.scorer is not None and m.scorer.device.type == "cuda"
         }
         for device in devices:
             try:
@@ -734,9 +750,9 @@ class ServiceState:
         for wait in waits:
             self.metrics.queue_wait.labels(name).observe(wait)
 
-    def observe(self, model: ServedModel, scored: list[tuple], results: list[dict], own_threshold: bool) -> None:
+    def observe(self, model: ServedModel, scored: list[ScoredImage], results: list[dict], own_threshold: bool) -> None:
         """What one request was answered: into the model's monitor and the metrics."""
-        model.monitor.record([raw for raw, _, _ in scored], [distance for _, _, distance in scored], own_threshold)
+        model.monitor.record([s.raw_score for s in scored], [s.input_distance for s in scored], own_threshold)
         version = str(model.version)
         for result in results:
             self.metrics.verdicts.labels(model.name, version, "anomalous" if result["is_anomaly"] else "normal").inc()
@@ -750,7 +766,7 @@ class ServiceState:
         datas: list[bytes],
         digests: list[str],
         fields: list[dict],
-        scored: list[tuple],
+        scored: list[ScoredImage],
         results: list[dict],
         pictures: list[tuple[int, int]],
     ) -> list:
@@ -758,14 +774,14 @@ class ServiceState:
         Returns the rows' futures, resolved once each row is durable."""
         assert self.record is not None
         futures = []
-        for data, digest, field_map, (_, _, distance), result, picture in zip(
-            datas, digests, fields, scored, results, pictures
+        for data, digest, field_map, image, result, picture in zip(
+            datas, digests, fields, scored, results, pictures, strict=True
         ):
             row = make_row(
                 model.name,
                 model.version,
                 result,
-                distance,
+                image.input_distance,
                 picture,
                 digest,
                 len(data),
@@ -787,7 +803,7 @@ class ServiceState:
             (
                 m
                 for m in [*self.models.values(), *self.retired]
-                if m.name == name and m.version == version and m.detector is not None
+                if m.name == name and m.version == version and m.scorer is not None
             ),
             None,
         )
@@ -808,12 +824,12 @@ class ServiceState:
                 "be drawn again; the record keeps its row and picture"
             ) from None
         key = (name, version)
-        detector = self.side.get(key)
-        if detector is None:
+        scorer = self.side.get(key)
+        if scorer is None:
             self._check_memory(path)
-            detector = await loop.run_in_executor(self.loader, load_scorer, path, "torch", self.settings.device)
-            self.side = {key: detector}  # one at a time: the last asked for
-        side = ServedModel(name, path, "", detector, None, 0.0, None, version=version)  # type: ignore[arg-type]
+            scorer = await loop.run_in_executor(self.loader, load_scorer, path, "torch", self.settings.device)
+            self.side = {key: scorer}  # one at a time: the last asked for
+        side = ServedModel(name, path, "", scorer, None, 0.0, None, version=version)  # type: ignore[arg-type]
         return await self._draw(side, data, threshold, loop, executor=self.loader)
 
     async def _draw(self, served: ServedModel, data: bytes, threshold: float, loop, executor=None) -> dict:
@@ -823,25 +839,22 @@ class ServiceState:
             scored = await loop.run_in_executor(self.inference, self.score, served, batch)
         else:
             scored = await loop.run_in_executor(executor, served.score_batch, batch)
-        raw, anomaly_map, _ = scored[0]
         own = None if abs(threshold - 0.5) < 1e-12 else threshold
         return await loop.run_in_executor(
-            self.decode, self.build_result, served, decoded, raw, anomaly_map, own, True, False
+            self.decode, self.build_result, served, decoded, scored[0].raw_score, scored[0].map, own, True, False
         )
 
     # ----------------------------------------------------------------- requests
     def model(self, name: str | None) -> ServedModel:
         if not self.ready:
             if self.failure is not None:
-                raise ApiError(503, "not_ready", f"the service failed: {self.failure}", headers={"Retry-After": "30"})
-            raise ApiError(503, "not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
+                raise ApiError("not_ready", f"the service failed: {self.failure}", headers={"Retry-After": "30"})
+            raise ApiError("not_ready", "models are still loading; retry shortly", headers={"Retry-After": "2"})
         key = name or self.default_name
         if key is None:
-            raise ApiError(404, "model_not_found", "no model is served yet: upload one (POST /models/{name}/versions)")
+            raise ApiError("model_not_found", "no model is served yet: upload one (POST /models/{name}/versions)")
         if key not in self.models:
-            raise ApiError(
-                404, "model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}"
-            )
+            raise ApiError("model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}")
         return self.models[key]
 
     def decode_image(self, model: ServedModel, data: bytes, keep_image: bool) -> Decoded:
@@ -855,12 +868,12 @@ class ServiceState:
             with self.pixels.hold(width * height):
                 image = open_image(
                     data,
-                    draft_to=decode_side(model.detector.config.input_shape),
-                    roi=model.detector.config.roi,
+                    draft_to=decode_side(model.scorer.config.input_shape),
+                    roi=model.scorer.config.framing.roi,
                     **limits,
                 )
                 picture = image.info.get(PICTURE_SIZE, image.size)
-                tensor = model.detector.preprocess([image])[0]
+                tensor = model.scorer.preprocess([image])[0]
                 shown = bounded_copy(image, self.settings.heatmap_max_side) if keep_image else None
                 shown_size = bounded_size(image.size, self.settings.heatmap_max_side)
                 del image
@@ -882,7 +895,7 @@ class ServiceState:
         mask: bool,
     ) -> dict:
         """Runs on the decode pool: the verdict (the same as ``padim predict``'s) and the requested images."""
-        calibration = model.detector.calibration
+        calibration = model.scorer.calibration
         try:
             result = verdict(raw, anomaly_map, calibration, threshold).to_dict()
         except NonFiniteScoreError as error:  # fail closed: never a verdict from a NaN
@@ -894,10 +907,10 @@ class ServiceState:
             ) from None
         if heatmap or mask:
             width, height = decoded.shown_size
-            resized = model.detector.framing.to_picture(anomaly_map, width, height, decoded.picture)
+            resized = model.scorer.framing.to_picture(anomaly_map, width, height, decoded.picture)
             normalised_map = calibration.normalise(resized.double()).numpy()
             if heatmap:
-                box = model.detector.framing.shown_box(width, height, decoded.picture)
+                box = model.scorer.framing.shown_box(width, height, decoded.picture)
                 result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, result["threshold"], scored=box))
             if mask:
                 result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))

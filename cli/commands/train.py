@@ -8,16 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from padim.models.choices import (
-    EXPECT_PRESETS,
-    IMAGE_SCORES,
-    NEIGHBOURHOODS,
-    PRECISION_DTYPES,
-    REDUCTIONS,
-    RESIZES,
-    TILE_STATISTICS,
-    parse_tiles,
-)
+from padim.models import options
+from padim.models.choices import EXPECT_PRESETS
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
@@ -46,10 +38,10 @@ def register(commands) -> None:
     train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
     train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
     train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
-    _model_options(
-        train.add_argument_group("what the detector computes (fixed once fitted: --resume and merge keep them)")
-    )
-    _file_options(train.add_argument_group("the verdict and the file"))
+    computes, verdict = (train.add_argument_group(title) for title in options.SECTIONS)
+    for group in options.SECTIONS[computes.title]:
+        options.add_flags(computes, group)
+    _file_options(verdict)
     train.add_argument(
         "--scratch-dir",
         type=Path,
@@ -61,139 +53,9 @@ def register(commands) -> None:
     train.set_defaults(handler=run)
 
 
-def _model_options(model) -> None:
-    model.add_argument("--backbone", help="torchvision ResNet-family name (default resnet18)")
-    model.add_argument(
-        "--weights", help="imagenet (default; torchvision cache), random (demo/tests only, seeded) or a state_dict path"
-    )
-    model.add_argument(
-        "--image-size",
-        type=int,
-        metavar="PX",
-        help="side of the square model input, a multiple of 16 (of 32 with layer4) (default 224)",
-    )
-    model.add_argument("--layers", help="comma-separated stages, shallowest first (default layer1,layer2,layer3)")
-    model.add_argument(
-        "--embedding-dim",
-        "--features",
-        dest="embedding_dim",
-        type=int,
-        metavar="D",
-        help="embedding size after reduction (default 100 for resnet18, 550 for wide_resnet50_2)",
-    )
-    model.add_argument(
-        "--reduction", choices=REDUCTIONS, help="channel subset (paper, default) or semi-orthogonal projection"
-    )
-    model.add_argument("--epsilon", type=float, help="covariance regularisation (default 0.01)")
-    model.add_argument(
-        "--seed", type=int, help="seed of the channel subset / projection and random weights (default 0)"
-    )
-    model.add_argument(
-        "--neighbourhood",
-        type=int,
-        choices=NEIGHBOURHOODS,
-        metavar="K",
-        help="average each layer's features over K x K neighbours before the Gaussian: 3 (default, as "
-        "PatchCore: more defects found on most generated categories, docs/quality.md), 1 (none, the "
-        "paper; configs/paper.yaml) or 5",
-    )
-    model.add_argument(
-        "--image-score",
-        choices=IMAGE_SCORES,
-        help="how an image's score is read from its map: map_max (default, the map's maximum), "
-        "patch_max (the largest feature-grid distance, unsmoothed) or top_mean (mean of the "
-        "--top-fraction highest map pixels); the calibration reads its scores the same way",
-    )
-    model.add_argument(
-        "--top-fraction", type=float, metavar="SHARE", help="share of the map's pixels top_mean averages (default 0.01)"
-    )
-    model.add_argument(
-        "--blur-sigma",
-        type=float,
-        metavar="PX",
-        help="Gaussian smoothing of the map, in input pixels (default 0: none, the neighbourhood "
-        "average smooths already; the paper: 4)",
-    )
-    model.add_argument(
-        "--roi",
-        type=roi_value,
-        metavar="X,Y,W,H",
-        help="region of interest in pixels of the picture (as seen: EXIF orientation applied): only it "
-        "is fitted and scored, every picture must hold it, and maps come back at the picture's size, 0 "
-        "outside it (default: the whole picture)",
-    )
-    model.add_argument(
-        "--resize",
-        choices=RESIZES,
-        help="how the picture (or --roi) becomes the square model input: squash (default: resized, the "
-        "aspect ratio lost), crop (its largest centred square) or pad (centred on a square of its longer "
-        "side, filled with the ImageNet mean colour); with --tiles, a box of the tiles' shape",
-    )
-    model.add_argument(
-        "--tiles",
-        type=tiles_value,
-        metavar="RxC",
-        help="cut the picture (or --roi), resized to R x C tiles of --image-size pixels, into tiles that "
-        "each go through the backbone, for small defects on big pictures: the tiles' maps are stitched "
-        "into one map of the picture, whose maximum is the image score and the calibration's (default "
-        "1x1: no tiling). Costs the tiles' count in fit and scoring time",
-    )
-    model.add_argument(
-        "--tile-overlap",
-        type=float,
-        metavar="SHARE",
-        help="share of a tile its neighbours overlap, 0 to 0.5 (default 0); the stitched map averages "
-        "the tiles where they overlap",
-    )
-    model.add_argument(
-        "--tile-statistics",
-        choices=TILE_STATISTICS,
-        help="position (default): each tile position its own statistics, for placed parts (a board, a "
-        "pill in a fixture), memory x the tiles' count; shared: one set every tile shares, for uniform "
-        "surfaces (textures, webs, sheets), the memory of an untiled model and T times the samples",
-    )
-    model.add_argument(
-        "--expect",
-        metavar="CHANGES",
-        help="the small changes the line makes to its pictures, for the threshold to cover: a preset, "
-        + ", ".join(f"{k} ({v or 'none'})" for k, v in EXPECT_PRESETS.items())
-        + ", or your own "
-        "list of change=bound from brightness, contrast (shares), shift (pixels of the picture), rotate "
-        "(degrees), blur (sigma, pixels), jpeg (lowest quality). Each picture's calibration score is then "
-        "that of a copy of it under one seeded draw of those changes, scored without it, so that the "
-        "false-alarm promise holds on pictures within them (docs/calibration.md); costs a second "
-        "backbone pass a picture and twice the spool",
-    )
-    model.add_argument(
-        "--fit-changes",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --expect, fit each picture's changed copy too: the Gaussians learn the changes "
-        "(fewer defects missed than a threshold widened alone; docs/quality.md); --no-fit-changes "
-        "widens the threshold alone",
-    )
-    model.add_argument(
-        "--calibration-folds",
-        type=folds_value,
-        metavar="K",
-        help="folds of the cross-fitted calibration: loo (leave-one-out: every image its own fold; "
-        "default) or an integer from 2 to 1000 (folds from a hash of each file name: fold models of "
-        "fewer images, so a more cautious threshold; one more factorisation per distinct fold size)",
-    )
-
-
 def _file_options(verdicts) -> None:
-    verdicts.add_argument(
-        "--false-alarm-rate",
-        type=float,
-        metavar="RATE",
-        help="share of normal images the threshold may flag (default 0.01); may change on --resume",
-    )
-    verdicts.add_argument(
-        "--precision-dtype",
-        choices=PRECISION_DTYPES,
-        help="storage of the precision factors (default auto: float16 when scores stay within 1e-3)",
-    )
+    for group in options.SECTIONS[verdicts.title]:
+        options.add_flags(verdicts, group)
     verdicts.add_argument(
         "--resume",
         type=Path,
@@ -214,35 +76,6 @@ def _file_options(verdicts) -> None:
     )
 
 
-def roi_value(text: str) -> tuple[int, int, int, int]:
-    """``--roi``: ``x,y,width,height`` in pixels."""
-    try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"{text!r} is not x,y,width,height (four integers, e.g. 120,80,640,480)")
-    return values
-
-
-def tiles_value(text: str) -> tuple[int, int]:
-    """``--tiles``: ``ROWSxCOLS``."""
-    tiles = parse_tiles(text)
-    if not isinstance(tiles, tuple):
-        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxCOLS (e.g. 2x2 or 3x4)")
-    return tiles
-
-
-def folds_value(text: str) -> int | str:
-    """``--calibration-folds``: an integer, or ``loo``."""
-    if text.strip().lower() == "loo":
-        return "loo"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or loo") from None
-
-
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import read_header
@@ -258,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.partial and (args.resume or args.slim):
         raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
     # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
-    shard = distributed.from_environment(resolve_device(config.device))
+    shard = distributed.from_environment(resolve_device(config.run.device))
     main = shard is None or shard.main
     try:
         resume = None if args.resume is None else _resumed(args, config, given)
@@ -306,37 +139,10 @@ def configuration(args: argparse.Namespace):
     config, given = PadimConfig(), set()
     if args.config is not None:
         config, given = read_config_file(args.config)
-    layers = tuple(x.strip() for x in args.layers.split(",")) if args.layers else None
-    flags = dict(
-        backbone=args.backbone,
-        weights=args.weights,
-        image_size=args.image_size,
-        device=args.device,
-        batch_size=args.batch_size,
-        embedding_dim=args.embedding_dim,
-        reduction=args.reduction,
-        layers=layers,
-        epsilon=args.epsilon,
-        seed=args.seed,
-        false_alarm_rate=args.false_alarm_rate,
-        calibration_folds=args.calibration_folds,
-        precision_dtype=args.precision_dtype,
-        workers=args.workers,
-        neighbourhood=args.neighbourhood,
-        image_score=args.image_score,
-        top_fraction=args.top_fraction,
-        blur_sigma=args.blur_sigma,
-        roi=args.roi,
-        resize=args.resize,
-        tiles=args.tiles,
-        tile_overlap=args.tile_overlap,
-        tile_statistics=args.tile_statistics,
-        expect=args.expect,
-        fit_changes=args.fit_changes,
-    )
-    given |= {k for k, v in flags.items() if v is not None}
+    flags = options.given_flags(args)
+    given |= set(flags)
     config = config.replace(**flags)
-    if args.fit_changes and not config.expect:
+    if args.fit_changes and not config.gaussian.expect:
         raise UsageError(
             "--fit-changes fits each picture's changed copy: say which changes with --expect "
             f"({', '.join(k for k in EXPECT_PRESETS if EXPECT_PRESETS[k])} or change=bound,...)"
@@ -347,21 +153,21 @@ def configuration(args: argparse.Namespace):
 def _resumed(args: argparse.Namespace, config, given: set[str]):
     """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
     # imported here: `padim --help` and `padim health` load no torch
-    from padim.models.config import SCORE_FIELDS, STATISTICS_FIELDS
+    from padim.models.config import CALIBRATION
     from padim.models.model_file import load_fit
 
     resume = load_fit(args.resume, run_options=config)
     # the earlier out-of-fold scores were read from their maps one way: the new ones must be too
-    clash = [k for k in config.differences(resume.config, STATISTICS_FIELDS + SCORE_FIELDS) if k in given]
+    clash = [k for k in config.differences(resume.config, CALIBRATION) if k in given]
     if clash:
         k = clash[0]
         source = "the flag" if getattr(args, k, None) is not None else "--config"
         raise UsageError(
-            f"--resume {args.resume}: the model was fitted with {k}={getattr(resume.config, k)!r}, "
-            f"not {getattr(config, k)!r} (from {source}); drop it or train a new model"
+            f"--resume {args.resume}: the model was fitted with {k}={resume.config.to_dict()[k]!r}, "
+            f"not {config.to_dict()[k]!r} (from {source}); drop it or train a new model"
         )
     if "false_alarm_rate" in given:
-        resume.config = resume.config.replace(false_alarm_rate=config.false_alarm_rate)
+        resume.config = resume.config.replace(false_alarm_rate=config.verdict.false_alarm_rate)
     return resume
 
 

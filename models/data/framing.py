@@ -68,7 +68,12 @@ class Framing:
     def of(cls, config) -> Framing:
         """The framing of a :class:`~padim.models.config.PadimConfig`."""
         shape = config.input_shape
-        return cls(config.roi, config.resize, config.image_size, None if shape == (config.image_size,) * 2 else shape)
+        return cls(
+            config.framing.roi,
+            config.framing.resize,
+            config.features.image_size,
+            None if shape == (config.features.image_size,) * 2 else shape,
+        )
 
     @property
     def input_shape(self) -> tuple[int, int]:

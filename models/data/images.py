@@ -226,7 +226,7 @@ def iter_for_model(
     """:func:`iter_batches` for a model of ``config`` (a :class:`~padim.models.config.PadimConfig`): each picture
     drafted towards its input side and cut to its region of interest, as training read them."""
     return iter_batches(
-        paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape), roi=config.roi
+        paths, batch_size, workers, unreadable, draft_to=decode_side(config.input_shape), roi=config.framing.roi
     )
 
 
@@ -249,7 +249,7 @@ def iter_decoded(
 
     def sort_out(chunk: Sequence[Path], decoded) -> tuple[list[Path], list[Image.Image]]:
         kept_paths, kept = [], []
-        for path, image in zip(chunk, decoded):
+        for path, image in zip(chunk, decoded, strict=True):
             if isinstance(image, ImageError):
                 unreadable.append((path, image.reason))
             else:

@@ -5,16 +5,17 @@ everything in between inside it: the backbone (BatchNorm folded, as the torch pa
 the channel subset or projection, the Mahalanobis distance with the stored precision factors,
 upsampling + blur (as the two precomputed matrices :func:`padim.core.scoring.anomaly_maps`
 uses) and the image score (the model's ``image_score``: the map's maximum, the feature grid's, or
-the mean of its top pixels; any neighbourhood average is part of the embedding). Nothing a client could get wrong is left outside but the framing (region of interest and
-resize mode, :mod:`padim.models.data.framing`) and the normalisation, which ``padim.json`` spells out and :class:`padim.models.deploy.runtimes.DeployedDetector`
-does exactly as training did.
+the mean of its top pixels; any neighbourhood average is part of the embedding). Nothing a client could get
+wrong is left outside but the framing (region of interest and resize mode, :mod:`padim.models.data.framing`)
+and the normalisation, which ``padim.json`` spells out and
+:class:`padim.models.deploy.runtimes.DeployedDetector` does exactly as training did.
 
 | graph tensor | shape | dtype |
 |---|---|---|
 | input ``images`` | ``(B, 3, S, S)``, ``B`` dynamic | float32, RGB, ImageNet-normalised |
 | output ``anomaly_map`` | ``(B, S, S)`` | float32, raw units (Mahalanobis distance) |
 | output ``raw_score`` | ``(B,)`` | float32, the image score (by default the maximum of each map) |
-| output ``input_distance`` | ``(B,)`` | float32, the mean squared distance over every feature pixel (input drift, :mod:`padim.core.drift`; export version 4) |
+| output ``input_distance`` | ``(B,)`` | float32, mean squared distance over the feature pixels (input drift) |
 
 The precision factors travel packed (lower triangle only) in the dtype the model file stores
 (float16 where ``train`` chose it), and are unpacked and cast to float32 by the graph's first
@@ -61,11 +62,7 @@ from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
-#: 6: ``config.expect`` and ``config.fit_changes`` (the changes the threshold covers; read as none before), and
-#: ``calibration_taken_scores`` (the images' own scores where the threshold's are their changed copies').
-#: 5: ``precision`` (``float32``, ``int8``, ``fp16``), ``threshold_of`` and, for a quantised scorer, ``quantisation``
-#: and its own calibration. 4: a third output, ``input_distance``, and ``calibration_input_distances`` (input drift); 3: ``input.tiles``.
-#: 2: the input is framed (``config.roi``, ``config.resize``; ``input.framing``); 1 squashed the whole picture.
+#: Every earlier export version is read; docs/file-format.md has a table of what each added.
 EXPORT_KIND, EXPORT_VERSION = "padim-export", 6
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
@@ -105,7 +102,7 @@ class ExportedScorer(nn.Module):
         self.grid_shape = model.grid_shape
         self.tiling = model.embedder.tiling
         self.tiles_per_row = self.tiling.count // model.embedder.rows_per_image  # T (a Gaussian per position) or 1
-        self.image_score, self.top_fraction = model.image_score, model.top_fraction
+        self.scoring = model.scoring
         dim = self.embedding.embedding_dim
         rows, cols = torch.tril_indices(dim, dim)
         # (D * D,) position of every entry of W in the packed row, or T (a zero column) above the diagonal
@@ -117,7 +114,7 @@ class ExportedScorer(nn.Module):
         self.register_buffer("precision_factor_packed", torch.cat([packed, packed.new_zeros(len(packed), 1)], 1))
         self.register_buffer("unpack_index", index.flatten())  # (D * D,)
         height, width = self.grid_shape
-        size, sigma = model.image_size, model.blur_sigma
+        size, sigma = model.image_size, model.scoring.blur_sigma
         if self.tiling.count == 1:
             self.register_buffer("rows", upsample_blur_operator(height, size, sigma).clone())  # (S, H)
             self.register_buffer("cols_t", upsample_blur_operator(width, size, sigma).T.contiguous())  # (W, S)
@@ -150,7 +147,7 @@ class ExportedScorer(nn.Module):
             maps = self.rows @ distance @ self.cols_t  # (B, S, S)
         else:
             maps = tiled_anomaly_maps(squared, self.tiling, 0.0, (self.rows, self.cols_t))  # (B, H_in, W_in)
-        return maps, image_scores(maps, self.image_score, squared, self.top_fraction), squared.mean(1)
+        return maps, image_scores(maps, self.scoring.image_score, squared, self.scoring.top_fraction), squared.mean(1)
 
 
 # ---------------------------------------------------------------------- writing
@@ -294,9 +291,9 @@ def export_metadata(
 ) -> dict:
     """The ``padim.json`` of an export: what a client needs to feed the graph and read its outputs.
 
-    A quantised export (``quantised``, a :class:`padim.models.deploy.quantise.Quantised`) carries the quantised scorer's own calibration (its threshold,
-    scores and input distances), ``precision``, and ``quantisation``: how, on which images, the
-    accuracy gate's reading and the float32 calibration it replaces.
+    A quantised export (``quantised``, a :class:`padim.models.deploy.quantise.Quantised`) carries the
+    quantised scorer's own calibration (its threshold, scores and input distances), ``precision``, and
+    ``quantisation``: how, on which images, the accuracy gate's reading and the float32 calibration it replaces.
     """
     height, width = detector.config.input_shape
     calibration = detector.calibration if quantised is None else quantised.calibration
@@ -325,11 +322,11 @@ def export_metadata(
                 "the region (padim.models.data.framing.Framing.to_picture)",
             },
             "tiles": {
-                "rows": detector.config.tiles[0],
-                "cols": detector.config.tiles[1],
-                "tile_size": detector.config.image_size,
+                "rows": detector.config.framing.tiles[0],
+                "cols": detector.config.framing.tiles[1],
+                "tile_size": detector.config.features.image_size,
                 "overlap_pixels": detector.config.tiling.overlap * detector.config.tiling.cell,
-                "statistics": detector.config.tile_statistics,
+                "statistics": detector.config.framing.tile_statistics,
                 "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
                 "stitched into one anomaly_map there",
             },
@@ -346,7 +343,7 @@ def export_metadata(
             "raw_score": {
                 "shape": ["batch"],
                 "dtype": "float32",
-                "meaning": f"image score ({detector.config.image_score}) of each anomaly_map",
+                "meaning": f"image score ({detector.config.scoring.image_score}) of each anomaly_map",
             },
             "input_distance": {
                 "shape": ["batch"],
@@ -360,10 +357,7 @@ def export_metadata(
             "score": "1 / (1 + exp(-(raw_score - calibration.threshold) / calibration.scale))",
         },
         "precision_dtype": str(detector.precision_dtype).removeprefix("torch."),
-        "config": {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in detector.config.replace(embedding_dim=detector.embedding.embedding_dim).to_dict().items()
-        },
+        "config": detector.config.stored(detector.embedding.embedding_dim),
         "weights": detector.weights.to_header(),
         "provenance": detector.provenance.to_header(),
         "description": detector.describe(),
@@ -396,7 +390,8 @@ def triton_config(
     CPU when Triton's GPU backend is missing.
 
     Triton adds the batch dimension itself (``max_batch_size > 0``), so ``dims`` leave it out;
-    ``raw_score`` and ``input_distance`` have no other dimension, which Triton writes as ``dims: [ 1 ]`` reshaped to ``[ ]``.
+    ``raw_score`` and ``input_distance`` have no other dimension, which Triton writes as ``dims: [ 1 ]``
+    reshaped to ``[ ]``.
     ``size``: the input's side, or ``(height, width)``; ``tiles``: a tiled model's tiles per picture
     (cut inside the graph; ``max_batch_size`` counts pictures, so that the backbone sees at most
     ``max_batch_size * tiles`` tiles a batch).
@@ -409,7 +404,7 @@ def triton_config(
         else ""
     )
     return f"""# padim {__version__}: the whole scorer (backbone, Mahalanobis, map, maximum) on onnxruntime.
-# Feed RGB images framed to {width}x{height} and normalised as padim.json says (input.resize, input.normalisation).{tiled}
+# Feed RGB images framed to {width}x{height}, normalised as padim.json says (input.resize, .normalisation).{tiled}
 name: "{name}"
 platform: "onnxruntime_onnx"
 max_batch_size: {max_batch_size}

@@ -441,7 +441,8 @@ def load_inputs(
             for chunk, images in iter_for_model(list(paths), config, BATCH):
                 if changed:
                     images = [
-                        apply(image, config.expected.draw(seeded(path.name))) for path, image in zip(chunk, images)
+                        apply(image, config.expected.draw(seeded(path.name)))
+                        for path, image in zip(chunk, images, strict=True)
                     ]
                 batches.append(np.ascontiguousarray(detector.preprocess(images).numpy(), dtype=np.float32))
                 bar.update(len(chunk))
@@ -544,7 +545,7 @@ def export_quantised_detector(
     triton_device: str = "gpu",
     progress: bool = False,
 ) -> Path:
-    """:func:`padim.models.deploy.export.export_detector` with a quantised backbone: gated, then given its own threshold.
+    """:func:`~padim.models.deploy.export.export_detector` with a quantised backbone: gated, then given its threshold.
 
     Returns:
         The directory holding the graph and ``padim.json``.
@@ -613,7 +614,7 @@ def export_quantised(
     normal = load_inputs(detector, split.threshold, "threshold images", progress)
     changed = (
         load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress, changed=True)
-        if detector.config.expect
+        if detector.config.gaussian.expect
         else []
     )
     defects = load_inputs(detector, tuple(check), "check images", progress) if check else []

@@ -36,7 +36,7 @@ import torch
 from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
-from padim.models.config import BEFORE_OPTIONS, PadimConfig
+from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
@@ -50,7 +50,7 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.detector import Provenance, calibration_options, scoring_options
+from padim.models.detector import Provenance, calibration_options, shown_options
 from padim.models.devices import runtime_device
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.model import ScoreOutput
@@ -108,7 +108,7 @@ def load_scorer(
     with_statistics: bool = False,
     cache: Path | None = None,
 ) -> Scorer:
-    """The :class:`~padim.models.scorer.Scorer` that runs on ``runtime``: a ``PadimDetector`` (torch) or a :class:`DeployedDetector`.
+    """The :class:`~padim.models.scorer.Scorer` on ``runtime``: a ``PadimDetector`` (torch) or ``DeployedDetector``.
 
     Args:
         path: a ``.padim`` model file, or an export directory (``padim export``).
@@ -261,9 +261,7 @@ class DeployedDetector:
         self.metadata = metadata
         try:
             # an export from before the scoring options computes what they were then (its graph says so too)
-            self.config = PadimConfig.from_mapping(
-                {**BEFORE_OPTIONS, **metadata["config"]}, source=str(directory / METADATA_FILE)
-            )
+            self.config = PadimConfig.from_stored(metadata["config"], str(directory / METADATA_FILE), older=True)
             self.weights = WeightsInfo(**metadata["weights"])
             self.provenance = Provenance.from_header(metadata["provenance"])
             distances = metadata.get("calibration_input_distances")  # export version 4
@@ -282,7 +280,7 @@ class DeployedDetector:
                 f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})"
             ) from None
         self.statistics = None
-        self.image_size = self.config.image_size
+        self.image_size = self.config.features.image_size
         self.framing = Framing.of(self.config)
         self._device = device
         graph = self.directory / (ONNX_FILE if (self.directory / ONNX_FILE).is_file() else OPENVINO_FILE)
@@ -325,7 +323,7 @@ class DeployedDetector:
         quantisation = self.metadata.get("quantisation")
         return {
             **self.metadata["description"],
-            **scoring_options(self.config),
+            **shown_options(self.config),
             "runtime": self.runtime,
             "precision": self.precision,
             "calibration": {

@@ -46,7 +46,8 @@ def read_mvtec_category(root: str | Path) -> list[Sample]:
     test = root / "test"
     if not test.is_dir():
         raise UsageError(
-            f"{root}: not an MVTec-layout category (no test/ directory; expected train/good, test/<good|defect>, ground_truth/<defect>)"
+            f"{root}: not an MVTec-layout category (no test/ directory; expected train/good, test/<good|defect>, "
+            "ground_truth/<defect>)"
         )
     samples = []
     for defect_dir in sorted(d for d in test.iterdir() if d.is_dir()):

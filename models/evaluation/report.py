@@ -57,7 +57,7 @@ def write_report(
             "score": calibration.score(float(r)),
             "is_anomaly": bool(scored.raw_threshold is not None and r >= scored.raw_threshold),
         }
-        for s, r in zip(scored.samples, scored.raw_scores)
+        for s, r in zip(scored.samples, scored.raw_scores, strict=True)
     ]
     document = {**metrics, "per_image": per_image}
     plots = _plots(scored, labels, metrics)

@@ -47,7 +47,7 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         self.layers = tuple(layers)
         with TRACING:  # both trace: create_feature_extractor, and fuse (again, to fold the BatchNorms)
-            graph = create_feature_extractor(backbone.eval(), return_nodes={l: l for l in layers})
+            graph = create_feature_extractor(backbone.eval(), return_nodes={layer: layer for layer in layers})
             # in place: deep-copying torchvision's DualGraphModule puts it back in training mode
             self.body = fuse(graph, inplace=True) if fold_batchnorm else graph
         self.body.eval()
@@ -88,14 +88,14 @@ class Embedding(nn.Module):
             self.register_buffer("channel_index", channel_index.to(torch.int64))
             self.projection = None
             # per-layer pieces as (non-saved) buffers, so that .to(device) moves them once
-            for i, (o, c) in enumerate(zip(offsets, channels)):
+            for i, (o, c) in enumerate(zip(offsets, channels, strict=True)):
                 local = channel_index[(channel_index >= o) & (channel_index < o + c)] - o
                 self.register_buffer(f"_part{i}", local.to(torch.int64), persistent=False)
             self.embedding_dim = int(channel_index.numel())
         else:
             self.register_buffer("projection", projection.to(torch.float32))
             self.channel_index = None
-            for i, (o, c) in enumerate(zip(offsets, channels)):  # (D, C_l, 1, 1) 1x1-convolution weights
+            for i, (o, c) in enumerate(zip(offsets, channels, strict=True)):  # (D, C_l, 1, 1) 1x1-convolution weights
                 weight = projection[o : o + c].T.contiguous()[:, :, None, None].to(torch.float32)
                 self.register_buffer(f"_part{i}", weight, persistent=False)
             self.embedding_dim = int(projection.shape[1])
@@ -154,7 +154,7 @@ class Embedding(nn.Module):
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """``[(B, C_l, H_l, W_l)]`` -> ``(B, D, H_0, W_0)``."""
         parts = []
-        for i, (feature, scale) in enumerate(zip(features, self.scales)):
+        for i, (feature, scale) in enumerate(zip(features, self.scales, strict=True)):
             part = getattr(self, f"_part{i}")
             if self.channel_index is not None:
                 reduced = feature.index_select(1, part)
@@ -192,7 +192,7 @@ class FeatureEmbedder(nn.Module):
 
     def __init__(self, config, backbone_weights: dict[str, torch.Tensor], embedding: Embedding):
         super().__init__()
-        self.image_size = config.image_size
+        self.image_size = config.features.image_size
         self.framing = Framing.of(config)
         self.grid_shape = grid_shape(config)
         self.tiling = config.tiling
@@ -224,16 +224,18 @@ class FeatureEmbedder(nn.Module):
 
 def grid_shape(config) -> tuple[int, int]:
     """``(H, W)`` of the first layer's feature grid at the configured input size (of one tile)."""
-    side = config.image_size // config.spec.stride_of(config.layers[0])
+    side = config.features.image_size // config.spec.stride_of(config.features.layers[0])
     return side, side
 
 
 def build_extractor(config, backbone_weights: dict[str, torch.Tensor]) -> FeatureExtractor:
-    """The feature extractor of ``config.backbone`` with ``backbone_weights`` loaded (no weights download)."""
+    """The feature extractor of ``config.features.backbone`` with ``backbone_weights`` loaded (no weights download)."""
     with torch.device("meta"):
-        backbone = getattr(torchvision.models, config.backbone)(weights=None)
-    missing = [k for k in config.spec.used_keys(backbone.state_dict(), config.layers) if k not in backbone_weights]
+        backbone = getattr(torchvision.models, config.features.backbone)(weights=None)
+    missing = [
+        k for k in config.spec.used_keys(backbone.state_dict(), config.features.layers) if k not in backbone_weights
+    ]
     if missing:
         raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
     backbone.load_state_dict(backbone_weights, strict=False, assign=True)
-    return FeatureExtractor(backbone, config.layers)
+    return FeatureExtractor(backbone, config.features.layers)

@@ -36,13 +36,15 @@ the factors, and the scores are gathered.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -68,6 +70,7 @@ from padim.core.statistics import (
     regularised_cholesky,
     triangular_inverse,
 )
+from padim.core.tiling import Tiling
 from padim.models.config import PadimConfig
 from padim.models.data.changes import apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
@@ -79,8 +82,9 @@ from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.memory_plan import BLOCK_BYTES, REEMBED_GROUP_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES, spool_fits
 from padim.models.model import score_distances
+from padim.models.options import ScoringOptions
 
-#: Images of the float16 check (one batch of out-of-fold embeddings, as before the finish was sliced).
+#: Pictures whose scores the float16 check compares (one batch).
 FLOAT16_SAMPLE = 16
 
 
@@ -121,19 +125,60 @@ class Spooled:
     mean: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class PixelSlice:
+    """Pixels ``start .. stop`` of a row of the statistics: the ``index``-th slice the finish works on."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+class Rows(Protocol):
+    """Embeddings of the images a pass scores, read a slice of pixels and a range of rows at a time."""
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        """``(stop - first, c, D)`` embeddings of rows ``first .. stop`` at the slice's ``c`` pixels."""
+        ...
+
+
+@dataclass(frozen=True)
+class SpooledRows:
+    """Rows in a spool (pass 1's, or the held-out images of a merge), read slice by slice as it stores them."""
+
+    spool: EmbeddingSpool
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        return self.spool.read(pixels.index, first, stop)
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows held in memory: ``(rows, P, D)`` embeddings (images embedded again, or held out)."""
+
+    embeddings: torch.Tensor
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        return self.embeddings[first:stop, pixels.start : pixels.stop]
+
+
 @dataclass
-class Scored:
-    """Images to score in the finish, whole folds one after another.
+class ScoringPass:
+    """Images the finish scores in one pass over the pixels, whole folds one after another.
 
     Attributes:
-        read: ``(slice index, start, stop, first row, stop row) -> (rows, c, D)`` embeddings (with ``expect``,
-            each picture's rows then its changed copy's: :attr:`Fit.spooled_rows` a picture).
+        rows: their embeddings (with ``expect``, each picture's rows then its changed copy's:
+            :attr:`Fit.spooled_rows` a picture).
         names: the image of every row.
         folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
             model itself (held-out images).
     """
 
-    read: Callable[[int, int, int, int, int], torch.Tensor]
+    rows: Rows
     names: list[str]
     folds: list[int] | None
 
@@ -197,7 +242,7 @@ class Fit:
         self.weights = weights
         self.backbone_weights = backbone_weights
         self.embedding = embedding
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.run.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
         self.rows_per_image = self.embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
         self.statistics = None if statistics is None else statistics.to(self.device)
@@ -210,16 +255,18 @@ class Fit:
     @classmethod
     def start(cls, config: PadimConfig) -> Fit:
         """A new fit: the backbone with its weights, the seeded channel reduction, no statistics."""
-        backbone, weights = build_backbone(config.backbone, config.weights, config.seed, config.layers)
-        backbone_weights = used_state(backbone, config.spec, config.layers)
+        backbone, weights = build_backbone(
+            config.features.backbone, config.features.weights, config.features.seed, config.features.layers
+        )
+        backbone_weights = used_state(backbone, config.spec, config.features.layers)
         weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_weights))
         embedding = Embedding.create(
             config.spec,
-            config.layers,
+            config.features.layers,
             config.embedding_dim_or_default(),
-            config.reduction,
-            config.seed,
-            config.neighbourhood,
+            config.features.reduction,
+            config.features.seed,
+            config.gaussian.neighbourhood,
         )
         return cls(config, weights, backbone_weights, embedding)
 
@@ -256,7 +303,7 @@ class Fit:
     def fitted(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of spooled ``rows`` (whole pictures) that go into the statistics: all but the copies, unless
         those are fitted."""
-        if not self.config.expect or self.config.copies_fitted:
+        if not self.config.gaussian.expect or self.config.copies_fitted:
             return rows
         return split_rows(rows, self.rows_per_image)[0]
 
@@ -264,10 +311,10 @@ class Fit:
         """A batch's spooled rows: every picture's embeddings ``(T, P, D)``, then its changed copy's (``expect``:
         one draw of the declared changes, seeded by the picture's name)."""
         embedded = self.embedder(self.embedder.preprocess(images))
-        if not self.config.expect:
+        if not self.config.gaussian.expect:
             return embedded
         expected = self.config.expected
-        changed = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images)]
+        changed = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
         return interleaved(embedded, self.embedder(self.embedder.preprocess(changed)), self.rows_per_image)
 
     @property
@@ -285,7 +332,7 @@ class Fit:
     def groups(self, images: Sequence[TrainingImage]) -> list[list[TrainingImage]]:
         """``images`` grouped by calibration fold (fold order, then name); one image a fold for ``loo``."""
         ordered = sorted(images, key=lambda i: i.name)
-        folds = self.config.calibration_folds
+        folds = self.config.gaussian.calibration_folds
         if folds == "loo":
             return [[image] for image in ordered]
         groups: list[list[TrainingImage]] = [[] for _ in range(folds)]
@@ -317,16 +364,16 @@ class Fit:
         mine = distributed.folds_of(groups, shard)
         name_of = {i.path: i.name for group in groups for i in group}
         if spool is None:  # batched as the calibration will embed them again: the same embeddings, bit for bit
-            batches = [b for chunk in self._memory_groups(mine) for b in batches_of(chunk, self.config.batch_size)]
+            batches = [b for chunk in self._memory_groups(mine) for b in batches_of(chunk, self.config.run.batch_size)]
         else:
-            batches = batches_of(mine, self.config.batch_size)
+            batches = batches_of(mine, self.config.run.batch_size)
         unreadable: list[tuple[Path, str]] = []
         digests: list[tuple[str, int]] = []
         spooled = Spooled(spool) if spool is not None else None
         rows_fold: list[int] = []
         fitted_rows = 0
         accumulator = None
-        if spooled is None:  # the statistics in memory, as before spooling
+        if spooled is None:  # no spool: the statistics are streamed into memory
             base = self.statistics if shard is None or shard.main else None
             accumulator = GaussianAccumulator(base, block_bytes=UPDATE_BLOCK_BYTES)
         fold_of_path = {i.path: k for k, group in enumerate(mine) for i in group}
@@ -336,7 +383,7 @@ class Fit:
             nonlocal fitted_rows
             with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
                 for paths, images in iter_decoded(
-                    batches, self.config.workers, unreadable, self.draft_to, self.config.roi
+                    batches, self.config.run.workers, unreadable, self.draft_to, self.config.framing.roi
                 ):
                     embedded = self.embed([name_of[p] for p in paths], images)  # (B * spooled rows, P, D)
                     fitted = self.fitted(embedded)
@@ -385,7 +432,7 @@ class Fit:
 
     def embed_again(
         self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
-    ) -> Iterator[Scored]:
+    ) -> Iterator[ScoringPass]:
         """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time.
 
         Batched as pass 1 batched them without a spool, so that every image's embedding is the
@@ -404,16 +451,18 @@ class Fit:
                 name_of = {i.path: i.name for fold in chunk for i in fold}
                 names, rows_fold, parts = [], [], []
                 for paths, images in iter_decoded(
-                    batches_of(chunk, self.config.batch_size), self.config.workers, [], self.draft_to, self.config.roi
+                    batches_of(chunk, self.config.run.batch_size),
+                    self.config.run.workers,
+                    [],
+                    self.draft_to,
+                    self.config.framing.roi,
                 ):
                     parts.append(self.embed([name_of[p] for p in paths], images).cpu())
                     names += self.per_row(name_of[p] for p in paths)
                     rows_fold += self.per_row(fold_of_path[p] for p in paths)
                     bar.update(len(paths))
                 embedded = torch.cat(parts) if parts else torch.zeros(0, self.pixels, self.embedder.embedding_dim)
-                yield Scored(
-                    lambda index, start, stop, r0, r1, e=embedded: e[r0:r1, start:stop], names, run_lengths(rows_fold)
-                )
+                yield ScoringPass(HeldRows(embedded), names, run_lengths(rows_fold))
 
     def _memory_groups(self, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
         """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
@@ -431,133 +480,125 @@ class Fit:
     # ------------------------------------------------------------------ finish
     def finish(
         self,
-        scored: Iterator[Scored] | Sequence[Scored],
+        passes: Iterable[ScoringPass],
         scratch: Path | None,
-        keep_statistics: bool = True,
+        with_statistics: bool = True,
         progress: bool = True,
         shard: Shard | None = None,
         timing: dict[str, float] | None = None,
     ) -> Finished:
         """Statistics, factors and scores, a slice of pixels at a time (module docstring).
 
+        Each pass goes over every slice. The first forms the comoment (kept in memory ``with_statistics``), factors
+        it, writes the precision factors and scores its images; a later one (a group embedded again) factors the
+        formed comoment again and scores its images. Without a pass: the statistics (and factors) alone.
+
         Args:
-            scored: the images to score, one :class:`Scored` after another (spooled images, or
-                groups embedded again; each after the first costs another Cholesky of every pixel).
+            passes: the images to score, one :class:`ScoringPass` after another.
             scratch: where the precision factors wait for the file (``None``: no factors, a partial fit).
-            keep_statistics: form the whole comoment in memory (for a file with statistics).
+            with_statistics: form the whole comoment in memory (for a file with statistics).
             timing: adds ``finish`` (statistics and factors) and ``calibrate`` (distances) seconds.
 
         Raises:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
-        config, dim, pixels = self.config, self.embedder.embedding_dim, self.pixels
-        grid, device, per_image, spooled_rows = self.naming_grid, self.device, self.fitted_rows, self.spooled_rows
-        timing = {} if timing is None else timing
-        timing.setdefault("finish", 0.0), timing.setdefault("calibrate", 0.0)
-        state = self._merged_statistics(keep_statistics)
-        count = state.count  # rows: images, or their tiles when tiles share the statistics (and fitted copies)
-        if count < 2 * per_image:
-            raise ValueError(f"need at least 2 fitted images, have {count // per_image}")
-        slices = self.spooled.spool.slices if self.spooled else _slices(pixels, self.slice_pixels)
+        statistics = self._merged_statistics(with_statistics)
+        if statistics.count < 2 * self.fitted_rows:
+            raise ValueError(f"need at least 2 fitted images, have {statistics.count // self.fitted_rows}")
         main = shard is None or shard.main
-        factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
-        sample_exact = sample_half = None
-        distances: list[torch.Tensor] = []
-        inputs: list[torch.Tensor] = []  # input distances, as distances
-        taken: list[torch.Tensor] = []  # the images' own scores, where the distances' are their copies' (expect)
-        names: list[str] = []
-        unscored: list[str] = []
-        float16_change = None
+        run = _Finishing(
+            statistics,
+            self._pixel_slices(),
+            ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None,
+            shard,
+            {} if timing is None else timing,
+            progress,
+            with_statistics,
+        )
         try:
-            for number, source in enumerate(scored if scored is not None else []):
-                keep = _scoreable(source, count, unscored, per_image, spooled_rows)
-                rows = sum(len(r) for r in keep)
-                squared = torch.zeros(rows, pixels, dtype=torch.float32)  # (N, P), as the scorer's maps
-                first_pass = number == 0
-                with tqdm(
-                    total=pixels,
-                    desc="finish" if first_pass else "calibrate",
-                    unit="px",
-                    disable=not progress,
-                    leave=False,
-                ) as bar:
-                    for index, (start, stop) in enumerate(slices):
-                        covariance, cholesky = self._cholesky(
-                            state, index, start, stop, first_pass, shard, grid, timing
-                        )
-                        started = time.perf_counter()
-                        if first_pass and factors is not None:
-                            stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
-                            factors.write(start * packed_length(dim) * 4, pack_lower(stored))
-                            sample = _sample(source, index, start, stop, spooled_rows)
-                            if sample is not None:
-                                exact, half = _float16_check(sample.to(device), state.mean[start:stop], stored)
-                                sample_exact = exact if sample_exact is None else torch.cat([sample_exact, exact], 1)
-                                sample_half = half if sample_half is None else torch.cat([sample_half, half], 1)
-                        timing["finish"] += time.perf_counter() - started
-                        started = time.perf_counter()
-                        distributed.together(
-                            functools.partial(
-                                self._score_slice,
-                                source,
-                                keep,
-                                cholesky,
-                                covariance,
-                                state,
-                                index,
-                                start,
-                                stop,
-                                squared,
-                            ),
-                            shard,
-                            device,
-                        )
-                        del covariance, cholesky
-                        timing["calibrate"] += time.perf_counter() - started
-                        bar.update(stop - start)
-                if first_pass:
-                    self._formed(state, keep_statistics)
-                started = time.perf_counter()
-                scores_of, inputs_of, taken_of = self._image_scores(squared)
-                distances.append(scores_of)
-                inputs.append(inputs_of)
-                taken.append(taken_of)
-                names += [n for r in keep for n in r[::spooled_rows]]  # a picture's rows: one name
-                timing["calibrate"] += time.perf_counter() - started
-            if scored is None or not distances:  # nothing to score: the statistics (and factors) alone
-                self._statistics_only(state, slices, factors, shard, grid, timing, keep_statistics, progress)
+            for number, scoring in enumerate(passes):
+                self._score_pass(run, scoring, first=number == 0)
+            if not run.results.passes:
+                self._statistics_only(run)
         except BaseException:
-            if factors is not None:
-                factors.close()
+            if run.factors is not None:
+                run.factors.close()
             raise
-        if sample_exact is not None:
-            float16_change = _relative_change(sample_exact, sample_half, self.embedder.tiling, config)
-        scores = torch.cat(distances) if distances else torch.zeros(0, dtype=torch.float64)
-        input_distances = torch.cat(inputs) if inputs else torch.zeros(0, dtype=torch.float64)
-        taken_scores = torch.cat(taken) if taken else torch.zeros(0, dtype=torch.float64)
-        if shard is not None:  # every rank scored its own folds
-            gathered = distributed.gather(
-                (names, scores.tolist(), unscored, input_distances.tolist(), taken_scores.tolist()), shard
-            )
-            names = [n for part, *_ in gathered for n in part]
-            scores = torch.tensor([s for _, part, *_ in gathered for s in part], dtype=torch.float64)
-            unscored = [n for _, _, part, *_ in gathered for n in part]
-            input_distances = torch.tensor([s for *_, part, _ in gathered for s in part], dtype=torch.float64)
-            taken_scores = torch.tensor([s for *_, part in gathered for s in part], dtype=torch.float64)
+        results = run.results.gathered(shard)  # every rank scored its own folds
+        change = run.float16.change(self.embedder.tiling, self.config.scoring)
         return Finished(
-            state.mean.to(torch.float32).cpu(),
-            factors,
-            self._precision_dtype(float16_change),
-            scores,
-            names,
-            unscored,
-            float16_change,
-            input_distances,
-            taken_scores if self.config.expect else None,
+            statistics.mean.to(torch.float32).cpu(),
+            run.factors,
+            self._precision_dtype(change),
+            results.tensor(results.scores),
+            results.names,
+            results.unscored,
+            change,
+            results.tensor(results.input_distances),
+            results.tensor(results.taken_scores) if self.config.gaussian.expect else None,
         )
 
-    # ------------------------------------------------------------------ finish, by part
-    def _merged_statistics(self, keep: bool) -> _State:
+    # ------------------------------------------------------------------ finish, by step
+    def _pixel_slices(self) -> list[PixelSlice]:
+        """The slices the finish works on: the spool's, or :attr:`slice_pixels` at a time."""
+        step = self.slice_pixels
+        bounds = (
+            self.spooled.spool.slices
+            if self.spooled
+            else [(p, min(p + step, self.pixels)) for p in range(0, self.pixels, step)]
+        )
+        return [PixelSlice(index, start, stop) for index, (start, stop) in enumerate(bounds)]
+
+    def _score_pass(self, run: _Finishing, scoring: ScoringPass, first: bool) -> None:
+        """One pass over the slices: form and factor each (the first pass writes the factors), then score
+        ``scoring``'s images; their maps and scores join ``run``'s results."""
+        current = _Pass(
+            scoring,
+            _scoreable(scoring, run.statistics.count, run.results.unscored, self.fitted_rows, self.spooled_rows),
+            self.pixels,
+        )
+        with tqdm(
+            total=self.pixels, desc="finish" if first else "calibrate", unit="px", disable=not run.progress, leave=False
+        ) as bar:
+            for pixels in run.slices:
+                covariance, cholesky = self._factor(run, pixels, forming=first)
+                if first:
+                    self._write_factors(run, pixels, cholesky, scoring)
+                with run.timed("calibrate"):
+                    score = functools.partial(self._score_slice, run, current, pixels, covariance, cholesky)
+                    distributed.together(score, run.shard, self.device)
+                del covariance, cholesky
+                bar.update(pixels.size)
+        if first:
+            self._formed(run.statistics, run.with_statistics)
+        with run.timed("calibrate"):
+            names = [name for rows in current.kept for name in rows[:: self.spooled_rows]]  # a picture's rows: one name
+            run.results.add(names, *self._image_scores(current.squared))
+
+    def _factor(self, run: _Finishing, pixels: PixelSlice, forming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels, forming (and keeping) the comoment first."""
+        with run.timed("finish"):
+            comoment = self._comoment(run.statistics, pixels, forming, run.shard)
+            covariance = comoment.div_(run.statistics.count - 1)  # (c, D, D)
+            grid = self.naming_grid
+            cholesky = regularised_cholesky(covariance, self.config.gaussian.epsilon, grid, pixels.start)
+        return covariance, cholesky
+
+    def _write_factors(
+        self, run: _Finishing, pixels: PixelSlice, cholesky: torch.Tensor, scoring: ScoringPass | None
+    ) -> None:
+        """The slice's precision factors ``W = L^-1`` into the scratch file (float32, packed), and the float16
+        check's distances of a few of ``scoring``'s pictures with them."""
+        if run.factors is None:
+            return
+        with run.timed("finish"):
+            stored = triangular_inverse(cholesky).to(torch.float32)  # (c, D, D) W
+            run.factors.write(pixels.start * packed_length(self.embedder.embedding_dim) * 4, pack_lower(stored))
+            sample = _sample(scoring, pixels, self.spooled_rows) if scoring is not None else None
+            if sample is not None:
+                run.float16.add(sample.to(self.device), run.statistics.mean[pixels.start : pixels.stop], stored)
+
+    def _merged_statistics(self, with_statistics: bool) -> _State:
         """Count and mean of every image (earlier statistics and the spool), and where the comoment goes."""
         dim, pixels = self.embedder.embedding_dim, self.pixels
         base = self.statistics
@@ -574,33 +615,13 @@ class Fit:
         else:
             mean = base.mean + (spooled.mean - base.mean) * (n_s / n)
         target = None
-        if keep:
+        if with_statistics:
             target = base if base is not None else empty_state(pixels, dim, self.device)
         return _State(n, mean, target, base, spooled)
 
-    def _cholesky(
-        self,
-        state: _State,
-        index: int,
-        start: int,
-        stop: int,
-        forming: bool,
-        shard: Shard | None,
-        grid,
-        timing: dict[str, float],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Covariance ``C / (n - 1)`` and ``L`` of pixels ``start .. stop``, forming (and keeping) the comoment first."""
-        started = time.perf_counter()
-        covariance = self._comoment(state, index, start, stop, forming, shard).div_(state.count - 1)  # (c, D, D)
-        cholesky = regularised_cholesky(covariance, self.config.epsilon, grid, start)
-        timing["finish"] += time.perf_counter() - started
-        return covariance, cholesky
-
-    def _comoment(
-        self, state: _State, index: int, start: int, stop: int, forming: bool, shard: Shard | None
-    ) -> torch.Tensor:
-        """Symmetric ``(c, D, D)`` float64 comoment of every image, for pixels ``start .. stop``."""
-        dim = self.embedder.embedding_dim
+    def _comoment(self, state: _State, pixels: PixelSlice, forming: bool, shard: Shard | None) -> torch.Tensor:
+        """Symmetric ``(c, D, D)`` float64 comoment of every image, for the slice's pixels."""
+        dim, start, stop = self.embedder.embedding_dim, pixels.start, pixels.stop
         spooled = state.spooled
         if spooled is None or (not forming and state.target is not None):
             holder = state.target if state.target is not None else state.base
@@ -614,7 +635,8 @@ class Fit:
             if not spooled.spool.rows:  # a rank without images
                 square.zero_()
             for first in range(0, spooled.spool.rows, rows):
-                x = self.fitted(spooled.spool.read(index, first, min(first + rows, spooled.spool.rows))).to(self.device)
+                block = spooled.spool.read(pixels.index, first, min(first + rows, spooled.spool.rows))
+                x = self.fitted(block).to(self.device)
                 centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
                 square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
 
@@ -630,11 +652,11 @@ class Fit:
             state.target.comoment[start:stop] = pack_lower(square)
         return square
 
-    def _formed(self, state: _State, keep: bool) -> None:
+    def _formed(self, state: _State, with_statistics: bool) -> None:
         """The spool's images are in the statistics now (kept in memory, or not at all for a slim file)."""
         if self.spooled is None:
             return
-        if keep:
+        if with_statistics:
             state.target.mean.copy_(state.mean)
             state.target.count.fill_(state.count)
             self.statistics = state.target
@@ -645,58 +667,53 @@ class Fit:
         state.base = None  # the comoment is formed: a second scoring pass reads it, not the spool
         state.spooled = None
 
-    def _statistics_only(self, state, slices, factors, shard, grid, timing, keep, progress) -> None:
+    def _statistics_only(self, run: _Finishing) -> None:
         """The comoment (and factors) when nothing is scored: a partial fit, or images all unscoreable."""
-        if state.spooled is None and factors is None:
+        if run.statistics.spooled is None and run.factors is None:
             return
-        with tqdm(total=self.pixels, desc="finish", unit="px", disable=not progress, leave=False) as bar:
-            for index, (start, stop) in enumerate(slices):
-                if factors is None:
-                    self._comoment(state, index, start, stop, True, shard)
+        with tqdm(total=self.pixels, desc="finish", unit="px", disable=not run.progress, leave=False) as bar:
+            for pixels in run.slices:
+                if run.factors is None:
+                    self._comoment(run.statistics, pixels, True, run.shard)
                 else:
-                    _, cholesky = self._cholesky(state, index, start, stop, True, shard, grid, timing)
-                    factors.write(
-                        start * packed_length(self.embedder.embedding_dim) * 4,
-                        pack_lower(triangular_inverse(cholesky).to(torch.float32)),
-                    )
-                bar.update(stop - start)
-        self._formed(state, keep)
+                    _, cholesky = self._factor(run, pixels, forming=True)
+                    self._write_factors(run, pixels, cholesky, None)
+                bar.update(pixels.size)
+        self._formed(run.statistics, run.with_statistics)
 
     def _score_slice(
         self,
-        source: Scored,
-        keep: list[list[str]],
-        cholesky: torch.Tensor,
+        run: _Finishing,
+        current: _Pass,
+        pixels: PixelSlice,
         covariance: torch.Tensor,
-        state: _State,
-        index: int,
-        start: int,
-        stop: int,
-        squared: torch.Tensor,
+        cholesky: torch.Tensor,
     ) -> None:
-        """Distances of ``source``'s images for pixels ``start .. stop``, into ``squared`` ``(N, P)``.
+        """Distances of the pass's images at the slice's pixels, into ``current.squared`` ``(N, P)``.
 
         Out-of-fold: the folds of each size share one base (one Cholesky factorisation of the
         slice per fold size, :func:`padim.core.out_of_fold.fold_base`), and are read and
         corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
         """
-        dim, count, epsilon = self.embedder.embedding_dim, state.count, self.config.epsilon
-        mean = state.mean[start:stop]
-        limit = max(1, BLOCK_BYTES // (8 * (stop - start) * dim))  # rows per block
+        dim, count, epsilon = self.embedder.embedding_dim, run.statistics.count, self.config.gaussian.epsilon
+        start, stop, source, squared = pixels.start, pixels.stop, current.scoring, current.squared
+        mean = run.statistics.mean[start:stop]
+        limit = max(1, BLOCK_BYTES // (8 * pixels.size * dim))  # rows per block
         if source.folds is None:  # held-out images: the fitted model itself
             rows = len(source.names)
             for first in range(0, rows, limit):
-                x = source.read(index, start, stop, first, min(first + limit, rows)).to(self.device)
+                x = source.rows.read(pixels, first, min(first + limit, rows)).to(self.device)
                 squared[first : first + len(x), start:stop] = held_out_squared_distances(cholesky, mean, x).cpu()
             return
-        folds, row, out = {}, 0, 0  # size -> [(first row in the source, first row in squared)]
-        for m, kept in zip(source.folds, keep):
+        folds: dict[int, list[tuple[int, int]]] = {}  # size -> [(first row in the source, first row in squared)]
+        row = out = 0
+        for m, kept in zip(source.folds, current.kept, strict=True):
             if kept:
                 folds.setdefault(m, []).append((row, out))
                 out += m
             row += m
         grid = self.naming_grid
-        queried = bool(self.config.expect) and not self.config.copies_fitted  # copies scored, not fitted
+        queried = bool(self.config.gaussian.expect) and not self.config.copies_fitted  # copies scored, not fitted
         for m, places in sorted(folds.items()):
             fitted = m // 2 if queried else m  # the fold's rows in the statistics
             refit = refit_is_cheaper(fitted, dim, len(places))
@@ -704,14 +721,14 @@ class Fit:
             per_block = max(1, limit // m)
             for first in range(0, len(places), per_block):
                 block = places[first : first + per_block]
-                x = torch.cat([source.read(index, start, stop, a, b) for a, b in _runs(block, m)]).to(self.device)
+                x = torch.cat([source.rows.read(pixels, a, b) for a, b in _runs(block, m)]).to(self.device)
                 x = x.to(torch.float64)  # (F m, c, D), fold after fold
                 if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
                     own, copied = split_rows(x, self.rows_per_image)  # (F m / 2, c, D) each
-                    members = own.transpose(0, 1).reshape(stop - start, len(block), fitted, dim)
-                    copies = copied.transpose(0, 1).reshape(stop - start, len(block), fitted, dim)
+                    members = own.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
+                    copies = copied.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
                 else:
-                    members, copies = x.transpose(0, 1).reshape(stop - start, len(block), m, dim), None
+                    members, copies = x.transpose(0, 1).reshape(pixels.size, len(block), m, dim), None
                 if refit:
                     values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
                     if copies is not None:
@@ -741,17 +758,13 @@ class Fit:
         scores, inputs, taken, config, rows = [], [], [], self.config, 64 * self.spooled_rows
         for first in range(0, squared.shape[0], rows):
             block = squared[first : first + rows]
-            own, scored = split_rows(block, self.rows_per_image) if config.expect else (block, block)
-            out = score_distances(
-                scored, self.embedder.tiling, config.blur_sigma, config.image_score, config.top_fraction
-            )
+            own, scored = split_rows(block, self.rows_per_image) if config.gaussian.expect else (block, block)
+            out = score_distances(scored, self.embedder.tiling, config.scoring)
             scores.append(out.raw_scores)
             inputs.append(own.reshape(out.raw_scores.shape[0], -1).mean(1).to(torch.float64))
             taken.append(
-                score_distances(
-                    own, self.embedder.tiling, config.blur_sigma, config.image_score, config.top_fraction
-                ).raw_scores
-                if config.expect
+                score_distances(own, self.embedder.tiling, config.scoring).raw_scores
+                if config.gaussian.expect
                 else out.raw_scores
             )
         if not scores:
@@ -760,7 +773,7 @@ class Fit:
         return torch.cat(scores), torch.cat(inputs), torch.cat(taken).to(torch.float64)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
-        choice = self.config.precision_dtype
+        choice = self.config.storage.precision_dtype
         if choice != "auto":
             return getattr(torch, choice)
         return torch.float16 if change is not None and change <= FLOAT16_TOLERANCE else torch.float32
@@ -781,8 +794,106 @@ class _State:
     spooled: Spooled | None
 
 
+@dataclass
+class _Results:
+    """What the finish's passes scored (this rank's, until :meth:`gathered`): every scored picture's name, raw
+    score, input distance and own score (its changed copy's is the raw score with ``expect``), and the fitted
+    pictures left unscored."""
+
+    names: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    input_distances: list[float] = field(default_factory=list)
+    taken_scores: list[float] = field(default_factory=list)
+    unscored: list[str] = field(default_factory=list)
+    passes: int = 0
+
+    def add(self, names: list[str], scores: torch.Tensor, inputs: torch.Tensor, taken: torch.Tensor) -> None:
+        self.names += names
+        self.scores += scores.tolist()
+        self.input_distances += inputs.tolist()
+        self.taken_scores += taken.tolist()
+        self.passes += 1
+
+    def gathered(self, shard: Shard | None) -> _Results:
+        """Every rank's results, in rank order (this one's alone without ``torch.distributed``)."""
+        if shard is None:
+            return self
+        together = _Results()
+        for part in distributed.gather(self, shard):
+            together.names += part.names
+            together.scores += part.scores
+            together.input_distances += part.input_distances
+            together.taken_scores += part.taken_scores
+            together.unscored += part.unscored
+            together.passes += part.passes
+        return together
+
+    @staticmethod
+    def tensor(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
+
+
+@dataclass
+class _Float16Check:
+    """A few pictures' distances with float32 factors and with the same factors rounded to float16, slice by
+    slice: the largest relative change of their image scores decides ``precision_dtype`` ``auto``."""
+
+    exact: list[torch.Tensor] = field(default_factory=list)
+    half: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> None:
+        """``sample`` ``(B, c, D)`` at a slice of ``c`` pixels with its ``mean`` and float32 ``factor``."""
+        mean = mean.to(torch.float32)
+        self.exact.append(squared_mahalanobis(sample, mean, factor).cpu())
+        self.half.append(squared_mahalanobis(sample, mean, factor.half().float()).cpu())
+
+    def change(self, tiling: Tiling, scoring: ScoringOptions) -> float | None:
+        """Largest relative change of the image scores (``None``: nothing was sampled)."""
+        if not self.exact:
+            return None
+        first, second = (score_distances(torch.cat(d, 1), tiling, scoring).raw_scores for d in (self.exact, self.half))
+        return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
+
+
+@dataclass
+class _Pass:
+    """A scoring pass in progress: its images, the rows of each fold that can be scored, and their ``(N, P)``
+    distances (as the scorer's maps: float32)."""
+
+    scoring: ScoringPass
+    kept: list[list[str]]
+    row_pixels: int
+    squared: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.squared = torch.zeros(sum(len(rows) for rows in self.kept), self.row_pixels, dtype=torch.float32)
+
+
+@dataclass
+class _Finishing:
+    """One finish: the statistics as it sees them, its slices, where the factors go, what it has scored."""
+
+    statistics: _State
+    slices: list[PixelSlice]
+    factors: ScratchFile | None
+    shard: Shard | None
+    timing: dict[str, float]
+    progress: bool
+    with_statistics: bool
+    results: _Results = field(default_factory=_Results)
+    float16: _Float16Check = field(default_factory=_Float16Check)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timing[phase] = self.timing.get(phase, 0.0) + time.perf_counter() - started
+
+
 def _scoreable(
-    source: Scored, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
+    source: ScoringPass, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
 ) -> list[list[str]]:
     """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each in the
     statistics, ``spooled`` in the source), the rest named in ``unscored`` (once a picture)."""
@@ -801,27 +912,9 @@ def _scoreable(
     return keep
 
 
-def _sample(source: Scored, index: int, start: int, stop: int, per_image: int = 1) -> torch.Tensor | None:
+def _sample(source: ScoringPass, pixels: PixelSlice, per_image: int = 1) -> torch.Tensor | None:
     rows = min(FLOAT16_SAMPLE * per_image, len(source.names))  # whole pictures (``per_image``: their spooled rows)
-    return source.read(index, start, stop, 0, rows) if rows else None
-
-
-def _float16_check(sample: torch.Tensor, mean: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, c)`` squared distances of ``sample`` with float32 and float16-rounded factors, as the scorer computes them."""
-    mean = mean.to(torch.float32)
-    return (
-        squared_mahalanobis(sample, mean, factor).cpu(),
-        squared_mahalanobis(sample, mean, factor.half().float()).cpu(),
-    )
-
-
-def _relative_change(exact: torch.Tensor, half: torch.Tensor, tiling, config: PadimConfig) -> float:
-    """Largest relative change of image scores from ``(N, p)`` distances (float16 against float32 factors)."""
-    first, second = (
-        score_distances(d, tiling, config.blur_sigma, config.image_score, config.top_fraction).raw_scores
-        for d in (exact, half)
-    )
-    return float(((second - first).abs() / first.abs().clamp_min(1e-12)).max())
+    return source.rows.read(pixels, 0, rows) if rows else None
 
 
 def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
@@ -838,10 +931,6 @@ def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]
 def run_lengths(labels: Sequence) -> list[int]:
     """Lengths of the runs of equal consecutive ``labels``: rows per fold, the folds coming one after another."""
     return [len(list(run)) for _, run in itertools.groupby(labels)]
-
-
-def _slices(pixels: int, step: int) -> list[tuple[int, int]]:
-    return [(p, min(p + step, pixels)) for p in range(0, pixels, step)]
 
 
 def _megabytes(nbytes: int) -> str:

@@ -19,13 +19,14 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
 
 Example:
     >>> from padim.models.config import PadimConfig
-    >>> plan = plan_fit(PadimConfig(backbone="wide_resnet50_2", weights="random"), images=40, spool=True)
+    >>> plan = plan_fit(PadimConfig(backbone="wide_resnet50_2", weights="random"), FitFacts(images=40, spool=True))
     >>> round(plan.statistics / 1e9, 2)                               # the packed comoment, float64 (GB)
     3.83
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,40 +97,58 @@ class FitPlan:
         return f"needs about {_gb(self.total)} on the {self.device.upper()}{room} ({parts})"
 
 
-def plan_fit(
-    config: PadimConfig,
-    images: int,
-    spool: bool,
-    keep_statistics: bool = True,
-    resume: bool = False,
-    device: str | None = None,
-) -> FitPlan:
-    """The memory a fit of ``images`` images will need (see the module docstring).
+@dataclass(frozen=True)
+class FitFacts:
+    """What a fit does beyond its configuration: said once, and handed whole to its plan, its check and its errors.
 
-    Args:
-        spool: whether pass 1's embeddings go to disk (else the statistics are streamed in memory).
-        keep_statistics: ``False`` for ``--slim`` (no comoment is formed, given a spool).
-        resume: statistics are read from a file (they are then held whatever ``keep_statistics``).
-        device: ``cpu`` or ``cuda`` (default: the config's, resolved).
+    Attributes:
+        images: pictures this run fits.
+        spool: pass 1's embeddings wait on disk (else the statistics are streamed in memory).
+        with_statistics: the file keeps the statistics (``False``: ``--slim``; no comoment is formed, given a spool).
+        resume: statistics are read from a file (they are then held whatever ``with_statistics``).
     """
+
+    images: int
+    spool: bool
+    with_statistics: bool = True
+    resume: bool = False
+
+
+def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) -> FitPlan:
+    """The memory a fit will need (see the module docstring); ``device``: ``cpu`` or ``cuda`` (default: the
+    config's, resolved)."""
+    images, spool = facts.images, facts.spool
     device = device or (
-        "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+        "cuda" if config.run.device == "cuda" or (config.run.device == "auto" and torch.cuda.is_available()) else "cpu"
     )
-    spec = BACKBONES[config.backbone]
+    spec = BACKBONES[config.features.backbone]
     rows, cols = grid_shape(config)
     tiles, per_image = config.tile_count, config.rows_per_image  # a picture's tiles; its rows in the statistics
     pixels, dim = rows * cols * tiles // per_image, config.embedding_dim_or_default()
     spooled = config.spooled_rows_per_picture  # its rows in the spool: with its changed copy's (expect)
-    held = keep_statistics or not spool or resume
+    held = facts.with_statistics or not spool or facts.resume
     statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
     slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
     finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * spooled * pixels * 4
-    deepest = max(spec.layers.index(layer) for layer in config.layers)
+    deepest = max(spec.layers.index(layer) for layer in config.features.layers)
     kind = "basic" if spec.channels[0] == 64 else "bottleneck"
-    per_pixel = 4 * (64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides)))
-    activations = int(ACTIVATION_FACTOR[kind] * per_pixel * config.image_size**2 * config.batch_size * tiles)
+    per_pixel = 4 * (
+        64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides, strict=False))
+    )
+    activations = int(
+        ACTIVATION_FACTOR[kind] * per_pixel * config.features.image_size**2 * config.run.batch_size * tiles
+    )
     # without a spool: float64 slices and held batches; with expect, a batch's copies beside it
-    embedding = config.batch_size * tiles * rows * cols * dim * 4 * (1 if spool else 3) * (2 if config.expect else 1)
+    embedding = (
+        config.run.batch_size
+        * tiles
+        * rows
+        * cols
+        * dim
+        * 4
+        * (1 if spool else 3)
+        * (2 if config.gaussian.expect else 1)
+    )
     update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
     backbone = 2 * _weights_bytes(config) + activations + embedding + update
     return FitPlan(
@@ -170,31 +189,24 @@ def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
     return free_disk(directory) >= needed
 
 
-def check(
-    config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool, resume: bool
-) -> None:
+def check(config: PadimConfig, plan: FitPlan, free: int | None, facts: FitFacts) -> None:
     """Raise :class:`DoesNotFit` naming the options that would fit, when ``plan`` exceeds ``free``."""
     if free is None or plan.total <= free:
         return
-    advice = (
-        "; ".join(_alternatives(config, plan, free, images, spool, keep_statistics, resume))
-        or "a machine with more memory"
-    )
+    advice = "; ".join(_alternatives(config, plan, free, facts)) or "a machine with more memory"
     raise DoesNotFit(f"this fit {plan.describe(free)}, so it would run out of memory; what would fit: {advice}")
 
 
-def ran_out(
-    config: PadimConfig, plan: FitPlan, free: int | None, images: int, spool: bool, keep_statistics: bool, resume: bool
-) -> DoesNotFit:
+def ran_out(config: PadimConfig, plan: FitPlan, free: int | None, facts: FitFacts) -> DoesNotFit:
     """The error for a fit that ran out of GPU memory although its plan fitted: what to try, smallest change first.
 
     The plan's parts are estimates and other processes may hold the GPU's memory; the options
     named are those whose plan fits in three quarters of this one.
     """
     options = []
-    if config.batch_size > 1:
-        options.append(f"--batch-size {max(1, config.batch_size // 2)} (the backbone's activations)")
-    options += _alternatives(config, plan, plan.total * 3 // 4, images, spool, keep_statistics, resume)
+    if config.run.batch_size > 1:
+        options.append(f"--batch-size {max(1, config.run.batch_size // 2)} (the backbone's activations)")
+    options += _alternatives(config, plan, plan.total * 3 // 4, facts)
     room = f"; {_gb(free)} was free before it started" if free is not None else ""
     where = "GPU" if plan.device == "cuda" else "CPU"
     others = "; other processes on the GPU take from it too" if plan.device == "cuda" else ""
@@ -204,21 +216,17 @@ def ran_out(
     )
 
 
-def _alternatives(
-    config: PadimConfig, plan: FitPlan, free: int, images: int, spool: bool, keep_statistics: bool, resume: bool
-) -> list[str]:
-    """Options (as flags, with their totals) whose plan fits in ``free``: a smaller image, fewer dims, --slim, the CPU."""
+def _alternatives(config: PadimConfig, plan: FitPlan, free: int, facts: FitFacts) -> list[str]:
+    """Options (as flags, with their totals) whose plan fits in ``free``: smaller image, fewer dims, --slim, CPU."""
 
-    def fits(changed: PadimConfig, **kwargs) -> int | None:
-        options = dict(images=images, spool=spool, keep_statistics=keep_statistics, resume=resume, device=plan.device)
-        options.update(kwargs)
-        total = plan_fit(changed, **options).total
+    def fits(changed: PadimConfig, changed_facts: FitFacts = facts) -> int | None:
+        total = plan_fit(changed, changed_facts, plan.device).total
         return total if total <= free else None
 
     options = []
-    spec = BACKBONES[config.backbone]
-    multiple = max(16, max(spec.stride_of(layer) for layer in config.layers))
-    for size in range(config.image_size - multiple, 2 * multiple - 1, -multiple):
+    spec = BACKBONES[config.features.backbone]
+    multiple = max(16, max(spec.stride_of(layer) for layer in config.features.layers))
+    for size in range(config.features.image_size - multiple, 2 * multiple - 1, -multiple):
         try:
             total = fits(config.replace(image_size=size))
         except ValueError:
@@ -232,19 +240,19 @@ def _alternatives(
         if total is not None:
             options.append(f"--embedding-dim {fewer} ({_gb(total)})")
             break
-    if config.tile_count > 1 and config.tile_statistics == "position" and not resume:
+    if config.tile_count > 1 and config.framing.tile_statistics == "position" and not facts.resume:
         total = fits(config.replace(tile_statistics="shared"))
         if total is not None:  # the statistics of one tile instead of one per tile position
             options.append(
                 f"--tile-statistics shared (one set of statistics for every tile: uniform surfaces; {_gb(total)})"
             )
-    if keep_statistics and spool and not resume:
-        total = fits(config, keep_statistics=False)
+    if facts.with_statistics and facts.spool and not facts.resume:
+        total = fits(config, dataclasses.replace(facts, with_statistics=False))
         if total is not None:
             options.append(f"--slim (no statistics in the file; {_gb(total)})")
     if plan.device == "cuda":
         cpu_free = free_memory("cpu")
-        total = plan_fit(config, images, spool, keep_statistics, resume, device="cpu").total
+        total = plan_fit(config, facts, device="cpu").total
         if cpu_free is not None and total <= cpu_free:
             options.append(f"--device cpu ({_gb(total)} of {_gb(cpu_free)} free)")
     return options
@@ -253,8 +261,8 @@ def _alternatives(
 def _weights_bytes(config: PadimConfig) -> int:
     """Parameters of the backbone's used stages, counted on a meta-device model (nothing allocated)."""
     with torch.device("meta"):
-        model = getattr(torchvision.models, config.backbone)(weights=None)
-    keys = set(BACKBONES[config.backbone].used_keys(model.state_dict().keys(), config.layers))
+        model = getattr(torchvision.models, config.features.backbone)(weights=None)
+    keys = set(BACKBONES[config.features.backbone].used_keys(model.state_dict().keys(), config.features.layers))
     return sum(t.numel() * 4 for k, t in model.state_dict().items() if k in keys)
 
 

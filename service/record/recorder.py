@@ -6,9 +6,10 @@
    is then resolved (``PADIM_RECORD_REQUIRED`` waits for it).
 2. **database writer**: reads the journal on from what the database has, inserts up to :data:`DB_BATCH` rows
    in one transaction (at most one every :data:`DB_INTERVAL_S` while rows trickle in: the rows are durable
-   already, and each transaction costs CPU that scoring would otherwise have), and moves ``COMMITTED`` on. While the database is down or slow it retries
-   with back-off; the rows wait in the journal (bounded: ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed
-   when it is back, and again after a restart. It also evicts pictures past their retention or the budget.
+   already, and each transaction costs CPU that scoring would otherwise have), and moves ``COMMITTED`` on. While the
+   database is down or slow it retries with back-off; the rows wait in the journal (bounded:
+   ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed when it is back, and again after a restart. It also evicts
+   pictures past their retention or the budget.
 
 **What a kill -9 can lose**: rows handed to the journal writer and not yet fsynced: at most the rows of the
 requests being answered at that moment (the journal writer's queue, bounded by :data:`QUEUE_ROWS`; it is

@@ -23,5 +23,5 @@ async def metrics(state: StateDep) -> Response:
     for name, model in state.models.items():
         queued = model.batcher.admitted + sum(m.batcher.admitted for m in state.retired if m.name == name)
         state.metrics.queue_depth.labels(name).set(queued)
-        state.metrics.show_reading(name, model.monitor.reading()[0], model.detector.calibration.false_alarm_bound)
+        state.metrics.show_reading(name, model.monitor.reading()[0], model.scorer.calibration.false_alarm_bound)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -229,7 +229,6 @@ def _seconds(name: str, text: str | None) -> float | None:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
         raise ApiError(
-            422,
             "invalid_parameter",
             f"{name}: expected an ISO 8601 date and time such as 2026-11-25T08:00:00Z, got {text!r}",
         ) from None

@@ -15,11 +15,11 @@ from padim.models.errors import RecordUnavailable
 
 from ..batching import Admission
 from ..deps import ApiKey, StateDep
-from ..errors import CLIENT_CLOSED, ApiError
+from ..errors import ApiError
 from ..openapi import error_responses
 from ..record.rows import InvalidFields, parse_fields
 from ..schemas import BatchResponse, ScoreResponse
-from ..state import ServedModel, ServiceState
+from ..state import ScoredImage, ServedModel, ServiceState
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 
@@ -152,7 +152,7 @@ async def _score(
                     form_options.get("fields", request.headers.get("x-padim-fields")), len(datas) if many else None
                 )
             except InvalidFields as error:
-                raise ApiError(422, "invalid_fields", str(error)) from None
+                raise ApiError("invalid_fields", str(error)) from None
             loop = asyncio.get_running_loop()
             digests = await asyncio.gather(*[loop.run_in_executor(state.decode, _sha256, d) for d in datas])
         with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
@@ -200,8 +200,8 @@ async def _score_images(
     threshold,
     heatmap,
     mask,
-) -> tuple[list[tuple], list[dict], list[tuple[int, int]]]:
-    """``[(raw_score, map, input_distance)]``, the result of each image, and each picture's size as sent.
+) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
+    """Each image as scored, its result, and each picture's size as sent.
 
     A client that disconnects while its images wait for a batch takes them out of the queue (the
     batcher skips cancelled ones), so that it costs no batch; its request is logged as 499.
@@ -223,12 +223,11 @@ async def _score_images(
             answered.cancel()
             if gone in done:
                 raise ApiError(
-                    CLIENT_CLOSED,
                     "client_disconnected",
                     "the client closed the connection before its images were scored",
                 )
             raise ApiError(
-                504, "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded"
+                "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded"
             )
         scored = answered.result()
     finally:
@@ -240,9 +239,9 @@ async def _score_images(
         await asyncio.gather(
             *[
                 loop.run_in_executor(
-                    state.decode, state.build_result, served, image, raw, anomaly_map, threshold, heatmap, mask
+                    state.decode, state.build_result, served, image, one.raw_score, one.map, threshold, heatmap, mask
                 )
-                for image, (raw, anomaly_map, _) in zip(decoded, scored)
+                for image, one in zip(decoded, scored, strict=True)
             ]
         )
     )
@@ -270,21 +269,19 @@ async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[
         try:
             form = await request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS)
         except HTTPException as error:
-            raise ApiError(422, "invalid_multipart", f"the multipart body could not be read: {error.detail}") from None
+            raise ApiError("invalid_multipart", f"the multipart body could not be read: {error.detail}") from None
         parts = form.getlist("file")
         if not parts:
-            raise ApiError(422, "missing_file", "the multipart body has no 'file' field")
+            raise ApiError("missing_file", "the multipart body has no 'file' field")
         if any(not isinstance(p, UploadFile) for p in parts):
-            raise ApiError(422, "missing_file", "'file' must be a file part, not a text field")
+            raise ApiError("missing_file", "'file' must be a file part, not a text field")
         if not many and len(parts) > 1:
             raise ApiError(
-                422,
                 "too_many_files",
                 f"{len(parts)} 'file' parts: /score takes one image (use /score/batch for several)",
             )
         if len(parts) > batch_limit:
             raise ApiError(
-                422,
                 "batch_too_large",
                 f"{len(parts)} images in one request; at most {batch_limit} "
                 "(the smaller of PADIM_MAX_BATCH_SIZE and PADIM_MAX_QUEUE): split the batch",
@@ -294,20 +291,17 @@ async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[
         options = _form_options(form)
     elif content_type.startswith(("image/", "application/octet-stream")):
         if many:
-            raise ApiError(
-                415, "unsupported_media_type", "/score/batch takes multipart/form-data with several 'file' parts"
-            )
+            raise ApiError("unsupported_media_type", "/score/batch takes multipart/form-data with several 'file' parts")
         datas = [await request.body()]
     else:
         raise ApiError(
-            415,
             "unsupported_media_type",
             f"content type {content_type or 'none'!r}: send the image as multipart field 'file' "
             "or as the raw body with an image/* (or application/octet-stream) content type",
         )
     for i, data in enumerate(datas):
         if not data:
-            raise ApiError(422, "empty_body", "the image is empty" + (f" (file part {i})" if many else ""))
+            raise ApiError("empty_body", "the image is empty" + (f" (file part {i})" if many else ""))
     return datas, options
 
 
@@ -317,7 +311,7 @@ def _form_options(form) -> dict:
         value = form.get(key)
         if isinstance(value, str):
             if value not in ("true", "false"):  # the JSON spellings, as the schema says
-                raise ApiError(422, "invalid_parameter", f"{key}: expected true or false, got {value!r}")
+                raise ApiError("invalid_parameter", f"{key}: expected true or false, got {value!r}")
             options[key] = value == "true"
     value = form.get("fields")
     if isinstance(value, str):
@@ -329,6 +323,6 @@ def _form_options(form) -> dict:
         except ValueError:
             threshold = float("nan")
         if not 0.0 <= threshold <= 1.0:
-            raise ApiError(422, "invalid_parameter", f"threshold: expected a number in [0, 1], got {value!r}")
+            raise ApiError("invalid_parameter", f"threshold: expected a number in [0, 1], got {value!r}")
         options["threshold"] = threshold
     return options

@@ -70,18 +70,17 @@ async def upload(
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("application/octet-stream"):
         raise ApiError(
-            415,
             "unsupported_media_type",
             f"content type {content_type or 'none'!r}: send the model file "
             "as the raw body with content type application/octet-stream",
         )
     if x_content_sha256 is not None and not SHA256.match(x_content_sha256):
-        raise ApiError(400, "invalid_parameter", "X-Content-SHA256: expected 64 hexadecimal digits")
+        raise ApiError("invalid_parameter", "X-Content-SHA256: expected 64 hexadecimal digits", status=400)
     incoming = await asyncio.to_thread(repository.incoming, name)
     try:
         digest, size = await _receive(request, incoming / MODEL_FILE)
         if size == 0:
-            raise ApiError(422, "empty_body", "the model file is empty")
+            raise ApiError("empty_body", "the model file is empty")
         if x_content_sha256 is not None and x_content_sha256.lower() != digest:
             raise DigestMismatch(
                 f"the body's sha256 is {digest}, not the {x_content_sha256.lower()} that "

@@ -29,7 +29,7 @@ def test_file_is_safetensors_and_nothing_else(tmp_path):
     header = json.loads(raw[8 : 8 + length])
     assert "padim" in header["__metadata__"]
     spans = sorted(tuple(e["data_offsets"]) for k, e in header.items() if k != "__metadata__")
-    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no gaps
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # contiguous, no gaps
     assert 8 + length + spans[-1][1] == len(raw)  # and nothing after them
     assert raw[8 + length :] == tensors["a"].numpy().tobytes() + tensors["b"].numpy().tobytes()
 

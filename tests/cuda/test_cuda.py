@@ -72,7 +72,9 @@ def test_scores_on_the_cpu_and_the_gpu_agree_within_the_stated_tolerance(model_f
     from padim.models.model_file import load_detector
 
     cpu, gpu = load_detector(model_file, device="cpu"), load_detector(model_file, device="cuda")
-    batch = torch.randn(8, 3, cpu.config.image_size, cpu.config.image_size, generator=torch.Generator().manual_seed(0))
+    batch = torch.randn(
+        8, 3, cpu.config.features.image_size, cpu.config.features.image_size, generator=torch.Generator().manual_seed(0)
+    )
     on_cpu, on_gpu = cpu.score(batch), gpu.score(batch)
     assert relative(on_gpu.raw_scores, on_cpu.raw_scores) <= CROSS_DEVICE_RTOL
     largest = float(on_cpu.maps.abs().max())  # maps: relative to their peak (pixel values near 0 have no scale)
@@ -156,7 +158,7 @@ def test_the_service_is_ready_on_the_gpu_and_its_probe_passes(model_file):
                 break
             time.sleep(0.05)
         assert ready.status_code == 200
-        assert client.app.state.service.models["weave"].detector.device.type == "cuda"
+        assert client.app.state.service.models["weave"].scorer.device.type == "cuda"
 
 
 def test_onnxruntime_on_cuda_matches_torch(model_file):
@@ -169,5 +171,5 @@ def test_onnxruntime_on_cuda_matches_torch(model_file):
     scorer = load_scorer(model_file, "onnxruntime", "cuda")
     assert scorer.providers[0] == "CUDAExecutionProvider" and scorer.device.type == "cuda"
     reference = load_detector(model_file, device="cpu")
-    batch = torch.randn(4, 3, reference.config.image_size, reference.config.image_size)
+    batch = torch.randn(4, 3, reference.config.features.image_size, reference.config.features.image_size)
     assert relative(scorer.score(batch).raw_scores, reference.score(batch).raw_scores) <= 1e-4

@@ -139,7 +139,8 @@ def test_served_score_equals_padim_predict_on_the_host(container, trained, datas
 
 
 def test_the_image_leaves_out_triton(image):
-    """torch's triton (0.9 GB, for torch.compile) is not used by padim: the image uninstalls it (serving a .padim on the CPU still exports it to ONNX: see the score test)."""
+    """torch's triton (0.9 GB, for torch.compile) is not used by padim: the image uninstalls it (serving a .padim on
+    the CPU still exports it to ONNX: see the score test)."""
     shown = docker("run", "--rm", "--entrypoint", "pip", image, "show", "triton", check=False)
     assert shown.returncode != 0 and "not found" in (shown.stderr + shown.stdout).lower()
 

@@ -4,11 +4,18 @@ import pytest
 
 from padim.models.config import ConfigError, PadimConfig, read_config_file
 from padim.models.data.changes import Expected
+from padim.models.options import OPTIONS
 
 
 def test_defaults_follow_the_paper():
     c = PadimConfig()
-    assert (c.backbone, c.layers, c.image_size, c.embedding_dim_or_default(), c.epsilon) == (
+    assert (
+        c.features.backbone,
+        c.features.layers,
+        c.features.image_size,
+        c.embedding_dim_or_default(),
+        c.gaussian.epsilon,
+    ) == (
         "resnet18",
         ("layer1", "layer2", "layer3"),
         224,
@@ -64,10 +71,12 @@ def test_bad_values_say_what_is_allowed(changes, message):
 
 
 def test_expected_changes_are_kept_as_their_bounds_and_decide_the_calibration():
-    assert PadimConfig(expect="typical").expect == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
     assert (
-        PadimConfig(expect="stable").expect == ""
-        and PadimConfig(expect="shift=2, blur=0.5").expect == "shift=2,blur=0.5"
+        PadimConfig(expect="typical").gaussian.expect == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
+    )
+    assert (
+        PadimConfig(expect="stable").gaussian.expect == ""
+        and PadimConfig(expect="shift=2, blur=0.5").gaussian.expect == "shift=2,blur=0.5"
     )
     base = PadimConfig(expect="", fit_changes=False)
     # the calibration's scores (and, fitted, the statistics) depend on them: --resume and merge keep them
@@ -83,14 +92,14 @@ def test_from_mapping_rejects_unknown_keys_listing_allowed():
 
 
 def test_the_earlier_spelling_of_embedding_dim_is_read():
-    assert PadimConfig.from_mapping({"features": 40}).embedding_dim == 40
+    assert PadimConfig.from_mapping({"features": 40}).features.embedding_dim == 40
 
 
 def test_which_fields_shape_the_statistics():
     base = PadimConfig()
     assert base.differences(base.replace(batch_size=4, device="cpu", false_alarm_rate=0.05)) == []
     assert base.differences(base.replace(image_size=128, seed=3)) == ["image_size", "seed"]
-    assert base.with_run_options(PadimConfig(batch_size=4, workers=0)).batch_size == 4
+    assert base.with_run_options(PadimConfig(batch_size=4, workers=0)).run.batch_size == 4
     # averaging neighbours changes every embedding; how a score is read from the map does not
     assert base.differences(base.replace(neighbourhood=1, image_score="patch_max", blur_sigma=4.0)) == ["neighbourhood"]
 
@@ -99,10 +108,20 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
     # benchmarks/quality.py: neighbourhood 3 without smoothing won on most categories, and --expect rough with its
     # copies fitted was the one calibration within its promise under every nuisance (docs/quality.md)
     c = PadimConfig()
-    assert (c.neighbourhood, c.image_score, c.blur_sigma, c.calibration_folds) == (3, "map_max", 0.0, "loo")
+    assert (c.gaussian.neighbourhood, c.scoring.image_score, c.scoring.blur_sigma, c.gaussian.calibration_folds) == (
+        3,
+        "map_max",
+        0.0,
+        "loo",
+    )
     assert c.expected == Expected.parse("rough") and c.copies_fitted
     paper, _ = read_config_file(Path(__file__).resolve().parents[2] / "configs" / "paper.yaml")
-    assert (paper.neighbourhood, paper.image_score, paper.blur_sigma, paper.expect) == (1, "map_max", 4.0, "")
+    assert (
+        paper.gaussian.neighbourhood,
+        paper.scoring.image_score,
+        paper.scoring.blur_sigma,
+        paper.gaussian.expect,
+    ) == (1, "map_max", 4.0, "")
     assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100, expect="stable")
     assert not paper.copies_fitted
 
@@ -114,7 +133,7 @@ def test_retired_hold_out_options_say_what_replaced_them():
 
 def test_replace_ignores_none_and_is_frozen():
     c = PadimConfig().replace(image_size=64, backbone=None)
-    assert c.image_size == 64 and c.backbone == "resnet18"
+    assert c.features.image_size == 64 and c.features.backbone == "resnet18"
     with pytest.raises(AttributeError):
         c.image_size = 32
 
@@ -127,17 +146,17 @@ def test_the_shipped_configs_load_with_current_names(name):
 
     path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
     values = yaml.safe_load(path.read_text())
-    assert set(values) <= set(PadimConfig.__dataclass_fields__), "configs use the current option names"
+    assert set(values) <= set(OPTIONS), "configs use the current option names"
     config = PadimConfig.from_mapping(values, source=str(path))
-    assert config.calibration_folds == "loo" and config.embedding_dim_or_default() == values["embedding_dim"]
+    assert config.gaussian.calibration_folds == "loo" and config.embedding_dim_or_default() == values["embedding_dim"]
 
 
 def test_tiles_from_yaml_or_text_lay_out_the_input_and_shape_the_statistics(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("tiles: 2x3\ntile_overlap: 0.25\ntile_statistics: shared\n")
     config, given = read_config_file(path)
-    assert config.tiles == (2, 3) and given == {"tiles", "tile_overlap", "tile_statistics"}
-    assert PadimConfig(tiles=[2, 3]).tiles == (2, 3)  # a header's list
+    assert config.framing.tiles == (2, 3) and given == {"tiles", "tile_overlap", "tile_statistics"}
+    assert PadimConfig(tiles=[2, 3]).framing.tiles == (2, 3)  # a header's list
     # 224 px tiles on the 56-cell layer1 grid: a quarter is 14 cells = 56 px, so tiles start every 168 px
     assert config.tiling.overlap == 14 and config.tiling.step == 168 and config.input_shape == (392, 560)
     assert config.rows_per_image == 6 and config.replace(tile_statistics="position").rows_per_image == 1
@@ -149,5 +168,5 @@ def test_a_region_from_yaml_is_a_tuple_and_shapes_the_statistics(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("roi: [10, 20, 300, 200]\nresize: pad\n")
     config, given = read_config_file(path)
-    assert config.roi == (10, 20, 300, 200) and config.resize == "pad" and given == {"roi", "resize"}
+    assert config.framing.roi == (10, 20, 300, 200) and config.framing.resize == "pad" and given == {"roi", "resize"}
     assert PadimConfig().differences(config) == ["roi", "resize"]  # a resume or merge must keep them

@@ -235,7 +235,7 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
         "blur_sigma": 2.0,
     }
     loaded = load_detector(tmp_path / "options.padim", device="cpu")
-    assert loaded.model.embedder.embedding.neighbourhood == 5 and loaded.model.image_score == "top_mean"
+    assert loaded.model.embedder.embedding.neighbourhood == 5 and loaded.model.scoring.image_score == "top_mean"
     batch = fitted.preprocess(pictures(images, 4))
     out = loaded.score(batch)
     # the score is the mean of the top 5% of each map, whatever the map's own maximum
@@ -271,16 +271,22 @@ def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_
     for key in ("neighbourhood", "image_score", "top_fraction") + (() if had_sigma else ("blur_sigma",)):
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "three.padim", 3)
-    assert PadimConfig().neighbourhood == 3 and PadimConfig().blur_sigma == 0  # today's defaults differ
+    assert (
+        PadimConfig().gaussian.neighbourhood == 3 and PadimConfig().scoring.blur_sigma == 0
+    )  # today's defaults differ
     loaded = load_detector(tmp_path / "three.padim", device="cpu")
-    assert (loaded.config.neighbourhood, loaded.config.image_score, loaded.config.blur_sigma) == (1, "map_max", sigma)
+    assert (
+        loaded.config.gaussian.neighbourhood,
+        loaded.config.scoring.image_score,
+        loaded.config.scoring.blur_sigma,
+    ) == (1, "map_max", sigma)
     # whatever the defaults: an old file is read with what it computed, not with today's default
     monkeypatch.setattr(PadimConfig, "__init__", _defaults_changed(PadimConfig.__init__))
     batch = before.preprocess(pictures(images, 3))
     torch.testing.assert_close(loaded.score(batch).raw_scores, before.score(batch).raw_scores, rtol=1e-3, atol=0)
     # and resumed, it stays what it was
     resumed = load_fit(tmp_path / "three.padim")
-    assert resumed.config.neighbourhood == 1 and resumed.embedding.neighbourhood == 1
+    assert resumed.config.gaussian.neighbourhood == 1 and resumed.embedding.neighbourhood == 1
 
 
 def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_whole_picture(images, tmp_path):
@@ -289,7 +295,7 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
     _, header = load_artifact(tmp_path / "framed.padim")
     assert header["format_version"] >= 5 and header["config"]["roi"] == [8, 16, 80, 64]
     loaded = load_detector(tmp_path / "framed.padim", device="cpu")
-    assert loaded.config.roi == (8, 16, 80, 64) and loaded.framing.resize == "pad"
+    assert loaded.config.framing.roi == (8, 16, 80, 64) and loaded.framing.resize == "pad"
     batch = pictures(images, 3)
     assert torch.equal(loaded.preprocess(batch), framed.preprocess(batch))
     # the region is what was fitted: another framing of the same pictures is another input
@@ -304,7 +310,7 @@ def test_the_framing_travels_in_the_file_and_a_format_four_file_squashes_the_who
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "four.padim", 4)
     four = load_detector(tmp_path / "four.padim", device="cpu")
-    assert four.config.roi is None and four.config.resize == "squash" and four.framing.is_whole_picture
+    assert four.config.framing.roi is None and four.config.framing.resize == "squash" and four.framing.is_whole_picture
     torch.testing.assert_close(
         four.score(plain.preprocess(batch)).raw_scores,
         plain.score(plain.preprocess(batch)).raw_scores,
@@ -323,7 +329,7 @@ def test_tiles_travel_in_the_file_and_a_format_five_file_is_untiled(images, tmp_
     grid = tiled.model.grid_shape[0] * tiled.model.grid_shape[1]
     assert tensors["mean"].shape[0] == (6 * grid if statistics == "position" else grid)  # statistics per tile position
     loaded = load_detector(tmp_path / "tiled.padim", device="cpu")
-    assert loaded.config.tiles == (2, 3) and loaded.config.tile_statistics == statistics
+    assert loaded.config.framing.tiles == (2, 3) and loaded.config.framing.tile_statistics == statistics
     batch = loaded.preprocess(pictures(images, 3))
     height, width = config.input_shape
     assert batch.shape == (3, 3, height, width) and width > height  # two rows, three columns of tiles
@@ -339,7 +345,7 @@ def test_tiles_travel_in_the_file_and_a_format_five_file_is_untiled(images, tmp_
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "five.padim", 5)
     five = load_detector(tmp_path / "five.padim", device="cpu")
-    assert five.config.tiles == (1, 1) and five.config.input_shape == (CONFIG.image_size,) * 2
+    assert five.config.framing.tiles == (1, 1) and five.config.input_shape == (CONFIG.features.image_size,) * 2
     plain_batch = plain.preprocess(pictures(images, 3))
     torch.testing.assert_close(
         five.score(plain_batch).raw_scores, plain.score(plain_batch).raw_scores, rtol=1e-6, atol=0
@@ -352,7 +358,7 @@ def test_each_tile_position_is_scored_as_that_crop_of_the_input(images):
     untiled = FeatureEmbedder(CONFIG, tiled.backbone_weights, tiled.embedding)
     batch = tiled.preprocess(pictures(images, 2))
     rows = tiled.model.embedder(batch)  # (B, T * P, D)
-    size = CONFIG.image_size
+    size = CONFIG.features.image_size
     for t, (top, left) in enumerate(tiled.config.tiling.origins):
         crop = untiled(batch[:, :, top : top + size, left : left + size])  # (B, P, D)
         pixels = crop.shape[1]
@@ -418,11 +424,11 @@ def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(im
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "seven.padim", 7)
     monkeypatch.setattr(PadimConfig, "__init__", _default_expect(PadimConfig.__init__, "rough", True))
-    assert PadimConfig().expect and PadimConfig().fit_changes  # as if the defaults declared changes
+    assert PadimConfig().gaussian.expect and PadimConfig().gaussian.fit_changes  # as if the defaults declared changes
     seven = load_detector(tmp_path / "seven.padim", device="cpu")
-    assert seven.config.expect == "" and not seven.config.copies_fitted
+    assert seven.config.gaussian.expect == "" and not seven.config.copies_fitted
     assert seven.describe()["calibration"]["covers"].startswith("pictures like the training pictures")
-    assert load_fit(tmp_path / "seven.padim").config.expect == ""
+    assert load_fit(tmp_path / "seven.padim").config.gaussian.expect == ""
     batch = plain.preprocess(pictures(images, 3))
     torch.testing.assert_close(seven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert seven.calibration == plain.calibration and seven.calibration.taken_scores == ()

@@ -23,7 +23,7 @@ from padim.models import (
     merge_fits,
     train,
 )
-from padim.models.fit.in_progress import Scored
+from padim.models.fit.in_progress import ScoringPass, SpooledRows
 from padim.models.model_file import load_detector, load_fit, save_fit
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
@@ -100,24 +100,24 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
         else all(len(g) == 1 for g in groups)
     )
     x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
-    scored = Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)
+    scored = ScoringPass(SpooledRows(spool), names, sizes)
     finished = fit.finish([scored], tmp_path, progress=False)
     spool.close()
     assert finished.scored == names and not finished.unscored
     expected = refit_scores(
         x,
         sizes,
-        config.epsilon,
+        config.gaussian.epsilon,
         fit.embedder.grid_shape,
-        config.image_size,
-        config.blur_sigma,
+        config.features.image_size,
+        config.scoring.blur_sigma,
         image_score,
-        config.top_fraction,
+        config.scoring.top_fraction,
     )
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
     # input distances: the mean of each image's out-of-fold squared distances (input drift's reference)
     np.testing.assert_allclose(
-        finished.input_distances.numpy(), refit_squared(x, sizes, config.epsilon).mean(1), rtol=1e-6
+        finished.input_distances.numpy(), refit_squared(x, sizes, config.gaussian.epsilon).mean(1), rtol=1e-6
     )
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)
@@ -146,14 +146,14 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     per_image = 4 if statistics == "shared" else 1
     assert x.shape == (len(images) * per_image, 64 * 4 // per_image, 8) and fit.count == len(images)
     assert all(size % per_image == 0 for size in sizes)
-    finished = fit.finish(
-        [Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)], tmp_path, progress=False
-    )
+    finished = fit.finish([ScoringPass(SpooledRows(spool), names, sizes)], tmp_path, progress=False)
     spool.close()
     assert finished.scored == names[::per_image] and not finished.unscored
-    squared = refit_squared(x, sizes, config.epsilon).reshape(len(images), 4 * 64)  # (B, T * P): rows of a picture
+    squared = refit_squared(x, sizes, config.gaussian.epsilon).reshape(
+        len(images), 4 * 64
+    )  # (B, T * P): rows of a picture
     tiling = config.tiling
-    expected = reference_maps(squared, tiling, config.blur_sigma).reshape(len(images), -1).max(axis=1)
+    expected = reference_maps(squared, tiling, config.scoring.blur_sigma).reshape(len(images), -1).max(axis=1)
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
     assert int(fit.statistics.count) == len(images) * per_image
     finished.factors.close()
@@ -199,13 +199,11 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
     order = [names[i] for i in range(0, len(names), 2 * per)]
     by_name = {i.name: i for i in images}
     pictures = [Image.open(by_name[n].path).convert("RGB") for n in order]
-    changed = [apply(p, config.expected.draw(seeded(n))) for p, n in zip(pictures, order)]
+    changed = [apply(p, config.expected.draw(seeded(n))) for p, n in zip(pictures, order, strict=True)]
     np.testing.assert_allclose(
         copies, fit.embedder(fit.embedder.preprocess(changed)).double().numpy(), rtol=1e-4, atol=1e-4
     )
-    finished = fit.finish(
-        [Scored(lambda index, start, stop, r0, r1: spool.read(index, r0, r1), names, sizes)], tmp_path, progress=False
-    )
+    finished = fit.finish([ScoringPass(SpooledRows(spool), names, sizes)], tmp_path, progress=False)
     spool.close()
     assert finished.scored == order and not finished.unscored
     # the reference: per fold of pictures, a float64 refit on the rest (their copies too when fitted)
@@ -221,19 +219,19 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
         )
         rest = np.delete(fitted, out_fitted, axis=0)
         joined = np.concatenate([rest, copies[out_rows], own[out_rows]])  # scored as the last 2 k T rows
-        squared = refit_squared(joined, [len(rest), 2 * k * per], config.epsilon)[len(rest) :]
+        squared = refit_squared(joined, [len(rest), 2 * k * per], config.gaussian.epsilon)[len(rest) :]
         expected_copy.append(squared[: k * per])
         expected_own.append(squared[k * per :])
         start += k
     squared_copy, squared_own = np.concatenate(expected_copy), np.concatenate(expected_own)
     pixels = squared_copy.shape[1] * per  # a picture's distances, tiles together
-    expected = reference_maps(squared_copy.reshape(len(images), pixels), config.tiling, config.blur_sigma)
+    expected = reference_maps(squared_copy.reshape(len(images), pixels), config.tiling, config.scoring.blur_sigma)
     np.testing.assert_allclose(finished.scores.numpy(), expected.reshape(len(images), -1).max(axis=1), rtol=1e-6)
     np.testing.assert_allclose(
         finished.input_distances.numpy(), squared_own.reshape(len(images), -1).mean(1), rtol=1e-6
     )
     # the pictures' own scores are kept beside: what a line that does not change scores (the score-drift reference)
-    taken = reference_maps(squared_own.reshape(len(images), pixels), config.tiling, config.blur_sigma)
+    taken = reference_maps(squared_own.reshape(len(images), pixels), config.tiling, config.scoring.blur_sigma)
     np.testing.assert_allclose(finished.taken_scores.numpy(), taken.reshape(len(images), -1).max(axis=1), rtol=1e-6)
     assert int(fit.statistics.count) == len(images) * per * (2 if fit_changes else 1) and fit.count == len(images)
     np.testing.assert_allclose(fit.statistics.mean.numpy(), fitted.mean(axis=0), rtol=1e-10, atol=1e-10)
@@ -292,7 +290,7 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     assert report.fitted == len(images) == detector.provenance.fit_image_count == int(detector.statistics.count) // ROWS
     cal = detector.calibration
     assert cal.count == len(images) and cal.earlier_scores == 0 and cal.method == "gumbel_tail"
-    again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.false_alarm_rate)
+    again = Calibration.from_scores(torch.tensor(cal.scores, dtype=torch.float64), CONFIG.verdict.false_alarm_rate)
     assert again.threshold == cal.threshold  # the same stored scores, the same arithmetic: exact by construction
     assert detector.describe()["calibration"]["promised_false_alarm_rate"] == pytest.approx(
         cal.promised_false_alarm_rate
@@ -352,7 +350,7 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
     # the calibration images' changed copies (by name), scored by the merged model: unseen, so held out
     changed = [apply(Image.open(i.path).convert("RGB"), CONFIG.expected.draw(seeded(i.path.name))) for i in held]
     held_scores = merged.score(merged.preprocess(changed)).raw_scores
-    expected = Calibration.from_scores(held_scores.double(), CONFIG.false_alarm_rate)
+    expected = Calibration.from_scores(held_scores.double(), CONFIG.verdict.false_alarm_rate)
     assert merged.calibration.threshold == pytest.approx(
         expected.threshold, rel=1e-3
     )  # float16 factors score them here
@@ -407,9 +405,9 @@ def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_pa
 def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_what_would(
     images, tmp_path, monkeypatch
 ):
-    from padim.models.fit.memory_plan import plan_fit
+    from padim.models.fit.memory_plan import FitFacts, plan_fit
 
-    room = plan_fit(CONFIG.replace(image_size=128), len(images), spool=True, device="cpu").total
+    room = plan_fit(CONFIG.replace(image_size=128), FitFacts(len(images), spool=True), device="cpu").total
     monkeypatch.setattr("padim.models.training.free_memory", lambda device: room)
     with pytest.raises(FitError) as info:
         train(CONFIG.replace(image_size=256), images, tmp_path / "big.padim", progress=False)
@@ -423,7 +421,7 @@ def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_w
 def test_running_out_of_gpu_memory_mid_fit_is_an_error_with_the_plan_and_what_to_try(
     images, tmp_path, monkeypatch, phase
 ):
-    """torch raises OutOfMemoryError on a GPU; the fit answers with its plan and smaller options, leaving nothing behind."""
+    """torch raises OutOfMemoryError on a GPU; the fit answers with its plan and smaller options, leaving nothing."""
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

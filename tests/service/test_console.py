@@ -333,7 +333,7 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
         body = browser.find_element(By.TAG_NAME, "body")
         body.send_keys("v")
         newest_first = list(reversed(ids))
-        for key, record in zip(("d", "n", "n"), newest_first):
+        for key, record in zip(("d", "n", "n"), newest_first, strict=False):
             wait(browser, lambda d, r=record: d.find_element(By.ID, "review-view").get_attribute("data-record") == r)
             wait(
                 browser,

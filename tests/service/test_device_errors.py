@@ -90,7 +90,7 @@ def test_out_of_memory_is_cured_by_splitting_the_batch(model_file, faults):
     try:
         faults.fail(lambda batch: batch.shape[0] >= 4)
         state = service(client)
-        size = state.models["weave"].detector.config.image_size
+        size = state.models["weave"].scorer.config.features.image_size
         faults.sizes.clear()
         results = state.score(state.models["weave"], torch.zeros(5, 3, size, size))
         assert len(results) == 5 and faults.sizes == [5, 3, 2]  # the whole batch, then its two halves
@@ -105,7 +105,7 @@ def test_out_of_memory_even_split_is_503_and_repeated_failures_make_the_service_
     client = started(ServiceSettings(models=[model_file], device="cpu", max_device_errors=2))
     try:
         state = service(client)
-        size = state.models["weave"].detector.config.image_size
+        size = state.models["weave"].scorer.config.features.image_size
         faults.fail(lambda batch: True)
         answer = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
         assert answer.status_code == 503 and answer.headers["retry-after"] == "1"

@@ -274,13 +274,16 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
         for _ in range(3):
             httpx.post(srv.url + "/score", content=small.getvalue(), headers={"content-type": "image/png"}, timeout=60)
         time.sleep(0.5)
-        post = lambda _: httpx.post(
-            srv.url + "/score",
-            content=big,
-            headers={"content-type": "image/png"},
-            params={"heatmap": "true"},
-            timeout=300,
-        )
+
+        def post(_):
+            return httpx.post(
+                srv.url + "/score",
+                content=big,
+                headers={"content-type": "image/png"},
+                params={"heatmap": "true"},
+                timeout=300,
+            )
+
         responses, idle, peak = burst(srv.process.pid, post)
         after = rss_mb(srv.process.pid)
     assert [r.status_code for r in responses] == [200] * 16
@@ -337,13 +340,16 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
             httpx.post(srv.url + "/score", content=body, headers={"content-type": kind}, timeout=120)
         time.sleep(0.5)
         kinds = list(pictures) * 8
-        post = lambda i: httpx.post(
-            srv.url + "/score",
-            content=pictures[kinds[i]],
-            params={"heatmap": "true"},
-            headers={"content-type": kinds[i]},
-            timeout=300,
-        )
+
+        def post(i):
+            return httpx.post(
+                srv.url + "/score",
+                content=pictures[kinds[i]],
+                params={"heatmap": "true"},
+                headers={"content-type": kinds[i]},
+                timeout=300,
+            )
+
         responses, idle, peak = burst(srv.process.pid, post)
     assert [r.status_code for r in responses] == [200] * 16
     heat = Image.open(io.BytesIO(base64.b64decode(responses[0].json()["heatmap"])))

@@ -78,7 +78,8 @@ def test_every_answer_of_a_concurrent_load_has_its_row(model_file, dataset, reco
                     assert answer.status_code == 200, answer.text
                     body = answer.json()
                     answers += [
-                        ({**a, "model": body["model"]}, p, f) for a, p, f in zip(body["results"], (path, other), both)
+                        ({**a, "model": body["model"]}, p, f)
+                        for a, p, f in zip(body["results"], (path, other), both, strict=True)
                     ]
                 else:
                     answer = score(server.url, path, fields)

@@ -148,7 +148,7 @@ def test_64_concurrent_requests_equal_their_sequential_scores(server, dataset):
     with ThreadPoolExecutor(64) as pool:
         responses = list(pool.map(lambda p: post_image(server.url, p), paths))
     assert all(r.status_code == 200 for r in responses)
-    for path, response in zip(paths, responses):
+    for path, response in zip(paths, responses, strict=True):
         # batches of any composition give the same score, to float32 round-off
         assert response.json()["raw_score"] == pytest.approx(sequential[path], rel=1e-5)
     metrics = httpx.get(server.url + "/metrics").text
@@ -303,9 +303,10 @@ def test_logs_are_json_lines_with_request_ids(server):
 def test_api_key(model_file, dataset, tmp_path):
     png = (dataset / "test" / "good" / "000.png").read_bytes()
     with running_server(tmp_path, [model_file], env={"PADIM_API_KEY": "s3cret"}) as srv:
-        score = lambda **headers: httpx.post(
-            srv.url + "/score", content=png, headers={"content-type": "image/png", **headers}
-        )
+
+        def score(**headers):
+            return httpx.post(srv.url + "/score", content=png, headers={"content-type": "image/png", **headers})
+
         assert score().status_code == 401 and score().json()["error"]["code"] == "unauthorized"
         assert score(**{"x-api-key": "wrong"}).status_code == 401
         assert score(**{"x-api-key": "s3cret"}).status_code == 200

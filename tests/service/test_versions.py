@@ -215,7 +215,7 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
             if not state.retired:
                 break
             time.sleep(0.02)
-        assert not state.retired and first.detector is None
+        assert not state.retired and first.scorer is None
         monitor = client.get("/models/weave/monitor", headers={"x-api-key": SCORING}).json()
         assert monitor["version"] == 2 and monitor["recorded"] == 1  # a new version starts a new window
 

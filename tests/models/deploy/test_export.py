@@ -74,7 +74,7 @@ def test_the_triton_graph_runs_batched_as_triton_would_feed_it(triton_repo, mode
     graph = triton_repo / "weave_line3" / "1" / "model.onnx"
     session = onnxruntime.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     reference = load_detector(model_file, device="cpu")
-    size = reference.config.image_size
+    size = reference.config.features.image_size
     config = text_format.Parse((graph.parents[1] / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     batch = np.random.default_rng(0).standard_normal((config.max_batch_size, 3, size, size)).astype(np.float32)
     maps, raw, inputs = session.run(None, {"images": batch})
@@ -157,7 +157,7 @@ def test_external_data_is_written_digested_and_read_by_both_runtimes(model_file,
     reference = load_detector(model_file, device="cpu")
     import torch
 
-    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)
     expected = reference.score(batch).raw_scores
     for runtime in ("onnxruntime", "openvino"):
         assert torch.allclose(load_scorer(tmp_path / "e", runtime, "cpu").score(batch).raw_scores, expected, rtol=1e-4)

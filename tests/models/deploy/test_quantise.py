@@ -108,7 +108,7 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
     # pictures (a seeded draw by name), and the int8 scorer's scores of those copies set the threshold
     from padim.models.data.changes import apply, seeded
 
-    assert reference.config.expect
+    assert reference.config.gaussian.expect
     changed = reference.preprocess(
         [apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name))) for p in held_out]
     ).numpy()

@@ -70,10 +70,10 @@ def case_model(request, dataset, tmp_path_factory):
 def test_torch_reference_checks_its_inputs(case_model):
     path, size, dtype = case_model
     detector = load_detector(path, device="cpu")
-    assert detector.config.image_size == size and str(detector.precision_dtype) == f"torch.{dtype}"
-    case = next(c for c in CASES if c[:3] == (size, detector.config.reduction, dtype))
-    assert (detector.config.neighbourhood, detector.config.image_score) == case[3:]
-    assert detector.model.embedder.embedding.neighbourhood == case[3] and detector.model.image_score == case[4]
+    assert detector.config.features.image_size == size and str(detector.precision_dtype) == f"torch.{dtype}"
+    case = next(c for c in CASES if c[:3] == (size, detector.config.features.reduction, dtype))
+    assert (detector.config.gaussian.neighbourhood, detector.config.scoring.image_score) == case[3:]
+    assert detector.model.embedder.embedding.neighbourhood == case[3] and detector.model.scoring.image_score == case[4]
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -202,7 +202,7 @@ def test_torch_cannot_run_an_export_and_onnxruntime_cannot_run_openvino_ir(model
         load_scorer(tmp_path / "ov", "onnxruntime", "cpu")
     deployed = load_scorer(tmp_path / "ov", "openvino", "cpu")
     reference = load_detector(model_file, device="cpu")
-    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)
     assert np.allclose(deployed.score(batch).raw_scores, reference.score(batch).raw_scores, rtol=1e-4)
 
 
@@ -266,7 +266,7 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     (tmp_path / "onnx" / METADATA_FILE).write_text(json.dumps(metadata))
     deployed = load_scorer(tmp_path / "onnx", "onnxruntime", "cpu")
-    assert (deployed.config.neighbourhood, deployed.config.image_score) == (1, "map_max")
+    assert (deployed.config.gaussian.neighbourhood, deployed.config.scoring.image_score) == (1, "map_max")
     assert deployed.framing.is_whole_picture and deployed.describe()["resize"] == "squash"
     assert deployed.describe()["neighbourhood"] == 1 and deployed.describe()["image_score"] == "map_max"
     batch = torch.randn(2, 3, 64, 64)
@@ -354,7 +354,7 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
     run_cli("-q", "export", path, "--format", "onnx", "--output", tmp_path / "onnx")
     for runtime in RUNTIMES:
         deployed = load_scorer(tmp_path / "onnx", runtime, "cpu")
-        assert deployed.config.tiles == (2, 3) and deployed.framing == reference.framing
+        assert deployed.config.framing.tiles == (2, 3) and deployed.framing == reference.framing
         assert torch.equal(deployed.preprocess(pictures), batch)  # the client sends the whole framed picture
         got = deployed.score(batch)
         assert got.maps.shape == expected.maps.shape == (4, height, width)
@@ -401,7 +401,7 @@ def test_an_export_from_before_input_distances_is_served_without_them(model_file
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     (tmp_path / "three" / METADATA_FILE).write_text(json.dumps(metadata))
     reference = load_detector(model_file, device="cpu")
-    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)
     for runtime in RUNTIMES:
         deployed = load_scorer(tmp_path / "three", runtime, "cpu")
         out = deployed.score(batch)
@@ -421,8 +421,8 @@ def test_export_version_six_carries_the_expected_changes_and_version_five_has_no
     metadata = json.loads((tmp_path / "six" / METADATA_FILE).read_text())
     reference = load_detector(model_file, device="cpu")
     assert metadata["export_version"] == 6
-    assert metadata["config"]["expect"] == reference.config.expect
-    assert metadata["config"]["fit_changes"] == reference.config.fit_changes
+    assert metadata["config"]["expect"] == reference.config.gaussian.expect
+    assert metadata["config"]["fit_changes"] == reference.config.gaussian.fit_changes
     for key in ("expect", "fit_changes"):
         del metadata["config"][key]
     metadata["export_version"] = 5
@@ -437,6 +437,6 @@ def test_export_version_six_carries_the_expected_changes_and_version_five_has_no
 
     monkeypatch.setattr(PadimConfig, "__init__", declaring)
     five = load_scorer(tmp_path / "six", "onnxruntime", "cpu")
-    assert five.config.expect == "" and five.describe()["calibration"]["expect"] == ""
-    batch = torch.randn(2, 3, reference.config.image_size, reference.config.image_size)
+    assert five.config.gaussian.expect == "" and five.describe()["calibration"]["expect"] == ""
+    batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)
     torch.testing.assert_close(five.score(batch).raw_scores, reference.score(batch).raw_scores, rtol=1e-4, atol=0)

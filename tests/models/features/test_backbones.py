@@ -16,7 +16,7 @@ def test_feature_info_matches_the_network(name):
         model = getattr(torchvision.models, name)(weights=None).eval()
         extractor = FeatureExtractor(model, spec.layers, fold_batchnorm=False)
         outputs = extractor.body(torch.empty(1, 3, 224, 224))
-    for layer, channels, stride in zip(spec.layers, spec.channels, spec.strides):
+    for layer, channels, stride in zip(spec.layers, spec.channels, spec.strides, strict=True):
         assert tuple(outputs[layer].shape) == (1, channels, 224 // stride, 224 // stride)
 
 

@@ -29,20 +29,25 @@ def test_batchnorm_folding_changes_outputs_by_less_than_1e_4(backbone):
     folded = FeatureExtractor(backbone, LAYERS, fold_batchnorm=True)
     plain = FeatureExtractor(backbone, LAYERS, fold_batchnorm=False)
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
-    for a, b in zip(folded(images), plain(images)):
+    for a, b in zip(folded(images), plain(images), strict=True):
         assert (a - b).abs().max() < 1e-4
 
 
 def naive_embedding(features, scales):
     """anomalib-style: upsample every layer fully, concatenate, then reduce."""
-    upsampled = [F.interpolate(f, scale_factor=s, mode="nearest") if s > 1 else f for f, s in zip(features, scales)]
+    upsampled = [
+        F.interpolate(f, scale_factor=s, mode="nearest") if s > 1 else f for f, s in zip(features, scales, strict=True)
+    ]
     return torch.cat(upsampled, dim=1)
 
 
 def test_random_subset_equals_select_after_concatenation():
     spec = BACKBONES["resnet18"]
     emb = Embedding.create(spec, LAYERS, embedding_dim=100, reduction="random", seed=5)
-    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    feats = [
+        torch.randn(2, c, 16 // (s // 4), 16 // (s // 4))
+        for c, s in zip(spec.channels[:3], spec.strides[:3], strict=True)
+    ]
     full = naive_embedding(feats, emb.scales)
     assert full.shape[1] == 448
     torch.testing.assert_close(emb(feats), full.index_select(1, emb.channel_index))
@@ -55,7 +60,10 @@ def test_semi_orthogonal_projection_equals_projection_after_concatenation():
     emb = Embedding.create(spec, LAYERS, embedding_dim=30, reduction="semi_orthogonal", seed=2)
     w = emb.projection
     torch.testing.assert_close(w.T @ w, torch.eye(30), atol=1e-5, rtol=0)
-    feats = [torch.randn(2, c, 16 // (s // 4), 16 // (s // 4)) for c, s in zip(spec.channels[:3], spec.strides[:3])]
+    feats = [
+        torch.randn(2, c, 16 // (s // 4), 16 // (s // 4))
+        for c, s in zip(spec.channels[:3], spec.strides[:3], strict=True)
+    ]
     full = naive_embedding(feats, emb.scales)
     expected = torch.einsum("bchw,cd->bdhw", full, w)
     torch.testing.assert_close(emb(feats), expected, atol=1e-4, rtol=1e-4)
@@ -78,7 +86,7 @@ def test_neighbourhood_averages_each_layer_on_its_own_grid_then_reduces(reductio
     g = torch.Generator().manual_seed(4)
     feats = [
         torch.randn(2, c, 16 // (s // 4), 16 // (s // 4), generator=g, dtype=torch.float64)
-        for c, s in zip(spec.channels[:3], spec.strides[:3])
+        for c, s in zip(spec.channels[:3], spec.strides[:3], strict=True)
     ]
     # the reference: average every full layer (scipy), upsample, concatenate, then reduce
     averaged = [torch.from_numpy(neighbour_mean(f.numpy(), k)) for f in feats]

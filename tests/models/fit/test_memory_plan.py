@@ -3,46 +3,46 @@
 import pytest
 
 from padim.models import PadimConfig
-from padim.models.fit.memory_plan import DoesNotFit, check, free_memory, plan_fit, ran_out
+from padim.models.fit.memory_plan import DoesNotFit, FitFacts, check, free_memory, plan_fit, ran_out
 
 WIDE = PadimConfig(backbone="wide_resnet50_2", weights="random")
 
 
 def test_statistics_are_the_packed_float64_comoment_and_the_means():
-    plan = plan_fit(WIDE, images=40, spool=True, device="cpu")
+    plan = plan_fit(WIDE, FitFacts(40, True), device="cpu")
     pixels, dim = 56 * 56, 550
     assert plan.statistics == pixels * dim * (dim + 1) // 2 * 8 + 2 * pixels * dim * 8  # 3.8 GB, not 7.6
     # each picture's embeddings and its changed copy's wait on disk (the default expects the line's changes)
     assert plan.spool == 40 * 2 * pixels * dim * 4 and plan.factors == pixels * dim * (dim + 1) // 2 * 4
-    assert plan_fit(WIDE.replace(expect="stable"), images=40, spool=True, device="cpu").spool == 40 * pixels * dim * 4
+    assert plan_fit(WIDE.replace(expect="stable"), FitFacts(40, True), device="cpu").spool == 40 * pixels * dim * 4
     assert plan.total == plan.statistics + plan.finish + plan.backbone + plan.process
     assert 4.5e9 < plan.total < 6e9  # the target for this fit: at most 6 GB (measured: 5.3 GB)
 
 
 def test_slim_drops_the_comoment_only_when_the_embeddings_are_spooled():
-    kept = plan_fit(WIDE, images=40, spool=True, device="cpu")
-    slim = plan_fit(WIDE, images=40, spool=True, keep_statistics=False, device="cpu")
-    streamed = plan_fit(WIDE, images=40, spool=False, keep_statistics=False, device="cpu")
+    kept = plan_fit(WIDE, FitFacts(40, True), device="cpu")
+    slim = plan_fit(WIDE, FitFacts(40, True, with_statistics=False), device="cpu")
+    streamed = plan_fit(WIDE, FitFacts(40, False, with_statistics=False), device="cpu")
     assert slim.statistics < kept.statistics / 100
     assert streamed.statistics == kept.statistics  # without a spool the statistics are streamed into memory
-    assert plan_fit(WIDE, images=40, spool=True, keep_statistics=False, resume=True).statistics == kept.statistics
+    assert plan_fit(WIDE, FitFacts(40, True, with_statistics=False, resume=True)).statistics == kept.statistics
 
 
 def test_the_plan_grows_with_images_only_by_their_distances():
-    few, many = (plan_fit(PadimConfig(weights="random"), images=n, spool=True, device="cpu") for n in (100, 800))
+    few, many = (plan_fit(PadimConfig(weights="random"), FitFacts(n, True), device="cpu") for n in (100, 800))
     # (N, P) float32 out-of-fold distances of the pictures and of their changed copies: 17.6 MB
     assert many.total - few.total == 700 * 2 * 56 * 56 * 4
     few, many = (
-        plan_fit(PadimConfig(weights="random", expect="stable"), images=n, spool=True, device="cpu") for n in (100, 800)
+        plan_fit(PadimConfig(weights="random", expect="stable"), FitFacts(n, True), device="cpu") for n in (100, 800)
     )
     assert many.total - few.total == 700 * 56 * 56 * 4  # without copies: 8.8 MB
 
 
 def test_a_plan_over_the_free_memory_names_what_would_fit():
-    plan = plan_fit(WIDE, images=40, spool=True, device="cpu")
-    check(WIDE, plan, plan.total, 40, True, True, False)  # fits exactly: nothing said
+    plan = plan_fit(WIDE, FitFacts(40, True), device="cpu")
+    check(WIDE, plan, plan.total, FitFacts(40, True, True, False))  # fits exactly: nothing said
     with pytest.raises(DoesNotFit) as info:
-        check(WIDE, plan, 4 * 2**30, 40, True, True, False)
+        check(WIDE, plan, 4 * 2**30, FitFacts(40, True, True, False))
     message = str(info.value)
     assert "needs about 5.9 GB" in message and "of 4.3 GB free" in message
     assert "--image-size 176" in message and "--embedding-dim 412" in message and "--slim" in message
@@ -55,11 +55,11 @@ def test_free_memory_of_this_machine_is_known():
 def test_a_gpu_that_ran_out_mid_fit_is_told_options_well_under_its_plan(monkeypatch):
     monkeypatch.setattr("padim.models.fit.memory_plan.free_memory", lambda device: 64 * 2**30)  # the host's
     config = PadimConfig(backbone="wide_resnet50_2", weights="random", device="cuda", batch_size=16)
-    plan = plan_fit(config, images=200, spool=True, device="cuda")
-    error = ran_out(config, plan, 8 * 10**9, images=200, spool=True, keep_statistics=True, resume=False)
+    plan = plan_fit(config, FitFacts(200, True), device="cuda")
+    error = ran_out(config, plan, 8 * 10**9, FitFacts(200, spool=True, with_statistics=True, resume=False))
     message = str(error)
     assert isinstance(error, DoesNotFit) and message.startswith("the GPU ran out of memory during the fit")
     assert "8.0 GB was free before it started" in message and "--batch-size 8" in message
     assert "--image-size " in message and "--slim" in message and "--device cpu" in message
     size = int(message.split("--image-size ")[1].split()[0])
-    assert plan_fit(config.replace(image_size=size), 200, True, device="cuda").total <= plan.total * 3 // 4
+    assert plan_fit(config.replace(image_size=size), FitFacts(200, True), device="cuda").total <= plan.total * 3 // 4
