@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ArtifactError  # noqa: F401 (part of this module's interface)
+from .errors import ArtifactError as ArtifactError  # re-exported: raised here
 
 FORMAT_VERSION = 9
 #: Header keys added by this module (never part of what the caller saved).

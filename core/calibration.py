@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CalibrationError  # noqa: F401 (part of this module's interface)
+from .errors import CalibrationError as CalibrationError  # re-exported: raised here
 from .limits import FALSE_ALARM_RATE_RANGE
 
 #: Confidence of the upper bound stored with every model.

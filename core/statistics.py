@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import NotPositiveDefiniteError  # noqa: F401 (part of this module's interface)
+from .errors import NotPositiveDefiniteError as NotPositiveDefiniteError  # re-exported: raised here
 from .packing import add_lower_products_, packed_length, unpack_lower
 
 ACCUMULATOR_DTYPE = torch.float64

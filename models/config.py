@@ -17,7 +17,7 @@ import yaml
 from padim.core.tiling import Tiling
 from padim.models.choices import BACKBONES, BackboneSpec
 from padim.models.data.changes import Expected
-from padim.models.errors import ConfigError  # noqa: F401 (part of this module's interface)
+from padim.models.errors import ConfigError as ConfigError  # re-exported: raised here
 from padim.models.options import (
     BEFORE,
     CALIBRATION,

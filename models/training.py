@@ -26,7 +26,7 @@ from padim.models.config import CALIBRATION, PadimConfig
 from padim.models.data.images import iter_decoded, list_images
 from padim.models.detector import PadimDetector, Provenance, now
 from padim.models.devices import float64_is_slow
-from padim.models.errors import FitError  # noqa: F401 (part of this module's interface)
+from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.fit.distributed import Shard
 from padim.models.fit.in_progress import (
     Finished,

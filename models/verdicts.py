@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from padim.core.calibration import Calibration
-from padim.models.errors import NonFiniteScoreError  # noqa: F401 (part of this module's interface)
+from padim.models.errors import NonFiniteScoreError as NonFiniteScoreError  # re-exported: raised here
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from padim.models.choices import RESIZES  # noqa: F401 (part of this module's interface)
+from padim.models.choices import RESIZES as RESIZES  # re-exported: the framings this module makes
 from padim.models.errors import ImageError
 
 #: ``image.info`` key of a decoded image's picture size ``(W, H)`` when it was decoded smaller (JPEG draft).

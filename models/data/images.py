@@ -26,7 +26,8 @@ import torch
 from PIL import Image, ImageOps
 
 from padim.models.data.framing import PICTURE_SIZE, Framing
-from padim.models.errors import ImageError, ImageTooLarge  # noqa: F401 (part of this module's interface)
+from padim.models.errors import ImageError as ImageError  # re-exported: raised here
+from padim.models.errors import ImageTooLarge as ImageTooLarge
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 EXIF_ORIENTATION = 0x0112

@@ -56,7 +56,7 @@ from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS
 from padim.models.data.framing import PAD_FILL
 from padim.models.detector import PadimDetector
-from padim.models.errors import ExportError  # noqa: F401 (part of this module's interface)
+from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)

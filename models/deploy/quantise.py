@@ -227,7 +227,7 @@ class Agreement:
 
 
 @dataclass
-class Scored:
+class GraphScores:
     """A folder as scored by one graph: ``(N,)`` raw scores and input distances, ``(N, S, S)`` maps."""
 
     raw_scores: np.ndarray
@@ -236,12 +236,12 @@ class Scored:
 
 
 def compare(
-    reference_normal: Scored,
-    quantised_normal: Scored,
+    reference_normal: GraphScores,
+    quantised_normal: GraphScores,
     threshold: float,
     tolerance: float,
-    reference_check: Scored | None = None,
-    quantised_check: Scored | None = None,
+    reference_check: GraphScores | None = None,
+    quantised_check: GraphScores | None = None,
 ) -> Agreement:
     """The accuracy gate: the quantised scorer's answers against float32's at the model's ``threshold``."""
     from sklearn.metrics import roc_auc_score  # as scipy: only for an export that needs it
@@ -451,10 +451,10 @@ def load_inputs(
     return batches
 
 
-def run_graph(session, batches: list[np.ndarray]) -> Scored:
+def run_graph(session, batches: list[np.ndarray]) -> GraphScores:
     """Every batch through a runtime session (``OnnxRuntimeSession``/``OpenVinoSession``)."""
     outs = [session.run(batch) for batch in batches]
-    return Scored(
+    return GraphScores(
         np.concatenate([o[1] for o in outs]), np.concatenate([o[0] for o in outs]), np.concatenate([o[2] for o in outs])
     )
 
@@ -468,7 +468,7 @@ def folder_images(folder: Path, flag: str) -> list[Path]:
     return paths
 
 
-def recalibrate(scored: Scored, false_alarm_rate: float, changed: Scored | None = None) -> Calibration:
+def recalibrate(scored: GraphScores, false_alarm_rate: float, changed: GraphScores | None = None) -> Calibration:
     """The quantised scorer's threshold for ``false_alarm_rate`` from its scores of the threshold images (of their
     changed copies, ``changed``, for a model that expects the line's changes; the images' own are kept beside)."""
     own = torch.from_numpy(scored.raw_scores.astype(np.float64))

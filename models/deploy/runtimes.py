@@ -222,7 +222,10 @@ def onnxruntime_providers(
     if tensorrt_cache and "TensorrtExecutionProvider" in available and image_size:
         Path(tensorrt_cache).mkdir(parents=True, exist_ok=True)
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-        shape = lambda batch: f"{INPUT_NAME}:{batch}x3x{height}x{width}"  # noqa: E731
+
+        def shape(batch: int) -> str:
+            return f"{INPUT_NAME}:{batch}x3x{height}x{width}"
+
         providers.insert(
             0,
             (

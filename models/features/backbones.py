@@ -21,7 +21,7 @@ import torchvision
 from torch import nn
 
 from padim.models.choices import BACKBONES, BackboneSpec
-from padim.models.errors import WeightsError  # noqa: F401 (part of this module's interface)
+from padim.models.errors import WeightsError as WeightsError  # re-exported: raised here
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -16,7 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from padim.models.errors import RankFailed, UsageError  # noqa: F401 (RankFailed: part of this module's interface)
+from padim.models.errors import RankFailed as RankFailed  # re-exported: raised here
+from padim.models.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torchvision
 from padim.core.packing import packed_length
 from padim.core.spool import EmbeddingSpool, free_disk
 from padim.models.config import PadimConfig
-from padim.models.errors import DoesNotFit  # noqa: F401 (part of this module's interface)
+from padim.models.errors import DoesNotFit as DoesNotFit  # re-exported: raised here
 from padim.models.features.backbones import BACKBONES
 from padim.models.features.embedding import grid_shape
 

@@ -24,7 +24,7 @@ from padim.models.data.synthetic import texture
 from padim.models.deploy.export import EXPORT_VERSION, METADATA_FILE, metadata_sha256
 from padim.models.deploy.quantise import (
     MIN_THRESHOLD_IMAGES,
-    Scored,
+    GraphScores,
     compare,
     split_calibration,
 )
@@ -329,9 +329,13 @@ def test_gate_statistics_match_independent_references():
     rng = np.random.default_rng(3)
     normal = rng.gamma(9.0, 1.0, 40)
     check = rng.gamma(16.0, 1.0, 12)
-    noise = lambda x: x * (1 + rng.normal(0, 0.03, len(x)))  # noqa: E731
-    maps = lambda x: np.repeat(x[:, None, None], 4, 1).repeat(4, 2)  # noqa: E731
-    scored = lambda x: Scored(x, maps(x), x / 2)  # noqa: E731
+
+    def noise(x):
+        return x * (1 + rng.normal(0, 0.03, len(x)))
+
+    def scored(x):  # maps of 4 x 4 pixels all at the score, input distances at half
+        return GraphScores(x, np.repeat(x[:, None, None], 4, 1).repeat(4, 2), x / 2)
+
     q_normal, q_check = noise(normal), noise(check)
     threshold = float(np.quantile(normal, 0.9))
     agreement = compare(scored(normal), scored(q_normal), threshold, 0.05, scored(check), scored(q_check))
