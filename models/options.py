@@ -606,10 +606,10 @@ RENAMED: dict[str, str] = {old: d.name for d in OPTIONS.values() for old in d.op
 BEFORE: dict[str, Any] = {d.name: d.option.before for d in OPTIONS.values() if d.option.before is not ALWAYS_WRITTEN}
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, group: str) -> None:
-    """Add ``group``'s options as flags (``--image-size``), each defaulting to ``None`` (not given)."""
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *groups: str) -> None:
+    """Add ``groups``' options as flags (``--image-size``), each defaulting to ``None`` (not given)."""
     for d in OPTIONS.values():
-        if d.group != group:
+        if d.group not in groups:
             continue
         kwargs: dict[str, Any] = {"dest": d.name, "help": d.option.help, "default": None}
         check = d.option.check
@@ -620,6 +620,13 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, group: 
         kwargs.update(d.option.flag)
         aliases = ["--" + old.replace("_", "-") for old in d.option.renamed_from]
         parser.add_argument(d.flag, *aliases, **kwargs)
+
+
+def add_section(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """A ``--help`` section of :data:`SECTIONS` with its groups' flags."""
+    section = parser.add_argument_group(title)
+    add_flags(section, *SECTIONS[title])
+    return section
 
 
 def given_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class ApiError(Exception):
 def api_error(error: PadimError, message: str | None = None) -> ApiError:
     """The answer to ``error``: its HTTP status and code from :data:`padim.models.errors.OUTCOMES`."""
     row = outcome(error)
-    return ApiError(row.code, message or str(error), status=row.http_status)
+    return ApiError(row.code, message or str(error))
 
 
 class BodyTooLarge(ApiError):

@@ -38,10 +38,9 @@ def register(commands) -> None:
     train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
     train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
     train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
-    computes, verdict = (train.add_argument_group(title) for title in options.SECTIONS)
-    for group in options.SECTIONS[computes.title]:
-        options.add_flags(computes, group)
-    _file_options(verdict)
+    computes, verdicts = options.SECTIONS
+    options.add_section(train, computes)
+    _file_options(options.add_section(train, verdicts))
     train.add_argument(
         "--scratch-dir",
         type=Path,
@@ -54,8 +53,6 @@ def register(commands) -> None:
 
 
 def _file_options(verdicts) -> None:
-    for group in options.SECTIONS[verdicts.title]:
-        options.add_flags(verdicts, group)
     verdicts.add_argument(
         "--resume",
         type=Path,
@@ -134,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
 def configuration(args: argparse.Namespace):
     """The configuration from defaults, ``--config`` YAML and flags, and which fields were given explicitly."""
-    from padim.models.config import PadimConfig, read_config_file  # torch comes with the backbones table
+    from padim.models.config import PadimConfig, read_config_file  # torch comes with the tiling
 
     config, given = PadimConfig(), set()
     if args.config is not None:

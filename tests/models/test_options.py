@@ -9,7 +9,7 @@ import pytest
 
 from padim.cli import build_parser
 from padim.models.config import CALIBRATION, PadimConfig
-from padim.models.options import BEFORE, OPTIONS, markdown_table
+from padim.models.options import BEFORE, OPTIONS, given_flags, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_an_option_reaches_the_flags_the_json_and_the_resume_check(name):
     base = PadimConfig(**TILED)
     # the flag: train parses another allowed value into the option, with the declaration's help
     args = build_parser().parse_args(["train", "data", "-o", "m.padim", *declared.other_value()])
-    given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
+    given = given_flags(args)
     assert set(given) == {name} and declared.option.help
     changed = base.replace(**given)
     assert changed.to_dict()[name] != base.to_dict()[name]
