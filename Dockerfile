@@ -45,7 +45,7 @@ COPY core ./core
 COPY models ./models
 COPY service ./service
 RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
-        -c constraints.txt ".[onnxruntime,postgres]" \
+        -c constraints.txt ".[onnxruntime,postgres,lines,camera,opcua]" \
     && pip uninstall -y triton \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi

@@ -15,16 +15,17 @@ from fastapi.staticfiles import StaticFiles
 from padim.core.version import __version__
 
 from .errors import install_error_handlers
+from .lines.pipeline import Lines
 from .middleware import BodyGuard, RequestContext
 from .openapi import truthful_openapi
-from .routes import health, metrics, models, records, score, updates, versions
+from .routes import health, lines, metrics, models, records, score, updates, versions
 from .settings import ServiceSettings, get_settings
 from .state import ServiceState
 
 log = logging.getLogger("padim.service")
 
 #: Routers whose routes need the API key when one is set (see deps.require_api_key).
-PROTECTED_TAGS = {score.router.tags[0], models.router.tags[0]}
+PROTECTED_TAGS = {score.router.tags[0], models.router.tags[0], lines.router.tags[0]}
 
 DESCRIPTION = """PaDiM anomaly scoring. `POST /score` with an image (multipart field `file`, or the raw
 body with an `image/*` or `application/octet-stream` content type) returns its score (0..1, threshold
@@ -42,11 +43,12 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         on_fatal: called when start-up fails (the server uses it to exit non-zero).
     """
     state = ServiceState(settings or get_settings())
+    running = Lines(state, state.settings.lines) if state.settings.lines is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(state.open_record)
-        loading = asyncio.create_task(_load(state, on_fatal), name="load-models")
+        loading = asyncio.create_task(_load(state, on_fatal, running), name="load-models")
         polling = (
             asyncio.create_task(state.poll(), name="repository-poll")
             if state.settings.repository_poll_s is not None
@@ -59,14 +61,19 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
             for task in (loading, polling):
                 if task is not None and not task.done():
                     task.cancel()
+            if running is not None:
+                await running.stop()
             await state.close()
 
     settings = state.settings
     app = FastAPI(title="padim", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = state
+    app.state.lines = running
     install_error_handlers(app)
     for module in (health, models, score, metrics):
         app.include_router(module.router)
+    if running is not None:  # the lines' routes exist only when PADIM_LINES is set
+        app.include_router(lines.router)
     if settings.admin_key is not None:  # without an admin key the admin routes do not exist (404, not in OpenAPI)
         app.include_router(versions.router)
     if settings.record_on:  # the record's routes exist only when it is on
@@ -120,9 +127,12 @@ def _add_console(app: FastAPI) -> None:
     app.mount("/console", StaticFiles(directory=CONSOLE, html=False), name="console")
 
 
-async def _load(state: ServiceState, on_fatal: Callable[[], None] | None) -> None:
+async def _load(state: ServiceState, on_fatal: Callable[[], None] | None, running: Lines | None = None) -> None:
+    """Load the models, then start the lines (which need them)."""
     try:
         await state.load()
+        if running is not None:
+            await running.start()
     except Exception as error:  # any failure here means the service cannot do its job
         state.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
         log.error("start-up failed: %s", state.startup_error)

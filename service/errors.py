@@ -28,6 +28,7 @@ SERVICE_CODES = {
     "unauthorized": 401,
     "forbidden": 403,
     "model_not_found": 404,
+    "line_not_found": 404,
     "body_timeout": 408,
     "payload_too_large": 413,
     "unsupported_media_type": 415,

@@ -172,6 +172,61 @@ class Metrics:
             registry=self.registry,
         )
 
+        # lines (PADIM_LINES): each source's pictures, each sink's deliveries and outbox
+        self.line_pictures = Counter(
+            "padim_line_pictures_total",
+            "a line's pictures by outcome: received, scored, flagged, late (delivered by its first sink later "
+            "than its latency budget), rejected (undecodable)",
+            ["line", "outcome"],
+            registry=self.registry,
+        )
+        self.line_queue = Gauge(
+            "padim_line_queue_depth", "a line's pictures taken and not yet journaled", ["line"], registry=self.registry
+        )
+        self.line_latency = Histogram(
+            "padim_line_latency_seconds",
+            "picture seen (file complete, frame read) to verdict delivered, by sink",
+            ["line", "sink"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.line_source_up = Gauge(
+            "padim_line_source_up", "1 while a line's source is connected or watching", ["line"], registry=self.registry
+        )
+        self.line_sink_up = Gauge(
+            "padim_line_sink_up", "1 while a sink takes messages", ["line", "sink"], registry=self.registry
+        )
+        self.line_delivered = Counter(
+            "padim_line_delivered_total", "verdicts a sink confirmed", ["line", "sink"], registry=self.registry
+        )
+        self.line_delivery_failures = Counter(
+            "padim_line_delivery_failures_total",
+            "sends that failed (the messages stay in the outbox)",
+            ["line", "sink"],
+            registry=self.registry,
+        )
+        self.line_outbox_depth = Gauge(
+            "padim_line_outbox_depth", "verdicts waiting in a sink's outbox", ["line", "sink"], registry=self.registry
+        )
+        self.line_outbox_age = Gauge(
+            "padim_line_outbox_age_seconds",
+            "age of the oldest verdict in a sink's outbox (0 when empty)",
+            ["line", "sink"],
+            registry=self.registry,
+        )
+        self.line_outbox_full = Gauge(
+            "padim_line_outbox_full",
+            "1 while a sink's outbox is at outbox.max_messages",
+            ["line", "sink"],
+            registry=self.registry,
+        )
+        self.line_outbox_dropped = Counter(
+            "padim_line_outbox_dropped_total",
+            "verdicts dropped from a full outbox (when_full: drop_oldest)",
+            ["line", "sink"],
+            registry=self.registry,
+        )
+
     def show_reading(self, model: str, drift: Drift, normal_flag_rate: float) -> None:
         """Set the monitor's gauges of ``model`` from a reading of its window."""
         self.normal_flag_rate.labels(model).set(normal_flag_rate)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from padim.models.options import shown_fields
 
@@ -290,6 +290,74 @@ class ReadyResponse(BaseModel):
     status: str = Field(description="`ready`, or `not_ready` (with status 503)")
     models: list[str] | None = Field(None, description="the served models, when ready")
     reason: str | None = Field(None, description="`loading`, `draining` or `failed: ...`, when not ready")
+    lines: dict[str, dict] | None = Field(
+        None,
+        description="with PADIM_LINES, each line's source state and each sink's connection and outbox: detail only, "
+        "a camera or broker that is down never makes the service unready",
+    )
+
+
+class LineSource(BaseModel):
+    type: Literal["folder", "camera"]
+    state: str = Field(description="folder: watching, unreachable; camera: connected, reconnecting, ended, stopped")
+    error: str | None = None
+    path: str | None = None
+    device: str | None = Field(None, description="the camera, stream (without credentials) or video file")
+    mode: str | None = None
+    frames_read: int | None = None
+    reconnects: int | None = None
+    dropped: int | None = Field(None, description="frames chosen and dropped because the line was behind")
+    triggers_waiting: int | None = None
+
+
+class LineSink(BaseModel):
+    name: str
+    type: Literal["mqtt", "webhook", "opcua"]
+    connected: bool
+    error: str | None = None
+    outbox: int = Field(description="verdicts waiting for this sink")
+    oldest_s: float | None = Field(None, description="age of the oldest verdict waiting")
+    full: bool = Field(description="the outbox is at outbox.max_messages")
+    dropped: int = Field(description="verdicts dropped from the full outbox since the start (drop_oldest)")
+    topic: str | None = None
+    broker: str | None = None
+    url: str | None = None
+    endpoint: str | None = None
+    nodes: int | None = None
+
+
+class LineState(BaseModel):
+    name: str
+    model: str | None
+    station: str | None
+    camera: str | None
+    source: LineSource
+    paused: str | None = Field(None, description="why the line takes no picture now (a full outbox under block)")
+    rate: float = Field(description="pictures a second over the last minute")
+    in_flight: int
+    latency_budget_ms: float
+    counts: dict[str, int] = Field(description="since the start: received, scored, flagged, late, rejected")
+    last: dict | None = Field(None, description="the latest verdict message, as the sinks got it")
+    sinks: list[LineSink]
+
+
+class LinesResponse(BaseModel):
+    lines: list[LineState]
+
+
+class TriggerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    part: str | None = Field(None, max_length=256, description="the part id of the frame the trigger scores")
+
+
+class TriggerResponse(BaseModel):
+    line: str
+    triggers_waiting: int = Field(description="triggers not yet served, this one included")
+
+
+class LastPicture(BaseModel):
+    message: dict = Field(description="its verdict message")
+    heatmap: str = Field(description="the picture with its heat map (PNG, base64), drawn again on request")
 
 
 class ReviewInfo(BaseModel):

@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -15,8 +16,10 @@ from padim.models.errors import UsageError
 from padim.models.repository import Repository
 
 from .app import create_app
+from .lines.pipeline import check_file
 from .protocol import ConnectionLimits, guarded_protocol
 from .settings import ServiceSettings
+from .state import model_name
 
 #: The ``Server`` header: the product, no version (uvicorn's own names the server software).
 SERVER_HEADER = "padim"
@@ -68,8 +71,9 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(settings: ServiceSettings) -> int:
-    """Validate the model files, then serve until a signal; returns the exit code."""
+def served_files(settings: ServiceSettings) -> list[Path]:
+    """The model files (or export directories) the settings serve, each checked now: a missing, truncated,
+    foreign or newer one is a one-line ArtifactError before anything starts."""
     if settings.repository is not None:  # the active version of each model: checked as any model file, now
         repository = Repository(settings.repository)
         files = []
@@ -84,11 +88,33 @@ def serve(settings: ServiceSettings) -> int:
                 "no model to serve: pass --model FILE (repeatable), set PADIM_MODEL_DIR, or serve a "
                 "repository (--repository DIR)"
             )
-    for path in files:  # missing, truncated, foreign or newer: one-line ArtifactError now
+    for path in files:
         if (path / METADATA_FILE).is_file():
             read_export(path)
         else:
             read_header(path)
+    return files
+
+
+def check_lines(settings: ServiceSettings, files: list[Path]) -> None:
+    """PADIM_LINES against the models these settings serve (``padim serve --check-lines``, and every start).
+
+    Raises:
+        LineConfigError: naming the line and the field.
+    """
+    if settings.lines is None:
+        return
+    if settings.repository is not None:
+        names = Repository(settings.repository).names()
+    else:
+        names = [model_name(p) for p in files]
+    default = settings.default_model or (names[0] if names else None)
+    check_file(settings.lines, names, default)
+
+
+def serve(settings: ServiceSettings) -> int:
+    """Validate the model files (and lines), then serve until a signal; returns the exit code."""
+    check_lines(settings, served_files(settings))
     configure_logging(settings.log_level)
     # The inference thread needs the GIL between every torch op of a forward pass; with the event
     # loop and decode threads busy, the default 5 ms switch interval makes it wait for the GIL

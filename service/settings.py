@@ -215,6 +215,11 @@ class ServiceSettings(BaseSettings):
         "than this share (and by more than one defect) is not activated without "
         "force=true",
     )
+    lines: Path | None = Field(
+        None,
+        description="a lines.yaml (docs/lines.md): hot folders and cameras whose pictures are scored as they "
+        "arrive, their verdicts delivered to MQTT, webhooks or OPC UA through on-disk outboxes",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

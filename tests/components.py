@@ -1,7 +1,8 @@
 """The system components some tests need, beside the Python packages: one marker each.
 
 A test that needs a component carries its marker (``@pytest.mark.docker``, ``browser``,
-``promtool``, ``postgres``). Before such a test runs, the component is looked for (once a session): where it is
+``promtool``, ``postgres``, ``mosquitto``).
+Before such a test runs, the component is looked for (once a session): where it is
 missing the test is **skipped** with one reason naming the component and the command that
 provides it, and the run's summary lists what was missing. Where ``PADIM_TEST_REQUIRE`` is ``all``
 (``.ci/run`` sets it) or names the component (``docker,browser``), a missing component **fails**
@@ -108,6 +109,18 @@ def _postgres() -> str | None:
     return None
 
 
+def mosquitto_path() -> str | None:
+    """Debian's MQTT broker (in /usr/sbin, often not on a user's PATH): ``PADIM_TEST_MOSQUITTO``, else found."""
+    given = os.environ.get("PADIM_TEST_MOSQUITTO")
+    if given:
+        return given if os.path.exists(given) else None
+    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto",) if os.path.exists(p)), None)
+
+
+def _mosquitto() -> str | None:
+    return None if mosquitto_path() else "no `mosquitto` (an MQTT broker)"
+
+
 def _promtool() -> str | None:
     return None if shutil.which("promtool") else "no `promtool` (Prometheus' rule checker)"
 
@@ -142,6 +155,12 @@ COMPONENTS = {
             _browser,
         ),
         Component("promtool", "checks the Prometheus alerting rules with promtool", ("prometheus",), _promtool),
+        Component(
+            "mosquitto",
+            "delivers line verdicts to a real MQTT broker started on a free port on 127.0.0.1",
+            ("mosquitto",),
+            _mosquitto,
+        ),
         Component(
             "postgres",
             "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up, only where missing, the system components that some tests need beside the Python
-# packages: a Docker engine and its local base image, Chromium with chromedriver, promtool, and PostgreSQL's
-# server programs (the record's tests start a throwaway cluster of their own as the `postgres` user).
+# packages: a Docker engine and its local base image, Chromium with chromedriver, promtool, PostgreSQL's
+# server programs (the record's tests start a throwaway cluster of their own as the `postgres` user) and the
+# mosquitto MQTT broker (the lines' tests start one of their own on a free port).
 # tests/components.py says what each is, how it is found, and which Debian packages provide it;
 # this script asks it, so that the two cannot disagree.
 #

@@ -39,6 +39,10 @@ def test_needs_promtool():
 def test_needs_postgres():
     pass
 
+@pytest.mark.mosquitto
+def test_needs_mosquitto():
+    pass
+
 def test_needs_nothing():
     pass
 
@@ -74,6 +78,7 @@ def environment(bin_dir: Path, **extra: str) -> dict:
         "PATH": str(bin_dir),
         "PYTHONPATH": str(ROOT / "tests"),
         "PADIM_TEST_POSTGRES_BIN": str(bin_dir / "no-postgresql"),
+        "PADIM_TEST_MOSQUITTO": str(bin_dir / "no-mosquitto"),
         **extra,
     }
 
@@ -109,7 +114,7 @@ def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
 def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp_path):
     result = run_sample(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b1 passed, 5 skipped\b", result.stdout), result.stdout
+    assert re.search(r"\b1 passed, 6 skipped\b", result.stdout), result.stdout
     skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", result.stdout, re.M)
     for marker in COMPONENTS:
         (reason,) = [r for r in skipped if r.startswith(f"{marker}: ")]
@@ -122,11 +127,11 @@ def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp
 def test_under_padim_test_require_a_missing_component_fails(tmp_path):
     every = run_sample(tmp_path / "all", PADIM_TEST_REQUIRE="all")
     assert every.returncode == 1, every.stdout
-    assert re.search(r"\b1 passed, 1 skipped, 4 errors\b", every.stdout), every.stdout
+    assert re.search(r"\b1 passed, 1 skipped, 5 errors\b", every.stdout), every.stdout
     for marker in COMPONENTS:
         assert re.search(rf"^{marker}: .*\[PADIM_TEST_REQUIRE=all: required\]", every.stdout, re.M), marker
     one = run_sample(tmp_path / "one", PADIM_TEST_REQUIRE="promtool")
-    assert re.search(r"\b1 passed, 4 skipped, 1 error\b", one.stdout), one.stdout
+    assert re.search(r"\b1 passed, 5 skipped, 1 error\b", one.stdout), one.stdout
     wrong = run_sample(tmp_path / "wrong", PADIM_TEST_REQUIRE="dockr")
     assert wrong.returncode == 4 and "PADIM_TEST_REQUIRE names ['dockr']" in wrong.stderr, wrong.stderr
 

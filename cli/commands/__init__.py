@@ -20,6 +20,7 @@ from . import (
     serve,
     synth,
     train,
+    watch,
 )
 
 #: Every command, in the order of ``padim --help``.
@@ -31,6 +32,7 @@ COMMANDS = (
     drift,
     export,
     serve,
+    watch,
     repository,
     records,
     health,

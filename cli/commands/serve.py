@@ -63,6 +63,18 @@ def register(commands) -> None:
         "sent, for review and for updates that learn from it (SQLite there unless PADIM_RECORD_URL "
         "names PostgreSQL; docs/record.md)",
     )
+    serve.add_argument(
+        "--lines",
+        type=Path,
+        metavar="FILE",
+        help="run the lines of FILE (lines.yaml) beside HTTP: hot folders and cameras scored as pictures arrive, "
+        "verdicts to MQTT, webhooks and OPC UA (docs/lines.md)",
+    )
+    serve.add_argument(
+        "--check-lines",
+        action="store_true",
+        help="check the models and the --lines file (folders, cameras, hosts, secrets) as a start would, and exit",
+    )
     serve.add_argument("--default-model", help="name of the default model (default: the first)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
     serve.add_argument("--port", type=int, help="default 8000")
@@ -76,10 +88,7 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
-    from pydantic import ValidationError
-
-    from padim.service.server import serve
-    from padim.service.settings import ServiceSettings
+    from padim.service.server import check_lines, serve, served_files
 
     args.models = [*args.model_args, *(args.models or [])] or None
     if args.quiet and args.log_level is None:
@@ -99,13 +108,30 @@ def run(args: argparse.Namespace) -> int:
             "max_delay_ms",
             "log_level",
             "record_dir",
+            "lines",
         )
     }
+    settings = make_settings(flags)
+    if args.check_lines:
+        if settings.lines is None:
+            raise UsageError("--check-lines needs a lines file: --lines FILE or PADIM_LINES")
+        check_lines(settings, served_files(settings))
+        print(f"{settings.lines}: the lines are ready to start")
+        return 0
+    return serve(settings)
+
+
+def make_settings(flags: dict):
+    """The service's settings: the environment's, overridden by the flags given; one line when they are wrong."""
+    # pydantic only, no torch: imported here as every command's library is
+    from pydantic import ValidationError
+
+    from padim.service.settings import ServiceSettings
+
     try:
-        settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+        return ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as error:
         first = error.errors()[0]
         raise UsageError(
             f"{'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']} (given {first.get('input')!r})"
         ) from None
-    return serve(settings)

@@ -40,6 +40,7 @@ from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.data.images import to_model_input
 from padim.models.deploy.export import (
+    EXPORT_VERSION,
     INPUT_NAME,
     METADATA_FILE,
     ONNX_FILE,
@@ -157,6 +158,13 @@ def load_scorer(
         return load_scorer(path, runtime, device, cache=cache)
     if metadata["model"]["sha256"] != sha256:
         raise ArtifactError(f"{cached}: cached export of another file; remove it")
+    if int(metadata.get("export_version", 0)) < EXPORT_VERSION:  # an older padim's graph: make today's (faster) one
+        log.info(
+            "%s: cached by an older padim (export version %s); exporting again", cached, metadata.get("export_version")
+        )
+        with _export_lock:
+            shutil.rmtree(cached, ignore_errors=True)
+        return load_scorer(path, runtime, device, cache=cache)
     return DeployedDetector(cached, metadata, chosen, target, source=path)
 
 

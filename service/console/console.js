@@ -448,12 +448,76 @@ function drawMonitor(h) {
   g.fillText("1", w - 8, ht - 2);
 }
 
+// ------------------------------------------------------------------------------------ lines
+const LINES_REFRESH_MS = 2000;
+const lineShown = {}; // line name -> the id of the verdict whose picture is shown
+
+async function loadLines() {
+  let answer;
+  try {
+    answer = await api("/lines");
+  } catch (error) {
+    $("lines").hidden = true; // no PADIM_LINES (404), or a key is missing: the panel is not shown
+    return;
+  }
+  $("lines").hidden = answer.lines.length === 0;
+  const list = $("line-list");
+  for (const line of answer.lines) {
+    let item = list.querySelector(`[data-line="${CSS.escape(line.name)}"]`);
+    if (!item) {
+      item = $("line-template").content.firstElementChild.cloneNode(true);
+      item.dataset.line = line.name;
+      list.append(item);
+    }
+    showLine(item, line);
+  }
+}
+
+function showLine(item, line) {
+  const up = ["watching", "connected"].includes(line.source.state) && !line.paused;
+  item.querySelector(".line-name").textContent = line.name;
+  const tag = item.querySelector(".line-state");
+  tag.textContent = line.paused ? "paused" : line.source.state;
+  tag.className = `tag line-state ${up ? "ok" : line.source.state === "ended" ? "collecting" : "bad"}`;
+  item.querySelector(".line-rate").textContent = `${line.rate.toFixed(2)}/s`;
+  const c = line.counts;
+  item.querySelector(".line-counts").textContent = `${c.scored} scored, ${c.flagged} flagged, ${c.late} late, ` +
+    `${c.rejected} rejected` + (line.source.reconnects ? `, ${line.source.reconnects} reconnects` : "");
+  const last = line.last;
+  item.querySelector(".line-last").textContent = last
+    ? `last: ${last.verdict} (score ${last.score.toFixed(3)})${last.part ? `, part ${last.part}` : ""}, ` +
+      `${last.latency_ms.toFixed(0)} ms`
+    : (line.paused || "no picture yet");
+  const sinks = item.querySelector(".line-sinks");
+  sinks.replaceChildren(...line.sinks.map((sink) => {
+    const li = document.createElement("li");
+    const waiting = sink.outbox ? `, ${sink.outbox} waiting (oldest ${Math.round(sink.oldest_s)} s)` : "";
+    li.textContent = `${sink.name}: ${sink.connected ? "connected" : "down"}${waiting}${sink.full ? ", FULL" : ""}`;
+    if (!sink.connected || sink.full) li.className = "sink-down";
+    return li;
+  }));
+  if (last && lineShown[line.name] !== last.id) {
+    lineShown[line.name] = last.id;
+    showLinePicture(item, line.name);
+  }
+}
+
+async function showLinePicture(item, name) {
+  try {
+    const drawn = await api(`/lines/${encodeURIComponent(name)}/last`);
+    const image = item.querySelector(".line-picture");
+    image.src = `data:image/png;base64,${drawn.heatmap}`;
+    image.hidden = false;
+  } catch (error) { /* the next refresh tries again */ lineShown[name] = null; }
+}
+
 // ------------------------------------------------------------------------------------ wiring
 function wire() {
   $("api-key").value = apiKey();
   $("api-key").addEventListener("change", (event) => {
     sessionStorage.setItem(KEY_STORE, event.target.value.trim());
     loadModels();
+    loadLines();
   });
   $("admin-key").value = adminKey();
   $("admin-key").addEventListener("change", (event) => sessionStorage.setItem(ADMIN_KEY_STORE, event.target.value.trim()));
@@ -491,6 +555,7 @@ function wire() {
     catch (error) { showError(explain(error)); }
   });
   setInterval(() => { if (!document.hidden) loadMonitor(); }, MONITOR_REFRESH_MS);
+  setInterval(() => { if (!document.hidden) loadLines(); }, LINES_REFRESH_MS);
   document.addEventListener("keydown", (event) => {
     const typing = ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)
       && document.activeElement.type !== "range" && document.activeElement.type !== "checkbox";
@@ -513,6 +578,7 @@ function wire() {
     else if (event.key === "m") { $("show-mask").checked = !$("show-mask").checked; applyView(); }
   });
   loadModels();
+  loadLines();
 }
 
 document.addEventListener("DOMContentLoaded", wire);

@@ -1,4 +1,4 @@
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..deps import StateDep
@@ -20,14 +20,16 @@ async def live() -> LiveResponse:
     response_model_exclude_none=True,
     responses={503: {"model": ReadyResponse, "description": "loading, failed, or draining"}},
 )
-async def ready(state: StateDep):
+async def ready(state: StateDep, request: Request):
+    lines = request.app.state.lines.health() if request.app.state.lines is not None else None
     device_problem = await state.check_devices() if state.ready and not state.draining else None
     if state.ready and not state.draining and device_problem is None:
-        return ReadyResponse(status="ready", models=list(state.models))
+        return ReadyResponse(status="ready", models=list(state.models), lines=lines)
     if state.draining:
         reason = "draining"
     elif device_problem is not None or state.failure is not None:
         reason = "failed: " + (device_problem or state.failure)
     else:
         reason = "failed: " + state.startup_error if state.startup_error else "loading"
-    return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+    body = {"status": "not_ready", "reason": reason} | ({"lines": lines} if lines is not None else {})
+    return JSONResponse(body, status_code=503)

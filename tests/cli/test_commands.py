@@ -679,7 +679,7 @@ def test_help_and_health_load_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "13", "[]"], result.stdout
+    assert result.stdout.split() == ["1", "14", "[]"], result.stdout
 
 
 def test_a_gpu_out_of_memory_outside_the_fit_is_one_line_with_what_to_do(monkeypatch, capsys, model_file, tmp_path):

@@ -350,3 +350,38 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
         body.send_keys(Keys.ESCAPE)
         wait(browser, lambda d: d.find_element(By.ID, "review-view").get_property("hidden"))
         wait(browser, lambda d: text(d, "review-count") == "2 waiting")
+
+
+def test_the_lines_panel_shows_each_line_its_last_picture_and_a_sink_that_is_down(
+    browser, model_file, dataset, tmp_path
+):
+    from helpers import free_port
+    from selenium.webdriver.common.by import By
+
+    (tmp_path / "in").mkdir()
+    lines = tmp_path / "lines.yaml"
+    down = free_port()  # nothing listens there: the webhook's verdicts wait in its outbox
+    lines.write_text(
+        "lines:\n  - name: press-3\n    source: {type: folder, path: in, settle_s: 0.2}\n"
+        f"    sinks: [{{type: webhook, url: 'http://127.0.0.1:{down}/hook'}}]\n"
+    )
+    with running_server(tmp_path, [model_file], args=("--lines", str(lines))) as server:
+        browser.get(server.url + "/")
+        (tmp_path / "in" / "A-17.png").write_bytes((dataset / "test" / "hole" / "000.png").read_bytes())
+        item = '#line-list [data-line="press-3"]'
+        wait(browser, lambda d: "1 scored" in d.find_element(By.CSS_SELECTOR, item + " .line-counts").text)
+        expected = httpx.get(server.url + "/lines/press-3").json()
+        panel = browser.find_element(By.CSS_SELECTOR, item)
+        assert panel.find_element(By.CSS_SELECTOR, ".line-state").text == "watching"
+        assert panel.find_element(By.CSS_SELECTOR, ".line-last").text.startswith(
+            f"last: {expected['last']['verdict']} (score {expected['last']['score']:.3f}), part A-17"
+        )
+        wait(
+            browser, lambda d: "webhook: down, 1 waiting" in d.find_element(By.CSS_SELECTOR, item + " .line-sinks").text
+        )
+        wait(
+            browser,
+            lambda d: d.find_element(By.CSS_SELECTOR, item + " .line-picture").get_attribute("naturalWidth") != "0",
+        )
+        browser.execute_script("document.getElementById('lines').scrollIntoView()")
+        browser.save_screenshot(str(ARTIFACTS / "console-lines.png"))

@@ -249,3 +249,25 @@ def test_padim_json_says_how_to_frame_a_picture_for_a_client(dataset, tmp_path):
         pixels = (np.asarray(image, dtype=np.float32) / 255 - meta["input"]["mean"]) / meta["input"]["std"]
         _, raw, _ = session.run(None, {"images": pixels.transpose(2, 0, 1)[None].astype(np.float32)})
         assert float(raw[0]) == pytest.approx(record["raw_score"], rel=1e-4)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4])
+def test_the_graphs_triangular_product_equals_the_full_one_in_float64(blocks):
+    """``||W delta||^2`` by blocks of rows (the zeros above the diagonal skipped) against numpy in float64."""
+    import numpy as np
+    import torch
+
+    from padim.core.statistics import precision_factor
+    from padim.models.deploy.export import triangular_squared_norm
+
+    generator = torch.Generator().manual_seed(0)
+    pixels, n, dim = 7, 3, 10
+    samples = torch.randn(pixels, 50, dim, generator=generator, dtype=torch.float64)
+    covariance = torch.einsum("pnd,pne->pde", samples, samples) / 50
+    factor = precision_factor(covariance, epsilon=0.01).to(torch.float32)  # (p, D, D), lower triangular
+    delta = torch.randn(pixels, n, dim, generator=generator)
+    got = triangular_squared_norm(delta, factor, blocks).double().numpy()
+    w, d = factor.double().numpy(), delta.double().numpy()
+    assert np.allclose(np.triu(w, 1), 0)  # the zeros the blocks skip
+    expected = np.square(np.einsum("pdk,pnk->pnd", w, d)).sum(-1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)

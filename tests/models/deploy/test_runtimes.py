@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -172,6 +173,29 @@ def test_a_damaged_cache_is_exported_again(model_file, tmp_path, monkeypatch):
         handle.write(bytes([byte[0] ^ 0xFF]))
     again = load_scorer(model_file, "onnxruntime", "cpu")
     assert again.score(torch.zeros(1, 3, again.image_size, again.image_size)).raw_scores.isfinite().all()
+
+
+def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_still_served(
+    model_file, tmp_path, monkeypatch
+):
+    """Export version 7 changed the graph only: a model file's cached version-6 export is made again (today's
+    faster graph), while an export directory of version 6 given as such is served as it is."""
+    from padim.models.deploy.export import EXPORT_VERSION, METADATA_FILE, metadata_sha256
+
+    monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_scorer(model_file, "onnxruntime", "cpu")
+    old = shutil.copytree(first.directory, tmp_path / "old-export")
+    for folder in (first.directory, old):
+        metadata = json.loads((folder / METADATA_FILE).read_text())
+        metadata["export_version"] = EXPORT_VERSION - 1
+        metadata["metadata_sha256"] = metadata_sha256(metadata)
+        (folder / METADATA_FILE).write_text(json.dumps(metadata))
+    renewed = load_scorer(model_file, "onnxruntime", "cpu")
+    assert renewed.metadata["export_version"] == EXPORT_VERSION
+    served = load_scorer(old, "onnxruntime", "cpu")
+    assert served.metadata["export_version"] == EXPORT_VERSION - 1
+    batch = torch.randn(2, 3, served.image_size, served.image_size)
+    torch.testing.assert_close(served.score(batch).raw_scores, renewed.score(batch).raw_scores)
 
 
 def test_a_read_only_model_folder_caches_elsewhere(model_file, tmp_path, monkeypatch):
@@ -420,7 +444,7 @@ def test_export_version_six_carries_the_expected_changes_and_version_five_has_no
     export.export_detector(load_detector(model_file, device="cpu"), tmp_path / "six", "onnx", model_file)
     metadata = json.loads((tmp_path / "six" / METADATA_FILE).read_text())
     reference = load_detector(model_file, device="cpu")
-    assert metadata["export_version"] == 6
+    assert metadata["export_version"] == export.EXPORT_VERSION
     assert metadata["config"]["expect"] == reference.config.gaussian.expect
     assert metadata["config"]["fit_changes"] == reference.config.gaussian.fit_changes
     for key in ("expect", "fit_changes"):

@@ -1,0 +1,526 @@
+"""Runs lines: each picture through the served model's micro-batcher (as ``POST /score``), into the journal and its
+outboxes, to the sinks; and into the inspection record when it is on.
+
+One picture, in order (each step's crash leaves the next run to finish it, and nothing twice):
+
+1. the picture is complete (:mod:`.sources`); its key is its source and its content's sha256;
+2. a key the journal has is not scored again; otherwise it is scored, and its verdict journaled **and** put in every
+   sink's outbox in one transaction (:meth:`.LineJournal.add`);
+3. with the record on, its row (whose id comes from the key, so a second attempt inserts nothing) is made durable;
+4. the file is moved to ``done/`` or ``flagged/`` (a picture left in its folder, or found again after a crash,
+   is not scored again: its key is in the journal).
+
+Each sink's deliverer takes its outbox oldest first, and removes a message only once the sink confirmed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import logging
+import signal
+import time
+from collections import deque
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..errors import ApiError
+from ..record.rows import make_row
+from ..state import ServedModel, ServiceState
+from .config import CameraSource, Line, LinesFile, check_lines, read_lines
+from .journal import LineJournal, OutboxFull
+from .sinks import MqttTrigger, Sink, SinkDown, make_sink
+from .sources import Camera, HotFolder, Picture
+
+log = logging.getLogger("padim.lines")
+
+#: Messages a deliverer sends in one go.
+SEND_BATCH = 64
+#: Back-off after a failed send: doubled each time up to MAX_BACKOFF_S.
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+#: Seconds the record may take to make a line picture's row durable before the picture is tried again later.
+RECORD_TIMEOUT_S = 30.0
+#: How long a full queue (the batcher's) or outbox (block) makes the line wait before it looks again.
+BUSY_WAIT_S = 0.05
+FULL_WAIT_S = 0.5
+
+
+def record_id(key: str, seen: float) -> str:
+    """The record row's id of a line picture: time-sortable as the record's ids, and the same on every attempt."""
+    return f"{int(seen * 1000):012x}{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+
+
+class LineRunner:
+    """One line: its source, its journal, its sinks and their deliverers."""
+
+    def __init__(self, state: ServiceState, config: Line, state_dir: Path):
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a webhook's every request is not news
+        self.state, self.config = state, config
+        self.metrics = state.metrics
+        self.sink_names = config.sink_names()
+        self.journal = LineJournal(
+            state_dir / f"{config.name}.sqlite", self.sink_names, config.outbox.max_messages, config.outbox.when_full
+        )
+        self.heatmaps = state_dir / "heatmaps" / config.name
+        self.source: HotFolder | Camera = (
+            Camera(config.source) if isinstance(config.source, CameraSource) else HotFolder(config.source)
+        )
+        self.trigger_client = None
+        self.sinks: list[Sink] = [
+            make_sink(s, n, config.name) for s, n in zip(config.sinks, self.sink_names, strict=True)
+        ]
+        self._wake = {name: asyncio.Event() for name in self.sink_names}
+        self._tasks: list[asyncio.Task] = []
+        self._in_flight: set[asyncio.Task] = set()
+        self._slots = asyncio.Semaphore(config.max_in_flight)
+        self._turn: asyncio.Event | None = None  # set once the latest picture taken is journaled (or dropped)
+        self.seen_times: deque[float] = deque(maxlen=600)
+        self.counts = dict.fromkeys(("received", "scored", "flagged", "late", "rejected"), 0)
+        self.last: dict | None = None  # the latest message
+        self.last_picture: bytes | None = None
+        self.paused: str | None = None  # why the line takes no picture now (its outbox is full)
+        self._dropped_shown = dict.fromkeys(self.sink_names, 0)
+        for outcome in self.counts:
+            self.metrics.line_pictures.labels(config.name, outcome)
+        for name in self.sink_names:
+            self.metrics.line_delivered.labels(config.name, name)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.config.heatmaps:
+            self.heatmaps.mkdir(parents=True, exist_ok=True)
+        for sink in self.sinks:
+            await sink.start()
+        self.source.start()
+        source = self.config.source
+        if isinstance(source, CameraSource) and source.trigger is not None:
+            camera = self.source
+            assert isinstance(camera, Camera)
+            self.trigger_client = MqttTrigger(source.trigger, self.config.name, camera.trigger)
+            self.trigger_client.start()
+        name = self.config.name
+        self._tasks = [asyncio.create_task(self._take(), name=f"line-{name}")]
+        self._tasks += [
+            asyncio.create_task(self._deliver(sink), name=f"line-{name}-{sink.name}") for sink in self.sinks
+        ]
+        self._tasks.append(asyncio.create_task(self._show(), name=f"line-{name}-metrics"))
+        log.info(
+            "line started", extra={"line": name, "source": self.source.describe()["type"], "sinks": self.sink_names}
+        )
+
+    async def stop(self) -> None:
+        """Stop taking pictures, finish those being scored, give the sinks a last chance to deliver, close."""
+        self._tasks[0].cancel()
+        await asyncio.gather(self._tasks[0], return_exceptions=True)
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=10)
+        self.source.stop()
+        if self.trigger_client is not None:
+            self.trigger_client.stop()
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        for sink in self.sinks:
+            with contextlib.suppress(Exception):
+                await sink.close()
+        await asyncio.to_thread(self.journal.close)
+
+    # ------------------------------------------------------------------ pictures in
+    async def _take(self) -> None:
+        async for picture in self.source.pictures():
+            self.count("received")
+            while self.paused is None and not await asyncio.to_thread(self.journal.room):
+                self.paused = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
+                log.error("line paused: outbox full", extra={"line": self.config.name})
+            while self.paused is not None:
+                if await asyncio.to_thread(self.journal.room):
+                    self.paused = None
+                    log.warning("line resumed: outbox has room", extra={"line": self.config.name})
+                else:
+                    await asyncio.sleep(FULL_WAIT_S)
+            await self._slots.acquire()
+            # scored side by side (the batcher batches them), journaled in the order they came: verdicts leave in
+            # the order of the parts on the belt
+            previous, self._turn = self._turn, asyncio.Event()
+            task = asyncio.create_task(self._in_turn(picture, previous, self._turn))
+            self._in_flight.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._in_flight.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a line picture failed", exc_info=task.exception(), extra={"line": self.config.name})
+
+    def key(self, picture: Picture) -> str:
+        return f"{self.config.name}:{picture.source_id}:{picture.sha256}"
+
+    async def _in_turn(self, picture: Picture, previous: asyncio.Event | None, turn: asyncio.Event) -> None:
+        try:
+            await self._one(picture, previous, turn)
+        finally:
+            turn.set()
+
+    async def _one(self, picture: Picture, previous: asyncio.Event | None, turn: asyncio.Event) -> None:
+        self.seen_times.append(picture.seen)
+        key = self.key(picture)
+        entry = await asyncio.to_thread(self.journal.get, key)
+        if entry is None:  # not scored yet (or scored by a run that crashed before journaling it)
+            try:
+                message, row = await self._score(picture, key)
+            except _Rejected as error:
+                await self._reject(picture, str(error))
+                return
+            if previous is not None:
+                await previous.wait()
+            try:
+                entry = await asyncio.to_thread(self.journal.add, key, message, row)
+            except OutboxFull:  # filled meanwhile: the picture is taken again once there is room
+                self._give_back(picture)
+                return
+            for event in self._wake.values():
+                event.set()
+            self._show_depths()
+            if not self.sinks:
+                self._delivered_first(message, time.time())
+        turn.set()
+        self.last, self.last_picture = entry.message, picture.data
+        if entry.row is not None and not entry.recorded and self.state.record is not None:
+            if not await self._record(entry.row, picture):
+                self._give_back(picture)
+                return
+            await asyncio.to_thread(self.journal.recorded, key)
+        if isinstance(self.source, HotFolder):
+            await asyncio.to_thread(self.source.finish, picture, bool(entry.message["is_anomaly"]))
+
+    def _give_back(self, picture: Picture) -> None:
+        if isinstance(self.source, HotFolder):
+            self.source.release(picture)
+
+    async def _reject(self, picture: Picture, reason: str) -> None:
+        if isinstance(self.source, HotFolder) and self.source.retry(picture):
+            return  # written in several goes, perhaps: taken again once its size settles
+        self.count("rejected")
+        log.warning(
+            "picture rejected", extra={"line": self.config.name, "picture": picture.source_id, "reason": reason}
+        )
+        if isinstance(self.source, HotFolder):
+            await asyncio.to_thread(self.source.reject, picture, reason)
+
+    async def _score(self, picture: Picture, key: str) -> tuple[dict, dict | None]:
+        """The picture's message (and record row), scored by the served model's batcher as ``POST /score`` is."""
+        state, loop = self.state, asyncio.get_running_loop()
+        threshold = self.config.threshold
+        while True:
+            model = state.model(self.config.model)  # 503 not_ready while models load: the loop waits below
+            try:
+                with state.using(model) as served:
+                    decoded = await loop.run_in_executor(
+                        state.decode, state.decode_image, served, picture.data, self.config.heatmaps
+                    )
+                    scored = await self._batched(served, decoded.tensor)
+                    result = await loop.run_in_executor(
+                        state.decode,
+                        state.build_result,
+                        served,
+                        decoded,
+                        scored.raw_score,
+                        scored.map,
+                        threshold,
+                        self.config.heatmaps,
+                        False,
+                    )
+                    break
+            except ApiError as error:
+                if error.status in (413, 415, 422):  # the picture, not the service
+                    raise _Rejected(error.message) from None
+                if error.code not in ("overloaded", "not_ready"):
+                    raise
+            await asyncio.sleep(BUSY_WAIT_S)
+        state.observe(served, [scored], [result], own_threshold=threshold is not None)
+        now = time.time()
+        self.count("scored")
+        if result["is_anomaly"]:
+            self.count("flagged")
+        heatmap = result.pop("heatmap", None)
+        heatmap_path = None
+        if heatmap is not None:
+            heatmap_path = self.heatmaps / f"{picture.sha256[:16]}.png"
+            await asyncio.to_thread(heatmap_path.write_bytes, base64.b64decode(heatmap))
+        fields = {
+            k: v
+            for k, v in (
+                ("line", self.config.name),
+                ("station", self.config.station),
+                ("camera", self.config.camera),
+                ("part", picture.part),
+            )
+            if v is not None
+        }
+        message = {
+            "id": key,
+            **fields,
+            "model": served.name,
+            "version": served.version,
+            "score": result["score"],
+            "raw_score": result["raw_score"],
+            "is_anomaly": bool(result["is_anomaly"]),
+            "verdict": "anomalous" if result["is_anomaly"] else "normal",
+            "threshold": result["threshold"],
+            "anomalous_area": result["anomalous_area"],
+            "time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "seen": picture.seen,
+            "latency_ms": round((now - picture.seen) * 1000, 3),
+            "source": picture.source_id,
+            "sha256": picture.sha256,
+            "heatmap": str(heatmap_path) if heatmap_path is not None else None,
+        }
+        row = None
+        if state.record is not None:
+            row = make_row(
+                served.name,
+                served.version,
+                result,
+                scored.input_distance,
+                decoded.picture,
+                picture.sha256,
+                len(picture.data),
+                fields,
+                state.settings.review_sample,
+                source="line",
+                now=picture.seen,
+            )
+            row["id"] = record_id(key, picture.seen)
+            message["record_id"] = row["id"]
+        return message, row
+
+    async def _batched(self, served: ServedModel, tensor):
+        while True:
+            try:
+                with served.batcher.admit(1) as admission:
+                    future = served.batcher.submit(tensor, admission)
+                break
+            except ApiError as error:
+                if error.code != "overloaded":
+                    raise
+                await asyncio.sleep(BUSY_WAIT_S)  # the queue is full: wait, as a line cannot drop a part
+        return await future
+
+    async def _record(self, row: dict, picture: Picture) -> bool:
+        record = self.state.record
+        assert record is not None
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(record.submit(row, picture.data)), RECORD_TIMEOUT_S)
+        except Exception as error:  # the record's journal is full or its disk failed: the picture waits
+            log.error(
+                "line picture not recorded; tried again later", extra={"line": self.config.name, "error": str(error)}
+            )
+            return False
+        return True
+
+    # ------------------------------------------------------------------ verdicts out
+    async def _deliver(self, sink: Sink) -> None:
+        line, streak = self.config.name, 0
+        wake = self._wake[sink.name]
+        while True:
+            due = await asyncio.to_thread(self.journal.due, sink.name, SEND_BATCH)
+            if not due:
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), 1.0)
+                continue
+            try:
+                done = await sink.send([p.message for p in due])
+                failure = None
+            except SinkDown as error:
+                done, failure = getattr(error, "done", 0), str(error)
+            except Exception as error:  # a bug in a sink must not stop the line: the messages wait
+                log.exception("sink failed", extra={"line": line, "sink": sink.name})
+                done, failure = 0, f"{type(error).__name__}: {error}"
+            now = time.time()
+            await asyncio.to_thread(self.journal.delivered, sink.name, [p.id for p in due[:done]])
+            self._show_depths()
+            for pending in due[:done]:
+                self.metrics.line_latency.labels(line, sink.name).observe(max(0.0, now - pending.message["seen"]))
+                if sink is self.sinks[0]:
+                    self._delivered_first(pending.message, now)
+            self.metrics.line_delivered.labels(line, sink.name).inc(done)
+            if failure is None:
+                streak = 0
+                continue
+            self.metrics.line_delivery_failures.labels(line, sink.name).inc()
+            delay = min(FIRST_BACKOFF_S * 2**streak, MAX_BACKOFF_S)
+            streak += 1
+            if streak == 1:
+                log.warning(
+                    "sink down; verdicts wait in its outbox", extra={"line": line, "sink": sink.name, "error": failure}
+                )
+            await asyncio.to_thread(self.journal.failed, [p.id for p in due[done:]], delay)
+            await asyncio.sleep(delay)
+
+    def _delivered_first(self, message: dict, now: float) -> None:
+        if (now - message["seen"]) * 1000 > self.config.latency_budget_ms:
+            self.count("late")
+
+    def count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        self.metrics.line_pictures.labels(self.config.name, outcome).inc()
+
+    def _show_depths(self) -> None:
+        for name, depth in self.journal.depths().items():
+            self.metrics.line_outbox_depth.labels(self.config.name, name).set(depth)
+
+    async def _show(self) -> None:
+        """The outboxes' depth, age and fullness, and the source's state, as metrics (every second)."""
+        line = self.config.name
+        while True:
+            depths = self.journal.depths()
+            ages = await asyncio.to_thread(self.journal.oldest)
+            for sink in self.sinks:
+                depth = depths[sink.name]
+                self.metrics.line_outbox_depth.labels(line, sink.name).set(depth)
+                self.metrics.line_outbox_age.labels(line, sink.name).set(ages[sink.name] or 0.0)
+                full = depth >= self.config.outbox.max_messages
+                self.metrics.line_outbox_full.labels(line, sink.name).set(1.0 if full else 0.0)
+                self.metrics.line_sink_up.labels(line, sink.name).set(1.0 if sink.connected else 0.0)
+                dropped = self.journal.dropped[sink.name] - self._dropped_shown[sink.name]
+                if dropped:
+                    self.metrics.line_outbox_dropped.labels(line, sink.name).inc(dropped)
+                    self._dropped_shown[sink.name] += dropped
+                    log.error(
+                        "outbox full: oldest verdicts dropped",
+                        extra={"line": line, "sink": sink.name, "dropped": dropped},
+                    )
+            up = self.source.describe()["state"] in ("watching", "connected")
+            self.metrics.line_source_up.labels(line).set(1.0 if up else 0.0)
+            waiting = len(self._in_flight) + (self.source.waiting if isinstance(self.source, Camera) else 0)
+            self.metrics.line_queue.labels(line).set(waiting)
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ what an operator sees
+    def rate(self) -> float:
+        """Pictures a second over the last minute."""
+        now = time.time()
+        recent = [t for t in self.seen_times if now - t <= 60]
+        return round(len(recent) / 60.0, 3)
+
+    def describe(self) -> dict:
+        depths, ages = self.journal.depths(), self.journal.oldest()
+        sinks = []
+        for sink in self.sinks:
+            sinks.append(
+                {
+                    "name": sink.name,
+                    **sink.describe(),
+                    "connected": sink.connected,
+                    "error": sink.last_error,
+                    "outbox": depths[sink.name],
+                    "oldest_s": None if ages[sink.name] is None else round(ages[sink.name], 3),
+                    "full": depths[sink.name] >= self.config.outbox.max_messages,
+                    "dropped": self.journal.dropped[sink.name],
+                }
+            )
+        return {
+            "name": self.config.name,
+            "model": self.config.model or self.state.default_name,
+            "station": self.config.station,
+            "camera": self.config.camera,
+            "source": self.source.describe(),
+            "paused": self.paused,
+            "rate": self.rate(),
+            "in_flight": len(self._in_flight),
+            "latency_budget_ms": self.config.latency_budget_ms,
+            "counts": dict(self.counts),
+            "last": self.last,
+            "sinks": sinks,
+        }
+
+    def trigger(self, part: str | None) -> int:
+        if not isinstance(self.source, Camera) or self.source.config.mode != "trigger":
+            raise ApiError("invalid_parameter", f"line {self.config.name!r} is not a camera in trigger mode")
+        return self.source.trigger(part)
+
+
+class _Rejected(Exception):
+    """The picture cannot be scored (not an image, too large): it is rejected with this reason."""
+
+
+class Lines:
+    """Every line of a ``lines.yaml``, started once the models are loaded."""
+
+    def __init__(self, state: ServiceState, path: Path):
+        self.state, self.path = state, Path(path)
+        self.file: LinesFile | None = None
+        self.runners: dict[str, LineRunner] = {}
+        self.error: str | None = None
+
+    async def start(self) -> None:
+        """Read and check the file against the served models, and start every line.
+
+        Raises:
+            LineConfigError: naming the line and the field.
+        """
+        lines, state_dir = await asyncio.to_thread(read_lines, self.path)
+        await asyncio.to_thread(check_lines, lines, list(self.state.models), self.state.default_name, self.path)
+        self.file = lines
+        for config in lines.lines:
+            runner = LineRunner(self.state, config, state_dir)
+            self.runners[config.name] = runner
+            await runner.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(runner.stop() for runner in self.runners.values()), return_exceptions=True)
+
+    def describe(self) -> list[dict]:
+        return [runner.describe() for runner in self.runners.values()]
+
+    def runner(self, name: str) -> LineRunner:
+        if name not in self.runners:
+            raise ApiError("line_not_found", f"no line named {name!r}; lines: {', '.join(self.runners) or 'none'}")
+        return self.runners[name]
+
+    def health(self) -> dict:
+        """Each line's source and sinks in a word or two: /health/ready's detail (it never makes it 503)."""
+        detail = {}
+        for name, runner in self.runners.items():
+            depths = runner.journal.depths()
+            detail[name] = {
+                "source": runner.source.describe()["state"],
+                "paused": runner.paused is not None,
+                "sinks": {
+                    sink.name: {"connected": sink.connected, "outbox": depths[sink.name]} for sink in runner.sinks
+                },
+            }
+        return detail
+
+
+def check_file(path: Path, models: list[str], default: str | None) -> LinesFile:
+    """``padim serve --check-lines``: the file read and checked as a start would, nothing started."""
+    lines, _ = read_lines(path)
+    check_lines(lines, models, default, path)
+    return lines
+
+
+async def run_lines(settings) -> int:
+    """``padim watch``: the lines of ``settings.lines`` without HTTP, until SIGTERM or SIGINT (then drained as
+    ``padim serve`` drains: no new picture, those being scored finished, the sinks given a last chance)."""
+    state = ServiceState(settings)
+    await asyncio.to_thread(state.open_record)
+    lines = Lines(state, settings.lines)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await state.load()
+        await lines.start()
+        log.info("watching", extra={"lines": list(lines.runners)})
+        await stop.wait()
+    finally:
+        state.draining = True
+        await lines.stop()
+        await state.close()
+    return 0
