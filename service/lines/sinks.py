@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import ssl
-import threading
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -223,7 +222,6 @@ class OpcUaWriter:
         self._client = None
         self._nodes: list = []
         self._types: list = []
-        self._lock = threading.Lock()
 
     async def start(self) -> None:
         return None  # connects on the first send: a PLC that is off now is not an error
