@@ -24,7 +24,7 @@ _WHY = {
     401: "missing or wrong API key (`unauthorized`)",
     403: "the scoring key (PADIM_API_KEY) on an admin route, or reviewing with it (`forbidden`)",
     404: "no model of that name (`model_not_found`), no such version (`version_not_found`), no such record or job "
-    "(`record_not_found`)",
+    "(`record_not_found`), no line of that name or no picture from it yet (`line_not_found`)",
     410: "the record's picture was evicted (retention, byte budget), or the version that scored it was deleted "
     "(`gone`)",
     408: "the body did not arrive within PADIM_BODY_TIMEOUT_S (`body_timeout`)",

@@ -100,7 +100,8 @@ def test_every_python_example_runs(page, dataset, tmp_path, monkeypatch):
     namespace: dict = {}
     for number, code in enumerate(blocks(page, "python")):
         exec(compile(code, f"{page.name} block {number + 1}", "exec"), namespace)  # noqa: S102 - our own docs
-    assert any(isinstance(v, object) and type(v).__name__ == "Prediction" for v in namespace.values())
+    if "import padim" in page.read_text():  # a page about padim's API ends with a prediction (not a receiver's code)
+        assert any(isinstance(v, object) and type(v).__name__ == "Prediction" for v in namespace.values())
 
 
 def test_the_admin_curl_examples_run_against_a_live_server(model_file, tmp_path):

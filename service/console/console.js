@@ -12,6 +12,7 @@ const HISTORY_LIMIT = 50;
 const state = {
   models: [],
   record: false,        // the server keeps the inspection record (its review queue is shown)
+  lines: false,         // the server runs lines (PADIM_LINES): its Lines panel is shown
   model: null,          // name
   threshold: MODEL_THRESHOLD,
   current: null,        // a history entry: {id, name, file, url, result, roundTripMs}
@@ -71,6 +72,8 @@ function explain(error) {
 async function loadModels() {
   try {
     const ready = await fetch("/health/ready");
+    state.lines = "lines" in (await ready.clone().json().catch(() => ({}))); // only with PADIM_LINES
+    loadLines();
     if (!ready.ok) {
       $("server").textContent = "models loading…";
       setTimeout(loadModels, 1000);
@@ -453,6 +456,7 @@ const LINES_REFRESH_MS = 2000;
 const lineShown = {}; // line name -> the id of the verdict whose picture is shown
 
 async function loadLines() {
+  if (!state.lines) return; // no PADIM_LINES: no /lines route to ask
   let answer;
   try {
     answer = await api("/lines");
@@ -578,7 +582,6 @@ function wire() {
     else if (event.key === "m") { $("show-mask").checked = !$("show-mask").checked; applyView(); }
   });
   loadModels();
-  loadLines();
 }
 
 document.addEventListener("DOMContentLoaded", wire);

@@ -18,8 +18,6 @@ import ssl
 from datetime import UTC, datetime
 from typing import Protocol
 
-import httpx
-
 from .config import MqttConnection, MqttSink, OpcUaSink, WebhookSink
 
 log = logging.getLogger("padim.lines")
@@ -174,9 +172,11 @@ class Webhook:
         self.connected = True
         self.last_error: str | None = None
         self._secret = os.environ[config.secret_env].encode() if config.secret_env else None
-        self._client: httpx.AsyncClient | None = None
+        self._client = None  # an httpx.AsyncClient once started
 
     async def start(self) -> None:
+        import httpx  # the `lines` extra, imported only where a line posts to a webhook
+
         self._client = httpx.AsyncClient(timeout=self.config.timeout_s, follow_redirects=False)
 
     def headers(self, payload: bytes, key: str) -> dict[str, str]:
@@ -186,6 +186,8 @@ class Webhook:
         return {**self.config.headers, **headers}
 
     async def send(self, messages: list[dict]) -> int:
+        import httpx  # the `lines` extra
+
         assert self._client is not None
         for done, message in enumerate(messages):
             payload = body(message)
