@@ -61,6 +61,16 @@ def run_cli(
     return result
 
 
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll ``condition()`` every 0.1 s until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

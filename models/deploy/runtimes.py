@@ -152,19 +152,18 @@ def load_scorer(
                 _prune(cached)
     try:
         metadata = read_export(cached)
+        version = int(metadata.get("export_version", 0))
+        # an older padim's graph (still servable) is made again as today's, which is faster
+        stale = f"cached by an older padim (export version {version})" if version < EXPORT_VERSION else None
     except ArtifactError:  # a damaged cache is not the model's fault: make it again
-        log.warning("%s: cached export damaged; exporting again", cached)
-        shutil.rmtree(cached, ignore_errors=True)
-        return load_scorer(path, runtime, device, cache=cache)
-    if metadata["model"]["sha256"] != sha256:
-        raise ArtifactError(f"{cached}: cached export of another file; remove it")
-    if int(metadata.get("export_version", 0)) < EXPORT_VERSION:  # an older padim's graph: make today's (faster) one
-        log.info(
-            "%s: cached by an older padim (export version %s); exporting again", cached, metadata.get("export_version")
-        )
+        stale = "cached export damaged"
+    if stale is not None:
+        log.warning("%s: %s; exporting again", cached, stale)
         with _export_lock:
             shutil.rmtree(cached, ignore_errors=True)
         return load_scorer(path, runtime, device, cache=cache)
+    if metadata["model"]["sha256"] != sha256:
+        raise ArtifactError(f"{cached}: cached export of another file; remove it")
     return DeployedDetector(cached, metadata, chosen, target, source=path)
 
 

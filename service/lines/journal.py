@@ -104,8 +104,8 @@ class LineJournal:
         now = time.time()
         text = json.dumps(message)
         with self._lock:
-            found = self._db.execute("select 1 from pictures where key = ?", (key,)).fetchone()
-            if found is None:
+            known = self._db.execute("select 1 from pictures where key = ?", (key,)).fetchone() is not None
+            if not known:
                 self._db.execute("begin immediate")
                 try:
                     depths = dict(self._depths)
@@ -124,6 +124,8 @@ class LineJournal:
                 except BaseException:
                     self._db.execute("rollback")
                     raise
+        if not known:
+            return Entry(key, message, row, recorded=False)
         entry = self.get(key)
         assert entry is not None
         return entry

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import logging
 import signal
 import time
@@ -48,16 +47,10 @@ BUSY_WAIT_S = 0.05
 FULL_WAIT_S = 0.5
 
 
-def record_id(key: str, seen: float) -> str:
-    """The record row's id of a line picture: time-sortable as the record's ids, and the same on every attempt."""
-    return f"{int(seen * 1000):012x}{hashlib.sha256(key.encode()).hexdigest()[:20]}"
-
-
 class LineRunner:
     """One line: its source, its journal, its sinks and their deliverers."""
 
     def __init__(self, state: ServiceState, config: Line, state_dir: Path):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a webhook's every request is not news
         self.state, self.config = state, config
         self.metrics = state.metrics
         self.sink_names = config.sink_names()
@@ -132,15 +125,13 @@ class LineRunner:
     async def _take(self) -> None:
         async for picture in self.source.pictures():
             self.count("received")
-            while self.paused is None and not await asyncio.to_thread(self.journal.room):
+            if not self.journal.room():
                 self.paused = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
                 log.error("line paused: outbox full", extra={"line": self.config.name})
-            while self.paused is not None:
-                if await asyncio.to_thread(self.journal.room):
-                    self.paused = None
-                    log.warning("line resumed: outbox has room", extra={"line": self.config.name})
-                else:
+                while not self.journal.room():
                     await asyncio.sleep(FULL_WAIT_S)
+                self.paused = None
+                log.warning("line resumed: outbox has room", extra={"line": self.config.name})
             await self._slots.acquire()
             # scored side by side (the batcher batches them), journaled in the order they came: verdicts leave in
             # the order of the parts on the belt
@@ -292,8 +283,8 @@ class LineRunner:
                 state.settings.review_sample,
                 source="line",
                 now=picture.seen,
+                key=key,  # the same row id on every attempt: the record inserts it once
             )
-            row["id"] = record_id(key, picture.seen)
             message["record_id"] = row["id"]
         return message, row
 
@@ -336,7 +327,7 @@ class LineRunner:
                 done = await sink.send([p.message for p in due])
                 failure = None
             except SinkDown as error:
-                done, failure = getattr(error, "done", 0), str(error)
+                done, failure = error.done, str(error)
             except Exception as error:  # a bug in a sink must not stop the line: the messages wait
                 log.exception("sink failed", extra={"line": line, "sink": sink.name})
                 done, failure = 0, f"{type(error).__name__}: {error}"
@@ -377,11 +368,11 @@ class LineRunner:
         """The outboxes' depth, age and fullness, and the source's state, as metrics (every second)."""
         line = self.config.name
         while True:
+            self._show_depths()
             depths = self.journal.depths()
             ages = await asyncio.to_thread(self.journal.oldest)
             for sink in self.sinks:
                 depth = depths[sink.name]
-                self.metrics.line_outbox_depth.labels(line, sink.name).set(depth)
                 self.metrics.line_outbox_age.labels(line, sink.name).set(ages[sink.name] or 0.0)
                 full = depth >= self.config.outbox.max_messages
                 self.metrics.line_outbox_full.labels(line, sink.name).set(1.0 if full else 0.0)

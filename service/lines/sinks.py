@@ -24,7 +24,12 @@ log = logging.getLogger("padim.lines")
 
 
 class SinkDown(Exception):
-    """The sink cannot take messages now (not connected, refused, timed out); they wait in the outbox."""
+    """The sink cannot take messages now (not connected, refused, timed out); they wait in the outbox. The first
+    ``done`` messages of the send were delivered before it went down."""
+
+    def __init__(self, why: str, done: int = 0):
+        super().__init__(why)
+        self.done = done
 
 
 class Sink(Protocol):
@@ -118,9 +123,9 @@ class MqttPublisher:
             try:
                 info.wait_for_publish(timeout=10)
             except (RuntimeError, ValueError) as error:  # not queued: the connection went meanwhile
-                raise _Partial(done, str(error)) from None
+                raise SinkDown(str(error), done) from None
             if not info.is_published():
-                raise _Partial(done, "the broker did not acknowledge within 10 s")
+                raise SinkDown("the broker did not acknowledge within 10 s", done)
             done += 1
         self._client.publish(f"{self.topic}/last", body(messages[-1]), qos=1, retain=True)
         return done
@@ -132,14 +137,6 @@ class MqttPublisher:
 
     def describe(self) -> dict:
         return {"type": "mqtt", "topic": self.topic, "broker": f"{self.config.host}:{self.config.port}"}
-
-
-class _Partial(SinkDown):
-    """The first ``done`` messages were delivered, then the sink went down."""
-
-    def __init__(self, done: int, why: str):
-        super().__init__(why)
-        self.done = done
 
 
 class MqttTrigger:
@@ -177,6 +174,7 @@ class Webhook:
     async def start(self) -> None:
         import httpx  # the `lines` extra, imported only where a line posts to a webhook
 
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a webhook's every request is not news
         self._client = httpx.AsyncClient(timeout=self.config.timeout_s, follow_redirects=False)
 
     def headers(self, payload: bytes, key: str) -> dict[str, str]:
@@ -197,10 +195,10 @@ class Webhook:
                 )
             except httpx.HTTPError as error:
                 self.connected, self.last_error = False, f"{type(error).__name__}: {error}"
-                raise _Partial(done, self.last_error) from None
+                raise SinkDown(self.last_error, done) from None
             if not answer.is_success:
                 self.connected, self.last_error = True, f"answered {answer.status_code}"
-                raise _Partial(done, self.last_error)
+                raise SinkDown(self.last_error, done)
         self.connected, self.last_error = True, None
         return len(messages)
 
@@ -263,7 +261,7 @@ class OpcUaWriter:
             except Exception as error:  # any failure: drop the connection and try again later
                 self.connected, self.last_error = False, f"{type(error).__name__}: {error}"
                 await self._drop()
-                raise _Partial(done, self.last_error) from None
+                raise SinkDown(self.last_error, done) from None
         return len(messages)
 
     async def _drop(self) -> None:

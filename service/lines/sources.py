@@ -166,11 +166,10 @@ class HotFolder:
     def finish(self, picture: Picture, anomalous: bool) -> None:
         """Runs in a thread: move the picture to done/ or flagged/ (or leave it)."""
         assert picture.path is not None
-        if self.config.after == "move":
-            _move(picture.path, self.config.folder("flagged" if anomalous else "done"), picture.sha256)
         # a left picture stays taken: it is not read again by this process (a restart reads it, finds its key in the
         # journal, and does not score it twice)
         if self.config.after == "move":
+            _move(picture.path, self.config.folder("flagged" if anomalous else "done"), picture.sha256)
             self.taken.discard(picture.path)
 
     def reject(self, picture: Picture, reason: str) -> None:

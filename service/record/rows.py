@@ -74,12 +74,14 @@ def make_row(
     sample: float,
     source: str = "http",
     now: float | None = None,
+    key: str | None = None,
 ) -> dict:
-    """The row of one answered picture (JSON-ready: it goes through the journal)."""
+    """The row of one answered picture (JSON-ready: it goes through the journal); ``key``: an idempotency key its id
+    is made from (:func:`~.store.new_id`)."""
     now = time.time() if now is None else now
     anomalous = bool(result["is_anomaly"])
     return {
-        "id": new_id(now),
+        "id": new_id(now, key),
         "time": now,
         "model": model,
         "version": int(version),

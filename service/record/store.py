@@ -8,6 +8,7 @@ by Alembic (:func:`migrate`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import secrets
@@ -27,10 +28,14 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 LABELS = ("normal", "defect")
 
 
-def new_id(now: float | None = None) -> str:
-    """32 hex digits: the time in milliseconds (12), then 20 random: ids sort by time across replicas."""
+def new_id(now: float | None = None, key: str | None = None) -> str:
+    """32 hex digits: the time in milliseconds (12), then 20 random: ids sort by time across replicas.
+
+    With ``key`` the 20 come from its sha256 instead: the same id on every attempt (a line picture scored again after
+    a crash), which the record inserts once."""
     millis = int((time.time() if now is None else now) * 1000)
-    return f"{millis:012x}{secrets.token_hex(10)}"
+    tail = hashlib.sha256(key.encode()).hexdigest()[:20] if key is not None else secrets.token_hex(10)
+    return f"{millis:012x}{tail}"
 
 
 def database_url(url: str | None, folder: Path | None) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from asyncua import Server, ua
-from helpers import assert_same_verdict, free_port, run_cli, running_server
+from helpers import assert_same_verdict, free_port, run_cli, running_server, wait_until
 from mosquitto import Broker, Subscriber
 
 pytestmark = pytest.mark.mosquitto
@@ -115,15 +115,6 @@ def frames_of(path: Path) -> list[np.ndarray]:
         if not ok:
             return frames
         frames.append(frame)
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_video_stream_and_triggers_reach_mqtt_and_opc_ua(model_file, dataset, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_same_verdict, free_port, metric, run_cli, running_server
+from helpers import assert_same_verdict, free_port, metric, run_cli, running_server, wait_until
 from mosquitto import Broker, Subscriber
 
 pytestmark = pytest.mark.mosquitto
@@ -68,15 +68,6 @@ def slow_copy(source: Path, target: Path, pause: float) -> None:
         with open(target, "ab") as file:
             file.write(data[start : start + third] if start < 2 * third else data[start:])
         time.sleep(pause)
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def mqtt_outbox(server) -> float:
