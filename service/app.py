@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from padim.core.version import __version__
+from padim.models.errors import UsageError
 
 from .errors import install_error_handlers
 from .lines.pipeline import Lines
@@ -47,8 +48,16 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await asyncio.to_thread(state.open_record)
-        loading = asyncio.create_task(_load(state, on_fatal, running), name="load-models")
+        loading = None
+        try:
+            await asyncio.to_thread(state.open_record)
+        except UsageError as error:  # its journal is another process's: unready, one line, and the process exits
+            state.startup_error = str(error)
+            log.error("start-up failed: %s", state.startup_error)
+            if on_fatal is not None:
+                on_fatal()
+        else:
+            loading = asyncio.create_task(_load(state, on_fatal, running), name="load-models")
         polling = (
             asyncio.create_task(state.poll(), name="repository-poll")
             if state.settings.repository_poll_s is not None

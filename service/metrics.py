@@ -94,11 +94,16 @@ class Metrics:
             "padim_record_rows_total",
             "rows of the inspection record, by outcome: journaled "
             "(durable on disk), committed (in the database), refused (not durable: the journal "
-            "was full or its disk failed)",
+            "was full or its disk failed), adopted (from the journal of a replica that stopped, into the database)",
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in ("journaled", "committed", "refused"):  # every series from the start: rate() and alerts see 0
+        for outcome in (
+            "journaled",
+            "committed",
+            "refused",
+            "adopted",
+        ):  # every series from the start: rate() and alerts see 0
             self.record_rows.labels(outcome)
         self.record_rows_waiting = Gauge(
             "padim_record_rows_waiting",

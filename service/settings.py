@@ -164,6 +164,13 @@ class ServiceSettings(BaseSettings):
         "postgresql://user:password@host/db (pictures and the journal stay in "
         "PADIM_RECORD_DIR, by default $XDG_DATA_HOME/padim/record)",
     )
+    replica: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="this process's name among replicas that share one PADIM_RECORD_DIR (a volume) and one "
+        "PADIM_RECORD_URL: its journal is then RECORD_DIR/journal/NAME, and a replica adopts the journal of one "
+        "that stopped (docs/kubernetes.md); the Helm chart sets it to the pod's name",
+    )
     record_max_bytes: int = Field(
         10_000_000_000,
         ge=0,
@@ -247,6 +254,8 @@ class ServiceSettings(BaseSettings):
         }
         if self.review_key is not None and list(keys.values()).count(keys["PADIM_REVIEW_KEY"]) > 1:
             raise ValueError("PADIM_REVIEW_KEY must differ from PADIM_API_KEY and PADIM_ADMIN_KEY")
+        if self.replica is not None and not self.record_on:
+            raise ValueError("PADIM_REPLICA names a replica's journal in the record: it needs PADIM_RECORD_DIR or _URL")
         if self.repository_poll_s is not None and self.repository is None:
             raise ValueError("PADIM_REPOSITORY_POLL_S needs PADIM_REPOSITORY")
         return self

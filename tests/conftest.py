@@ -72,6 +72,30 @@ def model_file(dataset, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def second_model(dataset, tmp_path_factory) -> Path:
+    """Another model of the same line: other random projection (another --seed), so other raw scores."""
+    path = tmp_path_factory.mktemp("second") / "weave-v2.padim"
+    run_cli(
+        "-q",
+        "train",
+        dataset / "train" / "good",
+        "--output",
+        path,
+        "--weights",
+        "random",
+        "--image-size",
+        IMAGE_SIZE,
+        "--batch-size",
+        8,
+        "--seed",
+        1,
+        "--false-alarm-rate",
+        0.05,
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
 def server(model_file, tmp_path_factory):
     """A real `padim serve` process (uvicorn) on 127.0.0.1 serving ``model_file``."""
     with running_server(tmp_path_factory.mktemp("server"), [model_file]) as running:

@@ -93,9 +93,10 @@ def running_server(
     args: tuple = (),
     wait_ready: bool = True,
     padim: tuple[str, ...] = (sys.executable, "-m", "padim"),
+    port: int | None = None,
 ):
     """A real ``padim serve`` process on 127.0.0.1 (``padim``: how to run the command line)."""
-    port = free_port()
+    port = port or free_port()
     log = tmp_path / f"server-{port}.log"
     command = [*padim, "serve", "--port", str(port), *args]
     for model in models:

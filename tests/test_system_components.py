@@ -43,6 +43,14 @@ def test_needs_postgres():
 def test_needs_mosquitto():
     pass
 
+@pytest.mark.haproxy
+def test_needs_haproxy():
+    pass
+
+@pytest.mark.helm
+def test_needs_helm():
+    pass
+
 def test_needs_nothing():
     pass
 
@@ -79,6 +87,7 @@ def environment(bin_dir: Path, **extra: str) -> dict:
         "PYTHONPATH": str(ROOT / "tests"),
         "PADIM_TEST_POSTGRES_BIN": str(bin_dir / "no-postgresql"),
         "PADIM_TEST_MOSQUITTO": str(bin_dir / "no-mosquitto"),
+        "PADIM_TEST_HAPROXY": str(bin_dir / "no-haproxy"),
         **extra,
     }
 
@@ -114,7 +123,7 @@ def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
 def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp_path):
     result = run_sample(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b1 passed, 6 skipped\b", result.stdout), result.stdout
+    assert re.search(r"\b1 passed, 8 skipped\b", result.stdout), result.stdout
     skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", result.stdout, re.M)
     for marker in COMPONENTS:
         (reason,) = [r for r in skipped if r.startswith(f"{marker}: ")]
@@ -127,11 +136,11 @@ def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp
 def test_under_padim_test_require_a_missing_component_fails(tmp_path):
     every = run_sample(tmp_path / "all", PADIM_TEST_REQUIRE="all")
     assert every.returncode == 1, every.stdout
-    assert re.search(r"\b1 passed, 1 skipped, 5 errors\b", every.stdout), every.stdout
+    assert re.search(r"\b1 passed, 1 skipped, 7 errors\b", every.stdout), every.stdout
     for marker in COMPONENTS:
         assert re.search(rf"^{marker}: .*\[PADIM_TEST_REQUIRE=all: required\]", every.stdout, re.M), marker
     one = run_sample(tmp_path / "one", PADIM_TEST_REQUIRE="promtool")
-    assert re.search(r"\b1 passed, 5 skipped, 1 error\b", one.stdout), one.stdout
+    assert re.search(r"\b1 passed, 7 skipped, 1 error\b", one.stdout), one.stdout
     wrong = run_sample(tmp_path / "wrong", PADIM_TEST_REQUIRE="dockr")
     assert wrong.returncode == 4 and "PADIM_TEST_REQUIRE names ['dockr']" in wrong.stderr, wrong.stderr
 

@@ -23,11 +23,14 @@ always asks it for float32. On a GPU, torch runs CUDA and stays the default.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +145,7 @@ def load_scorer(
     cached = (
         cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")
     )  # both runtimes read the ONNX graph
-    with _export_lock:
+    with _exclusive(cached):  # replicas sharing a repository's cache export a version once, and read it whole
         if not is_export(cached):
             detector = load_detector(path, device="cpu")
             log.info("exporting %s for %s into %s (once; later loads read it)", path, chosen, cached)
@@ -150,21 +153,35 @@ def load_scorer(
             del detector
             if cache is None:  # a given cache folder holds every version's export: its owner prunes it
                 _prune(cached)
-    try:
-        metadata = read_export(cached)
-        version = int(metadata.get("export_version", 0))
-        # an older padim's graph (still servable) is made again as today's, which is faster
-        stale = f"cached by an older padim (export version {version})" if version < EXPORT_VERSION else None
-    except ArtifactError:  # a damaged cache is not the model's fault: make it again
-        stale = "cached export damaged"
-    if stale is not None:
-        log.warning("%s: %s; exporting again", cached, stale)
-        with _export_lock:
+        try:
+            metadata = read_export(cached)
+            version = int(metadata.get("export_version", 0))
+            # an older padim's graph (still servable) is made again as today's, which is faster
+            stale = f"cached by an older padim (export version {version})" if version < EXPORT_VERSION else None
+        except ArtifactError:  # a damaged cache is not the model's fault: make it again
+            stale = "cached export damaged"
+        if stale is not None:
+            log.warning("%s: %s; exporting again", cached, stale)
             shutil.rmtree(cached, ignore_errors=True)
+    if stale is not None:
         return load_scorer(path, runtime, device, cache=cache)
     if metadata["model"]["sha256"] != sha256:
         raise ArtifactError(f"{cached}: cached export of another file; remove it")
     return DeployedDetector(cached, metadata, chosen, target, source=path)
+
+
+@contextlib.contextmanager
+def _exclusive(cached: Path) -> Iterator[None]:
+    """The export of ``cached`` to this thread alone, and to this process alone among those that share its folder
+    (an ``flock`` on the folder's ``.export.lock``: the replicas of a service on one repository volume)."""
+    with _export_lock:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with open(cached.parent / ".export.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cache_dir(model_path: Path, sha256: str, fmt: str) -> Path:

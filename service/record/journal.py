@@ -9,14 +9,23 @@ between its commit and ``COMMITTED``): inserts are idempotent on the row's id.
 
 A kill -9 leaves at most a torn last line in the segment being written; it was never acknowledged (its
 ``fsync`` had not returned), and the reader skips it.
+
+A process owns its journal through an ``flock`` on ``.owner``, held while it runs and released by the kernel
+when it dies. Replicas that share a record folder each have a journal of their own (``journal/NAME``,
+``PADIM_REPLICA``); the journal of a replica that stopped with rows in it (a pod deleted for good) is *adopted*:
+:func:`adoptable` finds it, another replica takes its lock, sends its rows to the database and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +36,45 @@ log = logging.getLogger("padim.record")
 #: A segment is closed and a new one begun past this many bytes.
 SEGMENT_BYTES = 8 * 2**20
 COMMITTED = "COMMITTED"
+OWNER = ".owner"
+#: A journal held by another process is waited for this long at start (a replica adopting it finishes first).
+OWN_WAIT_S = 15.0
 
 
 class JournalFull(Exception):
     """The journal holds its limit of bytes: the database has been away too long (or is too slow)."""
+
+
+class JournalTaken(Exception):
+    """Another running process owns this journal."""
+
+
+def _own(folder: Path, wait_s: float):
+    """The open ``.owner`` of ``folder``, locked (``folder`` made when missing); JournalTaken after ``wait_s``.
+
+    A replica that adopted the journal removes its folder before it lets go of the lock: a lock won on a file
+    that is no longer the folder's ``.owner`` is let go and taken again on the new one."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / OWNER, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            if time.monotonic() >= deadline:
+                raise JournalTaken(
+                    f"{folder}: another running process writes this journal (replicas that share a record "
+                    "folder need a PADIM_REPLICA each)"
+                ) from None
+            time.sleep(0.2)
+            continue
+        try:
+            if os.fstat(handle.fileno()).st_ino == os.stat(folder / OWNER).st_ino:
+                return handle
+        except OSError:
+            pass
+        handle.close()  # adopted and removed meanwhile: own the new one
 
 
 @dataclass(frozen=True, order=True)
@@ -44,15 +88,19 @@ class Position:
 class Journal:
     """The segments in ``folder``, bounded to ``max_bytes`` of rows the database does not have yet."""
 
-    def __init__(self, folder: Path, max_bytes: int):
+    def __init__(self, folder: Path, max_bytes: int, wait_s: float = OWN_WAIT_S, write: bool = True):
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._owner = _own(self.folder, wait_s)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         numbers = self._segments()
         self.position = self._read_position(numbers)
-        self.current = (numbers[-1] + 1) if numbers else max(1, self.position.segment)
-        self._handle = open(self._path(self.current), "ab")
+        if write:
+            self.current = (numbers[-1] + 1) if numbers else max(1, self.position.segment)
+            self._handle = open(self._path(self.current), "ab")
+        else:  # adopted: read to the end, never written
+            self.current = numbers[-1] if numbers else self.position.segment
+            self._handle = None
         self._written = 0
         sync_directory(self.folder)
 
@@ -105,7 +153,9 @@ class Journal:
 
     def close(self) -> None:
         with self._lock:
-            self._handle.close()
+            if self._handle is not None:
+                self._handle.close()
+            self._owner.close()  # the lock goes with it
 
     # ---------------------------------------------------------------- reader
     def read(self, position: Position, max_rows: int) -> tuple[list[dict], Position]:
@@ -159,6 +209,42 @@ class Journal:
             return Position(segment, offset)
         except (OSError, ValueError):
             return Position(numbers[0] if numbers else 1, 0)
+
+
+def adoptable(root: Path, own: Path) -> list[Path]:
+    """Journals under ``root`` other than ``own`` that hold segments: ``root``'s own (a single process's, before
+    replicas were named) and each replica's folder; whether their owner still runs is for :func:`adopt`."""
+    if not root.is_dir():
+        return []
+    folders = [root, *sorted(p for p in root.iterdir() if p.is_dir())]
+    return [p for p in folders if p.resolve() != own.resolve() and any(p.glob("*.jsonl"))]
+
+
+def adopt(folder: Path, insert, batch: int) -> int | None:
+    """Send the rows of the journal in ``folder`` to the database (``insert(rows)``) and remove it; ``None`` when
+    its owner runs. A replica's folder goes; a shared root keeps its replicas' folders."""
+    try:
+        journal = Journal(folder, 0, wait_s=0, write=False)
+    except JournalTaken:
+        return None
+    adopted = 0
+    try:
+        while True:
+            rows, position = journal.read(journal.position, batch)
+            if rows:
+                insert(rows)  # idempotent on the row's id: a second adopter after a crash inserts nothing twice
+                adopted += len(rows)
+            journal.commit(position)
+            if not rows:
+                break
+        for path in [*folder.glob("*.jsonl"), folder / COMMITTED]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if not any(p.is_dir() for p in folder.iterdir()):  # a replica's folder: gone (before its lock is let go)
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        journal.close()
+    return adopted
 
 
 def _read_lines(path: Path, offset: int, max_rows: int, chunk: int = 2**20) -> tuple[list[dict], int]:

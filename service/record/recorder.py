@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .journal import Journal, JournalFull
+from .journal import Journal, JournalFull, adopt, adoptable
 from .pictures import PictureStore, sync_directories
 from .store import RecordStore
 
@@ -66,6 +66,8 @@ class Recorder:
         folder: the record's folder (``journal/``, ``pictures/``, and ``record.sqlite`` without a URL).
         store: the database.
         metrics: the service's :class:`~padim.service.metrics.Metrics` (or ``None``).
+        replica: this replica's name when several share ``folder``: its journal is ``journal/NAME``, and the
+            journals of replicas that stopped are adopted (:func:`~.journal.adopt`).
     """
 
     def __init__(
@@ -77,10 +79,11 @@ class Recorder:
         retention_days: float,
         flagged_retention_days: float,
         metrics=None,
+        replica: str | None = None,
     ):
         self.folder = Path(folder)
         self.store = store
-        self.journal = Journal(self.folder / "journal", journal_max_bytes)
+        self.journal = Journal(self.folder / "journal" / (replica or ""), journal_max_bytes)
         self.pictures = PictureStore(self.folder / "pictures")
         self.max_bytes, self.retention_days, self.flagged_retention_days = (
             max_bytes,
@@ -202,8 +205,7 @@ class Recorder:
             try:
                 if not migrated:  # a database down at start is waited for like one that goes away later
                     self.store.migrate()
-                    if self.store.kind == "sqlite":  # one process owns it: what was running has stopped
-                        self.store.interrupted_jobs()
+                    self.store.interrupted_jobs()  # what a stopped process (or replica) left running
                     migrated = True
                     self.ready.set()
                 rows, position = self.journal.read(self.journal.position, DB_BATCH)
@@ -254,7 +256,21 @@ class Recorder:
         if now < self._next_eviction:
             return
         self._next_eviction = now + EVICT_EVERY_S
+        self.adopt()
         self.evict(now)
+
+    def adopt(self) -> int:
+        """Send the rows of stopped replicas' journals to the database; returns how many."""
+        total = 0
+        for folder in adoptable(self.folder / "journal", self.journal.folder):
+            adopted = adopt(folder, self.store.insert, DB_BATCH)
+            if adopted is not None:
+                total += adopted
+                log.warning(
+                    "record: a stopped replica's journal adopted", extra={"journal": folder.name, "rows": adopted}
+                )
+                self._count("adopted", adopted)
+        return total
 
     def evict(self, now: float | None = None) -> int:
         """Remove pictures past their retention, then past the budget (passed ones first); rows stay. Returns

@@ -8,6 +8,7 @@ by Alembic (:func:`migrate`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -17,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, update
+from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from padim.models.errors import RecordNotFound
@@ -398,8 +399,70 @@ class RecordStore:
             raise RecordNotFound(f"no job {job_id!r}")
         return dict(row)
 
+    def claim_updates(self, model: str) -> UpdateClaim | None:
+        """The right to run an update of ``model``, across every replica writing this database; ``None`` when
+        another replica holds it.
+
+        On PostgreSQL a session-level advisory lock, held on a connection of its own for the job's length: the
+        server lets go of it when that connection closes, so a replica that dies (kill -9, a node lost) frees it
+        at once. Whoever wins it marks the jobs of ``model`` still queued or running as failed: their replica
+        stopped. SQLite is one process's (jobs keep their own count there, and :meth:`interrupted_jobs` runs at
+        start): a claim always succeeds.
+        """
+        if self.kind == "sqlite":
+            return UpdateClaim(None)
+        key = int.from_bytes(hashlib.sha256(f"padim update {model}".encode()).digest()[:8], "big", signed=True)
+        connection = self.engine.connect()
+        try:
+            won = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar()
+            connection.commit()
+            if not won:
+                connection.close()
+                return None
+            with self.engine.begin() as other:
+                other.execute(
+                    update(jobs)
+                    .where(jobs.c.model == model, jobs.c.state.in_(("queued", "running")))
+                    .values(
+                        state="failed",
+                        finished=time.time(),
+                        error="its replica stopped before the update finished; no version was written",
+                    )
+                )
+        except BaseException:
+            connection.close()
+            raise
+        return UpdateClaim(connection)
+
+    def running_job(self, model: str) -> dict | None:
+        """The latest job of ``model`` still queued or running."""
+        with self.engine.connect() as connection:
+            row = (
+                connection.execute(
+                    select(jobs)
+                    .where(jobs.c.model == model, jobs.c.state.in_(("queued", "running")))
+                    .order_by(jobs.c.created.desc())
+                )
+                .mappings()
+                .first()
+            )
+        return dict(row) if row is not None else None
+
     def interrupted_jobs(self) -> None:
-        """Jobs left queued or running by a process that stopped: failed, saying so (no version was written)."""
+        """Jobs left queued or running by a process that stopped: failed, saying so (no version was written).
+
+        On PostgreSQL, only those whose replica no longer holds their model's lock (the others still run)."""
+        if self.kind != "sqlite":
+            with self.engine.connect() as connection:
+                models = connection.execute(
+                    select(jobs.c.model).where(jobs.c.state.in_(("queued", "running"))).distinct()
+                ).scalars()
+                models = list(models)
+            for model in models:
+                claim = self.claim_updates(model)  # won: their replica is gone, and they are marked failed
+                if claim is not None:
+                    claim.release()
+            return
         with self.engine.begin() as connection:
             connection.execute(
                 update(jobs)
@@ -410,6 +473,21 @@ class RecordStore:
                     error="the service stopped before the update finished; no version was written; start it again",
                 )
             )
+
+
+class UpdateClaim:
+    """A held :meth:`RecordStore.claim_updates`; :meth:`release` lets go of it."""
+
+    def __init__(self, connection):
+        self.connection = connection
+
+    def release(self) -> None:
+        if self.connection is not None:
+            # the lock belongs to the server's session: the connection is closed, not handed back to the pool
+            with contextlib.suppress(Exception):  # a database gone has let go of it already
+                self.connection.invalidate()
+                self.connection.close()
+            self.connection = None
 
 
 __all__ = ["LABELS", "Filters", "RecordStore", "current_revision", "database_url", "metadata", "migrate", "new_id"]

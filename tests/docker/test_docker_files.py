@@ -136,6 +136,14 @@ def test_compose_file_follows_the_compose_spec():
     assert (
         service["build"]["context"] == ".." and (ROOT / "docker" / service["build"]["context"] / "Dockerfile").exists()
     )
+    # the optional Prometheus loads the chart's rules file, the one promtool's tests check: no copy
+    prometheus = COMPOSE["services"]["prometheus"]
+    mounted = {v.split(":")[0]: v.split(":")[1] for v in prometheus["volumes"]}
+    assert (ROOT / "docker" / "../charts/padim/files/padim-alerts.yml").resolve().is_file()
+    assert mounted["../charts/padim/files/padim-alerts.yml"] == "/etc/prometheus/padim-alerts.yml"
+    config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["padim-alerts.yml"]
+    assert mounted["./prometheus.yml"] == "/etc/prometheus/prometheus.yml"
 
 
 def test_commented_cpu_variant_is_valid_too():

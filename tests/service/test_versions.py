@@ -30,30 +30,6 @@ OCTET = {"content-type": "application/octet-stream"}
 
 
 @pytest.fixture(scope="module")
-def second_model(dataset, tmp_path_factory) -> Path:
-    """Another model of the same line: other random projection (another --seed), so other raw scores."""
-    path = tmp_path_factory.mktemp("second") / "weave-v2.padim"
-    run_cli(
-        "-q",
-        "train",
-        dataset / "train" / "good",
-        "--output",
-        path,
-        "--weights",
-        "random",
-        "--image-size",
-        IMAGE_SIZE,
-        "--batch-size",
-        8,
-        "--seed",
-        1,
-        "--false-alarm-rate",
-        0.05,
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
 def predicted(model_file, second_model, dataset, tmp_path_factory) -> dict[str, dict]:
     """``padim predict``'s raw score of the probe image under each model file: the references."""
     references = {}

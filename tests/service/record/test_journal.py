@@ -9,7 +9,15 @@ import textwrap
 
 import pytest
 
-from padim.service.record.journal import SEGMENT_BYTES, Journal, JournalFull, Position
+from padim.service.record.journal import (
+    SEGMENT_BYTES,
+    Journal,
+    JournalFull,
+    JournalTaken,
+    Position,
+    adopt,
+    adoptable,
+)
 
 
 def lines(first: int, count: int) -> list[bytes]:
@@ -79,3 +87,27 @@ def test_a_kill_9_loses_no_acknowledged_row(tmp_path):
     journal = Journal(tmp_path, max_bytes=10**9)
     got, _ = read_all(journal, journal.position, batch=500)
     assert got[:acknowledged] == list(range(acknowledged)) and got == list(range(len(got)))
+
+
+def test_a_stopped_replicas_journal_is_adopted_once_and_a_running_ones_is_not(tmp_path):
+    root = tmp_path / "journal"
+    mine = Journal(root / "a", max_bytes=10**9)
+    process = subprocess.Popen([sys.executable, "-c", WRITER, str(root / "b")], stdout=subprocess.PIPE, text=True)
+    acknowledged = 0
+    for line in process.stdout:
+        acknowledged = int(line)
+        if acknowledged >= 500:
+            break
+    assert adoptable(root, mine.folder) == [root / "b"]
+    with pytest.raises(JournalTaken, match="PADIM_REPLICA"):  # two processes given one replica name
+        Journal(root / "b", max_bytes=10**9, wait_s=0)
+    inserted: list[dict] = []
+    assert adopt(root / "b", inserted.extend, 100) is None and not inserted  # b runs: its rows are its own
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    adopted = adopt(root / "b", inserted.extend, 100)
+    got = [r["n"] for r in inserted]
+    assert adopted == len(got) >= acknowledged and got == list(range(len(got)))
+    assert not (root / "b").exists() and adoptable(root, mine.folder) == []
+    again = Journal(root / "b", max_bytes=10**9, wait_s=0)  # a replica of that name starts afresh
+    assert again.waiting_rows() == 0

@@ -136,3 +136,26 @@ def test_the_budget_evicts_oldest_passed_pictures_first_never_pinned_ones_and_ke
     recorder.evict(time.time())
     assert not recorder.pictures.has(old["sha256"]) and rows[9]["sha256"] in kept
     recorder.close()
+
+
+def test_one_update_of_a_model_at_a_time_across_replicas(postgres_cluster):
+    url = postgres_cluster.new_database()
+    first, second = RecordStore(url), RecordStore(url)  # two replicas' connections to one database
+    first.migrate()
+    claim = first.claim_updates("weave")
+    assert claim is not None and second.claim_updates("weave") is None
+    other = second.claim_updates("cable")  # another model: its own lock
+    assert other is not None
+    other.release()
+    job = first.add_job("weave", 1, {})
+    first.set_job(job["id"], state="running")
+    assert second.running_job("weave")["id"] == job["id"]
+    claim.connection.invalidate()  # the replica's connection is gone (it died): the server lets go of the lock
+    again = second.claim_updates("weave")
+    assert again is not None
+    stopped = second.job(job["id"])  # its replica stopped: failed, saying so, and no longer running
+    assert stopped["state"] == "failed" and "replica stopped" in stopped["error"]
+    assert second.running_job("weave") is None
+    again.release()
+    assert first.claim_updates("weave") is not None
+    first.close(), second.close()

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from padim.service.metrics import Metrics
 
-RULES = Path(__file__).parents[2] / "docker" / "prometheus"
+RULES = Path(__file__).parents[2] / "charts" / "padim" / "files"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
