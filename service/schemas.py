@@ -295,6 +295,7 @@ class ReadyResponse(BaseModel):
         description="with PADIM_LINES, each line's source state and each sink's connection and outbox: detail only, "
         "a camera or broker that is down never makes the service unready",
     )
+    replica: str | None = Field(None, description="this replica's name (PADIM_REPLICA), where it has one")
 
 
 class LineSource(BaseModel):

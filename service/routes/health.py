@@ -23,13 +23,18 @@ async def live() -> LiveResponse:
 async def ready(state: StateDep, request: Request):
     lines = request.app.state.lines.health() if request.app.state.lines is not None else None
     device_problem = await state.check_devices() if state.ready and not state.draining else None
+    replica = state.settings.replica
     if state.ready and not state.draining and device_problem is None:
-        return ReadyResponse(status="ready", models=list(state.models), lines=lines)
+        return ReadyResponse(status="ready", models=list(state.models), lines=lines, replica=replica)
     if state.draining:
         reason = "draining"
     elif device_problem is not None or state.failure is not None:
         reason = "failed: " + (device_problem or state.failure)
     else:
         reason = "failed: " + state.startup_error if state.startup_error else "loading"
-    body = {"status": "not_ready", "reason": reason} | ({"lines": lines} if lines is not None else {})
+    body = (
+        {"status": "not_ready", "reason": reason}
+        | ({"lines": lines} if lines is not None else {})
+        | ({"replica": replica} if replica is not None else {})
+    )
     return JSONResponse(body, status_code=503)

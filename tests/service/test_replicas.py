@@ -64,6 +64,7 @@ def test_two_replicas_share_versions_jobs_and_one_record(model_file, second_mode
         b = stack.enter_context(replica("b"))
         balancer = stack.enter_context(Balancer(tmp_path, ports))
         wait_until(lambda: served_version(balancer.url, pictures[0], probes) == 1, 10, "the balancer to pass requests")
+        assert httpx.get(b.url + "/health/ready").json()["replica"] == "b"  # which replica answers
 
         def client(offset: int) -> None:
             with httpx.Client(base_url=balancer.url, timeout=30) as http:
