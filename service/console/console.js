@@ -72,7 +72,9 @@ function explain(error) {
 async function loadModels() {
   try {
     const ready = await fetch("/health/ready");
-    state.lines = "lines" in (await ready.clone().json().catch(() => ({}))); // only with PADIM_LINES
+    const readiness = await ready.clone().json().catch(() => ({}));
+    state.lines = "lines" in readiness; // only with PADIM_LINES
+    const on = readiness.replica ? ` on replica ${readiness.replica}` : ""; // behind a balancer: which one answered
     loadLines();
     if (!ready.ok) {
       $("server").textContent = "models loading…";
@@ -94,7 +96,7 @@ async function loadModels() {
     const wanted = sessionStorage.getItem("padim-model");
     select.value = listing.models.some((m) => m.name === wanted) ? wanted : listing.default;
     chooseModel(select.value);
-    $("server").textContent = `${listing.models.length} model${listing.models.length === 1 ? "" : "s"} ready`;
+    $("server").textContent = `${listing.models.length} model${listing.models.length === 1 ? "" : "s"} ready${on}`;
     showError("");
   } catch (error) {
     $("server").textContent = "not connected";

@@ -316,7 +316,12 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    env = {"PADIM_RECORD_DIR": str(tmp_path / "record"), "PADIM_REVIEW_SAMPLE": "1", "PADIM_RUNTIME": "torch"}
+    env = {
+        "PADIM_RECORD_DIR": str(tmp_path / "record"),
+        "PADIM_REVIEW_SAMPLE": "1",
+        "PADIM_RUNTIME": "torch",
+        "PADIM_REPLICA": "press-a",
+    }
     pictures = [
         *sorted(dataset.glob("test/good/*.png"))[:4],
         dataset / "test" / "hole" / "000.png",
@@ -329,6 +334,7 @@ def test_the_review_queue_labels_pictures_by_keyboard(browser, model_file, datas
             time.sleep(0.1)
         browser.get(server.url + "/")
         wait(browser, lambda d: not d.find_element(By.ID, "review").get_property("hidden"))
+        wait(browser, lambda d: text(d, "server") == "1 model ready on replica press-a")  # which replica answers
         wait(browser, lambda d: text(d, "review-count") == "5 waiting")
         body = browser.find_element(By.TAG_NAME, "body")
         body.send_keys("v")
