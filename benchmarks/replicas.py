@@ -32,6 +32,7 @@ import httpx
 from timing import machine_name, seeded_resnet18, work_folder
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test harness (imported where used): PostgreSQL, haproxy, the load
 
 
 def start(name: str, port: int, env: dict, log: Path) -> subprocess.Popen:
@@ -55,35 +56,15 @@ def start(name: str, port: int, env: dict, log: Path) -> subprocess.Popen:
     raise SystemExit(f"replica {name} not ready in time")
 
 
-def load(url: str, pictures: list[bytes], clients: int, seconds: float, results: list, stop: threading.Event):
-    """``clients`` closed-loop clients for ``seconds`` (or until ``stop``): (answered, status, version) each."""
-
-    def client(offset: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as http:
-            deadline, sent = time.monotonic() + seconds, 0
-            while time.monotonic() < deadline and not stop.is_set():
-                data = pictures[(offset + sent) % len(pictures)]
-                sent += 1
-                try:
-                    response = http.post("/score", content=data, headers={"content-type": "image/png"})
-                    version = response.json()["model"]["version"] if response.status_code == 200 else None
-                    results.append((time.monotonic(), response.status_code, version))
-                except httpx.TransportError:
-                    results.append((time.monotonic(), 0, None))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    return threads
-
-
 def throughput(url: str, pictures: list[bytes], clients: int, seconds: float) -> float:
+    from helpers import closed_loop
+
     results: list = []
-    load(url, pictures, clients, 2.0, results, threading.Event())[-1].join()  # warm
-    time.sleep(2.5)
+    for thread in closed_loop(url, pictures, clients, 2.0, results, threading.Event()):  # warm
+        thread.join()
     results.clear()
     begun = time.monotonic()
-    for thread in load(url, pictures, clients, seconds, results, threading.Event()):
+    for thread in closed_loop(url, pictures, clients, seconds, results, threading.Event()):
         thread.join()
     return sum(status == 200 for _, status, _ in results) / (time.monotonic() - begun)
 
@@ -106,9 +87,8 @@ def main() -> int:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the replicas and the cluster are stopped on the way out
 
-    sys.path.insert(0, str(ROOT / "tests"))  # the test harness's PostgreSQL cluster and haproxy
     from haproxy import Balancer
-    from helpers import free_port
+    from helpers import closed_loop, free_port
     from postgres import Cluster
 
     from padim.models import PadimConfig, fit_detector, training_images
@@ -167,7 +147,7 @@ def main() -> int:
             print(f"two replicas: {report['two_replicas_rps']} requests/s")
             results: list = []
             stop = threading.Event()
-            threads = load(two.url, pictures, args.clients, 600, results, stop)
+            threads = closed_loop(two.url, pictures, args.clients, 600, results, stop)
             time.sleep(2.0)
             asked = time.monotonic()
             answer = httpx.post(

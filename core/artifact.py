@@ -31,10 +31,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +180,18 @@ def tensor_sizes(path: str | os.PathLike) -> dict[str, int]:
         for name, entry in table.items()
         if name != "__metadata__"
     }
+
+
+@contextlib.contextmanager
+def locked_file(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (made when missing): one thread of one process at a time, among all
+    processes that open it, also on a shared volume."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -27,7 +27,6 @@ made from the file. The sha256 of an export directory is that of the model file 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -38,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from padim.core.artifact import file_sha256, read_header
+from padim.core.artifact import file_sha256, locked_file, read_header
 from padim.core.errors import ArtifactError
 from padim.models.deploy.export import METADATA_FILE, read_export
 from padim.models.errors import (
@@ -259,12 +258,8 @@ class Repository:
         """Serialise changes of model ``name`` across threads and processes."""
         folder = self.root / check_name(name)
         folder.mkdir(exist_ok=True)
-        with open(folder / ".lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with locked_file(folder / ".lock"):
+            yield
 
     def incoming(self, name: str) -> Path:
         """A fresh folder to write a new version into (not a version until :meth:`commit`)."""

@@ -52,10 +52,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         try:
             await asyncio.to_thread(state.open_record)
         except UsageError as error:  # its journal is another process's: unready, one line, and the process exits
-            state.startup_error = str(error)
-            log.error("start-up failed: %s", state.startup_error)
-            if on_fatal is not None:
-                on_fatal()
+            _start_failed(state, on_fatal, error)
         else:
             loading = asyncio.create_task(_load(state, on_fatal, running), name="load-models")
         polling = (
@@ -143,7 +140,12 @@ async def _load(state: ServiceState, on_fatal: Callable[[], None] | None, runnin
         if running is not None:
             await running.start()
     except Exception as error:  # any failure here means the service cannot do its job
-        state.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
-        log.error("start-up failed: %s", state.startup_error)
-        if on_fatal is not None:
-            on_fatal()
+        _start_failed(state, on_fatal, error)
+
+
+def _start_failed(state: ServiceState, on_fatal: Callable[[], None] | None, error: Exception) -> None:
+    """The service cannot do its job: unready with the first line of why, logged, and the process told to exit."""
+    state.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
+    log.error("start-up failed: %s", state.startup_error)
+    if on_fatal is not None:
+        on_fatal()

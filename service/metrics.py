@@ -98,12 +98,8 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in (
-            "journaled",
-            "committed",
-            "refused",
-            "adopted",
-        ):  # every series from the start: rate() and alerts see 0
+        # every series from the start: rate() and alerts see 0
+        for outcome in ("journaled", "committed", "refused", "adopted"):
             self.record_rows.labels(outcome)
         self.record_rows_waiting = Gauge(
             "padim_record_rows_waiting",

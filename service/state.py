@@ -53,7 +53,6 @@ from .batching import MicroBatcher
 from .errors import ApiError, api_error
 from .metrics import Metrics
 from .monitor import Monitor
-from .record.journal import JournalTaken
 from .record.recorder import Recorder
 from .record.rows import make_row
 from .record.store import RecordStore, database_url
@@ -315,19 +314,16 @@ class ServiceState:
         folder.mkdir(parents=True, exist_ok=True)
         url = settings.record_url.get_secret_value() if settings.record_url is not None else None
         store = RecordStore(database_url(url, folder))
-        try:
-            self.record = Recorder(
-                folder,
-                store,
-                settings.record_journal_max_bytes,
-                settings.record_max_bytes,
-                settings.record_retention_days,
-                settings.record_flagged_retention_days,
-                self.metrics,
-                settings.replica,
-            )
-        except JournalTaken as error:  # two processes given one PADIM_REPLICA (or none) on one record folder
-            raise UsageError(str(error)) from None
+        self.record = Recorder(  # JournalTaken (a UsageError): another process writes this journal
+            folder,
+            store,
+            settings.record_journal_max_bytes,
+            settings.record_max_bytes,
+            settings.record_retention_days,
+            settings.record_flagged_retention_days,
+            self.metrics,
+            settings.replica,
+        )
         self.record.start()
         log.info(
             "inspection record on",

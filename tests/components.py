@@ -109,12 +109,17 @@ def _postgres() -> str | None:
     return None
 
 
-def mosquitto_path() -> str | None:
-    """Debian's MQTT broker (in /usr/sbin, often not on a user's PATH): ``PADIM_TEST_MOSQUITTO``, else found."""
-    given = os.environ.get("PADIM_TEST_MOSQUITTO")
+def _daemon(name: str) -> str | None:
+    """A Debian daemon (in /usr/sbin, often not on a user's PATH): ``PADIM_TEST_<NAME>``, else found."""
+    given = os.environ.get(f"PADIM_TEST_{name.upper()}")
     if given:
         return given if os.path.exists(given) else None
-    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto",) if os.path.exists(p)), None)
+    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}",) if os.path.exists(p)), None)
+
+
+def mosquitto_path() -> str | None:
+    """Debian's MQTT broker: ``PADIM_TEST_MOSQUITTO``, else found."""
+    return _daemon("mosquitto")
 
 
 def _mosquitto() -> str | None:
@@ -122,11 +127,8 @@ def _mosquitto() -> str | None:
 
 
 def haproxy_path() -> str | None:
-    """Debian's load balancer (in /usr/sbin): ``PADIM_TEST_HAPROXY``, else found."""
-    given = os.environ.get("PADIM_TEST_HAPROXY")
-    if given:
-        return given if os.path.exists(given) else None
-    return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.path.exists(p)), None)
+    """Debian's load balancer: ``PADIM_TEST_HAPROXY``, else found."""
+    return _daemon("haproxy")
 
 
 def _haproxy() -> str | None:

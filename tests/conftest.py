@@ -50,10 +50,10 @@ def weights_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def model_file(dataset, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "weave.padim"
-    result = run_cli(
+def train_weave(dataset: Path, path: Path, *options):
+    """``padim train`` of the generated line's good pictures, random weights, the tests' image size; ``options``
+    added."""
+    return run_cli(
         "-q",
         "train",
         dataset / "train" / "good",
@@ -65,7 +65,14 @@ def model_file(dataset, tmp_path_factory) -> Path:
         IMAGE_SIZE,
         "--batch-size",
         8,
+        *options,
     )
+
+
+@pytest.fixture(scope="session")
+def model_file(dataset, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "weave.padim"
+    result = train_weave(dataset, path)
     summary = json.loads(result.stdout)
     assert summary["images"] == 30
     return path
@@ -75,23 +82,7 @@ def model_file(dataset, tmp_path_factory) -> Path:
 def second_model(dataset, tmp_path_factory) -> Path:
     """Another model of the same line: other random projection (another --seed), so other raw scores."""
     path = tmp_path_factory.mktemp("second") / "weave-v2.padim"
-    run_cli(
-        "-q",
-        "train",
-        dataset / "train" / "good",
-        "--output",
-        path,
-        "--weights",
-        "random",
-        "--image-size",
-        IMAGE_SIZE,
-        "--batch-size",
-        8,
-        "--seed",
-        1,
-        "--false-alarm-rate",
-        0.05,
-    )
+    train_weave(dataset, path, "--seed", 1, "--false-alarm-rate", 0.05)
     return path
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,6 +127,38 @@ def running_server(
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def closed_loop(
+    url: str,
+    pictures: list[bytes],
+    clients: int,
+    seconds: float,
+    answers: list,
+    stop: threading.Event,
+    limit: int | None = None,
+) -> list[threading.Thread]:
+    """``clients`` started threads, each posting ``pictures`` in turn to ``url``/score, one after the other, until
+    ``stop``, ``seconds`` or ``limit`` requests each (bounded, whatever the caller does); each answer appends
+    ``(answered, status or 0 for none, the version that scored it or None)`` to ``answers``."""
+
+    def client(offset: int) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            deadline, sent = time.monotonic() + seconds, 0
+            while not stop.is_set() and time.monotonic() < deadline and (limit is None or sent < limit):
+                picture = pictures[(offset + sent) % len(pictures)]
+                sent += 1
+                try:
+                    response = http.post("/score", content=picture, headers={"content-type": "image/png"})
+                    version = response.json()["model"]["version"] if response.status_code == 200 else None
+                    answers.append((time.monotonic(), response.status_code, version))
+                except httpx.TransportError:
+                    answers.append((time.monotonic(), 0, None))
+
+    threads = [threading.Thread(target=client, args=(i * len(pictures) // clients,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def tensor_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:

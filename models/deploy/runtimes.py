@@ -24,7 +24,6 @@ always asks it for float32. On a GPU, torch runs CUDA and stays the default.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from padim.core.artifact import ArtifactError, file_sha256
+from padim.core.artifact import ArtifactError, file_sha256, locked_file
 from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
 from padim.models.config import PadimConfig
@@ -176,12 +175,8 @@ def _exclusive(cached: Path) -> Iterator[None]:
     (an ``flock`` on the folder's ``.export.lock``: the replicas of a service on one repository volume)."""
     with _export_lock:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with open(cached.parent / ".export.lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with locked_file(cached.parent / ".export.lock"):
+            yield
 
 
 def cache_dir(model_path: Path, sha256: str, fmt: str) -> Path:

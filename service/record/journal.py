@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from padim.models.errors import UsageError
 from padim.models.repository import sync_directory
 
 log = logging.getLogger("padim.record")
@@ -45,8 +46,8 @@ class JournalFull(Exception):
     """The journal holds its limit of bytes: the database has been away too long (or is too slow)."""
 
 
-class JournalTaken(Exception):
-    """Another running process owns this journal."""
+class JournalTaken(UsageError):
+    """Another running process owns this journal (two processes given one PADIM_REPLICA, or none, on one folder)."""
 
 
 def _own(folder: Path, wait_s: float):
@@ -227,16 +228,14 @@ def adopt(folder: Path, insert, batch: int) -> int | None:
         journal = Journal(folder, 0, wait_s=0, write=False)
     except JournalTaken:
         return None
-    adopted = 0
+    adopted, position = 0, journal.position
     try:
         while True:
-            rows, position = journal.read(journal.position, batch)
-            if rows:
-                insert(rows)  # idempotent on the row's id: a second adopter after a crash inserts nothing twice
-                adopted += len(rows)
-            journal.commit(position)
+            rows, position = journal.read(position, batch)
             if not rows:
                 break
+            insert(rows)  # idempotent on the row's id: an adopter after a crash here inserts nothing twice
+            adopted += len(rows)
         for path in [*folder.glob("*.jsonl"), folder / COMMITTED]:
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -27,6 +27,8 @@ from .tables import jobs, metadata, pictures, records, reviews
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 LABELS = ("normal", "defect")
+#: Jobs not finished: a running process's, or one a stopped process left.
+UNFINISHED = jobs.c.state.in_(("queued", "running"))
 
 
 def new_id(now: float | None = None, key: str | None = None) -> str:
@@ -419,16 +421,9 @@ class RecordStore:
             if not won:
                 connection.close()
                 return None
-            with self.engine.begin() as other:
-                other.execute(
-                    update(jobs)
-                    .where(jobs.c.model == model, jobs.c.state.in_(("queued", "running")))
-                    .values(
-                        state="failed",
-                        finished=time.time(),
-                        error="its replica stopped before the update finished; no version was written",
-                    )
-                )
+            self._fail_jobs(
+                "its replica stopped before the update finished; no version was written", jobs.c.model == model
+            )
         except BaseException:
             connection.close()
             raise
@@ -439,9 +434,7 @@ class RecordStore:
         with self.engine.connect() as connection:
             row = (
                 connection.execute(
-                    select(jobs)
-                    .where(jobs.c.model == model, jobs.c.state.in_(("queued", "running")))
-                    .order_by(jobs.c.created.desc())
+                    select(jobs).where(jobs.c.model == model, UNFINISHED).order_by(jobs.c.created.desc())
                 )
                 .mappings()
                 .first()
@@ -454,24 +447,19 @@ class RecordStore:
         On PostgreSQL, only those whose replica no longer holds their model's lock (the others still run)."""
         if self.kind != "sqlite":
             with self.engine.connect() as connection:
-                models = connection.execute(
-                    select(jobs.c.model).where(jobs.c.state.in_(("queued", "running"))).distinct()
-                ).scalars()
-                models = list(models)
+                models = connection.execute(select(jobs.c.model).where(UNFINISHED).distinct()).scalars().all()
             for model in models:
                 claim = self.claim_updates(model)  # won: their replica is gone, and they are marked failed
                 if claim is not None:
                     claim.release()
             return
+        self._fail_jobs("the service stopped before the update finished; no version was written; start it again")
+
+    def _fail_jobs(self, error: str, *where) -> None:
+        """Mark the unfinished jobs (of ``where``) failed, saying why."""
         with self.engine.begin() as connection:
             connection.execute(
-                update(jobs)
-                .where(jobs.c.state.in_(("queued", "running")))
-                .values(
-                    state="failed",
-                    finished=time.time(),
-                    error="the service stopped before the update finished; no version was written; start it again",
-                )
+                update(jobs).where(UNFINISHED, *where).values(state="failed", finished=time.time(), error=error)
             )
 
 

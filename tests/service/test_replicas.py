@@ -16,7 +16,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from haproxy import Balancer
-from helpers import free_port, metric, running_server, wait_until
+from helpers import closed_loop, free_port, metric, running_server, wait_until
 
 from padim.models.repository import Repository
 from padim.service.record.store import database_url
@@ -65,23 +65,7 @@ def test_two_replicas_share_versions_jobs_and_one_record(model_file, second_mode
         balancer = stack.enter_context(Balancer(tmp_path, ports))
         wait_until(lambda: served_version(balancer.url, pictures[0], probes) == 1, 10, "the balancer to pass requests")
         assert httpx.get(b.url + "/health/ready").json()["replica"] == "b"  # which replica answers
-
-        def client(offset: int) -> None:
-            with httpx.Client(base_url=balancer.url, timeout=30) as http:
-                deadline, sent = time.monotonic() + 90, 0  # bounded in time and count, whatever the main thread does
-                while not stop.is_set() and time.monotonic() < deadline and sent < 1500:
-                    picture = pictures[(offset + sent) % len(pictures)]
-                    sent += 1
-                    try:
-                        response = http.post("/score", content=picture, headers={"content-type": "image/png"})
-                        version = response.json()["model"]["version"] if response.status_code == 200 else None
-                        answers.append((time.monotonic(), response.status_code, version))
-                    except httpx.TransportError:
-                        answers.append((time.monotonic(), 0, None))
-
-        threads = [threading.Thread(target=client, args=(i * 4,)) for i in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
+        threads = closed_loop(balancer.url, pictures, CLIENTS, 90, answers, stop, limit=1500)
         time.sleep(1.0)
 
         # an activation through a reaches b through the shared repository (b polls it), under load
