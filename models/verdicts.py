@@ -65,8 +65,24 @@ def verdict(
         NonFiniteScoreError: the score or the map holds a NaN or an infinity.
     """
     values = anomaly_map.numpy() if isinstance(anomaly_map, torch.Tensor) else np.asarray(anomaly_map)
+    raw_threshold = calibration.raw_threshold(0.5 if threshold is None else float(threshold))
+    finite = bool(np.isfinite(values).all())
+    # NumPy compares in the array's float32 (a Python float is cast to it): the service counts the same way
+    over = int(np.count_nonzero(values >= raw_threshold)) if finite else 0
+    return verdict_of(raw_score, over, values.size, finite, calibration, threshold)
+
+
+def verdict_of(
+    raw_score: float, over: int, pixels: int, finite: bool, calibration: Calibration, threshold: float | None = None
+) -> Verdict:
+    """The verdict on one image from what a scored batch counted of its map (:mod:`padim.service.batching`):
+    ``over`` of its ``pixels`` at or above the raw threshold of ``threshold``, and whether the map was all finite.
+
+    Raises:
+        NonFiniteScoreError: the score or the map holds a NaN or an infinity.
+    """
     raw_score = float(raw_score)
-    if not math.isfinite(raw_score) or not np.isfinite(values).all():
+    if not math.isfinite(raw_score) or not finite:
         raise NonFiniteScoreError("the model gave a NaN or infinite score; no verdict")
     threshold = 0.5 if threshold is None else float(threshold)
     raw_threshold = calibration.raw_threshold(threshold)
@@ -76,5 +92,5 @@ def verdict(
         is_anomaly=raw_score >= raw_threshold,
         threshold=threshold,
         raw_threshold=raw_threshold,
-        anomalous_area=float(np.count_nonzero(values >= raw_threshold) / values.size),
+        anomalous_area=float(over / pixels),
     )

@@ -15,6 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from padim.core.version import __version__
 from padim.models.errors import UsageError
 
+from .admission import Places
 from .errors import install_error_handlers
 from .lines.pipeline import Lines
 from .middleware import BodyGuard, RequestContext
@@ -36,14 +37,22 @@ at 0.5), the verdict, the anomalous area and, on request, a heat map and a mask.
 PADIM_HEADER_TIMEOUT_S) and 503 `too_many_connections` (over PADIM_MAX_CONNECTIONS)."""
 
 
-def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    settings: ServiceSettings | None = None,
+    on_fatal: Callable[[], None] | None = None,
+    places: Places | None = None,
+    front: bool = True,
+) -> FastAPI:
     """The app. Models load in the background once it starts; ``/health/ready`` says when they are warm.
 
     Args:
         settings: defaults to :func:`get_settings` (environment).
         on_fatal: called when start-up fails (the server uses it to exit non-zero).
+        places: the queue bound's counts, when shared with other processes (:mod:`padim.service.processes`).
+        front: it faces clients; ``False`` in the scoring process of a service in several processes, whose API
+            processes count and log the requests they pass on.
     """
-    state = ServiceState(settings or get_settings())
+    state = ServiceState(settings or get_settings(), places=places)
     running = Lines(state, state.settings.lines) if state.settings.lines is not None else None
 
     @asynccontextmanager
@@ -96,6 +105,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         batch_limit=settings.batch_limit(),
         any_key=any_key,
     )
+    app.add_middleware(score.ScoreFastPath)  # innermost: behind the body's limits and the request's context
     app.add_middleware(
         BodyGuard,
         max_bytes=settings.max_upload_bytes,
@@ -106,7 +116,7 @@ def create_app(settings: ServiceSettings | None = None, on_fatal: Callable[[], N
         else None,
     )
     # outermost: sees every response, and answers the requests a drain timeout cancels
-    app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
+    app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining, counted=front)
     return app
 
 

@@ -1,184 +1,313 @@
-"""Dynamic micro-batching, as Triton's dynamic batcher does.
+"""Dynamic micro-batching on one device, as Triton's dynamic batcher does.
 
-Requests put one preprocessed image each on a bounded queue. A single task per model takes
-what is queued, waits up to ``max_delay`` for more, scores the batch once on the inference
-thread and answers every request. While a batch is being scored, new requests queue up and
-form the next batch, so under load batches fill themselves and at low load an image waits at
-most ``max_delay``.
+Every served version has a :class:`Batcher`: a queue of images that are decoded and waiting for the device. One
+:class:`Scheduler` per device owns one thread that forms batches from those queues, scores them and hands each
+image its result; while a batch is being scored new images queue up, so under load batches fill themselves.
 
-Like Triton's ``preferred_batch_size``, a batch is sent as soon as it reaches the preferred
-size, even when more images are queued (they form the next batch). On a CPU the cost per
-image stops falling at about 8 images (see benchmarks/serve_load.py), and larger batches only
-make clients arrive in convoys: one large batch, then stragglers scored almost alone.
+**When a batch leaves.** The device never waits for company that is not coming. When it is free, the oldest queue
+is sent at once with what it holds (up to the preferred size), unless more images of that model are on their way
+(admitted and being decoded: :meth:`padim.service.admission.Places.arriving`); then it waits for them, at most
+``max_delay`` after the first image queued, or until the preferred size is reached. So a lone picture is scored as
+soon as it is decoded, and a burst still forms one batch. This is Triton's queue delay applied only to a forming
+batch, not to every first image.
+
+Like Triton's ``preferred_batch_size``, a batch leaves as soon as it reaches the preferred size, even when more
+images are queued (they form the next batch). On a CPU the cost per image stops falling at about 8 images (see
+benchmarks/serve_load.py), and larger batches only make clients arrive in convoys.
+
+What a batch gives back per image (:class:`ScoredImage`) is what a verdict needs: the raw score, the input distance,
+and the anomalous area at the threshold the image's request asked for, counted on the device for the whole batch.
+The map itself is copied back only for images whose request asked for a heat map or a mask.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from padim.models.model import ScoreOutput
 
 from .errors import ApiError
 
 log = logging.getLogger("padim.service")
 
 
-@dataclass
+@dataclass(frozen=True)
+class ScoredImage:
+    """One image of a scored batch.
+
+    Attributes:
+        raw_score: the image score (Mahalanobis distance units).
+        input_distance: the mean squared distance over the picture's feature pixels (input drift); ``None`` from
+            exports that do not compute it.
+        over: map pixels at or above the image's raw threshold (its request's), counted on the device.
+        pixels: pixels of the map.
+        finite: the score and every map pixel are finite (a verdict is refused otherwise).
+        map: ``(H_in, W_in)`` anomaly map on the CPU, only where the request asked for a heat map or a mask.
+    """
+
+    raw_score: float
+    input_distance: float | None
+    over: int
+    pixels: int
+    finite: bool
+    map: torch.Tensor | None = None
+
+
+#: What an image's owner is told: its result, or why it has none.
+Delivery = Callable[["ScoredImage | BaseException"], None]
+
+
+@dataclass(eq=False)
 class Item:
-    tensor: torch.Tensor  # (3, S, S) model input
-    future: asyncio.Future
+    """One image waiting for the device.
+
+    Attributes:
+        tensor: ``(3, H_in, W_in)`` model input.
+        raw_threshold: where its anomalous area is counted (its request's threshold, raw units).
+        keep_map: its map is wanted back (a heat map or a mask was asked for).
+        deliver: called once, on the scheduler's thread, with its :class:`ScoredImage` or an exception.
+    """
+
+    tensor: torch.Tensor
+    raw_threshold: float
+    keep_map: bool
+    deliver: Delivery
     enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # its request gave up: skipped when batches form, and told so (set from any thread)
 
 
-class MicroBatcher:
-    """Gathers single images into device batches for one model.
+class Batcher:
+    """The queue of one served version, scored by its device's :class:`Scheduler`.
 
     Args:
-        score_batch: called on the inference executor with a ``(B, 3, S, S)`` tensor; returns
-            one result per image, in order.
-        executor: where ``score_batch`` runs (one thread: one batch at a time on the device).
+        scheduler: the device's.
+        score_batch: ``(B, 3, H, W)`` -> :class:`ScoreOutput` (raised errors fail the batch's images).
         max_batch_size: largest batch.
-        max_delay: seconds the first image of a batch may wait for company.
-        preferred_batch_size: send a batch as soon as it has this many images (default: max).
-        max_queue: images admitted and not yet taken into a batch; a request that would go
-            over gets 503 from :meth:`admit`, before its images are decoded.
-        on_batch: ``(batch_size, queue_waits)`` callback for metrics.
+        preferred_batch_size: a batch leaves once it has this many images.
+        max_delay: seconds the first image may wait for images on their way.
+        arriving: images of this model admitted and not yet queued (being decoded), to wait for.
+        on_batch: ``(batch size, queue waits)`` after each batch, for metrics.
+        name: the model's (logs).
     """
 
     def __init__(
         self,
-        score_batch: Callable[[torch.Tensor], Sequence],
-        executor: Executor,
+        scheduler: Scheduler,
+        score_batch: Callable[[torch.Tensor], ScoreOutput],
         max_batch_size: int,
-        max_delay: float,
-        max_queue: int,
-        on_batch: Callable[[int, list[float]], None] | None = None,
         preferred_batch_size: int | None = None,
+        max_delay: float = 0.005,
+        arriving: Callable[[], int] = lambda: 0,
+        on_batch: Callable[[int, list[float]], None] | None = None,
+        name: str = "",
     ):
-        self.score_batch = score_batch
-        self.executor = executor
+        self.scheduler, self.score_batch, self.name = scheduler, score_batch, name
         self.max_batch_size = max_batch_size
         self.batch_limit = min(preferred_batch_size or max_batch_size, max_batch_size)
-        self.max_delay = max_delay
-        self.max_queue = max_queue
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()  # bounded by admission, not here
-        self.admitted = 0  # images admitted (reserved or queued) and not yet taken into a batch
-        self.on_batch = on_batch
-        self._task: asyncio.Task | None = None
+        self.max_delay, self.arriving, self.on_batch = max_delay, arriving, on_batch
+        self.queue: deque[Item] = deque()
+        self.closed = False
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+    def put(self, items: Sequence[Item]) -> None:
+        """Queue ``items`` (any thread); they are scored in order. A closed batcher fails them at once."""
+        with self.scheduler.changed:
+            if not self.closed:
+                self.queue.extend(items)
+                self.scheduler.add(self)
+                self.scheduler.changed.notify()
+                return
+        for item in items:
+            item.deliver(ApiError("shutting_down", "the server is shutting down"))
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        while not self.queue.empty():  # nothing should be left after a drain; fail loudly if so
-            item = self.queue.get_nowait()
-            self._taken(1)
-            if not item.future.done():
-                item.future.set_exception(ApiError("shutting_down", "the server is shutting down"))
+    def __len__(self) -> int:
+        return len(self.queue)
 
-    def admit(self, count: int) -> Admission:
-        """Reserve queue places for ``count`` images, before they are decoded.
+    def close(self) -> None:
+        """Take no more images; those still queued are answered 503 ``shutting_down``."""
+        with self.scheduler.changed:
+            self.closed = True
+            left = list(self.queue)
+            self.queue.clear()
+            self.scheduler.remove(self)
+        for item in left:
+            item.deliver(ApiError("shutting_down", "the server is shutting down"))
 
-        Raises:
-            ApiError: 503 ``overloaded`` (with ``Retry-After``) when the queue has no room now.
-        """
-        if self.admitted + count > self.max_queue:
-            raise ApiError(
-                "overloaded",
-                f"the queue is full ({self.admitted} of {self.max_queue} places taken); retry shortly",
-                headers={"Retry-After": "1"},
-            )
-        self.admitted += count
-        return Admission(self, count)
 
-    def submit(self, tensor: torch.Tensor, admission: Admission | None = None) -> asyncio.Future:
-        """Queue one ``(3, S, S)`` image on a place ``admission`` reserved (or admit it now); the
-        future resolves to its result."""
-        admission = admission or self.admit(1)
-        if admission.unused <= 0:
-            raise RuntimeError("submit() beyond the places admitted")
-        admission.unused -= 1
-        future = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(Item(tensor, future))
+class Scheduler:
+    """The thread that forms batches and scores them, one batch at a time, for every batcher of one device."""
+
+    def __init__(self, name: str = "scoring"):
+        self.changed = threading.Condition()
+        self._batchers: list[Batcher] = []
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._stop = False
+        self.busy = False  # a batch is on the device
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- batchers (under ``changed``)
+    def add(self, batcher: Batcher) -> None:
+        if batcher not in self._batchers:
+            self._batchers.append(batcher)
+
+    def remove(self, batcher: Batcher) -> None:
+        if batcher in self._batchers:
+            self._batchers.remove(batcher)
+
+    def call(self, function: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``function`` on the scheduler's thread between two batches (a warm-up, a side score, a test's hold)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.changed:
+            self._calls.append((function, future))
+            self.changed.notify()
         return future
 
-    def _taken(self, count: int) -> None:
-        self.admitted -= count
+    def stop(self, timeout: float = 30.0) -> None:
+        with self.changed:
+            self._stop = True
+            self.changed.notify()
+        self._thread.join(timeout)
 
-    async def _gather(self) -> list[Item]:
-        batch = [await self.queue.get()]
-        self._taken(1)
-        deadline = time.perf_counter() + self.max_delay
-        while len(batch) < self.batch_limit:
-            if not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-                self._taken(1)
-                continue
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            try:
-                batch.append(await asyncio.wait_for(self.queue.get(), remaining))
-            except TimeoutError:
-                break
-            self._taken(1)
-        return [item for item in batch if not item.future.done()]  # skip requests that gave up
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # ----------------------------------------------------------------- the thread
+    def _next(self) -> tuple | None:
+        """Under ``changed``: ``("call", function, future)`` or ``("batch", batcher, items)``, waiting as the module
+        says; ``None`` to stop."""
         while True:
-            batch = await self._gather()
-            if not batch:
+            if self._calls:
+                return ("call", *self._calls.popleft())
+            if self._stop:
+                return None
+            waiting = [b for b in self._batchers if b.queue]
+            if not waiting:
+                self.changed.wait()
                 continue
-            started = time.perf_counter()
+            batcher = min(waiting, key=lambda b: b.queue[0].enqueued)  # the oldest image first, across models
+            deadline = batcher.queue[0].enqueued + batcher.max_delay
+            while (
+                len(batcher.queue) < batcher.batch_limit
+                and not self._calls
+                and not self._stop
+                and batcher.arriving() > 0
+                and (remaining := deadline - time.perf_counter()) > 0
+            ):
+                self.changed.wait(remaining)
+            items: list[Item] = []
+            skipped: list[Item] = []
+            while batcher.queue and len(items) < batcher.batch_limit:
+                item = batcher.queue.popleft()
+                (skipped if item.cancelled else items).append(item)
+            return ("batch", batcher, items, skipped)
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                work = self._next()
+                self.busy = work is not None and work[0] == "batch"
+            if work is None:
+                return
+            if work[0] == "call":
+                _, function, future = work
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(function())
+                    except BaseException as error:  # handed to the caller
+                        future.set_exception(error)
+                continue
+            _, batcher, items, skipped = work
+            for item in skipped:  # its owner gave up; told, so that it knows the device is done with it
+                _deliver(item, ApiError("client_disconnected", "the request was given up before it was scored"))
             try:
-                stacked = torch.stack([item.tensor for item in batch])
-                results = await loop.run_in_executor(self.executor, self.score_batch, stacked)
-            except Exception as error:  # a failed batch fails its requests, not the server
-                if isinstance(error, ApiError):  # an answer chosen by score_batch (503 out of GPU memory)
-                    log.warning("a batch of %d answered %d: %s", len(batch), error.status, error.code)
-                    answer = error
-                else:
-                    log.exception("scoring a batch of %d failed", len(batch))
-                    answer = ApiError("scoring_failed", f"scoring failed: {type(error).__name__}")
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(answer)
-                continue
-            if self.on_batch is not None:
-                self.on_batch(len(batch), [started - item.enqueued for item in batch])
-            for item, result in zip(batch, results, strict=False):
-                if not item.future.done():
-                    item.future.set_result(result)
+                if items:
+                    self._score(batcher, items)
+            finally:
+                self.busy = False
+
+    def _score(self, batcher: Batcher, items: list[Item]) -> None:
+        started = time.perf_counter()
+        try:
+            scored = score_items(batcher.score_batch, items)
+        except Exception as error:  # a failed batch fails its images, not the scheduler
+            if isinstance(error, ApiError):  # an answer chosen by score_batch (503 out of GPU memory)
+                log.warning("a batch of %d answered %d: %s", len(items), error.status, error.code)
+                answer: BaseException = error
+            else:
+                log.exception("scoring a batch of %d failed", len(items), extra={"model": batcher.name})
+                answer = ApiError("scoring_failed", f"scoring failed: {type(error).__name__}")
+            for item in items:
+                _deliver(item, answer)
+            return
+        if batcher.on_batch is not None:
+            batcher.on_batch(len(items), [started - item.enqueued for item in items])
+        for item, result in zip(items, scored, strict=True):
+            _deliver(item, result)
 
 
-class Admission:
-    """Queue places reserved for one request's images; :meth:`release` gives back the unused ones.
+def _deliver(item: Item, result: ScoredImage | BaseException) -> None:
+    try:
+        item.deliver(result)
+    except Exception:  # an owner's failure is its own: the batch's other images still get theirs
+        log.exception("delivering a scored image failed")
 
-    Use as a context manager around decoding and submitting, so a request that fails before
-    queueing all its images (a bad image, a disconnect) frees its places.
+
+def score_items(score_batch: Callable[[torch.Tensor], ScoreOutput], items: Sequence[Item]) -> list[ScoredImage]:
+    """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device."""
+    batch = torch.stack([item.tensor for item in items])
+    out = score_batch(batch)
+    return scored_images(out, [item.raw_threshold for item in items], [item.keep_map for item in items])
+
+
+def scored_images(out: ScoreOutput, raw_thresholds: Sequence[float], keep_maps: Sequence[bool]) -> list[ScoredImage]:
+    """Per image of ``out``: raw score, input distance, the map pixels at or above its raw threshold, whether all is
+    finite, and its map where ``keep_maps`` says so.
+
+    The comparison is made in float32, the map's type, as :func:`padim.models.verdicts.verdict` makes it (NumPy casts
+    a Python float to the array's float32 before comparing), so both count the same pixels. On a GPU the counting is
+    done there, with one transfer back; on a CPU in NumPy, whose one thread leaves the cores to the scorer (a torch op
+    would start an OpenMP team that keeps spinning beside it).
     """
-
-    def __init__(self, batcher: MicroBatcher, count: int):
-        self.batcher, self.unused = batcher, count
-
-    def release(self) -> None:
-        self.batcher._taken(self.unused)
-        self.unused = 0
-
-    def __enter__(self) -> Admission:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    size = len(raw_thresholds)
+    thresholds = np.asarray(raw_thresholds, dtype=np.float64).astype(np.float32)
+    if out.maps.device.type == "cpu":
+        maps = out.maps.detach().numpy().reshape(size, -1)
+        raws = out.raw_scores.detach().numpy().astype(np.float64)
+        overs = np.count_nonzero(maps >= thresholds[:, None], axis=1).tolist()
+        finites = (np.isfinite(maps).all(axis=1) & np.isfinite(raws)).tolist()
+        raw_list = raws.tolist()
+    else:
+        maps_on = out.maps.flatten(1)
+        raw = out.raw_scores.to(torch.float64)
+        limits = torch.from_numpy(thresholds).to(maps_on.device).view(size, 1)
+        numbers = torch.stack(
+            [
+                raw,
+                (maps_on >= limits).sum(1).to(torch.float64),
+                (torch.isfinite(maps_on).all(1) & torch.isfinite(raw)).to(torch.float64),
+            ]
+        ).cpu()
+        raw_list, over_list, finite_list = numbers.tolist()
+        overs = [int(v) for v in over_list]
+        finites = [bool(v) for v in finite_list]
+    inputs = out.input_distances.to(torch.float64).cpu().tolist() if out.input_distances is not None else None
+    kept = [i for i, keep in enumerate(keep_maps) if keep]
+    maps_back = dict(zip(kept, out.maps[kept].cpu(), strict=True)) if kept else {}
+    pixels = out.maps[0].numel() if size else 0
+    return [
+        ScoredImage(
+            raw_list[i],
+            None if inputs is None else inputs[i],
+            int(overs[i]),
+            pixels,
+            bool(finites[i]),
+            maps_back.get(i),
+        )
+        for i in range(size)
+    ]

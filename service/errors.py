@@ -107,15 +107,12 @@ def _allowed_methods(request: Request) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def answer_api_error(request: Request, error: ApiError) -> JSONResponse:
-        return error_response(error.status, error.code, error.message, error.headers)
+    async def answer_api_error(request: Request, error: ApiError) -> Response:
+        return answer_for(error)
 
     @app.exception_handler(PadimError)
-    async def padim_error(request: Request, error: PadimError) -> JSONResponse:
-        if outcome(error).http_status >= 500:
-            logging.getLogger("padim.service").exception("request failed")
-        answer = api_error(error)
-        return error_response(answer.status, answer.code, answer.message)
+    async def padim_error(request: Request, error: PadimError) -> Response:
+        return answer_for(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -134,10 +131,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def client_disconnect(request: Request, error: ClientDisconnect) -> Response:
-        logging.getLogger("padim.service").info("client disconnected before sending the whole request")
-        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; metrics and the access log do
+        return answer_for(error)
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        logging.getLogger("padim.service").exception("unhandled error")
-        return error_response(500, "internal_error", "internal error; see the server log (request id in X-Request-ID)")
+    async def unexpected(request: Request, error: Exception) -> Response:
+        return answer_for(error)
+
+
+def answer_for(error: Exception) -> Response:
+    """The answer to an error a route raised (the handlers above, and the score routes' fast path)."""
+    if isinstance(error, ApiError):
+        return error_response(error.status, error.code, error.message, error.headers)
+    if isinstance(error, PadimError):
+        if outcome(error).http_status >= 500:
+            logging.getLogger("padim.service").exception("request failed")
+        answer = api_error(error)
+        return error_response(answer.status, answer.code, answer.message)
+    if isinstance(error, ClientDisconnect):
+        logging.getLogger("padim.service").info("client disconnected before sending the whole request")
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; metrics and the access log do
+    logging.getLogger("padim.service").exception("unhandled error")
+    return error_response(500, "internal_error", "internal error; see the server log (request id in X-Request-ID)")

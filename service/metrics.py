@@ -1,10 +1,17 @@
-"""Prometheus metrics, in a registry of the app's own (several apps can live in one process)."""
+"""Prometheus metrics, in a registry of the app's own (several apps can live in one process).
+
+A service in several processes (:mod:`padim.service.processes`) runs Prometheus' multiprocess mode: each process
+writes its values to files in ``PROMETHEUS_MULTIPROC_DIR`` and one scrape adds them up (:func:`exposition`):
+counters and histograms summed, each gauge as its ``multiprocess_mode`` says (the in-flight requests and the record's
+journals summed over the live processes; what only the scoring process sets, as it set it).
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from padim.core.drift import Drift
 
@@ -37,7 +44,12 @@ class Metrics:
         self.batch_size = Histogram(
             "padim_batch_size", "images per device batch", ["model"], buckets=BATCH_BUCKETS, registry=self.registry
         )
-        self.in_flight = Gauge("padim_requests_in_flight", "HTTP requests being handled", registry=self.registry)
+        self.in_flight = Gauge(
+            "padim_requests_in_flight",
+            "HTTP requests being handled",
+            multiprocess_mode="livesum",
+            registry=self.registry,
+        )
         self.device_errors = Counter(
             "padim_device_errors_total",
             "scoring batches that hit a device error, by "
@@ -47,9 +59,19 @@ class Metrics:
             registry=self.registry,
         )
         self.model_load = Gauge(
-            "padim_model_load_seconds", "time to load and warm up a model", ["model"], registry=self.registry
+            "padim_model_load_seconds",
+            "time to load and warm up a model",
+            ["model"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
-        self.queue_depth = Gauge("padim_queue_depth", "images waiting for a batch", ["model"], registry=self.registry)
+        self.queue_depth = Gauge(
+            "padim_queue_depth",
+            "images admitted and not yet answered (decoding, waiting for the device, being scored)",
+            ["model"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
+        )
         # what the models answered: counters and a histogram (durable, summed across replicas) ...
         self.verdicts = Counter(
             "padim_verdicts_total",
@@ -69,6 +91,7 @@ class Metrics:
             "padim_model_version",
             "the version of each model that new requests go to",
             ["model"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.model_changes = Counter(
@@ -81,6 +104,7 @@ class Metrics:
             "padim_model_versions_loaded",
             "versions of each model in memory: the active one and retired ones still answering requests they admitted",
             ["model"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.threshold_overrides = Counter(
@@ -104,22 +128,26 @@ class Metrics:
         self.record_rows_waiting = Gauge(
             "padim_record_rows_waiting",
             "rows in the journal that the database does not have yet",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.record_journal_bytes = Gauge(
             "padim_record_journal_bytes",
             "bytes of those rows in the journal (bounded by PADIM_RECORD_JOURNAL_MAX_BYTES)",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.record_database_up = Gauge(
             "padim_record_database_up",
             "1 when the last write to the record's database succeeded",
+            multiprocess_mode="livemin",
             registry=self.registry,
         )
         self.record_picture_bytes = Gauge(
             "padim_record_picture_bytes",
             "bytes of stored pictures, by kind: pinned (reviewed or learned from: never evicted), flagged, passed",
             ["kind"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.record_evicted = Counter(
@@ -141,15 +169,21 @@ class Metrics:
             "padim_model_normal_flag_rate",
             "the most normal images would be flagged: the calibration's false-alarm bound",
             ["model"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.monitor_images = Gauge(
-            "padim_monitor_images", "images in the monitor's window", ["model"], registry=self.registry
+            "padim_monitor_images",
+            "images in the monitor's window",
+            ["model"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
         self.monitor_flag_rate = Gauge(
             "padim_monitor_flag_rate",
             "share of the window's images at or above the model's threshold",
             ["model"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.monitor_p_value = Gauge(
@@ -158,18 +192,21 @@ class Metrics:
             "collecting or unavailable): flag_rate (more flags than normal images give), "
             "score_drift, input_drift (one-sided KS)",
             ["model", "test"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.monitor_statistic = Gauge(
             "padim_monitor_statistic",
             "effect sizes: KS D+ of score_drift and input_drift, score_psi",
             ["model", "statistic"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.monitor_alarm = Gauge(
             "padim_monitor_alarm",
             "1 when a test's p-value is below PADIM_MONITOR_LEVEL",
             ["model", "test"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
 
@@ -182,7 +219,11 @@ class Metrics:
             registry=self.registry,
         )
         self.line_queue = Gauge(
-            "padim_line_queue_depth", "a line's pictures taken and not yet journaled", ["line"], registry=self.registry
+            "padim_line_queue_depth",
+            "a line's pictures taken and not yet journaled",
+            ["line"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
         self.line_latency = Histogram(
             "padim_line_latency_seconds",
@@ -192,10 +233,18 @@ class Metrics:
             registry=self.registry,
         )
         self.line_source_up = Gauge(
-            "padim_line_source_up", "1 while a line's source is connected or watching", ["line"], registry=self.registry
+            "padim_line_source_up",
+            "1 while a line's source is connected or watching",
+            ["line"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
         self.line_sink_up = Gauge(
-            "padim_line_sink_up", "1 while a sink takes messages", ["line", "sink"], registry=self.registry
+            "padim_line_sink_up",
+            "1 while a sink takes messages",
+            ["line", "sink"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
         self.line_delivered = Counter(
             "padim_line_delivered_total", "verdicts a sink confirmed", ["line", "sink"], registry=self.registry
@@ -207,18 +256,24 @@ class Metrics:
             registry=self.registry,
         )
         self.line_outbox_depth = Gauge(
-            "padim_line_outbox_depth", "verdicts waiting in a sink's outbox", ["line", "sink"], registry=self.registry
+            "padim_line_outbox_depth",
+            "verdicts waiting in a sink's outbox",
+            ["line", "sink"],
+            multiprocess_mode="livemax",
+            registry=self.registry,
         )
         self.line_outbox_age = Gauge(
             "padim_line_outbox_age_seconds",
             "age of the oldest verdict in a sink's outbox (0 when empty)",
             ["line", "sink"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.line_outbox_full = Gauge(
             "padim_line_outbox_full",
             "1 while a sink's outbox is at outbox.max_messages",
             ["line", "sink"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.line_outbox_dropped = Counter(
@@ -247,3 +302,14 @@ class Metrics:
             ("score_psi", drift.score_drift and drift.score_drift.psi),
         ):
             self.monitor_statistic.labels(model, statistic).set(math.nan if value is None else value)
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The text a scrape gets: ``registry``'s metrics, or every process's in multiprocess mode."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=folder)
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -97,10 +97,13 @@ class RequestContext:
 
     When the drain timeout runs out, uvicorn cancels the requests still running; they are
     answered 503 ``shutting_down`` here (not uvicorn's bare 500) and logged.
+
+    In the scoring process of a service in several processes (``counted=False``), the API process that passed the
+    request on counts and logs it; the answer tells it the route and model (``X-Padim-Route``, ``X-Padim-Model``).
     """
 
-    def __init__(self, app, metrics: Metrics, draining: Callable[[], bool] = lambda: False):
-        self.app, self.metrics, self.draining = app, metrics, draining
+    def __init__(self, app, metrics: Metrics, draining: Callable[[], bool] = lambda: False, counted: bool = True):
+        self.app, self.metrics, self.draining, self.counted = app, metrics, draining, counted
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -117,8 +120,15 @@ class RequestContext:
                 status = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                if not self.counted:
+                    model = scope["state"].get("model")
+                    message["headers"] += [(b"x-padim-route", _route_template(scope).encode())] + (
+                        [(b"x-padim-model", model.encode())] if model else []
+                    )
             await send(message)
 
+        if not self.counted:
+            return await self._passed_on(scope, receive, send_with_id, request_id)
         self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_with_id)
@@ -152,8 +162,24 @@ class RequestContext:
                 },
             )
 
+    async def _passed_on(self, scope, receive, send, request_id: str) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.draining():
+                raise
+            log.warning("request cancelled: the drain timeout ran out", extra={"request_id": request_id})
+            await _send_json(
+                send, 503, "shutting_down", "the server is shutting down and could not finish this request"
+            )
+
 
 def _route_template(scope) -> str:
+    """The route's template (``/models/{name}/score``); a request passed on to the scoring process is labelled with
+    the template that process matched (its ``X-Padim-Route``)."""
+    passed = scope.get("state", {}).get("route")
+    if passed is not None:
+        return passed
     route = scope.get("route")
     return getattr(route, "path", None) or "unmatched"
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -30,7 +32,12 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"mess
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+    """One JSON object per line: time, level, logger, message, the process's role when the service runs in several
+    (``supervisor``, ``scoring``, ``api-N``) and any ``extra`` fields."""
+
+    def __init__(self, role: str | None = None):
+        super().__init__()
+        self.role = role
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -39,15 +46,17 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.role is not None:
+            entry["process"] = self.role
         entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, role: str | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter()
+    formatter = JsonFormatter(role)
     formatter.converter = __import__("time").gmtime
     handler.setFormatter(formatter)
     root = logging.getLogger()
@@ -112,11 +121,44 @@ def check_lines(settings: ServiceSettings, files: list[Path]) -> None:
     check_file(settings.lines, names, default)
 
 
+def workers_for(settings: ServiceSettings) -> int:
+    """API processes: ``PADIM_WORKERS``, else :func:`~.processes.supervisor.default_workers` for this machine."""
+    if settings.workers is not None:
+        return settings.workers
+    from padim.models.devices import resolve_device
+
+    from .processes.supervisor import default_workers, usable_cpus
+
+    return default_workers(resolve_device(settings.device).type, usable_cpus())
+
+
+@contextlib.contextmanager
+def quiet_signals() -> Iterator[None]:
+    """uvicorn re-raises the signal it drained on once its own handlers are gone; with these no-op handlers in place
+    a clean drain ends with exit code 0 instead of death by signal."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve(settings: ServiceSettings) -> int:
-    """Validate the model files (and lines), then serve until a signal; returns the exit code."""
+    """Validate the model files (and lines), then serve until a signal; returns the exit code.
+
+    With more than one worker, a supervisor runs API processes beside one scoring process
+    (:mod:`padim.service.processes`); with one, this process does everything.
+    """
     check_lines(settings, served_files(settings))
+    workers = workers_for(settings)
+    if workers > 1:
+        from .processes.supervisor import Supervisor
+
+        configure_logging(settings.log_level, role="supervisor")
+        return Supervisor(settings, workers).serve()
     configure_logging(settings.log_level)
-    # The inference thread needs the GIL between every torch op of a forward pass; with the event
+    # The scoring thread needs the GIL between every torch op of a forward pass; with the event
     # loop and decode threads busy, the default 5 ms switch interval makes it wait for the GIL
     # between ops (measured on 2 cores: a batch of 8 beside a busy Python thread took 1464 ms
     # with 5 ms, 765 ms with 0.5 ms; 200 ms alone).
@@ -149,12 +191,6 @@ def serve(settings: ServiceSettings) -> int:
         headers=[("server", SERVER_HEADER)],
     )
     server = DrainingServer(config, app.state.service)
-    # uvicorn re-raises the signal it drained on once its own handlers are gone; with these
-    # no-op handlers in place a clean drain ends with exit code 0 instead of death by signal.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with quiet_signals():
         server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return 1 if app.state.service.startup_error else 0

@@ -56,6 +56,15 @@ class ServiceSettings(BaseSettings):
         "(POST /models/{name}/versions; streamed to disk, never held in memory)",
     )
     model_upload_timeout_s: float = Field(3600.0, gt=0, description="a model upload's body must arrive within this")
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="API processes (HTTP, decoding, verdicts) beside one scoring process that owns the device, "
+        "sharing the port; 1 runs everything in one process. Default from the CPUs this process may use (its "
+        "affinity and a container's CPU limit): 1 on a CPU or with fewer than 4 cores, else one a core but two, "
+        "at most 16 (docs/sizing.md)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"

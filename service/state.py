@@ -3,36 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import ctypes
 import gc
-import io
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from padim.core.artifact import file_sha256
 from padim.core.errors import ArtifactError
-from padim.models.data.framing import PICTURE_SIZE
-from padim.models.data.images import bounded_copy, bounded_size, decode_side, image_dimensions, open_image
 from padim.models.deploy.runtimes import DeployedDetector, load_scorer
 from padim.models.devices import is_cuda_error, probe
 from padim.models.errors import (
     DefaultModel,
     ExportError,
-    ImageError,
     InsufficientMemory,
     ModelBusy,
-    NonFiniteScoreError,
     ReadOnlyModels,
     RecordGone,
     UnservableModel,
@@ -43,18 +35,19 @@ from padim.models.errors import (
     WeightsError,
 )
 from padim.models.features.embedding import TRACING
-from padim.models.heatmaps import mask_image, overlay
+from padim.models.model import ScoreOutput
 from padim.models.model_file import served_bytes
 from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 from padim.models.scorer import Scorer
-from padim.models.verdicts import verdict
 
-from .batching import MicroBatcher
-from .errors import ApiError, api_error
+from .admission import LocalPlaces, Places
+from .answers import answer, count_verdicts, keep_rows
+from .batching import Batcher, Item, Scheduler, ScoredImage, score_items
+from .decoding import Decoded, Decoder, release_memory
+from .errors import ApiError
 from .metrics import Metrics
 from .monitor import Monitor
 from .record.recorder import Recorder
-from .record.rows import make_row
 from .record.store import RecordStore, database_url
 from .schemas import ModelDescription, ModelInfo
 from .settings import ServiceSettings
@@ -69,82 +62,6 @@ PROBE_TIMEOUT_S = 5.0
 #: runtime's copy while it loads, the warm-up batch's activations).
 LOAD_MEMORY_FACTOR = 1.5
 
-#: After decoding an image at least this large, freed memory is handed back to the system at once.
-TRIM_AFTER_PIXELS = 4_000_000
-
-
-class PixelBudget:
-    """At most ``capacity`` decoded pixels in flight across the decode threads.
-
-    A thread waits (outside the event loop) until its image fits; an image larger than the
-    budget waits until it is alone. Decode memory is then about ``capacity`` x 4 bytes (Pillow
-    keeps RGB as 4 bytes a pixel) plus one conversion copy, whatever the number of requests.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity, self.used = capacity, 0
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def hold(self, pixels: int) -> Iterator[None]:
-        pixels = min(pixels, self.capacity)
-        with self._changed:
-            self._changed.wait_for(lambda: self.used + pixels <= self.capacity)
-            self.used += pixels
-        try:
-            yield
-        finally:
-            with self._changed:
-                self.used -= pixels
-                self._changed.notify_all()
-
-
-def _find_malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc; absent on musl and macOS
-    except (AttributeError, OSError):
-        return None
-
-
-_MALLOC_TRIM = _find_malloc_trim()
-
-
-def release_memory() -> None:
-    """Give freed heap memory back to the system now (glibc ``malloc_trim``; a no-op elsewhere).
-
-    glibc serves large blocks from its heaps once a block of that size has been freed, so the
-    memory of decoded large images would otherwise stay with the process after a burst.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-@dataclass
-class Decoded:
-    """One request image, decoded: its model input and, when asked for, a bounded copy to draw on."""
-
-    tensor: torch.Tensor  # (3, S, S) model input
-    shown: Image.Image | None  # at most heatmap_max_side a side; None unless a heat map was asked for
-    shown_size: tuple[int, int]  # (width, height) of heat maps and masks
-    large: bool  # decoded from at least TRIM_AFTER_PIXELS: hand freed memory back once done with it
-    picture: tuple[int, int] = (0, 0)  # (width, height) of the picture as sent (EXIF orientation applied)
-
-
-@dataclass(frozen=True)
-class ScoredImage:
-    """One image of a scored batch, as the inference thread hands it back.
-
-    Attributes:
-        raw_score: the image score (Mahalanobis distance units).
-        map: ``(H_in, W_in)`` anomaly map at the model input's size, on the CPU.
-        input_distance: the mean squared distance over the picture's feature pixels (input drift); ``None`` from
-            exports that do not compute it.
-    """
-
-    raw_score: float
-    map: torch.Tensor
-    input_distance: float | None
-
 
 @dataclass(eq=False)
 class ServedModel:
@@ -154,29 +71,27 @@ class ServedModel:
     its images are scored by this version's batcher, which is bound to this scorer, and judged by
     this calibration, whatever is activated meanwhile. A replaced version is *retired*: it takes no new
     request and is closed once its last one is answered.
+
+    ``serial`` names this load of a version among every version the process has loaded (the API processes of a
+    service ask for it by that: :mod:`padim.service.processes`).
     """
 
     name: str
     path: Path
     sha256: str
     scorer: Scorer
-    batcher: MicroBatcher
+    batcher: Batcher
     load_seconds: float
     monitor: Monitor
     version: int = 1
+    serial: int = 0
     in_flight: int = 0  # requests admitted by this version and not yet answered
     retired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # in_flight, from any thread
 
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
-        return ModelInfo(
-            name=self.name,
-            version=self.version,
-            backbone=self.scorer.config.features.backbone,
-            created=self.scorer.provenance.created,
-            sha256=self.sha256,
-            weights=self.scorer.weights.public_label,
-        )  # no server paths for clients
+        return model_info(self.name, self.version, self.sha256, self.scorer)
 
     def describe(self, versions: list | None = None) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""
@@ -190,14 +105,14 @@ class ServedModel:
             }
         )
 
-    def score_batch(self, batch: torch.Tensor, on_split=None) -> list[ScoredImage]:
-        """Runs on the inference thread: ``(B, 3, S, S)`` -> ``[(raw_score, map (S, S), input_distance)]``.
+    def score_batch(self, batch: torch.Tensor, on_split=None) -> ScoreOutput:
+        """Runs on the scheduler's thread: ``(B, 3, H, W)`` -> the scorer's output.
 
         Out of GPU memory, the cache is emptied and the batch scored again in two halves
         (``on_split`` is told); a half that still does not fit raises ``torch.OutOfMemoryError``.
         """
         try:
-            return self._score(batch)
+            return self.scorer.score(batch)
         except torch.OutOfMemoryError:
             release_device_memory()
             if batch.shape[0] == 1:
@@ -209,16 +124,28 @@ class ServedModel:
                 on_split()
             half = (batch.shape[0] + 1) // 2
             try:
-                return self._score(batch[:half]) + self._score(batch[half:])
+                return joined(self.scorer.score(batch[:half]), self.scorer.score(batch[half:]))
             except torch.OutOfMemoryError:
                 release_device_memory()
                 raise
 
-    def _score(self, batch: torch.Tensor) -> list[ScoredImage]:
-        out = self.scorer.score(batch)
-        raw, maps = out.raw_scores.cpu(), out.maps.cpu()
-        inputs = out.input_distances.cpu().tolist() if out.input_distances is not None else [None] * batch.shape[0]
-        return [ScoredImage(float(raw[i]), maps[i], inputs[i]) for i in range(batch.shape[0])]
+
+def model_info(name: str, version: int, sha256: str, scorer) -> ModelInfo:
+    """Identity of a served version (``scorer``: the scorer or a view of it), returned with every score."""
+    return ModelInfo(
+        name=name,
+        version=version,
+        backbone=scorer.config.features.backbone,
+        created=scorer.provenance.created,
+        sha256=sha256,
+        weights=scorer.weights.public_label,
+    )  # no server paths for clients
+
+
+def joined(first: ScoreOutput, second: ScoreOutput) -> ScoreOutput:
+    """Two outputs of one scorer as one, in order."""
+    inputs = torch.cat([first.input_distances, second.input_distances]) if first.input_distances is not None else None
+    return ScoreOutput(torch.cat([first.raw_scores, second.raw_scores]), torch.cat([first.maps, second.maps]), inputs)
 
 
 def _size_on_disk(path: Path) -> int:
@@ -275,13 +202,21 @@ def model_name(path: Path) -> str:
 
 
 class ServiceState:
-    """The service's state: models (and their versions), batchers, pools and readiness of one service process."""
+    """The service's state: models (and their versions), the device's scheduler, pools and readiness.
 
-    def __init__(self, settings: ServiceSettings, metrics: Metrics | None = None):
+    Args:
+        settings: the service's.
+        metrics: where it counts (a new registry by default).
+        places: the queue bound's counts (one process's by default; shared by the processes of
+            :mod:`padim.service.processes`).
+    """
+
+    def __init__(self, settings: ServiceSettings, metrics: Metrics | None = None, places: Places | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.models: dict[str, ServedModel] = {}  # the active version of each model
         self.retired: list[ServedModel] = []  # replaced versions still answering requests they admitted
+        self.by_serial: dict[int, ServedModel] = {}  # every loaded version (active and retired), by serial
         self.default_name: str | None = None
         self.repository = Repository(settings.repository) if settings.repository is not None else None
         self.unloaded: set[str] = set()  # models taken off (DELETE /models/{name}); the poll leaves them be
@@ -290,14 +225,21 @@ class ServiceState:
         self.startup_error: str | None = None
         self.failure: str | None = None  # why a ready service became unready (its GPU failed)
         self.device_errors = 0  # scoring batches failed in a row on the GPU
-        self.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self.scheduler = Scheduler()  # the device's one thread: forms batches and scores them
         # versions are loaded and warmed up here, beside scoring, so that a swap does not stall the line
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
-        self.decode = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
-        self.pixels = PixelBudget(settings.pixel_budget())
+        self.decoder = Decoder(
+            settings.decode_workers, settings.pixel_budget(), settings.max_image_pixels, settings.heatmap_max_side
+        )
+        self.decode = self.decoder.pool
+        self.places: Places = places or LocalPlaces(settings.max_queue)
         self._changing: dict[str, asyncio.Lock] = {}
         self._closing: set[asyncio.Task] = set()
+        self.serials = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop it runs on (set by load)
+        self.on_change: Callable[[], None] | None = None  # told after every change of what is served
         self.record: Recorder | None = None  # the inspection record (PADIM_RECORD_DIR / PADIM_RECORD_URL)
+        self.record_siblings: tuple[str, ...] = ()  # the API processes' journals, in a service of several processes
         # model updates (POST /models/{name}/update): one thread, so one update runs at a time beside scoring
         self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-update")
         self.jobs = UpdateJobs(self)
@@ -323,6 +265,7 @@ class ServiceState:
             settings.record_flagged_retention_days,
             self.metrics,
             settings.replica,
+            siblings=self.record_siblings,
         )
         self.record.start()
         log.info(
@@ -333,6 +276,7 @@ class ServiceState:
     # ----------------------------------------------------------------- lifecycle
     async def load(self) -> None:
         """Load every model (each one's active version, from a repository), warm it up, start its batcher; ready."""
+        self.loop = asyncio.get_running_loop()
         if self.repository is not None:
             names = self.repository.names()
             for name in names:
@@ -364,7 +308,7 @@ class ServiceState:
         self.ready = True
 
     async def _prepare(self, version: Version) -> ServedModel:
-        """Load and warm up ``version`` on the loader thread, beside what is served; its batcher is not started."""
+        """Load and warm up ``version`` on the loader thread, beside what is served; nothing is sent to it yet."""
         self._check_memory(version.path)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
@@ -372,13 +316,14 @@ class ServiceState:
         scorer, sha256 = await loop.run_in_executor(self.loader, self._load_one, version.path, cache)
         seconds = time.perf_counter() - started
         largest, preferred = self.settings.picture_batches(scorer.device.type, scorer.config.tile_count)
+        self.serials += 1
         served = ServedModel(
             version.name,
             version.path,
             version.sha256 or sha256,
             scorer,
-            None,
-            seconds,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]  # made next: it is bound to this version
+            seconds,
             Monitor(
                 scorer.calibration,
                 self.settings.monitor_window,
@@ -386,23 +331,26 @@ class ServiceState:
                 self.settings.monitor_min_images,
             ),
             version=version.version,
+            serial=self.serials,
         )
-        served.batcher = MicroBatcher(
+        name = version.name
+        served.batcher = Batcher(
+            self.scheduler,
             score_batch=lambda batch, m=served: self.score(m, batch),  # bound to this version, never looked up by name
-            executor=self.inference,
             max_batch_size=largest,
-            max_delay=self.settings.max_delay_ms / 1000,
-            max_queue=self.settings.max_queue,
-            on_batch=lambda size, waits, n=version.name: self._record_batch(n, size, waits),
             preferred_batch_size=preferred,
+            max_delay=self.settings.max_delay_ms / 1000,
+            arriving=lambda: self.places.arriving(name),
+            on_batch=lambda size, waits: self._record_batch(name, size, waits),
+            name=name,
         )
         return served
 
     def _install(self, name: str, served: ServedModel, change: str | None = None) -> None:
         """Make ``served`` the active version of ``name`` at once, retiring the one it replaces; ``change``
         (activate, rollback) is counted, none at start-up. The first model served is the default one."""
-        served.batcher.start()
         old = self.models.get(name)
+        self.by_serial[served.serial] = served
         self.models[name] = served  # from here on, new requests go to the new version
         self.unloaded.discard(name)
         if self.default_name is None:
@@ -422,11 +370,18 @@ class ServiceState:
         )
         if old is not None:
             self._retire(old)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _retire(self, old: ServedModel) -> None:
-        old.retired = True
+        with old.lock:
+            old.retired = True
+            idle = old.in_flight == 0
         self.retired.append(old)
-        if old.in_flight == 0:
+        if idle:
             self._close_later(old)
 
     def _close_later(self, old: ServedModel) -> None:
@@ -435,23 +390,45 @@ class ServiceState:
         task.add_done_callback(self._closing.discard)
 
     async def _close_version(self, old: ServedModel) -> None:
-        """A retired version with no request left: stop its batcher and hand its memory back."""
-        await old.batcher.stop()
+        """A retired version with no request left: close its batcher and hand its memory back."""
+        old.batcher.close()
+        self.by_serial.pop(old.serial, None)
         if old in self.retired:
             self.retired.remove(old)
         old.scorer = None  # type: ignore[assignment]  # the last reference to the tensors (batcher and monitor hold none)
+        self._changed()
         await asyncio.get_running_loop().run_in_executor(self.loader, _collect)
         log.info("version retired", extra={"model": old.name, "version": old.version})
 
+    def hold(self, served: ServedModel) -> bool:
+        """Count one more request on ``served`` (any thread); ``False`` when it is retired and idle, closing."""
+        with served.lock:
+            if served.retired and served.in_flight == 0:
+                return False
+            served.in_flight += 1
+            return True
+
+    def let_go(self, served: ServedModel) -> None:
+        """One request of ``served`` is answered (any thread); the last of a retired version closes it."""
+        with served.lock:
+            served.in_flight -= 1
+            closing = served.retired and served.in_flight == 0
+        if closing:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._close_later, served)
+
     @contextmanager
     def using(self, served: ServedModel) -> Iterator[ServedModel]:
-        """Hold ``served`` for one request: it is not closed before the request is answered."""
-        served.in_flight += 1
+        """Hold ``served`` for one request (on the event loop): it is not closed before the request is answered."""
+        with served.lock:
+            served.in_flight += 1
         try:
             yield served
         finally:
-            served.in_flight -= 1
-            if served.retired and served.in_flight == 0:
+            with served.lock:
+                served.in_flight -= 1
+                closing = served.retired and served.in_flight == 0
+            if closing:
                 self._close_later(served)
 
     def _check_memory(self, path: Path) -> None:
@@ -500,16 +477,16 @@ class ServiceState:
     async def close(self) -> None:
         self.ready = False
         for model in [*self.models.values(), *self.retired]:
-            await model.batcher.stop()
+            model.batcher.close()
         for task in list(self._closing):
             task.cancel()
         self.jobs.stopping.set()  # a running update writes no version now (its row says so at the next start)
         self.updates.shutdown(wait=True, cancel_futures=True)
         if self.record is not None:
             await asyncio.to_thread(self.record.close)
-        self.inference.shutdown(wait=True)
+        await asyncio.to_thread(self.scheduler.stop)
         self.loader.shutdown(wait=True)
-        self.decode.shutdown(wait=True)
+        self.decoder.shutdown()
 
     # ----------------------------------------------------------------- versions (the admin routes)
     def writable(self) -> Repository:
@@ -684,8 +661,8 @@ class ServiceState:
                         extra={"model": name, "version": number, "error": str(error)},
                     )
 
-    def score(self, model: ServedModel, batch: torch.Tensor) -> list[ScoredImage]:
-        """Runs on the inference thread: one batch of ``model`` (a served version); counts the GPU's failures.
+    def score(self, model: ServedModel, batch: torch.Tensor) -> ScoreOutput:
+        """Runs on the scheduler's thread: one batch of ``model`` (a served version); counts the GPU's failures.
 
         A batch that is out of GPU memory even in two halves answers 503 (retry); after
         ``max_device_errors`` failing batches in a row the service turns unready.
@@ -693,9 +670,7 @@ class ServiceState:
         name = model.name
         try:
             with TRACING:  # not while another version's backbone is traced on the loader thread
-                results = model.score_batch(
-                    batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc()
-                )
+                out = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
         except Exception as error:
             if not is_cuda_error(error):
                 raise
@@ -710,7 +685,7 @@ class ServiceState:
                 ) from None
             raise
         self.device_errors = 0
-        return results
+        return out
 
     def _device_failed(self, what: str) -> None:
         self.device_errors += 1
@@ -751,15 +726,10 @@ class ServiceState:
         for wait in waits:
             self.metrics.queue_wait.labels(name).observe(wait)
 
-    def observe(self, model: ServedModel, scored: list[ScoredImage], results: list[dict], own_threshold: bool) -> None:
-        """What one request was answered: into the model's monitor and the metrics."""
-        model.monitor.record([s.raw_score for s in scored], [s.input_distance for s in scored], own_threshold)
-        version = str(model.version)
-        for result in results:
-            self.metrics.verdicts.labels(model.name, version, "anomalous" if result["is_anomaly"] else "normal").inc()
-            self.metrics.scores.labels(model.name, version).observe(result["score"])
-        if own_threshold:
-            self.metrics.threshold_overrides.labels(model.name).inc(len(results))
+    def observe(self, model: ServedModel, results: list[dict], own_threshold: bool) -> None:
+        """What one request was answered, into the verdict metrics (its scores went to the monitor as they were
+        scored: :meth:`score_pictures`)."""
+        count_verdicts(self.metrics, model.name, model.version, results, own_threshold)
 
     def keep(
         self,
@@ -774,24 +744,18 @@ class ServiceState:
         """Hand each answered picture's row and bytes to the record (never waits); each result gets its row's id.
         Returns the rows' futures, resolved once each row is durable."""
         assert self.record is not None
-        futures = []
-        for data, digest, field_map, image, result, picture in zip(
-            datas, digests, fields, scored, results, pictures, strict=True
-        ):
-            row = make_row(
-                model.name,
-                model.version,
-                result,
-                image.input_distance,
-                picture,
-                digest,
-                len(data),
-                field_map,
-                self.settings.review_sample,
-            )
-            result["record_id"] = row["id"]
-            futures.append(self.record.submit(row, data))
-        return futures
+        return keep_rows(
+            self.record,
+            self.settings.review_sample,
+            model.name,
+            model.version,
+            datas,
+            digests,
+            fields,
+            scored,
+            results,
+            pictures,
+        )
 
     async def heatmap_of(self, name: str, version: int, data: bytes, threshold: float) -> dict:
         """A recorded picture's result with its heat map, from the version that scored it: the served one when it is
@@ -831,18 +795,19 @@ class ServiceState:
             scorer = await loop.run_in_executor(self.loader, load_scorer, path, "torch", self.settings.device)
             self.side = {key: scorer}  # one at a time: the last asked for
         side = ServedModel(name, path, "", scorer, None, 0.0, None, version=version)  # type: ignore[arg-type]
-        return await self._draw(side, data, threshold, loop, executor=self.loader)
+        return await self._draw(side, data, threshold, loop, side=True)
 
-    async def _draw(self, served: ServedModel, data: bytes, threshold: float, loop, executor=None) -> dict:
-        decoded = await loop.run_in_executor(self.decode, self.decode_image, served, data, True)
-        batch = decoded.tensor.unsqueeze(0)
-        if executor is None:
-            scored = await loop.run_in_executor(self.inference, self.score, served, batch)
-        else:
-            scored = await loop.run_in_executor(executor, served.score_batch, batch)
+    async def _draw(self, served: ServedModel, data: bytes, threshold: float, loop, side: bool = False) -> dict:
         own = None if abs(threshold - 0.5) < 1e-12 else threshold
+        decoded = await loop.run_in_executor(self.decode, self.decoder.decode, served.scorer, data, True)
+        raw_threshold = served.scorer.calibration.raw_threshold(0.5 if own is None else own)
+        if side:  # not served: scored on the device's thread between two batches, by its own scorer
+            item = Item(decoded.tensor, raw_threshold, True, lambda result: None)
+            scored = await asyncio.wrap_future(self.scheduler.call(lambda: score_items(served.score_batch, [item])[0]))
+        else:
+            (scored,) = await self.scored(served, [decoded], raw_threshold, True)
         return await loop.run_in_executor(
-            self.decode, self.build_result, served, decoded, scored[0].raw_score, scored[0].map, own, True, False
+            self.decode, answer, served.name, served.scorer, decoded, scored, own, True, False
         )
 
     # ----------------------------------------------------------------- requests
@@ -858,69 +823,81 @@ class ServiceState:
             raise ApiError("model_not_found", f"no model named {key!r}; served: {', '.join(self.models) or 'none'}")
         return self.models[key]
 
-    def decode_image(self, model: ServedModel, data: bytes, keep_image: bool) -> Decoded:
-        """Runs on the decode pool: bytes -> model input (and a bounded copy when ``keep_image``).
-
-        The full-size image lives only inside this call, within the pixel budget.
-        """
-        limits = {"max_pixels": self.settings.max_image_pixels, "limit_name": "PADIM_MAX_IMAGE_PIXELS"}
+    async def scored(
+        self, served: ServedModel, decoded: list[Decoded], raw_threshold: float, keep_map: bool
+    ) -> list[ScoredImage]:
+        """Queue decoded pictures on ``served``'s batcher and wait for their scores. Cancelled (the request gave up),
+        the images still queued are skipped when batches form."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in decoded]
+        items = [
+            Item(image.tensor, raw_threshold, keep_map, _delivery(loop, future))
+            for image, future in zip(decoded, futures, strict=True)
+        ]
+        served.batcher.put(items)
         try:
-            width, height = image_dimensions(data, **limits)
-            with self.pixels.hold(width * height):
-                image = open_image(
-                    data,
-                    draft_to=decode_side(model.scorer.config.input_shape),
-                    roi=model.scorer.config.framing.roi,
-                    **limits,
-                )
-                picture = image.info.get(PICTURE_SIZE, image.size)
-                tensor = model.scorer.preprocess([image])[0]
-                shown = bounded_copy(image, self.settings.heatmap_max_side) if keep_image else None
-                shown_size = bounded_size(image.size, self.settings.heatmap_max_side)
-                del image
-        except ImageError as error:  # 413 when too large, 422 otherwise (padim.models.errors.OUTCOMES)
-            raise api_error(error) from None
-        large = width * height >= TRIM_AFTER_PIXELS
-        if large:
-            release_memory()
-        return Decoded(tensor, shown, shown_size, large, picture)
+            return list(await asyncio.gather(*futures))
+        finally:
+            for item in items:
+                item.cancelled = True  # nothing left for the scheduler to do for this request
 
-    def build_result(
+    async def score_pictures(
         self,
-        model: ServedModel,
-        decoded: Decoded,
-        raw: float,
-        anomaly_map: torch.Tensor,
+        served: ServedModel,
+        datas: list[bytes],
         threshold: float | None,
         heatmap: bool,
         mask: bool,
-    ) -> dict:
-        """Runs on the decode pool: the verdict (the same as ``padim predict``'s) and the requested images."""
-        calibration = model.scorer.calibration
-        try:
-            result = verdict(raw, anomaly_map, calibration, threshold).to_dict()
-        except NonFiniteScoreError as error:  # fail closed: never a verdict from a NaN
-            log.error("non-finite score", extra={"model": model.name, "raw_score": str(raw)})
-            raise api_error(
-                error,
-                "the model gave a NaN or infinite score for this image, so no verdict is given; "
-                "the model file may be damaged (check it with `padim info --verify`)",
-            ) from None
+        monitor: bool = True,
+    ) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
+        """Each picture as scored, its result, and its size as sent: decoded on the pool, scored by ``served``'s
+        batcher, answered (heat maps and masks drawn on the pool). Places for the pictures are taken before decoding
+        (503 when there are none) and given back when this returns or fails. With ``monitor``, the scores go to the
+        model's monitor."""
+        loop = asyncio.get_running_loop()
+        raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
+        with self.places.admit(served.name, len(datas)) as admission:
+            decoded = await asyncio.gather(
+                *[loop.run_in_executor(self.decode, self.decoder.decode, served.scorer, d, heatmap) for d in datas]
+            )
+            admission.queued(len(decoded))
+            scored = await self.scored(served, decoded, raw_threshold, heatmap or mask)
         if heatmap or mask:
-            width, height = decoded.shown_size
-            resized = model.scorer.framing.to_picture(anomaly_map, width, height, decoded.picture)
-            normalised_map = calibration.normalise(resized.double()).numpy()
-            if heatmap:
-                box = model.scorer.framing.shown_box(width, height, decoded.picture)
-                result["heatmap"] = _png_base64(overlay(decoded.shown, normalised_map, result["threshold"], scored=box))
-            if mask:
-                result["mask"] = _png_base64(mask_image(normalised_map, result["threshold"]))
-            if decoded.large:
-                release_memory()
-        return result
+            results = await asyncio.gather(
+                *[
+                    loop.run_in_executor(
+                        self.decode, answer, served.name, served.scorer, image, one, threshold, heatmap, mask
+                    )
+                    for image, one in zip(decoded, scored, strict=True)
+                ]
+            )
+        else:
+            results = [
+                answer(served.name, served.scorer, image, one, threshold, False, False)
+                for image, one in zip(decoded, scored, strict=True)
+            ]
+        if monitor:
+            served.monitor.record(
+                [s.raw_score for s in scored], [s.input_distance for s in scored], threshold is not None
+            )
+        return scored, list(results), [image.picture for image in decoded]
 
 
-def _png_base64(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+def _delivery(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    """What the scheduler's thread calls with an image's result: ``future`` is resolved on ``loop``."""
+
+    def resolve(result) -> None:
+        if future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    def deliver(result) -> None:
+        try:
+            loop.call_soon_threadsafe(resolve, result)
+        except RuntimeError:  # the loop is closed: nobody waits for it any more
+            pass
+
+    return deliver

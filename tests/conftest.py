@@ -86,10 +86,12 @@ def second_model(dataset, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def server(model_file, tmp_path_factory):
-    """A real `padim serve` process (uvicorn) on 127.0.0.1 serving ``model_file``."""
-    with running_server(tmp_path_factory.mktemp("server"), [model_file]) as running:
+@pytest.fixture(scope="session", params=[1, 2], ids=["one process", "two API processes"])
+def server(request, model_file, tmp_path_factory):
+    """A real `padim serve` (uvicorn) on 127.0.0.1 serving ``model_file``: one process, then a supervisor with a
+    scoring process and two API processes (``--workers 2``): every test of it runs on both layouts."""
+    workers = str(request.param)
+    with running_server(tmp_path_factory.mktemp("server"), [model_file], args=("--workers", workers)) as running:
         yield running
 
 

@@ -238,3 +238,19 @@ def score_in_batches(url: str, paths, **params) -> None:
         files = [("file", (p.name, p.read_bytes(), "image/png")) for p in paths[first : first + 8]]
         answer = httpx.post(url + "/score/batch", files=files, params=params, timeout=60)
         assert answer.status_code == 200, answer.text
+
+
+def roles(supervisor: int) -> dict[str, int]:
+    """The supervisor's children by role: ``scoring``, ``api-1``, ``api-2``, ... (from their command lines)."""
+    found = {}
+    for task in Path(f"/proc/{supervisor}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"padim.service.processes.scoring" in command:
+                found["scoring"] = int(child)
+            elif b"padim.service.processes.api" in command:
+                found[f"api-{command[command.index(b'padim.service.processes.api') + 2].decode()}"] = int(child)
+    return found

@@ -80,6 +80,12 @@ def register(commands) -> None:
     serve.add_argument("--port", type=int, help="default 8000")
     serve.add_argument("--device", choices=DEVICES, help="default auto: cuda when torch sees a GPU")
     serve.add_argument("--runtime", choices=RUNTIMES, help=RUNTIME_HELP)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="API processes that speak HTTP and decode, beside one scoring process that owns the device; 1: "
+        "everything in one process (default: from the usable CPUs, 1 on a CPU; docs/sizing.md)",
+    )
     serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
     serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             "runtime",
             "max_batch_size",
             "max_delay_ms",
+            "workers",
             "log_level",
             "record_dir",
             "lines",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import ApiError
 from ..record.rows import make_row
-from ..state import ServedModel, ServiceState
+from ..state import ServiceState
 from .config import CameraSource, Line, LinesFile, check_lines, read_lines
 from .journal import LineJournal, OutboxFull
 from .sinks import MqttTrigger, Sink, SinkDown, make_sink
@@ -203,35 +203,23 @@ class LineRunner:
 
     async def _score(self, picture: Picture, key: str) -> tuple[dict, dict | None]:
         """The picture's message (and record row), scored by the served model's batcher as ``POST /score`` is."""
-        state, loop = self.state, asyncio.get_running_loop()
+        state = self.state
         threshold = self.config.threshold
         while True:
             model = state.model(self.config.model)  # 503 not_ready while models load: the loop waits below
             try:
                 with state.using(model) as served:
-                    decoded = await loop.run_in_executor(
-                        state.decode, state.decode_image, served, picture.data, self.config.heatmaps
-                    )
-                    scored = await self._batched(served, decoded.tensor)
-                    result = await loop.run_in_executor(
-                        state.decode,
-                        state.build_result,
-                        served,
-                        decoded,
-                        scored.raw_score,
-                        scored.map,
-                        threshold,
-                        self.config.heatmaps,
-                        False,
+                    (scored,), (result,), (size,) = await state.score_pictures(
+                        served, [picture.data], threshold, self.config.heatmaps, False
                     )
                     break
             except ApiError as error:
                 if error.status in (413, 415, 422):  # the picture, not the service
                     raise _Rejected(error.message) from None
-                if error.code not in ("overloaded", "not_ready"):
+                if error.code not in ("overloaded", "not_ready"):  # a full queue: wait, as a line cannot drop a part
                     raise
             await asyncio.sleep(BUSY_WAIT_S)
-        state.observe(served, [scored], [result], own_threshold=threshold is not None)
+        state.observe(served, [result], own_threshold=threshold is not None)
         now = time.time()
         self.count("scored")
         if result["is_anomaly"]:
@@ -276,7 +264,7 @@ class LineRunner:
                 served.version,
                 result,
                 scored.input_distance,
-                decoded.picture,
+                size,
                 picture.sha256,
                 len(picture.data),
                 fields,
@@ -287,18 +275,6 @@ class LineRunner:
             )
             message["record_id"] = row["id"]
         return message, row
-
-    async def _batched(self, served: ServedModel, tensor):
-        while True:
-            try:
-                with served.batcher.admit(1) as admission:
-                    future = served.batcher.submit(tensor, admission)
-                break
-            except ApiError as error:
-                if error.code != "overloaded":
-                    raise
-                await asyncio.sleep(BUSY_WAIT_S)  # the queue is full: wait, as a line cannot drop a part
-        return await future
 
     async def _record(self, row: dict, picture: Picture) -> bool:
         record = self.state.record

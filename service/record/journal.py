@@ -212,6 +212,30 @@ class Journal:
             return Position(numbers[0] if numbers else 1, 0)
 
 
+def waiting(folder: Path) -> tuple[int, int]:
+    """Rows and bytes of the journal in ``folder`` that the database does not have yet, read without owning it (the
+    journal of a running sibling: the API processes of one service each have one)."""
+    numbers = sorted(int(p.stem) for p in folder.glob("*.jsonl") if p.stem.isdigit())
+    try:
+        segment, offset = (int(x) for x in (folder / COMMITTED).read_text().split())
+    except (OSError, ValueError):
+        segment, offset = (numbers[0] if numbers else 1), 0
+    rows = size = 0
+    for number in numbers:
+        if number < segment:
+            continue
+        start = offset if number == segment else 0
+        path = folder / f"{number:08d}.jsonl"
+        while True:
+            found, consumed = _read_lines(path, start, 10_000)
+            if not found:
+                break
+            rows += len(found)
+            size += consumed
+            start += consumed
+    return rows, size
+
+
 def adoptable(root: Path, own: Path) -> list[Path]:
     """Journals under ``root`` other than ``own`` that hold segments: ``root``'s own (a single process's, before
     replicas were named) and each replica's folder; whether their owner still runs is for :func:`adopt`."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .journal import Journal, JournalFull, adopt, adoptable
+from .journal import Journal, JournalFull, adopt, adoptable, waiting
 from .pictures import PictureStore, sync_directories
 from .store import RecordStore
 
@@ -68,6 +68,11 @@ class Recorder:
         metrics: the service's :class:`~padim.service.metrics.Metrics` (or ``None``).
         replica: this replica's name when several share ``folder``: its journal is ``journal/NAME``, and the
             journals of replicas that stopped are adopted (:func:`~.journal.adopt`).
+        upkeep: this recorder also keeps the record: marks the jobs a stopped process left, adopts stopped journals
+            and evicts pictures. The API processes of a service (:mod:`padim.service.processes`) write their rows
+            through recorders of their own without it; its scoring process keeps the record.
+        siblings: the journals (names under ``journal/``) of the API processes beside this one, counted in
+            :meth:`waiting_everywhere`.
     """
 
     def __init__(
@@ -80,8 +85,11 @@ class Recorder:
         flagged_retention_days: float,
         metrics=None,
         replica: str | None = None,
+        upkeep: bool = True,
+        siblings: tuple[str, ...] = (),
     ):
         self.folder = Path(folder)
+        self.upkeep, self.siblings = upkeep, siblings
         self.store = store
         self.journal = Journal(self.folder / "journal" / (replica or ""), journal_max_bytes)
         self.pictures = PictureStore(self.folder / "pictures")
@@ -205,7 +213,8 @@ class Recorder:
             try:
                 if not migrated:  # a database down at start is waited for like one that goes away later
                     self.store.migrate()
-                    self.store.interrupted_jobs()  # what a stopped process (or replica) left running
+                    if self.upkeep:
+                        self.store.interrupted_jobs()  # what a stopped process (or replica) left running
                     migrated = True
                     self.ready.set()
                 rows, position = self.journal.read(self.journal.position, DB_BATCH)
@@ -219,7 +228,8 @@ class Recorder:
                     self.journal.commit(position)
                 self._up(True)
                 backoff = 0.5
-                self._evict_when_due()
+                if self.upkeep:
+                    self._evict_when_due()
                 self._show()
                 if len(rows) >= DB_BATCH:
                     continue
@@ -311,6 +321,16 @@ class Recorder:
         if self.metrics is not None:
             self.metrics.record_rows_waiting.set(self.waiting)
             self.metrics.record_journal_bytes.set(self.journal.pending_bytes())
+
+    def waiting_everywhere(self) -> tuple[int, int]:
+        """Rows and bytes waiting for the database in this journal and its siblings'."""
+        rows, size = self.waiting, self.journal.pending_bytes()
+        for name in self.siblings:
+            sibling = self.folder / "journal" / name
+            if sibling.is_dir():
+                more_rows, more_bytes = waiting(sibling)
+                rows, size = rows + more_rows, size + more_bytes
+        return rows, size
 
     def flushed(self, timeout: float = 30.0) -> bool:
         """Wait until every row handed in is in the database (tests, exports); ``False`` on time-out."""

@@ -1,7 +1,7 @@
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..deps import StateDep
+from ..metrics import exposition
 
 router = APIRouter(tags=["metrics"])
 
@@ -21,7 +21,7 @@ async def metrics(state: StateDep) -> Response:
     for name, count in loaded.items():
         state.metrics.versions_loaded.labels(name).set(count)
     for name, model in state.models.items():
-        queued = model.batcher.admitted + sum(m.batcher.admitted for m in state.retired if m.name == name)
-        state.metrics.queue_depth.labels(name).set(queued)
+        state.metrics.queue_depth.labels(name).set(state.places.held(name))
         state.metrics.show_reading(name, model.monitor.reading()[0], model.scorer.calibration.false_alarm_bound)
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    body, media_type = exposition(state.metrics.registry)
+    return Response(body, media_type=media_type)

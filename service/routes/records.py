@@ -126,14 +126,15 @@ async def storage(state: StateDep) -> RecordStorage:
     record = state.record
     report = await on_database(state, record.store.storage)
     rows = await on_database(state, record.store.count, Filters())
+    rows_waiting, journal_bytes = await asyncio.to_thread(record.waiting_everywhere)
     settings = state.settings
     return RecordStorage(
         database=record.store.kind,
         database_up=record.database_up,
         required=settings.record_required,
         rows=rows,
-        rows_waiting=record.waiting,
-        journal_bytes=record.journal.pending_bytes(),
+        rows_waiting=rows_waiting,
+        journal_bytes=journal_bytes,
         journal_max_bytes=settings.record_journal_max_bytes,
         max_bytes=settings.record_max_bytes,
         retention_days=settings.record_retention_days,

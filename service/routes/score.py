@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
 import time
+from collections.abc import Coroutine
 from typing import Annotated
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Query, Request
+from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from padim.models.errors import RecordUnavailable
 
-from ..batching import Admission
-from ..deps import ApiKey, StateDep
-from ..errors import ApiError
+from ..deps import ApiKey, StateDep, require_api_key
+from ..errors import ApiError, answer_for
 from ..openapi import error_responses
 from ..record.rows import InvalidFields, parse_fields
 from ..schemas import BatchResponse, ScoreResponse
-from ..state import ScoredImage, ServedModel, ServiceState
+from ..state import ServiceState
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 
@@ -155,12 +159,13 @@ async def _score(
                 raise ApiError("invalid_fields", str(error)) from None
             loop = asyncio.get_running_loop()
             digests = await asyncio.gather(*[loop.run_in_executor(state.decode, _sha256, d) for d in datas])
-        with served.batcher.admit(len(datas)) as admission:  # 503 now, before anything is decoded
-            scored, results, pictures = await _score_images(
-                request, state, served, datas, admission, threshold, heatmap, mask
-            )
+        scored, results, pictures = await _answered(
+            request,
+            state.settings.request_timeout_s,
+            state.score_pictures(served, datas, threshold, heatmap, mask, monitor),
+        )
         if monitor:
-            state.observe(served, scored, results, own_threshold=threshold is not None)
+            state.observe(served, results, own_threshold=threshold is not None)
         if recording:
             futures = state.keep(served, datas, digests, fields if many else [fields], scored, results, pictures)
             if state.settings.record_required:
@@ -191,61 +196,34 @@ async def _durable(futures, timeout_s: float) -> None:
         ) from None
 
 
-async def _score_images(
-    request: Request,
-    state: ServiceState,
-    served: ServedModel,
-    datas: list[bytes],
-    admission: Admission,
-    threshold,
-    heatmap,
-    mask,
-) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
-    """Each image as scored, its result, and each picture's size as sent.
+async def _answered(request: Request, timeout_s: float, scoring: Coroutine) -> tuple:
+    """What ``scoring`` returns, unless the client leaves first (499, logged) or it takes over ``timeout_s`` (504).
 
-    A client that disconnects while its images wait for a batch takes them out of the queue (the
-    batcher skips cancelled ones), so that it costs no batch; its request is logged as 499.
+    A request given up takes its images out of the queue (they cost no batch) and gives its places back; a
+    request cancelled by the drain's end does the same before the cancellation goes on.
     """
-    loop = asyncio.get_running_loop()
-    decoded = await asyncio.gather(
-        *[loop.run_in_executor(state.decode, state.decode_image, served, d, heatmap) for d in datas]
-    )
-    futures = []
+    task = asyncio.ensure_future(scoring)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        for image in decoded:
-            futures.append(served.batcher.submit(image.tensor, admission))
-        answered = asyncio.gather(*futures)
-        done, _ = await asyncio.wait(
-            {answered, gone}, timeout=state.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if answered not in done:
-            answered.cancel()
-            if gone in done:
-                raise ApiError(
-                    "client_disconnected",
-                    "the client closed the connection before its images were scored",
-                )
-            raise ApiError(
-                "timeout", f"not scored within {state.settings.request_timeout_s:g} s; the server is overloaded"
-            )
-        scored = answered.result()
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancelled(task)
+        raise
     finally:
         gone.cancel()
-        for future in futures:  # a failed or abandoned request leaves nothing for the batcher to do
-            if not future.done():
-                future.cancel()
-    results = list(
-        await asyncio.gather(
-            *[
-                loop.run_in_executor(
-                    state.decode, state.build_result, served, image, one.raw_score, one.map, threshold, heatmap, mask
-                )
-                for image, one in zip(decoded, scored, strict=True)
-            ]
-        )
-    )
-    return scored, results, [image.picture for image in decoded]
+    if task in done:
+        return task.result()
+    await _cancelled(task)
+    if gone in done:
+        raise ApiError("client_disconnected", "the client closed the connection before its images were scored")
+    raise ApiError("timeout", f"not scored within {timeout_s:g} s; the server is overloaded")
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel ``task`` and wait until it has let go of what it held; what it raises then is nobody's answer."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 async def _disconnected(request: Request) -> None:
@@ -326,3 +304,84 @@ def _form_options(form) -> dict:
             raise ApiError("invalid_parameter", f"threshold: expected a number in [0, 1], got {value!r}")
         options["threshold"] = threshold
     return options
+
+
+# --------------------------------------------------------------------------- the fast path
+_BOOL = TypeAdapter(bool)
+_FLOAT = TypeAdapter(float)
+
+
+def _plain_query(query_string: bytes, many: bool) -> dict | None:
+    """The score routes' query parameters read as FastAPI reads them, or ``None`` where one is not plainly valid
+    (FastAPI then answers with its own message)."""
+    values = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))  # the last of a name wins
+    options: dict = {"heatmap": False, "mask": False, "threshold": None, "monitor": True, "model": None}
+    try:
+        for key in ("heatmap", "mask", "monitor"):
+            if key in values:
+                options[key] = _BOOL.validate_python(values[key])
+        if "threshold" in values:
+            threshold = _FLOAT.validate_python(values["threshold"])
+            if not 0.0 <= threshold <= 1.0:
+                return None
+            options["threshold"] = threshold
+    except ValidationError:
+        return None
+    if many and "model" in values:
+        options["model"] = values["model"]
+    return options
+
+
+class ScoreFastPath:
+    """``POST /score``, ``/models/{name}/score`` and ``/score/batch`` answered without FastAPI's routing, dependency
+    injection and response model, which cost a request about as much CPU as the rest of it outside decoding (measured:
+    docs/sizing.md). The same code answers (:func:`_score`, the API key's check, the error table); a query it cannot
+    read plainly goes the FastAPI way, for FastAPI's own answer. The routes stay declared (OpenAPI)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        path = route = scope["path"]
+        name, many = None, False
+        if path == "/score/batch":
+            many = True
+        elif path != "/score":
+            parts = path.split("/")
+            if len(parts) != 4 or parts[1] != "models" or parts[3] != "score" or not parts[2]:
+                return await self.app(scope, receive, send)
+            name, route = parts[2], "/models/{name}/score"
+        options = _plain_query(scope["query_string"], many)
+        if options is None:
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["route"] = route  # the label of its metrics and access log line
+        request = Request(scope, receive)
+        state = scope["app"].state.service
+        try:
+            await require_api_key(request, state.settings)
+            result = await _score(
+                request,
+                state,
+                name if not many else options["model"],
+                options["heatmap"],
+                options["mask"],
+                options["threshold"],
+                many=many,
+                monitor=options["monitor"],
+            )
+        except Exception as error:  # as the app's error handlers answer it
+            response = answer_for(error)
+        else:
+            body = json.dumps(result, separators=(",", ":")).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await response(scope, receive, send)

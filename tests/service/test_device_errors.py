@@ -92,8 +92,9 @@ def test_out_of_memory_is_cured_by_splitting_the_batch(model_file, faults):
         state = service(client)
         size = state.models["weave"].scorer.config.features.image_size
         faults.sizes.clear()
-        results = state.score(state.models["weave"], torch.zeros(5, 3, size, size))
-        assert len(results) == 5 and faults.sizes == [5, 3, 2]  # the whole batch, then its two halves
+        out = state.score(state.models["weave"], torch.zeros(5, 3, size, size))
+        assert out.raw_scores.shape == (5,) and out.maps.shape[0] == 5
+        assert faults.sizes == [5, 3, 2]  # the whole batch, then its two halves
         assert state.device_errors == 0
         metrics = client.get("/metrics").text
         assert 'padim_device_errors_total{model="weave",outcome="split"} 1.0' in metrics

@@ -81,16 +81,67 @@ def test_the_monitor_goes_from_normal_to_drift_and_back_after_a_reset(model_file
         assert httpx.get(server.url + "/models/nope/monitor").status_code == 404
 
 
-def test_a_client_that_gives_up_costs_no_batch(model_file, dataset, tmp_path):
-    """Its image waits for company (a long batching delay); the client leaves; the batch is never scored."""
+def test_a_client_that_gives_up_costs_no_batch(model_file, dataset):
+    """Its image waits for the device (held busy); the client leaves; the image is never scored."""
+    import threading
+
+    import anyio
+    from fastapi.testclient import TestClient
+
+    from padim.service.app import create_app
+    from padim.service.settings import ServiceSettings
+
     data = (dataset / "test" / "good" / "000.png").read_bytes()
-    env = {"PADIM_MAX_DELAY_MS": "1500"}
-    with running_server(tmp_path, [model_file], env=env) as server:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=0.4)
-        time.sleep(2.0)  # past the batching delay: a batch would have been scored by now
-        assert metric(server.url, "padim_batch_size_count", model="weave") == 0
-        assert metric(server.url, "padim_requests_total", route="/score", status="499") == 1
-        assert reading(server.url)["recorded"] == 0
-        kept = httpx.post(server.url + "/score", content=data, headers={"content-type": "image/png"}, timeout=30)
-        assert kept.status_code == 200 and metric(server.url, "padim_batch_size_count", model="weave") == 1
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/score",
+        "raw_path": b"/score",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"image/png"), (b"content-length", str(len(data)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
+        for _ in range(600):
+            if client.get("/health/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        state = client.app.state.service
+        release = threading.Event()
+        held = state.scheduler.call(lambda: release.wait(30))  # the device is busy: the image waits in its queue
+
+        async def leaving_client() -> list[dict]:
+            sent: list[dict] = []
+            given = False
+
+            async def receive() -> dict:
+                nonlocal given
+                if not given:
+                    given = True
+                    return {"type": "http.request", "body": data, "more_body": False}
+                await anyio.sleep(0.4)  # then the client goes away
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            await client.app(scope, receive, send)
+            return sent
+
+        sent = client.portal.call(leaving_client)
+        release.set()
+        held.result(30)
+        assert sent[0]["status"] == 499
+        time.sleep(0.5)  # the scheduler has passed the abandoned image by now
+        metrics = client.get("/metrics").text
+        assert 'padim_batch_size_count{model="weave"}' not in metrics  # no batch was ever scored
+        assert 'padim_requests_total{route="/score",status="499"} 1.0' in metrics
+        assert client.get("/models/weave/monitor").json()["recorded"] == 0
+        kept = client.post("/score", content=data, headers={"content-type": "image/png"})
+        assert kept.status_code == 200
+        assert 'padim_batch_size_count{model="weave"} 1.0' in client.get("/metrics").text

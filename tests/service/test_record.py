@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import metric, running_server
+from helpers import metric, roles, running_server
 from PIL import Image
 
 SCORING, REVIEW, ADMIN = "scoring-key-1", "review-key-22", "admin-key-333"
@@ -174,20 +174,28 @@ def test_required_rows_answer_503_only_when_the_journal_cannot_take_them(
 
 
 @pytest.mark.load_sensitive
-def test_a_kill_9_loses_no_answered_row_when_rows_are_required(model_file, dataset, tmp_path):
+@pytest.mark.parametrize("killed", ["the one process", "an API process of two"])
+def test_a_kill_9_loses_no_answered_row_when_rows_are_required(model_file, dataset, tmp_path, killed):
+    """Each API process writes its requests' rows through a journal of its own: one killed loses none of the rows it
+    answered; its replacement (same row, same journal) sends them on."""
+    import os
+
     pictures = sorted(dataset.glob("test/*/*.png"))
     env = record_env(tmp_path, None, PADIM_RECORD_REQUIRED="true")
+    workers = "1" if killed == "the one process" else "2"
     answered: list[str] = []
-    with running_server(tmp_path, [model_file], env=env) as server:
+    with running_server(tmp_path, [model_file], env=env, args=("--workers", workers)) as server:
         stop = threading.Event()
 
         def load() -> None:
             while not stop.is_set():
                 for path in pictures:
                     try:
-                        answer = score(server.url, path)
+                        answer = score(server.url, path, headers={"connection": "close"})
                     except httpx.TransportError:
-                        return
+                        if workers == "1":
+                            return
+                        continue
                     if answer.status_code == 200:
                         answered.append(answer.json()["record_id"])
 
@@ -197,16 +205,27 @@ def test_a_kill_9_loses_no_answered_row_when_rows_are_required(model_file, datas
         deadline = time.time() + 60
         while len(answered) < 30 and time.time() < deadline:
             time.sleep(0.05)
-        server.process.send_signal(signal.SIGKILL)
-        server.process.wait()
+        if workers == "1":
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait()
+        else:
+            os.kill(roles(server.process.pid)["api-1"], signal.SIGKILL)
+            count = len(answered)
+            while len(answered) < count + 10 and time.time() < deadline + 60:
+                time.sleep(0.05)
         stop.set()
         for thread in threads:
             thread.join()
+        if workers == "2":
+            wait_recorded(server.url, len(answered))
+            for record_id in answered:
+                assert httpx.get(server.url + f"/records/{record_id}").status_code == 200
     assert len(answered) >= 30
-    with running_server(tmp_path, [model_file], env=env) as again:
-        wait_recorded(again.url, len(answered))
-        for record_id in answered:
-            assert httpx.get(again.url + f"/records/{record_id}").status_code == 200
+    if workers == "1":
+        with running_server(tmp_path, [model_file], env=env) as again:
+            wait_recorded(again.url, len(answered))
+            for record_id in answered:
+                assert httpx.get(again.url + f"/records/{record_id}").status_code == 200
 
 
 def test_keys_reviews_and_bad_input(model_file, dataset, tmp_path):

@@ -360,8 +360,10 @@ def test_bad_model_file_stops_start_up_with_one_line(model_file, tmp_path, probl
 
 
 @pytest.mark.load_sensitive
-def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_path):
-    """Every request the server accepted is answered 200; the rest were refused, never half-done.
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_path, workers):
+    """Every request the server accepted is answered 200; the rest were refused, never half-done (with two API
+    processes: each drains what it admitted before the scoring process stops).
 
     A connection still in the kernel's listen backlog when the listener closes is reset by the
     kernel (the client sees a read error, not a refused connect) although the server never
@@ -393,7 +395,7 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
             if outcome in ("refused", "reset"):
                 return
 
-    with running_server(tmp_path, [model_file]) as srv:
+    with running_server(tmp_path, [model_file], args=("--workers", str(workers))) as srv:
         threads = [threading.Thread(target=client, args=(srv, time.time() + 20)) for _ in range(16)]
         for t in threads:
             t.start()

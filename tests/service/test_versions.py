@@ -81,14 +81,18 @@ def in_process(root: Path, **settings):
 
 # --------------------------------------------------------------------------- a real server under load
 @pytest.mark.load_sensitive
+@pytest.mark.parametrize("workers", [1, 2])
 def test_upload_activate_and_roll_back_under_load_fail_no_request(
-    model_file, second_model, predicted, dataset, tmp_path
+    model_file, second_model, predicted, dataset, tmp_path, workers
 ):
+    """In one process, and with two API processes beside the scoring one: an activation is seen by every API
+    process at once, and each answer is scored and judged by the version it names."""
     root = repository_with(tmp_path, model_file)
     env = {"PADIM_ADMIN_KEY": ADMIN, "PADIM_API_KEY": SCORING, "PADIM_RUNTIME": "torch"}
     answers: list[tuple[float, float, int, dict]] = []  # (sent, answered, status, body)
     stop = threading.Event()
-    with running_server(tmp_path, [], env=env, args=("--repository", str(root), "--device", "cpu")) as server:
+    args = ("--repository", str(root), "--device", "cpu", "--workers", str(workers))
+    with running_server(tmp_path, [], env=env, args=args) as server:
 
         def client() -> None:
             with httpx.Client(base_url=server.url, timeout=30, headers={"x-api-key": SCORING}) as http:
@@ -158,7 +162,7 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
         wait_ready(client)
         state = client.app.state.service
         release = threading.Event()
-        held = state.inference.submit(release.wait, 30)  # the one inference thread is busy: batches wait
+        held = state.scheduler.call(lambda: release.wait(30))  # the device's one thread is busy: batches wait
         result: dict = {}
         waiting = threading.Thread(target=lambda: result.update(score(client, dataset)))
         waiting.start()
@@ -174,7 +178,7 @@ def test_a_batch_held_in_the_queue_across_a_swap_is_scored_and_judged_by_the_ver
             headers={**OCTET, "x-api-key": ADMIN},
         )
         assert uploaded.status_code == 201 and state.models["weave"].version == 2  # swapped while the batch waits
-        assert first.retired and first in state.retired and first.batcher._task is not None
+        assert first.retired and first in state.retired and not first.batcher.closed
         release.set()
         held.result(30)
         waiting.join(30)

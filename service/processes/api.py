@@ -1,0 +1,409 @@
+"""An API process: HTTP, limits and keys, decoding into shared memory, verdicts, heat maps, the JSON, its rows.
+
+It answers ``POST /score``, ``/models/{name}/score`` and ``/score/batch`` itself, with the same route code as a
+single process (:mod:`padim.service.routes.score`) over :class:`ApiState`, and ``/health/*``; every other route is
+passed on to the scoring process's HTTP API on the run folder's socket (:func:`proxy`), so that it answers as the
+one service does.
+
+    python -m padim.service.processes.api RUN_FOLDER ROW FD
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from ..admission import SharedPlaces
+from ..answers import answer, count_verdicts, keep_rows
+from ..app import DESCRIPTION
+from ..batching import ScoredImage
+from ..decoding import Decoder
+from ..errors import ApiError, install_error_handlers
+from ..metrics import Metrics
+from ..middleware import BodyGuard, RequestContext
+from ..record.recorder import Recorder
+from ..record.store import RecordStore, database_url
+from ..routes import score, versions
+from ..schemas import LiveResponse
+from ..settings import ServiceSettings
+from .shared import DRAINING, READY, STARTING, STOPPED, RunFolder, ServedView, Slot, SlotPool, Table, journal_name
+from .wire import Link, Stale
+
+log = logging.getLogger("padim.service")
+
+#: A request whose version was let go between the table's reading and the scoring process's: tried again this often.
+STALE_TRIES = 3
+#: Headers that are the connection's, not the message's (RFC 9110 7.6.1), and those the API process sets itself.
+HOP = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-connection",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"host",
+}
+ANSWER_OWN = {"connection", "keep-alive", "transfer-encoding", "date", "server", "x-request-id", "x-padim-route"}
+
+
+def per_process(total: int, workers: int, least: int) -> int:
+    """A service-wide bound split between ``workers`` API processes, at least ``least`` each."""
+    return max(least, total // workers)
+
+
+class ApiState:
+    """What an API process holds: the table of served versions, its slots and link to the scoring process, its
+    decoder and record; the same surface to the score routes as :class:`~padim.service.state.ServiceState`."""
+
+    def __init__(self, settings: ServiceSettings, run: RunFolder, row: int):
+        self.settings, self.run, self.row = settings, run, row
+        self.metrics = Metrics()
+        self.table = Table(run)
+        self.places = SharedPlaces(run.places, run.workers + 1, row, settings.max_queue, self.table.index)
+        self.places.reset_row(row)  # a predecessor's places (it died) went with it
+        self.slots = SlotPool(run, row)
+        self.link = Link(run, row)
+        workers = run.workers
+        self.decoder = Decoder(
+            per_process(settings.decode_workers, workers, 1),
+            per_process(settings.pixel_budget(), workers, settings.max_image_pixels),
+            settings.max_image_pixels,
+            settings.heatmap_max_side,
+        )
+        self.decode = self.decoder.pool
+        self.record: Recorder | None = None
+        self.draining = False
+        self.startup_error: str | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def open_record(self) -> None:
+        """This process's journal of the record (its rows; the scoring process keeps the record itself)."""
+        settings = self.settings
+        if not settings.record_on:
+            return
+        folder = settings.record_folder()
+        url = settings.record_url.get_secret_value() if settings.record_url is not None else None
+        self.record = Recorder(
+            folder,
+            RecordStore(database_url(url, folder)),
+            settings.record_journal_max_bytes,
+            settings.record_max_bytes,
+            settings.record_retention_days,
+            settings.record_flagged_retention_days,
+            self.metrics,
+            journal_name(settings.replica, self.row),
+            upkeep=False,
+        )
+        self.record.start()
+
+    async def close(self) -> None:
+        self.link.stop()
+        if self.record is not None:
+            await asyncio.to_thread(self.record.close)
+        self.decoder.shutdown()
+        self.places.close()
+
+    # ----------------------------------------------------------------- the score routes' surface
+    def model(self, name: str | None) -> ServedView:
+        if not self.link.up.is_set():
+            raise ApiError(
+                "not_ready",
+                "the scoring process is not running; it is being started, retry shortly",
+                headers={"Retry-After": "2"},
+            )
+        return self.table.served(name)
+
+    @contextlib.contextmanager
+    def using(self, served: ServedView) -> Iterator[ServedView]:
+        """The scoring process holds the version for each of the request's pictures it takes."""
+        yield served
+
+    async def score_pictures(
+        self,
+        served: ServedView,
+        datas: list[bytes],
+        threshold: float | None,
+        heatmap: bool,
+        mask: bool,
+        monitor: bool = True,
+    ) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
+        """As :meth:`ServiceState.score_pictures`, the device being another process's: pictures decoded into slots,
+        scored by the version ``served`` names (or, when it was let go meanwhile, the one that then serves)."""
+        loop = asyncio.get_running_loop()
+        with self.places.admit(served.name, len(datas)) as admission:
+            for attempt in range(STALE_TRIES):
+                height, width = served.scorer.config.input_shape
+                nbytes = 3 * height * width * 4
+                slots = [self.slots.take(nbytes) for _ in datas]
+                handed = False
+                try:
+                    decoded = await asyncio.gather(
+                        *[
+                            loop.run_in_executor(
+                                self.decode,
+                                self.decoder.decode,
+                                served.scorer,
+                                data,
+                                heatmap,
+                                slot.tensor(3, height, width),
+                            )
+                            for data, slot in zip(datas, slots, strict=True)
+                        ]
+                    )
+                    admission.queued(len(decoded))
+                    raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
+                    handed = True
+                    numbers = await self.link.score(
+                        served.serial,
+                        (height, width),
+                        slots,
+                        raw_threshold,
+                        heatmap or mask,
+                        monitor,
+                        threshold is not None,
+                        done=lambda slots=slots: self.slots.give(slots),
+                    )
+                    scored = [
+                        ScoredImage(*one, map=_map(slot, height, width) if heatmap or mask else None)
+                        for one, slot in zip(numbers, slots, strict=True)
+                    ]
+                    break
+                except Stale:
+                    if attempt == STALE_TRIES - 1:
+                        raise ApiError(
+                            "not_ready", "the model changed while this request waited; retry", {"Retry-After": "1"}
+                        ) from None
+                    served = self.table.served(served.name)
+                finally:
+                    if not handed:
+                        self.slots.give(slots)
+        if heatmap or mask:
+            results = await asyncio.gather(
+                *[
+                    loop.run_in_executor(
+                        self.decode, answer, served.name, served.scorer, image, one, threshold, heatmap, mask
+                    )
+                    for image, one in zip(decoded, scored, strict=True)
+                ]
+            )
+        else:
+            results = [
+                answer(served.name, served.scorer, image, one, threshold, False, False)
+                for image, one in zip(decoded, scored, strict=True)
+            ]
+        return scored, list(results), [image.picture for image in decoded]
+
+    def observe(self, model: ServedView, results: list[dict], own_threshold: bool) -> None:
+        count_verdicts(self.metrics, model.name, model.version, results, own_threshold)
+
+    def keep(self, model: ServedView, datas, digests, fields, scored, results, pictures) -> list:
+        assert self.record is not None
+        return keep_rows(
+            self.record,
+            self.settings.review_sample,
+            model.name,
+            model.version,
+            datas,
+            digests,
+            fields,
+            scored,
+            results,
+            pictures,
+        )
+
+
+def _map(slot: Slot, height: int, width: int):
+    return slot.tensor(height, width).clone()  # the slot is reused once the answer is built
+
+
+# --------------------------------------------------------------------------- the app
+def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
+    """The API process's app: the score routes and health here, every other route passed on."""
+    settings = state.settings
+    client = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=str(state.run.engine_socket)),
+        base_url="http://padim",
+        timeout=httpx.Timeout(None, connect=5.0),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.run.set_state(state.row, STARTING, os.getpid())
+        try:
+            await asyncio.to_thread(state.open_record)
+        except Exception as error:  # its journal is another process's: one line, and the process exits
+            state.startup_error = (str(error).splitlines() or [type(error).__name__])[0]
+            log.error("start-up failed: %s", state.startup_error)
+            if on_fatal is not None:
+                on_fatal()
+        state.link.start(asyncio.get_running_loop())
+        watching = asyncio.create_task(_mark_ready(state), name="ready")
+        try:
+            yield
+        finally:
+            watching.cancel()
+            state.draining = True
+            state.run.set_state(state.row, STOPPED)
+            await client.aclose()
+            await state.close()
+
+    app = FastAPI(
+        title="padim", description=DESCRIPTION, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
+    app.state.service = state
+    app.state.lines = None
+    install_error_handlers(app)
+
+    @app.get("/health/live", include_in_schema=False)
+    async def live() -> LiveResponse:
+        return LiveResponse(status="alive")
+
+    @app.get("/health/ready", include_in_schema=False)
+    async def ready(request: Request):
+        reason = _unready(state)
+        if reason is not None:
+            return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+        return await proxy(request)
+
+    app.include_router(score.router)
+
+    async def proxy(request: Request) -> Response:
+        """The request as the scoring process's HTTP API answers it, streamed both ways."""
+        headers = [(k, v) for k, v in request.scope["headers"] if k not in HOP]
+        headers.append((b"x-request-id", request.scope["state"]["request_id"].encode()))
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        upstream_request = client.build_request(
+            request.method,
+            httpx.URL(path=request.url.path, query=request.url.query.encode("latin-1") or None),
+            headers=headers,
+            content=request.stream() if has_body else None,
+        )
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError:
+            raise ApiError(
+                "not_ready",
+                "the scoring process is not running; it is being restarted, retry shortly",
+                headers={"Retry-After": "2"},
+            ) from None
+        route = upstream.headers.get("x-padim-route")
+        if route is not None:
+            request.scope["state"]["route"] = route
+        model = upstream.headers.get("x-padim-model")
+        if model is not None:
+            request.scope["state"]["model"] = model
+        return StreamingResponse(
+            upstream.aiter_raw(),
+            status_code=upstream.status_code,
+            headers={k: v for k, v in upstream.headers.items() if k.lower() not in ANSWER_OWN | {"x-padim-model"}},
+            background=BackgroundTask(upstream.aclose),
+        )
+
+    app.add_api_route(
+        "/{path:path}",
+        proxy,
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"],
+        include_in_schema=False,
+    )
+    app.add_middleware(score.ScoreFastPath)  # innermost: behind the body's limits and the request's context
+    app.add_middleware(
+        BodyGuard,
+        max_bytes=settings.max_upload_bytes,
+        timeout_s=settings.body_timeout_s,
+        max_discard_bytes=settings.max_discard_bytes,
+        model_uploads=(versions.UPLOAD_PATH, settings.max_model_upload_bytes, settings.model_upload_timeout_s)
+        if settings.admin_key is not None
+        else None,
+    )
+    app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
+    return app
+
+
+def _unready(state: ApiState) -> str | None:
+    """Why this process or a sibling cannot serve, before the scoring process is asked; ``None`` if nothing."""
+    if state.draining:
+        return "draining"
+    if state.startup_error is not None:
+        return "failed: " + state.startup_error
+    if not state.link.up.is_set():
+        return "failed: the scoring process is not running; it is being restarted"
+    for row in range(1, state.run.workers + 1):
+        if row != state.row and state.run.state(row)[0] != READY:
+            return f"failed: API process {row} of {state.run.workers} is not running; it is being replaced"
+    return None
+
+
+async def _mark_ready(state: ApiState) -> None:
+    """This process's row says ready while its link to the scoring process is up."""
+    while True:
+        want = DRAINING if state.draining else (READY if state.link.up.is_set() else STARTING)
+        if state.run.state(state.row)[0] != want:
+            state.run.set_state(state.row, want)
+        await asyncio.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- the process
+def main(argv: list[str]) -> int:
+    import socket
+
+    import torch
+    import uvicorn
+
+    from ..protocol import ConnectionLimits, guarded_protocol
+    from ..server import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
+    from .supervisor import die_with_parent
+
+    root, row, descriptor = Path(argv[0]), int(argv[1]), int(argv[2])
+    die_with_parent()
+    run = RunFolder(root)
+    settings = run.settings()
+    configure_logging(settings.log_level, role=f"api-{row}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request passed on: the access log has them
+    torch.set_num_threads(1)  # its torch ops are small; the cores are for decoding and the device's process
+    state = ApiState(settings, run, row)
+    server: DrainingServer | None = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_api_app(state, on_fatal=stop)
+    limits = ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=per_process(settings.max_connections, run.workers, 1),
+        max_discard_bytes=settings.max_discard_bytes,
+    )
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+        lifespan="on",
+        http=guarded_protocol(limits),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        server_header=False,
+        headers=[("server", SERVER_HEADER)],
+    )
+    server = DrainingServer(config, state)
+    listening = socket.socket(fileno=descriptor)
+    with quiet_signals():
+        server.run(sockets=[listening])
+    return 1 if state.startup_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

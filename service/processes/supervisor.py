@@ -1,0 +1,227 @@
+"""The supervisor: binds the port once, starts the scoring process and the API processes, keeps them running, and
+drains them on SIGTERM.
+
+- An API process that dies is replaced in its row (its places, slots and journal are its successor's); one that
+  fails :data:`GIVE_UP_AFTER` times in a row before it was ever ready stops the service (exit 1): a start-up error is
+  not cured by starting again.
+- The scoring process that dies after it was ready is started again (the API processes answer 503 ``not_ready``
+  meanwhile, and reconnect); one that fails before it was ready stops the service with its exit code, as one
+  process would (a bad model file).
+- SIGTERM or SIGINT: the listening socket is closed, the API processes drain (each answers what it admitted, within
+  ``PADIM_DRAIN_TIMEOUT_S``), then the scoring process stops; exit 0.
+
+Children run in a session of their own (a terminal's Ctrl-C reaches the supervisor only, which stops them in order)
+and die with it (``PR_SET_PDEATHSIG``) should it be killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..settings import ServiceSettings
+from .shared import READY, STOPPED, RunFolder
+
+log = logging.getLogger("padim.service")
+
+#: Start-up failures in a row (never ready) after which an API process is not started again.
+GIVE_UP_AFTER = 3
+#: Seconds between looks at the children.
+POLL_S = 0.05
+#: A child that lived less than this before dying is started again only after a pause (doubling, to BACKOFF_MAX_S).
+QUICK_DEATH_S = 10.0
+BACKOFF_MAX_S = 5.0
+#: Seconds past the drain timeout a process is given before it is killed.
+STOP_GRACE_S = 10.0
+
+
+def die_with_parent() -> None:
+    """Ask Linux for SIGTERM when the supervisor dies (nothing elsewhere); exit now if it is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        sys.exit(1)
+
+
+@dataclass
+class Child:
+    """One process the supervisor runs: the scoring process (row 0) or an API process."""
+
+    row: int
+    command: list[str]
+    pass_fds: tuple[int, ...] = ()
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    ever_ready: bool = False
+    failures: int = 0  # deaths in a row before ready
+    backoff: float = 0.0
+    restart_at: float | None = None
+    env: dict = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return "scoring process" if self.row == 0 else f"API process {self.row}"
+
+    def start(self, run: RunFolder) -> None:
+        self.process = subprocess.Popen(
+            self.command, pass_fds=self.pass_fds, start_new_session=True, env={**os.environ, **self.env}
+        )
+        self.started = time.monotonic()
+        self.restart_at = None
+        run.started(self.row)
+        log.info(f"{self.role} started", extra={"row": self.row, "pid": self.process.pid})
+
+
+def default_workers(device_type: str, cpus: int) -> int:
+    """API processes when ``PADIM_WORKERS`` is not set (docs/sizing.md says why).
+
+    On a CPU the scorer takes every core it is given and is the bottleneck, so one process decodes and scores
+    (measured on 2 cores: the same throughput, and lower latency, than two API processes beside a scoring one). On a
+    GPU a core decodes and answers a few hundred pictures a second: one API process a core, leaving one for the
+    scoring process and one for the rest, at most 16.
+    """
+    if device_type != "cuda" or cpus < 4:
+        return 1
+    return max(2, min(16, cpus - 2))
+
+
+def usable_cpus() -> int:
+    """Cores this process may use: its affinity, bounded by a cgroup's CPU quota (a container's CPU limit)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())
+            period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+            if quota > 0:
+                cpus = min(cpus, max(1, quota // period))
+        except (OSError, ValueError):
+            pass
+    return cpus
+
+
+class Supervisor:
+    def __init__(self, settings: ServiceSettings, workers: int):
+        self.settings, self.workers = settings, workers
+        self.run = RunFolder.create(settings, workers)
+        self.stopping = False
+        self.exit_code = 0
+        self.listening = socket.create_server((settings.host, settings.port), backlog=2048)
+        self.listening.set_inheritable(True)
+        env = {"PROMETHEUS_MULTIPROC_DIR": str(self.run.metrics)}
+        python = [sys.executable, "-m"]
+        self.children = [Child(0, [*python, "padim.service.processes.scoring", str(self.run.root)], env=env)] + [
+            Child(
+                row,
+                [*python, "padim.service.processes.api", str(self.run.root), str(row), str(self.listening.fileno())],
+                (self.listening.fileno(),),
+                env=env,
+            )
+            for row in range(1, workers + 1)
+        ]
+
+    def serve(self) -> int:
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        log.info(
+            "serving from several processes",
+            extra={"workers": self.workers, "run_folder": str(self.run.root), "port": self.listening.getsockname()[1]},
+        )
+        try:
+            for child in self.children:
+                child.start(self.run)
+            while not self.stopping:
+                self._look()
+                time.sleep(POLL_S)
+            self._drain()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            with contextlib.suppress(OSError):
+                self.listening.close()
+            self.run.remove()
+        return self.exit_code
+
+    def _stop(self, signum, frame) -> None:
+        if not self.stopping:
+            log.info("draining", extra={"signal": signal.Signals(signum).name})
+        self.stopping = True
+
+    def _look(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            process = child.process
+            if process is None:
+                continue
+            if not child.ever_ready and self.run.state(child.row)[0] == READY:
+                child.ever_ready, child.failures, child.backoff = True, 0, 0.0
+            code = process.poll()
+            if code is None:
+                continue
+            if child.restart_at is None:
+                self._died(child, code, now)
+            if self.stopping:
+                return
+            if child.restart_at is not None and now >= child.restart_at:
+                child.start(self.run)
+
+    def _died(self, child: Child, code: int, now: float) -> None:
+        from prometheus_client import multiprocess
+
+        assert child.process is not None
+        multiprocess.mark_process_dead(child.process.pid, str(self.run.metrics))
+        self.run.set_state(child.row, STOPPED)
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if not child.ever_ready:
+            child.failures += 1
+            if child.row == 0 or child.failures >= GIVE_UP_AFTER:
+                log.error(f"the {child.role} failed to start ({how}); stopping", extra={"row": child.row})
+                self.exit_code = code if code > 0 else 1
+                self.stopping = True
+                return
+        lived = now - child.started
+        child.backoff = 0.0 if lived > QUICK_DEATH_S else min(BACKOFF_MAX_S, max(0.2, child.backoff * 2))
+        child.ever_ready = False
+        child.restart_at = now + child.backoff
+        log.error(f"the {child.role} stopped ({how}); starting it again", extra={"row": child.row})
+
+    def _drain(self) -> None:
+        """API processes first (they answer what they admitted, which needs the scoring process), then scoring."""
+        with contextlib.suppress(OSError):
+            self.listening.close()  # new connections are refused, not left in a backlog nobody accepts
+        api, scoring = self.children[1:], self.children[0]
+        timeout = self.settings.drain_timeout_s + STOP_GRACE_S
+        _stop_all(api, timeout)
+        _stop_all([scoring], timeout)
+        if scoring.process is not None and scoring.process.returncode not in (0, None) and self.exit_code == 0:
+            if not scoring.ever_ready:
+                self.exit_code = 1
+
+
+def _stop_all(children: list[Child], timeout: float) -> None:
+    running = [c.process for c in children if c.process is not None and c.process.poll() is None]
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in running:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("a process did not stop within the drain timeout; killed", extra={"pid": process.pid})
+            process.kill()
+            process.wait()

@@ -1,0 +1,178 @@
+"""`padim serve --workers 2` as real processes: a supervisor, a scoring process and two API processes on 127.0.0.1.
+
+What one process does is tested on both layouts where the tests share the ``server`` fixture (tests/conftest.py),
+and the swap under load, the drain and the record's kill -9 are parametrised by the number of workers where they
+live. Here: what only several processes have. An API process or the scoring process killed with SIGKILL, the queue
+bound shared by the API processes, a line run once, and one /metrics for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import SCORE_RTOL, large_png, metric, roles, running_server, wait_until
+
+pytestmark = pytest.mark.load_sensitive
+
+PNG = {"content-type": "image/png"}
+
+
+def probe(dataset) -> bytes:
+    return (dataset / "test" / "good" / "000.png").read_bytes()
+
+
+def ready(url: str) -> httpx.Response:
+    return httpx.get(url + "/health/ready", timeout=10)
+
+
+def test_an_api_process_killed_is_replaced_and_the_other_keeps_serving(model_file, dataset, tmp_path):
+    with running_server(tmp_path, [model_file], args=("--workers", "2")) as server:
+        before = roles(server.process.pid)
+        assert set(before) == {"scoring", "api-1", "api-2"}
+        reference = httpx.post(server.url + "/score", content=probe(dataset), headers=PNG).json()["raw_score"]
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:  # a new connection a request: each goes to whichever API process accepts it
+            while not stop.is_set():
+                try:
+                    answer = httpx.post(
+                        server.url + "/score", content=probe(dataset), headers={**PNG, "connection": "close"}
+                    )
+                    statuses.append(answer.status_code)
+                    assert answer.status_code != 200 or answer.json()["raw_score"] == pytest.approx(
+                        reference, rel=SCORE_RTOL
+                    )
+                except httpx.TransportError:
+                    statuses.append(0)
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        killed = before["api-1"]
+        os.kill(killed, signal.SIGKILL)
+        during = ready(server.url)
+        count = len(statuses)
+        wait_until(lambda: len(statuses) >= count + 20, 60, "requests served by the other API process")
+        wait_until(lambda: ready(server.url).status_code == 200, 90, "the replacement to be ready")
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        after = roles(server.process.pid)
+        served = metric(server.url, "padim_requests_total", route="/score", status="200")
+        logs = server.logs()
+    assert during.status_code == 503 and "API process 1" in during.json()["reason"], during.text
+    assert after["api-1"] != killed and after["scoring"] == before["scoring"] and after["api-2"] == before["api-2"]
+    # only requests on the killed process's connections may have failed; after it, fresh connections are served
+    assert statuses[count:].count(200) >= 20 and 0 not in statuses[count + 3 :], statuses[count:][:20]
+    assert served >= statuses.count(200) + 1  # one /metrics adds up every process, the dead one's counts included
+    assert "API process 1 stopped (signal SIGKILL); starting it again" in logs
+
+
+def test_the_scoring_process_killed_fails_readiness_at_once_and_is_started_again(model_file, dataset, tmp_path):
+    with running_server(tmp_path, [model_file], args=("--workers", "2")) as server:
+        reference = httpx.post(server.url + "/score", content=probe(dataset), headers=PNG).json()
+        scoring = roles(server.process.pid)["scoring"]
+        os.kill(scoring, signal.SIGKILL)
+        deadline = time.time() + 5
+        while ready(server.url).status_code == 200 and time.time() < deadline:
+            time.sleep(0.01)
+        unready = ready(server.url)
+        refused = httpx.post(server.url + "/score", content=probe(dataset), headers=PNG)
+        wait_until(lambda: ready(server.url).status_code == 200, 120, "the scoring process to be back")
+        again = httpx.post(server.url + "/score", content=probe(dataset), headers=PNG)
+        assert roles(server.process.pid)["scoring"] != scoring
+    assert unready.status_code == 503 and "scoring process" in unready.json()["reason"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert again.status_code == 200 and again.json()["raw_score"] == pytest.approx(
+        reference["raw_score"], rel=SCORE_RTOL
+    )
+
+
+def test_the_queue_bound_holds_across_api_processes(model_file, tmp_path):
+    """Places taken by one API process's request (four large pictures decoding, one at a time) are taken for every
+    API process: requests on new connections, whichever process accepts them, are refused with 503."""
+    big = large_png()
+    env = {"PADIM_MAX_QUEUE": "4", "PADIM_DECODE_PIXEL_BUDGET": "40000000"}
+    with running_server(tmp_path, [model_file], env=env, args=("--workers", "2")) as server:
+        holder: dict = {}
+        thread = threading.Thread(
+            target=lambda: holder.update(
+                r=httpx.post(server.url + "/score/batch", files=[("file", ("a.png", big))] * 4, timeout=300)
+            )
+        )
+        thread.start()
+        wait_until(lambda: metric(server.url, "padim_queue_depth", model="weave") == 4, 60, "4 places taken")
+        refused = [
+            httpx.post(server.url + "/score", content=b"x", headers={**PNG, "connection": "close"}) for _ in range(8)
+        ]
+        thread.join(300)
+        logs = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
+    assert all(r.status_code == 503 and r.json()["error"]["code"] == "overloaded" for r in refused)
+    assert holder["r"].status_code == 200 and len(holder["r"].json()["results"]) == 4
+    answered_by = {e.get("process") for e in logs if e.get("route") == "/score" and e.get("status") == 503}
+    assert answered_by == {"api-1", "api-2"}, answered_by  # both API processes refused: one bound for both
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: the verdicts a line delivers."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from helpers import free_port
+
+        self.bodies: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_line_runs_once_in_the_scoring_process(model_file, dataset, tmp_path):
+    incoming = tmp_path / "in"
+    incoming.mkdir()
+    receiver = Receiver()
+    lines = tmp_path / "lines.yaml"
+    lines.write_text(
+        f"""
+lines:
+  - name: press
+    source: {{type: folder, path: in, settle_s: 0.2, poll_s: 0.1}}
+    sinks:
+      - {{type: webhook, url: "{receiver.url}"}}
+"""
+    )
+    pictures = sorted((dataset / "test").rglob("*.png"))
+    try:
+        with running_server(tmp_path, [model_file], env={"PADIM_LINES": str(lines)}, args=("--workers", "2")) as server:
+            for i, picture in enumerate(pictures):
+                (incoming / f"part-{i:02d}.png").write_bytes(picture.read_bytes())
+            wait_until(lambda: len(receiver.bodies) >= len(pictures), 60, "every picture's verdict")
+            time.sleep(1.0)  # a second delivery, were there one, would come now
+            state = ready(server.url).json()
+            listed = httpx.get(server.url + "/lines").json()
+            scored = metric(server.url, "padim_line_pictures_total", line="press", outcome="scored")
+    finally:
+        receiver.server.shutdown()
+    assert state["status"] == "ready" and "press" in state["lines"]
+    assert "press" in json.dumps(listed)
+    assert scored == len(pictures)  # once each: the line runs in the scoring process only
+    assert sorted(b["source"] for b in receiver.bodies) == sorted(f"part-{i:02d}.png" for i in range(len(pictures)))
