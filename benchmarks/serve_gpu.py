@@ -2,15 +2,16 @@
 
 For each backbone, on generated pictures with seeded random weights:
 
-1. **the scorer alone**: ``load_detector(...).score`` on host tensors (the model as served, torch), img/s at batch
-   1, 16 and 64 (``--batches``);
+1. **the scorer alone**: ``load_scorer(...).score`` on host tensors (the model as served: ``--runtime``, torch by
+   default), img/s at batch 1, 16 and 64 (``--batches``);
 2. **the service**: a real ``padim serve`` process on 127.0.0.1 for each ``--workers`` value, loaded by clients in
    several processes (``--client-processes``; a client in one Python process cannot load a fast server), each
    holding keep-alive connections in a closed loop (every connection sends its next request when it has its answer),
-   at each number of ``--connections``, with ``--bodies`` (``png224``: the model's own size as PNG; ``jpeg1080``: a
-   1920x1080 JPEG, a camera frame). Per row: req/s, p50 and p99 latency, req/s over the scorer's img/s at its largest
-   batch, the mean batch the batcher formed (from /metrics), errors, and the CPU milliseconds per request of each
-   process kind (from /proc: the service's one process, or its supervisor, scoring process and API processes).
+   at each number of ``--connections``, with ``--bodies`` (``png``: PNGs at the model's own size, 224 px by default;
+   ``jpeg1080``: a 1920x1080 JPEG, a camera frame). Per row: req/s, p50 and p99 latency, req/s over the scorer's
+   img/s at its largest batch, the mean batch the batcher formed (from /metrics), errors, and the CPU milliseconds
+   per request of each process kind (from /proc: the service's one process, or its supervisor, scoring process and
+   API processes).
 
 Rows print as they come (one JSON object each); ``--save`` writes them with the machine's name to
 ``benchmarks/results/<date>-<machine>-serve-gpu.json``. ``--device cpu`` runs it all on the CPU (the 2-core machine
@@ -19,7 +20,7 @@ cost shows).
 
     python benchmarks/serve_gpu.py                                  # on a GPU machine: the issue's table
     python benchmarks/serve_gpu.py --device cpu --backbones resnet18 --image-size 64 --workers 1 2 \\
-        --connections 1 32 --bodies png224 --seconds 10              # the 2-core CPU machine
+        --connections 1 32 --bodies png --seconds 10              # the 2-core CPU machine
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from timing import machine_name, median_seconds, work_folder  # noqa: E402 (the 
 
 from padim.models import PadimConfig, fit_detector, training_images  # noqa: E402
 from padim.models.data.synthetic import generate  # noqa: E402
-from padim.models.model_file import load_detector, save_detector  # noqa: E402
+from padim.models.deploy.runtimes import load_scorer  # noqa: E402
+from padim.models.model_file import save_detector  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -68,20 +70,23 @@ def prepare(folder: Path, backbone: str, size: int, device: str) -> tuple[Path, 
         config = PadimConfig(backbone=backbone, weights="random", image_size=size, device=device)
         save_detector(fit_detector(config, training_images(category / "train" / "good"), progress=False)[0], model)
     pictures = sorted((category / "test").rglob("*.png"))
-    bodies: dict[str, list[bytes]] = {"png224": [], "jpeg1080": []}
+    bodies: dict[str, list[bytes]] = {"png": [], "jpeg1080": []}
     for path in pictures:
         image = Image.open(path).convert("RGB")
         png = io.BytesIO()
         image.save(png, format="PNG")
-        bodies["png224"].append(png.getvalue())
+        bodies["png"].append(png.getvalue())
         jpeg = io.BytesIO()
         image.resize((1920, 1080), Image.BICUBIC).save(jpeg, format="JPEG", quality=90)
         bodies["jpeg1080"].append(jpeg.getvalue())
     return model, bodies
 
 
-def scorer_alone(model: Path, device: str, size: int, batches: list[int], repeats: int) -> dict[int, float]:
-    detector = load_detector(model, device=device)
+def scorer_alone(
+    model: Path, device: str, runtime: str, size: int, batches: list[int], repeats: int
+) -> dict[int, float]:
+    """img/s of the scorer the service runs (``load_scorer``: the same runtime), on ready host tensors."""
+    detector = load_scorer(model, runtime, device)
     rates = {}
     for batch in batches:
         images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
@@ -178,6 +183,57 @@ def load(
     }
 
 
+WRK_SCRIPT = """
+local bodies = {}
+for path in string.gmatch(os.getenv("PADIM_BENCH_BODIES"), "[^;]+") do
+  local f = io.open(path, "rb"); bodies[#bodies + 1] = f:read("*a"); f:close()
+end
+local i = 0
+request = function()
+  i = i % #bodies + 1
+  return wrk.format("POST", "/score", {["Content-Type"] = os.getenv("PADIM_BENCH_TYPE")}, bodies[i])
+end
+"""
+
+
+def load_wrk(
+    port: int, files: list[Path], content_type: str, connections: int, threads: int, seconds: float, script: Path
+) -> dict:
+    """The same closed loop from wrk (C; about half a millisecond of CPU a request): its own latency figures."""
+    env = {**os.environ, "PADIM_BENCH_BODIES": ";".join(map(str, files)), "PADIM_BENCH_TYPE": content_type}
+    threads = max(1, min(threads, connections))
+    command = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds:g}s", "--latency", "-s",
+               str(script), f"http://127.0.0.1:{port}"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout
+
+    def field(prefix: str) -> str:
+        return next(line.split()[1] for line in out.splitlines() if line.strip().startswith(prefix))
+
+    def ms(value: str) -> float:
+        for unit, factor in (("ms", 1.0), ("us", 1e-3), ("s", 1000.0), ("m", 60000.0)):
+            if value.endswith(unit):
+                return float(value[: -len(unit)]) * factor
+        return float(value)
+
+    total = int(next(line.split()[0] for line in out.splitlines() if "requests in" in line))
+    errors = {}
+    for line in out.splitlines():
+        if "Non-2xx" in line:
+            errors["non_2xx"] = int(line.split()[-1])
+        if "Socket errors" in line:
+            errors["socket"] = line.split(":", 1)[1].strip()
+    good = total - errors.get("non_2xx", 0)
+    return {
+        "connections": connections,
+        "requests": good,
+        "requests_per_second": good / seconds,
+        "p50_ms": ms(field("50%")),
+        "p99_ms": ms(field("99%")),
+        "errors": errors,
+        "answered": total,
+    }
+
+
 # --------------------------------------------------------------------------- the server
 def processes_of(pid: int) -> dict[int, str]:
     """The service's processes by pid: its one process, or the supervisor and its children by role."""
@@ -212,13 +268,19 @@ def batch_totals(port: int) -> tuple[float, float]:
     return samples.get("padim_batch_size_sum", 0.0), samples.get("padim_batch_size_count", 0.0)
 
 
-def start(model: Path, port: int, device: str, workers: int, folder: Path) -> subprocess.Popen:
+def start(
+    model: Path, port: int, device: str, runtime: str, workers: int, folder: Path, code: str | None
+) -> subprocess.Popen:
+    """``padim serve`` of this tree, or of the tree at ``code`` (a PYTHONPATH: an earlier version, for "before")."""
     import httpx
 
-    env = {**os.environ, "PADIM_LOG_LEVEL": "warning"}
+    # the workers as a variable, not a flag: a version from before it ignores it
+    env = {**os.environ, "PADIM_LOG_LEVEL": "warning", "PADIM_WORKERS": str(workers)}
+    if code is not None:
+        env["PYTHONPATH"] = code
     log = open(folder / f"server-{port}.log", "w")  # noqa: SIM115 - the server's, kept for a failure
     command = [sys.executable, "-m", "padim", "serve", str(model), "--port", str(port), "--device", device,
-               "--runtime", "torch", "--workers", str(workers)]  # fmt: skip
+               "--runtime", runtime]  # fmt: skip
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -246,8 +308,22 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="the scorer alone's batches")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 8], help="padim serve --workers values")
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 32, 128])
-    parser.add_argument("--bodies", nargs="+", choices=("png224", "jpeg1080"), default=["png224", "jpeg1080"])
+    parser.add_argument("--bodies", nargs="+", choices=("png", "jpeg1080"), default=["png", "jpeg1080"])
     parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument(
+        "--client",
+        choices=("python", "wrk"),
+        default="python",
+        help="python: asyncio clients in several processes"
+        " (what a GPU machine without wrk has); wrk: one wrk with --client-processes threads (less CPU a request)",
+    )
+    parser.add_argument("--runtime", default="torch", help="the service's runtime (default torch, as on a GPU)")
+    parser.add_argument(
+        "--before",
+        metavar="PYTHONPATH",
+        help="also measure the service of the padim found at this PYTHONPATH (an "
+        "earlier version: a folder whose padim/ is that tree's cli/ with core, models and service beside), one process",
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds a row (after 2 s warm-up)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--workdir", type=Path)
@@ -259,9 +335,12 @@ def main() -> int:
     folder = work_folder(args.workdir, "padim-serve-gpu-")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     results: list[dict] = []
+    layouts = [("this", workers, None) for workers in args.workers]
+    if args.before is not None:
+        layouts.insert(0, ("before", 1, args.before))
     for backbone in args.backbones:
         model, bodies = prepare(folder, backbone, args.image_size, args.device)
-        rates = scorer_alone(model, args.device, args.image_size, args.batches, args.repeats)
+        rates = scorer_alone(model, args.device, args.runtime, args.image_size, args.batches, args.repeats)
         best = max(rates.values())
         say(
             {
@@ -271,32 +350,55 @@ def main() -> int:
             },
             results,
         )  # noqa: E501
-        for workers in args.workers:
+        files = {}
+        for kind, payloads in bodies.items():
+            files[kind] = [folder / f"{kind}-{i}.bin" for i in range(len(payloads))]
+            for path, payload in zip(files[kind], payloads, strict=True):
+                path.write_bytes(payload)
+        script = folder / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        for code, workers, path in layouts:
             port = free_port()
-            server = start(model, port, args.device, workers, folder)
+            server = start(model, port, args.device, args.runtime, workers, folder, path)
             try:
                 pids = processes_of(server.pid)
                 counts = {role: list(pids.values()).count(role) for role in set(pids.values())}
                 for kind in args.bodies:
-                    content_type = "image/png" if kind == "png224" else "image/jpeg"
+                    content_type = "image/png" if kind == "png" else "image/jpeg"
                     for connections in args.connections:
+                        if args.client == "wrk":
+                            load_wrk(port, files[kind], content_type, connections, args.client_processes, 2.0, script)
                         before_cpu, (images0, batches0) = cpu_seconds(pids), batch_totals(port)
-                        row = load(
-                            port, bodies[kind], content_type, connections, args.client_processes, 2.0, args.seconds
-                        )
+                        if args.client == "wrk":
+                            row = load_wrk(
+                                port,
+                                files[kind],
+                                content_type,
+                                connections,
+                                args.client_processes,
+                                args.seconds,
+                                script,
+                            )
+                        else:
+                            row = load(
+                                port, bodies[kind], content_type, connections, args.client_processes, 2.0, args.seconds
+                            )
                         after_cpu, (images1, batches1) = cpu_seconds(pids), batch_totals(port)
                         answered = max(row.pop("answered"), 1)
                         say(
                             {
                                 "backbone": backbone,
                                 "step": "service",
+                                "code": code,
+                                "runtime": args.runtime,
                                 "workers": workers,
                                 "processes": counts,
                                 "body": kind,
                                 **row,
                                 "service_over_scorer": round(row["requests_per_second"] / best, 3),
                                 "mean_batch": round((images1 - images0) / max(batches1 - batches0, 1), 2),
-                                # each process kind's CPU over every answer of the row, its warm-up's included
+                                # each process kind's CPU over every answer of the row (with the python client, its
+                                # warm-up's too)
                                 "cpu_ms_per_request": {
                                     role: round(1000 * (after_cpu.get(role, 0) - before_cpu.get(role, 0)) / answered, 3)
                                     for role in after_cpu

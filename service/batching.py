@@ -35,6 +35,7 @@ import torch
 
 from padim.models.model import ScoreOutput
 
+from .device_decoding import DeviceDecode
 from .errors import ApiError
 
 log = logging.getLogger("padim.service")
@@ -71,18 +72,20 @@ class Item:
     """One image waiting for the device.
 
     Attributes:
-        tensor: ``(3, H_in, W_in)`` model input.
+        tensor: ``(3, H_in, W_in)`` model input; ``None`` for a JPEG the device decodes.
         raw_threshold: where its anomalous area is counted (its request's threshold, raw units).
         keep_map: its map is wanted back (a heat map or a mask was asked for).
         deliver: called once, on the scheduler's thread, with its :class:`ScoredImage` or an exception.
+        jpeg: the JPEG's bytes (a 1-D uint8 tensor) for the device to decode (:mod:`.device_decoding`).
     """
 
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
     raw_threshold: float
     keep_map: bool
     deliver: Delivery
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # its request gave up: skipped when batches form, and told so (set from any thread)
+    jpeg: torch.Tensor | None = None
 
 
 class Batcher:
@@ -97,6 +100,7 @@ class Batcher:
         arriving: images of this model admitted and not yet queued (being decoded), to wait for.
         on_batch: ``(batch size, queue waits)`` after each batch, for metrics.
         name: the model's (logs).
+        device: decodes the batch's JPEGs on the scorer's device (``None``: every picture comes decoded).
     """
 
     def __init__(
@@ -109,8 +113,9 @@ class Batcher:
         arriving: Callable[[], int] = lambda: 0,
         on_batch: Callable[[int, list[float]], None] | None = None,
         name: str = "",
+        device: DeviceDecode | None = None,
     ):
-        self.scheduler, self.score_batch, self.name = scheduler, score_batch, name
+        self.scheduler, self.score_batch, self.name, self.device = scheduler, score_batch, name, device
         self.max_batch_size = max_batch_size
         self.batch_limit = min(preferred_batch_size or max_batch_size, max_batch_size)
         self.max_delay, self.arriving, self.on_batch = max_delay, arriving, on_batch
@@ -234,7 +239,7 @@ class Scheduler:
     def _score(self, batcher: Batcher, items: list[Item]) -> None:
         started = time.perf_counter()
         try:
-            scored = score_items(batcher.score_batch, items)
+            scored = score_items(batcher.score_batch, items, batcher.device)
         except Exception as error:  # a failed batch fails its images, not the scheduler
             if isinstance(error, ApiError):  # an answer chosen by score_batch (503 out of GPU memory)
                 log.warning("a batch of %d answered %d: %s", len(items), error.status, error.code)
@@ -258,9 +263,20 @@ def _deliver(item: Item, result: ScoredImage | BaseException) -> None:
         log.exception("delivering a scored image failed")
 
 
-def score_items(score_batch: Callable[[torch.Tensor], ScoreOutput], items: Sequence[Item]) -> list[ScoredImage]:
-    """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device."""
-    batch = torch.stack([item.tensor for item in items])
+def score_items(
+    score_batch: Callable[[torch.Tensor], ScoreOutput], items: Sequence[Item], device: DeviceDecode | None = None
+) -> list[ScoredImage]:
+    """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device. Their JPEGs
+    are decoded on ``device`` first, together."""
+    tensors = [item.tensor for item in items]
+    jpegs = [i for i, item in enumerate(items) if item.tensor is None]
+    if jpegs:
+        assert device is not None, "a JPEG came for a device that does not decode"
+        for i, tensor in zip(jpegs, device.decode([items[i].jpeg for i in jpegs]), strict=True):
+            tensors[i] = tensor if tensor is not None else device.on_cpu(items[i].jpeg)
+        batch = torch.stack([t.to(device.device) for t in tensors])
+    else:
+        batch = torch.stack(tensors)
     out = score_batch(batch)
     return scored_images(out, [item.raw_threshold for item in items], [item.keep_map for item in items])
 

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from .deadlines import deadline
 from .errors import BodyTimeout, BodyTooLarge
 from .metrics import Metrics
 
@@ -46,10 +47,10 @@ class BodyGuard:
         if self.model_uploads is not None and scope["method"] == "POST" and self.model_uploads[0].match(scope["path"]):
             max_bytes, timeout_s = self.model_uploads[1:]
             names = ("PADIM_MAX_MODEL_UPLOAD_BYTES", "PADIM_MODEL_UPLOAD_TIMEOUT_S")
-        deadline = time.monotonic() + timeout_s
+        until = time.monotonic() + timeout_s
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await self._discard(receive, deadline)
+            await self._discard(receive, until)
             error = BodyTooLarge(max_bytes, names[0])
             return await _send_json(send, error.status, error.code, error.message)
         seen = 0
@@ -59,30 +60,32 @@ class BodyGuard:
             nonlocal seen, done
             if done:  # the body is in: what follows is a disconnect, however late
                 return await receive()
-            message = await self._receive_by(receive, deadline, timeout_s, names[1])
+            message = await self._receive_by(receive, until, timeout_s, names[1])
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 done = not message.get("more_body", False)
                 if seen > max_bytes:
                     if not done:
-                        await self._discard(receive, deadline)
+                        await self._discard(receive, until)
                     raise BodyTooLarge(max_bytes, names[0])
             return message
 
         return await self.app(scope, guarded_receive, send)
 
-    async def _receive_by(self, receive, deadline: float, timeout_s: float, setting: str) -> dict:
+    async def _receive_by(self, receive, until: float, timeout_s: float, setting: str) -> dict:
         try:
-            return await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            async with deadline(max(0.0, until - time.monotonic())):
+                return await receive()
         except TimeoutError:
             raise BodyTimeout(timeout_s, setting) from None
 
-    async def _discard(self, receive, deadline: float) -> None:
+    async def _discard(self, receive, until: float) -> None:
         """Read the rest of the body and throw it away, up to the bounds."""
         discarded = 0
         while discarded <= self.max_discard_bytes:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                async with deadline(max(0.0, until - time.monotonic())):
+                    message = await receive()
             except TimeoutError:
                 return
             if message["type"] != "http.request":

@@ -44,6 +44,7 @@ from .admission import LocalPlaces, Places
 from .answers import answer, count_verdicts, keep_rows
 from .batching import Batcher, Item, Scheduler, ScoredImage, score_items
 from .decoding import Decoded, Decoder, release_memory
+from .device_decoding import DeviceDecode, jpeg_tensor
 from .errors import ApiError
 from .metrics import Metrics
 from .monitor import Monitor
@@ -92,6 +93,13 @@ class ServedModel:
     def info(self) -> ModelInfo:
         """Identity of the model, returned with every score."""
         return model_info(self.name, self.version, self.sha256, self.scorer)
+
+    def identity(self) -> dict:
+        """:meth:`info` as the JSON every answer carries, made once a version (it never changes)."""
+        cached = self.__dict__.get("_identity")
+        if cached is None or cached["version"] != self.version:
+            cached = self.__dict__["_identity"] = self.info().model_dump()
+        return cached
 
     def describe(self, versions: list | None = None) -> ModelDescription:
         """The model in full (``GET /models``); no server paths."""
@@ -343,8 +351,16 @@ class ServiceState:
             arriving=lambda: self.places.arriving(name),
             on_batch=lambda size, waits: self._record_batch(name, size, waits),
             name=name,
+            device=self.device_decode(scorer),
         )
         return served
+
+    def device_decode(self, scorer: Scorer) -> DeviceDecode | None:
+        """Whether ``scorer``'s device decodes its JPEGs (``PADIM_DEVICE_DECODE``: auto on CUDA, on, off)."""
+        mode = self.settings.device_decode
+        if mode == "off" or (mode == "auto" and scorer.device.type != "cuda"):
+            return None
+        return DeviceDecode(scorer.device, scorer.framing)
 
     def _install(self, name: str, served: ServedModel, change: str | None = None) -> None:
         """Make ``served`` the active version of ``name`` at once, retiring the one it replaces; ``change``
@@ -831,12 +847,18 @@ class ServiceState:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in decoded]
         items = [
-            Item(image.tensor, raw_threshold, keep_map, _delivery(loop, future))
+            Item(
+                image.tensor,
+                raw_threshold,
+                keep_map,
+                _delivery(loop, future),
+                jpeg=None if image.jpeg is None else jpeg_tensor(image.jpeg),
+            )
             for image, future in zip(decoded, futures, strict=True)
         ]
         served.batcher.put(items)
         try:
-            return list(await asyncio.gather(*futures))
+            return await each(futures)
         finally:
             for item in items:
                 item.cancelled = True  # nothing left for the scheduler to do for this request
@@ -857,9 +879,8 @@ class ServiceState:
         loop = asyncio.get_running_loop()
         raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
         with self.places.admit(served.name, len(datas)) as admission:
-            decoded = await asyncio.gather(
-                *[loop.run_in_executor(self.decode, self.decoder.decode, served.scorer, d, heatmap) for d in datas]
-            )
+            device = None if heatmap or mask else served.batcher.device
+            decoded = await each(self.decoder.decoded(served.scorer, data, heatmap, device=device) for data in datas)
             admission.queued(len(decoded))
             scored = await self.scored(served, decoded, raw_threshold, heatmap or mask)
         if heatmap or mask:
@@ -881,6 +902,14 @@ class ServiceState:
                 [s.raw_score for s in scored], [s.input_distance for s in scored], threshold is not None
             )
         return scored, list(results), [image.picture for image in decoded]
+
+
+async def each(awaitables) -> list:
+    """What each of ``awaitables`` gives, in order: a lone one awaited as it is, several gathered."""
+    awaitables = list(awaitables)
+    if len(awaitables) == 1:
+        return [await awaitables[0]]
+    return list(await asyncio.gather(*awaitables))
 
 
 def _delivery(loop: asyncio.AbstractEventLoop, future: asyncio.Future):

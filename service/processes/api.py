@@ -37,6 +37,7 @@ from ..record.store import RecordStore, database_url
 from ..routes import score, versions
 from ..schemas import LiveResponse
 from ..settings import ServiceSettings
+from ..state import each
 from .shared import DRAINING, READY, STARTING, STOPPED, RunFolder, ServedView, Slot, SlotPool, Table, journal_name
 from .wire import Link, Stale
 
@@ -73,7 +74,7 @@ class ApiState:
         self.table = Table(run)
         self.places = SharedPlaces(run.places, run.workers + 1, row, settings.max_queue, self.table.index)
         self.places.reset_row(row)  # a predecessor's places (it died) went with it
-        self.slots = SlotPool(run, row)
+        self.slots = SlotPool(run, row, keep=max(16, 2 * -(-settings.max_queue // max(run.workers, 1))))
         self.link = Link(run, row)
         workers = run.workers
         self.decoder = Decoder(
@@ -145,30 +146,28 @@ class ApiState:
         with self.places.admit(served.name, len(datas)) as admission:
             for attempt in range(STALE_TRIES):
                 height, width = served.scorer.config.input_shape
-                nbytes = 3 * height * width * 4
-                slots = [self.slots.take(nbytes) for _ in datas]
+                device = None if heatmap or mask else served.scorer.device_decode
+                # a slot holds the model input, or a JPEG left to the scoring device; then the map
+                slots = [self.slots.take(max(3 * height * width * 4, len(data) if device else 0)) for data in datas]
                 handed = False
                 try:
-                    decoded = await asyncio.gather(
-                        *[
-                            loop.run_in_executor(
-                                self.decode,
-                                self.decoder.decode,
-                                served.scorer,
-                                data,
-                                heatmap,
-                                slot.tensor(3, height, width),
-                            )
-                            for data, slot in zip(datas, slots, strict=True)
-                        ]
+                    decoded = await each(
+                        self.decoder.decoded(served.scorer, data, heatmap, slot.tensor(3, height, width), device)
+                        for data, slot in zip(datas, slots, strict=True)
                     )
+                    for image, slot in zip(decoded, slots, strict=True):
+                        if image.jpeg is not None:
+                            slot.memory[: len(image.jpeg)] = image.jpeg
                     admission.queued(len(decoded))
                     raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
                     handed = True
                     numbers = await self.link.score(
                         served.serial,
                         (height, width),
-                        slots,
+                        [
+                            (slot, 0 if image.jpeg is None else len(image.jpeg))
+                            for slot, image in zip(slots, decoded, strict=True)
+                        ],
                         raw_threshold,
                         heatmap or mask,
                         monitor,
@@ -340,9 +339,26 @@ def _unready(state: ApiState) -> str | None:
     if not state.link.up.is_set():
         return "failed: the scoring process is not running; it is being restarted"
     for row in range(1, state.run.workers + 1):
-        if row != state.row and state.run.state(row)[0] != READY:
+        if row == state.row:
+            continue
+        status, pid = state.run.state(row)
+        if status != READY or not alive(pid):  # a process killed a moment ago still says ready
             return f"failed: API process {row} of {state.run.workers} is not running; it is being replaced"
     return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie waiting for the supervisor to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 async def _mark_ready(state: ApiState) -> None:

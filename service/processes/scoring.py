@@ -73,7 +73,7 @@ class Publisher:
             self.index(name)
         loaded = {m.serial: m for m in [*state.models.values(), *state.retired] if m.scorer is not None}
         views = {
-            serial: view_of(m.name, m.version, serial, m.sha256, m.scorer)
+            serial: view_of(m.name, m.version, serial, m.sha256, m.scorer, m.batcher.device is not None)
             for serial, m in loaded.items()
             if serial not in self._written
         }

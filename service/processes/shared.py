@@ -19,6 +19,7 @@ Every JSON file is replaced atomically (a temporary file renamed), so a reader s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import mmap
@@ -41,6 +42,7 @@ from padim.models.detector import Provenance
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.options import json_value
 
+from ..device_decoding import DeviceDecode
 from ..errors import ApiError
 from ..settings import ServiceSettings
 
@@ -199,14 +201,16 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 # --------------------------------------------------------------------------- views of versions
-def view_of(name: str, version: int, serial: int, sha256: str, scorer) -> dict:
-    """What an API process needs of a served version: to decode for it, judge its scores, and name it."""
+def view_of(name: str, version: int, serial: int, sha256: str, scorer, device_decode: bool = False) -> dict:
+    """What an API process needs of a served version: to decode for it (or leave its JPEGs to the scoring device),
+    judge its scores, and name it."""
     calibration = scorer.calibration
     return {
         "name": name,
         "version": version,
         "serial": serial,
         "sha256": sha256,
+        "device_decode": device_decode,
         "config": {name: json_value(value) for name, value in scorer.config.to_dict().items()},
         "weights": scorer.weights.to_header(),
         "provenance": scorer.provenance.to_header(),
@@ -239,6 +243,8 @@ class ScorerView:
             floats("taken_scores"),
         )
         self.framing = Framing.of(self.config)
+        # the scoring device decodes this version's JPEGs: the API process only reads their headers
+        self.device_decode = DeviceDecode(torch.device("cpu"), self.framing) if view.get("device_decode") else None
 
     def preprocess(self, images) -> torch.Tensor:
         """As every scorer's: the framing, then ImageNet's normalisation (:func:`to_model_input`)."""
@@ -259,6 +265,13 @@ class ServedView:
         from ..state import model_info
 
         return model_info(self.name, self.version, self.sha256, self.scorer)
+
+    def identity(self) -> dict:
+        """:meth:`info` as the JSON every answer carries, made once."""
+        cached = self.__dict__.get("_identity")
+        if cached is None:
+            cached = self.__dict__["_identity"] = self.info().model_dump()
+        return cached
 
 
 class Table:
@@ -340,6 +353,10 @@ class Slot:
         finally:
             os.close(descriptor)
 
+    def bytes(self, count: int) -> torch.Tensor:
+        """The first ``count`` bytes as a uint8 tensor (the memory is shared, not copied): a JPEG for the device."""
+        return torch.frombuffer(self.memory, dtype=torch.uint8, count=count)
+
     def tensor(self, *shape: int) -> torch.Tensor:
         """The first ``prod(shape)`` float32 values, shaped (the memory is shared, not copied)."""
         count = 1
@@ -348,11 +365,17 @@ class Slot:
         return torch.frombuffer(self.memory, dtype=torch.float32, count=count).view(*shape)
 
 
-class SlotPool:
-    """An API process's slots, reused: taken for a picture, given back once the scoring process has answered."""
+#: Slot sizes are rounded up to this (a model's pictures then share one size, and slots are reused).
+SLOT_GRAIN = 64 * 1024
 
-    def __init__(self, run: RunFolder, row: int):
-        self.run, self.row = run, row
+
+class SlotPool:
+    """An API process's slots, reused: taken for a picture, given back once the scoring process has answered. At most
+    ``keep`` free slots of a size are kept (a burst's extra ones are removed, and their memory given back once the
+    scoring process lets go of them too)."""
+
+    def __init__(self, run: RunFolder, row: int, keep: int = 64):
+        self.run, self.row, self.keep = run, row, keep
         self._free: dict[int, list[Slot]] = {}
         self._count = 0
         self._lock = threading.Lock()
@@ -360,7 +383,7 @@ class SlotPool:
             stale.unlink(missing_ok=True)
 
     def take(self, nbytes: int) -> Slot:
-        size = max(mmap.PAGESIZE, 1 << (nbytes - 1).bit_length())  # a power of two: slots are reused across sizes
+        size = -(-max(nbytes, 1) // SLOT_GRAIN) * SLOT_GRAIN
         with self._lock:
             free = self._free.get(size)
             if free:
@@ -380,25 +403,35 @@ class SlotPool:
     def give(self, slots: list[Slot]) -> None:
         with self._lock:
             for slot in slots:
-                self._free.setdefault(slot.nbytes, []).append(slot)
+                free = self._free.setdefault(slot.nbytes, [])
+                if len(free) < self.keep:
+                    free.append(slot)
+                else:  # unmapped when the last view of it goes
+                    slot.path.unlink(missing_ok=True)
 
 
 class SlotMaps:
-    """The scoring process's mappings of API processes' slots, by (row, number); dropped when a row's process
-    is replaced (its successor makes its slots anew)."""
+    """The scoring process's mappings of API processes' slots, by (row, number), the ``most`` used last; dropped when
+    a row's process is replaced (its successor makes its slots anew). A mapping let go stays open while a picture in
+    the queue still reads it."""
 
-    def __init__(self, run: RunFolder):
-        self.run = run
-        self._maps: dict[tuple[int, int], Slot] = {}
+    def __init__(self, run: RunFolder, most: int = 4096):
+        self.run, self.most = run, most
+        self._maps: collections.OrderedDict[tuple[int, int], Slot] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, row: int, number: int, nbytes: int) -> Slot:
         key = (row, number)
-        slot = self._maps.get(key)
-        if slot is None or slot.nbytes != nbytes:
-            slot = Slot(self.run.slot_path(row, number), number, nbytes, create=False)
-            with self._lock:
-                self._maps[key] = slot
+        with self._lock:
+            slot = self._maps.get(key)
+            if slot is not None and slot.nbytes == nbytes:
+                self._maps.move_to_end(key)
+                return slot
+        slot = Slot(self.run.slot_path(row, number), number, nbytes, create=False)
+        with self._lock:
+            self._maps[key] = slot
+            while len(self._maps) > self.most:
+                self._maps.popitem(last=False)
         return slot
 
     def drop(self, row: int) -> None:

@@ -43,12 +43,18 @@ BACKOFF_MAX_S = 5.0
 STOP_GRACE_S = 10.0
 
 
+#: The supervisor's pid, in its children's environment.
+SUPERVISOR = "PADIM_SUPERVISOR_PID"
+
+
 def die_with_parent() -> None:
-    """Ask Linux for SIGTERM when the supervisor dies (nothing elsewhere); exit now if it is gone already."""
+    """Ask Linux for SIGTERM when the supervisor dies (nothing elsewhere); exit now if it is gone already (the parent
+    is no longer the supervisor: in a container the supervisor is PID 1 itself)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    expected = os.environ.get(SUPERVISOR)
+    if expected is not None and os.getppid() != int(expected):
         sys.exit(1)
 
 
@@ -123,7 +129,7 @@ class Supervisor:
         self.exit_code = 0
         self.listening = socket.create_server((settings.host, settings.port), backlog=2048)
         self.listening.set_inheritable(True)
-        env = {"PROMETHEUS_MULTIPROC_DIR": str(self.run.metrics)}
+        env = {"PROMETHEUS_MULTIPROC_DIR": str(self.run.metrics), SUPERVISOR: str(os.getpid())}
         python = [sys.executable, "-m"]
         self.children = [Child(0, [*python, "padim.service.processes.scoring", str(self.run.root)], env=env)] + [
             Child(

@@ -4,14 +4,13 @@ One Unix socket connection per API process (``score.sock`` of the run folder), c
 hold the pictures, which version scores them, and back their numbers. The pictures and maps stay in the slots
 (:class:`~.shared.Slot`); nothing a picture holds is ever in a message.
 
-| message | from | fields |
-|---|---|---|
-| ``HELLO`` | API | row, pid |
-| ``SCORE`` | API | request id, serial, (height, width), raw threshold, keep maps, monitor, own threshold, slots |
-| ``CANCEL`` | API | request id (its client left: images still queued are skipped) |
-| ``SCORED`` | scoring | request id, per picture (raw score, input distance, pixels over, pixels, finite) |
-| ``FAILED`` | scoring | request id, code, message, headers |
-| ``STALE`` | scoring | request id (the version was let go: the API process asks the table again) |
+- ``HELLO`` (API): row, pid;
+- ``SCORE`` (API): request id, serial, (height, width), raw threshold, keep maps, monitor, own threshold, and per
+  picture its slot (number, bytes, and the length of a JPEG the scoring device decodes: 0 for a model input);
+- ``CANCEL`` (API): request id (its client left: images still queued are skipped);
+- ``SCORED`` (scoring): request id, per picture (raw score, input distance, pixels over, pixels, finite);
+- ``FAILED`` (scoring): request id, code, message, headers;
+- ``STALE`` (scoring): request id (the version was let go: the API process asks the table again).
 
 Every ``SCORE`` gets exactly one of the last three, after which its slots are the API process's again.
 """
@@ -85,7 +84,7 @@ class Link:
         self,
         serial: int,
         shape: tuple[int, int],
-        slots: list[Slot],
+        slots: list[tuple[Slot, int]],
         raw_threshold: float,
         keep_map: bool,
         monitor: bool,
@@ -94,6 +93,7 @@ class Link:
     ) -> list[tuple]:
         """The numbers of the pictures in ``slots``, scored by version ``serial``; ``done`` is called once the
         scoring process is finished with the slots (its answer came, or it is gone), even if this is cancelled.
+        Each slot comes with the length of the JPEG it holds for the scoring device to decode (0: a model input).
 
         Raises:
             Stale: the version was let go meanwhile.
@@ -116,7 +116,7 @@ class Link:
             keep_map,
             monitor,
             own_threshold,
-            tuple((slot.number, slot.nbytes) for slot in slots),
+            tuple((slot.number, slot.nbytes, jpeg) for slot, jpeg in slots),
         )
         try:
             send(connection, self._send_lock, message)
@@ -338,7 +338,7 @@ class Intake:
             peer.answer((STALE, request_id))
             return
         try:
-            mapped = [self.maps.get(peer.row, number, nbytes) for number, nbytes in slots]
+            mapped = [self.maps.get(peer.row, number, nbytes) for number, nbytes, _ in slots]
         except OSError as error:
             state.let_go(served)
             peer.answer((FAILED, request_id, "scoring_failed", f"the picture's slot cannot be read: {error}", None))
@@ -347,7 +347,9 @@ class Intake:
         height, width = shape
         request.items = [
             Item(slot.tensor(3, height, width), raw_threshold, keep_map, request.delivery(i))
-            for i, slot in enumerate(mapped)
+            if not jpeg
+            else Item(None, raw_threshold, keep_map, request.delivery(i), jpeg=slot.bytes(jpeg))
+            for i, (slot, (_, _, jpeg)) in enumerate(zip(mapped, slots, strict=True))
         ]
         peer.requests[request_id] = request
         served.batcher.put(request.items)

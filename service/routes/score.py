@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import time
@@ -18,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from padim.models.errors import RecordUnavailable
 
+from ..deadlines import deadline, uncancel
 from ..deps import ApiKey, StateDep, require_api_key
 from ..errors import ApiError, answer_for
 from ..openapi import error_responses
@@ -172,8 +172,8 @@ async def _score(
                 await _durable(futures, state.settings.record_timeout_s)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
     if many:
-        return {"results": results, "model": served.info().model_dump(), "latency_ms": latency_ms}
-    return {**results[0], "model": served.info().model_dump(), "latency_ms": latency_ms}
+        return {"results": results, "model": served.identity(), "latency_ms": latency_ms}
+    return {**results[0], "model": served.identity(), "latency_ms": latency_ms}
 
 
 def _sha256(data: bytes) -> str:
@@ -199,31 +199,37 @@ async def _durable(futures, timeout_s: float) -> None:
 async def _answered(request: Request, timeout_s: float, scoring: Coroutine) -> tuple:
     """What ``scoring`` returns, unless the client leaves first (499, logged) or it takes over ``timeout_s`` (504).
 
-    A request given up takes its images out of the queue (they cost no batch) and gives its places back; a
-    request cancelled by the drain's end does the same before the cancellation goes on.
+    A request given up takes its images out of the queue (they cost no batch) and gives its places back (``scoring``
+    is cancelled, its ``finally`` blocks run); a request cancelled by the drain's end does the same before the
+    cancellation goes on.
     """
-    task = asyncio.ensure_future(scoring)
+    current = asyncio.current_task()
+    assert current is not None
     gone = asyncio.ensure_future(_disconnected(request))
+    left = False
+
+    def leave(_) -> None:
+        nonlocal left
+        if not gone.cancelled():
+            left = True
+            current.cancel()
+
+    gone.add_done_callback(leave)
     try:
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        async with deadline(timeout_s):
+            return await scoring
+    except TimeoutError:
+        raise ApiError("timeout", f"not scored within {timeout_s:g} s; the server is overloaded") from None
     except asyncio.CancelledError:
-        await _cancelled(task)
-        raise
+        if not left:
+            raise
+        uncancel(current)
+        raise ApiError(
+            "client_disconnected", "the client closed the connection before its images were scored"
+        ) from None
     finally:
+        gone.remove_done_callback(leave)
         gone.cancel()
-    if task in done:
-        return task.result()
-    await _cancelled(task)
-    if gone in done:
-        raise ApiError("client_disconnected", "the client closed the connection before its images were scored")
-    raise ApiError("timeout", f"not scored within {timeout_s:g} s; the server is overloaded")
-
-
-async def _cancelled(task: asyncio.Future) -> None:
-    """Cancel ``task`` and wait until it has let go of what it held; what it raises then is nobody's answer."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
 
 
 async def _disconnected(request: Request) -> None:

@@ -111,6 +111,8 @@ def test_the_chart_lints_with_each_values_file():
         (["--set", "models.source=s3"], "/models/s3/bucket"),
         (["--set", "settings.PADIM_REPOSITORY=/x"], "propertyName 'PADIM_REPOSITORY'"),  # the chart's own
         (["--set", "replicaCountt=1"], "additional properties 'replicaCountt' not allowed"),
+        (["--set", "workers=0"], "/workers"),
+        (["--set", "settings.PADIM_WORKERS=4"], "propertyName 'PADIM_WORKERS'"),  # the chart's value says it
     ],
 )
 def test_the_values_schema_refuses_a_wrong_value_at_install(args, error):
@@ -166,6 +168,26 @@ def test_gpu_and_cpu_values_ask_for_what_they_use(rendered):
     # the lines.yaml of the ConfigMap is one padim reads
     lines = yaml.safe_load(one(rendered["cpu"], "ConfigMap")["data"]["lines.yaml"])
     assert LinesFile.model_validate(lines).lines[0].name == "press-3"
+
+
+def test_the_processes_of_a_pod_share_memory_and_count_its_cores(rendered):
+    """API processes and the scoring process meet in /dev/shm, a Memory emptyDir of the chart's size (the runtime's
+    own is 64 MB); their number is the service's from the container's CPU limit, unless the values set it."""
+    for objects in rendered.values():
+        deployment = one(objects, "Deployment")
+        pod = deployment["spec"]["template"]["spec"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+        assert {"name": "shm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+        assert "PADIM_WORKERS" not in env_of(deployment)
+    assert (
+        one(rendered["gpu"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+        == "16"
+    )
+    pinned = one(render("--set", "workers=6", "--set", "sharedMemory.sizeLimit=2Gi"), "Deployment")
+    assert env_of(pinned)["PADIM_WORKERS"] == "6"
+    volumes = pinned["spec"]["template"]["spec"]["volumes"]
+    assert next(v for v in volumes if v["name"] == "shm")["emptyDir"]["sizeLimit"] == "2Gi"
 
 
 def test_replicas_share_the_record_in_postgresql_and_name_their_journals(rendered):

@@ -173,3 +173,41 @@ def test_onnxruntime_on_cuda_matches_torch(model_file):
     reference = load_detector(model_file, device="cpu")
     batch = torch.randn(4, 3, reference.config.features.image_size, reference.config.features.image_size)
     assert relative(scorer.score(batch).raw_scores, reference.score(batch).raw_scores) <= 1e-4
+
+
+def test_jpegs_decoded_by_nvjpeg_score_as_the_cpus_decode_within_its_stated_difference(model_file, dataset):
+    """nvJPEG, batched, against Pillow on the CPU: the model inputs within two 8-bit levels, raw scores within the
+    0.3% docs/gpu.md states for the device's decode (``PADIM_DEVICE_DECODE``)."""
+    import io
+
+    from PIL import Image
+
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.service.decoding import Decoder
+    from padim.service.device_decoding import DeviceDecode, jpeg_tensor
+
+    scorer = load_scorer(model_file, "torch", "cuda")
+    device = DeviceDecode(torch.device("cuda"), scorer.framing)
+    decoder = Decoder(1, 10**8, 10**8, 1024)
+    frames = []
+    for path in sorted((dataset / "test").rglob("*.png"))[:8]:
+        buffer = io.BytesIO()
+        Image.open(path).convert("RGB").resize((1920, 1080)).save(buffer, format="JPEG", quality=90)
+        frames.append(buffer.getvalue())
+    there = torch.stack(device.decode([jpeg_tensor(f) for f in frames]))
+    on_cpu = torch.stack([decoder.decode(scorer, f, False).tensor for f in frames]).cuda()
+    assert there.is_cuda and float((there - on_cpu).abs().max()) <= 2 / 255 / 0.225 + 1e-6
+    assert relative(scorer.score(there).raw_scores, scorer.score(on_cpu).raw_scores) <= 3e-3
+
+
+def test_two_api_processes_serve_the_gpu_model(model_file, dataset, tmp_path):
+    """``padim serve --workers 2`` on a GPU: the scoring process holds the model on CUDA; answers equal the CPU's."""
+    import httpx
+    from helpers import running_server
+
+    body = (dataset / "test" / "hole" / "000.png").read_bytes()
+    with running_server(tmp_path, [model_file], args=("--workers", "2", "--device", "cuda")) as server:
+        on_gpu = httpx.post(server.url + "/score", content=body, headers={"content-type": "image/png"}).json()
+    with running_server(tmp_path, [model_file], args=("--device", "cpu")) as server:
+        on_cpu = httpx.post(server.url + "/score", content=body, headers={"content-type": "image/png"}).json()
+    assert abs(on_gpu["raw_score"] - on_cpu["raw_score"]) <= CROSS_DEVICE_RTOL * abs(on_cpu["raw_score"])

@@ -103,10 +103,25 @@ def trained(image, dataset, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def container(image, trained):
-    """The server container, model folder mounted read-only; removed at the end."""
+    """The server container, model folder mounted read-only, in the layout of a GPU node: a supervisor as PID 1 with
+    a scoring process and two API processes meeting in the container's /dev/shm; removed at the end."""
     port = free_port()
     name = f"padim-test-{port}"
-    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "-v", f"{trained.parent}:/models:ro", image)
+    docker(
+        "run",
+        "-d",
+        "--name",
+        name,
+        "-p",
+        f"127.0.0.1:{port}:8000",
+        "--shm-size",
+        "256m",
+        "-e",
+        "PADIM_WORKERS=2",
+        "-v",
+        f"{trained.parent}:/models:ro",
+        image,
+    )
     try:
         deadline = time.time() + 240
         status = ""
@@ -172,7 +187,7 @@ def test_docker_stop_drains_in_flight_requests_and_exits_0(container, dataset):
     worker.join(120)
     response = answer["response"]
     assert response.status_code == 200 and len(response.json()["results"]) == len(files)
-    assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
+    assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"  # the supervisor, PID 1
     entries = [json.loads(line) for line in docker("logs", name).stderr.splitlines() if line.startswith("{")]
     messages = [(e.get("message"), e.get("route"), e.get("status")) for e in entries]
     stopping = next(i for i, m in enumerate(messages) if m[0] == "Shutting down")

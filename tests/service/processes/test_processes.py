@@ -58,7 +58,9 @@ def test_an_api_process_killed_is_replaced_and_the_other_keeps_serving(model_fil
         time.sleep(1.0)
         killed = before["api-1"]
         os.kill(killed, signal.SIGKILL)
-        during = ready(server.url)
+        deadline = time.time() + 5
+        while (during := ready(server.url)).status_code == 200 and time.time() < deadline:
+            time.sleep(0.01)
         count = len(statuses)
         wait_until(lambda: len(statuses) >= count + 20, 60, "requests served by the other API process")
         wait_until(lambda: ready(server.url).status_code == 200, 90, "the replacement to be ready")
@@ -146,7 +148,15 @@ class Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def test_a_line_runs_once_in_the_scoring_process(model_file, dataset, tmp_path):
+def test_a_line_runs_once_in_the_scoring_process_and_jpegs_go_there_as_bytes(model_file, dataset, tmp_path):
+    """The line runs in the scoring process only; and with ``PADIM_DEVICE_DECODE=on`` a JPEG crosses the shared memory
+    as its bytes, decoded by the scoring thread: the same verdict as the API process's decode (a heat map's)."""
+    import io
+
+    from PIL import Image
+
+    frame = io.BytesIO()
+    Image.open(dataset / "test" / "hole" / "000.png").convert("RGB").resize((160, 120)).save(frame, format="JPEG")
     incoming = tmp_path / "in"
     incoming.mkdir()
     receiver = Receiver()
@@ -170,9 +180,14 @@ lines:
             state = ready(server.url).json()
             listed = httpx.get(server.url + "/lines").json()
             scored = metric(server.url, "padim_line_pictures_total", line="press", outcome="scored")
+            jpeg = {"content-type": "image/jpeg"}
+            there = httpx.post(server.url + "/score", content=frame.getvalue(), headers=jpeg).json()
+            on_cpu = httpx.post(server.url + "/score?heatmap=true", content=frame.getvalue(), headers=jpeg).json()
     finally:
         receiver.server.shutdown()
     assert state["status"] == "ready" and "press" in state["lines"]
     assert "press" in json.dumps(listed)
     assert scored == len(pictures)  # once each: the line runs in the scoring process only
     assert sorted(b["source"] for b in receiver.bodies) == sorted(f"part-{i:02d}.png" for i in range(len(pictures)))
+    assert there["raw_score"] == pytest.approx(on_cpu["raw_score"], rel=1e-2)
+    assert there["is_anomaly"] == on_cpu["is_anomaly"] and "heatmap" in on_cpu

@@ -94,3 +94,11 @@ def test_slots_are_shared_memory_reused_by_size(run):
     assert pool.take(700).number != slot.number
     SlotPool(run, 1)  # a successor in the row removes its predecessor's slots
     assert not list((run.root / "slots").glob("1-*"))
+
+
+def test_a_burst_leaves_at_most_keep_free_slots_behind(run):
+    pool = SlotPool(run, 2, keep=1)
+    first, second = pool.take(1000), pool.take(1000)
+    pool.give([first, second])
+    assert first.path.exists() and not second.path.exists()  # removed: its memory goes back once unmapped
+    assert pool.take(1000) is first
