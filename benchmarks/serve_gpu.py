@@ -327,7 +327,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds a row (after 2 s warm-up)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--save", action="store_true", help="write benchmarks/results/<date>-<machine>-serve-gpu.json")
+    parser.add_argument(
+        "--save",
+        nargs="?",
+        const="",
+        metavar="SUFFIX",
+        help="write benchmarks/results/<date>-<machine>-serve-gpu[-SUFFIX].json",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/serve_gpu.py: torch sees no GPU here; use --device cpu", file=sys.stderr)
@@ -409,8 +415,8 @@ def main() -> int:
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.wait(120)
-    if args.save:
-        name = f"{datetime.date.today()}-{machine_name()}-serve-gpu.json"
+    if args.save is not None:
+        name = f"{datetime.date.today()}-{machine_name()}-serve-gpu{'-' + args.save if args.save else ''}.json"
         target = Path(__file__).resolve().parent / "results" / name
         meta = {"device": device_name, "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args)}
         target.write_text(json.dumps({**meta, "results": results}, indent=2, default=str) + "\n")

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from padim.models.data.framing import Framing
+from padim.models.data.images import decode_side, open_image, to_model_input
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -59,8 +61,6 @@ class DeviceDecode:
     def decode(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """``(3, H_in, W_in)`` float32 model inputs on the device, one for each JPEG (its bytes, a 1-D uint8 CPU
         tensor); ``None`` for one the device's decoder refuses."""
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         try:
             images: list[torch.Tensor | None] = list(
                 decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=self.device, apply_exif_orientation=True)
@@ -78,8 +78,6 @@ class DeviceDecode:
 
     def on_cpu(self, jpeg: torch.Tensor) -> torch.Tensor:
         """A JPEG the device's decoder refused, decoded as the API processes decode (Pillow), here."""
-        from padim.models.data.images import decode_side, open_image, to_model_input
-
         image = open_image(bytes(jpeg.numpy()), draft_to=decode_side(self.framing.input_shape))
         return to_model_input([image], self.framing, IMAGENET_MEAN, IMAGENET_STD)[0]
 

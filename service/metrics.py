@@ -11,7 +11,15 @@ from __future__ import annotations
 import math
 import os
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 from padim.core.drift import Drift
 
@@ -308,8 +316,6 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     """The text a scrape gets: ``registry``'s metrics, or every process's in multiprocess mode."""
     folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if folder:
-        from prometheus_client import multiprocess
-
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=folder)
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -14,11 +14,13 @@ import uvicorn
 
 from padim.core.artifact import read_header
 from padim.models.deploy.export import METADATA_FILE, read_export
+from padim.models.devices import resolve_device
 from padim.models.errors import UsageError
 from padim.models.repository import Repository
 
 from .app import create_app
 from .lines.pipeline import check_file
+from .processes.supervisor import Supervisor, default_workers, usable_cpus
 from .protocol import ConnectionLimits, guarded_protocol
 from .settings import ServiceSettings
 from .state import model_name
@@ -125,10 +127,6 @@ def workers_for(settings: ServiceSettings) -> int:
     """API processes: ``PADIM_WORKERS``, else :func:`~.processes.supervisor.default_workers` for this machine."""
     if settings.workers is not None:
         return settings.workers
-    from padim.models.devices import resolve_device
-
-    from .processes.supervisor import default_workers, usable_cpus
-
     return default_workers(resolve_device(settings.device).type, usable_cpus())
 
 
@@ -153,8 +151,6 @@ def serve(settings: ServiceSettings) -> int:
     check_lines(settings, served_files(settings))
     workers = workers_for(settings)
     if workers > 1:
-        from .processes.supervisor import Supervisor
-
         configure_logging(settings.log_level, role="supervisor")
         return Supervisor(settings, workers).serve()
     configure_logging(settings.log_level)

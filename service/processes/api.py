@@ -14,12 +14,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -32,13 +35,16 @@ from ..decoding import Decoder
 from ..errors import ApiError, install_error_handlers
 from ..metrics import Metrics
 from ..middleware import BodyGuard, RequestContext
+from ..protocol import ConnectionLimits, guarded_protocol
 from ..record.recorder import Recorder
 from ..record.store import RecordStore, database_url
 from ..routes import score, versions
 from ..schemas import LiveResponse
+from ..server import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
 from ..settings import ServiceSettings
 from ..state import each
 from .shared import DRAINING, READY, STARTING, STOPPED, RunFolder, ServedView, Slot, SlotPool, Table, journal_name
+from .supervisor import die_with_parent
 from .wire import Link, Stale
 
 log = logging.getLogger("padim.service")
@@ -372,15 +378,6 @@ async def _mark_ready(state: ApiState) -> None:
 
 # --------------------------------------------------------------------------- the process
 def main(argv: list[str]) -> int:
-    import socket
-
-    import torch
-    import uvicorn
-
-    from ..protocol import ConnectionLimits, guarded_protocol
-    from ..server import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
-    from .supervisor import die_with_parent
-
     root, row, descriptor = Path(argv[0]), int(argv[1]), int(argv[2])
     die_with_parent()
     run = RunFolder(root)

@@ -16,8 +16,14 @@ import sys
 import threading
 from pathlib import Path
 
-from ..admission import MAX_MODELS
+import uvicorn
+
+from ..admission import MAX_MODELS, SharedPlaces
+from ..app import create_app
+from ..server import DrainingServer, configure_logging, quiet_signals
 from .shared import READY, STARTING, RunFolder, journal_name, view_of
+from .supervisor import die_with_parent
+from .wire import Intake
 
 log = logging.getLogger("padim.service")
 
@@ -93,14 +99,6 @@ class Publisher:
 
 
 def main(argv: list[str]) -> int:
-    import uvicorn
-
-    from ..admission import SharedPlaces
-    from ..app import create_app
-    from ..server import DrainingServer, configure_logging, quiet_signals
-    from .supervisor import die_with_parent
-    from .wire import Intake
-
     die_with_parent()
     run = RunFolder(Path(argv[0]))
     settings = run.settings()

@@ -42,9 +42,11 @@ from padim.models.detector import Provenance
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
 from padim.models.options import json_value
 
+from ..admission import SharedPlaces
 from ..device_decoding import DeviceDecode
 from ..errors import ApiError
 from ..settings import ServiceSettings
+from ..state import model_info
 
 #: Process states in ``status``.
 STARTING, READY, DRAINING, STOPPED = 0, 1, 2, 3
@@ -74,8 +76,6 @@ class RunFolder:
     # ----------------------------------------------------------------- made by the supervisor
     @classmethod
     def create(cls, settings: ServiceSettings, workers: int) -> RunFolder:
-        from ..admission import SharedPlaces
-
         root = shared_memory_root() / f"padim-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         root.mkdir(mode=0o700)
         for name in ("views", "slots", "metrics"):
@@ -262,8 +262,6 @@ class ServedView:
     scorer: ScorerView
 
     def info(self):
-        from ..state import model_info
-
         return model_info(self.name, self.version, self.sha256, self.scorer)
 
     def identity(self) -> dict:

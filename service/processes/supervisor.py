@@ -27,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import multiprocess
+
 from ..settings import ServiceSettings
 from .shared import READY, STOPPED, RunFolder
 
@@ -186,8 +188,6 @@ class Supervisor:
                 child.start(self.run)
 
     def _died(self, child: Child, code: int, now: float) -> None:
-        from prometheus_client import multiprocess
-
         assert child.process is not None
         multiprocess.mark_process_dead(child.process.pid, str(self.run.metrics))
         self.run.set_state(child.row, STOPPED)

@@ -54,8 +54,8 @@ class Stale(Exception):
 class Link:
     """An API process's connection to the scoring process: requests out, answers resolved on the event loop.
 
-    A thread connects (again, whenever the scoring process is replaced) and reads answers. Losing the scoring
-    process fails every waiting request at once with 503 ``not_ready``.
+    A thread connects (again, whenever the scoring process is replaced); the event loop reads the answers. Losing the
+    scoring process fails every waiting request at once with 503 ``not_ready``.
     """
 
     def __init__(self, run: RunFolder, row: int):
@@ -74,10 +74,13 @@ class Link:
         self._thread.start()
 
     def stop(self) -> None:
+        """On the event loop: stop reading and connecting."""
         self._stop.set()
         connection = self._connection
         if connection is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
+                assert self.loop is not None
+                self.loop.remove_reader(connection.fileno())
                 connection.close()
 
     async def score(
@@ -154,6 +157,7 @@ class Link:
             self._finish(request, (FAILED, request, "not_ready", "", None))
 
     def _run(self) -> None:
+        """Connects (again, once the connection is lost); the event loop reads the answers (no thread in between)."""
         while not self._stop.is_set():
             try:
                 connection = Client(str(self.run.score_socket), family="AF_UNIX")
@@ -165,22 +169,34 @@ class Link:
             except OSError:
                 connection.close()
                 continue
-            self._connection = connection
-            self.up.set()
-            log.info("connected to the scoring process", extra={"row": self.row})
-            try:
-                while True:
-                    message = pickle.loads(connection.recv_bytes())
-                    self._call(self._finish, message[1], message)
-            except (EOFError, OSError):
-                pass
-            self.up.clear()
-            self._connection = None
-            with contextlib.suppress(OSError):
-                connection.close()
+            lost = threading.Event()
+            self._call(self._attach, connection, lost)
+            lost.wait()
             if not self._stop.is_set():
                 log.warning("the scoring process is gone; waiting for it", extra={"row": self.row})
-            self._call(self._fail_all)
+
+    def _attach(self, connection: Connection, lost: threading.Event) -> None:
+        """On the event loop: answers are read as they arrive (the loop watches the connection)."""
+        assert self.loop is not None
+
+        def readable() -> None:
+            try:
+                while connection.poll():
+                    message = pickle.loads(connection.recv_bytes())
+                    self._finish(message[1], message)
+            except (EOFError, OSError):
+                self.loop.remove_reader(connection.fileno())
+                self.up.clear()
+                self._connection = None
+                with contextlib.suppress(OSError):
+                    connection.close()
+                self._fail_all()
+                lost.set()
+
+        self._connection = connection
+        self.loop.add_reader(connection.fileno(), readable)
+        self.up.set()
+        log.info("connected to the scoring process", extra={"row": self.row})
 
     def _call(self, function, *args) -> None:
         assert self.loop is not None

@@ -102,18 +102,26 @@ def test_the_queue_bound_holds_across_api_processes(model_file, tmp_path):
     """Places taken by one API process's request (four large pictures decoding, one at a time) are taken for every
     API process: requests on new connections, whichever process accepts them, are refused with 503."""
     big = large_png()
-    env = {"PADIM_MAX_QUEUE": "4", "PADIM_DECODE_PIXEL_BUDGET": "40000000"}
+    env = {"PADIM_MAX_QUEUE": "4", "PADIM_DECODE_PIXEL_BUDGET": "40000000", "PADIM_API_KEY": "the-key"}
+    key = {"x-api-key": "the-key"}
     with running_server(tmp_path, [model_file], env=env, args=("--workers", "2")) as server:
+        # the key is asked for by the API processes (scoring) and by the scoring process (the routes passed on)
+        assert httpx.post(server.url + "/score", content=b"x", headers=PNG).status_code == 401
+        assert httpx.get(server.url + "/models").status_code == 401
+        assert httpx.get(server.url + "/models", headers=key).json()["default"] == "weave"
         holder: dict = {}
         thread = threading.Thread(
             target=lambda: holder.update(
-                r=httpx.post(server.url + "/score/batch", files=[("file", ("a.png", big))] * 4, timeout=300)
+                r=httpx.post(
+                    server.url + "/score/batch", files=[("file", ("a.png", big))] * 4, headers=key, timeout=300
+                )
             )
         )
         thread.start()
         wait_until(lambda: metric(server.url, "padim_queue_depth", model="weave") == 4, 60, "4 places taken")
         refused = [
-            httpx.post(server.url + "/score", content=b"x", headers={**PNG, "connection": "close"}) for _ in range(8)
+            httpx.post(server.url + "/score", content=b"x", headers={**PNG, **key, "connection": "close"})
+            for _ in range(8)
         ]
         thread.join(300)
         logs = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
