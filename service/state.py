@@ -386,7 +386,8 @@ class ServiceState:
         )
         if old is not None:
             self._retire(old)
-        self._changed()
+        else:
+            self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -399,6 +400,7 @@ class ServiceState:
         self.retired.append(old)
         if idle:
             self._close_later(old)
+        self._changed()  # an unloaded model leaves the table at once, not when its version closes
 
     def _close_later(self, old: ServedModel) -> None:
         task = asyncio.get_running_loop().create_task(self._close_version(old), name=f"close-{old.name}-{old.version}")
@@ -429,9 +431,9 @@ class ServiceState:
         with served.lock:
             served.in_flight -= 1
             closing = served.retired and served.in_flight == 0
-        if closing:
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(self._close_later, served)
+        if closing and self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the process is stopping
+                self.loop.call_soon_threadsafe(self._close_later, served)
 
     @contextmanager
     def using(self, served: ServedModel) -> Iterator[ServedModel]:

@@ -166,7 +166,7 @@ class ApiState:
                             slot.memory[: len(image.jpeg)] = image.jpeg
                     admission.queued(len(decoded))
                     raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
-                    handed = True
+                    handed = True  # from here the slots are the link's until it answers
                     numbers = await self.link.score(
                         served.serial,
                         (height, width),
@@ -180,10 +180,13 @@ class ApiState:
                         threshold is not None,
                         done=lambda slots=slots: self.slots.give(slots),
                     )
-                    scored = [
-                        ScoredImage(*one, map=_map(slot, height, width) if heatmap or mask else None)
-                        for one, slot in zip(numbers, slots, strict=True)
-                    ]
+                    try:
+                        scored = [
+                            ScoredImage(*one, map=_map(slot, height, width) if heatmap or mask else None)
+                            for one, slot in zip(numbers, slots, strict=True)
+                        ]
+                    finally:
+                        self.slots.give(slots)  # their maps are read (copied): the slots are free again
                     break
                 except Stale:
                     if attempt == STALE_TRIES - 1:

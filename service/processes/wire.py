@@ -94,8 +94,9 @@ class Link:
         own_threshold: bool,
         done: Callable[[], None],
     ) -> list[tuple]:
-        """The numbers of the pictures in ``slots``, scored by version ``serial``; ``done`` is called once the
-        scoring process is finished with the slots (its answer came, or it is gone), even if this is cancelled.
+        """The numbers of the pictures in ``slots``, scored by version ``serial``. Returned, the slots hold the maps
+        and are the caller's to give back; otherwise ``done`` is called once the scoring process is finished with
+        them (its answer came, or it is gone), even if this is cancelled.
         Each slot comes with the length of the JPEG it holds for the scoring device to decode (0: a model input).
 
         Raises:
@@ -131,15 +132,19 @@ class Link:
             if request in self._pending:  # the scoring process skips what it has not begun
                 with contextlib.suppress(OSError):
                     send(connection, self._send_lock, (CANCEL, request))
+            elif future.done() and not future.cancelled():  # answered, but its caller is gone before reading it
+                done()
             raise
 
     def _finish(self, request: int, message: tuple) -> None:
-        """On the event loop: resolve a request with its answer and give its slots back."""
+        """On the event loop: resolve a request with its answer. Its slots are given back here unless its caller is
+        to read them (scored: the caller gives them back once it has read the maps)."""
         entry = self._pending.pop(request, None)
         if entry is None:
             return
         future, done = entry
-        done()
+        if future.done() or message[0] != SCORED:
+            done()
         if future.done():
             return
         kind = message[0]

@@ -124,9 +124,11 @@ def test_the_queue_bound_holds_across_api_processes(model_file, tmp_path):
             for _ in range(8)
         ]
         thread.join(300)
+        monitor = httpx.get(server.url + "/models/weave/monitor", headers=key).json()
         logs = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
     assert all(r.status_code == 503 and r.json()["error"]["code"] == "overloaded" for r in refused)
     assert holder["r"].status_code == 200 and len(holder["r"].json()["results"]) == 4
+    assert monitor["recorded"] == 4  # the scoring process's window: every API process's pictures
     answered_by = {e.get("process") for e in logs if e.get("route") == "/score" and e.get("status") == 503}
     assert answered_by == {"api-1", "api-2"}, answered_by  # both API processes refused: one bound for both
 
