@@ -116,6 +116,8 @@ def test_kill_9_while_the_pointer_is_written_leaves_a_whole_pointer(model_file, 
     repository = Repository(tmp_path)
     for _ in range(2):
         repository.add("weave", model_file)
+    # a pointer before the writer starts (a writer killed before its first write leaves what was there)
+    repository.activate("weave", 2)
     for delay in (0.05, 0.1, 0.2, 0.3, 0.5):
         process = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
         assert process.stdout.readline().strip() == "ready"

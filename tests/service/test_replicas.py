@@ -99,9 +99,9 @@ def test_two_replicas_share_versions_jobs_and_one_record(model_file, second_mode
         assert committed_by_b > 0
 
         # kill -9 b under load: the balancer takes it out and retries what it can; c starts in its place
+        killed = time.monotonic()  # before the signal: b's connections close while its exit runs, before wait() returns
         b.process.kill()
         b.process.wait()
-        killed = time.monotonic()
         c = stack.enter_context(replica("c"))
         wait_until(lambda: not (record_dir / "journal" / "b").exists(), 60, "b's journal to be adopted")
         time.sleep(1.0)
