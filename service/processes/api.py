@@ -347,6 +347,9 @@ def _unready(state: ApiState) -> str | None:
         return "failed: " + state.startup_error
     if not state.link.up.is_set():
         return "failed: the scoring process is not running; it is being restarted"
+    table = state.table.current()  # what score requests are admitted against: ready only once it says so too
+    if not table.get("ready"):
+        return "failed: " + table["failure"] if table.get("failure") else "loading"
     for row in range(1, state.run.workers + 1):
         if row == state.row:
             continue
