@@ -59,8 +59,7 @@ def run_cli(
     """
     argv = [str(a) for a in args]
     merged = {**os.environ, **(env or {})}
-    zygote = None if any(not k.startswith("PADIM_") for k in env or {}) else _zygote()
-    if zygote is None:
+    if any(not k.startswith("PADIM_") for k in env or {}):
         result = subprocess.run(
             [sys.executable, "-m", "padim", *argv],
             capture_output=True,
@@ -70,7 +69,7 @@ def run_cli(
             cwd=cwd,
         )
     else:
-        result = zygote.run(argv, merged, os.fspath(cwd or os.getcwd()), timeout)
+        result = _zygote().run(argv, merged, os.fspath(cwd or os.getcwd()), timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"padim {' '.join(argv)} failed ({result.returncode}):\n{result.stderr}")
     return result
@@ -78,6 +77,8 @@ def run_cli(
 
 class _Zygote:
     """The client of tests/cli_zygote.py, started on the first call and stopped with the session."""
+
+    _lock = threading.Lock()  # the session's zygote and each call's number (tests call the CLI from threads too)
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -110,8 +111,6 @@ class _Zygote:
                     raise subprocess.TimeoutExpired(["padim", *argv], timeout, *self._read(stdout, stderr)) from None
         return subprocess.CompletedProcess(["padim", *argv], code, *self._read(stdout, stderr))
 
-    _lock = threading.Lock()
-
     @staticmethod
     def _read(*paths: Path) -> tuple[str, ...]:
         texts = tuple(p.read_text(errors="replace") if p.exists() else "" for p in paths)
@@ -125,21 +124,17 @@ class _Zygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-_ZYGOTE: list[_Zygote] = []
+_ZYGOTE: _Zygote | None = None
 
 
-def _zygote() -> _Zygote | None:
-    """The session's zygote (started on first use), or ``None`` where it cannot run (no fork)."""
-    if not hasattr(os, "fork"):
-        return None
+def _zygote() -> _Zygote:
+    """The session's zygote: started on first use, and again if it died."""
+    global _ZYGOTE
     with _Zygote._lock:
-        if _ZYGOTE and _ZYGOTE[0].process.poll() is not None:  # it died: a new one
-            _ZYGOTE.clear()
-        if not _ZYGOTE:
-            zygote = _Zygote(Path(tempfile.mkdtemp(prefix="padim-zygote-")))
-            atexit.register(zygote.stop)
-            _ZYGOTE.append(zygote)
-        return _ZYGOTE[0]
+        if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
+            _ZYGOTE = _Zygote(Path(tempfile.mkdtemp(prefix="padim-zygote-")))
+            atexit.register(_ZYGOTE.stop)
+        return _ZYGOTE
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
