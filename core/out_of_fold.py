@@ -66,7 +66,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .statistics import NotPositiveDefiniteError, regularised_cholesky
+from .statistics import NotPositiveDefiniteError, Shrinkage, regularised_cholesky
 
 #: A fold is refitted instead of corrected when its correction would cost more than this share
 #: of a refit (both counted in multiply-adds per pixel).
@@ -95,7 +95,7 @@ def out_of_fold_squared_distances(
     count: int,
     embeddings: torch.Tensor,
     fold_sizes: Sequence[int],
-    epsilon: float,
+    epsilon: float | torch.Tensor | Shrinkage,
     pixel_offset: int = 0,
     grid_shape: tuple[int, int] | None = None,
     copies: torch.Tensor | None = None,
@@ -112,7 +112,8 @@ def out_of_fold_squared_distances(
         embeddings: ``(R, c, D)`` images of whole folds, one fold after another, any float dtype.
         fold_sizes: images per fold, in order; they add up to ``R``. A fold's model must keep
             at least two images (``n - m >= 2``).
-        epsilon: the regularisation of the fitted model, and of every fold model.
+        epsilon: the regularisation of the fitted model, and of every fold model; or its :class:`Shrinkage`
+            (every fold model then keeps the fitted model's pooled target).
         pixel_offset, grid_shape: where ``covariance[0]`` is in the grid, to name a pixel in an error.
         copies: ``(R, c, D)`` a changed copy of every image, row for row: their distances are returned instead,
             each under the model without its original's fold (the statistics stay the images').
@@ -125,6 +126,12 @@ def out_of_fold_squared_distances(
             with fewer images outside the fold than channels).
         ValueError: sizes that do not add up, or a fold that leaves fewer than two images.
     """
+    if isinstance(epsilon, Shrinkage):  # (1 - lambda) times the model with the prior for epsilon I
+        shrunk = epsilon.to(covariance.device)
+        plain = out_of_fold_squared_distances(
+            covariance, mean, count, embeddings, fold_sizes, shrunk.prior, pixel_offset, grid_shape, copies
+        )
+        return plain if shrunk.target is None else plain.div_(shrunk.scale)
     pixels, dim = mean.shape
     n = int(count)
     sizes = [int(m) for m in fold_sizes]
@@ -161,11 +168,14 @@ def fold_base(
     covariance: torch.Tensor,
     count: int,
     size: int,
-    epsilon: float,
+    epsilon: float | torch.Tensor,
     pixel_offset: int = 0,
     grid_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``L_m``, ``L_m L_m^T = B_m / (n - 1)``: the base of every fold of ``size`` images, ``(c, D, D)``."""
+    """``L_m``, ``L_m L_m^T = B_m / (n - 1)``: the base of every fold of ``size`` images, ``(c, D, D)``.
+
+    ``epsilon`` may be a ``(D, D)`` matrix ``R`` (a :attr:`~padim.core.statistics.Shrinkage.prior`): every
+    formula here holds with ``epsilon I`` replaced by a fixed symmetric matrix."""
     return regularised_cholesky(covariance, epsilon * (count - size - 1) / (count - 1), grid_shape, pixel_offset)
 
 
@@ -261,7 +271,7 @@ def refit_squared_distances(
     mean: torch.Tensor,
     count: int,
     members: torch.Tensor,
-    epsilon: float,
+    epsilon: float | torch.Tensor,
     pixel_offset: int = 0,
     grid_shape: tuple[int, int] | None = None,
     queries: torch.Tensor | None = None,

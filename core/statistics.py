@@ -246,19 +246,20 @@ def covariance(state: GaussianState, start: int = 0, stop: int | None = None) ->
 
 def regularised_cholesky(
     covariance: torch.Tensor,
-    epsilon: float,
+    epsilon: float | torch.Tensor,
     grid_shape: tuple[int, int] | None = None,
     pixel_offset: int = 0,
     overwrite: bool = False,
 ) -> torch.Tensor:
-    """Lower Cholesky factor ``L`` of ``Sigma + eps I`` for every pixel (Sec. III-B).
+    """Lower Cholesky factor ``L`` of ``Sigma + eps I`` (or ``Sigma + R``) for every pixel (Sec. III-B).
 
     Args:
         covariance: ``(P, D, D)`` symmetric matrices.
-        epsilon: regularisation added to the diagonal (the paper uses 0.01).
+        epsilon: regularisation added to the diagonal (the paper uses 0.01), or a symmetric ``(D, D)`` matrix ``R``
+            added to every pixel's (:attr:`Shrinkage.prior`).
         grid_shape: ``(H, W)`` of the feature grid, to name a failing pixel by row and column.
         pixel_offset: index of ``covariance[0]`` in the whole grid (when given a slice).
-        overwrite: add ``epsilon`` to ``covariance``'s own diagonal (no second buffer).
+        overwrite: add ``epsilon`` to ``covariance`` itself (no second buffer).
 
     Returns:
         ``(P, D, D)`` lower-triangular ``L`` with ``L L^T = Sigma + eps I``.
@@ -267,7 +268,10 @@ def regularised_cholesky(
         NotPositiveDefiniteError: naming the first pixel whose matrix is not positive definite.
     """
     regularised = covariance if overwrite else covariance.clone()
-    regularised.diagonal(dim1=-2, dim2=-1).add_(epsilon)
+    if isinstance(epsilon, torch.Tensor):
+        regularised.add_(epsilon.to(regularised.dtype))
+    else:
+        regularised.diagonal(dim1=-2, dim2=-1).add_(epsilon)
     cholesky, info = torch.linalg.cholesky_ex(regularised)
     bad = torch.nonzero(info).flatten()
     if bad.numel():
@@ -277,7 +281,8 @@ def regularised_cholesky(
             row, column = divmod(pixel, grid_shape[1])
             where += f" (row {row}, column {column} of the {grid_shape[0]}x{grid_shape[1]} feature grid)"
         raise NotPositiveDefiniteError(
-            f"the covariance at {where} is not positive definite even with epsilon={epsilon:g} "
+            f"the covariance at {where} is not positive definite even with "
+            f"{'the shrunk prior' if isinstance(epsilon, torch.Tensor) else f'epsilon={epsilon:g}'} "
             f"({bad.numel()} of {covariance.shape[0]} pixels checked fail). "
             "Train on more (and more varied) normal images, or raise epsilon (e.g. --epsilon 0.1)."
         )
@@ -314,11 +319,13 @@ def finalise(
     grid_shape: tuple[int, int] | None = None,
     dtype: torch.dtype = torch.float32,
     chunk_pixels: int = 256,
+    shrinkage: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and precision factors for scoring, computed in float64 a slice of pixels at a time.
 
     Holds the whole ``(P, D, D)`` result: for a model of any size, a fit derives its factors
-    slice by slice instead (:meth:`padim.models.fit.in_progress.Fit.finish`).
+    slice by slice instead (:meth:`padim.models.fit.in_progress.Fit.finish`). ``shrinkage``: the
+    weight of the pooled covariance (:class:`Shrinkage`).
 
     Returns:
         ``mean`` ``(P, D)`` and ``precision_factor`` ``(P, D, D)``, both in ``dtype``.
@@ -327,11 +334,94 @@ def finalise(
     if n < 2:
         raise ValueError(f"a covariance needs at least 2 images, this accumulator has {n}")
     dim = state.embedding_dim
+    shrunk = Shrinkage.of(state, epsilon, shrinkage)
     factors = torch.empty(state.num_pixels, dim, dim, dtype=dtype, device=state.comoment.device)  # (P, D, D) W
     for start in range(0, state.num_pixels, chunk_pixels):
         stop = min(start + chunk_pixels, state.num_pixels)
-        factors[start:stop] = triangular_inverse(cholesky_slice(state, start, stop, epsilon, grid_shape))
+        factors[start:stop] = triangular_inverse(shrunk.cholesky(covariance(state, start, stop), grid_shape, start))
     return state.mean.to(dtype), factors
+
+
+def pooled_comoment(state: GaussianState) -> torch.Tensor:
+    """``sum_p C_p``, the ``(D, D)`` sum of every pixel's comoment (float64): what :class:`Shrinkage` pools."""
+    return unpack_lower(state.comoment.sum(dim=0, keepdim=True), state.embedding_dim, symmetric=True)[0]
+
+
+@dataclass(frozen=True)
+class Shrinkage:
+    """Each pixel's covariance shrunk toward the covariance pooled over every pixel (``train --shrinkage``).
+
+    With ``S_p = C_p / (n - 1)`` a pixel's sample covariance and ``T = sum_p S_p / P`` their mean over the
+    ``P`` pixels, the model's covariance is
+
+        ``Sigma_p = (1 - lambda) S_p + lambda T + epsilon I``.
+
+    With 80 pictures and 100 channels each ``S_p`` is estimated from few samples and is too tight in the
+    directions those pictures did not vary in; ``T`` is estimated from ``P`` times as many and lends each pixel
+    the variation seen elsewhere in the picture (a Ledoit-Wolf style estimator with the pooled covariance as its
+    target and a fixed intensity, chosen by measurement: docs/quality.md). ``lambda = 0`` is the paper's model.
+
+    Streaming and merging are unchanged: ``T`` is a sum of the per-pixel comoments, formed when the factors are.
+    Every formula of :mod:`padim.core.out_of_fold` holds with ``epsilon I`` replaced by a fixed matrix: written as
+    ``Sigma_p = (1 - lambda) (S_p + R)`` with the *prior* ``R = (lambda T + epsilon I) / (1 - lambda)``, a fold
+    model is ``(1 - lambda)`` times the usual one with ``R`` for ``epsilon I``, so its squared distances are the
+    usual ones divided by ``1 - lambda`` (:attr:`scale`). A fold model keeps the ``T`` of every picture: a
+    picture is left out of its own pixels' ``S_p`` exactly, and stays in the pooled ``T`` with weight
+    ``lambda / P`` per pixel (measured: docs/calibration.md).
+
+    Example (the model's covariance, from its Cholesky factor):
+        >>> x = torch.randn(30, 4, 3, dtype=torch.float64)
+        >>> state = batch_state(x)
+        >>> shrunk = Shrinkage.of(state, epsilon=0.01, weight=0.5)
+        >>> S = covariance(state)
+        >>> L = shrunk.cholesky(S)
+        >>> torch.allclose(L @ L.mT, 0.5 * S + 0.5 * S.mean(0) + 0.01 * torch.eye(3))
+        True
+    """
+
+    epsilon: float
+    weight: float = 0.0
+    target: torch.Tensor | None = None  # (D, D) T, float64; None with weight 0
+
+    @classmethod
+    def of(cls, state: GaussianState, epsilon: float, weight: float) -> Shrinkage:
+        """The shrinkage of ``state``'s pixels toward their pooled covariance (the state's own ``T``)."""
+        if not weight:
+            return cls(epsilon)
+        return cls.pooled(pooled_comoment(state), int(state.count), state.num_pixels, epsilon, weight)
+
+    @classmethod
+    def pooled(cls, comoment_sum: torch.Tensor, count: int, pixels: int, epsilon: float, weight: float) -> Shrinkage:
+        """From ``sum_p C_p`` (:func:`pooled_comoment`, or summed a slice of pixels at a time) of ``count`` images."""
+        if not 0.0 <= weight < 1.0:
+            raise ValueError(f"a shrinkage weight is in [0, 1), got {weight}")
+        if not weight:
+            return cls(epsilon)
+        return cls(epsilon, weight, comoment_sum.to(ACCUMULATOR_DTYPE) / (pixels * (count - 1)))
+
+    @property
+    def scale(self) -> float:
+        """``1 - lambda``: the sample covariances' share; fold distances made with :attr:`prior` are divided by it."""
+        return 1.0 - self.weight
+
+    @property
+    def prior(self) -> float | torch.Tensor:
+        """``R = (lambda T + epsilon I) / (1 - lambda)``, what the formulas written for ``epsilon`` take (``epsilon``
+        itself, a float, without shrinkage: the paper's model, to the bit)."""
+        if self.target is None:
+            return self.epsilon
+        eye = torch.eye(self.target.shape[0], dtype=self.target.dtype, device=self.target.device)
+        return (self.weight * self.target + self.epsilon * eye) / self.scale
+
+    def cholesky(
+        self, covariance: torch.Tensor, grid_shape: tuple[int, int] | None = None, pixel_offset: int = 0
+    ) -> torch.Tensor:
+        """``L`` with ``L L^T = Sigma_p`` for sample covariances ``S_p`` ``(c, D, D)`` (left unchanged)."""
+        cholesky = regularised_cholesky(covariance, self.prior, grid_shape, pixel_offset)
+        return cholesky if self.target is None else cholesky.mul_(math.sqrt(self.scale))
+
+    def to(self, device: torch.device | str) -> Shrinkage:
+        return self if self.target is None else Shrinkage(self.epsilon, self.weight, self.target.to(device))
 
 
 def triangular_inverse(cholesky: torch.Tensor) -> torch.Tensor:

@@ -413,6 +413,16 @@ class Gaussian(Group):
         check=Number(0, None, "use a number >= 0 (the paper uses 0.01)"),
         shown=True,
     )
+    shrinkage: float = option(
+        0.5,
+        "shrink each pixel's covariance toward the covariance pooled over every pixel by this weight, from 0 (none, "
+        "the paper; configs/paper.yaml) to 0.95 (default 0.5): few pictures leave a pixel's Gaussian too tight where "
+        "they did not vary, and the pooled one lends it the variation seen elsewhere (docs/quality.md)",
+        check=Number(0, 0.95, "use a number from 0 (none) to 0.95"),
+        flag={"metavar": "WEIGHT"},
+        before=0.0,
+        shown=True,
+    )
     neighbourhood: int = option(
         3,
         "average each layer's features over K x K neighbours before the Gaussian: 3 (default, as PatchCore: more "

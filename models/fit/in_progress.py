@@ -65,9 +65,9 @@ from padim.core.statistics import (
     ACCUMULATOR_DTYPE,
     GaussianAccumulator,
     GaussianState,
+    Shrinkage,
     all_reduce_state_,
     empty_state,
-    regularised_cholesky,
     triangular_inverse,
 )
 from padim.core.tiling import Tiling
@@ -514,8 +514,10 @@ class Fit:
             {} if timing is None else timing,
             progress,
             with_statistics,
+            Shrinkage(self.config.gaussian.epsilon),
         )
         try:
+            run.shrinkage = self._shrinkage(run)
             for number, scoring in enumerate(passes):
                 self._score_pass(run, scoring, first=number == 0)
             if not run.results.passes:
@@ -576,13 +578,34 @@ class Fit:
             run.results.add(names, *self._image_scores(current.squared))
 
     def _factor(self, run: _Finishing, pixels: PixelSlice, forming: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels, forming (and keeping) the comoment first."""
+        """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels (``L L^T`` the model's covariance, shrunk
+        and regularised), forming (and keeping) the comoment first."""
         with run.timed("finish"):
             comoment = self._comoment(run.statistics, pixels, forming, run.shard)
             covariance = comoment.div_(run.statistics.count - 1)  # (c, D, D)
-            grid = self.naming_grid
-            cholesky = regularised_cholesky(covariance, self.config.gaussian.epsilon, grid, pixels.start)
+            cholesky = run.shrinkage.cholesky(covariance, self.naming_grid, pixels.start)
         return covariance, cholesky
+
+    def _shrinkage(self, run: _Finishing) -> Shrinkage:
+        """The model's :class:`~padim.core.statistics.Shrinkage`: its pooled covariance needs every pixel's
+        comoment before any pixel is factored, so spooled images are formed once more here (a slice at a time,
+        kept nowhere) when ``--shrinkage`` is set."""
+        epsilon, weight = self.config.gaussian.epsilon, self.config.gaussian.shrinkage
+        state = run.statistics
+        if not weight:
+            return Shrinkage(epsilon)
+        if state.spooled is None:
+            holder = state.target if state.target is not None else state.base
+            return Shrinkage.of(holder, epsilon, weight).to(self.device)
+        total = torch.zeros(self.embedder.embedding_dim, self.embedder.embedding_dim, dtype=torch.float64)
+        with (
+            run.timed("finish"),
+            tqdm(total=self.pixels, desc="pool", unit="px", disable=not run.progress, leave=False) as bar,
+        ):
+            for pixels in run.slices:
+                total += self._comoment(state, pixels, True, run.shard, keep=False).sum(dim=0).cpu()
+                bar.update(pixels.size)
+        return Shrinkage.pooled(total, state.count, self.pixels, epsilon, weight).to(self.device)
 
     def _write_factors(
         self, run: _Finishing, pixels: PixelSlice, cholesky: torch.Tensor, scoring: ScoringPass | None
@@ -619,8 +642,11 @@ class Fit:
             target = base if base is not None else empty_state(pixels, dim, self.device)
         return _State(n, mean, target, base, spooled)
 
-    def _comoment(self, state: _State, pixels: PixelSlice, forming: bool, shard: Shard | None) -> torch.Tensor:
-        """Symmetric ``(c, D, D)`` float64 comoment of every image, for the slice's pixels."""
+    def _comoment(
+        self, state: _State, pixels: PixelSlice, forming: bool, shard: Shard | None, keep: bool = True
+    ) -> torch.Tensor:
+        """Symmetric ``(c, D, D)`` float64 comoment of every image, for the slice's pixels (``forming``: from the
+        spool, kept in the statistics unless ``keep`` is false)."""
         dim, start, stop = self.embedder.embedding_dim, pixels.start, pixels.stop
         spooled = state.spooled
         if spooled is None or (not forming and state.target is not None):
@@ -648,7 +674,7 @@ class Fit:
             delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
             square.add_(unpack_lower(state.base.comoment[start:stop], dim, symmetric=True))
             square.baddbmm_(delta, delta.transpose(1, 2), alpha=n_b * n_s / (n_b + n_s))
-        if forming and state.target is not None:
+        if forming and keep and state.target is not None:
             state.target.comoment[start:stop] = pack_lower(square)
         return square
 
@@ -695,7 +721,8 @@ class Fit:
         slice per fold size, :func:`padim.core.out_of_fold.fold_base`), and are read and
         corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
         """
-        dim, count, epsilon = self.embedder.embedding_dim, run.statistics.count, self.config.gaussian.epsilon
+        dim, count = self.embedder.embedding_dim, run.statistics.count
+        epsilon, scale = run.shrinkage.prior, run.shrinkage.scale  # fold distances with the prior, divided by scale
         start, stop, source, squared = pixels.start, pixels.stop, current.scoring, current.squared
         mean = run.statistics.mean[start:stop]
         limit = max(1, BLOCK_BYTES // (8 * pixels.size * dim))  # rows per block
@@ -745,7 +772,7 @@ class Fit:
                             fold_copy_squared_distances(base, mean, count, members, copies, start),
                             self.rows_per_image,
                         )
-                values = values.cpu()  # (c, F, m)
+                values = (values if run.shrinkage.target is None else values.div_(scale)).cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     squared[target : target + m, start:stop] = values[:, f].T
             del base
@@ -880,6 +907,7 @@ class _Finishing:
     timing: dict[str, float]
     progress: bool
     with_statistics: bool
+    shrinkage: Shrinkage
     results: _Results = field(default_factory=_Results)
     float16: _Float16Check = field(default_factory=_Float16Check)
 

@@ -10,14 +10,22 @@ from padim.core.out_of_fold import (
     out_of_fold_squared_distances,
     refit_is_cheaper,
 )
-from padim.core.statistics import NotPositiveDefiniteError, batch_state, cholesky_slice, covariance
+from padim.core.statistics import NotPositiveDefiniteError, Shrinkage, batch_state, cholesky_slice, covariance
 
 
-def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float, copies: np.ndarray | None = None) -> np.ndarray:
+def refit_distances(
+    x: np.ndarray,
+    sizes: list[int],
+    epsilon: float,
+    copies: np.ndarray | None = None,
+    shrinkage: float = 0.0,
+    target: np.ndarray | None = None,
+) -> np.ndarray:
     """Each fold's images (or their changed ``copies``, row for row) under a model fitted from scratch on the other
     images, with the same epsilon.
 
-    The fold model of n_rest images is np.cov of them plus epsilon I, as the fitted model of all n is.
+    The fold model of n_rest images is np.cov of them plus epsilon I, as the fitted model of all n is; with
+    ``shrinkage``, ``(1 - w) np.cov + w target + epsilon I``, ``target`` the fitted model's pooled covariance.
     """
     scored = x if copies is None else copies
     n, pixels, dim = x.shape
@@ -30,6 +38,8 @@ def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float, copies: np.
             mean = rest[:, p].mean(axis=0)
             centred = rest[:, p] - mean
             cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
+            if shrinkage:
+                cov = (1 - shrinkage) * (cov - epsilon * np.eye(dim)) + shrinkage * target + epsilon * np.eye(dim)
             delta = scored[fold, p] - mean
             out[fold, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
@@ -37,11 +47,17 @@ def refit_distances(x: np.ndarray, sizes: list[int], epsilon: float, copies: np.
 
 
 def ours(
-    x: np.ndarray, sizes: list[int], epsilon: float, slices: int = 2, copies: np.ndarray | None = None
+    x: np.ndarray,
+    sizes: list[int],
+    epsilon: float,
+    slices: int = 2,
+    copies: np.ndarray | None = None,
+    shrinkage: float = 0.0,
 ) -> np.ndarray:
     """The same distances from the full model's Cholesky factor, a slice of pixels at a time."""
     tensor = torch.from_numpy(x)
     state = batch_state(tensor)
+    regulariser = Shrinkage.of(state, epsilon, shrinkage) if shrinkage else epsilon
     pixels = x.shape[1]
     parts = []
     for start in range(0, pixels, -(-pixels // slices)):
@@ -53,7 +69,7 @@ def ours(
                 len(x),
                 tensor[:, start:stop],
                 sizes,
-                epsilon,
+                regulariser,
                 pixel_offset=start,
                 copies=None if copies is None else torch.from_numpy(copies[:, start:stop]),
             )
@@ -98,6 +114,35 @@ def test_changed_copies_are_scored_as_by_a_refit_without_their_original(n, dim, 
     np.testing.assert_allclose(
         ours(x, sizes, epsilon=0.01, copies=x.copy()), ours(x, sizes, epsilon=0.01), rtol=1e-10, atol=0
     )
+
+
+def pooled_covariance(x: np.ndarray) -> np.ndarray:
+    """The mean over pixels of each pixel's np.cov: the target of ``--shrinkage``."""
+    return np.mean([np.cov(x[:, p], rowvar=False) for p in range(x.shape[1])], axis=0)
+
+
+@pytest.mark.parametrize(
+    "n, dim, sizes, weight",
+    [
+        (9, 5, [1] * 9, 0.5),  # leave-one-out: the closed form with the prior for epsilon I
+        (12, 20, [1] * 12, 0.3),  # fewer images than channels
+        (30, 6, [5, 6, 3, 7, 4, 5], 0.7),  # K folds: Woodbury
+        (40, 4, [30, 10], 0.5),  # refitted
+    ],
+)
+def test_shrunk_out_of_fold_equals_refits_that_keep_the_pooled_target(n, dim, sizes, weight):
+    """``train --shrinkage``: each fold model is ``(1 - w) S_rest + w T + eps I`` with the fitted model's ``T``
+    (the pooled covariance of every image: docs/calibration.md says what keeping it costs)."""
+    rng = np.random.default_rng(n + dim + 1)
+    x = rng.normal(size=(n, 4, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 4, dim)) * 5
+    target = pooled_covariance(x)
+    expected = refit_distances(x, sizes, 0.01, shrinkage=weight, target=target)
+    np.testing.assert_allclose(ours(x, sizes, 0.01, shrinkage=weight), expected, rtol=1e-9, atol=0)
+    copies = x * rng.uniform(0.9, 1.1, size=(n, 1, 1)) + rng.normal(scale=0.3, size=x.shape)
+    expected = refit_distances(x, sizes, 0.01, copies, shrinkage=weight, target=target)
+    np.testing.assert_allclose(ours(x, sizes, 0.01, copies=copies, shrinkage=weight), expected, rtol=1e-9, atol=0)
+    # and the shrunk model is another model: every distance moves
+    assert (ours(x, sizes, 0.01, shrinkage=weight) != ours(x, sizes, 0.01)).all()
 
 
 def test_large_folds_take_the_refit_and_small_ones_the_correction():

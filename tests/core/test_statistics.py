@@ -8,12 +8,15 @@ from padim.core.packing import pack_lower, unpack_lower
 from padim.core.statistics import (
     GaussianAccumulator,
     NotPositiveDefiniteError,
+    Shrinkage,
     batch_state,
     covariance,
     finalise,
     merge_states,
+    pooled_comoment,
     precision,
     precision_factor,
+    regularised_cholesky,
     update_state_,
 )
 
@@ -184,3 +187,49 @@ def test_downdate_refuses_to_leave_fewer_than_two_rows_or_a_wrong_shape():
         downdate_state_(batch_state(x), x[:2])
     with pytest.raises(ValueError, match="cannot remove"):
         downdate_state_(batch_state(x), torch.zeros(1, 3, 2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- shrinkage toward the pooled covariance
+def test_shrunk_cholesky_is_the_formula_against_numpy():
+    """``Sigma_p = (1 - w) S_p + w T + eps I``, ``T`` the mean over pixels of every pixel's np.cov."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(25, 6, 4)) @ rng.normal(size=(4, 4)) + rng.normal(size=(1, 6, 4)) * 3
+    state = batch_state(torch.from_numpy(x))
+    covariances = np.stack([np.cov(x[:, p], rowvar=False) for p in range(6)])
+    target = covariances.mean(axis=0)
+    shrunk = Shrinkage.of(state, epsilon=0.05, weight=0.4)
+    np.testing.assert_allclose(shrunk.target.numpy(), target, rtol=1e-12)
+    cholesky = shrunk.cholesky(covariance(state)).numpy()
+    expected = 0.6 * covariances + 0.4 * target + 0.05 * np.eye(4)
+    np.testing.assert_allclose(cholesky @ cholesky.transpose(0, 2, 1), expected, rtol=1e-10)
+    # the precision factors of finalise score as numpy's inverse does
+    mean, factors = finalise(state, 0.05, dtype=torch.float64, shrinkage=0.4, chunk_pixels=4)
+    delta = x[:3] - x.mean(axis=0)
+    ours = np.square(np.einsum("pde,npe->npd", factors.numpy(), delta)).sum(-1)
+    np.testing.assert_allclose(ours, np.einsum("npd,pde,npe->np", delta, np.linalg.inv(expected), delta), rtol=1e-9)
+
+
+def test_no_shrinkage_is_the_paper_model_to_the_bit():
+    x = torch.randn(12, 5, 3, dtype=torch.float64)
+    state = batch_state(x)
+    plain = regularised_cholesky(covariance(state), 0.01)
+    assert torch.equal(Shrinkage.of(state, 0.01, 0.0).cholesky(covariance(state)), plain)
+    assert torch.equal(finalise(state, 0.01, shrinkage=0.0)[1], finalise(state, 0.01)[1])
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        Shrinkage.of(state, 0.01, 1.0)
+
+
+def test_the_pooled_target_streams_and_merges_like_the_statistics():
+    """The pooled comoment is a sum of the per-pixel ones: batches of any size, and two merged accumulators, give
+    the target of one fit."""
+    x = torch.randn(37, 8, 5, dtype=torch.float64) * 2 + 7
+    one = Shrinkage.of(batch_state(x), 0.01, 0.5).target
+    streamed = GaussianAccumulator()
+    for start, stop in ((0, 11), (11, 31), (31, 37)):
+        streamed.partial_fit(x[start:stop])
+    torch.testing.assert_close(Shrinkage.of(streamed.state, 0.01, 0.5).target, one, rtol=1e-12, atol=0)
+    a, b = GaussianAccumulator().fit([x[:20]]), GaussianAccumulator().fit([x[20:]])
+    torch.testing.assert_close(Shrinkage.of(a.merge(b).state, 0.01, 0.5).target, one, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        pooled_comoment(batch_state(x)), (covariance(batch_state(x)) * 36).sum(0), rtol=1e-12, atol=0
+    )

@@ -408,7 +408,7 @@ def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(im
     declared = fit_detector(CONFIG.replace(expect="typical", fit_changes=True), images, progress=False)[0]
     save_detector(declared, tmp_path / "declared.padim", with_statistics=True)
     _, header = load_artifact(tmp_path / "declared.padim")
-    assert header["format_version"] == FORMAT_VERSION == 9
+    assert header["format_version"] == FORMAT_VERSION == 10
     assert header["config"]["expect"] == str(Expected.parse("typical")) and header["config"]["fit_changes"] is True
     loaded = load_detector(tmp_path / "declared.padim", device="cpu")
     assert loaded.config.expected == Expected.parse("typical") and loaded.describe()["calibration"]["fit_changes"]
@@ -432,3 +432,34 @@ def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(im
     batch = plain.preprocess(pictures(images, 3))
     torch.testing.assert_close(seven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert seven.calibration == plain.calibration and seven.calibration.taken_scores == ()
+
+
+def test_shrinkage_travels_in_the_file_and_a_format_nine_file_has_none(images, tmp_path, monkeypatch):
+    """Format 10 stores ``shrinkage``; a file of format 9 or older was fitted without it and is read so, whatever
+    today's default; a resume of a shrunk model goes on shrunk."""
+    shrunk = fit_detector(CONFIG.replace(shrinkage=0.5), images, progress=False)[0]
+    save_detector(shrunk, tmp_path / "shrunk.padim", with_statistics=True)
+    _, header = load_artifact(tmp_path / "shrunk.padim")
+    assert header["format_version"] == FORMAT_VERSION == 10 and header["config"]["shrinkage"] == 0.5
+    loaded = load_detector(tmp_path / "shrunk.padim", device="cpu")
+    assert loaded.config.gaussian.shrinkage == 0.5 and loaded.describe()["shrinkage"] == 0.5
+    assert load_fit(tmp_path / "shrunk.padim").config.gaussian.shrinkage == 0.5
+    plain = fit_detector(CONFIG.replace(shrinkage=0.0), images, progress=False)[0]
+    batch = plain.preprocess(pictures(images, 3))
+    assert not torch.allclose(loaded.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-3)
+    save_detector(plain, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    del header["config"]["shrinkage"]
+    older_format_of(tensors, header, tmp_path / "nine.padim", 9)
+    init = PadimConfig.__init__
+
+    def shrinking(self, *args, **kwargs):
+        kwargs.setdefault("shrinkage", 0.5)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PadimConfig, "__init__", shrinking)
+    assert PadimConfig().gaussian.shrinkage == 0.5  # as if the default shrank
+    nine = load_detector(tmp_path / "nine.padim", device="cpu")
+    assert nine.config.gaussian.shrinkage == 0.0 and load_fit(tmp_path / "nine.padim").config.gaussian.shrinkage == 0
+    torch.testing.assert_close(nine.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert nine.calibration == plain.calibration

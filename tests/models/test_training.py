@@ -43,9 +43,19 @@ def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
     return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
 
 
-def refit_squared(x: np.ndarray, folds: list[int], epsilon: float) -> np.ndarray:
-    """``(N, P)`` squared distances of each fold's rows under a model fitted from scratch on the others, float64."""
+def pooled(x: np.ndarray) -> np.ndarray:
+    """The mean over pixels of every pixel's np.cov of ``(N, P, D)`` rows: the target of ``--shrinkage``."""
+    return np.mean([np.cov(x[:, p], rowvar=False) for p in range(x.shape[1])], axis=0)
+
+
+def refit_squared(
+    x: np.ndarray, folds: list[int], epsilon: float, shrinkage: float = 0.0, target: np.ndarray | None = None
+) -> np.ndarray:
+    """``(N, P)`` squared distances of each fold's rows under a model fitted from scratch on the others, float64;
+    with ``shrinkage``, each covariance shrunk toward ``target``, by default the pooled covariance of every row
+    (the fitted model's)."""
     n, pixels, dim = x.shape
+    target = pooled(x) if shrinkage and target is None else target
     squared = np.empty((n, pixels))
     start = 0
     for m in folds:
@@ -53,7 +63,7 @@ def refit_squared(x: np.ndarray, folds: list[int], epsilon: float) -> np.ndarray
         mean = rest.mean(axis=0)  # (P, D)
         for p in range(pixels):
             centred = rest[:, p] - mean[p]
-            cov = centred.T @ centred / (len(rest) - 1) + epsilon * np.eye(dim)
+            cov = (1 - shrinkage) * centred.T @ centred / (len(rest) - 1) + shrinkage * target + epsilon * np.eye(dim)
             delta = x[start : start + m, p] - mean[p]
             squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
@@ -69,17 +79,27 @@ def refit_scores(
     sigma: float,
     method: str = "map_max",
     top_fraction: float = 0.01,
+    shrinkage: float = 0.0,
 ) -> np.ndarray:
     """Each fold's images scored by a model fitted from scratch on the others (the same epsilon), in float64."""
-    squared = torch.from_numpy(refit_squared(x, folds, epsilon))
+    squared = torch.from_numpy(refit_squared(x, folds, epsilon, shrinkage))
     return image_scores(anomaly_maps(squared, grid, size, sigma), method, squared, top_fraction).numpy()
 
 
 @pytest.mark.parametrize(
-    "folds, neighbourhood, image_score",
-    [(5, 1, "map_max"), ("loo", 3, "map_max"), ("loo", 1, "patch_max"), (5, 3, "top_mean")],
+    "folds, neighbourhood, image_score, shrinkage",
+    [
+        (5, 1, "map_max", 0.0),
+        ("loo", 3, "map_max", 0.0),
+        ("loo", 1, "patch_max", 0.0),
+        (5, 3, "top_mean", 0.0),
+        ("loo", 1, "map_max", 0.5),
+        (5, 3, "map_max", 0.3),
+    ],
 )
-def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, folds, neighbourhood, image_score):
+def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(
+    images, tmp_path, folds, neighbourhood, image_score, shrinkage
+):
     # every scoring option: the calibration reads each image's score as the scorer will
     config = AS_TAKEN.replace(
         image_size=32,
@@ -88,6 +108,7 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
         neighbourhood=neighbourhood,
         image_score=image_score,
         top_fraction=0.05,
+        shrinkage=shrinkage,
     )
     fit = Fit.start(config)
     groups = fit.groups(images)
@@ -113,11 +134,14 @@ def test_out_of_fold_scores_equal_refits_on_the_real_pipeline(images, tmp_path, 
         config.scoring.blur_sigma,
         image_score,
         config.scoring.top_fraction,
+        shrinkage,
     )
     np.testing.assert_allclose(finished.scores.numpy(), expected, rtol=1e-6)
     # input distances: the mean of each image's out-of-fold squared distances (input drift's reference)
     np.testing.assert_allclose(
-        finished.input_distances.numpy(), refit_squared(x, sizes, config.gaussian.epsilon).mean(1), rtol=1e-6
+        finished.input_distances.numpy(),
+        refit_squared(x, sizes, config.gaussian.epsilon, shrinkage).mean(1),
+        rtol=1e-6,
     )
     # the fitted model: statistics of every image, factors on disk in float32, packed
     assert int(fit.statistics.count) == len(images)
@@ -149,7 +173,7 @@ def test_tiled_out_of_fold_scores_equal_refits_on_the_stitched_map(images, tmp_p
     finished = fit.finish([ScoringPass(SpooledRows(spool), names, sizes)], tmp_path, progress=False)
     spool.close()
     assert finished.scored == names[::per_image] and not finished.unscored
-    squared = refit_squared(x, sizes, config.gaussian.epsilon).reshape(
+    squared = refit_squared(x, sizes, config.gaussian.epsilon, config.gaussian.shrinkage).reshape(
         len(images), 4 * 64
     )  # (B, T * P): rows of a picture
     tiling = config.tiling
@@ -219,7 +243,9 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
         )
         rest = np.delete(fitted, out_fitted, axis=0)
         joined = np.concatenate([rest, copies[out_rows], own[out_rows]])  # scored as the last 2 k T rows
-        squared = refit_squared(joined, [len(rest), 2 * k * per], config.gaussian.epsilon)[len(rest) :]
+        squared = refit_squared(
+            joined, [len(rest), 2 * k * per], config.gaussian.epsilon, config.gaussian.shrinkage, pooled(fitted)
+        )[len(rest) :]
         expected_copy.append(squared[: k * per])
         expected_own.append(squared[k * per :])
         start += k
@@ -360,12 +386,14 @@ def test_merge_equals_one_shot_and_calibrates_on_unseen_images(images, tmp_path)
 
 
 @pytest.mark.parametrize(
-    "expect, fit_changes", [("", False), ("brightness=0.1,shift=2", False), ("brightness=0.1,shift=2", True)]
+    "expect, fit_changes, shrinkage",
+    [("", False, 0.0), ("brightness=0.1,shift=2", False, 0.0), ("brightness=0.1,shift=2", True, 0.0), ("", False, 0.5)],
 )
 def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(
-    images, tmp_path, monkeypatch, expect, fit_changes
+    images, tmp_path, monkeypatch, expect, fit_changes, shrinkage
 ):
-    config = CONFIG.replace(expect=expect, fit_changes=fit_changes)
+    # shrunk: the pooled covariance from the spool's pass (pool) and from the statistics in memory agree
+    config = CONFIG.replace(expect=expect, fit_changes=fit_changes, shrinkage=shrinkage)
     spooled, _ = fit_detector(config, images, progress=False)
     monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 0)
     again, report = fit_detector(config, images, progress=False)

@@ -1,0 +1,228 @@
+"""Recall beside false alarms under a material's own variation: option sets through the product, side by side.
+
+For every category and option set it fits a detector with ``padim.fit`` (what ``padim train`` does: the
+backbone, the cover of ``--expect``, the out-of-fold calibration for 1% false alarms) on the training crops and
+scores with :class:`padim.models.api.Detector` (what ``padim predict`` and the service do):
+
+* **exchangeable**: unseen normal pictures of the training region (false alarms at the calibrated threshold),
+  and defects drawn on such pictures (recall, image AUROC);
+* **another region**: normal pictures from a region the fit never saw (false alarms: the column that counts),
+  defects drawn there (recall, image AUROC, PRO to 30% FPR on the maps);
+* **the line's changes**: the exchangeable normal pictures under each of :data:`NUISANCES` (brightness and
+  contrast +-10%, a shift of 1-3 px, a turn of 1 degree, defocus sigma 0.5-1 px, JPEG quality 80, drawn as
+  ``benchmarks/quality.py`` draws them): false alarms per change, the worst one printed.
+
+Categories: photographed materials (:mod:`photographed`: brick, grass, gravel, stained tissue, the moon) and
+generated ones (:func:`padim.models.data.synthetic.generate`; another region is the generator's ``region=0.5``,
+as ``benchmarks/quality.py --grid robust`` reads it). Results per category, never only the mean; JSON with
+``--output``. Seeded random resnet18 weights unless ``--weights`` names a state_dict.
+
+    python benchmarks/shift.py                                   # every option set, every category (~40 min, 2 cores)
+    python benchmarks/shift.py --options "n1-s0.5-rough,n3-s0-rough" --categories tissue,brick
+    python benchmarks/shift.py --quick                           # 2 categories, 2 option sets: a smoke run
+
+An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from photographed import KINDS, MATERIALS, write_category
+from PIL import Image
+from quality import nuisance
+from sklearn.metrics import roc_auc_score
+from timing import machine_name, work_folder
+
+import padim
+from padim.models.data.changes import apply
+from padim.models.data.synthetic import DEFECTS, MORE_DEFECTS, generate
+from padim.models.evaluation.metrics import per_region_overlap
+
+GENERATED = ("carpet", "leather")
+OPTION_SETS = (
+    "n3-s0-rough",  # the default before this benchmark
+    "n1-s0-stable",  # the paper's Gaussian (configs/paper.yaml without its blur)
+    "n1-s0.5-stable",
+    "n1-s0.3-typical",
+    "n1-s0.5-typical",
+    "n1-s0.7-typical",
+    "n1-s0.5-rough",
+)
+#: The line's changes read on the exchangeable normal pictures (as ``benchmarks/quality.py --grid robust``).
+NUISANCES = ("brightness", "contrast", "shift", "rotate", "blur", "jpeg")
+
+
+def parse_options(name: str) -> dict:
+    """``n1-s0.5-rough-nofit-b4`` -> padim.fit options."""
+    parts = name.split("-")
+    options = {
+        "neighbourhood": int(parts[0][1:]),
+        "shrinkage": float(parts[1][1:]),
+        "expect": "" if parts[2] == "stable" else parts[2],
+    }
+    for extra in parts[3:]:
+        if extra == "nofit":
+            options["fit_changes"] = False
+        elif extra.startswith("b"):
+            options["blur_sigma"] = float(extra[1:])
+        else:
+            raise SystemExit(f"unknown part {extra!r} of option set {name!r}")
+    return options
+
+
+def generated_category(root: Path, category: str, train: int, seed: int = 0) -> Path:
+    """The generator's category in the photographed layout: ``region/`` from its ``region=0.5`` pictures."""
+    folder = root / category
+    if (folder / ".complete").exists():
+        return folder
+    kinds = DEFECTS + MORE_DEFECTS
+    generate(root, (category,), train=train, test_good=20, test_defect=5, size=224, seed=seed, defects=kinds)
+    other = root / f".{category}-region"
+    generate(
+        other, (category,), train=2, test_good=25, test_defect=5, size=224, seed=seed + 1, defects=kinds, region=0.5
+    )
+    (folder / "region").mkdir(exist_ok=True)
+    (other / category / "test").rename(folder / "region" / "test-tmp")
+    for child in (folder / "region" / "test-tmp").iterdir():
+        child.rename(folder / "region" / child.name)
+    (folder / "region" / "test-tmp").rmdir()
+    (other / category / "ground_truth").rename(folder / "region_truth")
+    (folder / ".complete").touch()
+    return folder
+
+
+def pictures(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.png")) if folder.is_dir() else []
+
+
+def mask_of(truth: Path, picture: Path, shape: tuple[int, int]) -> np.ndarray:
+    path = truth / picture.parent.name / f"{picture.stem}_mask.png"
+    mask = Image.open(path).convert("L").resize((shape[1], shape[0]), Image.NEAREST)
+    return np.asarray(mask) > 127
+
+
+def measure(category: Path, option_set: str, weights: str) -> dict:
+    options = parse_options(option_set)
+    started = time.perf_counter()
+    detector = padim.fit(category / "train" / "good", weights=weights, progress=False, **options)
+    fit_seconds = time.perf_counter() - started
+    row: dict = {"category": category.name, "options": option_set, "fit_s": round(fit_seconds, 2)}
+    for split, test, truth in (("exchangeable", "test", "ground_truth"), ("region", "region", "region_truth")):
+        good = pictures(category / test / "good")
+        defects = [p for kind in KINDS for p in pictures(category / test / kind)]
+        normal = detector.predict(good)
+        flawed = detector.predict(defects)
+        s_good = np.array([p.score for p in normal])
+        s_bad = np.array([p.score for p in flawed])
+        maps = np.stack([p.anomaly_map for p in flawed + normal])
+        masks = np.stack(
+            [mask_of(category / truth, p, maps.shape[1:]) for p in defects]
+            + [np.zeros(maps.shape[1:], bool) for _ in good]
+        )
+        row[split] = {
+            "false_alarms": int((s_good > 0.5).sum()),
+            "normal": len(good),
+            "flagged": int((s_bad > 0.5).sum()),
+            "defects": len(defects),
+            "recall": round(float((s_bad > 0.5).mean()), 3),
+            "auroc": round(float(roc_auc_score([0] * len(good) + [1] * len(defects), np.r_[s_good, s_bad])), 3),
+            "pro": round(float(per_region_overlap(maps, masks)), 3),
+        }
+    rng = np.random.default_rng(7)
+    good = [Image.open(p).convert("RGB") for p in pictures(category / "test" / "good")]
+    row["nuisances"] = {
+        kind: int((detector.scores([apply(picture, nuisance(kind, rng)) for picture in good]) > 0.5).sum())
+        for kind in NUISANCES
+    }
+    row["nuisance_pictures"] = len(good)
+    return row
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    out = []
+    for option_set in dict.fromkeys(r["options"] for r in rows):
+        mine = [r for r in rows if r["options"] == option_set]
+        entry = {"options": option_set}
+        for split in ("exchangeable", "region"):
+            entry[split] = {
+                "false_alarms": sum(r[split]["false_alarms"] for r in mine),
+                "normal": sum(r[split]["normal"] for r in mine),
+                "recall": round(sum(r[split]["flagged"] for r in mine) / sum(r[split]["defects"] for r in mine), 3),
+                "auroc": round(statistics.mean(r[split]["auroc"] for r in mine), 3),
+                "pro": round(statistics.mean(r[split]["pro"] for r in mine), 3),
+            }
+        entry["nuisances"] = {k: sum(r["nuisances"][k] for r in mine) for k in NUISANCES}
+        entry["nuisance_pictures"] = sum(r["nuisance_pictures"] for r in mine)
+        entry["fit_s"] = round(statistics.mean(r["fit_s"] for r in mine), 2)
+        out.append(entry)
+    return out
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(
+        f"{'options':22s} | {'exch FA':>8s} {'recall':>6s} {'AUROC':>6s} | "
+        f"{'region FA':>9s} {'recall':>6s} {'AUROC':>6s} {'PRO':>5s} | {'worst change FA':>20s} | {'fit s':>5s}"
+    )
+    for r in rows:
+        e, g = r["exchangeable"], r["region"]
+        name = r["options"] if "category" not in r else f"{r['category']}:{r['options']}"
+        worst = max(r["nuisances"], key=r["nuisances"].get)
+        change = f"{worst} {r['nuisances'][worst]}/{r['nuisance_pictures']}"
+        print(
+            f"{name:22s} | {e['false_alarms']:>3d}/{e['normal']:<4d} {e['recall']:6.3f} {e['auroc']:6.3f} | "
+            f"{g['false_alarms']:>4d}/{g['normal']:<4d} {g['recall']:6.3f} {g['auroc']:6.3f} {g['pro']:5.3f} | "
+            f"{change:>20s} | {r['fit_s']:5.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--categories", default=",".join(MATERIALS + GENERATED))
+    parser.add_argument("--options", default=",".join(OPTION_SETS), help="option sets (module docstring)")
+    parser.add_argument("--train", type=int, default=60, help="training pictures a category")
+    parser.add_argument("--weights", default="random")
+    parser.add_argument("--quick", action="store_true", help="tissue and carpet, two option sets")
+    parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.categories, args.options = "tissue,carpet", "n3-s0-rough,n1-s0.5-rough"
+    root = work_folder(args.workdir, "padim-shift-")
+    rows = []
+    for name in args.categories.split(","):
+        category = (
+            write_category(root, name, train=args.train)
+            if name in MATERIALS
+            else generated_category(root, name, args.train)
+        )
+        for option_set in args.options.split(","):
+            row = measure(category, option_set, args.weights)
+            rows.append(row)
+            print_table([row], f"{name} / {option_set}")
+            sys.stdout.flush()
+    result = {
+        "machine": machine_name(),
+        "weights": args.weights,
+        "train": args.train,
+        "rows": rows,
+        "photographed": summarise([r for r in rows if r["category"] in MATERIALS]),
+        "generated": summarise([r for r in rows if r["category"] not in MATERIALS]),
+    }
+    print_table(rows, "every category")
+    for kind in ("photographed", "generated"):
+        if result[kind]:
+            print_table(result[kind], f"{kind}: sums of false alarms, pooled recall, mean AUROC / PRO")
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
