@@ -9,14 +9,15 @@ stain and lighting differ a little, as on a real line's next batch). Defects are
 with the product's own defect generator (:func:`padim.models.data.synthetic.add_defect`: scratch, stain, hole,
 crack, speck), their masks under ``ground_truth``.
 
-Layout of a category (``--root/<material>``)::
+Layout of a category (``--root/<material>``: MVTec AD's, and its other region as a category of its own)::
 
     train/good/              training crops (left half)
     test/good/               unseen normal crops of the same half (exchangeable)
     test/<defect>/           defects drawn on crops of the left half
-    region/good/             normal crops of the right half (another region)
-    region/<defect>/         defects drawn on crops of the right half
-    ground_truth/<defect>/, region_truth/<defect>/   masks, ``<name>_mask.png``
+    ground_truth/<defect>/   their masks, ``<name>_mask.png``
+    region/test/good/        normal crops of the right half (another region)
+    region/test/<defect>/    defects drawn on crops of the right half
+    region/ground_truth/<defect>/
 
     python benchmarks/photographed.py --root /tmp/photographed       # writes every material
 """
@@ -94,14 +95,59 @@ def write_category(
     for i, crop in enumerate(crops(picture, 0, good, rng)):
         save(crop, folder / "test" / "good" / f"{i:03d}.png")
     for i, crop in enumerate(crops(picture, 1, region_good, rng)):
-        save(crop, folder / "region" / "good" / f"{i:03d}.png")
-    for half, test, truth in ((0, "test", "ground_truth"), (1, "region", "region_truth")):
+        save(crop, folder / "region" / "test" / "good" / f"{i:03d}.png")
+    for half, where in ((0, folder), (1, folder / "region")):
         for kind in KINDS:
             for i, crop in enumerate(crops(picture, half, per_defect, rng)):
                 image, mask = add_defect(crop.astype(np.float32) / 255.0, kind, rng)
-                save((np.clip(image, 0, 1) * 255).round().astype(np.uint8), folder / test / kind / f"{i:03d}.png")
-                save((mask > 0).astype(np.uint8) * 255, folder / truth / kind / f"{i:03d}_mask.png")
+                save((np.clip(image, 0, 1) * 255).round().astype(np.uint8), where / "test" / kind / f"{i:03d}.png")
+                save((mask > 0).astype(np.uint8) * 255, where / "ground_truth" / kind / f"{i:03d}_mask.png")
     done.touch()
+    return folder
+
+
+#: Defects of the tiled set: small ones (a speck 9-20 px across, a crack 2-3 px wide at 448 px).
+SMALL_KINDS = ("speck", "crack")
+
+
+def write_tiled_category(
+    root: Path, material: str, side: int = 448, train: int = 60, good: int = 45, per_defect: int = 15, seed: int = 0
+) -> Path:
+    """``<material>-<side>``: crops of ``side`` px anywhere in the photograph (one region: an exchangeable set)
+    with small defects (:data:`SMALL_KINDS`), for a model of 2 x 2 tiles of 224 px (``train --tiles 2x2``)."""
+    folder = root / f"{material}-{side}"
+    if (folder / ".complete").exists():
+        return folder
+    rng = np.random.default_rng([seed, MATERIALS.index(material), side])
+    picture = photograph(material)
+
+    def cut(count: int) -> list[np.ndarray]:
+        height, width = picture.shape[:2]
+        out = []
+        for _ in range(count):
+            x, y = int(rng.integers(0, width - side + 1)), int(rng.integers(0, height - side + 1))
+            out.append(picture[y : y + side, x : x + side].copy())
+        return out
+
+    for i, crop in enumerate(cut(train)):
+        Image.fromarray(crop).save(_made(folder / "train" / "good") / f"{i:03d}.png")
+    for i, crop in enumerate(cut(good)):
+        Image.fromarray(crop).save(_made(folder / "test" / "good") / f"{i:03d}.png")
+    for kind in SMALL_KINDS:
+        for i, crop in enumerate(cut(per_defect)):
+            image, mask = add_defect(crop.astype(np.float32) / 255.0, kind, rng)
+            Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8)).save(
+                _made(folder / "test" / kind) / f"{i:03d}.png"
+            )
+            Image.fromarray((mask > 0).astype(np.uint8) * 255).save(
+                _made(folder / "ground_truth" / kind) / f"{i:03d}_mask.png"
+            )
+    (folder / ".complete").touch()
+    return folder
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 

@@ -44,6 +44,13 @@ The backbone is seeded random resnet18 weights (ImageNet weights cannot be fetch
     python benchmarks/quality.py --grid robust          # the same x folds x calibration, under nuisances
     python benchmarks/quality.py --costs                # scoring time only: each option, today's default vs the paper
     python benchmarks/quality.py --mvtec /data/mvtec --categories bottle,carpet --weights r18.pth
+    python benchmarks/quality.py --photographed --grid robust   # photographed materials, their other region a nuisance
+    python benchmarks/quality.py --grid robust --shrinkage 0.5  # every option with its Gaussians shrunk
+
+``--photographed``: categories cut from the photographs scikit-image ships (benchmarks/photographed.py: brick,
+grass, gravel, stained tissue, the moon), training crops from one half of each photograph, normal test crops
+from the same half and (``--grid robust``: the ``region`` nuisance) from the other half. ``--shrinkage W``: every
+Gaussian ``(1 - W) S_p + W T + epsilon I`` (``train --shrinkage``), its out-of-fold scores the product's.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from photographed import MATERIALS, write_category
 from PIL import Image
 from sklearn.metrics import roc_auc_score
 from timing import machine_name, median_seconds, work_folder
@@ -67,7 +75,7 @@ from timing import machine_name, median_seconds, work_folder
 from padim.core.calibration import Calibration, fold_of
 from padim.core.out_of_fold import out_of_fold_squared_distances
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
-from padim.core.statistics import batch_state, covariance, finalise
+from padim.core.statistics import Shrinkage, batch_state, covariance, finalise
 from padim.models import Fit, PadimConfig, list_images
 from padim.models.data.changes import Draw, Expected, apply, seeded
 from padim.models.data.synthetic import CATEGORIES, DEFECTS, MORE_DEFECTS, generate
@@ -75,6 +83,7 @@ from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_categ
 from padim.models.features.embedding import Embedding
 from padim.models.fit.memory_plan import FitFacts, plan_fit
 from padim.models.model import PadimModel
+from padim.models.options import Gaussian
 
 HERE = Path(__file__).resolve().parent
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
@@ -83,7 +92,14 @@ SIGMAS = (2.0, 4.0, 8.0)
 MAIN_SIGMAS = (0.0, 2.0, 4.0)
 CROP = 0.875  # 224 of 256
 #: PaDiM as published (configs/paper.yaml), the base every option is measured against.
-PAPER = {"neighbourhood": 1, "blur_sigma": 4.0, "image_score": "map_max", "expect": "", "fit_changes": False}
+PAPER = {
+    "neighbourhood": 1,
+    "blur_sigma": 4.0,
+    "image_score": "map_max",
+    "expect": "",
+    "fit_changes": False,
+    "shrinkage": 0.0,
+}
 #: The small changes of a line, drawn on unseen normal pictures (``region*``: generated from another region).
 NUISANCES = ("region", "region_far", "brightness", "contrast", "shift", "rotate", "blur", "jpeg")
 #: ``region`` and ``region_far``: the generator's ``region`` of their pictures.
@@ -103,7 +119,16 @@ ROBUST_FOLDS = ("loo", 10)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mvtec", type=Path, help="a folder of MVTec AD categories (default: generated data)")
-    parser.add_argument("--categories", default=",".join(CATEGORIES))
+    parser.add_argument("--categories", help="default: every generated category, or every photographed material")
+    parser.add_argument(
+        "--photographed",
+        action="store_true",
+        help="categories cut from photographs (benchmarks/photographed.py: brick, grass, gravel, tissue, moon) instead "
+        "of generated ones; with --grid robust their other region is the region nuisance",
+    )
+    parser.add_argument(
+        "--shrinkage", type=float, default=0.0, help="every option's Gaussians shrunk toward the pooled covariance"
+    )
     parser.add_argument("--train", type=int, default=100, help="normal training images per category (generated)")
     parser.add_argument("--test-good", type=int, default=100, help="unseen normal images per category (generated)")
     parser.add_argument("--defect-images", type=int, default=24, help="images per defect kind (5 kinds, generated)")
@@ -137,12 +162,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.categories, args.train, args.test_good, args.defect_images, args.seeds = "carpet,pill", 40, 40, 8, "0,1"
-    categories = [c for c in args.categories.split(",") if c]
+        quick = "tissue,brick" if args.photographed else "carpet,pill"
+        args.categories, args.train, args.test_good, args.defect_images, args.seeds = quick, 40, 40, 8, "0,1"
+    default = MATERIALS if args.photographed else CATEGORIES
+    categories = [c for c in (args.categories or ",".join(default)).split(",") if c]
     seeds = [int(s) for s in args.seeds.split(",")]
     work = work_folder(args.workdir, "padim-quality-")
-    data = args.mvtec or work / "data"
-    if args.mvtec is None and not all((data / c).exists() for c in categories):
+    data = args.mvtec or work / ("photographed" if args.photographed else "data")
+    if args.photographed:
+        per_defect = max(1, args.defect_images // 5)
+        for category in categories:
+            write_category(data, category, args.train, args.test_good, args.test_good, per_defect, seed=24)
+    elif args.mvtec is None and not all((data / c).exists() for c in categories):
         generate(
             data,
             tuple(categories),
@@ -154,7 +185,7 @@ def main() -> None:
             defects=DEFECTS + MORE_DEFECTS,
         )
     regions = {}  # normal pictures of other regions of the material (generated data only)
-    if args.grid == "robust" and args.mvtec is None:
+    if args.grid == "robust" and args.mvtec is None and not args.photographed:
         for nuisance, region in REGIONS.items():
             regions[nuisance] = work / f"data-{nuisance}"
             if not all((regions[nuisance] / c).exists() for c in categories):
@@ -177,7 +208,9 @@ def main() -> None:
 
             torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
     # the paper's scoring as the base (padim's default before 2026-11-24): every option is measured against it
-    base = PadimConfig(weights=weights, device="cpu", false_alarm_rate=args.false_alarm_rate, **PAPER)
+    base = PadimConfig(
+        weights=weights, device="cpu", false_alarm_rate=args.false_alarm_rate, **{**PAPER, "shrinkage": args.shrinkage}
+    )
     if args.costs:
         costs = {
             "machine": machine_name(),
@@ -208,7 +241,9 @@ def main() -> None:
                 seeds,
                 args.false_alarm_rate,
                 args.grid,
-                {k: v / category for k, v in regions.items()},
+                {"region": data / category / "region"}
+                if args.photographed and args.grid == "robust"
+                else {k: v / category for k, v in regions.items()},
                 threads,
             )
             for category in categories
@@ -312,7 +347,7 @@ def measure_category(
                     seed,
                     neighbourhood,
                 )
-                oof, test = distances(embedding, train_features, test_features, config.gaussian.epsilon)
+                oof, test = distances(embedding, train_features, test_features, config.gaussian)
                 members.append((oof, test))
                 # the blur is measured on the main axis (plain resize, random subset); the rest at sigma 4
                 sigmas = MAIN_SIGMAS if main else SIGMAS if crop is None and reduction == "random" else (4.0,)
@@ -391,11 +426,12 @@ def embed(embedding: Embedding, stages: list[torch.Tensor]) -> torch.Tensor:
 
 
 def distances(
-    embedding: Embedding, train: list[torch.Tensor], test: list[torch.Tensor], epsilon: float
+    embedding: Embedding, train: list[torch.Tensor], test: list[torch.Tensor], gaussian: Gaussian
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out squared distances of the training images ``(N, P)`` and the test images' ``(T, P)``."""
     x = embed(embedding, train)
     state = batch_state(x.double())
+    shrunk = Shrinkage.of(state, gaussian.epsilon, gaussian.shrinkage)
     oof = torch.empty(x.shape[0], x.shape[1], dtype=torch.float64)
     for start in range(0, x.shape[1], 256):  # pixel slices, as the fit does
         stop = min(start + 256, x.shape[1])
@@ -405,9 +441,9 @@ def distances(
             x.shape[0],
             x[:, start:stop],
             [1] * x.shape[0],
-            epsilon,
+            shrunk,
         )
-    mean, factor = finalise(state, epsilon)
+    mean, factor = finalise(state, gaussian.epsilon, shrinkage=gaussian.shrinkage)
     y = embed(embedding, test)
     test_squared = torch.cat([squared_mahalanobis(y[i : i + 32], mean, factor) for i in range(0, len(y), 32)])
     return oof.float(), test_squared
@@ -528,10 +564,11 @@ def picture_features(fit: Fit, pictures: list[Image.Image]) -> list[torch.Tensor
 
 
 def sliced_out_of_fold(
-    x: torch.Tensor, sizes: list[int], epsilon: float, state=None, copies: torch.Tensor | None = None
+    x: torch.Tensor, sizes: list[int], gaussian: Gaussian, state=None, copies: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``(R, P)`` float32 out-of-fold squared distances of ``x``'s rows (or of their ``copies``), in pixel slices."""
     state = state if state is not None else batch_state(x)
+    shrunk = Shrinkage.of(state, gaussian.epsilon, gaussian.shrinkage)
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float64)
     for start in range(0, x.shape[1], 256):
         stop = min(start + 256, x.shape[1])
@@ -541,7 +578,7 @@ def sliced_out_of_fold(
             int(state.count),
             x[:, start:stop],
             sizes,
-            epsilon,
+            shrunk,
             copies=None if copies is None else copies[:, start:stop],
         )
     return out.float()
@@ -603,7 +640,9 @@ def measure_robust(
             fitted = {"": x, **{k: interleave(x, v[0]) for k, v in copies.items()}}
             scored = {}  # statistics -> (test, {nuisance: distances})
             for key, rows_fitted in fitted.items():
-                mean, factor = finalise(batch_state(rows_fitted), config.gaussian.epsilon)
+                mean, factor = finalise(
+                    batch_state(rows_fitted), config.gaussian.epsilon, shrinkage=config.gaussian.shrinkage
+                )
 
                 def distances_of(stages, mean=mean, factor=factor, embedding=embedding):
                     return torch.cat(
@@ -621,14 +660,14 @@ def measure_robust(
                 state = batch_state(xs)
                 for name, (preset, count, fitted_copies) in CALIBRATIONS.items():
                     if not count:
-                        out_of_fold[name, folds] = [sliced_out_of_fold(xs, sizes, config.gaussian.epsilon, state)]
+                        out_of_fold[name, folds] = [sliced_out_of_fold(xs, sizes, config.gaussian, state)]
                     elif fitted_copies:
                         both = interleave(xs, copies[preset][0][order])
-                        squared = sliced_out_of_fold(both, [2 * m for m in sizes], config.gaussian.epsilon)
+                        squared = sliced_out_of_fold(both, [2 * m for m in sizes], config.gaussian)
                         out_of_fold[name, folds] = [squared[1::2]]  # the copies' rows
                     else:
                         out_of_fold[name, folds] = [
-                            sliced_out_of_fold(xs, sizes, config.gaussian.epsilon, state, copies[preset][j][order])
+                            sliced_out_of_fold(xs, sizes, config.gaussian, state, copies[preset][j][order])
                             for j in range(count)
                         ]
             side = int(round(x.shape[1] ** 0.5))
@@ -953,7 +992,7 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
         changed = [apply(p, config.expected.draw(seeded(path.name))) for p, path in zip(pictures, train, strict=True)]
         copies = embed(embedding, picture_features(fit, changed)).double()
     rows = interleave(x, copies) if config.copies_fitted else x
-    mean, factor = finalise(batch_state(rows), config.gaussian.epsilon)
+    mean, factor = finalise(batch_state(rows), config.gaussian.epsilon, shrinkage=config.gaussian.shrinkage)
     squared = squared_mahalanobis(embed(embedding, features(fit, test, None)), mean, factor)
     side = int(round(squared.shape[1] ** 0.5))
 
@@ -967,9 +1006,9 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
 
     expected = scores(squared).numpy()
     if config.copies_fitted:
-        oof = sliced_out_of_fold(rows, [2] * len(x), config.gaussian.epsilon)[1::2]
+        oof = sliced_out_of_fold(rows, [2] * len(x), config.gaussian)[1::2]
     else:
-        oof = sliced_out_of_fold(x, [1] * len(x), config.gaussian.epsilon, copies=copies)
+        oof = sliced_out_of_fold(x, [1] * len(x), config.gaussian, copies=copies)
     threshold = Calibration.from_scores(scores(oof), false_alarm_rate).threshold
     return {
         "config": {

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from photographed import KINDS, MATERIALS, write_category
+from photographed import KINDS, MATERIALS, SMALL_KINDS, write_category, write_tiled_category
 from PIL import Image
 from quality import nuisance
 from sklearn.metrics import roc_auc_score
@@ -55,6 +56,7 @@ OPTION_SETS = (
     "n1-s0.7-typical",
     "n1-s0.5-rough",
 )
+METRICS = ("recall", "auroc", "pro")
 #: The line's changes read on the exchangeable normal pictures (as ``benchmarks/quality.py --grid robust``).
 NUISANCES = ("brightness", "contrast", "shift", "rotate", "blur", "jpeg")
 
@@ -88,12 +90,8 @@ def generated_category(root: Path, category: str, train: int, seed: int = 0) -> 
     generate(
         other, (category,), train=2, test_good=25, test_defect=5, size=224, seed=seed + 1, defects=kinds, region=0.5
     )
-    (folder / "region").mkdir(exist_ok=True)
-    (other / category / "test").rename(folder / "region" / "test-tmp")
-    for child in (folder / "region" / "test-tmp").iterdir():
-        child.rename(folder / "region" / child.name)
-    (folder / "region" / "test-tmp").rmdir()
-    (other / category / "ground_truth").rename(folder / "region_truth")
+    (other / category).rename(folder / "region")
+    shutil.rmtree(other)
     (folder / ".complete").touch()
     return folder
 
@@ -108,22 +106,35 @@ def mask_of(truth: Path, picture: Path, shape: tuple[int, int]) -> np.ndarray:
     return np.asarray(mask) > 127
 
 
-def measure(category: Path, option_set: str, weights: str) -> dict:
+def measure(category: Path, option_set: str, weights: str, heat_maps: Path | None = None) -> dict:
     options = parse_options(option_set)
+    tiled = category.name.endswith("-448")
+    if tiled:  # 448 px pictures in 2 x 2 tiles of 224 px, one set of statistics per tile position
+        options["tiles"] = (2, 2)
     started = time.perf_counter()
     detector = padim.fit(category / "train" / "good", weights=weights, progress=False, **options)
     fit_seconds = time.perf_counter() - started
     row: dict = {"category": category.name, "options": option_set, "fit_s": round(fit_seconds, 2)}
-    for split, test, truth in (("exchangeable", "test", "ground_truth"), ("region", "region", "region_truth")):
-        good = pictures(category / test / "good")
-        defects = [p for kind in KINDS for p in pictures(category / test / kind)]
+    for split, where in (("exchangeable", category), ("region", category / "region")):
+        if not (where / "test").is_dir():  # the tiled set has one region
+            row[split] = {"false_alarms": 0, "normal": 0, "flagged": 0, "defects": 0, **dict.fromkeys(METRICS, None)}
+            continue
+        good = pictures(where / "test" / "good")
+        defects = [p for kind in (SMALL_KINDS if tiled else KINDS) for p in pictures(where / "test" / kind)]
         normal = detector.predict(good)
         flawed = detector.predict(defects)
+        if heat_maps is not None:  # the heat maps an operator reads (padim predict's), one defect of each kind
+            for kind in KINDS:
+                first = next((i for i, p in enumerate(defects) if p.parent.name == kind), None)
+                if first is not None:
+                    target = heat_maps / category.name / split / f"{kind}-{option_set}.png"
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    flawed[first].heatmap(max_side=224).save(target)
         s_good = np.array([p.score for p in normal])
         s_bad = np.array([p.score for p in flawed])
         maps = np.stack([p.anomaly_map for p in flawed + normal])
         masks = np.stack(
-            [mask_of(category / truth, p, maps.shape[1:]) for p in defects]
+            [mask_of(where / "ground_truth", p, maps.shape[1:]) for p in defects]
             + [np.zeros(maps.shape[1:], bool) for _ in good]
         )
         row[split] = {
@@ -151,12 +162,15 @@ def summarise(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["options"] == option_set]
         entry = {"options": option_set}
         for split in ("exchangeable", "region"):
+            read = [r for r in mine if r[split]["normal"]]
             entry[split] = {
-                "false_alarms": sum(r[split]["false_alarms"] for r in mine),
-                "normal": sum(r[split]["normal"] for r in mine),
-                "recall": round(sum(r[split]["flagged"] for r in mine) / sum(r[split]["defects"] for r in mine), 3),
-                "auroc": round(statistics.mean(r[split]["auroc"] for r in mine), 3),
-                "pro": round(statistics.mean(r[split]["pro"] for r in mine), 3),
+                "false_alarms": sum(r[split]["false_alarms"] for r in read),
+                "normal": sum(r[split]["normal"] for r in read),
+                "recall": round(sum(r[split]["flagged"] for r in read) / sum(r[split]["defects"] for r in read), 3)
+                if read
+                else None,
+                "auroc": round(statistics.mean(r[split]["auroc"] for r in read), 3) if read else None,
+                "pro": round(statistics.mean(r[split]["pro"] for r in read), 3) if read else None,
             }
         entry["nuisances"] = {k: sum(r["nuisances"][k] for r in mine) for k in NUISANCES}
         entry["nuisance_pictures"] = sum(r["nuisance_pictures"] for r in mine)
@@ -177,34 +191,45 @@ def print_table(rows: list[dict], title: str) -> None:
         worst = max(r["nuisances"], key=r["nuisances"].get)
         change = f"{worst} {r['nuisances'][worst]}/{r['nuisance_pictures']}"
         print(
-            f"{name:22s} | {e['false_alarms']:>3d}/{e['normal']:<4d} {e['recall']:6.3f} {e['auroc']:6.3f} | "
-            f"{g['false_alarms']:>4d}/{g['normal']:<4d} {g['recall']:6.3f} {g['auroc']:6.3f} {g['pro']:5.3f} | "
+            f"{name:22s} | {e['false_alarms']:>3d}/{e['normal']:<4d} {_f(e['recall'])} {_f(e['auroc'])} | "
+            f"{g['false_alarms']:>4d}/{g['normal']:<4d} {_f(g['recall'])} {_f(g['auroc'])} {_f(g['pro'], 5)} | "
             f"{change:>20s} | {r['fit_s']:5.1f}"
         )
 
 
+def _f(value: float | None, width: int = 6) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--categories", default=",".join(MATERIALS + GENERATED))
+    parser.add_argument(
+        "--categories",
+        default=",".join(MATERIALS + GENERATED),
+        help="photographed materials, generated categories, and <material>-448 (448 px crops, small defects, a model "
+        "of 2 x 2 tiles)",
+    )
     parser.add_argument("--options", default=",".join(OPTION_SETS), help="option sets (module docstring)")
     parser.add_argument("--train", type=int, default=60, help="training pictures a category")
     parser.add_argument("--weights", default="random")
     parser.add_argument("--quick", action="store_true", help="tissue and carpet, two option sets")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--maps", type=Path, help="save the heat map of one defect of each kind per option set here")
     args = parser.parse_args()
     if args.quick:
         args.categories, args.options = "tissue,carpet", "n3-s0-rough,n1-s0.5-rough"
     root = work_folder(args.workdir, "padim-shift-")
     rows = []
     for name in args.categories.split(","):
-        category = (
-            write_category(root, name, train=args.train)
-            if name in MATERIALS
-            else generated_category(root, name, args.train)
-        )
+        if name.endswith("-448"):
+            category = write_tiled_category(root, name.removesuffix("-448"), train=args.train)
+        elif name in MATERIALS:
+            category = write_category(root, name, train=args.train)
+        else:
+            category = generated_category(root, name, args.train)
         for option_set in args.options.split(","):
-            row = measure(category, option_set, args.weights)
+            row = measure(category, option_set, args.weights, args.maps)
             rows.append(row)
             print_table([row], f"{name} / {option_set}")
             sys.stdout.flush()
@@ -214,10 +239,11 @@ def main() -> None:
         "train": args.train,
         "rows": rows,
         "photographed": summarise([r for r in rows if r["category"] in MATERIALS]),
-        "generated": summarise([r for r in rows if r["category"] not in MATERIALS]),
+        "generated": summarise([r for r in rows if r["category"] not in MATERIALS and "-448" not in r["category"]]),
+        "tiled": summarise([r for r in rows if r["category"].endswith("-448")]),
     }
     print_table(rows, "every category")
-    for kind in ("photographed", "generated"):
+    for kind in ("photographed", "generated", "tiled"):
         if result[kind]:
             print_table(result[kind], f"{kind}: sums of false alarms, pooled recall, mean AUROC / PRO")
     if args.output:
