@@ -115,6 +115,7 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
         "loo",
     )
     assert c.expected == Expected.parse("rough") and c.copies_fitted
+    assert c.gaussian.shrinkage == 0.5  # benchmarks/shift.py: photographed and generated categories
     paper, _ = read_config_file(Path(__file__).resolve().parents[2] / "configs" / "paper.yaml")
     assert (
         paper.gaussian.neighbourhood,
@@ -122,7 +123,7 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
         paper.scoring.blur_sigma,
         paper.gaussian.expect,
     ) == (1, "map_max", 4.0, "")
-    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100, expect="stable")
+    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100, expect="stable", shrinkage=0.0)
     assert not paper.copies_fitted
 
 

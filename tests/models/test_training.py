@@ -63,7 +63,10 @@ def refit_squared(
         mean = rest.mean(axis=0)  # (P, D)
         for p in range(pixels):
             centred = rest[:, p] - mean[p]
-            cov = (1 - shrinkage) * centred.T @ centred / (len(rest) - 1) + shrinkage * target + epsilon * np.eye(dim)
+            cov = centred.T @ centred / (len(rest) - 1)
+            if shrinkage:
+                cov = (1 - shrinkage) * cov + shrinkage * target
+            cov = cov + epsilon * np.eye(dim)
             delta = x[start : start + m, p] - mean[p]
             squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
         start += m
