@@ -9,6 +9,10 @@ weights:
   ONNX Runtime's CUDA provider (needs ``onnxruntime-gpu``) and TensorRT through ONNX Runtime
   (needs its TensorRT provider; engines cached in the work folder), each skipped with the reason
   when it cannot run here;
+- **precision**: each ``train --precision`` (fp32, bf16, fp16 by default) fitted on the same images: the torch
+  scorer's images per second beside the backbone alone at that arithmetic (from GPU memory: the floor), the
+  fit's own gate (its largest score difference against fp32 on training pictures), and against the fp32 model
+  the largest relative image-score difference on the same pictures and the relative threshold difference;
 - **CPU vs GPU**: the largest relative difference of image scores of the same model and images,
   scored on the CPU and on the GPU (padim's stated tolerance is ``CROSS_DEVICE_RTOL``); and, with
   ``--cpu-fit``, the threshold of a CPU fit of the same images against the GPU fit's.
@@ -36,10 +40,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import machine_name, median_seconds, work_folder  # noqa: E402 (the benchmarks' own helpers)
 
+from padim.core.artifact import read_header  # noqa: E402
 from padim.models import CROSS_DEVICE_RTOL, PadimConfig, train, training_images  # noqa: E402
 from padim.models.data.synthetic import generate  # noqa: E402
 from padim.models.deploy.runtimes import TENSORRT_ENV, load_scorer  # noqa: E402
 from padim.models.devices import onnxruntime_has_cuda  # noqa: E402
+from padim.models.errors import PadimError  # noqa: E402
 from padim.models.model_file import load_detector  # noqa: E402
 
 
@@ -48,8 +54,12 @@ def say(record: dict, results: list[dict]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def fit(backbone: str, data: Path, out: Path, size: int, device: str, batch: int) -> tuple[float, dict]:
-    config = PadimConfig(backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch)
+def fit(
+    backbone: str, data: Path, out: Path, size: int, device: str, batch: int, precision: str = "fp32"
+) -> tuple[float, dict]:
+    config = PadimConfig(
+        backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch, precision=precision
+    )
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -97,11 +107,71 @@ def scorers(path: Path, device: str, tensorrt_cache: Path):
     )
 
 
+def backbone_floor(detector, size: int, batch: int, repeats: int) -> float:
+    """Images per second of the detector's backbone alone, at its arithmetic, on a batch already on its device."""
+    images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch)).to(detector.device)
+    return batch / median_seconds(lambda: detector.model.embedder.extractor(images), repeats)
+
+
+def against_fp32(path: Path, reference: Path, size: int, device: str) -> dict:
+    """A reduced-precision model against the fp32 one fitted on the same images: scores of one batch, thresholds."""
+    batch = torch.randn(16, 3, size, size, generator=torch.Generator().manual_seed(11))
+    scores = [load_detector(p, device=device).score(batch).raw_scores.double().cpu() for p in (reference, path)]
+    thresholds = [read_header(p)["calibration"]["threshold"] for p in (reference, path)]
+    return {
+        "largest_relative_score_difference": float(((scores[1] - scores[0]).abs() / scores[0].abs()).max()),
+        "relative_threshold_difference": abs(thresholds[1] - thresholds[0]) / abs(thresholds[0]),
+        "gate": read_header(path).get("precision_check"),
+    }
+
+
 def cpu_vs_gpu(path: Path, size: int) -> float:
     batch = torch.randn(16, 3, size, size, generator=torch.Generator().manual_seed(7))
     on_cpu = load_detector(path, device="cpu").score(batch).raw_scores.double()
     on_gpu = load_detector(path, device="cuda").score(batch).raw_scores.double().cpu()
     return float(((on_gpu - on_cpu).abs() / on_cpu.abs()).max())
+
+
+def measure_precision(backbone, precision, reference, category, folder, device_name, args, results) -> None:
+    """One ``train --precision``: its fit, the torch scorer beside the backbone floor, and against fp32."""
+    model = folder / f"{backbone}-{precision}-{args.device}.padim" if precision != "fp32" else reference
+    if precision != "fp32":
+        try:
+            seconds, detail = fit(
+                backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch, precision
+            )
+        except PadimError as error:  # bf16 on a GPU older than Ampere; a gate that refused
+            say({"backbone": backbone, "step": "precision", "precision": precision, "skipped": str(error)}, results)
+            return
+        say(
+            {"backbone": backbone, "step": "fit", "precision": precision, "seconds": round(seconds, 2), **detail},
+            results,
+        )
+    detector = load_detector(model, device=args.device)
+    for batch in (int(b) for b in args.batches.split(",")):
+        say(
+            {
+                "backbone": backbone,
+                "step": "precision",
+                "precision": precision,
+                "batch": batch,
+                "images_per_second": round(throughput(detector, args.size, batch, args.repeats), 1),
+                "backbone_alone": round(backbone_floor(detector, args.size, batch, args.repeats), 1),
+            },
+            results,
+        )
+    del detector
+    if precision != "fp32":
+        say(
+            {
+                "backbone": backbone,
+                "step": "precision_vs_fp32",
+                "precision": precision,
+                "device": device_name,
+                **against_fp32(model, reference, args.size, args.device),
+            },
+            results,
+        )
 
 
 def main() -> int:
@@ -112,6 +182,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,16,64", help="scoring batch sizes (default 1,16,64)")
     parser.add_argument("--fit-batch", type=int, default=32, help="batch size of the fit (default 32)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per scoring figure (median)")
+    parser.add_argument(
+        "--precisions", default="fp32,bf16,fp16", help="train --precision values, side by side (default all three)"
+    )
     parser.add_argument("--cpu-fit", action="store_true", help="also fit on the CPU and compare thresholds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--workdir", type=Path, help="keep the data and models here (default: a temporary folder)")
@@ -161,6 +234,8 @@ def main() -> int:
                     results,
                 )
             del scorer
+        for precision in args.precisions.split(","):
+            measure_precision(backbone, precision, model, category, folder, device_name, args, results)
         if args.device == "cuda":
             say(
                 {
@@ -174,8 +249,6 @@ def main() -> int:
         if args.cpu_fit:
             on_cpu = folder / f"{backbone}-cpu-fit.padim"
             cpu_seconds, _ = fit(backbone, category / "train" / "good", on_cpu, args.size, "cpu", args.fit_batch)
-            from padim.core.artifact import read_header
-
             first, second = (read_header(p)["calibration"]["threshold"] for p in (model, on_cpu))
             say(
                 {

@@ -21,7 +21,8 @@ as ``benchmarks/quality.py --grid robust`` reads it). Results per category, neve
     python benchmarks/shift.py --options "n1-s0.5-rough,n3-s0-rough" --categories tissue,brick
     python benchmarks/shift.py --quick                           # 2 categories, 2 option sets: a smoke run
 
-An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>]``.
+An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]`` (the last:
+``train --precision``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def parse_options(name: str) -> dict:
             options["fit_changes"] = False
         elif extra.startswith("b"):
             options["blur_sigma"] = float(extra[1:])
+        elif extra in ("pbf16", "pfp16"):  # train --precision
+            options["precision"] = extra[1:]
         else:
             raise SystemExit(f"unknown part {extra!r} of option set {name!r}")
     return options
@@ -114,7 +117,14 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
     started = time.perf_counter()
     detector = padim.fit(category / "train" / "good", weights=weights, progress=False, **options)
     fit_seconds = time.perf_counter() - started
-    row: dict = {"category": category.name, "options": option_set, "fit_s": round(fit_seconds, 2)}
+    described = detector.describe()
+    row: dict = {
+        "category": category.name,
+        "options": option_set,
+        "fit_s": round(fit_seconds, 2),
+        "threshold": detector.calibration.threshold,
+        "precision_check": described.get("precision_check"),
+    }
     for split, where in (("exchangeable", category), ("region", category / "region")):
         if not (where / "test").is_dir():  # the tiled set has one region
             row[split] = {"false_alarms": 0, "normal": 0, "flagged": 0, "defects": 0, **dict.fromkeys(METRICS, None)}

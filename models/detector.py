@@ -23,6 +23,8 @@ from padim.models.model import PadimModel, ScoreOutput
 
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
+#: ``train --precision`` as a description spells it, beside an export's ``float32``, ``int8`` and ``fp16``.
+SPELLED = {"fp32": "float32"}
 #: Where out-of-fold scores come from: a fit's own images, or images no part fitted (merge).
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
@@ -70,6 +72,8 @@ class Provenance:
         fits: one record per fit run (images, unreadable, already fitted, resumed, world size).
         merged_from: the partial files a merge combined.
         verified: whether the file's digests were checked when it was read (format 2).
+        precision_check: a reduced precision's scores against fp32's (:mod:`padim.models.fit.precision`; format
+            11), ``None`` at fp32.
     """
 
     created: str = field(default_factory=now)
@@ -81,6 +85,7 @@ class Provenance:
     fits: list[dict] = field(default_factory=list)
     merged_from: list[str] = field(default_factory=list)
     verified: bool = True
+    precision_check: dict | None = None
 
     def to_header(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "verified"}
@@ -168,11 +173,12 @@ class PadimDetector:
                 **self.calibration.summary(),
                 "source": self.provenance.calibration_source,
                 **calibration_options(self.config),
-                "threshold_of": "float32 scorer",
+                "threshold_of": f"{self.config.features.precision} scorer",
             },
             "verified": self.provenance.verified,
             "runtime": self.runtime,
-            "precision": "float32",
+            "precision": SPELLED.get(self.config.features.precision, self.config.features.precision),
+            **({"precision_check": self.provenance.precision_check} if self.provenance.precision_check else {}),
             "created": self.provenance.created,
             "padim_version": self.provenance.padim_version,
         }

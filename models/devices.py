@@ -159,3 +159,54 @@ def probe(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     if float(value) != 8.0:
         raise RuntimeError(f"CUDA probe on {device} gave {float(value)} for 8.0")
+
+
+#: CPU flags (``/proc/cpuinfo``) of native arithmetic at each reduced precision.
+CPU_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+#: Lowest CUDA compute capability with bfloat16 arithmetic (Ampere).
+BF16_CAPABILITY = (8, 0)
+_told_slow: set[str] = set()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def check_precision(precision: str, device: torch.device, capability: tuple[int, int] | None = None) -> None:
+    """Whether ``device`` runs the backbone at ``precision`` (``train --precision``).
+
+    A GPU older than Ampere has no bfloat16: an error that names what it runs. A CPU without native arithmetic at
+    ``precision`` computes it correctly, emulated and slower than float32: said once a process (a warning).
+
+    Raises:
+        UsageError: bf16 on a GPU older than Ampere.
+    """
+    if precision == "fp32":
+        return
+    if device.type == "cuda":
+        if capability is None:
+            capability = torch.cuda.get_device_capability(device)
+        if precision == "bf16" and tuple(capability) < BF16_CAPABILITY:
+            raise UsageError(
+                f"this GPU (compute capability {capability[0]}.{capability[1]}) has no bfloat16: it runs fp16 and "
+                "fp32; fit with --precision fp16 or fp32, or score this bf16 model with --device cpu"
+            )
+        return
+    if CPU_FLAGS[precision][0] not in cpu_flags() and CPU_FLAGS[precision][1] not in cpu_flags():
+        if precision not in _told_slow:
+            _told_slow.add(precision)
+            log.warning(
+                "this CPU has no native %s arithmetic (%s): the %s backbone scores correctly, emulated, slower than "
+                "fp32 here",
+                precision,
+                " or ".join(CPU_FLAGS[precision]),
+                precision,
+            )

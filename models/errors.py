@@ -61,6 +61,11 @@ class ExportError(PadimError):
     """An export that cannot be made or an export directory that cannot be used (one line)."""
 
 
+class PrecisionGateFailed(FitError):
+    """A model fitted at a reduced precision (``train --precision``) moved scores past its tolerance: nothing was
+    written."""
+
+
 class AccuracyGateFailed(ExportError):
     """A quantised scorer (``padim export --precision``) moved scores past its tolerance: nothing was written."""
 

@@ -49,7 +49,7 @@ from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import RETIRED, PadimConfig
 from padim.models.detector import PadimDetector, Provenance
-from padim.models.devices import resolve_device
+from padim.models.devices import check_precision, resolve_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit.in_progress import Finished, Fit
@@ -246,7 +246,9 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         config.scoring,
     )
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
-    model = model.to(resolve_device(device))
+    target = resolve_device(device)
+    check_precision(config.features.precision, target)
+    model = model.to(target)
     if model.device.type == "cuda":  # float16 factors: upcast once here, not on every batch
         model.upcast_factors()
     return PadimDetector(

@@ -42,6 +42,7 @@ from padim.models.choices import (
     IMAGE_SCORES,
     NEIGHBOURHOODS,
     PRECISION_DTYPES,
+    PRECISIONS,
     REDUCTIONS,
     RESIZES,
     TILE_STATISTICS,
@@ -262,6 +263,15 @@ class Features(Group):
         check=Custom(lambda v: isinstance(v, int), "use an integer"),
         flag={"type": int},
         example="3",
+    )
+    precision: str = option(
+        "fp32",
+        "the backbone's arithmetic when fitting, calibrating and scoring: fp32 (default; the same scores on a CPU "
+        "and a GPU), bf16 or fp16 (a GPU runs them several times faster; the Gaussian part stays float32). A "
+        "reduced precision is checked against fp32 on the training pictures and refused past --max-score-error; "
+        "its threshold comes from its own scores (docs/gpu.md)",
+        check=Choice(PRECISIONS, "fp32: float32; bf16: bfloat16, Ampere GPUs and newer; fp16: float16"),
+        before="fp32",
     )
 
     def __post_init__(self) -> None:
@@ -521,10 +531,11 @@ class Verdict(Group):
 class Storage(Group):
     """How the fitted state is kept in the model file."""
 
-    precision_dtype: str = option(
+    factor_dtype: str = option(
         "auto",
         "storage of the precision factors (default auto: float16 when scores stay within 1e-3)",
         check=Choice(PRECISION_DTYPES),
+        renamed_from=("precision_dtype",),
     )
 
 

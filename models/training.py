@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from padim.models.data.images import iter_decoded, list_images
 from padim.models.detector import PadimDetector, Provenance, now
 from padim.models.devices import float64_is_slow
 from padim.models.errors import FitError as FitError  # re-exported: raised here
+from padim.models.errors import PrecisionGateFailed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.in_progress import (
     Finished,
@@ -39,7 +41,10 @@ from padim.models.fit.in_progress import (
     file_digest,
 )
 from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
+from padim.models.fit.precision import CHECK_IMAGES, PrecisionCheck, PrecisionGate, measure_precision
 from padim.models.model_file import load_detector, load_fit, save_fitted
+
+log = logging.getLogger(__name__)
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
 MIN_IMAGES = 3
@@ -70,6 +75,7 @@ class FitReport:
         spool: bytes of embeddings spooled to disk (0 when the calibration embedded them again).
         precision_dtype: storage dtype of the precision factors written.
         float16_change: the float16 check's largest relative change of image scores.
+        precision_check: a reduced precision's gate (``train --precision``; ``None`` at fp32).
         cuda_peak: ``torch.cuda.max_memory_allocated`` of the fit on a GPU (``None`` on a CPU).
     """
 
@@ -86,6 +92,7 @@ class FitReport:
     spool: int = 0
     precision_dtype: str | None = None
     float16_change: float | None = None
+    precision_check: PrecisionCheck | None = None
     cuda_peak: int | None = None
 
     @property
@@ -111,6 +118,7 @@ def train(
     with_statistics: bool = True,
     scratch_dir: str | Path | None = None,
     announce=None,
+    gate: PrecisionGate | None = None,
 ) -> FitReport:
     """Fit (or go on fitting) a detector on normal images, with cross-fitted calibration, into ``output``.
 
@@ -126,10 +134,14 @@ def train(
         with_statistics: keep the statistics in the file (``False``: ``--slim``).
         scratch_dir: where pass 1's embeddings and the factors wait (default: ``output``'s folder).
         announce: called with one line before pass 1 (the memory plan, where the spool goes).
+        gate: the tolerance of a reduced precision's scores against fp32's, and whether to write the model past it
+            (:mod:`padim.models.fit.precision`; default :class:`PrecisionGate`).
 
     Raises:
         FitError: too few readable images, none that could be scored out-of-fold, images that
             do not vary, or a fit that would not fit in memory (naming what would).
+        PrecisionGateFailed: a reduced precision's scores past the gate's tolerance (and no ``force``): nothing
+            written.
     """
     started = time.perf_counter()
     report = FitReport()
@@ -168,6 +180,10 @@ def train(
             )
         _warn(report, calibration, fit)
         provenance = _next_provenance(fit, report, started, shard, resumed=resume is not None, source="out_of_fold")
+        if config.features.precision != "fp32":
+            with report.timed("check"):
+                report.precision_check = _gated(fit, finished, readable, calibration, gate or PrecisionGate())
+            provenance.precision_check = report.precision_check.to_dict()
         with report.timed("write"):
             save_fitted(output, fit, finished, calibration, provenance, with_statistics)
         return report
@@ -461,6 +477,24 @@ def _finish(
     if fit.device.type == "cuda":
         report.cuda_peak = torch.cuda.max_memory_allocated(fit.device)
     return finished
+
+
+def _gated(
+    fit: Fit, finished: Finished, readable: list[list[TrainingImage]], calibration: Calibration, gate: PrecisionGate
+) -> PrecisionCheck:
+    """A reduced precision's scores against fp32's (:mod:`padim.models.fit.precision`), refused past the tolerance."""
+    paths = [image.path for group in readable for image in group][:CHECK_IMAGES]
+    check = measure_precision(fit, finished.mean, finished.factors, paths, calibration.threshold, gate)
+    if check.passed:
+        return check
+    if not gate.force:
+        raise PrecisionGateFailed(
+            f"the {check.precision} model is not accurate enough: {check.sentence()}; nothing was written. Raise "
+            "--max-score-error if this is acceptable for your line, --force to write it anyway, or fit at "
+            "--precision fp32"
+        )
+    log.warning("precision gate failed, written anyway (--force): %s", check.sentence())
+    return dataclasses.replace(check, forced=True)
 
 
 def _linked(finished: Finished, digest_of: dict[str, int]) -> tuple[tuple[int, float, float, float], ...]:

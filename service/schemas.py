@@ -136,8 +136,15 @@ class ModelDescription(ModelInfo, ShownOptions):
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
     runtime: str = Field(description="what runs the scorer: torch, onnxruntime or openvino")
-    precision: Literal["float32", "int8", "fp16"] = Field(
-        default="float32", description="the backbone's precision (an export of padim export --precision)"
+    precision: Literal["float32", "bf16", "fp16", "int8"] = Field(
+        default="float32",
+        description="the backbone's arithmetic: a model file's train --precision (float32, bf16, fp16), or an "
+        "export's padim export --precision (float32, int8, fp16); the threshold is that arithmetic's",
+    )
+    precision_check: dict | None = Field(
+        default=None,
+        description="a model fitted at bf16 or fp16: its image scores against fp32's on training pictures "
+        "(images, max_score_error, median_score_error, verdict_changes, tolerance, passed, forced)",
     )
     quantisation: QuantisationInfo | None = Field(
         default=None,

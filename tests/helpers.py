@@ -329,3 +329,27 @@ def roles(supervisor: int) -> dict[str, int]:
             elif b"padim.service.processes.api" in command:
                 found[f"api-{command[command.index(b'padim.service.processes.api') + 2].decode()}"] = int(child)
     return found
+
+
+def older_format(path, target, version: int) -> None:
+    """``path`` as format ``version`` wrote it: the safetensors library's layout, that version's header."""
+    from padim.core.artifact import load_artifact
+
+    older_format_of(*load_artifact(path), target, version)
+
+
+def older_format_of(tensors, header, target, version: int) -> None:
+    """A file of ``tensors`` and ``header`` as format ``version`` wrote it."""
+    from safetensors.torch import save_file
+
+    from padim.core import artifact
+
+    old = {k: v for k, v in header.items() if k not in ("tensor_sha256", "header_sha256", "verified")}
+    old["format_version"] = version
+    old["tensor_sha256"] = {name: artifact.tensor_sha256(t) for name, t in tensors.items()}
+    old["header_sha256"] = artifact._header_sha256(old)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(target),
+        metadata={"padim": json.dumps(old, sort_keys=True)},
+    )

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         "backbone": config.get("backbone"),
         "image_size": config.get("image_size"),
         "tiles": config.get("tiles", [1, 1]),
+        "precision": config.get("precision", "fp32"),
+        "precision_check": header.get("precision_check"),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             "folds": config.get("calibration_folds"),
             "expect": config.get("expect", ""),
             "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
+            "threshold_of": f"{config.get('precision', 'fp32')} scorer",
             "covers": promise_covers(
                 config.get("expect", ""), bool(config.get("expect")) and config.get("fit_changes", False)
             ),

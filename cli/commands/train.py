@@ -71,6 +71,18 @@ def _file_options(verdicts) -> None:
         help="fit every image and write only the statistics, to be combined later by `padim merge` "
         "(for shards fitted on separate machines or at separate times)",
     )
+    verdicts.add_argument(
+        "--max-score-error",
+        type=float,
+        metavar="SHARE",
+        help="with --precision bf16 or fp16: the largest relative difference of training pictures' image scores "
+        "from fp32's that the model may have, or it is refused and nothing is written (default 0.02: 2%%)",
+    )
+    verdicts.add_argument(
+        "--force",
+        action="store_true",
+        help="with --precision bf16 or fp16: write the model even past --max-score-error (the file says so)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from padim.core.artifact import read_header
     from padim.models.devices import resolve_device
     from padim.models.fit import distributed
+    from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
     from padim.models.model_file import save_fit
     from padim.models.training import fit_partial, train, training_images
 
@@ -87,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
     if args.partial and (args.resume or args.slim):
         raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
+    if (args.max_score_error is not None or args.force) and (args.partial or config.features.precision == "fp32"):
+        raise UsageError(
+            "--max-score-error and --force gate a model fitted at --precision bf16 or fp16 (and not --partial, "
+            "which writes no scores)"
+        )
+    try:
+        gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
     shard = distributed.from_environment(resolve_device(config.run.device))
     main = shard is None or shard.main
@@ -115,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 with_statistics=not args.slim,
                 scratch_dir=scratch,
                 announce=announce,
+                gate=gate,
             )
     finally:
         distributed.leave(shard)
@@ -123,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     header = None if args.partial else read_header(args.output)
     if header is not None and not args.quiet:
         print(f"padim train: {verdict_line(header)}", file=sys.stderr)
+        if report.precision_check is not None:
+            print(f"padim train: {report.precision_check.sentence()}", file=sys.stderr)
     for warning in report.warnings:
         print(f"padim train: warning: {warning}", file=sys.stderr)
     print(json.dumps(_summary(args, report, header, fit, shard, time.perf_counter() - started)))
@@ -202,6 +227,8 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
                 "fit_changes": bool(header["config"].get("expect")) and header["config"].get("fit_changes", False),
             },
             precision_dtype=header["precision_dtype"],
+            precision=header["config"].get("precision", "fp32"),
+            precision_check=header.get("precision_check"),
             weights=WeightsInfo(**header["weights"]).label,
             backbone=header["config"]["backbone"],
             image_size=header["config"]["image_size"],

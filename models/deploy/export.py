@@ -58,6 +58,7 @@ from padim.models.data.framing import PAD_FILL
 from padim.models.detector import PadimDetector
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
+from padim.models.features.embedding import build_extractor
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class ExportedScorer(nn.Module):
         model = detector.model
         self.backbone_dtype = backbone_dtype
         self.extractor = model.embedder.extractor.body
+        if model.embedder.precision != "fp32":  # a model fitted at bf16/fp16: its backbone again from the weights
+            self.extractor = build_extractor(detector.config, detector.backbone_weights, "fp32").body
         if backbone_dtype != torch.float32:  # a copy: the detector's own backbone stays as it is
             self.extractor = copy.deepcopy(self.extractor).to(backbone_dtype)
         self.layers = model.embedder.extractor.layers
@@ -215,6 +218,13 @@ def export_detector(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     if triton_device not in TRITON_DEVICES:
         raise ExportError(f"unknown Triton device {triton_device!r}; choose one of {', '.join(TRITON_DEVICES)}")
+    precision = detector.config.features.precision
+    if write_graph is None and precision != "fp32":
+        raise ExportError(
+            f"this model scores at {precision} and its threshold is {precision}'s: a float32 graph needs its own. "
+            "Export it with --precision int8 or fp16 and --calibration-images (checked against float32 and given "
+            "a threshold of its own), or score it with padim serve / predict"
+        )
     if fmt == "openvino":
         require("openvino")
     require("onnx")

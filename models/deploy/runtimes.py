@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from padim.core.artifact import ArtifactError, file_sha256, locked_file
+from padim.core.artifact import ArtifactError, file_sha256, locked_file, read_header
 from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
 from padim.models.config import PadimConfig
@@ -135,6 +135,11 @@ def load_scorer(
         log.debug("%s: %s on %s", path, chosen, target)
         return DeployedDetector(path, metadata, chosen, target)
     chosen = resolve_runtime(runtime, device)
+    if runtime == "auto" and chosen != "torch":
+        precision = read_header(path).get("config", {}).get("precision", "fp32")
+        if precision != "fp32":  # only torch computes the scores its threshold was calibrated on
+            log.info("runtime auto: torch (the model scores at %s; %s would run a float32 graph)", precision, chosen)
+            chosen = "torch"
     if chosen == "torch":
         return load_detector(path, device=device, with_statistics=with_statistics)
     require(chosen)

@@ -41,22 +41,33 @@ class FeatureExtractor(nn.Module):
         backbone: a torchvision ResNet-family model (eval mode).
         layers: stages to return, shallowest first.
         fold_batchnorm: fold conv+BN pairs (inference only; changes outputs by < 1e-4).
+        dtype: the arithmetic of the stages (``train --precision``): the folded weights are cast to it, each
+            batch enters in it, and the maps leave in float32 for the embedding and the Gaussians.
     """
 
-    def __init__(self, backbone: nn.Module, layers: tuple[str, ...], fold_batchnorm: bool = True):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        layers: tuple[str, ...],
+        fold_batchnorm: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.layers = tuple(layers)
+        self.dtype = dtype
         with TRACING:  # both trace: create_feature_extractor, and fuse (again, to fold the BatchNorms)
             graph = create_feature_extractor(backbone.eval(), return_nodes={layer: layer for layer in layers})
             # in place: deep-copying torchvision's DualGraphModule puts it back in training mode
             self.body = fuse(graph, inplace=True) if fold_batchnorm else graph
         self.body.eval()
+        if dtype != torch.float32:  # after folding: the BatchNorms fold in float32
+            self.body.to(dtype)
 
     @torch.inference_mode()
     def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """``(B, 3, S, S)`` normalised images -> ``[(B, C_l, S / stride_l, S / stride_l)]``."""
-        outputs = self.body(images.contiguous(memory_format=torch.channels_last))
-        return [outputs[layer] for layer in self.layers]
+        """``(B, 3, S, S)`` normalised images -> ``[(B, C_l, S / stride_l, S / stride_l)]`` float32 maps."""
+        outputs = self.body(images.to(self.dtype).contiguous(memory_format=torch.channels_last))
+        return [outputs[layer].float() for layer in self.layers]
 
 
 class Embedding(nn.Module):
@@ -198,6 +209,7 @@ class FeatureEmbedder(nn.Module):
         self.tiling = config.tiling
         self.rows_per_image = config.rows_per_image
         self.pixels = self.grid_shape[0] * self.grid_shape[1] * (self.tiling.count // self.rows_per_image)
+        self.precision = config.features.precision
         self.extractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
 
@@ -228,8 +240,15 @@ def grid_shape(config) -> tuple[int, int]:
     return side, side
 
 
-def build_extractor(config, backbone_weights: dict[str, torch.Tensor]) -> FeatureExtractor:
-    """The feature extractor of ``config.features.backbone`` with ``backbone_weights`` loaded (no weights download)."""
+#: ``train --precision`` -> the backbone's dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_extractor(
+    config, backbone_weights: dict[str, torch.Tensor], precision: str | None = None
+) -> FeatureExtractor:
+    """The feature extractor of ``config.features.backbone`` with ``backbone_weights`` loaded (no weights download),
+    at ``precision`` (default: the configuration's)."""
     with torch.device("meta"):
         backbone = getattr(torchvision.models, config.features.backbone)(weights=None)
     missing = [
@@ -238,4 +257,4 @@ def build_extractor(config, backbone_weights: dict[str, torch.Tensor]) -> Featur
     if missing:
         raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
     backbone.load_state_dict(backbone_weights, strict=False, assign=True)
-    return FeatureExtractor(backbone, config.features.layers)
+    return FeatureExtractor(backbone, config.features.layers, dtype=DTYPES[precision or config.features.precision])

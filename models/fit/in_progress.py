@@ -75,7 +75,7 @@ from padim.models.config import PadimConfig
 from padim.models.data.changes import apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
 from padim.models.detector import FLOAT16_TOLERANCE, Provenance
-from padim.models.devices import resolve_device
+from padim.models.devices import check_precision, resolve_device
 from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit import distributed
@@ -243,6 +243,7 @@ class Fit:
         self.backbone_weights = backbone_weights
         self.embedding = embedding
         self.device = resolve_device(config.run.device)
+        check_precision(config.features.precision, self.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
         self.rows_per_image = self.embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
         self.statistics = None if statistics is None else statistics.to(self.device)
@@ -800,7 +801,7 @@ class Fit:
         return torch.cat(scores), torch.cat(inputs), torch.cat(taken).to(torch.float64)
 
     def _precision_dtype(self, change: float | None) -> torch.dtype:
-        choice = self.config.storage.precision_dtype
+        choice = self.config.storage.factor_dtype
         if choice != "auto":
             return getattr(torch, choice)
         return torch.float16 if change is not None and change <= FLOAT16_TOLERANCE else torch.float32

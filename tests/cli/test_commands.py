@@ -803,3 +803,33 @@ def test_a_bad_region_of_interest_is_a_one_line_error(dataset, tmp_path, value, 
     )
     assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "m.padim").exists()
+
+
+def test_train_at_a_reduced_precision_gates_it_and_predict_scores_at_it(dataset, tmp_path):
+    """``train --precision``: the check's figures on stderr and in the summary, refused past --max-score-error
+    (nothing written), written with --force; ``predict`` (runtime auto) scores it with torch; the gate's flags
+    without a reduced precision, and the option's old spelling, are answered as a user would expect."""
+    good = dataset / "train" / "good"
+    common = ["--weights", "random", "--image-size", str(IMAGE_SIZE), "--expect", "stable", "--quiet"]
+    model = tmp_path / "fp16.padim"
+    refused = run_cli(
+        "train", good, "-o", model, "--precision", "fp16", "--max-score-error", "1e-9", *common, check=False
+    )
+    assert refused.returncode != 0 and not model.exists()
+    (line,) = [x for x in refused.stderr.splitlines() if "not accurate enough" in x]
+    assert "fp16 against fp32 on 16 training pictures" in line and "nothing was written" in line
+    summary = json.loads(run_cli("train", good, "-o", model, "--precision", "fp16", *common).stdout)
+    assert summary["precision"] == "fp16" and summary["precision_check"]["passed"]
+    assert 0 < summary["precision_check"]["max_score_error"] <= 0.02
+    info = json.loads(run_cli("info", model).stdout)
+    assert info["precision"] == "fp16" and info["calibration"]["threshold_of"] == "fp16 scorer"
+    out = tmp_path / "predicted"
+    result = json.loads(run_cli("predict", model, dataset / "test" / "good", "-o", out).stdout)
+    assert result["runtime"] == "torch" and result["images"] == 6
+    export = run_cli("export", model, "-o", tmp_path / "e", check=False)
+    assert export.returncode != 0 and "scores at fp16 and its threshold is fp16's" in export.stderr
+    wrong = run_cli("train", good, "-o", tmp_path / "x.padim", "--force", *common, check=False)
+    assert wrong.returncode == 1 and "gate a model fitted at --precision bf16 or fp16" in wrong.stderr
+    old = tmp_path / "old.padim"
+    run_cli("train", good, "-o", old, "--precision-dtype", "float32", *common)
+    assert load_artifact(old)[1]["config"]["factor_dtype"] == "float32"

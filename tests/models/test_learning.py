@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from test_detector import older_format_of
+from helpers import older_format_of
 
 from padim.core.artifact import load_artifact
 from padim.models import PadimConfig, TrainingImage, fit_detector, list_images, train

@@ -1,0 +1,145 @@
+"""The gate of a reduced precision (``train --precision bf16|fp16``): its image scores against fp32's.
+
+A model fitted at bf16 or fp16 computes its statistics, its calibration and every later score with the backbone
+at that arithmetic; its threshold is calibrated from those scores, so its false-alarm promise is about the numbers
+it computes. What the arithmetic costs in accuracy is measured before the file is written: the first
+:data:`CHECK_IMAGES` readable training pictures are embedded twice, by the backbone at the model's precision and by
+the same weights in float32, and both embeddings are scored with the fitted model itself (its mean and float32
+precision factors, its map and image score). The comparison is exact: the same pictures, the same Gaussians, the
+same reading of a map; only the backbone's arithmetic differs. A largest relative image-score difference past the
+tolerance (``train --max-score-error``, default :data:`MAX_SCORE_ERROR`, chosen by measurement: docs/gpu.md)
+refuses the model with one line and the figures, and nothing is written (``--force`` writes it, marked forced).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from padim.core.packing import packed_length, unpack_lower
+from padim.core.scoring import squared_mahalanobis
+from padim.models.data.images import iter_decoded
+from padim.models.features.embedding import FeatureEmbedder
+from padim.models.model import score_distances
+
+#: Training pictures the gate embeds at both precisions.
+CHECK_IMAGES = 16
+#: The gate's default tolerance: largest relative image-score difference against fp32 (measured: docs/gpu.md).
+MAX_SCORE_ERROR = 0.02
+#: Bytes of float32 factors unpacked at a time.
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class PrecisionGate:
+    """How a reduced precision is gated (``train --max-score-error``, ``--force``)."""
+
+    tolerance: float = MAX_SCORE_ERROR
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.tolerance, (int, float)) and self.tolerance > 0 and math.isfinite(self.tolerance)):
+            raise ValueError(f"--max-score-error must be a positive number, got {self.tolerance!r}")
+
+
+@dataclass(frozen=True)
+class PrecisionCheck:
+    """A reduced precision's image scores against fp32's on the same training pictures, with the fitted model.
+
+    Attributes:
+        precision: ``bf16`` or ``fp16``.
+        images: pictures compared.
+        max_score_error: largest ``|reduced - fp32| / fp32`` of their image scores (the gate's statistic).
+        median_score_error: its median.
+        verdict_changes: pictures whose verdict at the model's threshold differs between the two.
+        threshold: the raw threshold (calibrated at ``precision``) the verdicts were compared at.
+        tolerance, passed, forced: the gate.
+    """
+
+    precision: str
+    images: int
+    max_score_error: float
+    median_score_error: float
+    verdict_changes: int
+    threshold: float
+    tolerance: float
+    passed: bool
+    forced: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def sentence(self) -> str:
+        return (
+            f"{self.precision} against fp32 on {self.images} training pictures: largest relative image-score "
+            f"difference {self.max_score_error:.3%} (median {self.median_score_error:.3%}; tolerance "
+            f"{self.tolerance:.2%}), {self.verdict_changes} verdict(s) changed at the threshold"
+        )
+
+
+def compare_scores(
+    precision: str, reference: torch.Tensor, reduced: torch.Tensor, threshold: float, gate: PrecisionGate
+) -> PrecisionCheck:
+    """The gate's reading of ``(N,)`` image scores at fp32 (``reference``) and at ``precision`` (``reduced``)."""
+    reference, reduced = reference.to(torch.float64), reduced.to(torch.float64)
+    errors = (reduced - reference).abs() / reference.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    finite = bool(torch.isfinite(reduced).all())
+    worst = float(errors.max()) if finite else math.inf
+    return PrecisionCheck(
+        precision=precision,
+        images=len(reference),
+        max_score_error=worst,
+        median_score_error=float(errors.quantile(0.5)) if finite else math.inf,
+        verdict_changes=int(((reference >= threshold) != (reduced >= threshold)).sum()),
+        threshold=float(threshold),
+        tolerance=gate.tolerance,
+        passed=finite and worst <= gate.tolerance,
+    )
+
+
+def measure_precision(fit, mean: torch.Tensor, factors, paths: Sequence[Path], threshold: float, gate: PrecisionGate):
+    """Score ``paths`` (at most :data:`CHECK_IMAGES`) at the fit's precision and at fp32 with the fitted model.
+
+    Args:
+        fit: the :class:`~padim.models.fit.in_progress.Fit` (its embedder at the model's precision, its weights).
+        mean: ``(p, D)`` fitted mean.
+        factors: the packed ``(p, T)`` float32 precision factors (a :class:`~padim.models.fit.spool.ScratchFile`).
+        paths: readable training pictures.
+        threshold: the model's raw threshold.
+    """
+    config = fit.config
+    reduced_embedder = fit.embedder
+    reference_embedder = FeatureEmbedder(config.replace(precision="fp32"), fit.backbone_weights, fit.embedding)
+    reference_embedder = reference_embedder.to(fit.device)
+    reduced, reference = [], []
+    for _, images in iter_decoded(
+        [list(paths[:CHECK_IMAGES])], config.run.workers, None, fit.draft_to, config.framing.roi
+    ):
+        batch = reduced_embedder.preprocess(images)
+        reduced.append(reduced_embedder(batch))
+        reference.append(reference_embedder(batch))
+    del reference_embedder
+    first = _distances(torch.cat(reference), mean, factors, fit.device)
+    second = _distances(torch.cat(reduced), mean, factors, fit.device)
+    tiling, scoring = reduced_embedder.tiling, config.scoring
+    scores = [score_distances(d, tiling, scoring).raw_scores for d in (first, second)]
+    return compare_scores(config.features.precision, scores[0], scores[1], threshold, gate)
+
+
+def _distances(embeddings: torch.Tensor, mean: torch.Tensor, factors, device: torch.device) -> torch.Tensor:
+    """``(N, p, D)`` embeddings -> ``(N, p)`` squared distances with the packed float32 factors, a chunk at a time."""
+    pixels, dim = mean.shape
+    length = packed_length(dim)
+    step = max(1, CHUNK_BYTES // (4 * dim * dim))
+    out = []
+    for first in range(0, pixels, step):
+        count = min(step, pixels - first)
+        packed = factors.read(first * length * 4, (count, length), torch.float32).to(device)
+        factor = unpack_lower(packed, dim)
+        chunk = embeddings[:, first : first + count].to(device)
+        out.append(squared_mahalanobis(chunk, mean[first : first + count].to(device), factor).cpu())
+    return torch.cat(out, dim=1)
