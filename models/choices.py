@@ -28,6 +28,13 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``train --precision``: the backbone's arithmetic (the Gaussian part is float32 at every precision).
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def spelled_precision(precision: str) -> str:
+    """``train --precision`` as a description spells it, beside an export's ``float32``, ``int8`` and ``fp16``."""
+    return "float32" if precision == "fp32" else precision
+
+
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.
 EXPORT_FORMATS = ("onnx", "openvino", "triton")
 #: ``padim export --precision``: the backbone in float32, int8 (CPU: ONNX Runtime, OpenVINO) or fp16 (CUDA).

@@ -15,6 +15,7 @@ import torch
 from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
+from padim.models.choices import spelled_precision
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.features.backbones import WeightsInfo
@@ -23,8 +24,6 @@ from padim.models.model import PadimModel, ScoreOutput
 
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
-#: ``train --precision`` as a description spells it, beside an export's ``float32``, ``int8`` and ``fp16``.
-SPELLED = {"fp32": "float32"}
 #: Where out-of-fold scores come from: a fit's own images, or images no part fitted (merge).
 CALIBRATION_SOURCES = ("out_of_fold", "held_out")
 
@@ -173,11 +172,11 @@ class PadimDetector:
                 **self.calibration.summary(),
                 "source": self.provenance.calibration_source,
                 **calibration_options(self.config),
-                "threshold_of": f"{self.config.features.precision} scorer",
+                "threshold_of": f"{spelled_precision(self.config.features.precision)} scorer",
             },
             "verified": self.provenance.verified,
             "runtime": self.runtime,
-            "precision": SPELLED.get(self.config.features.precision, self.config.features.precision),
+            "precision": spelled_precision(self.config.features.precision),
             **({"precision_check": self.provenance.precision_check} if self.provenance.precision_check else {}),
             "created": self.provenance.created,
             "padim_version": self.provenance.padim_version,

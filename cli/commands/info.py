@@ -40,6 +40,7 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import load_artifact, read_header
+    from padim.models.choices import spelled_precision
     from padim.models.deploy.runtimes import is_export
     from padim.models.detector import promise_covers
     from padim.models.features.backbones import WeightsInfo
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         "backbone": config.get("backbone"),
         "image_size": config.get("image_size"),
         "tiles": config.get("tiles", [1, 1]),
-        "precision": config.get("precision", "fp32"),
+        "precision": spelled_precision(config.get("precision", "fp32")),
         "precision_check": header.get("precision_check"),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "fit_image_count": header.get("fit_image_count"),
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             "folds": config.get("calibration_folds"),
             "expect": config.get("expect", ""),
             "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
-            "threshold_of": f"{config.get('precision', 'fp32')} scorer",
+            "threshold_of": f"{spelled_precision(config.get('precision', 'fp32'))} scorer",
             "covers": promise_covers(
                 config.get("expect", ""), bool(config.get("expect")) and config.get("fit_changes", False)
             ),

@@ -112,6 +112,16 @@ function describeInput(m) {
   return `${tiles[0]}x${tiles[1]} tiles of ${m.image_size} px (${shape[1]}x${shape[0]}, ${m.tile_statistics} statistics)`;
 }
 
+// A model fitted at bf16/fp16 (train --precision) or an export's int8/fp16, with the gate's reading.
+function describePrecision(m) {
+  if (!m.precision || m.precision === "float32") return "";
+  const check = m.precision_check;
+  if (!check) return ` at ${m.precision}`;
+  const within = (100 * check.max_score_error).toFixed(2);
+  return ` at ${m.precision} (scores within ${within}% of fp32's on ${check.images} training pictures` +
+    `${check.forced ? ", past its tolerance: written with --force" : ""})`;
+}
+
 function chooseModel(name) {
   state.model = name;
   sessionStorage.setItem("padim-model", name);
@@ -125,7 +135,7 @@ function chooseModel(name) {
     `Version ${model.version}. ${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
     `${(100 * c.promised_false_alarm_rate).toFixed(2)}% false alarms ` +
     `(at most ${(100 * c.false_alarm_bound).toFixed(2)}% with ${(100 * c.confidence).toFixed(0)}% confidence). ` +
-    `Runtime ${model.runtime}.` +
+    `Runtime ${model.runtime}${describePrecision(model)}.` +
     (model.roi ? ` Scores the region x=${model.roi[0]}, y=${model.roi[1]}, ${model.roi[2]}x${model.roi[3]} px only.` : "") +
     ((model.tiles || [1, 1])[0] * (model.tiles || [1, 1])[1] > 1 ? ` Input: ${describeInput(model)}.` : "");
   const demo = /random/i.test(model.weights);

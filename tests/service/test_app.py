@@ -217,3 +217,23 @@ def test_clients_see_a_weights_file_by_name_and_digest_never_its_server_path(dat
         assert shown.startswith(f"file: {weights_file.name} (parameters sha256 ")
         assert str(weights_file.parent) not in shown
     assert str(weights_file.parent) not in json.dumps(described)
+
+
+def test_a_model_fitted_at_bf16_is_served_at_bf16_with_its_check(dataset, tmp_path):
+    """``train --precision bf16``: the service scores it with torch at bf16 (runtime auto) and describes it so."""
+    from helpers import run_cli
+
+    from padim.models.model_file import load_detector
+
+    model = tmp_path / "bf16.padim"
+    good = dataset / "train" / "good"
+    run_cli("-q", "train", good, "-o", model, "--weights", "random", "--image-size", 32, "--precision", "bf16")
+    with TestClient(create_app(ServiceSettings(models=[model], device="cpu"))) as client:
+        wait_ready(client)
+        (described,) = client.get("/models").json()["models"]
+        scored = client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).json()
+    assert described["precision"] == "bf16" and described["runtime"] == "torch"
+    assert described["precision_check"]["passed"] and described["calibration"]["threshold_of"] == "bf16 scorer"
+    detector = load_detector(model, device="cpu")
+    expected = detector.score(detector.preprocess([Image.open(dataset / "test" / "good" / "000.png").convert("RGB")]))
+    assert scored["raw_score"] == pytest.approx(float(expected.raw_scores[0]), rel=1e-5)

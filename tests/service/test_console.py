@@ -188,7 +188,7 @@ def test_the_page_and_its_files_come_from_the_server_only(server):
     assert "/" not in httpx.get(server.url + "/openapi.json", timeout=10).json()["paths"]
 
 
-def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, dataset, tmp_path):
+def test_a_tiled_fp16_model_with_a_region_says_so_and_scores_a_picture(browser, dataset, tmp_path):
     from helpers import run_cli
     from selenium.webdriver.common.by import By
 
@@ -211,6 +211,8 @@ def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, datas
         2,
         "--embedding-dim",
         32,
+        "--precision",
+        "fp16",
     )
     with running_server(tmp_path, [model]) as srv:
         browser.get(srv.url + "/")
@@ -219,6 +221,7 @@ def test_a_tiled_model_with_a_region_says_so_and_scores_a_picture(browser, datas
         assert "2x2 tiles of 64 px (128x128, position statistics)" in option
         info = text(browser, "model-info")
         assert "Scores the region x=8, y=8, 80x80 px only." in info and "Input: 2x2 tiles of 64 px" in info
+        assert "Runtime torch at fp16 (scores within " in info and "% of fp32's on 16 training pictures)" in info
         path = dataset / "test" / "hole" / "000.png"
         browser.find_element(By.ID, "file-input").send_keys(str(path))
         wait(browser, lambda d: d.find_element(By.ID, "score").text)
