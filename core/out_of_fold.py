@@ -131,7 +131,7 @@ def out_of_fold_squared_distances(
         plain = out_of_fold_squared_distances(
             covariance, mean, count, embeddings, fold_sizes, shrunk.prior, pixel_offset, grid_shape, copies
         )
-        return plain if shrunk.target is None else plain.div_(shrunk.scale)
+        return shrunk.unscaled(plain)
     pixels, dim = mean.shape
     n = int(count)
     sizes = [int(m) for m in fold_sizes]

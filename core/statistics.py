@@ -413,6 +413,11 @@ class Shrinkage:
         eye = torch.eye(self.target.shape[0], dtype=self.target.dtype, device=self.target.device)
         return (self.weight * self.target + self.epsilon * eye) / self.scale
 
+    def unscaled(self, squared: torch.Tensor) -> torch.Tensor:
+        """Squared distances computed with :attr:`prior` for epsilon -> the shrunk model's (divided in place by
+        :attr:`scale`; unchanged without shrinkage)."""
+        return squared if self.target is None else squared.div_(self.scale)
+
     def cholesky(
         self, covariance: torch.Tensor, grid_shape: tuple[int, int] | None = None, pixel_offset: int = 0
     ) -> torch.Tensor:

@@ -723,7 +723,7 @@ class Fit:
         corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
         """
         dim, count = self.embedder.embedding_dim, run.statistics.count
-        epsilon, scale = run.shrinkage.prior, run.shrinkage.scale  # fold distances with the prior, divided by scale
+        epsilon = run.shrinkage.prior  # fold distances with the prior, then unscaled (Shrinkage.unscaled)
         start, stop, source, squared = pixels.start, pixels.stop, current.scoring, current.squared
         mean = run.statistics.mean[start:stop]
         limit = max(1, BLOCK_BYTES // (8 * pixels.size * dim))  # rows per block
@@ -773,7 +773,7 @@ class Fit:
                             fold_copy_squared_distances(base, mean, count, members, copies, start),
                             self.rows_per_image,
                         )
-                values = (values if run.shrinkage.target is None else values.div_(scale)).cpu()  # (c, F, m)
+                values = run.shrinkage.unscaled(values).cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     squared[target : target + m, start:stop] = values[:, f].T
             del base
