@@ -117,6 +117,8 @@ lines:
                 written[name] = pool[i % len(pool)]
             done = incoming / "done", incoming / "flagged"
             wait_until(lambda: sum(len(list(d.iterdir())) for d in done) >= 60, 60, "part of the burst")
+            # the outbox metric is scraped from the server: it may lag the folders' moves by a moment
+            wait_until(lambda: mqtt_outbox(server) >= 60, 10, "the moved pictures' messages in the MQTT outbox")
             outbox = mqtt_outbox(server)
             server.process.send_signal(signal.SIGKILL)
             server.process.wait(10)
