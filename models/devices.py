@@ -200,7 +200,7 @@ def check_precision(precision: str, device: torch.device, capability: tuple[int,
                 "fp32; fit with --precision fp16 or fp32, or score this bf16 model with --device cpu"
             )
         return
-    if CPU_FLAGS[precision][0] not in cpu_flags() and CPU_FLAGS[precision][1] not in cpu_flags():
+    if not set(CPU_FLAGS[precision]) & cpu_flags():  # /proc/cpuinfo read once
         if precision not in _told_slow:
             _told_slow.add(precision)
             log.warning(
