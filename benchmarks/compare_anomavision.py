@@ -121,6 +121,7 @@ def main() -> int:
     from padim.models.data.synthetic import generate
     from padim.models.deploy.export import ExportError
     from padim.models.deploy.runtimes import load_scorer
+    from padim.models.features.embedding import model_input
     from padim.models.model_file import save_detector
 
     work = work_folder(args.workdir, "padim-vs-anomavision-")
@@ -143,9 +144,10 @@ def main() -> int:
     save_detector(detector, work / "padim.padim")
     train_paths = sorted((category / "train" / "good").glob("*.png"))
     test_paths = sorted((category / "test").rglob("*.png"))[: args.batch_size]
-    np.save(work / "train.npy", detector.preprocess([Image.open(p).convert("RGB") for p in train_paths]).numpy())
+    pictures = detector.preprocess([Image.open(p).convert("RGB") for p in train_paths])
+    np.save(work / "train.npy", model_input(pictures).numpy())  # AnomaVision reads normalised float32
     batch = detector.preprocess([Image.open(p).convert("RGB") for p in test_paths])
-    np.save(work / "test.npy", batch.numpy())
+    np.save(work / "test.npy", model_input(batch).numpy())
 
     scorers = {}
     for runtime in ("torch", "onnxruntime", "openvino"):

@@ -46,6 +46,7 @@ from padim.models.data.synthetic import generate  # noqa: E402
 from padim.models.deploy.runtimes import TENSORRT_ENV, load_scorer  # noqa: E402
 from padim.models.devices import onnxruntime_has_cuda  # noqa: E402
 from padim.models.errors import PadimError  # noqa: E402
+from padim.models.features.embedding import stacked  # noqa: E402
 from padim.models.model_file import load_detector  # noqa: E402
 
 
@@ -74,7 +75,12 @@ def fit(
 
 
 def throughput(scorer, size: int, batch: int, repeats: int) -> float:
-    images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+    """img/s of ``scorer`` on a batch as the service hands it one: 8-bit pixels in host memory (page-locked for a
+    GPU), normalised on the device."""
+    pixels = torch.randint(
+        0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(batch)
+    )
+    images = stacked(list(pixels), scorer.device)
     seconds = median_seconds(lambda: scorer.score(images), repeats)
     return batch / seconds
 

@@ -80,7 +80,7 @@ from padim.models import Fit, PadimConfig, list_images
 from padim.models.data.changes import Draw, Expected, apply, seeded
 from padim.models.data.synthetic import CATEGORIES, DEFECTS, MORE_DEFECTS, generate
 from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_category
-from padim.models.features.embedding import Embedding
+from padim.models.features.embedding import Embedding, model_input
 from padim.models.fit.memory_plan import FitFacts, plan_fit
 from padim.models.model import PadimModel
 from padim.models.options import Gaussian
@@ -392,7 +392,7 @@ def features(fit: Fit, paths: list[Path], crop: float | None) -> list[torch.Tens
     out = []
     for start in range(0, len(paths), 32):
         images = [cropped(Image.open(p).convert("RGB"), crop) for p in paths[start : start + 32]]
-        out.append(fit.embedder.extractor(fit.embedder.preprocess(images)))
+        out.append(fit.embedder.extractor(model_input(fit.embedder.preprocess(images))))
     return [torch.cat(parts) for parts in zip(*out, strict=True)]
 
 
@@ -559,7 +559,10 @@ def nuisance(kind: str, rng: np.random.Generator) -> Draw:
 
 def picture_features(fit: Fit, pictures: list[Image.Image]) -> list[torch.Tensor]:
     """The backbone's stages of pictures in memory, as :func:`features` of files."""
-    out = [fit.embedder.extractor(fit.embedder.preprocess(pictures[i : i + 32])) for i in range(0, len(pictures), 32)]
+    out = [
+        fit.embedder.extractor(model_input(fit.embedder.preprocess(pictures[i : i + 32])))
+        for i in range(0, len(pictures), 32)
+    ]
     return [torch.cat(parts) for parts in zip(*out, strict=True)]
 
 

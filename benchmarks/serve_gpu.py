@@ -49,6 +49,7 @@ from timing import machine_name, median_seconds, work_folder  # noqa: E402 (the 
 from padim.models import PadimConfig, fit_detector, training_images  # noqa: E402
 from padim.models.data.synthetic import generate  # noqa: E402
 from padim.models.deploy.runtimes import load_scorer  # noqa: E402
+from padim.models.features.embedding import stacked  # noqa: E402
 from padim.models.model_file import save_detector  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
@@ -85,11 +86,14 @@ def prepare(folder: Path, backbone: str, size: int, device: str) -> tuple[Path, 
 def scorer_alone(
     model: Path, device: str, runtime: str, size: int, batches: list[int], repeats: int
 ) -> dict[int, float]:
-    """img/s of the scorer the service runs (``load_scorer``: the same runtime), on ready host tensors."""
+    """img/s of the scorer the service runs (``load_scorer``: the same runtime), on ready host batches of 8-bit pixels
+    as the service forms them (page-locked for a GPU)."""
     detector = load_scorer(model, runtime, device)
     rates = {}
     for batch in batches:
-        images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+        generator = torch.Generator().manual_seed(batch)
+        pixels = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=generator)
+        images = stacked(list(pixels), detector.device)
         rates[batch] = batch / median_seconds(lambda images=images: detector.score(images), repeats)
     return rates
 

@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from padim.models.features.embedding import stacked
 from padim.models.model import ScoreOutput
 
 from .device_decoding import DeviceDecode
 from .errors import ApiError
+
+CPU = torch.device("cpu")
 
 log = logging.getLogger("padim.service")
 
@@ -101,6 +104,7 @@ class Batcher:
         on_batch: ``(batch size, queue waits)`` after each batch, for metrics.
         name: the model's (logs).
         device: decodes the batch's JPEGs on the scorer's device (``None``: every picture comes decoded).
+        target: the scorer's device (a batch for a GPU is stacked in page-locked memory).
     """
 
     def __init__(
@@ -114,8 +118,10 @@ class Batcher:
         on_batch: Callable[[int, list[float]], None] | None = None,
         name: str = "",
         device: DeviceDecode | None = None,
+        target: torch.device = CPU,
     ):
         self.scheduler, self.score_batch, self.name, self.device = scheduler, score_batch, name, device
+        self.target = target
         self.max_batch_size = max_batch_size
         self.batch_limit = min(preferred_batch_size or max_batch_size, max_batch_size)
         self.max_delay, self.arriving, self.on_batch = max_delay, arriving, on_batch
@@ -239,7 +245,7 @@ class Scheduler:
     def _score(self, batcher: Batcher, items: list[Item]) -> None:
         started = time.perf_counter()
         try:
-            scored = score_items(batcher.score_batch, items, batcher.device)
+            scored = score_items(batcher.score_batch, items, batcher.device, batcher.target)
         except Exception as error:  # a failed batch fails its images, not the scheduler
             if isinstance(error, ApiError):  # an answer chosen by score_batch (503 out of GPU memory)
                 log.warning("a batch of %d answered %d: %s", len(items), error.status, error.code)
@@ -264,10 +270,13 @@ def _deliver(item: Item, result: ScoredImage | BaseException) -> None:
 
 
 def score_items(
-    score_batch: Callable[[torch.Tensor], ScoreOutput], items: Sequence[Item], device: DeviceDecode | None = None
+    score_batch: Callable[[torch.Tensor], ScoreOutput],
+    items: Sequence[Item],
+    device: DeviceDecode | None = None,
+    target: torch.device = CPU,
 ) -> list[ScoredImage]:
-    """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device. Their JPEGs
-    are decoded on ``device`` first, together."""
+    """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device (``target``).
+    Their JPEGs are decoded on ``device`` first, together; the others' pixels cross to it as one 8-bit batch."""
     tensors = [item.tensor for item in items]
     jpegs = [i for i, item in enumerate(items) if item.tensor is None]
     if jpegs:
@@ -276,7 +285,7 @@ def score_items(
             tensors[i] = tensor if tensor is not None else device.on_cpu(items[i].jpeg)
         batch = torch.stack([t.to(device.device) for t in tensors])
     else:
-        batch = torch.stack(tensors)
+        batch = stacked(tensors, target)
     out = score_batch(batch)
     return scored_images(out, [item.raw_threshold for item in items], [item.keep_map for item in items])
 

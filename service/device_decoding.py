@@ -5,9 +5,9 @@ decodes a batch of them in a fraction of that (``torchvision.io.decode_jpeg(...,
 ``PADIM_DEVICE_DECODE=auto`` and a model on CUDA (``on``: on any device), a JPEG whose answer needs nothing but the
 verdict (no heat map or mask, which are drawn on the picture on the CPU) and whose model sees the whole picture (no
 region of interest; ``squash``) travels to the scoring thread as its bytes; the batch's JPEGs are decoded together,
-each resized (bilinear, antialiased, as Pillow's) and normalised as :func:`padim.models.data.images.to_model_input`
-does, and joined with the batch's other pictures. A JPEG the device's decoder refuses (CMYK, a damaged file) is
-decoded on the CPU there instead; the answer does not change.
+each resized (bilinear, antialiased, as Pillow's) and rounded to 8 bits as :func:`padim.models.data.images.to_pixels`
+does, and joined with the batch's other pictures (the scorer normalises them all on the device). A JPEG the device's
+decoder refuses (CMYK, a damaged file) is decoded on the CPU there instead; the answer does not change.
 
 Not bit for bit the CPU's decode: Pillow decodes a large JPEG at a reduced scale (its DCT scaling) before resizing,
 the device decodes it whole and resizes. ``benchmarks/device_decode.py`` measures what that does to scores on real
@@ -21,15 +21,13 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from padim.models.data.framing import Framing
-from padim.models.data.images import decode_side, open_image, to_model_input
-from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
+from padim.models.data.images import decode_side, open_image, to_pixels
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -59,7 +57,7 @@ class DeviceDecode:
         return (height, width) if turned else (width, height)
 
     def decode(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """``(3, H_in, W_in)`` float32 model inputs on the device, one for each JPEG (its bytes, a 1-D uint8 CPU
+        """``(3, H_in, W_in)`` uint8 model inputs on the device, one for each JPEG (its bytes, a 1-D uint8 CPU
         tensor); ``None`` for one the device's decoder refuses."""
         try:
             images: list[torch.Tensor | None] = list(
@@ -79,30 +77,16 @@ class DeviceDecode:
     def on_cpu(self, jpeg: torch.Tensor) -> torch.Tensor:
         """A JPEG the device's decoder refused, decoded as the API processes decode (Pillow), here."""
         image = open_image(bytes(jpeg.numpy()), draft_to=decode_side(self.framing.input_shape))
-        return to_model_input([image], self.framing, IMAGENET_MEAN, IMAGENET_STD)[0]
+        return to_pixels([image], self.framing)[0]
 
     def model_input(self, image: torch.Tensor) -> torch.Tensor:
-        """A decoded ``(3, h, w)`` uint8 picture -> ``(3, H_in, W_in)`` normalised float32: resized as Pillow's
-        bilinear resize does (antialiased, rounded to 8 bits), then ``pixels * scale - offset`` in float32 with
-        :func:`~padim.models.data.images.to_model_input`'s constants."""
+        """A decoded ``(3, h, w)`` uint8 picture -> ``(3, H_in, W_in)`` uint8 model input: resized as Pillow's
+        bilinear resize does (antialiased, rounded to 8 bits)."""
         height, width = self.framing.input_shape
         resized = F.interpolate(
             image.unsqueeze(0).to(torch.float32), size=(height, width), mode="bilinear", antialias=True
         )
-        pixels = resized.round_().clamp_(0, 255)[0]
-        scale, offset = normalisation(image.device)
-        return pixels * scale - offset
-
-
-def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, offset)``, ``(3, 1, 1)`` float32: the same float32 numbers :func:`to_model_input` computes."""
-    std = np.asarray(IMAGENET_STD, dtype=np.float32)
-    scale = 1.0 / (255.0 * std)
-    offset = np.asarray(IMAGENET_MEAN, dtype=np.float32) / std
-    return (
-        torch.from_numpy(scale.astype(np.float32)).view(3, 1, 1).to(device),
-        torch.from_numpy(offset.astype(np.float32)).view(3, 1, 1).to(device),
-    )
+        return resized.round_().clamp_(0, 255)[0].to(torch.uint8)
 
 
 def jpeg_tensor(data: bytes) -> torch.Tensor:

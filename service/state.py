@@ -352,6 +352,7 @@ class ServiceState:
             on_batch=lambda size, waits: self._record_batch(name, size, waits),
             name=name,
             device=self.device_decode(scorer),
+            target=scorer.device,
         )
         return served
 
@@ -471,7 +472,7 @@ class ServiceState:
         _, largest = self.settings.picture_batches(scorer.device.type, tiles)  # the largest batch the batcher forms
         try:
             scorer.score(
-                torch.zeros(largest, 3, *scorer.config.input_shape)
+                torch.zeros(largest, 3, *scorer.config.input_shape, dtype=torch.uint8)
             )  # warm-up (and cudnn's tuning) at that size
         except torch.OutOfMemoryError:
             release_device_memory()

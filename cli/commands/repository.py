@@ -116,6 +116,6 @@ def _check_servable(path: Path) -> None:
     check_model(path)
     try:
         scorer = load_scorer(path, "auto" if path.is_dir() else "torch", "cpu")
-        scorer.score(torch.zeros(1, 3, *scorer.config.input_shape))
+        scorer.score(torch.zeros(1, 3, *scorer.config.input_shape, dtype=torch.uint8))
     except (ArtifactError, ExportError) as error:
         raise UnservableModel(f"{path}: cannot be served: {error}") from None

@@ -177,11 +177,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
-def to_model_input(
-    images: Sequence[Image.Image], framing: Framing, mean: Sequence[float], std: Sequence[float]
-) -> torch.Tensor:
-    """Frame each picture as the model's ``S x S`` square (region, resize mode; bilinear, antialiased)
-    and normalise: ``(B, 3, S, S)`` float32.
+def to_pixels(images: Sequence[Image.Image], framing: Framing) -> torch.Tensor:
+    """Frame each picture as the model's ``S x S`` square (region, resize mode; bilinear, antialiased):
+    ``(B, 3, S, S)`` uint8, the model input as it travels (to shared memory, to the device: a quarter of
+    float32's bytes); :func:`normalise` makes it what the backbone reads, where it is to be scored.
 
     Raises:
         ImageError: a picture does not hold the framing's region of interest.
@@ -189,13 +188,35 @@ def to_model_input(
     NumPy only until the final ``from_numpy``: this runs on decode threads beside the inference
     thread, and torch ops there would each start an OpenMP team and oversubscribe the cores.
     """
-    scale = (1.0 / (255.0 * np.asarray(std, dtype=np.float32))).reshape(1, 1, 3)
-    offset = (np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, 1, 3)
-    arrays = []
-    for image in images:
-        pixels = np.asarray(framing.to_square(image), dtype=np.float32)  # (S, S, 3)
-        arrays.append((pixels * scale - offset).transpose(2, 0, 1))  # (3, S, S)
+    arrays = [np.asarray(framing.to_square(image), dtype=np.uint8).transpose(2, 0, 1) for image in images]
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
+
+
+def normalisation(
+    mean: Sequence[float], std: Sequence[float], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, offset)``, ``(1, 3, 1, 1)`` float32 on ``device``: ``1 / (255 std)`` and ``mean / std``, each
+    rounded to float32 once, so that :func:`normalise` computes the same numbers on every device."""
+    std32 = np.asarray(std, dtype=np.float32)
+    scale = (1.0 / (255.0 * std32)).astype(np.float32)
+    offset = (np.asarray(mean, dtype=np.float32) / std32).astype(np.float32)
+    return (
+        torch.from_numpy(scale).view(1, 3, 1, 1).to(device),
+        torch.from_numpy(offset).view(1, 3, 1, 1).to(device),
+    )
+
+
+def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``(B, 3, H, W)`` uint8 pixels -> float32 ``pixels * scale - offset`` (:func:`normalisation`), on the
+    pixels' device: two correctly rounded float32 operations, so the CPU and a GPU agree to the bit."""
+    return pixels.to(torch.float32) * scale - offset
+
+
+def to_model_input(
+    images: Sequence[Image.Image], framing: Framing, mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
+    """Frame and normalise in one step: ``(B, 3, S, S)`` float32 (:func:`to_pixels`, then :func:`normalise`)."""
+    return normalise(to_pixels(images, framing), *normalisation(mean, std))
 
 
 def iter_batches(

@@ -48,6 +48,7 @@ from padim.models.data.images import iter_for_model, list_images
 from padim.models.deploy.export import ONNX_FILE, OPENVINO_FILE, _export_onnx, export_detector, require
 from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
+from padim.models.features.embedding import model_input
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +445,7 @@ def load_inputs(
                         apply(image, config.expected.draw(seeded(path.name)))
                         for path, image in zip(chunk, images, strict=True)
                     ]
-                batches.append(np.ascontiguousarray(detector.preprocess(images).numpy(), dtype=np.float32))
+                batches.append(np.ascontiguousarray(model_input(detector.preprocess(images)).numpy(), dtype=np.float32))
                 bar.update(len(chunk))
         except ImageError as error:  # the export needs every image it was given
             raise ExportError(f"{what}: {error}") from None

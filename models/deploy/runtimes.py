@@ -40,7 +40,7 @@ from padim.core.calibration import Calibration
 from padim.models.choices import RUNTIMES
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
-from padim.models.data.images import to_model_input
+from padim.models.data.images import to_pixels
 from padim.models.deploy.export import (
     EXPORT_VERSION,
     INPUT_NAME,
@@ -55,7 +55,8 @@ from padim.models.deploy.export import (
 )
 from padim.models.detector import Provenance, calibration_options, shown_options
 from padim.models.devices import runtime_device
-from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
+from padim.models.features.backbones import WeightsInfo
+from padim.models.features.embedding import model_input
 from padim.models.model import ScoreOutput
 from padim.models.model_file import load_detector
 from padim.models.scorer import Scorer
@@ -333,13 +334,14 @@ class DeployedDetector:
         return self._session.providers
 
     def preprocess(self, images) -> torch.Tensor:
-        """PIL images -> ``(B, 3, S, S)`` normalised input, exactly as training made it."""
-        return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
+        """PIL images -> ``(B, 3, S, S)`` uint8 pixels, framed exactly as training framed them."""
+        return to_pixels(images, self.framing)
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, S, S)`` input -> raw image scores ``(B,)``, maps ``(B, S, S)`` and input distances ``(B,)`` (CPU
-        tensors; no input distances from an export older than version 4)."""
-        images = np.ascontiguousarray(batch.detach().cpu().numpy(), dtype=np.float32)
+        """``(B, 3, S, S)`` pixels (or normalised float32 input, the graph's) -> raw image scores ``(B,)``, maps
+        ``(B, S, S)`` and input distances ``(B,)`` (CPU tensors; no input distances from an export older than
+        version 4)."""
+        images = np.ascontiguousarray(model_input(batch.detach().cpu()).numpy(), dtype=np.float32)
         maps, raw_scores, *rest = self._session.run(images)
         return ScoreOutput(
             torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None

@@ -14,6 +14,7 @@ do; the average is per channel, so averaging after the reduction equals averagin
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 from padim.core.errors import ArtifactError
 from padim.models.data.framing import Framing
-from padim.models.data.images import to_model_input
+from padim.models.data.images import normalisation, normalise, to_pixels
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
 
 #: Held while torch.fx traces a backbone. Tracing patches ``torch.nn.Module.__call__`` for the whole
@@ -222,16 +223,44 @@ class FeatureEmbedder(nn.Module):
         return next(self.extractor.parameters()).device
 
     def preprocess(self, images) -> torch.Tensor:
-        """PIL images -> ``(B, 3, H_in, W_in)`` normalised model input (region of interest, resize mode)."""
-        return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
+        """PIL images -> ``(B, 3, H_in, W_in)`` uint8 model input (region of interest, resize mode), normalised on
+        the device by :meth:`forward`."""
+        return to_pixels(images, self.framing)
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, H_in, W_in)`` model input -> ``(B * rows_per_image, pixels, D)`` embeddings."""
-        tiles = self.tiling.cut(batch.to(self.device, non_blocking=True))  # (B * T, 3, S, S)
+        """``(B, 3, H_in, W_in)`` model input (uint8 pixels, or float32 already normalised) ->
+        ``(B * rows_per_image, pixels, D)`` embeddings."""
+        tiles = model_input(self.tiling.cut(batch.to(self.device, non_blocking=True)))  # (B * T, 3, S, S)
         embedding = self.embedding(self.extractor(tiles))  # (B * T, D, H, W)
         rows = batch.shape[0] * self.rows_per_image
         return embedding.permute(0, 2, 3, 1).reshape(rows, self.pixels, self.embedding.embedding_dim)
+
+
+_NORMALISATION: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def model_input(batch: torch.Tensor) -> torch.Tensor:
+    """What the backbone reads: uint8 pixels (:func:`~padim.models.data.images.to_pixels`) normalised with
+    ImageNet's mean and standard deviation where they are (on a GPU after the 8-bit copy); float32 input, already
+    normalised (a caller's own, as every scorer took before it took pixels), as it is."""
+    if batch.dtype != torch.uint8:
+        return batch
+    constants = _NORMALISATION.get(batch.device)
+    if constants is None:
+        constants = _NORMALISATION[batch.device] = normalisation(IMAGENET_MEAN, IMAGENET_STD, batch.device)
+    return normalise(batch, *constants)
+
+
+def stacked(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` as one batch on its way to ``device``: for a GPU in page-locked host memory (torch's host cache
+    reuses it), so that the copy to the device runs without the CPU, queued behind the work before it; else a
+    plain stack."""
+    if device.type != "cuda" or tensors[0].device.type != "cpu":
+        return torch.stack(list(tensors))
+    first = tensors[0]
+    batch = torch.empty((len(tensors), *first.shape), dtype=first.dtype, pin_memory=True)
+    return torch.stack(list(tensors), out=batch)
 
 
 def grid_shape(config) -> tuple[int, int]:

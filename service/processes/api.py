@@ -43,7 +43,19 @@ from ..schemas import LiveResponse
 from ..server import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
 from ..settings import ServiceSettings
 from ..state import each
-from .shared import DRAINING, READY, STARTING, STOPPED, RunFolder, ServedView, Slot, SlotPool, Table, journal_name
+from .shared import (
+    DRAINING,
+    PIXELS,
+    READY,
+    STARTING,
+    STOPPED,
+    RunFolder,
+    ServedView,
+    Slot,
+    SlotPool,
+    Table,
+    journal_name,
+)
 from .supervisor import die_with_parent
 from .wire import Link, Stale
 
@@ -153,12 +165,15 @@ class ApiState:
             for attempt in range(STALE_TRIES):
                 height, width = served.scorer.config.input_shape
                 device = None if heatmap or mask else served.scorer.device_decode
-                # a slot holds the model input, or a JPEG left to the scoring device; then the map
-                slots = [self.slots.take(max(3 * height * width * 4, len(data) if device else 0)) for data in datas]
+                # a slot holds the model input (8-bit pixels), or a JPEG left to the scoring device; then the map
+                size = max(3 * height * width, 4 * height * width if heatmap or mask else 0)
+                slots = [self.slots.take(max(size, len(data) if device else 0)) for data in datas]
                 handed = False
                 try:
                     decoded = await each(
-                        self.decoder.decoded(served.scorer, data, heatmap, slot.tensor(3, height, width), device)
+                        self.decoder.decoded(
+                            served.scorer, data, heatmap, slot.tensor(3, height, width, dtype=PIXELS), device
+                        )
                         for data, slot in zip(datas, slots, strict=True)
                     )
                     for image, slot in zip(decoded, slots, strict=True):

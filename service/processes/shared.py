@@ -9,7 +9,8 @@
   readiness;
 - ``views/SERIAL.json`` (the scoring process): what an API process needs of a version: configuration, calibration,
   identity;
-- ``slots/ROW-N`` (API process ROW): a picture's model input on its way to the device, then its map on the way back;
+- ``slots/ROW-N`` (API process ROW): a picture's model input (8-bit pixels) on its way to the device, then its map
+  on the way back;
 - ``metrics/`` (every process): Prometheus' multiprocess files (``PROMETHEUS_MULTIPROC_DIR``);
 - ``engine.sock``, ``score.sock`` (the scoring process): its HTTP API (the routes API processes pass on), and
   pictures to score.
@@ -37,9 +38,9 @@ import torch
 from padim.core.calibration import Calibration
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
-from padim.models.data.images import to_model_input
+from padim.models.data.images import to_pixels
 from padim.models.detector import Provenance
-from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, WeightsInfo
+from padim.models.features.backbones import WeightsInfo
 from padim.models.options import json_value
 
 from ..admission import SharedPlaces
@@ -247,8 +248,8 @@ class ScorerView:
         self.device_decode = DeviceDecode(torch.device("cpu"), self.framing) if view.get("device_decode") else None
 
     def preprocess(self, images) -> torch.Tensor:
-        """As every scorer's: the framing, then ImageNet's normalisation (:func:`to_model_input`)."""
-        return to_model_input(images, self.framing, IMAGENET_MEAN, IMAGENET_STD)
+        """As every scorer's: the framed pixels (:func:`to_pixels`), normalised by the scorer on its device."""
+        return to_pixels(images, self.framing)
 
 
 @dataclass(eq=False)
@@ -331,7 +332,7 @@ class Table:
 
 # --------------------------------------------------------------------------- slots
 class Slot:
-    """A file in the run folder mapped in memory: a picture's model input, then its map."""
+    """A file in the run folder mapped in memory: a picture's model input (uint8 pixels), then its map."""
 
     def __init__(self, path: Path, number: int, nbytes: int, create: bool):
         self.path, self.number, self.nbytes = path, number, nbytes
@@ -355,13 +356,17 @@ class Slot:
         """The first ``count`` bytes as a uint8 tensor (the memory is shared, not copied): a JPEG for the device."""
         return torch.frombuffer(self.memory, dtype=torch.uint8, count=count)
 
-    def tensor(self, *shape: int) -> torch.Tensor:
-        """The first ``prod(shape)`` float32 values, shaped (the memory is shared, not copied)."""
+    def tensor(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first ``prod(shape)`` values of ``dtype``, shaped (the memory is shared, not copied): a picture's
+        uint8 pixels, then its float32 map."""
         count = 1
         for side in shape:
             count *= side
-        return torch.frombuffer(self.memory, dtype=torch.float32, count=count).view(*shape)
+        return torch.frombuffer(self.memory, dtype=dtype, count=count).view(*shape)
 
+
+#: A slot's model input: 8-bit pixels (:func:`to_pixels`), a quarter of float32's bytes; the scorer normalises them.
+PIXELS = torch.uint8
 
 #: Slot sizes are rounded up to this (a model's pictures then share one size, and slots are reused).
 SLOT_GRAIN = 64 * 1024

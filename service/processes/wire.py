@@ -31,7 +31,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from ..batching import Item, ScoredImage
 from ..errors import ApiError
-from .shared import RunFolder, Slot, SlotMaps
+from .shared import PIXELS, RunFolder, Slot, SlotMaps
 
 log = logging.getLogger("padim.service")
 
@@ -367,7 +367,7 @@ class Intake:
         request = Request(peer, request_id, served, mapped, keep_map, monitor, own)
         height, width = shape
         request.items = [
-            Item(slot.tensor(3, height, width), raw_threshold, keep_map, request.delivery(i))
+            Item(slot.tensor(3, height, width, dtype=PIXELS), raw_threshold, keep_map, request.delivery(i))
             if not jpeg
             else Item(None, raw_threshold, keep_map, request.delivery(i), jpeg=slot.bytes(jpeg))
             for i, (slot, (_, _, jpeg)) in enumerate(zip(mapped, slots, strict=True))

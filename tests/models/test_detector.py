@@ -11,7 +11,7 @@ from PIL import Image
 from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
-from padim.models.features.embedding import FeatureEmbedder
+from padim.models.features.embedding import FeatureEmbedder, model_input, stacked
 from padim.models.model_file import load_detector, load_fit, save_detector
 
 # neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
@@ -110,6 +110,29 @@ def test_scores_do_not_depend_on_the_batch(detector, images):
     together = detector.score(detector.preprocess(pics)).raw_scores
     alone = torch.cat([detector.score(detector.preprocess([p])).raw_scores for p in pics])
     np.testing.assert_allclose(together.numpy(), alone.numpy(), rtol=1e-5)
+
+
+def test_the_scorer_takes_8_bit_pixels_and_normalised_float_input_alike(detector, images):
+    """``preprocess`` hands on uint8 pixels (a quarter of float32's bytes to a device); ``score`` normalises them
+    where it scores. A caller's own float32 input, already normalised, scores the same."""
+    pixels = detector.preprocess(pictures(images, 3))
+    assert pixels.dtype == torch.uint8
+    normalised = model_input(pixels)
+    assert normalised.dtype == torch.float32 and float(normalised.abs().max()) > 1  # ImageNet's mean and std
+    torch.testing.assert_close(detector.score(pixels).raw_scores, detector.score(normalised).raw_scores)
+    stacked_batch = stacked(list(pixels), torch.device("cpu"))  # how the service forms a batch for the CPU
+    assert torch.equal(stacked_batch, pixels)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_batch_for_the_gpu_is_stacked_in_page_locked_memory_and_scores_as_on_the_cpu(detector, images, tmp_path):
+    pixels = detector.preprocess(pictures(images, 3))
+    batch = stacked(list(pixels), torch.device("cuda"))
+    assert batch.is_pinned() and torch.equal(batch, pixels)
+    path = tmp_path / "m.padim"
+    save_detector(detector, path)
+    on_gpu = load_detector(path, device="cuda").score(batch).raw_scores.cpu()
+    torch.testing.assert_close(on_gpu, detector.score(pixels).raw_scores, rtol=1e-4, atol=0)
 
 
 def test_semi_orthogonal_reduction_fits(images):

@@ -2,6 +2,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from padim.models.data.framing import PICTURE_SIZE, Framing
@@ -13,6 +14,7 @@ from padim.models.data.images import (
     list_images,
     open_image,
     to_model_input,
+    to_pixels,
 )
 
 
@@ -66,6 +68,24 @@ def test_model_input_is_normalised(tmp_path):
     batch = to_model_input([image, image], Framing(size=32), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     assert batch.shape == (2, 3, 32, 32)
     assert batch.abs().max() < 0.02
+
+
+def test_pixels_travel_as_8_bits_and_normalise_to_the_float32_of_numpy():
+    """The model input crosses to the device as the framed picture's bytes; normalised there it is, to the bit, what
+    NumPy computes from the same pixels in float32 (a multiply and a subtraction, each correctly rounded)."""
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    framing = Framing(size=32)
+    pixels = to_pixels([image, image], framing)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (2, 3, 32, 32)
+    assert np.array_equal(pixels[0].permute(1, 2, 0).numpy(), np.asarray(framing.to_square(image)))
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    std32 = np.asarray(std, dtype=np.float32)
+    by_hand = np.asarray(framing.to_square(image), dtype=np.float32) * (1 / (255 * std32)).astype(np.float32)
+    by_hand = (by_hand - (np.asarray(mean, dtype=np.float32) / std32)).transpose(2, 0, 1)
+    model_input = to_model_input([image], framing, mean, std)
+    assert model_input.dtype == torch.float32
+    assert np.array_equal(model_input[0].numpy(), by_hand)
 
 
 def test_list_images_recursive_sorted(tmp_path):

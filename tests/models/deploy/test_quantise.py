@@ -30,6 +30,7 @@ from padim.models.deploy.quantise import (
 )
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.errors import ExportError
+from padim.models.features.embedding import model_input
 from padim.models.model_file import load_detector
 
 CALIBRATION = 70
@@ -80,7 +81,8 @@ def int8_export(model_file, calibration_images, defects, tmp_path_factory):
 
 
 def inputs_of(detector, paths) -> np.ndarray:
-    return detector.preprocess([Image.open(p).convert("RGB") for p in paths]).numpy()
+    """What the graph reads: the pictures' pixels normalised (float32)."""
+    return model_input(detector.preprocess([Image.open(p).convert("RGB") for p in paths])).numpy()
 
 
 def run_in_eights(graph, batch: np.ndarray) -> list[np.ndarray]:
@@ -109,8 +111,10 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
     from padim.models.data.changes import apply, seeded
 
     assert reference.config.gaussian.expect
-    changed = reference.preprocess(
-        [apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name))) for p in held_out]
+    changed = model_input(
+        reference.preprocess(
+            [apply(Image.open(p).convert("RGB"), reference.config.expected.draw(seeded(p.name))) for p in held_out]
+        )
     ).numpy()
     copies = run_in_eights(output / "model.onnx", changed)[1]
     # the threshold: the conformal quantile of the int8 scorer's scores of the copies, numpy float64

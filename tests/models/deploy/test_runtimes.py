@@ -21,6 +21,7 @@ from PIL import Image
 from padim.core.artifact import ArtifactError
 from padim.models.deploy.export import ExportError, read_export
 from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime
+from padim.models.features.embedding import model_input
 from padim.models.model_file import load_detector, save_detector
 
 #: (image size, reduction, stored factor dtype, neighbourhood, image score): each size with both
@@ -97,6 +98,9 @@ def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
     # batch of one: the dynamic batch dimension, not only the exported example's
     single = deployed.score(batch[:1])
     assert torch.allclose(single.raw_scores, got.raw_scores[:1], rtol=1e-5)
+    # 8-bit pixels (as served) and the graph's own normalised float32 input score alike
+    assert batch.dtype == torch.uint8
+    torch.testing.assert_close(deployed.score(model_input(batch)).raw_scores, got.raw_scores)
     # the same verdict inputs: threshold and calibration travel with the graph
     assert deployed.calibration == reference.calibration
     assert deployed.describe()["calibration"] == reference.describe()["calibration"]
@@ -120,7 +124,7 @@ def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_grap
     session = onnxruntime.InferenceSession(
         str(tmp_path / "triton" / "m" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
     )
-    _, raw, _ = session.run(None, {"images": batch.numpy()})
+    _, raw, _ = session.run(None, {"images": model_input(batch).numpy()})  # the graph reads normalised float32
     assert np.allclose(raw, expected.numpy(), rtol=1e-4)
 
 
@@ -401,7 +405,7 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
     session = onnxruntime.InferenceSession(
         str(tmp_path / "triton" / "m" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
     )
-    maps, raw, inputs = session.run(None, {"images": batch.numpy()})
+    maps, raw, inputs = session.run(None, {"images": model_input(batch).numpy()})  # the graph reads normalised float32
     np.testing.assert_allclose(raw, expected.raw_scores.numpy(), rtol=1e-4)
     np.testing.assert_allclose(inputs, expected.input_distances.numpy(), rtol=1e-4)
     assert maps.shape == (4, 112, 160)

@@ -14,7 +14,7 @@ from PIL import Image
 from padim.core.artifact import FORMAT_VERSION, load_artifact
 from padim.models import PadimConfig, TrainingImage, devices, fit_detector, list_images, train
 from padim.models.errors import PrecisionGateFailed, UsageError
-from padim.models.features.embedding import FeatureEmbedder
+from padim.models.features.embedding import FeatureEmbedder, model_input
 from padim.models.fit.precision import PrecisionGate, compare_scores
 from padim.models.model_file import load_detector, load_fit, save_detector
 
@@ -37,7 +37,7 @@ def pictures(images, count):
 
 
 def test_the_backbone_runs_at_the_precision_and_hands_float32_maps_on(fitted, images):
-    batch = fitted["fp32"].preprocess(pictures(images, 4))
+    batch = model_input(fitted["fp32"].preprocess(pictures(images, 4)))  # what the backbone reads
     full, reduced = (fitted[p].model.embedder for p in ("fp32", "bf16"))
     assert {p.dtype for p in reduced.extractor.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in full.extractor.parameters()} == {torch.float32}
