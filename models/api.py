@@ -37,6 +37,7 @@ from padim.models.config import ConfigError, PadimConfig, read_config_file
 from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import iter_for_model, list_images, open_image, to_rgb
 from padim.models.deploy.runtimes import load_scorer
+from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
 from padim.models.heatmaps import figure, mask_image, overlay
 from padim.models.model_file import load_detector
 from padim.models.options import OPTIONS
@@ -292,6 +293,8 @@ def fit(
     *,
     config: PadimConfig | str | os.PathLike | None = None,
     progress: bool = True,
+    max_score_error: float = MAX_SCORE_ERROR,
+    force: bool = False,
     **options: Any,
 ) -> Detector:
     """Fit a detector on normal images, calibrated as ``padim train`` does (same folds, same threshold).
@@ -303,13 +306,21 @@ def fit(
         output: write the model file here too.
         config: a :class:`PadimConfig`, or a YAML file of options (as ``padim train --config``).
         progress: progress bars on stderr.
+        max_score_error, force: the gate of a reduced ``precision`` (``bf16``, ``fp16``), as ``padim train
+            --max-score-error`` and ``--force``: the largest relative difference of its image scores from fp32's on
+            16 training pictures, and whether to keep a model past it.
         **options: :class:`PadimConfig` options (:mod:`padim.models.options`), e.g. ``backbone="wide_resnet50_2"``,
             ``weights="random"``, ``image_size=256``, ``false_alarm_rate=0.005``.
 
     Raises:
-        FitError: too few readable images, or images that do not vary.
+        FitError: too few readable images, or images that do not vary; ``PrecisionGateFailed`` (a FitError) when a
+            reduced precision's scores are past ``max_score_error`` and not ``force``.
         ConfigError: an unknown option or a value out of range (the message lists what is allowed).
     """
+    try:
+        gate = PrecisionGate(max_score_error, force)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if config is None:
         config = PadimConfig()
     elif not isinstance(config, PadimConfig):
@@ -328,7 +339,7 @@ def fit(
             found = _training_images(images, Path(scratch))
             if not found:
                 raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
-            report = train(config, found, output, progress=progress, scratch_dir=scratch)
+            report = train(config, found, output, progress=progress, scratch_dir=scratch, gate=gate)
         scorer = load_detector(output, device=config.run.device)
     except BaseException:
         if kept is not None:

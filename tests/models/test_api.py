@@ -12,6 +12,7 @@ from PIL import Image
 
 import padim
 from padim.models import ConfigError, ImageError
+from padim.models.errors import PrecisionGateFailed
 
 
 @pytest.mark.load_sensitive
@@ -91,6 +92,22 @@ def test_fit_from_in_memory_images_and_bad_input_errors(dataset):
         padim.fit(images, weights="random", bogus=1)
     with pytest.raises(ImageError, match="no such file"):
         detector.predict("nowhere/part.png")
+
+
+def test_fit_at_a_reduced_precision_takes_the_gate_of_train(dataset, tmp_path):
+    """``padim.fit(precision="fp16", max_score_error=..., force=...)``: as ``train --max-score-error`` and ``--force``;
+    a refused model leaves no file."""
+    folder = dataset / "train" / "good"
+    options = {"weights": "random", "image_size": IMAGE_SIZE, "precision": "fp16", "progress": False}
+    with pytest.raises(PrecisionGateFailed, match="fp16"):  # fp16 scores differ from fp32's by more than 1e-9
+        padim.fit(folder, tmp_path / "refused.padim", max_score_error=1e-9, **options)
+    assert not (tmp_path / "refused.padim").exists()
+    with pytest.raises(ConfigError, match="positive"):
+        padim.fit(folder, max_score_error=0, **options)
+    kept = padim.fit(folder, tmp_path / "kept.padim", max_score_error=1e-9, force=True, **options)
+    check = kept.describe()["precision_check"]
+    assert check["forced"] and not check["passed"] and check["tolerance"] == 1e-9
+    assert padim.fit(folder, **options).describe()["precision_check"]["passed"]  # the default 2%
 
 
 def test_a_large_jpeg_is_decoded_smaller_but_its_map_is_at_the_pictures_size(model_file, tmp_path):
