@@ -256,6 +256,7 @@ def merge_fits(
     progress: bool = True,
     with_statistics: bool = True,
     scratch_dir: str | Path | None = None,
+    gate: PrecisionGate | None = None,
 ) -> FitReport:
     """Combine fits of disjoint images (``train --partial`` files), calibrate on images none fitted, write ``output``.
 
@@ -263,10 +264,12 @@ def merge_fits(
     at a time and added to the first, so that two parts' statistics at most are in memory. The
     threshold comes from the scores of ``calibration_images`` under the merged model: images it
     has not seen, so their scores are held out as out-of-fold ones are (no fold needs removing).
+    Parts fitted at a reduced precision are gated as ``train`` gates them (``gate``), on the
+    calibration images.
 
     Raises:
         FitError: parts whose settings or weights differ (naming the first two), calibration
-            images that a part fitted, or none readable.
+            images that a part fitted, or none readable; ``PrecisionGateFailed`` past the gate.
         ArtifactError: a part that cannot be read, or has no statistics.
     """
     if not parts:
@@ -316,6 +319,12 @@ def merge_fits(
             merged_from=[str(p) for p in parts],
             fits=[f for p in provenances for f in p.fits],
         )
+        if config.features.precision != "fp32":  # gated on the pictures it calibrated on
+            unreadable = {name for name, _ in report.unreadable}
+            readable = [[image for image in held if str(image.path) not in unreadable]]
+            with report.timed("check"):
+                report.precision_check = _gated(merged, finished, readable, calibration, gate or PrecisionGate())
+            provenance.precision_check = report.precision_check.to_dict()
         with report.timed("write"):
             save_fitted(output, merged, finished, calibration, provenance, with_statistics)
         shortfall = calibration.shortfall()

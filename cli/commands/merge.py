@@ -38,6 +38,18 @@ def register(commands) -> None:
         metavar="DIR",
         help="where the calibration images' embeddings and the factors wait (default: the output's folder)",
     )
+    merge.add_argument(
+        "--max-score-error",
+        type=float,
+        metavar="SHARE",
+        help="parts fitted at --precision bf16 or fp16: the largest relative difference of the calibration "
+        "pictures' image scores from fp32's that the model may have, or nothing is written (default 0.02: 2%%)",
+    )
+    merge.add_argument(
+        "--force",
+        action="store_true",
+        help="parts fitted at bf16 or fp16: write the model even past --max-score-error (the file says so)",
+    )
     merge.set_defaults(handler=run)
 
 
@@ -47,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.config import PadimConfig
     from padim.models.data.images import list_images
     from padim.models.features.backbones import WeightsInfo
+    from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
     from padim.models.training import merge_fits
+
+    try:
+        gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
     options = PadimConfig().replace(device=args.device, batch_size=args.batch_size, workers=args.workers)
     calibration = list_images(args.calibration_dir)
@@ -62,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         with_statistics=not args.slim,
         scratch_dir=args.scratch_dir,
+        gate=gate,
     )
     header = read_header(args.output)
     print(
@@ -73,9 +92,12 @@ def run(args: argparse.Namespace) -> int:
                 "calibration": {**header["calibration"], "source": header["calibration_source"]},
                 "size_bytes": args.output.stat().st_size,
                 "weights": WeightsInfo(**header["weights"]).label,
+                **({"precision_check": header["precision_check"]} if header.get("precision_check") else {}),
             }
         )
     )
+    if report.precision_check is not None:
+        print(f"padim merge: {report.precision_check.sentence()}", file=sys.stderr)
     for warning in report.warnings:
         print(f"padim merge: warning: {warning}", file=sys.stderr)
     return 0

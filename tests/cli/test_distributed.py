@@ -133,6 +133,31 @@ def test_partial_fits_merged_equal_one_shot(dataset, tmp_path):
     assert refused.returncode == 1 and "padim merge" in refused.stderr
 
 
+def test_parts_fitted_at_fp16_are_gated_when_merged(dataset, tmp_path):
+    """A merge of reduced-precision parts is gated as ``train`` gates a model (on the calibration pictures):
+    refused with the figures past ``--max-score-error``, nothing written; ``--force`` writes it, marked."""
+    images = sorted((dataset / "train" / "good").glob("*.png"))
+    for name, chunk in {"a": images[:12], "b": images[12:24], "calibration": images[24:]}.items():
+        (tmp_path / name).mkdir()
+        for p in chunk:
+            (tmp_path / name / p.name).write_bytes(p.read_bytes())
+    for name in ("a", "b"):
+        run_cli(
+            "-q", "train", tmp_path / name, "-o", tmp_path / f"{name}.part", "--partial", "--precision", "fp16", *COMMON
+        )
+    merge = ["merge", tmp_path / "a.part", tmp_path / "b.part", "--calibration-dir", tmp_path / "calibration"]
+    refused = run_cli(*merge, "-o", tmp_path / "r.padim", "--max-score-error", "1e-9", check=False)
+    assert refused.returncode == 1 and "fp16 model is not accurate enough" in refused.stderr
+    assert not (tmp_path / "r.padim").exists()
+    forced = run_cli("-q", *merge, "-o", tmp_path / "f.padim", "--max-score-error", "1e-9", "--force")
+    check = json.loads(forced.stdout)["precision_check"]
+    assert check["forced"] and not check["passed"] and check["images"] == len(images) - 24
+    default = json.loads(run_cli("-q", *merge, "-o", tmp_path / "d.padim").stdout)["precision_check"]
+    assert default["passed"] and default["tolerance"] == 0.02
+    bad = run_cli(*merge, "-o", tmp_path / "x.padim", "--max-score-error", "0", check=False)
+    assert bad.returncode == 1 and "must be a positive number" in bad.stderr
+
+
 def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
     data = dataset / "train" / "good"
     torchrun(2, "train", data, "--output", tmp_path / "two.part", "--partial", *COMMON)
