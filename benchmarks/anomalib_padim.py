@@ -30,7 +30,7 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
 def to_input(paths, size: int) -> torch.Tensor:
-    """Same preprocessing as padim.models.data.images.to_model_input."""
+    """Same preprocessing as padim.models.data.images.to_pixels, then normalise (the scorer's model_input)."""
     arrays = []
     for path in paths:
         pixels = np.asarray(Image.open(path).convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32)

@@ -317,10 +317,7 @@ def fit(
             reduced precision's scores are past ``max_score_error`` and not ``force``.
         ConfigError: an unknown option or a value out of range (the message lists what is allowed).
     """
-    try:
-        gate = PrecisionGate(max_score_error, force)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    gate = PrecisionGate(max_score_error, force)  # ConfigError for a tolerance that is not a positive number
     if config is None:
         config = PadimConfig()
     elif not isinstance(config, PadimConfig):

@@ -62,10 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
     from padim.models.training import merge_fits
 
-    try:
-        gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
 
     options = PadimConfig().replace(device=args.device, batch_size=args.batch_size, workers=args.workers)
     calibration = list_images(args.calibration_dir)

@@ -105,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "--max-score-error and --force gate a model fitted at --precision bf16 or fp16 (and not --partial, "
             "which writes no scores)"
         )
-    try:
-        gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
     # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
     shard = distributed.from_environment(resolve_device(config.run.device))
     main = shard is None or shard.main

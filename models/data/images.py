@@ -212,13 +212,6 @@ def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return pixels.to(torch.float32) * scale - offset
 
 
-def to_model_input(
-    images: Sequence[Image.Image], framing: Framing, mean: Sequence[float], std: Sequence[float]
-) -> torch.Tensor:
-    """Frame and normalise in one step: ``(B, 3, S, S)`` float32 (:func:`to_pixels`, then :func:`normalise`)."""
-    return normalise(to_pixels(images, framing), *normalisation(mean, std))
-
-
 def iter_batches(
     paths: Sequence[Path],
     batch_size: int,

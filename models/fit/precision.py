@@ -23,6 +23,7 @@ import torch
 from padim.core.packing import packed_length, unpack_lower
 from padim.core.scoring import squared_mahalanobis
 from padim.models.data.images import iter_decoded
+from padim.models.errors import ConfigError
 from padim.models.features.embedding import FeatureEmbedder
 from padim.models.model import score_distances
 
@@ -43,7 +44,7 @@ class PrecisionGate:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tolerance, (int, float)) and self.tolerance > 0 and math.isfinite(self.tolerance)):
-            raise ValueError(f"--max-score-error must be a positive number, got {self.tolerance!r}")
+            raise ConfigError(f"--max-score-error must be a positive number, got {self.tolerance!r}")
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ class ApiState:
                 height, width = served.scorer.config.input_shape
                 device = None if heatmap or mask else served.scorer.device_decode
                 # a slot holds the model input (8-bit pixels), or a JPEG left to the scoring device; then the map
-                size = max(3 * height * width, 4 * height * width if heatmap or mask else 0)
+                size = (4 if heatmap or mask else 3) * height * width  # a float32 map is 4 bytes a pixel
                 slots = [self.slots.take(max(size, len(data) if device else 0)) for data in datas]
                 handed = False
                 try:

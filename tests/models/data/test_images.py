@@ -12,10 +12,16 @@ from padim.models.data.images import (
     bounded_copy,
     image_dimensions,
     list_images,
+    normalisation,
+    normalise,
     open_image,
-    to_model_input,
     to_pixels,
 )
+
+
+def to_model_input(images, framing, mean, std):
+    """Framed and normalised, as a scorer makes it from the pixels it is handed."""
+    return normalise(to_pixels(images, framing), *normalisation(mean, std))
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
