@@ -124,9 +124,11 @@ async def review_queue(
 )
 async def storage(state: StateDep) -> RecordStorage:
     record = state.record
+    # The journal first: a row it no longer holds is in the database before the counts below are read, so a
+    # report with nothing waiting counts every picture and row answered before it was asked for.
+    rows_waiting, journal_bytes = await asyncio.to_thread(record.waiting_everywhere)
     report = await on_database(state, record.store.storage)
     rows = await on_database(state, record.store.count, Filters())
-    rows_waiting, journal_bytes = await asyncio.to_thread(record.waiting_everywhere)
     settings = state.settings
     return RecordStorage(
         database=record.store.kind,
