@@ -14,6 +14,10 @@ AnomaVision is exported with its own ``ModelExporter`` (ONNX, fp32) and run by i
 ``ModelWrapper`` backends, with their default settings. Its ImageNet download is replaced by
 the state_dict (no network here). Prints img/s (median, best) per runtime and batch size and
 the ratio of padim's fastest to AnomaVision's fastest.
+
+padim's side also runs what ``--runtime auto`` picks for the model file, and its gated exports (each with its own
+threshold, from ``--calibration-images`` more normal pictures, never the test ones): OpenVINO int8 everywhere, and
+OpenVINO bf16 where this CPU runs bfloat16 (AVX512-BF16, AMX). Each export's gate reading is printed beside.
 """
 
 from __future__ import annotations
@@ -109,6 +113,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--train-images", type=int, default=60)
+    parser.add_argument(
+        "--calibration-images", type=int, default=40, help="normal pictures for the gated exports (0: none)"
+    )
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--output", type=Path, help="write the JSON report here too")
     args = parser.parse_args()
@@ -120,7 +127,8 @@ def main() -> int:
     from padim.models import PadimConfig, fit_detector, training_images
     from padim.models.data.synthetic import generate
     from padim.models.deploy.export import ExportError
-    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
+    from padim.models.deploy.runtimes import load_scorer, openvino_runs
     from padim.models.features.embedding import model_input
     from padim.models.model_file import save_detector
 
@@ -150,11 +158,34 @@ def main() -> int:
     np.save(work / "test.npy", model_input(batch).numpy())
 
     scorers = {}
-    for runtime in ("torch", "onnxruntime", "openvino"):
+    for runtime in ("torch", "onnxruntime", "openvino", "auto"):
         try:
             scorers[runtime] = load_scorer(work / "padim.padim", runtime, "cpu")
         except ExportError as error:
             print(f"padim {runtime}: not measured ({error})")
+    if args.calibration_images:
+        calibration = work / "calibration" / "carpet" / "train" / "good"
+        if not calibration.exists():
+            generate(work / "calibration", ("carpet",), train=args.calibration_images, test_good=0, test_defect=0,
+                     size=224, seed=2)  # fmt: skip
+        precisions = ["int8"]
+        try:
+            if openvino_runs("bf16") == "bf16":
+                precisions.append("bf16")
+            for precision in precisions:
+                output = work / f"padim-openvino-{precision}"
+                if not output.exists():
+                    export_quantised_detector(
+                        detector, output, "openvino", work / "padim.padim",
+                        QuantiseOptions(precision, calibration, quantiser_images=16, force=True),
+                    )  # fmt: skip
+                gate = json.loads((output / "padim.json").read_text())["quantisation"]["agreement"]
+                print(f"padim openvino-{precision} export: gate max score error {gate['max_score_error']:.2%}, "
+                      f"passed {gate['passed']}")  # fmt: skip
+                scorers[f"openvino-{precision}"] = load_scorer(output, "auto", "cpu")
+        except ExportError as error:
+            print(f"padim gated exports: not measured ({error})")
+    print("padim auto picks:", type(scorers["auto"]).__name__, getattr(scorers["auto"], "runtime", "torch"))
     for scorer in scorers.values():
         scorer.score(batch)
         scorer.score(batch[:1])

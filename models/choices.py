@@ -37,8 +37,9 @@ def spelled_precision(precision: str) -> str:
 
 #: ``padim export --format``: an ONNX graph, an OpenVINO IR, a Triton model repository.
 EXPORT_FORMATS = ("onnx", "openvino", "triton")
-#: ``padim export --precision``: the backbone in float32, int8 (CPU: ONNX Runtime, OpenVINO) or fp16 (CUDA).
-EXPORT_PRECISIONS = ("float32", "int8", "fp16")
+#: ``padim export --precision``: the backbone in float32, int8 (CPU: ONNX Runtime, OpenVINO), fp16 (CUDA) or bf16
+#: (OpenVINO's bfloat16 inference on CPUs with AVX512-BF16 or AMX).
+EXPORT_PRECISIONS = ("float32", "int8", "fp16", "bf16")
 #: What runs the scorer (``--runtime``, ``PADIM_RUNTIME``); ``auto`` is chosen in :mod:`padim.models.deploy.runtimes`.
 RUNTIMES = ("auto", "torch", "onnxruntime", "openvino")
 #: Images per forward pass (``--batch-size``, :class:`~padim.models.config.PadimConfig`, ``padim.load``).

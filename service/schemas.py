@@ -139,7 +139,12 @@ class ModelDescription(ModelInfo, ShownOptions):
     precision: Literal["float32", "bf16", "fp16", "int8"] = Field(
         default="float32",
         description="the backbone's arithmetic: a model file's train --precision (float32, bf16, fp16), or an "
-        "export's padim export --precision (float32, int8, fp16); the threshold is that arithmetic's",
+        "export's padim export --precision (float32, int8, fp16, bf16); the threshold is that arithmetic's",
+    )
+    runs_at: Literal["float32", "bf16"] | None = Field(
+        default=None,
+        description="what the arithmetic is on this machine where it is not `precision`: a bf16 OpenVINO export "
+        "on a CPU without bfloat16 runs at float32 (correct scores, slower than where it was made)",
     )
     precision_check: dict | None = Field(
         default=None,

@@ -30,7 +30,8 @@ def register(commands) -> None:
         "--precision int8 quantises the backbone (ONNX Runtime: static QDQ; OpenVINO: NNCF) on part of "
         "--calibration-images, compares it with float32 on the rest (and --check-images), refuses to write it when "
         "raw scores move more than --max-score-error (exit 4), and sets its own threshold from its scores of the "
-        "images the quantiser did not see. --precision fp16 is the same for CUDA (ONNX Runtime, TensorRT, Triton). "
+        "images the quantiser did not see. --precision fp16 is the same for CUDA (ONNX Runtime, TensorRT, Triton); "
+        "--precision bf16 for OpenVINO's bfloat16 on CPUs that have it (AVX512-BF16, AMX; made on that CPU). "
         "See docs/quantisation.md.",
     )
     export.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
@@ -58,13 +59,14 @@ def register(commands) -> None:
         help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
         "as protobuf stops at 2 GB)",
     )
-    quantised = export.add_argument_group("quantised scorers (--precision int8|fp16)")
+    quantised = export.add_argument_group("quantised scorers (--precision int8|fp16|bf16)")
     quantised.add_argument(
         "--precision",
         choices=EXPORT_PRECISIONS,
         default="float32",
         help="the backbone's precision (default float32). int8: CPUs (--format onnx or openvino; triton "
-        "with --triton-device cpu); fp16: CUDA (--format onnx or triton)",
+        "with --triton-device cpu); fp16: CUDA (--format onnx or triton); bf16: OpenVINO on a CPU with "
+        "bfloat16 (--format openvino)",
     )
     quantised.add_argument(
         "--calibration-images",
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             if value
         ]
         if given:
-            raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8 or fp16")
+            raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8, fp16 or bf16")
     else:
         from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
 

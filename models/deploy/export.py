@@ -64,7 +64,10 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 7
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 8
+#: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
+#: a newer version that changed only ``padim.json`` (8: ``precision: bf16``) keeps the cache.
+GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"

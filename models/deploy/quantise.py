@@ -13,6 +13,11 @@ float32 graph. Three precisions (:data:`padim.models.choices.EXPORT_PRECISIONS`)
 - ``fp16``: the backbone's weights and activations in float16 inside the graph (input float32,
   features cast back to float32 for the statistics), for ONNX Runtime's CUDA and TensorRT
   providers and Triton. Unverified on a GPU so far (docs/quantisation.md).
+- ``bf16`` for OpenVINO on a CPU with bfloat16 (AVX512-BF16, AMX): the float32 IR, compiled with OpenVINO's
+  ``bf16`` inference precision (which runs what OpenVINO chooses in bfloat16: the convolutions and most else).
+  The file is the float32 graph; ``padim.json`` asks for bf16. It is made, gated and given its threshold only
+  where OpenVINO does run bf16 (:func:`openvino_runs`): elsewhere OpenVINO silently runs float32, and a gate
+  there would measure nothing.
 
 The calibration folder (``--calibration-images``, normal images only, never the test set) is split
 once, by a seeded permutation of its sorted file names (:func:`split_calibration`): the first
@@ -45,8 +50,15 @@ from padim.core.calibration import Calibration, images_needed
 from padim.models.choices import EXPORT_PRECISIONS
 from padim.models.data.changes import apply, seeded
 from padim.models.data.images import iter_for_model, list_images
-from padim.models.deploy.export import ONNX_FILE, OPENVINO_FILE, _export_onnx, export_detector, require
-from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession
+from padim.models.deploy.export import (
+    ONNX_FILE,
+    OPENVINO_FILE,
+    _convert_openvino,
+    _export_onnx,
+    export_detector,
+    require,
+)
+from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession, openvino_capabilities, openvino_runs
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
 from padim.models.features.embedding import model_input
 
@@ -92,7 +104,7 @@ class QuantiseOptions:
 
     def __post_init__(self):
         if self.precision not in EXPORT_PRECISIONS or self.precision == "float32":
-            raise ExportError(f"unknown quantised precision {self.precision!r}; choose int8 or fp16")
+            raise ExportError(f"unknown quantised precision {self.precision!r}; choose int8, fp16 or bf16")
         if self.quantiser_images < 1:
             raise ExportError(f"--quantiser-images must be at least 1, got {self.quantiser_images}")
         if not self.max_score_error > 0:
@@ -103,8 +115,14 @@ def check_combination(precision: str, fmt: str, triton_device: str) -> None:
     """Refuse a precision where its graph cannot run.
 
     Raises:
-        ExportError: ``fp16`` for OpenVINO (CPU here: use float32 or int8), ``int8`` for Triton on a GPU.
+        ExportError: ``fp16`` for OpenVINO (CPU here: use float32 or int8), ``int8`` for Triton on a GPU, ``bf16``
+            for anything but OpenVINO.
     """
+    if precision == "bf16" and fmt != "openvino":
+        raise ExportError(
+            "--precision bf16 is OpenVINO's bfloat16 inference on CPUs with AVX512-BF16 or AMX: use --format "
+            "openvino; for CUDA use --precision fp16"
+        )
     if precision == "fp16" and fmt == "openvino":
         raise ExportError(
             "--precision fp16 is for CUDA (ONNX Runtime, TensorRT, Triton): use --format onnx or triton; "
@@ -136,7 +154,8 @@ class CalibrationSplit:
 
 
 def split_calibration(paths: list[Path], quantiser_images: int, precision: str) -> CalibrationSplit:
-    """Split ``paths`` (sorted first) into disjoint quantiser and threshold parts; fp16 needs no quantiser part.
+    """Split ``paths`` (sorted first) into disjoint quantiser and threshold parts; fp16 and bf16 need no quantiser
+    part.
 
     Raises:
         ExportError: fewer than ``quantiser_images + MIN_THRESHOLD_IMAGES`` images.
@@ -558,6 +577,12 @@ def export_quantised_detector(
     """
     check_combination(options.precision, fmt, triton_device)
     require("openvino" if fmt == "openvino" else "onnxruntime")
+    if options.precision == "bf16" and openvino_runs("bf16") != "bf16":
+        raise ExportError(
+            f"this CPU has no bfloat16 that OpenVINO uses (it offers {', '.join(openvino_capabilities())}), so a bf16 "
+            "export would run, be gated and be calibrated at float32 here: export it on the CPU that will score it "
+            "(AVX512-BF16 or AMX), or use --precision int8 or float32 here"
+        )
     if options.false_alarm_rate is None and detector.calibration.false_alarm_rate is None:
         raise ExportError(
             "the model's threshold was set by hand (evaluate --calibrate), so it names no false-alarm "
@@ -606,9 +631,9 @@ def export_quantised(
     cpu = torch.device("cpu")
     runtime = "openvino" if fmt == "openvino" else "onnxruntime"
     session = (
-        (lambda graph: OpenVinoSession(graph, cpu))
+        (lambda graph, precision="f32": OpenVinoSession(graph, cpu, precision))
         if runtime == "openvino"
-        else (lambda graph: OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
+        else (lambda graph, precision="f32": OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
     )
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
     quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
@@ -633,13 +658,24 @@ def export_quantised(
             "activations": "float16 (input and features float32)",
             "quantised": "the backbone",
         }
+    elif options.precision == "bf16":
+        graph = graph_dir / OPENVINO_FILE
+        _convert_openvino(float_graph, graph)
+        settings = {
+            "runtime": runtime,
+            "tool": "OpenVINO inference precision bf16 (INFERENCE_PRECISION_HINT) on the float32 IR",
+            "weights": "float32 in the file; bfloat16 where OpenVINO runs bf16",
+            "activations": "bfloat16 where OpenVINO runs bf16 (its choice of operations)",
+            "quantised": "what OpenVINO runs in bf16: the backbone and most of the graph",
+            "inference_precision": "bf16",
+        }
     elif runtime == "openvino":
         graph = graph_dir / OPENVINO_FILE
         settings = quantise_openvino(float_graph, graph, quantiser)
     else:
         graph = graph_dir / ONNX_FILE
         settings = quantise_onnxruntime(float_graph, graph, quantiser, work)
-    quantised = session(graph)
+    quantised = session(graph, options.precision)
     quantised_normal = run_graph(quantised, normal)
     quantised_changed = run_graph(quantised, changed) if changed else None
     quantised_check = run_graph(quantised, defects) if defects else None

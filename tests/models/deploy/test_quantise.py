@@ -1,4 +1,4 @@
-"""`padim export --precision int8|fp16`: the split, the accuracy gate, the scorer's own threshold, serving it.
+"""`padim export --precision int8|fp16|bf16`: the split, the accuracy gate, the scorer's own threshold, serving it.
 
 Documented tolerances (docs/quantisation.md): an int8 scorer is held to the gate's own tolerance
 (``--max-score-error``, default 0.25 relative on raw scores); an fp16 backbone to 1e-2.
@@ -28,7 +28,7 @@ from padim.models.deploy.quantise import (
     compare,
     split_calibration,
 )
-from padim.models.deploy.runtimes import load_scorer
+from padim.models.deploy.runtimes import load_scorer, openvino_capabilities, openvino_runs
 from padim.models.errors import ExportError
 from padim.models.features.embedding import model_input
 from padim.models.model_file import load_detector
@@ -295,6 +295,73 @@ def test_fp16_backbone_is_float16_in_the_graph_and_within_its_tolerance(model_fi
     np.testing.assert_allclose(raw, reference.score(torch.from_numpy(batch)).raw_scores.numpy(), rtol=FP16_RTOL)
 
 
+BFLOAT16 = openvino_runs("bf16") == "bf16"  # OpenVINO runs bfloat16 on this CPU (AVX512-BF16, AMX)
+
+
+@pytest.mark.skipif(BFLOAT16, reason="this CPU has bfloat16: the export is made (the next test)")
+def test_a_bf16_export_is_refused_on_a_cpu_without_bfloat16(model_file, calibration_images, tmp_path):
+    """OpenVINO would run float32 here whatever it is asked: a gate and a threshold made here would measure
+    float32, so the export is refused in one line naming what the CPU offers, and nothing is written."""
+    result = run_cli(
+        "-q", "export", model_file, "-f", "openvino", "-o", tmp_path / "out", "--precision", "bf16",
+        "--calibration-images", calibration_images, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1 and "this CPU has no bfloat16" in result.stderr, result.stderr
+    assert ", ".join(openvino_capabilities()) in result.stderr and "--precision int8 or float32" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_export_is_gated_given_its_own_threshold_and_served_at_what_this_cpu_runs(
+    model_file, calibration_images, tmp_path, monkeypatch, caplog
+):
+    """On a CPU with bfloat16 this is the real thing: OpenVINO's bf16 scores against its float32 scores, the
+    threshold from bf16's. On one without (this project's CI machine) the export is made as if the CPU had it
+    (``openvino_runs`` says bf16): every step but the arithmetic is checked (OpenVINO then runs float32, the gate
+    reads no difference), and loading it says it runs at float32 here."""
+    from padim.models.deploy import quantise
+    from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
+
+    if not BFLOAT16:
+        monkeypatch.setattr(quantise, "openvino_runs", lambda precision: precision)
+    detector = load_detector(model_file, device="cpu")
+    output = export_quantised_detector(
+        detector,
+        tmp_path / "bf16",
+        "openvino",
+        model_file,
+        QuantiseOptions("bf16", calibration_images, false_alarm_rate=RATE),
+    )
+    metadata = json.loads((output / METADATA_FILE).read_text())
+    assert metadata["export_version"] == EXPORT_VERSION and metadata["precision"] == "bf16"
+    assert sorted(p.name for p in output.iterdir()) == sorted([METADATA_FILE, "model.bin", "model.xml"])
+    quantisation = metadata["quantisation"]
+    assert quantisation["inference_precision"] == "bf16" and quantisation["calibration_images"]["quantiser_images"] == 0
+    assert "FakeQuantize" not in (output / "model.xml").read_text()  # the float32 graph: bf16 is asked at compile
+    # the threshold: the conformal quantile of the scorer's own scores of the changed copies of every image
+    assert metadata["calibration"]["scores"] == CALIBRATION and metadata["calibration"]["method"] == "empirical"
+    copies = np.sort(np.asarray(metadata["calibration_scores"], dtype=np.float64))
+    assert metadata["calibration"]["threshold"] == pytest.approx(copies[math.ceil((CALIBRATION + 1) * (1 - RATE)) - 1])
+    assert metadata["threshold_of"].startswith(f"bf16 scorer (openvino) on {CALIBRATION} held-out normal images")
+    caplog.set_level("WARNING", logger="padim.models.deploy.runtimes")
+    scorer = load_scorer(output)
+    assert scorer.runtime == "openvino" and scorer.precision == "bf16"
+    described = scorer.describe()
+    reference = load_detector(model_file, device="cpu")
+    paths = sorted(list_images(calibration_images))[:8]
+    got = scorer.score(reference.preprocess([Image.open(p).convert("RGB") for p in paths])).raw_scores.double()
+    expected = reference.score(torch.from_numpy(inputs_of(reference, paths))).raw_scores.double()
+    errors = (got - expected).abs() / expected.abs()
+    agreement = quantisation["agreement"]
+    assert agreement["passed"] and agreement["max_score_error"] <= agreement["tolerance"]
+    if BFLOAT16:  # bfloat16 moves scores, within the gate; nothing is said at load
+        assert "runs_at" not in described and errors.max() <= agreement["tolerance"]
+        assert not [r for r in caplog.records if "without bfloat16" in r.getMessage()]
+    else:  # float32 here: the float32 scores (to 1e-4), said at load and in describe
+        assert described["runs_at"] == "float32" and errors.max() <= 1e-4 and agreement["max_score_error"] <= 1e-4
+        said = [r.getMessage() for r in caplog.records if "without bfloat16" in r.getMessage()]
+        assert len(said) == 1 and "scores correctly at float32 here" in said[0]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -302,6 +369,7 @@ def test_fp16_backbone_is_float16_in_the_graph_and_within_its_tolerance(model_fi
         (("--precision", "float32", "--calibration-images", "."), "are for a quantised export"),
         (("-f", "openvino", "--precision", "fp16", "--calibration-images", "."), "fp16 is for CUDA"),
         (("-f", "triton", "--precision", "int8", "--calibration-images", "."), "--triton-device cpu"),
+        (("--precision", "bf16", "--calibration-images", "."), "bf16 is OpenVINO's bfloat16"),
         (("--precision", "int8", "--calibration-images", "missing-folder"), "not a folder"),
         (("--precision", "int8", "--calibration-images", "CAL", "--quantiser-images", "60"), "needs at least 80"),
         (("--precision", "int8", "--calibration-images", "CAL", "--max-score-error", "0"), "must be positive"),

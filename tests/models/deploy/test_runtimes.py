@@ -138,6 +138,17 @@ def test_auto_picks_onnxruntime_on_cpu_and_torch_where_torch_sees_a_gpu(monkeypa
         resolve_runtime("tensorrt", "cpu")
 
 
+def test_auto_says_which_runtime_and_precision_it_chose_and_where_a_gated_export_would_be_faster(caplog):
+    from padim.models.deploy.runtimes import openvino_runs
+
+    caplog.set_level("INFO", logger="padim.models.deploy.runtimes")
+    assert resolve_runtime("auto", "cpu") == "onnxruntime"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("runtime auto:")]
+    assert len(said) == 1 and said[0].startswith("runtime auto: onnxruntime at float32")
+    # the bf16 export is named only where OpenVINO runs bfloat16 on this CPU
+    assert ("--precision bf16" in said[0]) == (openvino_runs("bf16") == "bf16")
+
+
 @pytest.mark.parametrize("fmt", ["onnx", "openvino"])
 def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(model_file, tmp_path, fmt, monkeypatch):
     """An OpenVINO export with --runtime auto used to go to ONNX Runtime and fail; on a GPU node too."""
@@ -183,21 +194,28 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
     model_file, tmp_path, monkeypatch
 ):
     """Export version 7 changed the graph only: a model file's cached version-6 export is made again (today's
-    faster graph), while an export directory of version 6 given as such is served as it is."""
-    from padim.models.deploy.export import EXPORT_VERSION, METADATA_FILE, metadata_sha256
+    faster graph), while an export directory of version 6 given as such is served as it is. A cache of version 7
+    (whose graph is today's; version 8 added bf16 to padim.json) is kept."""
+    from padim.models.deploy.export import EXPORT_VERSION, GRAPH_VERSION, METADATA_FILE, metadata_sha256
 
     monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
     first = load_scorer(model_file, "onnxruntime", "cpu")
     old = shutil.copytree(first.directory, tmp_path / "old-export")
-    for folder in (first.directory, old):
+
+    def written_as(folder, version):
         metadata = json.loads((folder / METADATA_FILE).read_text())
-        metadata["export_version"] = EXPORT_VERSION - 1
+        metadata["export_version"] = version
         metadata["metadata_sha256"] = metadata_sha256(metadata)
         (folder / METADATA_FILE).write_text(json.dumps(metadata))
+
+    written_as(first.directory, GRAPH_VERSION)
+    assert load_scorer(model_file, "onnxruntime", "cpu").metadata["export_version"] == GRAPH_VERSION  # kept
+    for folder in (first.directory, old):
+        written_as(folder, GRAPH_VERSION - 1)
     renewed = load_scorer(model_file, "onnxruntime", "cpu")
     assert renewed.metadata["export_version"] == EXPORT_VERSION
     served = load_scorer(old, "onnxruntime", "cpu")
-    assert served.metadata["export_version"] == EXPORT_VERSION - 1
+    assert served.metadata["export_version"] == GRAPH_VERSION - 1
     batch = torch.randn(2, 3, served.image_size, served.image_size)
     torch.testing.assert_close(served.score(batch).raw_scores, renewed.score(batch).raw_scores)
 
