@@ -13,6 +13,8 @@ weights:
   scorer's images per second beside the backbone alone at that arithmetic (from GPU memory: the floor), the
   fit's own gate (its largest score difference against fp32 on training pictures), and against the fp32 model
   the largest relative image-score difference on the same pictures and the relative threshold difference;
+- **CUDA graphs**: the torch scorer again at each batch size, replayed from the graphs the service captures
+  (``PADIM_CUDA_GRAPHS``), with the capture's seconds;
 - **CPU vs GPU**: the largest relative difference of image scores of the same model and images,
   scored on the CPU and on the GPU (padim's stated tolerance is ``CROSS_DEVICE_RTOL``); and, with
   ``--cpu-fit``, the threshold of a CPU fit of the same images against the GPU fit's.
@@ -154,7 +156,8 @@ def measure_precision(backbone, precision, reference, category, folder, device_n
             results,
         )
     detector = load_detector(model, device=args.device)
-    for batch in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch in batches:
         say(
             {
                 "backbone": backbone,
@@ -166,6 +169,24 @@ def measure_precision(backbone, precision, reference, category, folder, device_n
             },
             results,
         )
+    if args.device == "cuda":  # the same scorer replayed from CUDA graphs, as the service runs it (PADIM_CUDA_GRAPHS)
+        started = time.perf_counter()
+        sizes = detector.capture_graphs(max(batches))
+        capture = {"graph_sizes": list(sizes), "capture_seconds": round(time.perf_counter() - started, 2)}
+        for batch in batches if sizes else []:
+            say(
+                {
+                    "backbone": backbone,
+                    "step": "cuda_graphs",
+                    "precision": precision,
+                    "batch": batch,
+                    "images_per_second": round(throughput(detector, args.size, batch, args.repeats), 1),
+                    **capture,
+                },
+                results,
+            )
+        if not sizes:
+            say({"backbone": backbone, "step": "cuda_graphs", "skipped": "not captured (the log says why)"}, results)
     del detector
     if precision != "fp32":
         say(

@@ -5,10 +5,16 @@ An ``nn.Module`` whose fitted statistics are buffers, so ``.to(device)`` moves e
 (:mod:`padim.models.model_file`) and distributed code (:mod:`padim.models.fit.distributed`) live
 elsewhere. Shapes: ``B`` images, ``S`` the input side, ``P = H * W`` feature-grid pixels, ``D``
 embedding channels.
+
+:class:`CudaGraphs` replays the model's forward as CUDA graphs captured for fixed batch sizes (on a GPU a batch of
+one picture is otherwise bound by the launch of each of its few hundred kernels, not by the GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -18,6 +24,14 @@ from padim.core.scoring import image_scores, squared_mahalanobis
 from padim.core.tiling import Tiling, picture_maps
 from padim.models.features.embedding import FeatureEmbedder
 from padim.models.options import ScoringOptions
+
+log = logging.getLogger(__name__)
+
+#: Eager passes on a side stream before a size is captured (cudnn's tuning, lazily made constants).
+GRAPH_WARMUP = 2
+#: The captured graphs' scores against eager scoring of the same pictures, checked once after capture: they run
+#: the same kernels, so anything past this is a capture gone wrong, and the graphs are dropped.
+GRAPH_CHECK_RTOL = 1e-4
 
 
 class ScoreOutput(NamedTuple):
@@ -116,3 +130,95 @@ def score_distances(squared: torch.Tensor, tiling: Tiling, scoring: ScoringOptio
     per_picture, maps = picture_maps(squared, tiling, scoring.blur_sigma)  # (B, T * P), (B, H_in, W_in)
     scores = image_scores(maps, scoring.image_score, per_picture, scoring.top_fraction)
     return ScoreOutput(scores, maps, per_picture.mean(1))
+
+
+def graph_sizes(largest: int) -> tuple[int, ...]:
+    """The batch sizes captured for a scorer whose batches hold at most ``largest`` pictures: 1, 2, 4 and 8, every
+    multiple of 8 up to ``largest``, and ``largest``. A batch pads to the next size: past 8, at most 7 pictures of
+    work are wasted, and a batch of one runs at batch one's pace."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= largest} | set(range(16, largest + 1, 8)) | {max(1, largest)}
+    return tuple(sorted(sizes))
+
+
+class CudaGraphs:
+    """A :class:`PadimModel`'s forward captured as one CUDA graph per batch size, and replayed.
+
+    Each size's graph reads a static ``(size, 3, H, W)`` uint8 input on the GPU and writes static outputs; the
+    graphs share one memory pool (they never run at once: a lock holds a replay and the copies out of it). A
+    batch of ``n`` pictures is copied into the smallest captured size ``>= n`` (the rows past ``n`` keep whatever
+    they held: every picture is scored on its own, so they change nothing of the first ``n``), replayed, and its
+    first ``n`` results copied out. Capture is checked against eager scoring of the same random pictures; a capture
+    that fails or disagrees leaves no graphs (the caller scores eagerly, as before) and says why once.
+
+    Attributes:
+        sizes: the captured batch sizes, ascending (empty: none, score eagerly).
+        reason: why there are none, when there are none.
+    """
+
+    def __init__(self, model: PadimModel, sizes: tuple[int, ...], input_shape: tuple[int, int]):
+        self.model, self.input_shape = model, tuple(input_shape)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ScoreOutput]] = {}
+        self._lock = threading.Lock()
+        self.reason = ""
+        try:
+            self._capture(sorted(set(sizes)))
+            self._check(max(self._graphs))
+        except (RuntimeError, ValueError) as error:  # torch's CUDA errors, an out-of-memory among them
+            self._graphs.clear()
+            self.reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            with contextlib.suppress(RuntimeError):  # what failed may fail again here: the log line says it
+                torch.cuda.synchronize(model.device)
+                torch.cuda.empty_cache()
+            log.warning("CUDA graphs not captured (%s); scoring eagerly", self.reason)
+        self.sizes = tuple(sorted(self._graphs))
+
+    @torch.inference_mode()
+    def _capture(self, sizes: list[int]) -> None:
+        device = self.model.device
+        pool = None
+        for size in reversed(sizes):  # the largest first: its pool serves every smaller size
+            static = torch.zeros(size, 3, *self.input_shape, dtype=torch.uint8, device=device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP):
+                    self.model(static)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the service captures on its loader thread while another version scores on the GPU
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = self.model(static)
+            pool = graph.pool()
+            self._graphs[size] = (graph, static, out)
+        self._graphs = dict(sorted(self._graphs.items()))  # ascending: a batch takes the smallest that holds it
+        torch.cuda.synchronize(device)
+
+    def _check(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        pictures = torch.randint(0, 256, (size, 3, *self.input_shape), generator=generator, dtype=torch.uint8)
+        for n in sorted({1, size}):
+            replayed = self(pictures[:n])
+            eager = self.model(pictures[:n].to(self.model.device))
+            if replayed is None:
+                raise ValueError(f"no graph for a batch of {n}")
+            for name, got, expected in zip(ScoreOutput._fields, replayed, eager, strict=True):
+                if got is None or expected is None:
+                    continue
+                error = float(
+                    ((got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-12)).max()
+                )
+                if not error <= GRAPH_CHECK_RTOL:
+                    raise ValueError(f"the graph's {name} differ from eager scoring by {error:.1e} at a batch of {n}")
+
+    def __call__(self, batch: torch.Tensor) -> ScoreOutput | None:
+        """``(n, 3, H, W)`` uint8 pixels (host or GPU) -> the model's output for them, or ``None`` where no graph
+        fits (more pictures than the largest size, another shape or dtype): score those eagerly."""
+        n = len(batch)
+        size = next((s for s in self._graphs if s >= n), None) if n else None
+        if size is None or batch.dtype != torch.uint8 or tuple(batch.shape[1:]) != (3, *self.input_shape):
+            return None
+        graph, static, out = self._graphs[size]
+        with self._lock, torch.inference_mode():
+            static[:n].copy_(batch, non_blocking=True)
+            graph.replay()
+            return ScoreOutput(*(None if t is None else t[:n].clone() for t in out))

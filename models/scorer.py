@@ -52,12 +52,16 @@ class Scorer(Protocol):
         """What part of a picture the model sees and how (region of interest, resize mode); maps back to pictures."""
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        """RGB images -> ``(B, 3, H_in, W_in)`` float32 normalised model input (thread-safe; the decode pool);
-        ``H_in = W_in = S`` untiled."""
+        """RGB images -> ``(B, 3, H_in, W_in)`` uint8 pixels, framed as the model was fitted (thread-safe; the
+        decode pool); ``H_in = W_in = S`` untiled."""
 
     def score(self, batch: torch.Tensor) -> ScoreOutput:
-        """``(B, 3, H_in, W_in)`` model input -> raw image scores ``(B,)`` and anomaly maps ``(B, H_in, W_in)``
-        (a tiled model's tiles stitched into one map)."""
+        """``(B, 3, H_in, W_in)`` pixels (or normalised float32 model input) -> raw image scores ``(B,)`` and
+        anomaly maps ``(B, H_in, W_in)`` (a tiled model's tiles stitched into one map)."""
+
+    def capture_graphs(self, largest: int) -> tuple[int, ...]:
+        """Capture what :meth:`score` runs as CUDA graphs for batches of up to ``largest`` pictures, where this
+        scorer can (torch on a GPU); returns the batch sizes captured (none elsewhere)."""
 
     def describe(self) -> dict:
         """What a user sees of it (``padim info``, ``GET /models``, results files)."""

@@ -141,6 +141,11 @@ class ModelDescription(ModelInfo, ShownOptions):
         description="the backbone's arithmetic: a model file's train --precision (float32, bf16, fp16), or an "
         "export's padim export --precision (float32, int8, fp16, bf16); the threshold is that arithmetic's",
     )
+    cuda_graphs: list[int] = Field(
+        default=[],
+        description="the batch sizes scored through captured CUDA graphs (torch on a GPU, PADIM_CUDA_GRAPHS); "
+        "empty: every batch is scored eagerly",
+    )
     runs_at: Literal["float32", "bf16"] | None = Field(
         default=None,
         description="what the arithmetic is on this machine where it is not `precision`: a bf16 OpenVINO export "

@@ -132,6 +132,13 @@ class ServiceSettings(BaseSettings):
         "by up to 0.3% against the CPU's decode, measured, and the GPU's speed is not measured yet), auto on a GPU, "
         "on also on a CPU (to check it there)",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="torch on a GPU: capture the scorer as a CUDA graph for each batch size the batcher forms "
+        "(1, 2, 4, 8, every multiple of 8 up to the largest) at warm-up, and replay them (a batch pads to the next "
+        "size); checked against eager scoring at capture and dropped, with a warning, if they differ. Nothing on "
+        "a CPU or another runtime",
+    )
     decode_pixel_budget: int | None = Field(
         None,
         ge=1,

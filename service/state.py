@@ -481,6 +481,7 @@ class ServiceState:
                 "lower "
                 "PADIM_MAX_BATCH_SIZE (or PADIM_PREFERRED_BATCH_SIZE), or serve fewer models per GPU"
             ) from None
+        graphs = scorer.capture_graphs(largest) if self.settings.cuda_graphs else ()
         log.info(
             "warmed up",
             extra={
@@ -488,6 +489,7 @@ class ServiceState:
                 "batch": largest,
                 "device": str(scorer.device),
                 "runtime": scorer.runtime,
+                "cuda_graphs": list(graphs),
             },
         )
         sha256 = scorer.metadata["model"]["sha256"] if isinstance(scorer, DeployedDetector) else file_sha256(path)

@@ -87,6 +87,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_at(precision: str) -> dict:
+    """``runs_at`` where this machine runs an export at another precision than its own (bf16 without bfloat16)."""
+    from padim.models.deploy.runtimes import ExportError, openvino_runs  # torch: not for --help
+
+    try:
+        ran = openvino_runs(precision)
+    except ExportError:  # OpenVINO not installed: nothing runs it here
+        return {}
+    return {"runs_at": ran} if ran != precision else {}
+
+
 def export_summary(directory: Path) -> dict:
     """What ``padim info`` shows of an export directory (every file's digest checked)."""
     from padim.models.deploy.export import read_export  # torch: not for --help
@@ -101,6 +112,7 @@ def export_summary(directory: Path) -> dict:
         "format": metadata["format"],
         "verified": "every file",
         "precision": metadata.get("precision", "float32"),
+        **_runs_at(metadata.get("precision", "float32")),
         "backbone": description.get("backbone"),
         "image_size": description.get("image_size"),
         "weights": description.get("weights"),

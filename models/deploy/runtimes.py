@@ -375,6 +375,10 @@ class DeployedDetector:
             torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None
         )
 
+    def capture_graphs(self, largest: int) -> tuple[int, ...]:
+        """None: an exported graph runs on its runtime's own terms."""
+        return ()
+
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
         quantisation = self.metadata.get("quantisation")

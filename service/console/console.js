@@ -112,8 +112,14 @@ function describeInput(m) {
   return `${tiles[0]}x${tiles[1]} tiles of ${m.image_size} px (${shape[1]}x${shape[0]}, ${m.tile_statistics} statistics)`;
 }
 
-// A model fitted at bf16/fp16 (train --precision) or an export's int8/fp16, with the gate's reading.
+// A model fitted at bf16/fp16 (train --precision) or an export's int8/fp16/bf16, with the gate's reading, what
+// this machine runs it at where that differs, and the batch sizes replayed from CUDA graphs.
 function describePrecision(m) {
+  const graphs = (m.cuda_graphs || []).length ? `, CUDA graphs for batches of ${m.cuda_graphs.join(", ")}` : "";
+  return describeArithmetic(m) + (m.runs_at ? ` (runs at ${m.runs_at} here: this CPU has no bfloat16)` : "") + graphs;
+}
+
+function describeArithmetic(m) {
   if (!m.precision || m.precision === "float32") return "";
   const check = m.precision_check;
   if (!check) return ` at ${m.precision}`;

@@ -161,6 +161,50 @@ def test_the_service_is_ready_on_the_gpu_and_its_probe_passes(model_file):
         assert client.app.state.service.models["weave"].scorer.device.type == "cuda"
 
 
+def test_cuda_graphs_score_every_batch_size_as_eager_scoring_does(model_file, dataset):
+    """Captured for 1, 2, 4, 8 and 12 pictures: a batch of 3 pads to 4, one of 12 fits, one of 13 runs eagerly; each
+    equal to eager scoring of the same pictures (the same kernels: to 1e-5), host or GPU input alike; the outputs
+    are copies (a later replay does not change an earlier answer)."""
+    from PIL import Image
+
+    from padim.models.model_file import load_detector
+
+    detector = load_detector(model_file, device="cuda")
+    paths = sorted((dataset / "test").rglob("*.png"))
+    pixels = detector.preprocess([Image.open(p).convert("RGB") for p in (paths * 2)[:13]])
+    eager = [detector.score(pixels[:n]) for n in (1, 3, 12, 13)]
+    assert detector.capture_graphs(12) == (1, 2, 4, 8, 12), detector.graphs
+    assert detector.describe()["cuda_graphs"] == [1, 2, 4, 8, 12]
+    answers = []
+    for n, expected in zip((1, 3, 12, 13), eager, strict=True):
+        for batch in (pixels[:n], pixels[:n].cuda(), pixels[:n].pin_memory()):
+            got = detector.score(batch)
+            for a, b in zip(got, expected, strict=True):
+                assert a.shape == b.shape and relative(a, b) <= 1e-5
+            answers.append((got.raw_scores, got.raw_scores.clone()))
+    for kept, copy in answers:  # every earlier answer is still what it was
+        assert torch.equal(kept, copy)
+
+
+def test_the_service_captures_cuda_graphs_and_says_so(model_file):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from padim.service.app import create_app
+    from padim.service.settings import ServiceSettings
+
+    for graphs in (True, False):
+        settings = ServiceSettings(models=[model_file], device="cuda", runtime="torch", cuda_graphs=graphs)
+        with TestClient(create_app(settings)) as client:
+            for _ in range(600):
+                if client.get("/health/ready").status_code == 200:
+                    break
+                time.sleep(0.05)
+            model = client.get("/models").json()["models"][0]
+            assert bool(model["cuda_graphs"]) == graphs
+
+
 def test_onnxruntime_on_cuda_matches_torch(model_file):
     from padim.models.deploy.runtimes import load_scorer
     from padim.models.devices import onnxruntime_has_cuda

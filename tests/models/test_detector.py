@@ -135,6 +135,33 @@ def test_a_batch_for_the_gpu_is_stacked_in_page_locked_memory_and_scores_as_on_t
     torch.testing.assert_close(on_gpu, detector.score(pixels).raw_scores, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize(
+    "largest, sizes",
+    [
+        (1, (1,)),
+        (3, (1, 2, 3)),
+        (8, (1, 2, 4, 8)),
+        (12, (1, 2, 4, 8, 12)),
+        (20, (1, 2, 4, 8, 16, 20)),
+        (64, (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)),
+    ],
+)
+def test_cuda_graphs_are_captured_for_powers_of_two_to_8_then_every_multiple_of_8(largest, sizes):
+    from padim.models.model import graph_sizes
+
+    assert graph_sizes(largest) == sizes
+    waste = [min(s for s in sizes if s >= n) - n for n in range(1, largest + 1)]
+    assert max(waste[8:], default=0) <= 7  # past 8 pictures, a batch pads by at most 7
+
+
+def test_cuda_graphs_are_none_on_the_cpu_and_scores_stay_eager(detector, images):
+    pixels = detector.preprocess(pictures(images, 3))
+    before = detector.score(pixels).raw_scores
+    assert detector.capture_graphs(8) == () and detector.graphs is None
+    assert "cuda_graphs" not in detector.describe()
+    torch.testing.assert_close(detector.score(pixels).raw_scores, before, rtol=0, atol=0)
+
+
 def test_semi_orthogonal_reduction_fits(images):
     config = CONFIG.replace(reduction="semi_orthogonal", embedding_dim=40)
     detector, _ = fit_detector(config, images[:10], progress=False)

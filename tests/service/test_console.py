@@ -86,6 +86,8 @@ def test_upload_shows_the_apis_score_and_the_threshold_slider_rescores(browser, 
     from selenium.webdriver.common.keys import Keys
 
     defect = dataset / "test" / "hole" / "000.png"
+    browser.get("about:blank")  # the page of another test's server (stopped, or still polled) stops here
+    browser.get_log("browser")  # and what it logged is not this page's
     browser.get(server.url + "/")
     wait(browser, lambda d: not d.find_element(By.ID, "model").get_property("disabled"))
     assert browser.find_element(By.ID, "model").get_attribute("value") == "weave"

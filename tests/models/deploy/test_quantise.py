@@ -342,6 +342,8 @@ def test_a_bf16_export_is_gated_given_its_own_threshold_and_served_at_what_this_
     copies = np.sort(np.asarray(metadata["calibration_scores"], dtype=np.float64))
     assert metadata["calibration"]["threshold"] == pytest.approx(copies[math.ceil((CALIBRATION + 1) * (1 - RATE)) - 1])
     assert metadata["threshold_of"].startswith(f"bf16 scorer (openvino) on {CALIBRATION} held-out normal images")
+    info = json.loads(run_cli("info", output).stdout)
+    assert info["precision"] == "bf16" and info.get("runs_at") == (None if BFLOAT16 else "float32")
     caplog.set_level("WARNING", logger="padim.models.deploy.runtimes")
     scorer = load_scorer(output)
     assert scorer.runtime == "openvino" and scorer.precision == "bf16"
