@@ -92,9 +92,11 @@ def resolve_runtime(runtime: str, device: str) -> str:
     except ImportError:
         log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score 1.2-1.45x faster on CPU)")
         return "torch"
-    log.info(
-        "runtime auto: onnxruntime at float32 (the fastest runtime a model file's own threshold holds on)%s", _faster()
-    )
+    if log.isEnabledFor(logging.DEBUG):  # results and GET /models say which runtime scored; this says why
+        log.debug(
+            "runtime auto: onnxruntime at float32 (the fastest runtime a model file's own threshold holds on)%s",
+            _faster(),
+        )
     return "onnxruntime"
 
 

@@ -141,7 +141,7 @@ def test_auto_picks_onnxruntime_on_cpu_and_torch_where_torch_sees_a_gpu(monkeypa
 def test_auto_says_which_runtime_and_precision_it_chose_and_where_a_gated_export_would_be_faster(caplog):
     from padim.models.deploy.runtimes import openvino_runs
 
-    caplog.set_level("INFO", logger="padim.models.deploy.runtimes")
+    caplog.set_level("DEBUG", logger="padim.models.deploy.runtimes")
     assert resolve_runtime("auto", "cpu") == "onnxruntime"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("runtime auto:")]
     assert len(said) == 1 and said[0].startswith("runtime auto: onnxruntime at float32")
