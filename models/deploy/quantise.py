@@ -630,10 +630,10 @@ def export_quantised(
     work.mkdir()
     cpu = torch.device("cpu")
     runtime = "openvino" if fmt == "openvino" else "onnxruntime"
-    session = (
-        (lambda graph, precision="f32": OpenVinoSession(graph, cpu, precision))
+    session = (  # the precision: OpenVINO's inference precision (bf16); ONNX Runtime's graphs carry their own
+        (lambda graph, precision="float32": OpenVinoSession(graph, cpu, precision))
         if runtime == "openvino"
-        else (lambda graph, precision="f32": OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
+        else (lambda graph, precision="float32": OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
     )
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
     quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []

@@ -300,6 +300,8 @@ class DeployedDetector:
         config, weights, calibration, provenance: as on :class:`PadimDetector`, from ``padim.json``.
         precision_dtype: dtype of the precision factors in the graph.
         precision: the backbone's: ``float32``, ``int8``, ``fp16`` or ``bf16`` (``padim export --precision``).
+        runs_at: what it runs at here where that is not ``precision`` (a bf16 export on a CPU without bfloat16:
+            ``float32``), else ``None``.
         threshold_of: which scorer's scores set the threshold: ``float32 scorer`` (the model file's), or the
             quantised scorer's own on held-out normal images (export version 5).
     """
@@ -328,6 +330,7 @@ class DeployedDetector:
                 f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})"
             ) from None
         self.statistics = None
+        self.runs_at: str | None = None  # the arithmetic here where it is not ``precision``
         self.image_size = self.config.features.image_size
         self.framing = Framing.of(self.config)
         self._device = device
@@ -341,7 +344,8 @@ class DeployedDetector:
             self._session = OnnxRuntimeSession(graph, device, self.config.input_shape)
         elif runtime == "openvino":
             self._session = OpenVinoSession(graph, device, self.precision)
-            if self.precision == "bf16" and self._session.precision != "bf16":
+            if self._session.precision != self.precision:  # a bf16 export where OpenVINO runs float32
+                self.runs_at = self._session.precision
                 agreement = self.metadata.get("quantisation", {}).get("agreement", {})
                 log.warning(
                     "%s: a bf16 export on a CPU without bfloat16 (OpenVINO offers %s): it scores correctly at "
@@ -389,11 +393,7 @@ class DeployedDetector:
             **shown_options(self.config),
             "runtime": self.runtime,
             "precision": self.precision,
-            **(
-                {"runs_at": ran}
-                if (ran := getattr(self._session, "precision", self.precision)) != self.precision
-                else {}
-            ),
+            **({"runs_at": self.runs_at} if self.runs_at is not None else {}),
             "calibration": {
                 **self.metadata["description"]["calibration"],
                 **self.calibration.summary(),
