@@ -1,14 +1,16 @@
-"""Quantised scorers, measured side by side: float32 against int8 on ONNX Runtime and OpenVINO.
+"""Quantised scorers, measured side by side: float32 against int8 (and bf16) on ONNX Runtime and OpenVINO.
 
 A detector is fitted (``padim.fit``, the defaults, seeded random resnet18 weights unless
 ``--weights``) on generated normal pictures of one texture, then exported four times with
 :func:`padim.models.deploy.export.export_detector`: float32 and ``--precision int8`` for
-``onnx`` (ONNX Runtime) and ``openvino``. The int8 exports are calibrated on a folder of new normal
-pictures (32 for the quantiser, the rest for the threshold and the gate) and gated with a folder
-of defect pictures. Then, on test pictures none of them saw (normal and with a defect):
+``onnx`` (ONNX Runtime) and ``openvino``; a fifth time, ``--precision bf16`` for ``openvino``, where
+OpenVINO runs bfloat16 on this CPU (:func:`padim.models.deploy.runtimes.openvino_runs`). The int8 and
+bf16 exports are calibrated on a folder of new normal pictures (32 for the quantiser, int8 only; the rest
+for the threshold and the gate) and gated with a folder of defect pictures. Then, on test pictures none
+of them saw (normal and with a defect):
 
 - throughput of the whole scorer (the graph: backbone, statistics, map, score) at batch 1 and 16,
-  the four scorers interleaved round by round so that a slower moment of the machine hits each alike;
+  the scorers interleaved round by round so that a slower moment of the machine hits each alike;
 - image AUROC of each scorer, and the gate's reading of each int8 export (score error, verdicts
   changed on the calibration pictures at the float32 threshold).
 
@@ -35,7 +37,7 @@ import padim
 from padim.models.data.synthetic import add_defect, texture
 from padim.models.deploy.export import export_detector
 from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
-from padim.models.deploy.runtimes import load_scorer
+from padim.models.deploy.runtimes import load_scorer, openvino_runs
 from padim.models.model_file import load_detector
 
 DEFECTS = ("scratch", "stain", "hole")
@@ -94,27 +96,29 @@ def main() -> int:
     detector = load_detector(model, device="cpu")
     del calibration
     exports, gates = {}, {}
-    for fmt in ("onnx", "openvino"):
-        for precision in ("float32", "int8"):
-            options = None if precision == "float32" else QuantiseOptions("int8", work / "calibration", work / "check")
-            started = time.perf_counter()
-            directory = (
-                export_detector(detector, work / f"{fmt}-{precision}", fmt, model)
-                if options is None
-                else export_quantised_detector(detector, work / f"{fmt}-{precision}", fmt, model, options)
-            )
-            seconds = time.perf_counter() - started
-            name = f"{'onnxruntime' if fmt == 'onnx' else 'openvino'} {precision}"
-            exports[name] = directory
-            metadata = json.loads((directory / "padim.json").read_text())
-            gates[name] = {
-                "export_seconds": round(seconds, 1),
-                **(
-                    {"agreement": metadata["quantisation"]["agreement"], "calibration": metadata["calibration"]}
-                    if precision == "int8"
-                    else {}
-                ),
-            }
+    made = [(fmt, precision) for fmt in ("onnx", "openvino") for precision in ("float32", "int8")]
+    if openvino_runs("bf16") == "bf16":
+        made.append(("openvino", "bf16"))
+    for fmt, precision in made:
+        options = None if precision == "float32" else QuantiseOptions(precision, work / "calibration", work / "check")
+        started = time.perf_counter()
+        directory = (
+            export_detector(detector, work / f"{fmt}-{precision}", fmt, model)
+            if options is None
+            else export_quantised_detector(detector, work / f"{fmt}-{precision}", fmt, model, options)
+        )
+        seconds = time.perf_counter() - started
+        name = f"{'onnxruntime' if fmt == 'onnx' else 'openvino'} {precision}"
+        exports[name] = directory
+        metadata = json.loads((directory / "padim.json").read_text())
+        gates[name] = {
+            "export_seconds": round(seconds, 1),
+            **(
+                {"agreement": metadata["quantisation"]["agreement"], "calibration": metadata["calibration"]}
+                if precision != "float32"
+                else {}
+            ),
+        }
     scorers = {name: load_scorer(directory) for name, directory in exports.items()}
     inputs = detector.preprocess([Image.open(p).convert("RGB") for p in good + bad])
     labels = np.r_[np.zeros(len(good)), np.ones(len(bad))]
@@ -148,7 +152,7 @@ def main() -> int:
         f"{'AUROC':>7}"
     )
     for name, row in rows.items():
-        base = rows[name.replace("int8", "float32")]
+        base = rows[name.replace("int8", "float32").replace("bf16", "float32")]
         row["speedup_batch16"] = base["batch16_ms"] / row["batch16_ms"]
         row["speedup_batch1"] = base["batch1_ms"] / row["batch1_ms"]
         print(

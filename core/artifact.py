@@ -36,7 +36,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +88,7 @@ class TensorStream:
         return _numel(self.shape) * _itemsize(self.dtype)
 
 
-def save_artifact(path: str | os.PathLike, tensors: dict[str, torch.Tensor | TensorStream], header: dict) -> None:
+def save_artifact(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor | TensorStream], header: dict) -> None:
     """Write ``tensors`` and ``header`` atomically to ``path``, with their digests.
 
     Tensors are laid out widest dtype first (so that each starts aligned), then by name.

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -105,9 +105,13 @@ class Prediction(Verdict):
         if max_side is not None and max(image.size) > max_side:
             scale = max_side / max(image.size)
             size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-            image = image.resize(size, Image.BILINEAR)
+            image = image.resize(size, Image.Resampling.BILINEAR)
             values = resize_map(torch.from_numpy(values), size[1], size[0]).numpy()
-            box = None if box is None else tuple(round(v * scale) for v in box)
+            box = (
+                None
+                if box is None
+                else (round(box[0] * scale), round(box[1] * scale), round(box[2] * scale), round(box[3] * scale))
+            )
         return figure(image, values, self, label=self.stamp, title=self.source, scored=box)
 
     def to_dict(self) -> dict:
@@ -191,17 +195,20 @@ class Detector:
         single = not isinstance(images, (list, tuple)) and not (
             isinstance(images, (str, os.PathLike)) and Path(images).is_dir()
         )
-        results = []
-        for item in self.iter_predict(images if isinstance(images, (list, tuple)) else [images], threshold):
-            if isinstance(item, NonFiniteScoreError):
-                raise item
-            results.append(item)
+        results = self._predicted(_listed(images), threshold)
         return results[0] if single else results
 
     def scores(self, images: ImageInput | Sequence[ImageInput]) -> np.ndarray:
         """``(N,)`` calibrated scores, in the order given (folders expanded, sorted)."""
-        predictions = self.predict(images if isinstance(images, (list, tuple)) else [images])
-        return np.array([p.score for p in predictions], dtype=np.float64)
+        return np.array([p.score for p in self._predicted(_listed(images))], dtype=np.float64)
+
+    def _predicted(self, images: list[ImageInput], threshold: float | None = None) -> list[Prediction]:
+        results = []
+        for item in self.iter_predict(images, threshold):
+            if isinstance(item, NonFiniteScoreError):
+                raise item
+            results.append(item)
+        return results
 
     def iter_predict(
         self,
@@ -257,7 +264,8 @@ class Detector:
                 continue
             # at the picture's size and place (0 outside the region of interest), a drafted JPEG's too
             framing, picture = self.scorer.framing, image.info.get(PICTURE_SIZE)
-            full = framing.to_picture(small, *(picture or image.size), picture).numpy().astype(np.float32)
+            width, height = picture or image.size
+            full = framing.to_picture(small, width, height, picture).numpy().astype(np.float32)
             yield Prediction(
                 **asdict(found),
                 source=name,
@@ -321,7 +329,7 @@ def fit(
     if config is None:
         config = PadimConfig()
     elif not isinstance(config, PadimConfig):
-        config = read_config_file(config, label="config")[0]
+        config = read_config_file(Path(config), label="config")[0]
     allowed = list(OPTIONS)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -336,8 +344,8 @@ def fit(
             found = _training_images(images, Path(scratch))
             if not found:
                 raise FitError(f"{images}: no images found (looked for png, jpg, jpeg, bmp, tif)")
-            report = train(config, found, output, progress=progress, scratch_dir=scratch, gate=gate)
-        scorer = load_detector(output, device=config.run.device)
+            report = train(config, found, Path(output), progress=progress, scratch_dir=scratch, gate=gate)
+        scorer = load_detector(Path(output), device=config.run.device)
     except BaseException:
         if kept is not None:
             shutil.rmtree(kept, ignore_errors=True)
@@ -352,7 +360,7 @@ def fit(
 
 def _training_images(images, scratch: Path) -> list[TrainingImage]:
     if isinstance(images, (str, os.PathLike)):
-        return training_images(images)
+        return training_images(Path(images))
     found = []
     for i, item in enumerate(images):
         if isinstance(item, (str, os.PathLike)):
@@ -362,6 +370,13 @@ def _training_images(images, scratch: Path) -> list[TrainingImage]:
             _as_image(item).save(path)
             found.append(TrainingImage(path, path.name))
     return found
+
+
+def _listed(images: ImageInput | Sequence[ImageInput]) -> list[ImageInput]:
+    """Several inputs as a list; one (a path, a folder, a picture, an array) as a list of one."""
+    if isinstance(images, (list, tuple)):
+        return list(images)
+    return [cast(ImageInput, images)]  # not a list or a tuple: one input (a str is one path)
 
 
 def _as_image(item) -> Image.Image:

@@ -8,7 +8,7 @@ file is read and written by :mod:`padim.models.model_file`; it is made by
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -53,7 +53,7 @@ def promise_covers(expect: str, fit_changes: bool = False) -> str:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 @dataclass

@@ -71,7 +71,13 @@ class AccuracyGateFailed(ExportError):
 
 
 class NonFiniteScoreError(PadimError, ArithmeticError):
-    """A score or map that is NaN or infinite: no verdict may be given from it."""
+    """A score or map that is NaN or infinite: no verdict may be given from it.
+
+    Attributes:
+        source: the picture it was computed from, where the caller knows it (``Detector.iter_predict``).
+    """
+
+    source: str | None = None
 
 
 class VersionNotFound(UsageError):

@@ -48,10 +48,14 @@ MIN_PANEL = 256
 class VerdictLike(Protocol):
     """What :func:`figure` writes in its band (a :class:`padim.models.Verdict` has it)."""
 
-    score: float
-    is_anomaly: bool
-    threshold: float
-    anomalous_area: float
+    @property
+    def score(self) -> float: ...
+    @property
+    def is_anomaly(self) -> bool: ...
+    @property
+    def threshold(self) -> float: ...
+    @property
+    def anomalous_area(self) -> float: ...
 
 
 def colorize(values: np.ndarray) -> np.ndarray:
@@ -150,7 +154,9 @@ def figure(
     if image.width < MIN_PANEL:
         factor = -(-MIN_PANEL // image.width)
         image, normalised_map = _enlarged(image, normalised_map)
-        scored = None if scored is None else tuple(v * factor for v in scored)
+        scored = (
+            None if scored is None else (scored[0] * factor, scored[1] * factor, scored[2] * factor, scored[3] * factor)
+        )
     width, height = image.size
     gap = max(4, width // 80)
     total = 2 * width + gap
@@ -173,10 +179,10 @@ def _enlarged(image: Image.Image, normalised_map: np.ndarray) -> tuple[Image.Ima
     factor = -(-MIN_PANEL // image.width)
     size = (image.width * factor, image.height * factor)
     enlarged = np.asarray(
-        Image.fromarray(np.asarray(normalised_map, dtype=np.float32), mode="F").resize(size, Image.BILINEAR),
+        Image.fromarray(np.asarray(normalised_map, dtype=np.float32), mode="F").resize(size, Image.Resampling.BILINEAR),
         dtype=np.float64,
     )
-    return image.convert("RGB").resize(size, Image.BILINEAR), enlarged
+    return image.convert("RGB").resize(size, Image.Resampling.BILINEAR), enlarged
 
 
 def _draw_band(
@@ -263,4 +269,4 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
 
 def _text_size(font, text: str) -> tuple[int, int]:
     box = ImageDraw.Draw(Image.new("L", (1, 1))).textbbox((0, 0), text, font=font)
-    return box[2] - box[0], box[3] - box[1]
+    return round(box[2] - box[0]), round(box[3] - box[1])

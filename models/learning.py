@@ -169,10 +169,11 @@ def update_model(
             f"least {MIN_IMAGES}"
         )
     fitted = set(fit.image_digests.tolist())
-    fresh = []
+    fresh: list[TrainingImage] = []
+    already: list[TrainingImage] = []
     for image in add:
-        (report.already_fitted if file_digest(image.path) in fitted else fresh).append(image)
-    report.already_fitted = [i.name for i in report.already_fitted]
+        (already if file_digest(image.path) in fitted else fresh).append(image)
+    report.already_fitted = [i.name for i in already]
     if not fresh and not report.removed:
         raise FitError("nothing to update: every picture to add is fitted already, and none to take out was fitted")
     progress_to("add", 0, len(fresh))

@@ -69,6 +69,9 @@ class PadimModel(nn.Module):
             ``patch_max`` or ``top_mean``: :func:`padim.core.scoring.image_scores`).
     """
 
+    mean: torch.Tensor  # buffers, declared for the type checker (nn.Module's attributes are untyped)
+    precision_factor: torch.Tensor
+
     def __init__(
         self,
         embedder: FeatureEmbedder,
@@ -221,4 +224,5 @@ class CudaGraphs:
         with self._lock, torch.inference_mode():
             static[:n].copy_(batch, non_blocking=True)
             graph.replay()
-            return ScoreOutput(*(None if t is None else t[:n].clone() for t in out))
+            raw_scores, maps, inputs = out
+            return ScoreOutput(raw_scores[:n].clone(), maps[:n].clone(), None if inputs is None else inputs[:n].clone())

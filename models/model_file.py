@@ -267,6 +267,7 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
 # ---------------------------------------------------------------------- fits
 def save_fit(fit: Fit, path: str | Path) -> None:
     """Write a fit's statistics alone (``train --partial``), to be combined by ``padim merge``."""
+    assert fit.statistics is not None, "a partial fit keeps its statistics"
     tensors = {
         **_common_tensors(fit.embedding, fit.backbone_weights, fit.image_digests),
         **_statistics_tensors(fit.statistics),
@@ -321,11 +322,11 @@ def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
 def _common_tensors(
     embedding: Embedding, backbone_weights: dict[str, torch.Tensor], image_digests: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    reduction = (
-        {"embedding.channel_index": embedding.channel_index}
-        if embedding.channel_index is not None
-        else {"embedding.projection": embedding.projection}
-    )
+    if embedding.channel_index is not None:
+        reduction = {"embedding.channel_index": embedding.channel_index}
+    else:
+        assert embedding.projection is not None, "an embedding selects channels or projects them"
+        reduction = {"embedding.projection": embedding.projection}
     return {"image_digests": image_digests, **reduction, **{f"backbone.{k}": v for k, v in backbone_weights.items()}}
 
 

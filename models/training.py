@@ -332,7 +332,8 @@ def merge_fits(
             report.warnings.append(shortfall)
         return report
     finally:
-        finished.factors.close()
+        if finished.factors is not None:
+            finished.factors.close()
 
 
 # ---------------------------------------------------------------------- helpers
@@ -356,6 +357,7 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
             )
         if not merged.embedding.same_reduction(part.embedding):
             raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
+        assert merged.statistics is not None and part.statistics is not None, "a partial fit holds its statistics"
         merge_states_(merged.statistics, part.statistics)
         merged.image_digests = torch.cat([merged.image_digests, part.image_digests]).sort().values
         provenances.append(part.provenance)
@@ -434,6 +436,7 @@ def _out_of_memory_as_error(fit: Fit | None, report: FitReport, facts: FitFacts 
 
 def _spooled_scores(fit: Fit) -> ScoringPass:
     spooled = fit.spooled
+    assert spooled is not None, "scored from the spool only where the fit spooled"
     return ScoringPass(SpooledRows(spooled.spool), spooled.names, spooled.folds)
 
 
@@ -559,7 +562,8 @@ def _out_of_fold_calibration(
 
 
 def _fold(name: str, config: PadimConfig) -> int | None:
-    return None if config.gaussian.calibration_folds == "loo" else fold_of(name, config.gaussian.calibration_folds)
+    folds = config.gaussian.calibration_folds
+    return None if isinstance(folds, str) else fold_of(name, folds)  # "loo": no folds
 
 
 def _leave_out_fitted(fit: Fit, images: Sequence[TrainingImage], report: FitReport) -> list[TrainingImage]:

@@ -55,6 +55,7 @@ def answer(
         resized = scorer.framing.to_picture(scored.map, width, height, decoded.picture)
         normalised_map = calibration.normalise(resized.double()).numpy()
         if heatmap:
+            assert decoded.shown is not None, "a heat map was asked for: the decoder kept the picture"
             box = scorer.framing.shown_box(width, height, decoded.picture)
             result["heatmap"] = png_base64(overlay(decoded.shown, normalised_map, result["threshold"], scored=box))
         if mask:

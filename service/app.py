@@ -27,7 +27,7 @@ from .state import ServiceState
 log = logging.getLogger("padim.service")
 
 #: Routers whose routes need the API key when one is set (see deps.require_api_key).
-PROTECTED_TAGS = {score.router.tags[0], models.router.tags[0], lines.router.tags[0]}
+PROTECTED_TAGS = {str(r.tags[0]) for r in (score.router, models.router, lines.router)}
 
 DESCRIPTION = """PaDiM anomaly scoring. `POST /score` with an image (multipart field `file`, or the raw
 body with an `image/*` or `application/octet-stream` content type) returns its score (0..1, threshold
@@ -98,7 +98,7 @@ def create_app(
             app.include_router(updates.router)
     _add_console(app)
     any_key = any(k is not None for k in (settings.api_key, settings.admin_key, settings.review_key))
-    app.openapi = lambda: truthful_openapi(
+    app.openapi = lambda: truthful_openapi(  # type: ignore[method-assign]  # FastAPI's documented override
         app,
         PROTECTED_TAGS,
         api_key_required=settings.api_key is not None,

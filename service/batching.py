@@ -269,6 +269,11 @@ def _deliver(item: Item, result: ScoredImage | BaseException) -> None:
         log.exception("delivering a scored image failed")
 
 
+def _jpeg(item: Item) -> torch.Tensor:
+    assert item.jpeg is not None, "an item without pixels carries its JPEG"
+    return item.jpeg
+
+
 def score_items(
     score_batch: Callable[[torch.Tensor], ScoreOutput],
     items: Sequence[Item],
@@ -277,15 +282,15 @@ def score_items(
 ) -> list[ScoredImage]:
     """Score ``items`` as one batch: what each image's verdict needs, counted on the scorer's device (``target``).
     Their JPEGs are decoded on ``device`` first, together; the others' pixels cross to it as one 8-bit batch."""
-    tensors = [item.tensor for item in items]
     jpegs = [i for i, item in enumerate(items) if item.tensor is None]
     if jpegs:
         assert device is not None, "a JPEG came for a device that does not decode"
-        for i, tensor in zip(jpegs, device.decode([items[i].jpeg for i in jpegs]), strict=True):
-            tensors[i] = tensor if tensor is not None else device.on_cpu(items[i].jpeg)
-        batch = torch.stack([t.to(device.device) for t in tensors])
+        tensors = [item.tensor for item in items]
+        for i, tensor in zip(jpegs, device.decode([_jpeg(items[i]) for i in jpegs]), strict=True):
+            tensors[i] = tensor if tensor is not None else device.on_cpu(_jpeg(items[i]))
+        batch = torch.stack([t.to(device.device) for t in tensors if t is not None])
     else:
-        batch = stacked(tensors, target)
+        batch = stacked([item.tensor for item in items if item.tensor is not None], target)
     out = score_batch(batch)
     return scored_images(out, [item.raw_threshold for item in items], [item.keep_map for item in items])
 

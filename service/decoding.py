@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,7 +141,7 @@ class Decoder:
         Raises:
             ApiError: 413 when too large, 422 when not a picture the model can read.
         """
-        limits = {"max_pixels": self.max_image_pixels, "limit_name": "PADIM_MAX_IMAGE_PIXELS"}
+        limits: dict[str, Any] = {"max_pixels": self.max_image_pixels, "limit_name": "PADIM_MAX_IMAGE_PIXELS"}
         try:
             width, height = image_dimensions(data, **limits)
             return self._decoded(scorer, data, keep_image, out, limits, self.pixels.hold(width * height))

@@ -305,9 +305,9 @@ class Metrics:
             self.monitor_p_value.labels(model, test).set(result.p_value if result is not None else math.nan)
             self.monitor_alarm.labels(model, test).set(1.0 if result is not None and result.alarm else 0.0)
         for statistic, value in (
-            ("score_drift", drift.score_drift and drift.score_drift.statistic),
-            ("input_drift", drift.input_drift and drift.input_drift.statistic),
-            ("score_psi", drift.score_drift and drift.score_drift.psi),
+            ("score_drift", drift.score_drift.statistic if drift.score_drift else None),
+            ("input_drift", drift.input_drift.statistic if drift.input_drift else None),
+            ("score_psi", drift.score_drift.psi if drift.score_drift else None),
         ):
             self.monitor_statistic.labels(model, statistic).set(math.nan if value is None else value)
 

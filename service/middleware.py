@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import Callable
 
-from .deadlines import deadline
 from .errors import BodyTimeout, BodyTooLarge
 from .metrics import Metrics
 
@@ -74,7 +73,7 @@ class BodyGuard:
 
     async def _receive_by(self, receive, until: float, timeout_s: float, setting: str) -> dict:
         try:
-            async with deadline(max(0.0, until - time.monotonic())):
+            async with asyncio.timeout(max(0.0, until - time.monotonic())):
                 return await receive()
         except TimeoutError:
             raise BodyTimeout(timeout_s, setting) from None
@@ -84,7 +83,7 @@ class BodyGuard:
         discarded = 0
         while discarded <= self.max_discard_bytes:
             try:
-                async with deadline(max(0.0, until - time.monotonic())):
+                async with asyncio.timeout(max(0.0, until - time.monotonic())):
                     message = await receive()
             except TimeoutError:
                 return

@@ -99,7 +99,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     limits: ConnectionLimits
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: TimerHandle | None = None
         self._awaiting_headers = True

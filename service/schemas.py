@@ -121,12 +121,13 @@ class QuantisationInfo(BaseModel):
 
 
 #: The options a served model's description shows, with their help as the description: from their declaration.
-ShownOptions = create_model(
+#: Built at import from that table, so its fields are known at run time only: mypy checks it as a BaseModel.
+ShownOptions: type[BaseModel] = create_model(  # type: ignore[call-overload]  # fields from a table, not literals
     "ShownOptions", **{name: (kind, Field(description=what)) for name, (kind, what) in shown_fields().items()}
 )
 
 
-class ModelDescription(ModelInfo, ShownOptions):
+class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type]  # ShownOptions: made at import
     """A served model in full (``GET /models``)."""
 
     weights_source: str

@@ -179,10 +179,10 @@ def serve(settings: ServiceSettings) -> int:
         port=settings.port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=settings.drain_timeout_s,
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # uvicorn: int, takes float
         lifespan="on",
         http=guarded_protocol(limits),
-        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn: int, takes float
         server_header=False,
         headers=[("server", SERVER_HEADER)],
     )

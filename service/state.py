@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -152,7 +153,11 @@ def model_info(name: str, version: int, sha256: str, scorer) -> ModelInfo:
 
 def joined(first: ScoreOutput, second: ScoreOutput) -> ScoreOutput:
     """Two outputs of one scorer as one, in order."""
-    inputs = torch.cat([first.input_distances, second.input_distances]) if first.input_distances is not None else None
+    inputs = (
+        torch.cat([first.input_distances, second.input_distances])
+        if first.input_distances is not None and second.input_distances is not None
+        else None
+    )
     return ScoreOutput(torch.cat([first.raw_scores, second.raw_scores]), torch.cat([first.maps, second.maps]), inputs)
 
 
@@ -344,7 +349,7 @@ class ServiceState:
         name = version.name
         served.batcher = Batcher(
             self.scheduler,
-            score_batch=lambda batch, m=served: self.score(m, batch),  # bound to this version, never looked up by name
+            score_batch=functools.partial(self.score, served),  # bound to this version, never looked up by name
             max_batch_size=largest,
             preferred_batch_size=preferred,
             max_delay=self.settings.max_delay_ms / 1000,
@@ -655,9 +660,11 @@ class ServiceState:
     async def poll(self) -> None:
         """Serve what the repository says is active (a version or model copied in, ``ACTIVE`` edited by hand)."""
         assert self.repository is not None
+        every_s = self.settings.repository_poll_s
+        assert every_s is not None, "polled only with PADIM_REPOSITORY_POLL_S"
         failed: set[tuple[str, int]] = set()
         while True:
-            await asyncio.sleep(self.settings.repository_poll_s)
+            await asyncio.sleep(every_s)
             if not self.ready:
                 continue
             for name in await asyncio.to_thread(self.repository.names):

@@ -37,7 +37,7 @@ log = logging.getLogger("padim.service")
 class UpdateJobs:
     """The update jobs of one service (``state``: its :class:`~padim.service.state.ServiceState`)."""
 
-    def __init__(self, state):
+    def __init__(self, state) -> None:
         self.state = state
         self.running: dict[str, str] = {}  # model -> job id
         self.stopping = threading.Event()  # the service is stopping: a job commits nothing more

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TextIO
 
 from padim.models.errors import UsageError
 
@@ -59,8 +60,10 @@ class Results:
 
     def __init__(self, out: Path):
         self.out, self.path = out, out / "results.jsonl"
-        self.file = None
-        self.anomalous, self.non_finite, self.unreadable = 0, [], []
+        self.file: TextIO | None = None
+        self.anomalous = 0
+        self.non_finite: list[str] = []
+        self.unreadable: list[str] = []
 
     def write(self, record: dict) -> None:
         if self.file is None:  # nothing is created until there is a first line to write
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             for result in detector.iter_predict([path for path, _ in items], unreadable=unreadable):
                 _flush_unreadable(unreadable, results, bar)
                 if isinstance(result, NonFiniteScoreError):  # fail closed: no score, no verdict, exit 1 below
-                    results.error(result.source, "non_finite_score", str(result))
+                    results.error(str(result.source), "non_finite_score", str(result))  # named by iter_predict
                 else:
                     results.anomalous += result.is_anomaly
                     results.write(_save(result, name_of[result.source], args))

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )
         return 0
+    assert name is not None, "every action but list names a model"
     if args.action == "add":
         _check_servable(args.model)
         version = repository.add(name, args.model)

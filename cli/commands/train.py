@@ -155,7 +155,7 @@ def configuration(args: argparse.Namespace):
     """The configuration from defaults, ``--config`` YAML and flags, and which fields were given explicitly."""
     from padim.models.config import PadimConfig, read_config_file  # torch comes with the tiling
 
-    config, given = PadimConfig(), set()
+    config, given = PadimConfig(), set[str]()
     if args.config is not None:
         config, given = read_config_file(args.config)
     flags = options.given_flags(args)

@@ -184,4 +184,6 @@ def _moved(image: Image.Image, dx: float, dy: float, angle: float) -> Image.Imag
     d, e = sin, cos
     c = cx - a * ox - b * oy
     f = cy - d * ox - e * oy
-    return padded.transform((width, height), Image.AFFINE, (a, b, c, d, e, f), resample=Image.BICUBIC)
+    return padded.transform(
+        (width, height), Image.Transform.AFFINE, (a, b, c, d, e, f), resample=Image.Resampling.BICUBIC
+    )

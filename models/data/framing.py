@@ -149,19 +149,19 @@ class Framing:
     def to_square(self, image: Image.Image, name: str = "image") -> Image.Image:
         """A decoded picture -> its ``S x S`` (``W_in x H_in``) model input: the region cut out, made square,
         resized (bilinear)."""
-        return self._framed(image, Image.BILINEAR, PAD_FILL, name)
+        return self._framed(image, Image.Resampling.BILINEAR, PAD_FILL, name)
 
     def to_square_mask(self, mask: Image.Image) -> np.ndarray:
         """A ground-truth mask of the picture (defect where above 127) -> ``(S, S)`` (``(H_in, W_in)``) bool on
         the model input (nearest)."""
         mask = mask.convert("L").point(lambda v: 255 if v > 127 else 0)
-        return np.asarray(self._framed(mask, Image.NEAREST, 0)) > 0
+        return np.asarray(self._framed(mask, Image.Resampling.NEAREST, 0)) > 0
 
     def _framed(self, image: Image.Image, resample, fill, name: str = "image") -> Image.Image:
         size = self.input_shape[::-1]  # (W_in, H_in)
         if self.is_whole_picture:
             return image.resize(size, resample)
-        picture = image.info.get(PICTURE_SIZE, image.size)
+        picture: tuple[int, int] = image.info.get(PICTURE_SIZE, image.size)
         sx, sy = image.width / picture[0], image.height / picture[1]  # decoded / picture (JPEG draft)
 
         def scaled(box):

@@ -146,7 +146,7 @@ def bounded_copy(image: Image.Image, max_side: int) -> Image.Image:
     width, height = bounded_size(image.size, max_side)
     if (width, height) == image.size:
         return image
-    return image.resize((width, height), Image.BILINEAR, reducing_gap=2.0)
+    return image.resize((width, height), Image.Resampling.BILINEAR, reducing_gap=2.0)
 
 
 def bounded_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
@@ -266,6 +266,7 @@ def iter_decoded(
         kept_paths, kept = [], []
         for path, image in zip(chunk, decoded, strict=True):
             if isinstance(image, ImageError):
+                assert unreadable is not None, "decode raises where no list is given"
                 unreadable.append((path, image.reason))
             else:
                 kept_paths.append(path)

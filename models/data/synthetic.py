@@ -22,6 +22,7 @@ systematic change of the kind a line meets, that the pictures of region 0 never 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -52,7 +53,7 @@ class _Region:
 def texture(category: str, size: int, rng: np.random.Generator, region: float = 0.0) -> np.ndarray:
     """A normal ``(size, size, 3)`` float image in ``[0, 1]`` (of another region of the material for ``region`` > 0)."""
     if region:
-        rng = _Region(rng, region)
+        rng = cast(np.random.Generator, _Region(rng, region))  # draws as a Generator does
     y, x = np.mgrid[0:size, 0:size].astype(np.float64) / size
     if category == "weave":
         period = rng.uniform(0.055, 0.065)
@@ -152,9 +153,9 @@ def _placed_part(category: str, size: int, rng: np.random.Generator) -> np.ndarr
             )
     shift = rng.uniform(-0.02, 0.02, size=2) * big
     canvas = canvas.rotate(
-        float(rng.uniform(-3, 3)), resample=Image.BILINEAR, translate=tuple(shift), fillcolor=background
+        float(rng.uniform(-3, 3)), resample=Image.Resampling.BILINEAR, translate=tuple(shift), fillcolor=background
     )
-    image = np.asarray(canvas.resize((size, size), Image.LANCZOS), dtype=np.float64) / 255.0
+    image = np.asarray(canvas.resize((size, size), Image.Resampling.LANCZOS), dtype=np.float64) / 255.0
     image = image * rng.uniform(0.96, 1.04) + rng.normal(0, 0.02, size=image.shape)
     return np.clip(image, 0, 1)
 

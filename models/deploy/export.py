@@ -94,6 +94,13 @@ class ExportedScorer(nn.Module):
         detector: the fitted detector (its torch model, any device).
     """
 
+    # buffers, declared for the type checker (nn.Module's attributes are untyped)
+    mean: torch.Tensor
+    precision_factor_packed: torch.Tensor
+    unpack_index: torch.Tensor
+    rows: torch.Tensor
+    cols_t: torch.Tensor
+
     def __init__(self, detector: PadimDetector, backbone_dtype: torch.dtype = torch.float32):
         super().__init__()
         model = detector.model
@@ -304,6 +311,7 @@ def _export_onnx(
             optimize=True,
             verbose=False,
         )
+        assert program is not None, "torch.onnx.export(dynamo=True) returns its program"
         program.save(str(path), external_data=external)
     return path
 

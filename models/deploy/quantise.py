@@ -267,14 +267,17 @@ def compare(
     from sklearn.metrics import roc_auc_score  # as scipy: only for an export that needs it
 
     normal_n = len(reference_normal.raw_scores)
-    parts = [(reference_normal, quantised_normal)] + ([(reference_check, quantised_check)] if reference_check else [])
+    parts = [(reference_normal, quantised_normal)]
+    if reference_check:
+        assert quantised_check is not None, "both scorers score the check pictures"
+        parts.append((reference_check, quantised_check))
     reference = np.concatenate([r.raw_scores for r, _ in parts]).astype(np.float64)
     quantised = np.concatenate([q.raw_scores for _, q in parts]).astype(np.float64)
     maps = np.concatenate([map_differences(r.maps, q.maps) for r, q in parts])
     errors = relative_differences(reference, quantised)
     changed = (reference >= threshold) != (quantised >= threshold)
     check_n = len(reference) - normal_n
-    auroc = (None, None)
+    auroc: tuple[float | None, float | None] = (None, None)
     if check_n:
         labels = np.r_[np.zeros(normal_n), np.ones(check_n)]
         auroc = (float(roc_auc_score(labels, reference)), float(roc_auc_score(labels, quantised)))
@@ -506,8 +509,12 @@ def promise_line(calibration: Calibration) -> str:
         return shortfall
     return (
         f"{calibration.count} held-out normal images promise {calibration.promised_false_alarm_rate:.2%} false "
-        f"alarms (at most {calibration.false_alarm_bound:.2%} with 95% confidence; "
-        f"{images_needed(calibration.false_alarm_rate)} images are the fewest for this rate)"
+        f"alarms (at most {calibration.false_alarm_bound:.2%} with 95% confidence"
+        + (
+            f"; {images_needed(calibration.false_alarm_rate)} images are the fewest for this rate)"
+            if calibration.false_alarm_rate is not None
+            else ")"
+        )
     )
 
 

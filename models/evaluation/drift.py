@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
@@ -48,7 +48,7 @@ class Recent:
 
 def score_folder(scorer, paths: list[Path], batch_size: int, workers: int, progress: bool = True) -> Recent:
     """Score ``paths`` with ``scorer`` (any runtime) and keep what the drift reading needs."""
-    recent, unreadable = Recent(), []
+    recent, unreadable = Recent(), list[tuple[Path, str]]()
     config = scorer.config
     with tqdm(total=len(paths), desc="drift", unit="img", disable=not progress, leave=False) as bar:
         for chunk, loaded in iter_for_model(paths, config, batch_size, workers, unreadable):
@@ -103,7 +103,7 @@ def write_drift_report(
             weights_label=scorer.weights.label,
             stamp=scorer.weights.stamp,
             runtime=scorer.runtime,
-            created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            created=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             drift=drift,
             rows=_rows(drift),
             plot=_plot(recent, calibration),

@@ -159,7 +159,12 @@ def load_masks(samples: list[Sample], size: int | tuple[int, int] | Framing) -> 
     defect outside the region is not counted, as the model never sees it. ``size``: else the maps' side, or
     their ``(height, width)``."""
     framing = size if isinstance(size, Framing) else None
-    shape = framing.input_shape if framing is not None else (size, size) if isinstance(size, int) else tuple(size)
+    if isinstance(size, Framing):
+        shape = size.input_shape
+    elif isinstance(size, int):
+        shape = (size, size)
+    else:
+        shape = (size[0], size[1])
     masks = []
     for sample in samples:
         if sample.mask_path is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
@@ -221,7 +221,7 @@ def _page(scored: Scored, metrics: dict, detector, model_label: str, plots: dict
             weights_label=detector.weights.label,
             runtime=detector.runtime,
             stamp=detector.weights.stamp,
-            created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            created=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             summary=_summary_rows(scored, metrics, detector.calibration.summary()),
             confusion=confusion,
             defects=_defect_rows(metrics),

@@ -105,6 +105,7 @@ class Embedding(nn.Module):
                 self.register_buffer(f"_part{i}", local.to(torch.int64), persistent=False)
             self.embedding_dim = int(channel_index.numel())
         else:
+            assert projection is not None
             self.register_buffer("projection", projection.to(torch.float32))
             self.channel_index = None
             for i, (o, c) in enumerate(zip(offsets, channels, strict=True)):  # (D, C_l, 1, 1) 1x1-convolution weights

@@ -90,12 +90,12 @@ def folds_of(groups: Sequence[Sequence], shard: Shard | None) -> list[list]:
     Out-of-fold scores need every image of a fold on one rank. Rank ``r`` takes the folds that
     start within its ``1 / world`` of the images (all of them without a shard).
     """
-    groups = [list(g) for g in groups]
+    folds = [list(g) for g in groups]
     if shard is None:
-        return groups
-    total = sum(len(g) for g in groups)
+        return folds
+    total = sum(len(g) for g in folds)
     mine, seen = [], 0
-    for group in groups:
+    for group in folds:
         if shard.rank * total <= seen * shard.world < (shard.rank + 1) * total:
             mine.append(group)
         seen += len(group)

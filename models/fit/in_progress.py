@@ -334,7 +334,7 @@ class Fit:
         """``images`` grouped by calibration fold (fold order, then name); one image a fold for ``loo``."""
         ordered = sorted(images, key=lambda i: i.name)
         folds = self.config.gaussian.calibration_folds
-        if folds == "loo":
+        if isinstance(folds, str):  # "loo", the only word the option takes
             return [[image] for image in ordered]
         groups: list[list[TrainingImage]] = [[] for _ in range(folds)]
         for image in ordered:
@@ -397,6 +397,7 @@ class Fit:
                         rows_fold.extend(self.per_row(fold_of_path[p] for p in paths))
                         bar.set_postfix_str(f"embeddings spooled: {_megabytes(spooled.spool.nbytes)}", refresh=False)
                     else:
+                        assert accumulator is not None, "no spool: the images go into the accumulator"
                         accumulator.partial_fit(fitted)
                     digests.extend((name_of[p], file_digest(p)) for p in paths)
                     bar.update(len(digests) + len(unreadable) - bar.n)  # images read so far, good or not
@@ -418,6 +419,7 @@ class Fit:
             spooled.folds = run_lengths(rows_fold)
             self.spooled = spooled
         else:
+            assert accumulator is not None, "no spool: the images went into the accumulator"
             statistics = accumulator.state
             if statistics is None:
                 statistics = empty_state(self.pixels, self.embedder.embedding_dim, self.device)
@@ -597,6 +599,7 @@ class Fit:
             return Shrinkage(epsilon)
         if state.spooled is None:
             holder = state.target if state.target is not None else state.base
+            assert holder is not None, "without a spool the statistics hold every image"
             return Shrinkage.of(holder, epsilon, weight).to(self.device)
         total = torch.zeros(self.embedder.embedding_dim, self.embedder.embedding_dim, dtype=torch.float64)
         with (
@@ -633,6 +636,7 @@ class Fit:
             return _State(int(base.count), base.mean, base, None, None)
         n_b = 0 if base is None else int(base.count)
         n_s = spooled.count
+        assert spooled.mean is not None, "the spool's mean is set once pass 1 is over"
         n = n_b + n_s
         if base is None:
             mean = spooled.mean
@@ -652,7 +656,9 @@ class Fit:
         spooled = state.spooled
         if spooled is None or (not forming and state.target is not None):
             holder = state.target if state.target is not None else state.base
+            assert holder is not None, "without a spool the statistics hold every image"
             return unpack_lower(holder.comoment[start:stop], dim, symmetric=True)
+        assert spooled.mean is not None, "the spool's mean is set once pass 1 is over"
         mean = spooled.mean[start:stop]  # (c, D) of the spooled images: centred on their exact mean
         square = torch.empty(stop - start, dim, dim, dtype=torch.float64, device=self.device)
 
@@ -684,6 +690,7 @@ class Fit:
         if self.spooled is None:
             return
         if with_statistics:
+            assert state.target is not None, "statistics kept: the merge named where they go"
             state.target.mean.copy_(state.mean)
             state.target.count.fill_(state.count)
             self.statistics = state.target
@@ -766,6 +773,7 @@ class Fit:
                             self.rows_per_image,
                         )
                 else:
+                    assert base is not None, "not refitted: the fold's base was formed"
                     values = fold_squared_distances(base, mean, count, members, start)
                     if copies is not None:
                         values = _rejoin(

@@ -216,7 +216,8 @@ class Line(_Strict):
 
     def sink_names(self) -> list[str]:
         """``mqtt``, ``webhook``, ``opcua`` (``mqtt-2`` for a second of a kind): outbox and metric labels."""
-        names, seen = [], {}
+        names: list[str] = []
+        seen: dict[str, int] = {}
         for sink in self.sinks:
             seen[sink.type] = seen.get(sink.type, 0) + 1
             names.append(sink.type if seen[sink.type] == 1 else f"{sink.type}-{seen[sink.type]}")

@@ -61,7 +61,7 @@ class LineRunner:
         self.source: HotFolder | Camera = (
             Camera(config.source) if isinstance(config.source, CameraSource) else HotFolder(config.source)
         )
-        self.trigger_client = None
+        self.trigger_client: MqttTrigger | None = None
         self.sinks: list[Sink] = [
             make_sink(s, n, config.name) for s, n in zip(config.sinks, self.sink_names, strict=True)
         ]
@@ -385,7 +385,7 @@ class LineRunner:
                     "connected": sink.connected,
                     "error": sink.last_error,
                     "outbox": depths[sink.name],
-                    "oldest_s": None if ages[sink.name] is None else round(ages[sink.name], 3),
+                    "oldest_s": _rounded(ages[sink.name]),
                     "full": depths[sink.name] >= self.config.outbox.max_messages,
                     "dropped": self.journal.dropped[sink.name],
                 }
@@ -491,3 +491,7 @@ async def run_lines(settings) -> int:
         await lines.stop()
         await state.close()
     return 0
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)

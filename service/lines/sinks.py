@@ -16,9 +16,13 @@ import logging
 import os
 import ssl
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .config import MqttConnection, MqttSink, OpcUaSink, WebhookSink
+
+if TYPE_CHECKING:  # the extras, imported where a line uses them
+    import httpx
+    from asyncua import Client
 
 log = logging.getLogger("padim.lines")
 
@@ -169,7 +173,7 @@ class Webhook:
         self.connected = True
         self.last_error: str | None = None
         self._secret = os.environ[config.secret_env].encode() if config.secret_env else None
-        self._client = None  # an httpx.AsyncClient once started
+        self._client: httpx.AsyncClient | None = None  # once started
 
     async def start(self) -> None:
         import httpx  # the `lines` extra, imported only where a line posts to a webhook
@@ -219,7 +223,7 @@ class OpcUaWriter:
         self.config, self.name = config, name
         self.connected = False
         self.last_error: str | None = "connecting"
-        self._client = None
+        self._client: Client | None = None
         self._nodes: list = []
         self._types: list = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -193,7 +194,7 @@ class ApiState:
                         heatmap or mask,
                         monitor,
                         threshold is not None,
-                        done=lambda slots=slots: self.slots.give(slots),
+                        done=functools.partial(self.slots.give, slots),
                     )
                     try:
                         scored = [
@@ -425,10 +426,10 @@ def main(argv: list[str]) -> int:
         app,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=settings.drain_timeout_s,
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # uvicorn: int, takes float
         lifespan="on",
         http=guarded_protocol(limits),
-        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn: int, takes float
         server_header=False,
         headers=[("server", SERVER_HEADER)],
     )

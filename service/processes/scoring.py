@@ -138,9 +138,10 @@ def main(argv: list[str]) -> int:
         uds=str(run.engine_socket),
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=settings.drain_timeout_s,
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # uvicorn: int, takes float
         lifespan="on",
-        timeout_keep_alive=max(settings.keep_alive_timeout_s, 60.0),  # the API processes keep their connections
+        # the API processes keep their connections
+        timeout_keep_alive=max(settings.keep_alive_timeout_s, 60.0),  # type: ignore[arg-type]  # uvicorn: int, takes float
         server_header=False,
     )
     server = DrainingServer(config, state)

@@ -109,9 +109,9 @@ def usable_cpus() -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
-        if quota != "max":
-            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+        limit, every = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
+        if limit != "max":
+            cpus = min(cpus, max(1, int(int(limit) / int(every))))
     except (OSError, ValueError):
         try:  # cgroup v1
             quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())

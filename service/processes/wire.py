@@ -36,6 +36,9 @@ from .shared import PIXELS, RunFolder, Slot, SlotMaps
 log = logging.getLogger("padim.service")
 
 HELLO, SCORE, CANCEL, SCORED, FAILED, STALE = range(6)
+
+#: A scored picture's numbers as they cross: a :class:`ScoredImage` but its map (which stays in its slot).
+Numbers = tuple[float, float | None, int, int, bool]
 #: Seconds between attempts to reach a scoring process that is not (yet) there.
 RECONNECT_S = 0.1
 
@@ -93,7 +96,7 @@ class Link:
         monitor: bool,
         own_threshold: bool,
         done: Callable[[], None],
-    ) -> list[tuple]:
+    ) -> list[Numbers]:
         """The numbers of the pictures in ``slots``, scored by version ``serial``. Returned, the slots hold the maps
         and are the caller's to give back; otherwise ``done`` is called once the scoring process is finished with
         them (its answer came, or it is gone), even if this is cancelled.
@@ -182,7 +185,8 @@ class Link:
 
     def _attach(self, connection: Connection, lost: threading.Event) -> None:
         """On the event loop: answers are read as they arrive (the loop watches the connection)."""
-        assert self.loop is not None
+        loop = self.loop
+        assert loop is not None
 
         def readable() -> None:
             try:
@@ -190,7 +194,7 @@ class Link:
                     message = pickle.loads(connection.recv_bytes())
                     self._finish(message[1], message)
             except (EOFError, OSError):
-                self.loop.remove_reader(connection.fileno())
+                loop.remove_reader(connection.fileno())
                 self.up.clear()
                 self._connection = None
                 with contextlib.suppress(OSError):
@@ -199,7 +203,7 @@ class Link:
                 lost.set()
 
         self._connection = connection
-        self.loop.add_reader(connection.fileno(), readable)
+        loop.add_reader(connection.fileno(), readable)
         self.up.set()
         log.info("connected to the scoring process", extra={"row": self.row})
 
@@ -384,7 +388,7 @@ class Intake:
                 error = failure if isinstance(failure, ApiError) else ApiError("scoring_failed", str(failure))
                 request.peer.answer((FAILED, request.id, error.code, error.message, error.headers))
                 return
-            numbers = []
+            numbers: list[Numbers] = []
             for slot, scored in zip(request.slots, results, strict=True):
                 assert isinstance(scored, ScoredImage)
                 if scored.map is not None:

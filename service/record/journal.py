@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from padim.models.errors import UsageError
 from padim.models.repository import sync_directory
@@ -98,7 +99,7 @@ class Journal:
         self.position = self._read_position(numbers)
         if write:
             self.current = (numbers[-1] + 1) if numbers else max(1, self.position.segment)
-            self._handle = open(self._path(self.current), "ab")
+            self._handle: BinaryIO | None = open(self._path(self.current), "ab")
         else:  # adopted: read to the end, never written
             self.current = numbers[-1] if numbers else self.position.segment
             self._handle = None
@@ -133,10 +134,12 @@ class Journal:
         with self._lock:
             if self._written >= SEGMENT_BYTES:
                 self._rotate()
+            handle = self._handle
+            assert handle is not None, "an adopted journal is read, never written"
             try:
-                self._handle.write(b"".join(lines))
-                self._handle.flush()
-                os.fsync(self._handle.fileno())
+                handle.write(b"".join(lines))
+                handle.flush()
+                os.fsync(handle.fileno())
             except OSError:
                 self._rotate()  # what was half-written stays behind, as a torn line the reader skips
                 raise
@@ -144,7 +147,8 @@ class Journal:
 
     def _rotate(self) -> None:
         try:
-            self._handle.close()
+            if self._handle is not None:
+                self._handle.close()
         except OSError:
             pass
         self.current += 1

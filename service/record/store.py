@@ -8,6 +8,7 @@ by Alembic (:func:`migrate`).
 
 from __future__ import annotations
 
+import builtins  # `list` in the class is its method: the type is spelled builtins.list there
 import contextlib
 import hashlib
 import logging
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -130,7 +132,7 @@ class RecordStore:
     def __init__(self, url: str):
         self.url = url
         self.engine = make_engine(url)
-        self.kind = "sqlite" if url.startswith("sqlite") else "postgresql"
+        self.kind: Literal["sqlite", "postgresql"] = "sqlite" if url.startswith("sqlite") else "postgresql"
 
     def migrate(self) -> None:
         migrate(self.engine)
@@ -263,7 +265,7 @@ class RecordStore:
         with self.engine.begin() as connection:
             connection.execute(update(pictures).where(pictures.c.sha256.in_(list(sha256s))).values(pinned=True))
 
-    def labelled(self, model: str, label: str) -> list[dict]:
+    def labelled(self, model: str, label: str) -> builtins.list[dict]:
         """The latest row of each picture of ``model`` whose latest review says ``label``, with a kept picture."""
         query = (
             select(records)
@@ -278,7 +280,7 @@ class RecordStore:
             latest[row["sha256"]] = row
         return list(latest.values())
 
-    def rows(self, ids: list[str]) -> list[dict]:
+    def rows(self, ids: builtins.list[str]) -> builtins.list[dict]:
         with self.engine.connect() as connection:
             found = {
                 r["id"]: dict(r)
@@ -321,7 +323,7 @@ class RecordStore:
 
     def evictable(
         self, max_bytes: int, passed_before: float, flagged_before: float, spare_after: float, limit: int = 1000
-    ) -> list[tuple[str, int]]:
+    ) -> builtins.list[tuple[str, int]]:
         """Pictures to evict, in order: past their retention, then (while the kept bytes are over ``max_bytes``)
         passed ones oldest first, then flagged ones oldest first; never pinned ones, nor any seen after
         ``spare_after`` (being stored again). ``(sha256, bytes)``."""
@@ -360,7 +362,7 @@ class RecordStore:
                     over -= int(size)
         return chosen
 
-    def evicted(self, sha256s: list[str], now: float | None = None) -> None:
+    def evicted(self, sha256s: builtins.list[str], now: float | None = None) -> None:
         with self.engine.begin() as connection:
             connection.execute(
                 update(pictures)

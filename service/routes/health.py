@@ -29,7 +29,7 @@ async def ready(state: StateDep, request: Request):
     if state.draining:
         reason = "draining"
     elif device_problem is not None or state.failure is not None:
-        reason = "failed: " + (device_problem or state.failure)
+        reason = f"failed: {device_problem or state.failure}"
     else:
         reason = "failed: " + state.startup_error if state.startup_error else "loading"
     body = (

@@ -21,6 +21,7 @@ from ..deps import RecordReader, ReviewKey, StateDep
 from ..errors import ApiError
 from ..openapi import error_responses
 from ..record.pictures import picture_format
+from ..record.recorder import Recorder
 from ..record.store import Filters
 from ..schemas import RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
 from ..state import ServiceState
@@ -41,6 +42,13 @@ def row_out(row: dict) -> dict:
         "reviewed_at": iso(row.get("reviewed_at")),
         **({"reviews": [{**r, "time": iso(r["time"])} for r in row["reviews"]]} if "reviews" in row else {}),
     }
+
+
+def recorder(state: ServiceState) -> Recorder:
+    """The service's record; 503 record_unavailable where it is off."""
+    if state.record is None:
+        raise RecordUnavailable("the inspection record is off")
+    return state.record
 
 
 async def on_database(state: ServiceState, call, *args):
@@ -96,7 +104,7 @@ async def list_records(
         until=_seconds("until", until),
         part=part,
     )
-    return _page(await on_database(state, state.record.store.list, filters, limit, cursor), limit)
+    return _page(await on_database(state, recorder(state).store.list, filters, limit, cursor), limit)
 
 
 @router.get(
@@ -112,7 +120,7 @@ async def review_queue(
     limit: Limit = 50,
     cursor: Annotated[str | None, Query(pattern="^[0-9a-f]{32}$")] = None,
 ) -> RecordsPage:
-    rows = await on_database(state, state.record.store.list, Filters(model=model, queue=True), limit, cursor)
+    rows = await on_database(state, recorder(state).store.list, Filters(model=model, queue=True), limit, cursor)
     return _page(rows, limit)
 
 
@@ -123,7 +131,7 @@ async def review_queue(
     responses=error_responses(401, 503),
 )
 async def storage(state: StateDep) -> RecordStorage:
-    record = state.record
+    record = recorder(state)
     # The journal first: a row it no longer holds is in the database before the counts below are read, so a
     # report with nothing waiting counts every picture and row answered before it was asked for.
     rows_waiting, journal_bytes = await asyncio.to_thread(record.waiting_everywhere)
@@ -152,7 +160,7 @@ async def storage(state: StateDep) -> RecordStorage:
     responses=error_responses(401, 404, 503),
 )
 async def get_record(record_id: str, state: StateDep) -> RecordDetail:
-    return RecordDetail(**row_out(await on_database(state, state.record.store.get, record_id)))
+    return RecordDetail(**row_out(await on_database(state, recorder(state).store.get, record_id)))
 
 
 @router.get(
@@ -162,8 +170,8 @@ async def get_record(record_id: str, state: StateDep) -> RecordDetail:
     responses={**error_responses(401, 404, 410, 503), 200: {"content": {"image/*": {}}, "description": "the picture"}},
 )
 async def get_image(record_id: str, state: StateDep) -> Response:
-    row = await on_database(state, state.record.store.get, record_id)
-    data = await asyncio.to_thread(state.record.pictures.read, row["sha256"])
+    row = await on_database(state, recorder(state).store.get, record_id)
+    data = await asyncio.to_thread(recorder(state).pictures.read, row["sha256"])
     if data is None:
         raise _gone(record_id, row)
     return Response(
@@ -181,8 +189,8 @@ async def get_image(record_id: str, state: StateDep) -> Response:
     responses={**error_responses(401, 404, 410, 503, 507), 200: {"content": {"image/png": {}}, "description": "PNG"}},
 )
 async def get_heatmap(record_id: str, state: StateDep) -> Response:
-    row = await on_database(state, state.record.store.get, record_id)
-    data = await asyncio.to_thread(state.record.pictures.read, row["sha256"])
+    row = await on_database(state, recorder(state).store.get, record_id)
+    data = await asyncio.to_thread(recorder(state).pictures.read, row["sha256"])
     if data is None:
         raise _gone(record_id, row)
     result = await state.heatmap_of(row["model"], row["version"], data, row["threshold"])
@@ -200,7 +208,7 @@ async def get_heatmap(record_id: str, state: StateDep) -> Response:
 )
 async def review(record_id: str, body: ReviewRequest, state: StateDep) -> RecordDetail:
     row = await on_database(
-        state, state.record.store.review, record_id, body.label, body.defect_type, body.note, body.reviewer
+        state, recorder(state).store.review, record_id, body.label, body.defect_type, body.note, body.reviewer
     )
     state.metrics.reviews.labels(row["model"], body.label).inc()
     return RecordDetail(**row_out(row))

@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException
 
 from padim.models.errors import RecordUnavailable
 
-from ..deadlines import deadline, uncancel
 from ..deps import ApiKey, StateDep, require_api_key
 from ..errors import ApiError, answer_for
 from ..openapi import error_responses
@@ -41,7 +40,9 @@ def _image_body(many: bool) -> dict:
         "threshold": {"type": "number", "minimum": 0, "maximum": 1},
         "fields": {"type": "string", "description": FIELDS_HELP},
     }
-    content = {"multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": ["file"]}}}
+    content: dict[str, dict] = {
+        "multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": ["file"]}}
+    }
     if not many:  # the raw image as the body; its format is read from its bytes, not the content type
         content["image/*"] = {"schema": file_schema}
         content["application/octet-stream"] = {"schema": file_schema}
@@ -167,7 +168,9 @@ async def _score(
         if monitor:
             state.observe(served, results, own_threshold=threshold is not None)
         if recording:
-            futures = state.keep(served, datas, digests, fields if many else [fields], scored, results, pictures)
+            futures = state.keep(
+                served, datas, digests, fields if isinstance(fields, list) else [fields], scored, results, pictures
+            )
             if state.settings.record_required:
                 await _durable(futures, state.settings.record_timeout_s)
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
@@ -216,14 +219,14 @@ async def _answered(request: Request, timeout_s: float, scoring: Coroutine) -> t
 
     gone.add_done_callback(leave)
     try:
-        async with deadline(timeout_s):
+        async with asyncio.timeout(timeout_s):
             return await scoring
     except TimeoutError:
         raise ApiError("timeout", f"not scored within {timeout_s:g} s; the server is overloaded") from None
     except asyncio.CancelledError:
         if not left:
             raise
-        uncancel(current)
+        current.uncancel()  # answered here: a later cancellation is not taken for this one
         raise ApiError(
             "client_disconnected", "the client closed the connection before its images were scored"
         ) from None
@@ -254,10 +257,11 @@ async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[
             form = await request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS)
         except HTTPException as error:
             raise ApiError("invalid_multipart", f"the multipart body could not be read: {error.detail}") from None
-        parts = form.getlist("file")
-        if not parts:
+        entries = form.getlist("file")
+        if not entries:
             raise ApiError("missing_file", "the multipart body has no 'file' field")
-        if any(not isinstance(p, UploadFile) for p in parts):
+        parts = [p for p in entries if isinstance(p, UploadFile)]
+        if len(parts) < len(entries):
             raise ApiError("missing_file", "'file' must be a file part, not a text field")
         if not many and len(parts) > 1:
             raise ApiError(
@@ -290,7 +294,7 @@ async def _read_images(request: Request, many: bool, batch_limit: int) -> tuple[
 
 
 def _form_options(form) -> dict:
-    options = {}
+    options: dict[str, bool | str | float] = {}
     for key in ("heatmap", "mask"):
         value = form.get(key)
         if isinstance(value, str):

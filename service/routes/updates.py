@@ -13,7 +13,7 @@ from fastapi import APIRouter, Body, Query
 from ..deps import AdminKey, RecordReader, StateDep
 from ..openapi import error_responses
 from ..schemas import JobInfo, UpdateRequest
-from .records import iso, on_database
+from .records import iso, on_database, recorder
 
 router = APIRouter(tags=["admin"], dependencies=[AdminKey])
 jobs = APIRouter(tags=["record"], dependencies=[RecordReader])
@@ -44,7 +44,7 @@ async def update(
     responses=error_responses(401, 404, 503),
 )
 async def get_job(job_id: str, state: StateDep) -> JobInfo:
-    return JobInfo(**_job_out(await on_database(state, state.record.store.job, job_id)))
+    return JobInfo(**_job_out(await on_database(state, recorder(state).store.job, job_id)))
 
 
 def _job_out(job: dict) -> dict:

@@ -21,7 +21,7 @@ from padim.models.repository import MODEL_FILE, check_name
 from ..deps import AdminKey, StateDep
 from ..errors import ApiError
 from ..openapi import error_responses
-from ..schemas import VersionChange, VersionsResponse
+from ..schemas import VersionChange, VersionInfo, VersionsResponse
 
 router = APIRouter(prefix="/models", tags=["admin"], dependencies=[AdminKey])
 
@@ -40,7 +40,9 @@ SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 async def list_versions(name: str, state: StateDep) -> VersionsResponse:
     if not state.ready:
         state.model(None)  # 503 while loading
-    return VersionsResponse(model=name, versions=await asyncio.to_thread(state.versions, name))
+    return VersionsResponse(
+        model=name, versions=[VersionInfo(**v) for v in await asyncio.to_thread(state.versions, name)]
+    )
 
 
 @router.post(
