@@ -9,6 +9,7 @@ a comment.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,56 @@ def test_no_cycle_between_the_rooms_of_models():
     for name, targets in GRAPH.items():
         rooms.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
     assert strongly_connected({k: sorted(v) for k, v in rooms.items()}) == []
+
+
+#: The rooms of :mod:`padim.models`, lower first: a module imports its own room and those before it (a top-level
+#: module is a room of one). docs/layout.md says the same in words.
+MODEL_ROOMS = (
+    "padim.models.choices",
+    "padim.models.errors",
+    "padim.models.options",
+    "padim.models.devices",
+    "padim.models.data",
+    "padim.models.config",
+    "padim.models.features",
+    "padim.models.scoring",
+    "padim.models.scorer",
+    "padim.models.fit",
+    "padim.models.deploy",
+    "padim.models.evaluation",
+    "padim.models.repository",
+    "padim.models.api",
+    "padim.models",
+)
+MODELS = sorted(n for n in MODULES if n == "padim.models" or n.startswith("padim.models."))
+ROOMS_OF_MODELS = sorted(n for n in MODELS if n.count(".") == 2 and is_package(n))
+
+
+def test_models_reads_as_a_table_of_contents():
+    """At most about ten modules at the top of models/, every module in a room of the list above."""
+    top = [n for n in MODELS if n.count(".") == 2 and not is_package(n)]
+    assert len(top) <= 10, f"{len(top)} modules at the top of models/: {top}"
+    assert sorted({room(n) for n in MODELS}) == sorted(MODEL_ROOMS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_rooms_of_models_import_down(name):
+    mine = MODEL_ROOMS.index(room(name))
+    upward = [t for t in GRAPH[name] if t in MODELS and MODEL_ROOMS.index(room(t)) > mine]
+    assert not upward, f"{name} ({room(name)}) imports {upward} from a room above it (tests/test_layers.py)"
+
+
+@pytest.mark.parametrize("package", ROOMS_OF_MODELS)
+def test_each_room_opens_with_what_it_holds_and_may_import(package):
+    """Its docstring names each of its modules and, after "May import:", every room of models/ it imports."""
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+    assert "May import:" in doc, f"{package}: no 'May import:' in its docstring"
+    said = set(re.findall(r":mod:`(padim\.models\.\w+)`", doc.split("May import:", 1)[1]))
+    used = {room(t) for n in MODELS if room(n) == package for t in GRAPH[n] if t in MODELS and room(t) != package}
+    assert used <= said, f"{package} imports {sorted(used - said)}, which its docstring does not name"
+    assert all(MODEL_ROOMS.index(r) < MODEL_ROOMS.index(package) for r in said), f"{package} names a room above it"
+    modules = [n.rpartition(".")[2] for n in MODELS if n.startswith(package + ".")]
+    assert [m for m in modules if f"``{m}``" not in doc] == [], f"{package}: its docstring leaves modules out"
 
 
 def test_layers_are_told_apart():

@@ -58,7 +58,13 @@ from padim.models.deploy.export import (
     export_detector,
     require,
 )
-from padim.models.deploy.runtimes import OnnxRuntimeSession, OpenVinoSession, openvino_capabilities, openvino_runs
+from padim.models.deploy.runtimes import (
+    OnnxRuntimeSession,
+    OpenVinoSession,
+    bfloat16_native,
+    openvino_capabilities,
+    openvino_runs,
+)
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
 from padim.models.features.embedding import model_input
 
@@ -584,10 +590,11 @@ def export_quantised_detector(
     """
     check_combination(options.precision, fmt, triton_device)
     require("openvino" if fmt == "openvino" else "onnxruntime")
-    if options.precision == "bf16" and openvino_runs("bf16") != "bf16":
+    if options.precision == "bf16" and not bfloat16_native():
+        how = "emulated, slower than float32" if openvino_runs("bf16") == "bf16" else "at float32"
         raise ExportError(
-            f"this CPU has no bfloat16 that OpenVINO uses (it offers {', '.join(openvino_capabilities())}), so a bf16 "
-            "export would run, be gated and be calibrated at float32 here: export it on the CPU that will score it "
+            f"this CPU has no native bfloat16 (OpenVINO offers {', '.join(openvino_capabilities())}), so a bf16 "
+            f"export would run, be gated and be calibrated {how} here: export it on the CPU that will score it "
             "(AVX512-BF16 or AMX), or use --precision int8 or float32 here"
         )
     if options.false_alarm_rate is None and detector.calibration.false_alarm_rate is None:
