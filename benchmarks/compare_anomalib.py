@@ -38,7 +38,7 @@ from timing import machine_name, median_seconds, seeded_resnet18, work_folder
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.data.synthetic import generate
 from padim.models.evaluation.metrics import compute_metrics, read_mvtec_category
-from padim.models.model_file import save_detector
+from padim.models.fit.model_file import save_detector
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("weave", "carpet", "tiles")

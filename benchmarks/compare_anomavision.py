@@ -130,7 +130,7 @@ def main() -> int:
     from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
     from padim.models.deploy.runtimes import load_scorer, openvino_runs
     from padim.models.features.embedding import model_input
-    from padim.models.model_file import save_detector
+    from padim.models.fit.model_file import save_detector
 
     work = work_folder(args.workdir, "padim-vs-anomavision-")
     work.mkdir(parents=True, exist_ok=True)

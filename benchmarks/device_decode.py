@@ -30,7 +30,7 @@ from timing import work_folder  # noqa: E402 (the benchmarks' own helpers)
 
 from padim.models import PadimConfig, fit_detector, training_images  # noqa: E402
 from padim.models.deploy.runtimes import load_scorer  # noqa: E402
-from padim.models.model_file import save_detector  # noqa: E402
+from padim.models.fit.model_file import save_detector  # noqa: E402
 from padim.service.decoding import Decoder  # noqa: E402
 from padim.service.device_decoding import DeviceDecode, jpeg_tensor  # noqa: E402
 

@@ -49,7 +49,7 @@ from padim.models.deploy.runtimes import TENSORRT_ENV, load_scorer  # noqa: E402
 from padim.models.devices import onnxruntime_has_cuda  # noqa: E402
 from padim.models.errors import PadimError  # noqa: E402
 from padim.models.features.embedding import stacked  # noqa: E402
-from padim.models.model_file import load_detector  # noqa: E402
+from padim.models.fit.model_file import load_detector  # noqa: E402
 
 
 def say(record: dict, results: list[dict]) -> None:

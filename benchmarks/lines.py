@@ -143,7 +143,7 @@ def main() -> int:
 
     from padim.models import PadimConfig, fit_detector, training_images
     from padim.models.data.synthetic import generate
-    from padim.models.model_file import save_detector
+    from padim.models.fit.model_file import save_detector
 
     work = work_folder(args.workdir, "padim-lines-")
     category = work / "data" / "carpet"

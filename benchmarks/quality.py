@@ -82,8 +82,8 @@ from padim.models.data.synthetic import CATEGORIES, DEFECTS, MORE_DEFECTS, gener
 from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_category
 from padim.models.features.embedding import Embedding, model_input
 from padim.models.fit.memory_plan import FitFacts, plan_fit
-from padim.models.model import PadimModel
 from padim.models.options import Gaussian
+from padim.models.scoring.model import PadimModel
 
 HERE = Path(__file__).resolve().parent
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")

@@ -38,7 +38,7 @@ from padim.models.data.synthetic import add_defect, texture
 from padim.models.deploy.export import export_detector
 from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
 from padim.models.deploy.runtimes import load_scorer, openvino_runs
-from padim.models.model_file import load_detector
+from padim.models.fit.model_file import load_detector
 
 DEFECTS = ("scratch", "stain", "hole")
 

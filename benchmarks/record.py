@@ -246,7 +246,7 @@ def writer_rate(url: str | None, folder: Path, rows: int) -> dict:
 
 # ------------------------------------------------------------------------------ 3, 4. the update
 def flag_share(model: Path, pictures: list[Path]) -> float:
-    from padim.models.learning import flagged
+    from padim.models.fit.learning import flagged
 
     verdicts = flagged(model, pictures)
     return sum(verdicts) / len(verdicts)
@@ -255,7 +255,7 @@ def flag_share(model: Path, pictures: list[Path]) -> float:
 def update_cost(work: Path, fit: Path, lamp: list[Path], defects: list[Path], size: int, reviewed: int) -> dict:
     from padim.core.artifact import read_header
     from padim.models.fit.in_progress import TrainingImage
-    from padim.models.learning import picture_name, update_model
+    from padim.models.fit.learning import picture_name, update_model
 
     base = work / "base.padim"
     base_seconds = train(fit, base, size)

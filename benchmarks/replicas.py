@@ -93,7 +93,7 @@ def main() -> int:
 
     from padim.models import PadimConfig, fit_detector, training_images
     from padim.models.data.synthetic import generate
-    from padim.models.model_file import save_detector
+    from padim.models.fit.model_file import save_detector
     from padim.models.repository import Repository
 
     work = work_folder(args.workdir, "padim-replicas-")

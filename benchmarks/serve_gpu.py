@@ -50,7 +50,7 @@ from padim.models import PadimConfig, fit_detector, training_images  # noqa: E40
 from padim.models.data.synthetic import generate  # noqa: E402
 from padim.models.deploy.runtimes import load_scorer  # noqa: E402
 from padim.models.features.embedding import stacked  # noqa: E402
-from padim.models.model_file import save_detector  # noqa: E402
+from padim.models.fit.model_file import save_detector  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 

@@ -35,7 +35,7 @@ from timing import median_seconds, work_folder
 
 from padim.models import PadimConfig, fit_detector, list_images, training_images
 from padim.models.data.synthetic import generate
-from padim.models.model_file import save_detector
+from padim.models.fit.model_file import save_detector
 
 
 def free_port() -> int:

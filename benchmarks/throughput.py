@@ -205,7 +205,7 @@ def compare_runtimes(detector, work: Path, test_paths, args) -> dict:
     """Every installed runtime, interleaved: scorer alone and end to end, batch 1 and batch B."""
     from padim.models.deploy.export import ExportError
     from padim.models.deploy.runtimes import load_scorer
-    from padim.models.model_file import save_detector
+    from padim.models.fit.model_file import save_detector
 
     path = work / "throughput.padim"
     save_detector(detector, path)

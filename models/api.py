@@ -10,7 +10,7 @@
 >>> result.heatmap().save("hole.png")                               # doctest: +SKIP
 
 The numbers are those of ``padim predict`` and ``POST /score``: the same scorer, the same
-:func:`~padim.models.verdicts.verdict`, the map resized to the image's size the same way.
+:func:`~padim.models.scoring.verdicts.verdict`, the map resized to the image's size the same way.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from padim.models.config import ConfigError, PadimConfig, read_config_file
 from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import iter_for_model, list_images, open_image, to_rgb
 from padim.models.deploy.runtimes import load_scorer
+from padim.models.fit.model_file import load_detector
 from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
-from padim.models.heatmaps import figure, mask_image, overlay
-from padim.models.model_file import load_detector
+from padim.models.fit.training import FitError, FitReport, TrainingImage, train, training_images
 from padim.models.options import OPTIONS
 from padim.models.scorer import Scorer
-from padim.models.training import FitError, FitReport, TrainingImage, train, training_images
-from padim.models.verdicts import NonFiniteScoreError, Verdict, verdict
+from padim.models.scoring.heatmaps import figure, mask_image, overlay
+from padim.models.scoring.verdicts import NonFiniteScoreError, Verdict, verdict
 
 #: What :meth:`Detector.predict` takes as one image: a path, a PIL image, or an ``(H, W)`` /
 #: ``(H, W, 3)`` / ``(H, W, 4)`` uint8 array (RGB order, as PIL and imageio give; 0..255).

@@ -4,7 +4,7 @@
 calls :meth:`Scorer.preprocess` there, scores a stacked batch with :meth:`Scorer.score` on its
 single inference thread, and gives verdicts from :attr:`Scorer.calibration`; ``padim predict``,
 ``padim evaluate`` and :class:`padim.Detector` do the same in one thread. Implementations:
-:class:`~padim.models.detector.PadimDetector` (torch) and
+:class:`~padim.models.scoring.detector.PadimDetector` (torch) and
 :class:`~padim.models.deploy.runtimes.DeployedDetector` (ONNX Runtime, OpenVINO);
 :func:`~padim.models.deploy.runtimes.load_scorer` gives the one asked for.
 """
@@ -20,9 +20,9 @@ from PIL import Image
 from padim.core.calibration import Calibration
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
-from padim.models.detector import Provenance
 from padim.models.features.backbones import WeightsInfo
-from padim.models.model import ScoreOutput
+from padim.models.scoring.detector import Provenance
+from padim.models.scoring.model import ScoreOutput
 
 
 @runtime_checkable

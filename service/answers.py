@@ -9,8 +9,8 @@ import logging
 from PIL import Image
 
 from padim.models.errors import NonFiniteScoreError
-from padim.models.heatmaps import mask_image, overlay
-from padim.models.verdicts import verdict_of
+from padim.models.scoring.heatmaps import mask_image, overlay
+from padim.models.scoring.verdicts import verdict_of
 
 from .batching import ScoredImage
 from .decoding import Decoded, release_memory

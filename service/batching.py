@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from padim.models.features.embedding import stacked
-from padim.models.model import ScoreOutput
+from padim.models.scoring.model import ScoreOutput
 
 from .device_decoding import DeviceDecode
 from .errors import ApiError
@@ -299,10 +299,10 @@ def scored_images(out: ScoreOutput, raw_thresholds: Sequence[float], keep_maps: 
     """Per image of ``out``: raw score, input distance, the map pixels at or above its raw threshold, whether all is
     finite, and its map where ``keep_maps`` says so.
 
-    The comparison is made in float32, the map's type, as :func:`padim.models.verdicts.verdict` makes it (NumPy casts
-    a Python float to the array's float32 before comparing), so both count the same pixels. On a GPU the counting is
-    done there, with one transfer back; on a CPU in NumPy, whose one thread leaves the cores to the scorer (a torch op
-    would start an OpenMP team that keeps spinning beside it).
+    The comparison is made in float32, the map's type, as :func:`padim.models.scoring.verdicts.verdict` makes it
+    (NumPy casts a Python float to the array's float32 before comparing), so both count the same pixels. On a GPU
+    the counting is done there, with one transfer back; on a CPU in NumPy, whose one thread leaves the cores to the
+    scorer (a torch op would start an OpenMP team that keeps spinning beside it).
     """
     size = len(raw_thresholds)
     thresholds = np.asarray(raw_thresholds, dtype=np.float64).astype(np.float32)

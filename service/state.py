@@ -36,10 +36,10 @@ from padim.models.errors import (
     WeightsError,
 )
 from padim.models.features.embedding import TRACING
-from padim.models.model import ScoreOutput
-from padim.models.model_file import served_bytes
+from padim.models.fit.model_file import served_bytes
 from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 from padim.models.scorer import Scorer
+from padim.models.scoring.model import ScoreOutput
 
 from .admission import LocalPlaces, Places
 from .answers import answer, count_verdicts, keep_rows

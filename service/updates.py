@@ -4,9 +4,9 @@ A job takes a version of a model (the active one by default) and writes a **new 
 
 1. pictures reviewed as *defect* that the version fitted (an earlier review said normal, wrongly) are taken
    out of its statistics and calibration, exactly; pictures reviewed as *normal* that it has not fitted are
-   added, as ``train --resume`` adds them (:func:`padim.models.learning.update_model`);
+   added, as ``train --resume`` adds them (:func:`padim.models.fit.learning.update_model`);
 2. the **gate** scores every reviewed defect, and the reviewed normal pictures the new version did not fit,
-   with the old and the new version (:func:`padim.models.learning.gate`);
+   with the old and the new version (:func:`padim.models.fit.learning.gate`);
 3. the new version is committed to the repository with what it learned (record ids), its gate and its job,
    and activated when asked and the gate passed.
 
@@ -28,7 +28,7 @@ from padim.core.errors import ArtifactError
 from padim.models.config import PadimConfig
 from padim.models.errors import ModelBusy, NothingToUpdate, NotUpdatable, PadimError, UsageError, VersionNotFound
 from padim.models.fit.in_progress import TrainingImage
-from padim.models.learning import fitted_digests, gate, picture_name, sha256_digest, update_model
+from padim.models.fit.learning import fitted_digests, gate, picture_name, sha256_digest, update_model
 from padim.models.repository import MODEL_FILE
 
 log = logging.getLogger("padim.service")

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def _calibrate(model: Path, detector, scored, result: dict) -> None:
     """Store the F1-optimal threshold in ``model``; what it gives on the same images goes into ``result``."""
     from padim.models.evaluation.metrics import threshold_metrics  # torch: not for --help
-    from padim.models.model_file import store_calibration
+    from padim.models.fit.model_file import store_calibration
 
     if "f1_optimal_raw_threshold" not in result:
         raise UsageError("--calibrate needs both good and defective test images")

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import file_sha256
     from padim.models.deploy.export import export_detector
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     if args.name is not None and args.format != "triton":
         raise UsageError("--name is the Triton model name; it needs --format triton")

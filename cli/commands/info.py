@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from padim.core.artifact import load_artifact, read_header
     from padim.models.choices import spelled_precision
     from padim.models.deploy.runtimes import is_export
-    from padim.models.detector import promise_covers
     from padim.models.features.backbones import WeightsInfo
+    from padim.models.scoring.detector import promise_covers
 
     if is_export(args.model):
         print(json.dumps(export_summary(args.model), indent=2))

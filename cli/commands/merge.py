@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.data.images import list_images
     from padim.models.features.backbones import WeightsInfo
     from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
-    from padim.models.training import merge_fits
+    from padim.models.fit.training import merge_fits
 
     gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
 

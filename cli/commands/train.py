@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
     from padim.core.artifact import read_header
     from padim.models.devices import resolve_device
     from padim.models.fit import distributed
+    from padim.models.fit.model_file import save_fit
     from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
-    from padim.models.model_file import save_fit
-    from padim.models.training import fit_partial, train, training_images
+    from padim.models.fit.training import fit_partial, train, training_images
 
     config, given = configuration(args)
     images = training_images(args.data_dir)
@@ -173,7 +173,7 @@ def _resumed(args: argparse.Namespace, config, given: set[str]):
     """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
     # imported here: `padim --help` and `padim health` load no torch
     from padim.models.config import CALIBRATION
-    from padim.models.model_file import load_fit
+    from padim.models.fit.model_file import load_fit
 
     resume = load_fit(args.resume, run_options=config)
     # the earlier out-of-fold scores were read from their maps one way: the new ones must be too
@@ -236,7 +236,7 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
 
 def verdict_line(header: dict) -> str:
     """What the threshold of a model file means, in one line."""
-    from padim.models.detector import promise_covers  # torch: not for --help
+    from padim.models.scoring.detector import promise_covers  # torch: not for --help
 
     cal, config = header["calibration"], header["config"]
     return (

@@ -1,7 +1,9 @@
-"""Pictures in: reading and decoding images, and generated data sets.
+"""Pictures in: reading and decoding images, where the model looks, changed copies, generated data sets.
 
-``images`` (decoding every mode Pillow reads to RGB, EXIF orientation, draft-mode JPEG decoding,
-size limits, batches), ``synthetic`` (texture data sets with drawn defects, MVTec AD layout).
+``images`` (decoding every mode Pillow reads to RGB, EXIF orientation, draft-mode JPEG decoding, size limits,
+batches), ``framing`` (the region of interest, resize mode and tiles: a picture to model input and a map back),
+``changes`` (the changed copies ``--expect`` fits and scores), ``synthetic`` (texture data sets with drawn
+defects, MVTec AD layout).
 
-May import: numpy, Pillow, torch. Nothing else of padim.
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`; numpy, Pillow, torch.
 """

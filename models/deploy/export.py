@@ -55,10 +55,10 @@ from padim.core.tiling import tiled_anomaly_maps
 from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS
 from padim.models.data.framing import PAD_FILL
-from padim.models.detector import PadimDetector
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 from padim.models.features.embedding import build_extractor
+from padim.models.scoring.detector import PadimDetector
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ExportedScorer(nn.Module):
     """What goes into the graph: ``(B, 3, H_in, W_in)`` images -> ``(B, H_in, W_in)`` maps, ``(B,)`` raw scores and
     ``(B,)`` input distances.
 
-    The same operations as :class:`padim.models.model.PadimModel`, written without in-place
+    The same operations as :class:`padim.models.scoring.model.PadimModel`, written without in-place
     or ``out=`` ops so that the exporters can trace them. A tiled model's tiles are cut inside the
     graph (slices of the input, one batch through the backbone) and their maps stitched there
     (:mod:`padim.core.tiling`): a client sends the whole framed picture, as to an untiled model.

@@ -1,7 +1,7 @@
 """What runs the scorer: torch, ONNX Runtime or OpenVINO, behind one interface.
 
 :func:`load_scorer` is what ``predict``, ``evaluate`` and ``serve`` call. It gives a
-:class:`~padim.models.detector.PadimDetector` for ``torch``, and a :class:`DeployedDetector`
+:class:`~padim.models.scoring.detector.PadimDetector` for ``torch``, and a :class:`DeployedDetector`
 (the exported graph of :mod:`padim.models.deploy.export` in ONNX Runtime or OpenVINO) otherwise. Both
 answer ``preprocess``, ``score``, ``calibration``, ``describe``, ``config``, ``weights`` and
 ``provenance`` alike, so callers never ask which one they hold.
@@ -54,13 +54,13 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.detector import Provenance, calibration_options, shown_options
 from padim.models.devices import runtime_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import model_input
-from padim.models.model import ScoreOutput
-from padim.models.model_file import load_detector
+from padim.models.fit.model_file import load_detector
 from padim.models.scorer import Scorer
+from padim.models.scoring.detector import Provenance, calibration_options, shown_options
+from padim.models.scoring.model import ScoreOutput
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from sklearn.metrics import roc_curve
 from padim.models.data.images import open_image
 from padim.models.evaluation.metrics import Scored, pro_curve
 from padim.models.evaluation.pages import TEMPLATES, data_uri, write_atomically
-from padim.models.heatmaps import figure
-from padim.models.verdicts import verdict
+from padim.models.scoring.heatmaps import figure
+from padim.models.scoring.verdicts import verdict
 
 REPORT_FILE, JSON_FILE = "report.html", "evaluation.json"
 #: Longest side of each half of a gallery heat map, in pixels.

@@ -3,5 +3,7 @@
 ``backbones`` (the torchvision networks, their weight sources and the checks on weights files),
 ``embedding`` (the multi-layer feature maps, the channel reduction, the embedding grid).
 
-May import: :mod:`padim.core`, torch, torchvision, :mod:`padim.models.data`.
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`,
+:mod:`padim.models.options`, :mod:`padim.models.devices`, :mod:`padim.models.data`, :mod:`padim.models.config`;
+torch, torchvision.
 """

@@ -1,13 +1,14 @@
-"""The fit: one backbone pass over normal images into statistics, and what it will cost.
+"""The fit: normal pictures through the backbone into statistics, the runs that make model files, and the file.
 
-``in_progress`` (:class:`~padim.models.fit.in_progress.Fit`, a fit in progress: pass 1 into the
-spool and accumulators, then the finish: factorisation and out-of-fold calibration),
-``memory_plan`` (what a fit needs in memory and on disk, said and checked before it starts),
-``distributed`` (torchrun shards and their agreement on failure).
+``in_progress`` (:class:`~padim.models.fit.in_progress.Fit`, a fit in progress: pass 1 into the spool and
+accumulators, then the finish: factorisation and out-of-fold calibration), ``memory_plan`` (what a fit needs in
+memory and on disk, said and checked before it starts), ``distributed`` (torchrun shards and their agreement on
+failure), ``precision`` (the gate of a reduced-precision fit against float32), ``model_file`` (the model file's
+format, above the types it saves: detectors and fits in progress), ``training`` (whole runs: new, resumed,
+partial, merged, each ending in a model file), ``learning`` (a model taught from reviewed pictures: added,
+taken out, gated against the version it replaces).
 
-Whole runs (new, resumed, partial, merged) are :mod:`padim.models.training`, which also writes
-the model file; nothing here reads or writes files but the scratch spool.
-
-May import: :mod:`padim.core`, :mod:`padim.models.config`, :mod:`padim.models.detector`,
-:mod:`padim.models.features`, :mod:`padim.models.data`.
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`,
+:mod:`padim.models.options`, :mod:`padim.models.devices`, :mod:`padim.models.data`, :mod:`padim.models.config`,
+:mod:`padim.models.features`, :mod:`padim.models.scoring`, :mod:`padim.models.scorer`.
 """

@@ -25,8 +25,8 @@ fold's members, and the copy's distance is a member's.
 
 Memory holds the statistics (the packed comoment, when they are kept) and one slice's
 temporaries; the precision factors stay on disk until the model file is written
-(:func:`padim.models.model_file.save_fitted`). Whole runs (a new fit, resume, partial fits
-and their merge) are in :mod:`padim.models.training`.
+(:func:`padim.models.fit.model_file.save_fitted`). Whole runs (a new fit, resume, partial fits
+and their merge) are in :mod:`padim.models.fit.training`.
 
 Under ``torch.distributed`` each rank fits whole folds (a balanced, contiguous share of them) into
 its own spool; count and sum are all-reduced after pass 1, and every slice's comoment during
@@ -74,15 +74,15 @@ from padim.core.tiling import Tiling
 from padim.models.config import PadimConfig
 from padim.models.data.changes import apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
-from padim.models.detector import FLOAT16_TOLERANCE, Provenance
 from padim.models.devices import check_precision, resolve_device
 from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.memory_plan import BLOCK_BYTES, REEMBED_GROUP_BYTES, SLICE_BYTES, UPDATE_BLOCK_BYTES, spool_fits
-from padim.models.model import score_distances
 from padim.models.options import ScoringOptions
+from padim.models.scoring.detector import FLOAT16_TOLERANCE, Provenance
+from padim.models.scoring.model import score_distances
 
 #: Pictures whose scores the float16 check compares (one batch).
 FLOAT16_SAMPLE = 16

@@ -25,7 +25,7 @@ from padim.core.scoring import squared_mahalanobis
 from padim.models.data.images import iter_decoded
 from padim.models.errors import ConfigError
 from padim.models.features.embedding import FeatureEmbedder
-from padim.models.model import score_distances
+from padim.models.scoring.model import score_distances
 
 #: Training pictures the gate embeds at both precisions.
 CHECK_IMAGES = 16

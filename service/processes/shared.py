@@ -39,9 +39,9 @@ from padim.core.calibration import Calibration
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.data.images import to_pixels
-from padim.models.detector import Provenance
 from padim.models.features.backbones import WeightsInfo
 from padim.models.options import json_value
+from padim.models.scoring.detector import Provenance
 
 from ..admission import SharedPlaces
 from ..device_decoding import DeviceDecode

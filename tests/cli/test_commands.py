@@ -151,7 +151,7 @@ def test_predict_outputs(model_file, dataset, tmp_path):
     rel = os.path.relpath(first["path"], dataset / "test")
     heat = Image.open(out / "heatmaps" / (os.path.splitext(rel)[0] + ".png"))
     source = Image.open(first["path"])
-    # band above, original | overlay, colour bar below (tests/models/test_heatmaps.py)
+    # band above, original | overlay, colour bar below (tests/models/scoring/test_heatmaps.py)
     assert heat.width >= 2 * source.width and heat.height > source.height
     anomaly_map = np.load(out / "maps" / (os.path.splitext(rel)[0] + ".npy"))
     assert anomaly_map.dtype == np.float32 and anomaly_map.shape == (source.height, source.width)

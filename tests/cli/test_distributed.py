@@ -218,7 +218,7 @@ def test_a_rank_joins_its_group_and_gpu_before_it_loads_the_model_it_resumes(
 
     monkeypatch.setattr(distributed, "from_environment", join)
     monkeypatch.setattr(distributed, "leave", lambda shard: events.append("leave"))
-    monkeypatch.setattr("padim.models.model_file.load_fit", load_fit)
+    monkeypatch.setattr("padim.models.fit.model_file.load_fit", load_fit)
     status = main(
         [
             "-q",

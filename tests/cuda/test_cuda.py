@@ -69,7 +69,7 @@ def test_fit_save_load_score_on_the_gpu(gpu_model, dataset, tmp_path):
 
 
 def test_scores_on_the_cpu_and_the_gpu_agree_within_the_stated_tolerance(model_file):
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     cpu, gpu = load_detector(model_file, device="cpu"), load_detector(model_file, device="cuda")
     batch = torch.randn(
@@ -89,7 +89,7 @@ def test_a_model_fitted_on_the_gpu_keeps_the_cpu_fits_threshold(model_file, gpu_
 
 
 def test_float16_factors_are_upcast_once_at_load_on_the_gpu(model_file):
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     gpu = load_detector(model_file, device="cuda")
     assert gpu.model.precision_factor.dtype == torch.float32 and gpu.model.precision_factor.is_cuda
@@ -167,7 +167,7 @@ def test_cuda_graphs_score_every_batch_size_as_eager_scoring_does(model_file, da
     are copies (a later replay does not change an earlier answer)."""
     from PIL import Image
 
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     detector = load_detector(model_file, device="cuda")
     paths = sorted((dataset / "test").rglob("*.png"))
@@ -208,7 +208,7 @@ def test_the_service_captures_cuda_graphs_and_says_so(model_file):
 def test_onnxruntime_on_cuda_matches_torch(model_file):
     from padim.models.deploy.runtimes import load_scorer
     from padim.models.devices import onnxruntime_has_cuda
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     if not onnxruntime_has_cuda():
         pytest.skip("this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu)")

@@ -223,7 +223,7 @@ def test_a_model_fitted_at_bf16_is_served_at_bf16_with_its_check(dataset, tmp_pa
     """``train --precision bf16``: the service scores it with torch at bf16 (runtime auto) and describes it so."""
     from helpers import run_cli
 
-    from padim.models.model_file import load_detector
+    from padim.models.fit.model_file import load_detector
 
     model = tmp_path / "bf16.padim"
     good = dataset / "train" / "good"

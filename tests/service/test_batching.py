@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from padim.models.model import ScoreOutput
-from padim.models.verdicts import verdict
+from padim.models.scoring.model import ScoreOutput
+from padim.models.scoring.verdicts import verdict
 from padim.service.admission import LocalPlaces, SharedPlaces
 from padim.service.batching import Batcher, Item, Scheduler, scored_images
 from padim.service.errors import ApiError
@@ -175,7 +175,7 @@ def test_what_a_batch_gives_back_makes_the_same_verdict_as_the_map():
     """Counted on the batch in float32 against each image's threshold: the pixels :func:`verdict` counts, including a
     threshold that lies between a pixel's float32 value and its float64 reading."""
     from padim.core.calibration import Calibration
-    from padim.models.verdicts import verdict_of
+    from padim.models.scoring.verdicts import verdict_of
 
     calibration = Calibration.from_scores(torch.linspace(0.5, 1.0, 50, dtype=torch.float64), false_alarm_rate=0.02)
     maps = torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(0)) * 2

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import IMAGE_SIZE, SCORE_RTOL, metric, run_cli, running_server
 
-from padim.models.model_file import served_bytes
+from padim.models.fit.model_file import served_bytes
 from padim.models.repository import Repository
 from padim.service.app import create_app
 from padim.service.settings import ServiceSettings

@@ -15,7 +15,7 @@ from tritonclient.grpc import model_config_pb2
 
 from padim.models.deploy.export import METADATA_FILE, export_detector, read_export, triton_config
 from padim.models.deploy.runtimes import load_scorer
-from padim.models.model_file import load_detector
+from padim.models.fit.model_file import load_detector
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: model_config_pb2.TYPE_FP32}
 

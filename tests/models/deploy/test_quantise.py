@@ -31,7 +31,7 @@ from padim.models.deploy.quantise import (
 from padim.models.deploy.runtimes import bfloat16_native, load_scorer, openvino_capabilities, openvino_runs
 from padim.models.errors import ExportError
 from padim.models.features.embedding import model_input
-from padim.models.model_file import load_detector
+from padim.models.fit.model_file import load_detector
 
 CALIBRATION = 70
 QUANTISER = 16

@@ -22,7 +22,7 @@ from padim.core.artifact import ArtifactError
 from padim.models.deploy.export import ExportError, read_export
 from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime
 from padim.models.features.embedding import model_input
-from padim.models.model_file import load_detector, save_detector
+from padim.models.fit.model_file import load_detector, save_detector
 
 #: (image size, reduction, stored factor dtype, neighbourhood, image score): each size with both
 #: reductions and both dtypes, each neighbourhood and each image score at least once.

@@ -15,8 +15,8 @@ from padim.core.artifact import FORMAT_VERSION, load_artifact
 from padim.models import PadimConfig, TrainingImage, devices, fit_detector, list_images, train
 from padim.models.errors import PrecisionGateFailed, UsageError
 from padim.models.features.embedding import FeatureEmbedder, model_input
+from padim.models.fit.model_file import load_detector, load_fit, save_detector
 from padim.models.fit.precision import PrecisionGate, compare_scores
-from padim.models.model_file import load_detector, load_fit, save_detector
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5, expect="")
 

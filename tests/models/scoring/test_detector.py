@@ -12,7 +12,7 @@ from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, sa
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
 from padim.models.features.embedding import FeatureEmbedder, model_input, stacked
-from padim.models.model_file import load_detector, load_fit, save_detector
+from padim.models.fit.model_file import load_detector, load_fit, save_detector
 
 # neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5, neighbourhood=1)
@@ -147,7 +147,7 @@ def test_a_batch_for_the_gpu_is_stacked_in_page_locked_memory_and_scores_as_on_t
     ],
 )
 def test_cuda_graphs_are_captured_for_powers_of_two_to_8_then_every_multiple_of_8(largest, sizes):
-    from padim.models.model import graph_sizes
+    from padim.models.scoring.model import graph_sizes
 
     assert graph_sizes(largest) == sizes
     waste = [min(s for s in sizes if s >= n) - n for n in range(1, largest + 1)]
@@ -238,7 +238,7 @@ def test_format_two_models_load_score_resume_and_take_a_new_threshold(detector, 
     torch.testing.assert_close(loaded.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
     # evaluate --calibrate on it: written again, in this format
     from padim.core.artifact import read_header
-    from padim.models.model_file import store_calibration
+    from padim.models.fit.model_file import store_calibration
 
     store_calibration(tmp_path / "two.padim", loaded.calibration.with_threshold(21.5))
     header = read_header(tmp_path / "two.padim")

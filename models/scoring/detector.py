@@ -1,8 +1,8 @@
 """A fitted detector: the scoring model, its calibration, and what it was made from.
 
 :class:`PadimDetector` is what ``padim predict``, ``evaluate`` and the service use. Its model
-file is read and written by :mod:`padim.models.model_file`; it is made by
-:mod:`padim.models.training`.
+file is read and written by :mod:`padim.models.fit.model_file`; it is made by
+:mod:`padim.models.fit.training`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding
-from padim.models.model import CudaGraphs, PadimModel, ScoreOutput, graph_sizes
+from padim.models.scoring.model import CudaGraphs, PadimModel, ScoreOutput, graph_sizes
 
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
@@ -162,9 +162,10 @@ class PadimDetector:
         return self.model(batch.to(self.device, non_blocking=True))
 
     def capture_graphs(self, largest: int) -> tuple[int, ...]:
-        """Capture the forward as CUDA graphs for the batch sizes of :func:`~padim.models.model.graph_sizes` up to
-        ``largest`` pictures (on a GPU; nothing elsewhere). Returns the sizes captured: none where capture failed
-        or disagreed with eager scoring (said once in the log; scoring stays eager)."""
+        """Capture the forward as CUDA graphs for the batch sizes of
+        :func:`~padim.models.scoring.model.graph_sizes` up to ``largest`` pictures (on a GPU; nothing elsewhere).
+        Returns the sizes captured: none where capture failed or disagreed with eager scoring (said once in the
+        log; scoring stays eager)."""
         if self.device.type != "cuda":
             return ()
         self.graphs = None

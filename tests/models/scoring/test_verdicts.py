@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from padim.core.calibration import Calibration
-from padim.models.verdicts import NonFiniteScoreError, verdict
+from padim.models.scoring.verdicts import NonFiniteScoreError, verdict
 
 CALIBRATION = Calibration.from_scores(torch.linspace(10.0, 20.0, 50, dtype=torch.float64), 0.01)
 

@@ -3,7 +3,7 @@
 import numpy as np
 from PIL import Image
 
-from padim.models.heatmaps import (
+from padim.models.scoring.heatmaps import (
     _ANCHORS,
     ANOMALOUS_COLOUR,
     NORMAL_COLOUR,
@@ -17,7 +17,7 @@ from padim.models.heatmaps import (
     overlay,
     tint_opacity,
 )
-from padim.models.verdicts import Verdict
+from padim.models.scoring.verdicts import Verdict
 
 
 def test_ramp_runs_through_its_anchors_and_clips():

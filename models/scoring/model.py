@@ -2,7 +2,7 @@
 
 An ``nn.Module`` whose fitted statistics are buffers, so ``.to(device)`` moves everything and
 ``state_dict()`` holds everything; fitting (:mod:`padim.models.fit.in_progress`), the model file
-(:mod:`padim.models.model_file`) and distributed code (:mod:`padim.models.fit.distributed`) live
+(:mod:`padim.models.fit.model_file`) and distributed code (:mod:`padim.models.fit.distributed`) live
 elsewhere. Shapes: ``B`` images, ``S`` the input side, ``P = H * W`` feature-grid pixels, ``D``
 embedding channels.
 

@@ -18,7 +18,7 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (
 
 The header holds ``kind`` (``padim-detector`` or ``padim-partial``), ``config`` (flat: every option,
 :meth:`~padim.models.config.PadimConfig.stored`), ``weights``, ``embedding_dim``, ``grid``, ``precision_dtype``,
-``calibration``, ``has_statistics`` and the :class:`~padim.models.detector.Provenance` fields.
+``calibration``, ``has_statistics`` and the :class:`~padim.models.scoring.detector.Provenance` fields.
 
 Every earlier format is read (docs/file-format.md has a table of what each added): a file is read with the
 options it was fitted with, and those it predates take the value they computed then (each option's ``before``,
@@ -48,12 +48,12 @@ from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import RETIRED, PadimConfig
-from padim.models.detector import PadimDetector, Provenance
 from padim.models.devices import check_precision, resolve_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding, FeatureEmbedder
 from padim.models.fit.in_progress import Finished, Fit
-from padim.models.model import PadimModel
+from padim.models.scoring.detector import PadimDetector, Provenance
+from padim.models.scoring.model import PadimModel
 
 log = logging.getLogger(__name__)
 

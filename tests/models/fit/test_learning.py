@@ -10,8 +10,8 @@ from helpers import older_format_of
 from padim.core.artifact import load_artifact
 from padim.models import PadimConfig, TrainingImage, fit_detector, list_images, train
 from padim.models.errors import FitError, NotUpdatable
-from padim.models.learning import picture_name, update_model
-from padim.models.model_file import load_detector
+from padim.models.fit.learning import picture_name, update_model
+from padim.models.fit.model_file import load_detector
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0)
 #: Statistics of the same pictures embedded in other batches agree to the last bits of a convolution (as resume's).

@@ -24,7 +24,7 @@ from padim.models import (
     train,
 )
 from padim.models.fit.in_progress import ScoringPass, SpooledRows
-from padim.models.model_file import load_detector, load_fit, save_fit
+from padim.models.fit.model_file import load_detector, load_fit, save_fit
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 #: The mechanics against brute-force refits of the pictures as taken: no changed copies (those have their own test).
@@ -439,7 +439,7 @@ def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_w
     from padim.models.fit.memory_plan import FitFacts, plan_fit
 
     room = plan_fit(CONFIG.replace(image_size=128), FitFacts(len(images), spool=True), device="cpu").total
-    monkeypatch.setattr("padim.models.training.free_memory", lambda device: room)
+    monkeypatch.setattr("padim.models.fit.training.free_memory", lambda device: room)
     with pytest.raises(FitError) as info:
         train(CONFIG.replace(image_size=256), images, tmp_path / "big.padim", progress=False)
     message = str(info.value)

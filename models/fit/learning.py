@@ -4,7 +4,7 @@ Both are exact, and neither fits the model again:
 
 - **adding** is ``train --resume``: the pictures go through the backbone once, their statistics are merged
   into the file's (Chan et al.), and their out-of-fold scores join the calibration, whose earlier scores are
-  kept from their own fits (:func:`padim.models.training.train`);
+  kept from their own fits (:func:`padim.models.fit.training.train`);
 - **taking out** (an undo of a wrong review) re-embeds the picture's bytes with the file's own embedder and
   removes its rows from the statistics (:func:`padim.core.statistics.downdate_state_`: ``n - 1``,
   ``mu' = mu - (x - mu) / (n - 1)``, ``M' = M - n / (n - 1) v v^T``; the picture's tiles when tiles share
@@ -34,11 +34,11 @@ from padim.core.errors import ArtifactError
 from padim.core.statistics import NotPositiveDefiniteError, downdate_state_
 from padim.models.config import PadimConfig
 from padim.models.data.images import iter_decoded, iter_for_model
-from padim.models.detector import Provenance, now
 from padim.models.errors import FitError, NotUpdatable
 from padim.models.fit.in_progress import Fit, TrainingImage, batches_of, file_digest
-from padim.models.model_file import load_detector, load_fit, save_fitted
-from padim.models.training import MIN_IMAGES, FitReport, train
+from padim.models.fit.model_file import load_detector, load_fit, save_fitted
+from padim.models.fit.training import MIN_IMAGES, FitReport, train
+from padim.models.scoring.detector import Provenance, now
 
 
 def sha256_digest(sha256: str) -> int:

@@ -25,7 +25,6 @@ from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
 from padim.models.config import CALIBRATION, PadimConfig
 from padim.models.data.images import iter_decoded, list_images
-from padim.models.detector import PadimDetector, Provenance, now
 from padim.models.devices import float64_is_slow
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import PrecisionGateFailed
@@ -41,8 +40,9 @@ from padim.models.fit.in_progress import (
     file_digest,
 )
 from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
+from padim.models.fit.model_file import load_detector, load_fit, save_fitted
 from padim.models.fit.precision import CHECK_IMAGES, PrecisionCheck, PrecisionGate, measure_precision
-from padim.models.model_file import load_detector, load_fit, save_fitted
+from padim.models.scoring.detector import PadimDetector, Provenance, now
 
 log = logging.getLogger(__name__)
 
