@@ -172,7 +172,7 @@ def roi_value(text: str) -> tuple[int, int, int, int]:
         values = ()
     if len(values) != 4:
         raise argparse.ArgumentTypeError(f"{text!r} is not x,y,width,height (four integers, e.g. 120,80,640,480)")
-    return values  # type: ignore[return-value]
+    return values[0], values[1], values[2], values[3]
 
 
 def tiles_value(text: str) -> tuple[int, int]:
@@ -197,7 +197,7 @@ class Group:
     """A group of options: a frozen dataclass whose fields are :func:`option` s, checked on construction."""
 
     def __post_init__(self) -> None:
-        for item in dataclasses.fields(self):  # type: ignore[arg-type]
+        for item in dataclasses.fields(self):  # type: ignore[arg-type]  # a Group is always a dataclass's base
             declared: Option = item.metadata["option"]
             value = getattr(self, item.name)
             says = declared.check.allowed(value) if declared.check is not None else None
@@ -615,7 +615,7 @@ def declared() -> Iterator[Declared]:
     """Every option, group by group, in declaration order."""
     for group_name, group in GROUPS.items():
         hints = typing.get_type_hints(group)
-        for item in dataclasses.fields(group):  # type: ignore[arg-type]
+        for item in dataclasses.fields(group):  # type: ignore[arg-type]  # GROUPS holds dataclasses
             yield Declared(item.name, group_name, item.default, item.metadata["option"], hints[item.name])
 
 
@@ -674,7 +674,7 @@ def _json_type(annotation: Any, name: str) -> Any:
         return int
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is tuple:
-        return list[args[0]]  # type: ignore[valid-type]
+        return list[args[0]]  # type: ignore[valid-type]  # the element type is read at run time
     if origin in (typing.Union, types.UnionType):
         return _json_type(next(a for a in args if a is not type(None)), name) | None
     return annotation

@@ -54,6 +54,20 @@ def create_app(
     """
     state = ServiceState(settings or get_settings(), places=places)
     running = Lines(state, state.settings.lines) if state.settings.lines is not None else None
+    app = FastAPI(
+        title="padim", version=__version__, description=DESCRIPTION, lifespan=_lifespan(state, running, on_fatal)
+    )
+    app.state.service = state
+    app.state.lines = running
+    install_error_handlers(app)
+    _include_routers(app, state.settings, lines_on=running is not None)
+    _add_console(app)
+    _add_middleware(app, state, front)
+    return app
+
+
+def _lifespan(state: ServiceState, running: Lines | None, on_fatal: Callable[[], None] | None):
+    """Start: the record, then the models in the background (and the repository's poll); stop: drain, close."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,23 +94,22 @@ def create_app(
                 await running.stop()
             await state.close()
 
-    settings = state.settings
-    app = FastAPI(title="padim", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.service = state
-    app.state.lines = running
-    install_error_handlers(app)
+    return lifespan
+
+
+def _include_routers(app: FastAPI, settings: ServiceSettings, lines_on: bool) -> None:
+    """The routes the settings switch on (a route that is off does not exist: 404, and not in OpenAPI)."""
     for module in (health, models, score, metrics):
         app.include_router(module.router)
-    if running is not None:  # the lines' routes exist only when PADIM_LINES is set
+    if lines_on:  # the lines' routes exist only when PADIM_LINES is set
         app.include_router(lines.router)
-    if settings.admin_key is not None:  # without an admin key the admin routes do not exist (404, not in OpenAPI)
+    if settings.admin_key is not None:  # without an admin key the admin routes do not exist
         app.include_router(versions.router)
     if settings.record_on:  # the record's routes exist only when it is on
         app.include_router(records.router)
         app.include_router(updates.jobs)
         if settings.admin_key is not None:
             app.include_router(updates.router)
-    _add_console(app)
     any_key = any(k is not None for k in (settings.api_key, settings.admin_key, settings.review_key))
     app.openapi = lambda: truthful_openapi(  # type: ignore[method-assign]  # FastAPI's documented override
         app,
@@ -105,6 +118,11 @@ def create_app(
         batch_limit=settings.batch_limit(),
         any_key=any_key,
     )
+
+
+def _add_middleware(app: FastAPI, state: ServiceState, front: bool) -> None:
+    """The score routes' fast path, the body's limits and the request's context, innermost first."""
+    settings = state.settings
     app.add_middleware(score.ScoreFastPath)  # innermost: behind the body's limits and the request's context
     app.add_middleware(
         BodyGuard,
@@ -117,7 +135,6 @@ def create_app(
     )
     # outermost: sees every response, and answers the requests a drain timeout cancels
     app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining, counted=front)
-    return app
 
 
 #: The inspection console: static files in the package, served at ``/`` (no build step, no CDN).

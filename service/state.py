@@ -822,6 +822,7 @@ class ServiceState:
             self._check_memory(path)
             scorer = await loop.run_in_executor(self.loader, load_scorer, path, "torch", self.settings.device)
             self.side = {key: scorer}  # one at a time: the last asked for
+        # no batcher nor monitor: it draws one heat map, off the scheduler
         side = ServedModel(name, path, "", scorer, None, 0.0, None, version=version)  # type: ignore[arg-type]
         return await self._draw(side, data, threshold, loop, side=True)
 

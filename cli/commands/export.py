@@ -108,16 +108,19 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here: `padim --help` and `padim health` load no torch
-    from padim.core.artifact import file_sha256
-    from padim.models.deploy.export import export_detector
-    from padim.models.fit.model_file import load_detector
+    started = time.perf_counter()
+    quantise = _quantise_options(args)
+    directory = _exported(args, quantise)
+    print(json.dumps(_report(args, directory, quantise is not None, time.perf_counter() - started), indent=2))
+    return 0
 
+
+def _quantise_options(args: argparse.Namespace):
+    """The quantised export's options (``None`` for float32), once the flags are checked against each other."""
     if args.name is not None and args.format != "triton":
         raise UsageError("--name is the Triton model name; it needs --format triton")
     if args.triton_device != "gpu" and args.format != "triton":
         raise UsageError("--triton-device is for --format triton")
-    quantise = None
     if args.precision == "float32":
         given = [
             flag
@@ -131,61 +134,59 @@ def run(args: argparse.Namespace) -> int:
         ]
         if given:
             raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8, fp16 or bf16")
-    else:
-        from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
+        return None
+    from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
 
-        if args.calibration_images is None:
-            raise UsageError(
-                f"--precision {args.precision} needs --calibration-images DIR: normal images (never the "
-                "test set) to calibrate the quantiser and its threshold"
-            )
-        quantise = QuantiseOptions(
-            args.precision,
-            args.calibration_images,
-            args.check_images,
-            args.quantiser_images,
-            args.max_score_error,
-            args.force,
-            args.false_alarm_rate,
+    if args.calibration_images is None:
+        raise UsageError(
+            f"--precision {args.precision} needs --calibration-images DIR: normal images (never the "
+            "test set) to calibrate the quantiser and its threshold"
         )
-    started = time.perf_counter()
+    return QuantiseOptions(
+        args.precision,
+        args.calibration_images,
+        args.check_images,
+        args.quantiser_images,
+        args.max_score_error,
+        args.force,
+        args.false_alarm_rate,
+    )
+
+
+def _exported(args: argparse.Namespace, quantise) -> Path:
+    """The export's directory, written (float32, or quantised and gated with ``quantise``)."""
+    # imported here: `padim --help` and `padim health` load no torch
+    from padim.core.artifact import file_sha256
+    from padim.models.deploy.export import export_detector
+    from padim.models.fit.model_file import load_detector
+
     detector = load_detector(args.model, device="cpu")
-    external = {"auto": None, "always": True, "never": False}[args.external_data]
+    shared = {
+        "source_sha256": file_sha256(args.model),
+        "name": args.name,
+        "external_data": {"auto": None, "always": True, "never": False}[args.external_data],
+        "triton_device": args.triton_device,
+    }
     if quantise is None:
-        directory = export_detector(
-            detector,
-            args.output,
-            args.format,
-            args.model,
-            source_sha256=file_sha256(args.model),
-            name=args.name,
-            external_data=external,
-            triton_device=args.triton_device,
-        )
-    else:
-        from padim.models.deploy.quantise import export_quantised_detector  # as above
+        return export_detector(detector, args.output, args.format, args.model, **shared)
+    from padim.models.deploy.quantise import export_quantised_detector  # as above
 
-        directory = export_quantised_detector(
-            detector,
-            args.output,
-            args.format,
-            args.model,
-            quantise,
-            source_sha256=file_sha256(args.model),
-            name=args.name,
-            external_data=external,
-            triton_device=args.triton_device,
-            progress=not args.quiet,
-        )
+    return export_quantised_detector(
+        detector, args.output, args.format, args.model, quantise, progress=not args.quiet, **shared
+    )
+
+
+def _report(args: argparse.Namespace, directory: Path, quantised: bool, seconds: float) -> dict:
+    """What the command prints: the files written and, for a quantised export, its gate and threshold."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     report = {
         "model": str(args.model),
         "format": args.format,
         "output": str(directory),
         "files": {str(p.relative_to(directory)): p.stat().st_size for p in files},
-        "seconds": round(time.perf_counter() - started, 2),
+        "seconds": round(seconds, 2),
     }
-    if quantise is not None:
+    if quantised:
         metadata = json.loads((directory / "padim.json").read_text())
         report.update(
             {
@@ -197,5 +198,4 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.format == "triton":
         report["serve_with"] = TRITON_EXAMPLE.replace("DIR", str(args.output))
-    print(json.dumps(report, indent=2))
-    return 0
+    return report
