@@ -269,9 +269,10 @@ def _deliver(item: Item, result: ScoredImage | BaseException) -> None:
         log.exception("delivering a scored image failed")
 
 
-def _jpeg(item: Item) -> torch.Tensor:
-    assert item.jpeg is not None, "an item without pixels carries its JPEG"
-    return item.jpeg
+def _given(tensor: torch.Tensor | None, why: str) -> torch.Tensor:
+    """``tensor``, which the batch's own invariant (``why``) says is there."""
+    assert tensor is not None, why
+    return tensor
 
 
 def score_items(
@@ -286,11 +287,12 @@ def score_items(
     if jpegs:
         assert device is not None, "a JPEG came for a device that does not decode"
         tensors = [item.tensor for item in items]
-        for i, tensor in zip(jpegs, device.decode([_jpeg(items[i]) for i in jpegs]), strict=True):
-            tensors[i] = tensor if tensor is not None else device.on_cpu(_jpeg(items[i]))
-        batch = torch.stack([t.to(device.device) for t in tensors if t is not None])
+        sent = [_given(items[i].jpeg, "an item without pixels carries its JPEG") for i in jpegs]
+        for i, jpeg, tensor in zip(jpegs, sent, device.decode(sent), strict=True):
+            tensors[i] = tensor if tensor is not None else device.on_cpu(jpeg)
+        batch = torch.stack([_given(t, "every JPEG decoded").to(device.device) for t in tensors])
     else:
-        batch = stacked([item.tensor for item in items if item.tensor is not None], target)
+        batch = stacked([_given(item.tensor, "no JPEG: every item has pixels") for item in items], target)
     out = score_batch(batch)
     return scored_images(out, [item.raw_threshold for item in items], [item.keep_map for item in items])
 

@@ -6,11 +6,15 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from padim.models.choices import EXPORT_FORMATS, EXPORT_PRECISIONS
 from padim.models.errors import UsageError
 
 from ..options import quiet_option
+
+if TYPE_CHECKING:  # torch: not for --help
+    from padim.models.deploy.quantise import QuantiseOptions
 
 TRITON_EXAMPLE = "tritonserver --model-repository DIR"
 
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quantise_options(args: argparse.Namespace):
+def _quantise_options(args: argparse.Namespace) -> QuantiseOptions | None:
     """The quantised export's options (``None`` for float32), once the flags are checked against each other."""
     if args.name is not None and args.format != "triton":
         raise UsageError("--name is the Triton model name; it needs --format triton")
@@ -153,7 +157,7 @@ def _quantise_options(args: argparse.Namespace):
     )
 
 
-def _exported(args: argparse.Namespace, quantise) -> Path:
+def _exported(args: argparse.Namespace, quantise: QuantiseOptions | None) -> Path:
     """The export's directory, written (float32, or quantised and gated with ``quantise``)."""
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import file_sha256

@@ -37,7 +37,7 @@ from padim.models.data.images import iter_decoded, iter_for_model
 from padim.models.errors import FitError, NotUpdatable
 from padim.models.fit.in_progress import Fit, TrainingImage, batches_of, file_digest
 from padim.models.fit.model_file import load_detector, load_fit, save_fitted
-from padim.models.fit.training import MIN_IMAGES, FitReport, train
+from padim.models.fit.training import MIN_IMAGES, FitReport, timed_into, train
 from padim.models.scoring.detector import Provenance, now
 
 
@@ -87,13 +87,8 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     fit: FitReport | None = None
 
-    @contextlib.contextmanager
-    def timed(self, phase: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
+    def timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        return timed_into(self.seconds, phase)
 
     def to_dict(self) -> dict:
         return {

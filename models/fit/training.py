@@ -56,6 +56,16 @@ def training_images(root: str | Path) -> list[TrainingImage]:
     return [TrainingImage(p, p.relative_to(root).as_posix() if root.is_dir() else p.name) for p in list_images(root)]
 
 
+@contextlib.contextmanager
+def timed_into(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``seconds[phase]`` (to the millisecond): a report's phases."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = round(seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
+
+
 @dataclass
 class FitReport:
     """What happened to the images of one run (shown by ``padim train``).
@@ -99,13 +109,8 @@ class FitReport:
     def fitted(self) -> int:
         return self.listed - len(self.unreadable) - len(self.already_fitted)
 
-    @contextlib.contextmanager
-    def timed(self, phase: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
+    def timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        return timed_into(self.seconds, phase)
 
 
 def train(
