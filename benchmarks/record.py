@@ -254,8 +254,8 @@ def flag_share(model: Path, pictures: list[Path]) -> float:
 
 def update_cost(work: Path, fit: Path, lamp: list[Path], defects: list[Path], size: int, reviewed: int) -> dict:
     from padim.core.artifact import read_header
-    from padim.models.fit.in_progress import TrainingImage
     from padim.models.fit.learning import picture_name, update_model
+    from padim.models.fit.passes import TrainingImage
 
     base = work / "base.padim"
     base_seconds = train(fit, base, size)

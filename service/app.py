@@ -79,7 +79,7 @@ def _lifespan(state: ServiceState, running: Lines | None, on_fatal: Callable[[],
         else:
             loading = asyncio.create_task(_load(state, on_fatal, running), name="load-models")
         polling = (
-            asyncio.create_task(state.poll(), name="repository-poll")
+            asyncio.create_task(state.changes.poll(), name="repository-poll")
             if state.settings.repository_poll_s is not None
             else None
         )

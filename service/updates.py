@@ -11,7 +11,7 @@ A job takes a version of a model (the active one by default) and writes a **new 
    and activated when asked and the gate passed.
 
 One job runs at a time (one thread: scoring keeps its own), and one per model across every replica (a lock in
-PostgreSQL: :meth:`~padim.service.record.store.RecordStore.claim_updates`). Its state is a row of the record's
+PostgreSQL: :meth:`~padim.service.record.store.JobStore.claim_updates`). Its state is a row of the record's
 ``jobs`` table, so ``GET /jobs/{id}`` answers from the database, on every replica. A job that dies (kill -9) writes no
 version: the model file is written into the repository's ``.incoming-*`` folder and renamed in only at the end.
 """
@@ -27,8 +27,8 @@ from padim.core.artifact import file_sha256, read_header
 from padim.core.errors import ArtifactError
 from padim.models.config import PadimConfig
 from padim.models.errors import ModelBusy, NothingToUpdate, NotUpdatable, PadimError, UsageError, VersionNotFound
-from padim.models.fit.in_progress import TrainingImage
 from padim.models.fit.learning import fitted_digests, gate, picture_name, sha256_digest, update_model
+from padim.models.fit.passes import TrainingImage
 from padim.models.repository import MODEL_FILE
 
 log = logging.getLogger("padim.service")
@@ -45,7 +45,7 @@ class UpdateJobs:
     async def start(self, name: str, records: list[str] | None, number: int | None, activate: bool) -> dict:
         """Check what the update would learn (409 when nothing), then start its job; returns the job's row."""
         state = self.state
-        repository = state.writable()
+        repository = state.changes.writable()
         if name in self.running:
             raise ModelBusy(f"an update of {name!r} is running (job {self.running[name]}); one at a time per model")
         if number is None:
@@ -58,16 +58,16 @@ class UpdateJobs:
         self.running[name] = "starting"
         claim = None
         try:
-            claim = await asyncio.to_thread(store.claim_updates, name)
+            claim = await asyncio.to_thread(store.jobs.claim_updates, name)
             if claim is None:
-                other = await asyncio.to_thread(store.running_job, name)
+                other = await asyncio.to_thread(store.jobs.running_job, name)
                 raise ModelBusy(
                     f"an update of {name!r} is running on another replica"
                     + (f" (job {other['id']})" if other else "")
                     + "; one at a time per model"
                 )
             job = await asyncio.to_thread(
-                store.add_job, name, number, {"records": records, "version": number, "activate": activate}
+                store.jobs.add_job, name, number, {"records": records, "version": number, "activate": activate}
             )
         except BaseException:
             self.running.pop(name, None)
@@ -78,8 +78,7 @@ class UpdateJobs:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(state.updates, self._run, job["id"], name, version, plan)
         task = loop.create_task(self._finish(job["id"], name, future, activate, claim), name=f"update-{name}")
-        state._closing.add(task)
-        task.add_done_callback(state._closing.discard)
+        state.versions.track(task)  # cancelled when the service stops
         return job
 
     # ---------------------------------------------------------------- what it learns
@@ -141,7 +140,7 @@ class UpdateJobs:
         state = self.state
         store, pictures, repository = state.record.store, state.record.pictures, state.repository
         started = time.time()
-        store.set_job(job_id, state="running", started=started, phase="remove", progress=0.0)
+        store.jobs.set_job(job_id, state="running", started=started, phase="remove", progress=0.0)
         incoming = repository.incoming(name)
         add, remove = plan["add"], plan["remove"]
         total = max(1, len(add) + len(remove))
@@ -151,7 +150,7 @@ class UpdateJobs:
 
         def progress(phase: str, done: int, count: int) -> None:
             finished = done + (len(remove) if phase == "add" else 0)
-            store.set_job(job_id, phase=phase, progress=round(0.8 * finished / total, 3))
+            store.jobs.set_job(job_id, phase=phase, progress=round(0.8 * finished / total, 3))
 
         try:
             store.pin(r["sha256"] for r in [*add, *remove])  # learned from: never evicted
@@ -164,7 +163,7 @@ class UpdateJobs:
                 run_options=PadimConfig(batch_size=8, workers=1, device=state.settings.device),
                 on_progress=progress,
             )
-            store.set_job(job_id, phase="gate", progress=0.85)
+            store.jobs.set_job(job_id, phase="gate", progress=0.85)
             checked = gate(
                 version.path,
                 output,
@@ -175,7 +174,7 @@ class UpdateJobs:
             )
             if self.stopping.is_set():  # the job row says so at the next start: no version was written
                 raise RuntimeError("the service is stopping")
-            store.set_job(job_id, phase="commit", progress=0.95)
+            store.jobs.set_job(job_id, phase="commit", progress=0.95)
             learned = [r["id"] for r in add if picture_name(r["sha256"]) in set(report.added)]
             removed = [r["id"] for r in remove if picture_name(r["sha256"]) in set(report.removed)]
             update = {
@@ -210,14 +209,14 @@ class UpdateJobs:
             result = await future
             result["activated"] = False
             if activate and result["gate"]["passed"]:
-                await asyncio.to_thread(store.set_job, job_id, phase="activate", progress=0.97)
-                await state.activate(name, result["version"])
+                await asyncio.to_thread(store.jobs.set_job, job_id, phase="activate", progress=0.97)
+                await state.changes.activate(name, result["version"])
                 result["activated"] = True
             elif activate:
                 result["not_activated"] = "the gate failed: " + result["gate"]["why"]
             outcome = "succeeded" if result["gate"]["passed"] else "gate_failed"
             await asyncio.to_thread(
-                store.set_job,
+                store.jobs.set_job,
                 job_id,
                 state="succeeded",
                 phase="done",
@@ -244,7 +243,7 @@ class UpdateJobs:
                 log.exception("update failed", extra={"model": name, "job": job_id})
             state.metrics.update_jobs.labels(name, "failed").inc()
             try:
-                await asyncio.to_thread(store.set_job, job_id, state="failed", finished=time.time(), error=message)
+                await asyncio.to_thread(store.jobs.set_job, job_id, state="failed", finished=time.time(), error=message)
             except Exception:  # the database is away: the job stays 'running' until the next start says otherwise
                 log.error("update: its failure could not be recorded", extra={"job": job_id})
         finally:

@@ -35,14 +35,15 @@ from padim.core.statistics import NotPositiveDefiniteError, downdate_state_
 from padim.models.config import PadimConfig
 from padim.models.data.images import iter_decoded, iter_for_model
 from padim.models.errors import FitError, NotUpdatable
-from padim.models.fit.in_progress import Fit, TrainingImage, batches_of, file_digest
+from padim.models.fit.in_progress import Fit
 from padim.models.fit.model_file import load_detector, load_fit, save_fitted
+from padim.models.fit.passes import TrainingImage, batches_of, file_digest
 from padim.models.fit.training import MIN_IMAGES, FitReport, timed_into, train
 from padim.models.scoring.detector import Provenance, now
 
 
 def sha256_digest(sha256: str) -> int:
-    """The fitted-image digest (:func:`~padim.models.fit.in_progress.file_digest`) of content with this sha256 (hex)."""
+    """The fitted-image digest (:func:`~padim.models.fit.passes.file_digest`) of content with this sha256 (hex)."""
     return int.from_bytes(bytes.fromhex(sha256)[:8], "big", signed=True)
 
 

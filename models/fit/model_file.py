@@ -51,7 +51,8 @@ from padim.models.config import RETIRED, PadimConfig
 from padim.models.devices import check_precision, resolve_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding, FeatureEmbedder
-from padim.models.fit.in_progress import Finished, Fit
+from padim.models.fit.in_progress import Fit
+from padim.models.fit.passes import Finished
 from padim.models.scoring.detector import PadimDetector, Provenance
 from padim.models.scoring.model import PadimModel
 

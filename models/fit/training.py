@@ -1,7 +1,7 @@
 """Training runs: a new fit, a resumed one, partial fits and their merge, with what happened to each image.
 
 These are what ``padim train`` and ``padim merge`` run (and the Python API). Each turns a list of
-:class:`~padim.models.fit.in_progress.TrainingImage` into a model file through a
+:class:`~padim.models.fit.passes.TrainingImage` into a model file through a
 :class:`~padim.models.fit.in_progress.Fit`, and says in a :class:`FitReport` which images were left
 out and why, what the threshold can promise, and what the fit cost.
 """
@@ -29,9 +29,11 @@ from padim.models.devices import float64_is_slow
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import PrecisionGateFailed
 from padim.models.fit.distributed import Shard
-from padim.models.fit.in_progress import (
+from padim.models.fit.in_progress import Fit
+from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
+from padim.models.fit.model_file import load_detector, load_fit, save_fitted
+from padim.models.fit.passes import (
     Finished,
-    Fit,
     HeldRows,
     ScoringPass,
     SpooledRows,
@@ -39,8 +41,6 @@ from padim.models.fit.in_progress import (
     batches_of,
     file_digest,
 )
-from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
-from padim.models.fit.model_file import load_detector, load_fit, save_fitted
 from padim.models.fit.precision import CHECK_IMAGES, PrecisionCheck, PrecisionGate, measure_precision
 from padim.models.scoring.detector import PadimDetector, Provenance, now
 

@@ -25,21 +25,18 @@ from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..batching import ScoredImage
 from ..errors import ApiError
 from ..record.rows import make_row
-from ..state import ServiceState
+from ..state import ServedModel, ServiceState
 from .config import CameraSource, Line, LinesFile, check_lines, read_lines
 from .journal import LineJournal, OutboxFull
-from .sinks import MqttTrigger, Sink, SinkDown, make_sink
+from .outboxes import Outboxes
+from .sinks import MqttTrigger, Sink, make_sink
 from .sources import Camera, HotFolder, Picture
 
 log = logging.getLogger("padim.lines")
 
-#: Messages a deliverer sends in one go.
-SEND_BATCH = 64
-#: Back-off after a failed send: doubled each time up to MAX_BACKOFF_S.
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
 #: Seconds the record may take to make a line picture's row durable before the picture is tried again later.
 RECORD_TIMEOUT_S = 30.0
 #: How long a full queue (the batcher's) or outbox (block) makes the line wait before it looks again.
@@ -65,7 +62,6 @@ class LineRunner:
         self.sinks: list[Sink] = [
             make_sink(s, n, config.name) for s, n in zip(config.sinks, self.sink_names, strict=True)
         ]
-        self._wake = {name: asyncio.Event() for name in self.sink_names}
         self._tasks: list[asyncio.Task] = []
         self._in_flight: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(config.max_in_flight)
@@ -75,11 +71,11 @@ class LineRunner:
         self.last: dict | None = None  # the latest message
         self.last_picture: bytes | None = None
         self.paused: str | None = None  # why the line takes no picture now (its outbox is full)
-        self._dropped_shown = dict.fromkeys(self.sink_names, 0)
+        self.outboxes = Outboxes(
+            config.name, self.journal, self.sinks, self.metrics, config.outbox.max_messages, self._delivered_first
+        )
         for outcome in self.counts:
             self.metrics.line_pictures.labels(config.name, outcome)
-        for name in self.sink_names:
-            self.metrics.line_delivered.labels(config.name, name)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -97,7 +93,7 @@ class LineRunner:
         name = self.config.name
         self._tasks = [asyncio.create_task(self._take(), name=f"line-{name}")]
         self._tasks += [
-            asyncio.create_task(self._deliver(sink), name=f"line-{name}-{sink.name}") for sink in self.sinks
+            asyncio.create_task(self.outboxes.deliver(sink), name=f"line-{name}-{sink.name}") for sink in self.sinks
         ]
         self._tasks.append(asyncio.create_task(self._show(), name=f"line-{name}-metrics"))
         log.info(
@@ -172,9 +168,8 @@ class LineRunner:
             except OutboxFull:  # filled meanwhile: the picture is taken again once there is room
                 self._give_back(picture)
                 return
-            for event in self._wake.values():
-                event.set()
-            self._show_depths()
+            self.outboxes.wake()
+            self.outboxes.show_depths()
             if not self.sinks:
                 self._delivered_first(message, time.time())
         turn.set()
@@ -204,22 +199,7 @@ class LineRunner:
     async def _score(self, picture: Picture, key: str) -> tuple[dict, dict | None]:
         """The picture's message (and record row), scored by the served model's batcher as ``POST /score`` is."""
         state = self.state
-        threshold = self.config.threshold
-        while True:
-            model = state.model(self.config.model)  # 503 not_ready while models load: the loop waits below
-            try:
-                with state.using(model) as served:
-                    (scored,), (result,), (size,) = await state.score_pictures(
-                        served, [picture.data], threshold, self.config.heatmaps, False
-                    )
-                    break
-            except ApiError as error:
-                if error.status in (413, 415, 422):  # the picture, not the service
-                    raise _Rejected(error.message) from None
-                if error.code not in ("overloaded", "not_ready"):  # a full queue: wait, as a line cannot drop a part
-                    raise
-            await asyncio.sleep(BUSY_WAIT_S)
-        state.observe(served, [result], own_threshold=threshold is not None)
+        served, scored, result, size = await self._scored(picture)
         now = time.time()
         self.count("scored")
         if result["is_anomaly"]:
@@ -239,24 +219,7 @@ class LineRunner:
             )
             if v is not None
         }
-        message = {
-            "id": key,
-            **fields,
-            "model": served.name,
-            "version": served.version,
-            "score": result["score"],
-            "raw_score": result["raw_score"],
-            "is_anomaly": bool(result["is_anomaly"]),
-            "verdict": "anomalous" if result["is_anomaly"] else "normal",
-            "threshold": result["threshold"],
-            "anomalous_area": result["anomalous_area"],
-            "time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "seen": picture.seen,
-            "latency_ms": round((now - picture.seen) * 1000, 3),
-            "source": picture.source_id,
-            "sha256": picture.sha256,
-            "heatmap": str(heatmap_path) if heatmap_path is not None else None,
-        }
+        message = _message(key, fields, served, result, picture, heatmap_path, now)
         row = None
         if state.record is not None:
             row = make_row(
@@ -276,6 +239,27 @@ class LineRunner:
             message["record_id"] = row["id"]
         return message, row
 
+    async def _scored(self, picture: Picture) -> tuple[ServedModel, ScoredImage, dict, tuple[int, int]]:
+        """The picture scored and answered; a busy or loading service is waited for (a line cannot drop a part)."""
+        state = self.state
+        threshold = self.config.threshold
+        while True:
+            model = state.model(self.config.model)  # 503 not_ready while models load: the loop waits below
+            try:
+                with state.using(model) as served:
+                    (scored,), (result,), (size,) = await state.score_pictures(
+                        served, [picture.data], threshold, self.config.heatmaps, False
+                    )
+                    break
+            except ApiError as error:
+                if error.status in (413, 415, 422):  # the picture, not the service
+                    raise _Rejected(error.message) from None
+                if error.code not in ("overloaded", "not_ready"):  # a full queue: wait, as a line cannot drop a part
+                    raise
+            await asyncio.sleep(BUSY_WAIT_S)
+        state.observe(served, [result], own_threshold=threshold is not None)
+        return served, scored, result, size
+
     async def _record(self, row: dict, picture: Picture) -> bool:
         record = self.state.record
         assert record is not None
@@ -289,45 +273,6 @@ class LineRunner:
         return True
 
     # ------------------------------------------------------------------ verdicts out
-    async def _deliver(self, sink: Sink) -> None:
-        line, streak = self.config.name, 0
-        wake = self._wake[sink.name]
-        while True:
-            due = await asyncio.to_thread(self.journal.due, sink.name, SEND_BATCH)
-            if not due:
-                wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), 1.0)
-                continue
-            try:
-                done = await sink.send([p.message for p in due])
-                failure = None
-            except SinkDown as error:
-                done, failure = error.done, str(error)
-            except Exception as error:  # a bug in a sink must not stop the line: the messages wait
-                log.exception("sink failed", extra={"line": line, "sink": sink.name})
-                done, failure = 0, f"{type(error).__name__}: {error}"
-            now = time.time()
-            await asyncio.to_thread(self.journal.delivered, sink.name, [p.id for p in due[:done]])
-            self._show_depths()
-            for pending in due[:done]:
-                self.metrics.line_latency.labels(line, sink.name).observe(max(0.0, now - pending.message["seen"]))
-                if sink is self.sinks[0]:
-                    self._delivered_first(pending.message, now)
-            self.metrics.line_delivered.labels(line, sink.name).inc(done)
-            if failure is None:
-                streak = 0
-                continue
-            self.metrics.line_delivery_failures.labels(line, sink.name).inc()
-            delay = min(FIRST_BACKOFF_S * 2**streak, MAX_BACKOFF_S)
-            streak += 1
-            if streak == 1:
-                log.warning(
-                    "sink down; verdicts wait in its outbox", extra={"line": line, "sink": sink.name, "error": failure}
-                )
-            await asyncio.to_thread(self.journal.failed, [p.id for p in due[done:]], delay)
-            await asyncio.sleep(delay)
-
     def _delivered_first(self, message: dict, now: float) -> None:
         if (now - message["seen"]) * 1000 > self.config.latency_budget_ms:
             self.count("late")
@@ -336,31 +281,11 @@ class LineRunner:
         self.counts[outcome] += 1
         self.metrics.line_pictures.labels(self.config.name, outcome).inc()
 
-    def _show_depths(self) -> None:
-        for name, depth in self.journal.depths().items():
-            self.metrics.line_outbox_depth.labels(self.config.name, name).set(depth)
-
     async def _show(self) -> None:
-        """The outboxes' depth, age and fullness, and the source's state, as metrics (every second)."""
+        """The outboxes, and the source's state and queue, as metrics (every second)."""
         line = self.config.name
         while True:
-            self._show_depths()
-            depths = self.journal.depths()
-            ages = await asyncio.to_thread(self.journal.oldest)
-            for sink in self.sinks:
-                depth = depths[sink.name]
-                self.metrics.line_outbox_age.labels(line, sink.name).set(ages[sink.name] or 0.0)
-                full = depth >= self.config.outbox.max_messages
-                self.metrics.line_outbox_full.labels(line, sink.name).set(1.0 if full else 0.0)
-                self.metrics.line_sink_up.labels(line, sink.name).set(1.0 if sink.connected else 0.0)
-                dropped = self.journal.dropped[sink.name] - self._dropped_shown[sink.name]
-                if dropped:
-                    self.metrics.line_outbox_dropped.labels(line, sink.name).inc(dropped)
-                    self._dropped_shown[sink.name] += dropped
-                    log.error(
-                        "outbox full: oldest verdicts dropped",
-                        extra={"line": line, "sink": sink.name, "dropped": dropped},
-                    )
+            await self.outboxes.show()
             up = self.source.describe()["state"] in ("watching", "connected")
             self.metrics.line_source_up.labels(line).set(1.0 if up else 0.0)
             waiting = len(self._in_flight) + (self.source.waiting if isinstance(self.source, Camera) else 0)
@@ -375,21 +300,6 @@ class LineRunner:
         return round(len(recent) / 60.0, 3)
 
     def describe(self) -> dict:
-        depths, ages = self.journal.depths(), self.journal.oldest()
-        sinks = []
-        for sink in self.sinks:
-            sinks.append(
-                {
-                    "name": sink.name,
-                    **sink.describe(),
-                    "connected": sink.connected,
-                    "error": sink.last_error,
-                    "outbox": depths[sink.name],
-                    "oldest_s": _rounded(ages[sink.name]),
-                    "full": depths[sink.name] >= self.config.outbox.max_messages,
-                    "dropped": self.journal.dropped[sink.name],
-                }
-            )
         return {
             "name": self.config.name,
             "model": self.config.model or self.state.default_name,
@@ -402,7 +312,7 @@ class LineRunner:
             "latency_budget_ms": self.config.latency_budget_ms,
             "counts": dict(self.counts),
             "last": self.last,
-            "sinks": sinks,
+            "sinks": self.outboxes.describe(),
         }
 
     def trigger(self, part: str | None) -> int:
@@ -493,5 +403,25 @@ async def run_lines(settings) -> int:
     return 0
 
 
-def _rounded(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 3)
+def _message(
+    key: str, fields: dict, served: ServedModel, result: dict, picture: Picture, heatmap: Path | None, now: float
+) -> dict:
+    """The verdict a line sends its sinks (the contract of docs/lines.md)."""
+    return {
+        "id": key,
+        **fields,
+        "model": served.name,
+        "version": served.version,
+        "score": result["score"],
+        "raw_score": result["raw_score"],
+        "is_anomaly": bool(result["is_anomaly"]),
+        "verdict": "anomalous" if result["is_anomaly"] else "normal",
+        "threshold": result["threshold"],
+        "anomalous_area": result["anomalous_area"],
+        "time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "seen": picture.seen,
+        "latency_ms": round((now - picture.seen) * 1000, 3),
+        "source": picture.source_id,
+        "sha256": picture.sha256,
+        "heatmap": str(heatmap) if heatmap is not None else None,
+    }

@@ -90,7 +90,7 @@ class Publisher:
             "default": default,
             "models": models,
             "indices": dict(self.indices),
-            "last_serial": state.serials,
+            "last_serial": state.versions.serials,
         }
         self.run.publish(table, views)
         self._written = set(loaded)
@@ -115,16 +115,16 @@ def main(argv: list[str]) -> int:
 
     app = create_app(settings, on_fatal=stop, places=places, front=False)
     state = app.state.service
-    state.serials = publisher.first_serial
-    state.record_siblings = tuple(journal_name(settings.replica, row) for row in range(1, run.workers + 1))
+    state.versions.serials = publisher.first_serial
+    state.recording.siblings = tuple(journal_name(settings.replica, row) for row in range(1, run.workers + 1))
     publisher.state = state
-    state.on_change = publisher.publish
+    state.versions.on_change = publisher.publish
     intake = Intake(run, state)
     watching = threading.Event()
 
     def watch() -> None:  # readiness, lost a GPU, a drain: into the table within PUBLISH_EVERY_S
         while not watching.wait(PUBLISH_EVERY_S):
-            loop = state.loop
+            loop = state.versions.loop
             if loop is not None and not loop.is_closed():
                 try:
                     loop.call_soon_threadsafe(publisher.check)

@@ -358,14 +358,14 @@ class Intake:
     def _score(self, peer: Peer, message: tuple) -> None:
         _, request_id, serial, shape, raw_threshold, keep_map, monitor, own, slots = message
         state = self.state
-        served = state.by_serial.get(serial)
-        if served is None or not state.hold(served):
+        served = state.versions.by_serial.get(serial)
+        if served is None or not state.versions.hold(served):
             peer.answer((STALE, request_id))
             return
         try:
             mapped = [self.maps.get(peer.row, number, nbytes) for number, nbytes, _ in slots]
         except OSError as error:
-            state.let_go(served)
+            state.versions.let_go(served)
             peer.answer((FAILED, request_id, "scoring_failed", f"the picture's slot cannot be read: {error}", None))
             return
         request = Request(peer, request_id, served, mapped, keep_map, monitor, own)
@@ -398,4 +398,4 @@ class Intake:
                 served.monitor.record([n[0] for n in numbers], [n[1] for n in numbers], request.own)
             request.peer.answer((SCORED, request.id, numbers))
         finally:
-            self.state.let_go(served)
+            self.state.versions.let_go(served)

@@ -214,7 +214,7 @@ class Recorder:
                 if not migrated:  # a database down at start is waited for like one that goes away later
                     self.store.migrate()
                     if self.upkeep:
-                        self.store.interrupted_jobs()  # what a stopped process (or replica) left running
+                        self.store.jobs.interrupted_jobs()  # what a stopped process (or replica) left running
                     migrated = True
                     self.ready.set()
                 rows, position = self.journal.read(self.journal.position, DB_BATCH)

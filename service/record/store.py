@@ -1,4 +1,5 @@
-"""The record's database: rows, reviews, jobs and what stored pictures hold, for SQLite and PostgreSQL alike.
+"""The record's database: rows, reviews and what stored pictures hold, for SQLite and PostgreSQL alike (its update
+jobs: :mod:`padim.service.record.jobs`).
 
 SQLite (the embedded default, ``record.sqlite`` in the record's folder) runs in WAL mode with
 ``synchronous=FULL``: a commit is on disk when it returns. PostgreSQL is reached by URL
@@ -9,38 +10,23 @@ by Alembic (:func:`migrate`).
 from __future__ import annotations
 
 import builtins  # `list` in the class is its method: the type is spelled builtins.list there
-import contextlib
-import hashlib
 import logging
-import math
-import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, text, update
+from sqlalchemy import Engine, and_, create_engine, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from padim.models.errors import RecordNotFound
 
-from .tables import jobs, metadata, pictures, records, reviews
+from .jobs import JobStore
+from .tables import metadata, new_id, pictures, records, reviews
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 LABELS = ("normal", "defect")
-#: Jobs not finished: a running process's, or one a stopped process left.
-UNFINISHED = jobs.c.state.in_(("queued", "running"))
-
-
-def new_id(now: float | None = None, key: str | None = None) -> str:
-    """32 hex digits: the time in milliseconds (12), then 20 random: ids sort by time across replicas.
-
-    With ``key`` the 20 come from its sha256 instead: the same id on every attempt (a line picture scored again after
-    a crash), which the record inserts once."""
-    millis = int((time.time() if now is None else now) * 1000)
-    tail = hashlib.sha256(key.encode()).hexdigest()[:20] if key is not None else secrets.token_hex(10)
-    return f"{millis:012x}{tail}"
 
 
 def database_url(url: str | None, folder: Path | None) -> str:
@@ -133,6 +119,7 @@ class RecordStore:
         self.url = url
         self.engine = make_engine(url)
         self.kind: Literal["sqlite", "postgresql"] = "sqlite" if url.startswith("sqlite") else "postgresql"
+        self.jobs = JobStore(self.engine, self.kind)  # the update jobs' table
 
     def migrate(self) -> None:
         migrate(self.engine)
@@ -369,115 +356,6 @@ class RecordStore:
                 .where(pictures.c.sha256.in_(sha256s), ~pictures.c.pinned)
                 .values(evicted=time.time() if now is None else now)
             )
-
-    # ---------------------------------------------------------------- jobs
-    def add_job(self, model: str, base_version: int, request: dict) -> dict:
-        job = {
-            "id": new_id(),
-            "model": model,
-            "base_version": base_version,
-            "state": "queued",
-            "phase": "queued",
-            "progress": 0.0,
-            "created": time.time(),
-            "started": None,
-            "finished": None,
-            "request": request,
-            "result": None,
-            "error": None,
-        }
-        with self.engine.begin() as connection:
-            connection.execute(jobs.insert().values(**job))
-        return job
-
-    def set_job(self, job_id: str, **values) -> None:
-        if "progress" in values and not math.isfinite(values["progress"]):
-            values["progress"] = 0.0
-        with self.engine.begin() as connection:
-            connection.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
-
-    def job(self, job_id: str) -> dict:
-        with self.engine.connect() as connection:
-            row = connection.execute(select(jobs).where(jobs.c.id == job_id)).mappings().first()
-        if row is None:
-            raise RecordNotFound(f"no job {job_id!r}")
-        return dict(row)
-
-    def claim_updates(self, model: str) -> UpdateClaim | None:
-        """The right to run an update of ``model``, across every replica writing this database; ``None`` when
-        another replica holds it.
-
-        On PostgreSQL a session-level advisory lock, held on a connection of its own for the job's length: the
-        server lets go of it when that connection closes, so a replica that dies (kill -9, a node lost) frees it
-        at once. Whoever wins it marks the jobs of ``model`` still queued or running as failed: their replica
-        stopped. SQLite is one process's (jobs keep their own count there, and :meth:`interrupted_jobs` runs at
-        start): a claim always succeeds.
-        """
-        if self.kind == "sqlite":
-            return UpdateClaim(None)
-        key = int.from_bytes(hashlib.sha256(f"padim update {model}".encode()).digest()[:8], "big", signed=True)
-        connection = self.engine.connect()
-        try:
-            won = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar()
-            connection.commit()
-            if not won:
-                connection.close()
-                return None
-            self._fail_jobs(
-                "its replica stopped before the update finished; no version was written", jobs.c.model == model
-            )
-        except BaseException:
-            connection.close()
-            raise
-        return UpdateClaim(connection)
-
-    def running_job(self, model: str) -> dict | None:
-        """The latest job of ``model`` still queued or running."""
-        with self.engine.connect() as connection:
-            row = (
-                connection.execute(
-                    select(jobs).where(jobs.c.model == model, UNFINISHED).order_by(jobs.c.created.desc())
-                )
-                .mappings()
-                .first()
-            )
-        return dict(row) if row is not None else None
-
-    def interrupted_jobs(self) -> None:
-        """Jobs left queued or running by a process that stopped: failed, saying so (no version was written).
-
-        On PostgreSQL, only those whose replica no longer holds their model's lock (the others still run)."""
-        if self.kind != "sqlite":
-            with self.engine.connect() as connection:
-                models = connection.execute(select(jobs.c.model).where(UNFINISHED).distinct()).scalars().all()
-            for model in models:
-                claim = self.claim_updates(model)  # won: their replica is gone, and they are marked failed
-                if claim is not None:
-                    claim.release()
-            return
-        self._fail_jobs("the service stopped before the update finished; no version was written; start it again")
-
-    def _fail_jobs(self, error: str, *where) -> None:
-        """Mark the unfinished jobs (of ``where``) failed, saying why."""
-        with self.engine.begin() as connection:
-            connection.execute(
-                update(jobs).where(UNFINISHED, *where).values(state="failed", finished=time.time(), error=error)
-            )
-
-
-class UpdateClaim:
-    """A held :meth:`RecordStore.claim_updates`; :meth:`release` lets go of it."""
-
-    def __init__(self, connection):
-        self.connection = connection
-
-    def release(self) -> None:
-        if self.connection is not None:
-            # the lock belongs to the server's session: the connection is closed, not handed back to the pool
-            with contextlib.suppress(Exception):  # a database gone has let go of it already
-                self.connection.invalidate()
-                self.connection.close()
-            self.connection = None
 
 
 __all__ = ["LABELS", "Filters", "RecordStore", "current_revision", "database_url", "metadata", "migrate", "new_id"]

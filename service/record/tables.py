@@ -6,9 +6,24 @@ build exactly these tables). Times are UTC seconds since the epoch (float), whic
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import time
+
 from sqlalchemy import JSON, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text
 
 metadata = MetaData()
+
+
+def new_id(now: float | None = None, key: str | None = None) -> str:
+    """32 hex digits: the time in milliseconds (12), then 20 random: ids sort by time across replicas.
+
+    With ``key`` the 20 come from its sha256 instead: the same id on every attempt (a line picture scored again after
+    a crash), which the record inserts once."""
+    millis = int((time.time() if now is None else now) * 1000)
+    tail = hashlib.sha256(key.encode()).hexdigest()[:20] if key is not None else secrets.token_hex(10)
+    return f"{millis:012x}{tail}"
+
 
 #: One row per scored picture. ``label`` is the latest review's (``reviews`` keeps every one).
 records = Table(

@@ -22,7 +22,7 @@ async def live() -> LiveResponse:
 )
 async def ready(state: StateDep, request: Request):
     lines = request.app.state.lines.health() if request.app.state.lines is not None else None
-    device_problem = await state.check_devices() if state.ready and not state.draining else None
+    device_problem = await state.scoring.check_devices() if state.ready and not state.draining else None
     replica = state.settings.replica
     if state.ready and not state.draining and device_problem is None:
         return ReadyResponse(status="ready", models=list(state.models), lines=lines, replica=replica)

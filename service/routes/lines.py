@@ -55,5 +55,5 @@ async def last(name: str, request: Request, state: StateDep) -> dict:
     if message is None or picture is None:
         raise ApiError("line_not_found", f"line {name!r} has scored no picture yet")
     threshold = runner.config.threshold if runner.config.threshold is not None else 0.5
-    drawn = await state.heatmap_of(message["model"], message["version"], picture, threshold)
+    drawn = await state.recording.heatmap_of(message["model"], message["version"], picture, threshold)
     return {"message": message, "heatmap": drawn["heatmap"]}

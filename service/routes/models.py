@@ -30,7 +30,7 @@ async def list_models(state: StateDep) -> ModelsResponse:
 
 def _versions(state, name: str) -> list[dict]:
     try:
-        return state.versions(name)
+        return state.changes.versions_of(name)
     except PadimError:  # its folder removed by hand while it is served: the model still answers
         return []
 

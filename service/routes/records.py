@@ -193,7 +193,7 @@ async def get_heatmap(record_id: str, state: StateDep) -> Response:
     data = await asyncio.to_thread(recorder(state).pictures.read, row["sha256"])
     if data is None:
         raise _gone(record_id, row)
-    result = await state.heatmap_of(row["model"], row["version"], data, row["threshold"])
+    result = await state.recording.heatmap_of(row["model"], row["version"], data, row["threshold"])
     return Response(
         base64.b64decode(result["heatmap"]), media_type="image/png", headers={"Cache-Control": "private, max-age=3600"}
     )

@@ -44,7 +44,7 @@ async def update(
     responses=error_responses(401, 404, 503),
 )
 async def get_job(job_id: str, state: StateDep) -> JobInfo:
-    return JobInfo(**_job_out(await on_database(state, recorder(state).store.job, job_id)))
+    return JobInfo(**_job_out(await on_database(state, recorder(state).store.jobs.job, job_id)))
 
 
 def _job_out(job: dict) -> dict:

@@ -41,7 +41,7 @@ async def list_versions(name: str, state: StateDep) -> VersionsResponse:
     if not state.ready:
         state.model(None)  # 503 while loading
     return VersionsResponse(
-        model=name, versions=[VersionInfo(**v) for v in await asyncio.to_thread(state.versions, name)]
+        model=name, versions=[VersionInfo(**v) for v in await asyncio.to_thread(state.changes.versions_of, name)]
     )
 
 
@@ -67,7 +67,7 @@ async def upload(
         str | None, Header(description="the body's sha256 (hex); a mismatch is refused (400 digest_mismatch)")
     ] = None,
 ) -> VersionChange:
-    repository = state.writable()
+    repository = state.changes.writable()
     check_name(name)
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("application/octet-stream"):
@@ -88,7 +88,7 @@ async def upload(
                 f"the body's sha256 is {digest}, not the {x_content_sha256.lower()} that "
                 "X-Content-SHA256 says: the file was changed or cut on the way"
             )
-        change = await state.add_version(name, incoming, digest, activate)
+        change = await state.changes.add_version(name, incoming, digest, activate)
     except BaseException:
         await asyncio.to_thread(repository.discard, incoming)
         raise
@@ -137,7 +137,7 @@ async def activate(
         ),
     ] = False,
 ) -> VersionChange:
-    return VersionChange(model=name, **await state.activate(name, version, force=force))
+    return VersionChange(model=name, **await state.changes.activate(name, version, force=force))
 
 
 @router.post(
@@ -146,7 +146,7 @@ async def activate(
     responses=error_responses(403, 404, 409, 503, 507),
 )
 async def rollback(name: str, state: StateDep) -> VersionChange:
-    return VersionChange(model=name, **await state.activate(name, 0, rollback=True))
+    return VersionChange(model=name, **await state.changes.activate(name, 0, rollback=True))
 
 
 @router.delete(
@@ -156,7 +156,7 @@ async def rollback(name: str, state: StateDep) -> VersionChange:
     responses=error_responses(403, 404, 409, 503),
 )
 async def remove(name: str, version: int, state: StateDep) -> Response:
-    await state.remove(name, version)
+    await state.changes.remove(name, version)
     return Response(status_code=204)
 
 
@@ -167,5 +167,5 @@ async def remove(name: str, version: int, state: StateDep) -> Response:
     responses=error_responses(403, 404, 409, 503),
 )
 async def unload(name: str, state: StateDep) -> Response:
-    await state.unload(name)
+    await state.changes.unload(name)
     return Response(status_code=204)

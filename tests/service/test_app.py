@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from padim.service.app import create_app
 from padim.service.settings import ServiceSettings
-from padim.service.state import ServiceState
+from padim.service.state.loading import Loader
 
 
 def png(dataset, name="good/000.png") -> bytes:
@@ -34,13 +34,13 @@ def wait_ready(client: TestClient) -> None:
 
 def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeypatch):
     release = threading.Event()
-    original = ServiceState._load_one
+    original = Loader.load_one
 
     def slow_load(self, path, cache=None):
         assert release.wait(30)
         return original(self, path, cache)
 
-    monkeypatch.setattr(ServiceState, "_load_one", slow_load)
+    monkeypatch.setattr(Loader, "load_one", slow_load)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu"))) as client:
         assert client.get("/health/live").status_code == 200
         ready = client.get("/health/ready")
@@ -56,7 +56,7 @@ def test_not_ready_until_models_are_loaded_and_warm(model_file, dataset, monkeyp
 
 @pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
 def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, monkeypatch, runtime):
-    original = ServiceState._load_one
+    original = Loader.load_one
 
     def poisoned(self, path, cache=None):  # a model damaged in memory, after its file was verified
         detector, sha256 = original(self, path, cache)
@@ -72,7 +72,7 @@ def test_a_nan_in_the_model_gives_an_error_never_a_verdict(model_file, dataset, 
             detector._session.run = nan_run
         return detector, sha256
 
-    monkeypatch.setattr(ServiceState, "_load_one", poisoned)
+    monkeypatch.setattr(Loader, "load_one", poisoned)
     with TestClient(create_app(ServiceSettings(models=[model_file], device="cpu", runtime=runtime))) as client:
         wait_ready(client)
         for response in (

@@ -13,10 +13,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from padim.service import state as state_module
 from padim.service.app import create_app
 from padim.service.settings import ServiceSettings
-from padim.service.state import ServiceState
+from padim.service.state import ServiceState, loading, scoring
 
 
 class OnGpu:
@@ -47,7 +46,7 @@ def faults(monkeypatch):
 
     faults = Faults()
     faults.sizes = []
-    real = state_module.load_scorer
+    real = loading.load_scorer
 
     def load_scorer(*args, **kwargs):
         detector = real(*args, **kwargs)
@@ -62,7 +61,7 @@ def faults(monkeypatch):
         detector.score = faulty
         return OnGpu(detector) if faults.gpu else detector
 
-    monkeypatch.setattr(state_module, "load_scorer", load_scorer)
+    monkeypatch.setattr(loading, "load_scorer", load_scorer)
     return faults
 
 
@@ -92,10 +91,10 @@ def test_out_of_memory_is_cured_by_splitting_the_batch(model_file, faults):
         state = service(client)
         size = state.models["weave"].scorer.config.features.image_size
         faults.sizes.clear()
-        out = state.score(state.models["weave"], torch.zeros(5, 3, size, size))
+        out = state.scoring.score(state.models["weave"], torch.zeros(5, 3, size, size))
         assert out.raw_scores.shape == (5,) and out.maps.shape[0] == 5
         assert faults.sizes == [5, 3, 2]  # the whole batch, then its two halves
-        assert state.device_errors == 0
+        assert state.scoring.device_errors == 0
         metrics = client.get("/metrics").text
         assert 'padim_device_errors_total{model="weave",outcome="split"} 1.0' in metrics
     finally:
@@ -113,12 +112,12 @@ def test_out_of_memory_even_split_is_503_and_repeated_failures_make_the_service_
         assert answer.json()["error"]["code"] == "device_out_of_memory"
         assert client.get("/health/ready").status_code == 200  # one failure: still ready
         faults.rule = None
-        state.score(state.models["weave"], torch.zeros(2, 3, size, size))  # a success resets the count
-        assert state.device_errors == 0
+        state.scoring.score(state.models["weave"], torch.zeros(2, 3, size, size))  # a success resets the count
+        assert state.scoring.device_errors == 0
         faults.fail(lambda batch: True, RuntimeError("CUDA error: an illegal memory access was encountered"))
         for _ in range(2):
             with pytest.raises(RuntimeError, match="illegal memory access"):
-                state.score(state.models["weave"], torch.zeros(1, 3, size, size))
+                state.scoring.score(state.models["weave"], torch.zeros(1, 3, size, size))
         ready = client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["reason"].startswith("failed: 2 scoring batches in a row")
         refused = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
@@ -136,7 +135,7 @@ def test_an_error_that_is_not_the_gpus_is_a_500_and_does_not_count(model_file, d
         faults.fail(lambda batch: True, ValueError("something else"))
         answer = client.post("/score", content=png(dataset), headers={"content-type": "image/png"})
         assert answer.status_code == 500 and answer.json()["error"]["code"] == "scoring_failed"
-        assert service(client).device_errors == 0 and client.get("/health/ready").status_code == 200
+        assert service(client).scoring.device_errors == 0 and client.get("/health/ready").status_code == 200
     finally:
         client.__exit__(None, None, None)
 
@@ -145,7 +144,7 @@ def test_an_error_that_is_not_the_gpus_is_a_500_and_does_not_count(model_file, d
 def test_warm_up_runs_the_largest_batch_the_batcher_will_form(
     model_file, faults, preferred, gpu, expected, monkeypatch
 ):
-    monkeypatch.setattr(state_module, "probe", lambda device: None)
+    monkeypatch.setattr(scoring, "probe", lambda device: None)
     faults.gpu = gpu
     client = started(
         ServiceSettings(models=[model_file], device="cpu", max_batch_size=16, preferred_batch_size=preferred)
@@ -180,8 +179,8 @@ def test_readiness_runs_a_cuda_probe_a_failed_one_is_final_a_slow_one_is_not(mod
         if behaviour["mode"] == "broken":
             raise RuntimeError("CUDA error: unspecified launch failure")
 
-    monkeypatch.setattr(state_module, "probe", probe)
-    monkeypatch.setattr(state_module, "PROBE_TIMEOUT_S", 1.5)  # well above a thread's start on a loaded machine
+    monkeypatch.setattr(scoring, "probe", probe)
+    monkeypatch.setattr(scoring, "PROBE_TIMEOUT_S", 1.5)  # well above a thread's start on a loaded machine
     client = started(ServiceSettings(models=[model_file], device="cpu", max_batch_size=4))
     try:
         assert calls and calls[-1] == torch.device("cuda")

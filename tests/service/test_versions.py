@@ -367,7 +367,7 @@ def test_a_version_copied_into_the_repository_is_picked_up_by_the_poll(model_fil
 def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(
     model_file, second_model, dataset, tmp_path, monkeypatch
 ):
-    import padim.service.state as state_module
+    import padim.service.state.loading as state_module
 
     root = repository_with(tmp_path, model_file)
     with in_process(root) as client:

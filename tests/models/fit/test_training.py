@@ -23,8 +23,8 @@ from padim.models import (
     merge_fits,
     train,
 )
-from padim.models.fit.in_progress import ScoringPass, SpooledRows
 from padim.models.fit.model_file import load_detector, load_fit, save_fit
+from padim.models.fit.passes import ScoringPass, SpooledRows
 
 CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
 #: The mechanics against brute-force refits of the pictures as taken: no changed copies (those have their own test).
@@ -426,7 +426,7 @@ def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_pa
     def broken(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of the finish
 
-    monkeypatch.setattr("padim.models.fit.in_progress.fold_squared_distances", broken)
+    monkeypatch.setattr("padim.models.fit.fold_scores.fold_squared_distances", broken)
     with pytest.raises(KeyboardInterrupt):
         train(CONFIG, images[:12], tmp_path / "never.padim", progress=False, scratch_dir=tmp_path / "scratch")
     assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []

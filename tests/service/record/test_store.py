@@ -142,20 +142,20 @@ def test_one_update_of_a_model_at_a_time_across_replicas(postgres_cluster):
     url = postgres_cluster.new_database()
     first, second = RecordStore(url), RecordStore(url)  # two replicas' connections to one database
     first.migrate()
-    claim = first.claim_updates("weave")
-    assert claim is not None and second.claim_updates("weave") is None
-    other = second.claim_updates("cable")  # another model: its own lock
+    claim = first.jobs.claim_updates("weave")
+    assert claim is not None and second.jobs.claim_updates("weave") is None
+    other = second.jobs.claim_updates("cable")  # another model: its own lock
     assert other is not None
     other.release()
-    job = first.add_job("weave", 1, {})
-    first.set_job(job["id"], state="running")
-    assert second.running_job("weave")["id"] == job["id"]
+    job = first.jobs.add_job("weave", 1, {})
+    first.jobs.set_job(job["id"], state="running")
+    assert second.jobs.running_job("weave")["id"] == job["id"]
     claim.connection.invalidate()  # the replica's connection is gone (it died): the server lets go of the lock
-    again = second.claim_updates("weave")
+    again = second.jobs.claim_updates("weave")
     assert again is not None
-    stopped = second.job(job["id"])  # its replica stopped: failed, saying so, and no longer running
+    stopped = second.jobs.job(job["id"])  # its replica stopped: failed, saying so, and no longer running
     assert stopped["state"] == "failed" and "replica stopped" in stopped["error"]
-    assert second.running_job("weave") is None
+    assert second.jobs.running_job("weave") is None
     again.release()
-    assert first.claim_updates("weave") is not None
+    assert first.jobs.claim_updates("weave") is not None
     first.close(), second.close()

@@ -1,0 +1,192 @@
+"""The calibration's distances (:class:`FoldScoring`): each picture of a scoring pass scored by the model without its
+own fold, a slice of pixels at a time, by a correction of one factorisation per fold size
+(:mod:`padim.core.out_of_fold`: no fold model is fitted); held-out pictures by the fitted model itself. The
+distances become maps and raw scores as the scorer makes them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from padim.core.out_of_fold import (
+    fold_base,
+    fold_copy_squared_distances,
+    fold_squared_distances,
+    held_out_squared_distances,
+    refit_is_cheaper,
+    refit_squared_distances,
+)
+from padim.core.statistics import Shrinkage
+from padim.models.fit.memory_plan import BLOCK_BYTES
+from padim.models.fit.passes import Fitting, PixelSlice, ScoringPass, split_rows
+from padim.models.scoring.model import score_distances
+
+
+class FoldScoring:
+    """A scoring pass in progress: its pictures, the rows of each fold that can be scored (``kept``:
+    :func:`scoreable`), and their ``(N, P)`` distances (as the scorer's maps: float32).
+
+    Args:
+        fit: the fit in progress (its configuration and embedder).
+        scoring: the pass's pictures.
+        kept: the row names of each fold that can be scored.
+        count, mean: of every fitted row.
+        shrinkage: the model's (its prior is the fold models' regularisation).
+    """
+
+    def __init__(
+        self,
+        fit: Fitting,
+        scoring: ScoringPass,
+        kept: list[list[str]],
+        count: int,
+        mean: torch.Tensor,
+        shrinkage: Shrinkage,
+    ):
+        self.fit, self.scoring, self.kept, self.count, self.mean, self.shrinkage = (
+            fit,
+            scoring,
+            kept,
+            count,
+            mean,
+            shrinkage,
+        )
+        self.squared = torch.zeros(sum(len(rows) for rows in kept), fit.pixels, dtype=torch.float32)
+
+    def score_slice(self, pixels: PixelSlice, covariance: torch.Tensor, cholesky: torch.Tensor) -> None:
+        """Distances of the pass's images at the slice's pixels, into :attr:`squared`.
+
+        Out-of-fold: the folds of each size share one base (one Cholesky factorisation of the
+        slice per fold size, :func:`padim.core.out_of_fold.fold_base`), and are read and
+        corrected in blocks of at most :data:`BLOCK_BYTES` of float64 embeddings.
+        """
+        source, squared, start, stop = self.scoring, self.squared, pixels.start, pixels.stop
+        mean = self.mean[start:stop]
+        limit = max(1, BLOCK_BYTES // (8 * pixels.size * self.fit.embedder.embedding_dim))  # rows per block
+        if source.folds is None:  # held-out images: the fitted model itself
+            rows = len(source.names)
+            for first in range(0, rows, limit):
+                x = source.rows.read(pixels, first, min(first + limit, rows)).to(self.fit.device)
+                squared[first : first + len(x), start:stop] = held_out_squared_distances(cholesky, mean, x).cpu()
+            return
+        for m, places in sorted(self._folds_by_size().items()):
+            self._score_folds(pixels, covariance, mean, m, places, limit)
+
+    def _folds_by_size(self) -> dict[int, list[tuple[int, int]]]:
+        """Fold size -> ``[(first row in the source, first row in squared)]`` of every fold that is scored."""
+        folds: dict[int, list[tuple[int, int]]] = {}
+        row = out = 0
+        assert self.scoring.folds is not None, "out-of-fold: the pass names its folds"
+        for m, kept in zip(self.scoring.folds, self.kept, strict=True):
+            if kept:
+                folds.setdefault(m, []).append((row, out))
+                out += m
+            row += m
+        return folds
+
+    def _score_folds(
+        self,
+        pixels: PixelSlice,
+        covariance: torch.Tensor,
+        mean: torch.Tensor,
+        m: int,
+        places: list[tuple[int, int]],
+        limit: int,
+    ) -> None:
+        """The folds of ``m`` rows at ``places``, a block of whole folds at a time, under one base (or refitted,
+        where that is cheaper)."""
+        fit, count, start = self.fit, self.count, pixels.start
+        dim, grid, per_image = fit.embedder.embedding_dim, fit.naming_grid, fit.rows_per_image
+        epsilon = self.shrinkage.prior  # fold distances with the prior, then unscaled (Shrinkage.unscaled)
+        queried = bool(fit.config.gaussian.expect) and not fit.config.copies_fitted  # copies scored, not fitted
+        fitted = m // 2 if queried else m  # the fold's rows in the statistics
+        refit = refit_is_cheaper(fitted, dim, len(places))
+        base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
+        per_block = max(1, limit // m)
+        for first in range(0, len(places), per_block):
+            block = places[first : first + per_block]
+            x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in _runs(block, m)]).to(fit.device)
+            x = x.to(torch.float64)  # (F m, c, D), fold after fold
+            if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
+                own, copied = split_rows(x, per_image)  # (F m / 2, c, D) each
+                members = own.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
+                copies = copied.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
+            else:
+                members, copies = x.transpose(0, 1).reshape(pixels.size, len(block), m, dim), None
+            if refit:
+                values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
+                if copies is not None:
+                    queries = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, copies)
+                    values = _rejoin(values, queries, per_image)
+            else:
+                assert base is not None, "not refitted: the fold's base was formed"
+                values = fold_squared_distances(base, mean, count, members, start)
+                if copies is not None:
+                    queries = fold_copy_squared_distances(base, mean, count, members, copies, start)
+                    values = _rejoin(values, queries, per_image)
+            values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
+            for f, (_, target) in enumerate(block):
+                self.squared[target : target + m, start : pixels.stop] = values[:, f].T
+
+    def image_scores(self) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scored pictures' names, and their raw scores, input distances and own raw scores ``(B,)``: the
+        pictures' maps (tiles stitched) as the scorer makes them and their scores (their changed copies' with
+        ``expect``: the third value is then the pictures' own), and the mean of each picture's own distances."""
+        fit, config = self.fit, self.fit.config
+        names = [name for rows in self.kept for name in rows[:: fit.spooled_rows]]  # a picture's rows: one name
+        scores, inputs, taken, rows = [], [], [], 64 * fit.spooled_rows
+        for first in range(0, self.squared.shape[0], rows):
+            block = self.squared[first : first + rows]
+            own, scored = split_rows(block, fit.rows_per_image) if config.gaussian.expect else (block, block)
+            out = score_distances(scored, fit.embedder.tiling, config.scoring)
+            scores.append(out.raw_scores)
+            inputs.append(own.reshape(out.raw_scores.shape[0], -1).mean(1).to(torch.float64))
+            taken.append(
+                score_distances(own, fit.embedder.tiling, config.scoring).raw_scores
+                if config.gaussian.expect
+                else out.raw_scores
+            )
+        if not scores:
+            empty = torch.zeros(0, dtype=torch.float64)
+            return names, empty, empty, empty
+        return names, torch.cat(scores), torch.cat(inputs), torch.cat(taken).to(torch.float64)
+
+
+def scoreable(
+    source: ScoringPass, count: int, unscored: list[str], per_image: int = 1, spooled: int | None = None
+) -> list[list[str]]:
+    """The row names of each fold that can be scored (its model keeps two images, of ``per_image`` rows each in the
+    statistics, ``spooled`` in the source), the rest named in ``unscored`` (once a picture)."""
+    spooled = spooled or per_image
+    if source.folds is None:
+        return [source.names]
+    keep, row = [], 0
+    for m in source.folds:
+        names = source.names[row : row + m]
+        if count - m // spooled * per_image >= 2 * per_image:
+            keep.append(names)
+        else:
+            keep.append([])
+            unscored += names[::spooled]
+        row += m
+    return keep
+
+
+def _runs(places: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``(first, stop)`` source rows of folds of ``size`` rows, adjacent folds read as one span."""
+    spans: list[list[int]] = []
+    for row, _ in places:
+        if spans and spans[-1][1] == row:
+            spans[-1][1] = row + size
+        else:
+            spans.append([row, row + size])
+    return [(first, stop) for first, stop in spans]
+
+
+def _rejoin(own: torch.Tensor, copies: torch.Tensor, per_image: int) -> torch.Tensor:
+    """``(c, F, k T)`` distances of a fold's pictures and ``(c, F, k T)`` of their copies -> ``(c, F, 2 k T)`` in
+    the source's row order (each picture's rows, then its copy's)."""
+    pixels, folds = own.shape[:2]
+    both = torch.stack([own.reshape(pixels, folds, -1, per_image), copies.reshape(pixels, folds, -1, per_image)], 3)
+    return both.reshape(pixels, folds, -1)

@@ -1,0 +1,218 @@
+"""What a fit's passes hand each other: the training pictures, pass 1's spool, the rows a scoring pass reads slice by
+slice, and what the finish leaves for the model file; the rows of a picture and its changed copy told apart.
+
+:class:`Fitting` is what pass 1 (:mod:`padim.models.fit.first_pass`) and the finish
+(:mod:`padim.models.fit.finish`) read of a fit in progress (:class:`~padim.models.fit.in_progress.Fit`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from padim.core.spool import EmbeddingSpool, ScratchFile
+from padim.core.statistics import GaussianState
+from padim.models.config import PadimConfig
+from padim.models.features.embedding import FeatureEmbedder
+
+
+@dataclass(frozen=True)
+class TrainingImage:
+    """A normal image and its name (path relative to the data directory), which decides its fold."""
+
+    path: Path
+    name: str
+
+
+@dataclass
+class Accumulated:
+    """What pass 1 found: images that could not be read, and the content digest of each image fitted."""
+
+    unreadable: list[tuple[str, str]]  # (name, reason)
+    digests: list[tuple[str, int]]  # (name, digest)
+
+
+@dataclass
+class Spooled:
+    """This rank's images of pass 1, waiting in the spool: rows in fold order, and their sum.
+
+    Attributes:
+        spool: their ``(rows, P, D)`` float32 embeddings (with ``expect``, each picture's rows then its copy's).
+        names: the image of every row.
+        folds: rows per fold, one entry per non-empty fold of this rank, in row order.
+        total: ``(P, D)`` float64 sum of this rank's fitted rows (not the copies, unless they are fitted).
+        count, mean: of every rank's fitted rows, set once pass 1 is over (after the all-reduce).
+    """
+
+    spool: EmbeddingSpool
+    names: list[str] = field(default_factory=list)
+    folds: list[int] = field(default_factory=list)
+    total: torch.Tensor | None = None
+    fitted_rows: int = 0
+    count: int = 0
+    mean: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PixelSlice:
+    """Pixels ``start .. stop`` of a row of the statistics: the ``index``-th slice the finish works on."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+class Rows(Protocol):
+    """Embeddings of the images a pass scores, read a slice of pixels and a range of rows at a time."""
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        """``(stop - first, c, D)`` embeddings of rows ``first .. stop`` at the slice's ``c`` pixels."""
+        ...
+
+
+@dataclass(frozen=True)
+class SpooledRows:
+    """Rows in a spool (pass 1's, or the held-out images of a merge), read slice by slice as it stores them."""
+
+    spool: EmbeddingSpool
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        return self.spool.read(pixels.index, first, stop)
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows held in memory: ``(rows, P, D)`` embeddings (images embedded again, or held out)."""
+
+    embeddings: torch.Tensor
+
+    def read(self, pixels: PixelSlice, first: int, stop: int) -> torch.Tensor:
+        return self.embeddings[first:stop, pixels.start : pixels.stop]
+
+
+@dataclass
+class ScoringPass:
+    """Images the finish scores in one pass over the pixels, whole folds one after another.
+
+    Attributes:
+        rows: their embeddings (with ``expect``, each picture's rows then its changed copy's:
+            :attr:`Fitting.spooled_rows` a picture).
+        names: the image of every row.
+        folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
+            model itself (held-out images).
+    """
+
+    rows: Rows
+    names: list[str]
+    folds: list[int] | None
+
+
+@dataclass
+class Finished:
+    """What a finished fit leaves for the model file: everything but the threshold.
+
+    Attributes:
+        mean: ``(P, D)`` float32 fitted mean.
+        factors: the packed ``(P, T)`` float32 precision factors, on disk, row-major (``None``
+            for a partial fit, which has no factors).
+        precision_dtype: their storage dtype in the file (the float16 check's answer, or the config's).
+        scores: ``(N,)`` float64 raw scores of the images scored (out-of-fold, or held-out).
+        scored: the names of those images, in the order of ``scores``.
+        input_distances: ``(N,)`` float64 their input distances (:mod:`padim.core.drift`), in the same order.
+        taken_scores: ``(N,)`` float64 with ``expect``: the images' own raw scores, where ``scores`` are their
+            changed copies'; ``None`` otherwise.
+        unscored: names of fitted images left without an out-of-fold score (their fold holds all
+            but fewer than two of the images).
+        float16_change: largest relative change of the checked scores with float16 factors.
+    """
+
+    mean: torch.Tensor
+    factors: ScratchFile | None
+    precision_dtype: torch.dtype
+    scores: torch.Tensor
+    scored: list[str]
+    unscored: list[str]
+    float16_change: float | None = None
+    input_distances: torch.Tensor | None = None
+    taken_scores: torch.Tensor | None = None
+
+
+def run_lengths(labels: Sequence) -> list[int]:
+    """Lengths of the runs of equal consecutive ``labels``: rows per fold, the folds coming one after another."""
+    return [len(list(run)) for _, run in itertools.groupby(labels)]
+
+
+def file_digest(path: Path) -> int:
+    """First 8 bytes of the sha256 of a file's content, as a signed int64 (a fitted image's identity)."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def batches_of(groups: Sequence[Sequence[TrainingImage]], batch_size: int) -> list[list[Path]]:
+    """The paths of ``groups``, in order, in batches of ``batch_size`` (which may span groups: rows stay in order)."""
+    paths = [i.path for group in groups for i in group]
+    return [paths[s : s + batch_size] for s in range(0, len(paths), batch_size)]
+
+
+def interleaved(originals: torch.Tensor, copies: torch.Tensor, per_image: int) -> torch.Tensor:
+    """``(B T, ...)`` rows of pictures and ``(B T, ...)`` of their copies -> ``(2 B T, ...)``: each picture's ``T``
+    rows, then its copy's."""
+    pictures = originals.shape[0] // per_image
+    shape = (pictures, per_image, *originals.shape[1:])
+    return torch.stack([originals.reshape(shape), copies.reshape(shape)], dim=1).reshape(-1, *originals.shape[1:])
+
+
+def split_rows(rows: torch.Tensor, per_image: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`interleaved`: the pictures' rows and their copies' rows."""
+    pictures = rows.shape[0] // (2 * per_image)
+    both = rows.reshape(pictures, 2, per_image, *rows.shape[1:])
+    return both[:, 0].reshape(-1, *rows.shape[1:]), both[:, 1].reshape(-1, *rows.shape[1:])
+
+
+class Fitting(Protocol):
+    """A fit in progress as its passes see it (:class:`~padim.models.fit.in_progress.Fit`)."""
+
+    config: PadimConfig
+    embedder: FeatureEmbedder
+    device: torch.device
+    rows_per_image: int
+    statistics: GaussianState | None
+    spooled: Spooled | None
+    image_digests: torch.Tensor
+
+    @property
+    def pixels(self) -> int: ...
+
+    @property
+    def fitted_rows(self) -> int: ...
+
+    @property
+    def spooled_rows(self) -> int: ...
+
+    @property
+    def draft_to(self) -> int: ...
+
+    @property
+    def naming_grid(self) -> tuple[int, int]: ...
+
+    @property
+    def slice_pixels(self) -> int: ...
+
+    def per_row(self, values: Iterable) -> list: ...
+
+    def fitted(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def embed(self, names: Sequence[str], images) -> torch.Tensor: ...
+
+    def formed(self, statistics: GaussianState | None, count: int) -> None: ...

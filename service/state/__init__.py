@@ -1,0 +1,26 @@
+"""What the running service holds, part by part, wired by one owner.
+
+- ``owner``: :class:`ServiceState`, the owner: settings, metrics, readiness, the device's scheduler and the pools;
+  it loads and closes the parts, and answers the score routes (the surface an API process's
+  :class:`~padim.service.processes.api.ApiState` offers too).
+- ``served``: :class:`ServedModel`, one loaded version with its batcher and monitor.
+- ``versions``: :class:`LoadedVersions`, the loaded versions, active and retired, by name and serial: installed,
+  retired, held by requests and closed after the last.
+- ``loading``: :class:`Loader`, a version's memory checked, loaded and warmed up on the loader thread, bound to a
+  batcher of its own.
+- ``scoring``: :class:`DeviceScoring`, pictures queued and scored on the device, its failures and health.
+- ``changes``: :class:`RepositoryChanges`, the repository's changes (add, activate, roll back, unload, remove: the
+  admin routes) and its poll.
+- ``recording``: :class:`Recording`, the inspection record opened, answers counted and kept, a recorded picture's
+  heat map drawn again.
+
+A change to how versions swap belongs in ``versions``; to what a load checks or warms, ``loading``; to a GPU's
+failures, ``scoring``; to the admin routes' rules, ``changes``; to what the service writes into the record,
+``recording``.
+"""
+
+from .owner import ServiceState
+from .scoring import each
+from .served import ServedModel, model_info, model_name
+
+__all__ = ["ServedModel", "ServiceState", "each", "model_info", "model_name"]
