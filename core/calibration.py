@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -298,18 +298,9 @@ class Calibration:
         kept = tuple(p for p in self.pictures if p[0] not in digests)
         earlier = min(self.earlier_scores, len(scores))
         if self.false_alarm_rate is None:  # a threshold set by hand: kept, with the scores that remain
-            reference = torch.tensor(taken or scores, dtype=torch.float64)
-            return Calibration(
-                tuple(scores),
-                self.threshold,
-                _scale(reference, self.threshold),
-                self.method,
-                None,
-                earlier,
-                tuple(inputs),
-                tuple(taken),
-                kept,
-            ), len(gone)
+            scale = _scale(torch.tensor(taken or scores, dtype=torch.float64), self.threshold)
+            rest = replace(self, scores=tuple(scores), scale=scale, earlier_scores=earlier, pictures=kept)
+            return replace(rest, input_distances=tuple(inputs), taken_scores=tuple(taken)), len(gone)
         return Calibration.from_scores(
             torch.tensor(scores, dtype=torch.float64),
             self.false_alarm_rate,
@@ -324,18 +315,8 @@ class Calibration:
         threshold = float(threshold)
         if not math.isfinite(threshold):
             raise CalibrationError(f"threshold must be finite, got {threshold}")
-        values = torch.tensor(self.reference_scores, dtype=torch.float64)
-        return Calibration(
-            self.scores,
-            threshold,
-            _scale(values, threshold),
-            "manual",
-            None,
-            self.earlier_scores,
-            self.input_distances,
-            self.taken_scores,
-            self.pictures,
-        )
+        scale = _scale(torch.tensor(self.reference_scores, dtype=torch.float64), threshold)
+        return replace(self, threshold=threshold, scale=scale, method="manual", false_alarm_rate=None)
 
     # ------------------------------------------------------------------ what it promises
     @property
@@ -436,26 +417,14 @@ class Calibration:
         if method not in METHODS:
             raise ValueError(f"unknown calibration method {method!r}")
         values = scores.to(torch.float64).sort().values
-        if values.numel() != int(header["scores"]):
-            raise ValueError(
-                f"the header counts {header['scores']} calibration scores, the file holds {values.numel()}"
-            )
+        _counted(header, "scores", values.numel(), "calibration scores")
         distances = _sorted(input_distances)
-        if len(distances) != int(header.get("input_distances", 0)):
-            raise ValueError(
-                f"the header counts {header.get('input_distances', 0)} input distances, the file holds {len(distances)}"
-            )
+        _counted(header, "input_distances", len(distances), "input distances")
         taken = _sorted(taken_scores)
-        if len(taken) != int(header.get("taken_scores", 0)):
-            raise ValueError(
-                f"the header counts {header.get('taken_scores', 0)} scores of images as taken, the file "
-                f"holds {len(taken)}"
-            )
+        _counted(header, "taken_scores", len(taken), "scores of images as taken")
         pictures = linked_pictures(digests, linked)
-        if "pictures" in header and len(pictures) != int(header["pictures"]):
-            raise ValueError(
-                f"the header counts {header.get('pictures', 0)} pictures' values, the file holds {len(pictures)}"
-            )
+        if "pictures" in header:
+            _counted(header, "pictures", len(pictures), "pictures' values")
         rate = header["false_alarm_rate"]
         return cls(
             tuple(values.tolist()),
@@ -491,6 +460,13 @@ def linked_pictures(
         (int(d), float(score), float(distance), float(taken))
         for d, (score, distance, taken) in zip(digests.tolist(), linked.tolist(), strict=True)
     )
+
+
+def _counted(header: dict, key: str, found: int, what: str) -> None:
+    """A file whose tensors hold another count of ``what`` than its header says is refused (absent: none)."""
+    said = int(header.get(key, 0))
+    if found != said:
+        raise ValueError(f"the header counts {said} {what}, the file holds {found}")
 
 
 def _tensor(values: list[float]) -> torch.Tensor | None:

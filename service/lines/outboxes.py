@@ -21,6 +21,8 @@ SEND_BATCH = 64
 #: Back-off after a failed send: doubled each time up to MAX_BACKOFF_S.
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+#: How long a full outbox (``when_full: block``) makes the line wait before it looks again.
+FULL_WAIT_S = 0.5
 
 
 class Outboxes:
@@ -48,6 +50,7 @@ class Outboxes:
         self.max_messages, self.on_delivered = max_messages, on_delivered
         self._wake = {sink.name: asyncio.Event() for sink in sinks}
         self._dropped_shown = {sink.name: 0 for sink in sinks}
+        self.paused: str | None = None  # why the line takes no picture now (an outbox is full)
         for sink in sinks:
             metrics.line_delivered.labels(line, sink.name)
 
@@ -55,6 +58,17 @@ class Outboxes:
         """A message is in every outbox: each deliverer looks now."""
         for event in self._wake.values():
             event.set()
+
+    async def room(self) -> None:
+        """Return once every outbox has room for a verdict; meanwhile the line is paused, and says why."""
+        if self.journal.room():
+            return
+        self.paused = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
+        log.error("line paused: outbox full", extra={"line": self.line})
+        while not self.journal.room():
+            await asyncio.sleep(FULL_WAIT_S)
+        self.paused = None
+        log.warning("line resumed: outbox has room", extra={"line": self.line})
 
     async def deliver(self, sink: Sink) -> None:
         """``sink``'s deliverer, until cancelled."""

@@ -39,9 +39,8 @@ log = logging.getLogger("padim.lines")
 
 #: Seconds the record may take to make a line picture's row durable before the picture is tried again later.
 RECORD_TIMEOUT_S = 30.0
-#: How long a full queue (the batcher's) or outbox (block) makes the line wait before it looks again.
+#: How long a full queue (the batcher's) makes the line wait before it looks again.
 BUSY_WAIT_S = 0.05
-FULL_WAIT_S = 0.5
 
 
 class LineRunner:
@@ -70,7 +69,6 @@ class LineRunner:
         self.counts = dict.fromkeys(("received", "scored", "flagged", "late", "rejected"), 0)
         self.last: dict | None = None  # the latest message
         self.last_picture: bytes | None = None
-        self.paused: str | None = None  # why the line takes no picture now (its outbox is full)
         self.outboxes = Outboxes(
             config.name, self.journal, self.sinks, self.metrics, config.outbox.max_messages, self._delivered_first
         )
@@ -121,13 +119,7 @@ class LineRunner:
     async def _take(self) -> None:
         async for picture in self.source.pictures():
             self.count("received")
-            if not self.journal.room():
-                self.paused = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
-                log.error("line paused: outbox full", extra={"line": self.config.name})
-                while not self.journal.room():
-                    await asyncio.sleep(FULL_WAIT_S)
-                self.paused = None
-                log.warning("line resumed: outbox has room", extra={"line": self.config.name})
+            await self.outboxes.room()
             await self._slots.acquire()
             # scored side by side (the batcher batches them), journaled in the order they came: verdicts leave in
             # the order of the parts on the belt
@@ -209,16 +201,9 @@ class LineRunner:
         if heatmap is not None:
             heatmap_path = self.heatmaps / f"{picture.sha256[:16]}.png"
             await asyncio.to_thread(heatmap_path.write_bytes, base64.b64decode(heatmap))
-        fields = {
-            k: v
-            for k, v in (
-                ("line", self.config.name),
-                ("station", self.config.station),
-                ("camera", self.config.camera),
-                ("part", picture.part),
-            )
-            if v is not None
-        }
+        config = self.config
+        named = (("line", config.name), ("station", config.station), ("camera", config.camera), ("part", picture.part))
+        fields = {k: v for k, v in named if v is not None}
         message = _message(key, fields, served, result, picture, heatmap_path, now)
         row = None
         if state.record is not None:
@@ -306,7 +291,7 @@ class LineRunner:
             "station": self.config.station,
             "camera": self.config.camera,
             "source": self.source.describe(),
-            "paused": self.paused,
+            "paused": self.outboxes.paused,
             "rate": self.rate(),
             "in_flight": len(self._in_flight),
             "latency_budget_ms": self.config.latency_budget_ms,
@@ -366,7 +351,7 @@ class Lines:
             depths = runner.journal.depths()
             detail[name] = {
                 "source": runner.source.describe()["state"],
-                "paused": runner.paused is not None,
+                "paused": runner.outboxes.paused is not None,
                 "sinks": {
                     sink.name: {"connected": sink.connected, "outbox": depths[sink.name]} for sink in runner.sinks
                 },

@@ -8,8 +8,8 @@
    in one transaction (at most one every :data:`DB_INTERVAL_S` while rows trickle in: the rows are durable
    already, and each transaction costs CPU that scoring would otherwise have), and moves ``COMMITTED`` on. While the
    database is down or slow it retries with back-off; the rows wait in the journal (bounded:
-   ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed when it is back, and again after a restart. It also evicts
-   pictures past their retention or the budget.
+   ``PADIM_RECORD_JOURNAL_MAX_BYTES``) and are replayed when it is back, and again after a restart. It also keeps
+   the record within its bounds (:mod:`.upkeep`).
 
 **What a kill -9 can lose**: rows handed to the journal writer and not yet fsynced: at most the rows of the
 requests being answered at that moment (the journal writer's queue, bounded by :data:`QUEUE_ROWS`; it is
@@ -30,14 +30,13 @@ from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .journal import Journal, JournalFull, adopt, adoptable, waiting
+from .journal import Journal, JournalFull, waiting
 from .pictures import PictureStore, sync_directories
 from .store import RecordStore
+from .upkeep import DB_BATCH, Upkeep
 
 log = logging.getLogger("padim.record")
 
-#: Rows inserted in one database transaction.
-DB_BATCH = 500
 #: After a transaction of fewer than DB_BATCH rows, the database writer waits this long for more: a transaction
 #: a row would cost about 3 ms of CPU each (SQLAlchemy and the commit), taken from scoring.
 DB_INTERVAL_S = 1.0
@@ -45,11 +44,6 @@ DB_INTERVAL_S = 1.0
 QUEUE_ROWS = 10_000
 #: Rows of one group commit at most.
 GROUP_ROWS = 1000
-#: Seconds between evictions (and after a start).
-EVICT_EVERY_S = 30.0
-#: A picture stored again (scored again) within this many seconds is not evicted meanwhile.
-SPARE_RECENT_S = 600.0
-DAY = 86400.0
 
 
 @dataclass
@@ -89,16 +83,25 @@ class Recorder:
         siblings: tuple[str, ...] = (),
     ):
         self.folder = Path(folder)
-        self.upkeep, self.siblings = upkeep, siblings
+        self.siblings = siblings
         self.store = store
         self.journal = Journal(self.folder / "journal" / (replica or ""), journal_max_bytes)
         self.pictures = PictureStore(self.folder / "pictures")
-        self.max_bytes, self.retention_days, self.flagged_retention_days = (
-            max_bytes,
-            retention_days,
-            flagged_retention_days,
-        )
         self.metrics = metrics
+        self.upkeep = (  # None: another process keeps the record
+            Upkeep(
+                self.folder / "journal",
+                self.journal.folder,
+                store,
+                self.pictures,
+                max_bytes,
+                retention_days,
+                flagged_retention_days,
+                metrics,
+            )
+            if upkeep
+            else None
+        )
         self.queue: queue.Queue[Entry] = queue.Queue(QUEUE_ROWS)
         self.database_up: bool | None = None
         self.waiting = self.journal.waiting_rows()  # rows in the journal the database does not have
@@ -107,7 +110,6 @@ class Recorder:
         self.ready = threading.Event()  # the database's schema is up to date
         self._appended = threading.Event()
         self._lock = threading.Lock()
-        self._next_eviction = 0.0
         self._pending = 0  # rows handed in and not yet journaled (or refused)
         self._threads = [
             threading.Thread(target=self._journal_loop, name="record-journal", daemon=True),
@@ -213,7 +215,7 @@ class Recorder:
             try:
                 if not migrated:  # a database down at start is waited for like one that goes away later
                     self.store.migrate()
-                    if self.upkeep:
+                    if self.upkeep is not None:
                         self.store.jobs.interrupted_jobs()  # what a stopped process (or replica) left running
                     migrated = True
                     self.ready.set()
@@ -228,8 +230,8 @@ class Recorder:
                     self.journal.commit(position)
                 self._up(True)
                 backoff = 0.5
-                if self.upkeep:
-                    self._evict_when_due()
+                if self.upkeep is not None:
+                    self.upkeep.when_due()
                 self._show()
                 if len(rows) >= DB_BATCH:
                     continue
@@ -260,57 +262,6 @@ class Recorder:
         self.database_up = up
         if self.metrics is not None:
             self.metrics.record_database_up.set(1.0 if up else 0.0)
-
-    def _evict_when_due(self) -> None:
-        now = time.time()
-        if now < self._next_eviction:
-            return
-        self._next_eviction = now + EVICT_EVERY_S
-        self.adopt()
-        self.evict(now)
-
-    def adopt(self) -> int:
-        """Send the rows of stopped replicas' journals to the database; returns how many."""
-        total = 0
-        for folder in adoptable(self.folder / "journal", self.journal.folder):
-            adopted = adopt(folder, self.store.insert, DB_BATCH)
-            if adopted is not None:
-                total += adopted
-                log.warning(
-                    "record: a stopped replica's journal adopted", extra={"journal": folder.name, "rows": adopted}
-                )
-                self._count("adopted", adopted)
-        return total
-
-    def evict(self, now: float | None = None) -> int:
-        """Remove pictures past their retention, then past the budget (passed ones first); rows stay. Returns
-        the pictures removed."""
-        now = time.time() if now is None else now
-        removed = 0
-        while True:
-            chosen = self.store.evictable(
-                self.max_bytes,
-                now - self.retention_days * DAY,
-                now - self.flagged_retention_days * DAY,
-                now - SPARE_RECENT_S,
-            )
-            if not chosen:
-                break
-            for sha256, _ in chosen:
-                self.pictures.remove(sha256)
-            self.store.evicted([s for s, _ in chosen], now)
-            removed += len(chosen)
-            if len(chosen) < 1000:
-                break
-        if removed:
-            log.info("record: pictures evicted", extra={"pictures": removed})
-            if self.metrics is not None:
-                self.metrics.record_evicted.inc(removed)
-        if self.metrics is not None:
-            report = self.store.storage()
-            for kind in ("pinned", "flagged", "passed"):
-                self.metrics.record_picture_bytes.labels(kind).set(report[f"{kind}_bytes"])
-        return removed
 
     # ---------------------------------------------------------------- metrics
     def _count(self, outcome: str, rows: int = 1) -> None:

@@ -119,7 +119,7 @@ def test_the_budget_evicts_oldest_passed_pictures_first_never_pinned_ones_and_ke
     store.insert(rows)
     store.review(rows[0]["id"], "normal", None, None, None)  # the oldest passed picture is pinned
     assert store.storage()["bytes"] == sum(len(d) for d, _, _ in pictures)  # 8,990 bytes for a budget of 3,000
-    recorder.evict(time.time())
+    recorder.upkeep.evict(time.time())
     report = store.storage()
     kept = {r["sha256"] for r in rows if recorder.pictures.has(r["sha256"])}
     # the pinned picture, and the newest flagged pictures within the budget; every passed one but the pinned went first
@@ -132,8 +132,8 @@ def test_the_budget_evicts_oldest_passed_pictures_first_never_pinned_ones_and_ke
     old = row(data=b"old" * 10, when=time.time() - 40 * 86400)
     recorder.pictures.put(old["sha256"], b"old" * 10)
     store.insert([old])
-    recorder.max_bytes = 10**9
-    recorder.evict(time.time())
+    recorder.upkeep.max_bytes = 10**9
+    recorder.upkeep.evict(time.time())
     assert not recorder.pictures.has(old["sha256"]) and rows[9]["sha256"] in kept
     recorder.close()
 
