@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
+from concurrent.futures import Executor
 
 from PIL import Image
 
@@ -18,6 +20,31 @@ from .errors import api_error
 from .record.rows import make_row
 
 log = logging.getLogger("padim.service")
+
+
+async def answered(
+    pool: Executor,
+    name: str,
+    scorer,
+    decoded: list[Decoded],
+    scored: list[ScoredImage],
+    threshold: float | None,
+    heatmap: bool,
+    mask: bool,
+) -> list[dict]:
+    """Each scored picture's answer (:func:`answer`): drawn on ``pool`` where a heat map or mask is asked for, else
+    here (a verdict is a few numbers)."""
+    if not (heatmap or mask):
+        return [
+            answer(name, scorer, image, one, threshold, False, False)
+            for image, one in zip(decoded, scored, strict=True)
+        ]
+    loop = asyncio.get_running_loop()
+    drawn = [
+        loop.run_in_executor(pool, answer, name, scorer, image, one, threshold, heatmap, mask)
+        for image, one in zip(decoded, scored, strict=True)
+    ]
+    return list(await asyncio.gather(*drawn))
 
 
 def answer(

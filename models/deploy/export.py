@@ -224,21 +224,7 @@ def export_detector(
         AccuracyGateFailed: from ``write_graph``, a quantised scorer that moved scores past its tolerance (nothing
             written).
     """
-    if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
-    if triton_device not in TRITON_DEVICES:
-        raise ExportError(f"unknown Triton device {triton_device!r}; choose one of {', '.join(TRITON_DEVICES)}")
-    precision = detector.config.features.precision
-    if write_graph is None and precision != "fp32":
-        raise ExportError(
-            f"this model scores at {precision} and its threshold is {precision}'s: a float32 graph needs its own. "
-            "Export it with --precision int8 or fp16 and --calibration-images (checked against float32 and given "
-            "a threshold of its own), or score it with padim serve / predict"
-        )
-    if fmt == "openvino":
-        require("openvino")
-    require("onnx")
-    require("onnxscript")
+    _check_export(detector, fmt, triton_device, quantised=write_graph is not None)
     output, source = Path(output), Path(source)
     name = name or source.stem
     source_sha256 = source_sha256 or file_sha256(source)
@@ -254,14 +240,7 @@ def export_detector(
             quantised = write_graph(graph_dir, staging)
             files = quantised.files
         else:
-            onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
-            files = [onnx_path.name] + (
-                [f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else []
-            )
-            if fmt == "openvino":
-                files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
-                for leftover in (onnx_path, Path(f"{onnx_path}.data")):
-                    leftover.unlink(missing_ok=True)
+            files = _float32_graph(detector, graph_dir, fmt, external_data)
         meta_dir = staging / name if fmt == "triton" else staging
         prefix = "1/" if fmt == "triton" else ""
         metadata = export_metadata(
@@ -285,6 +264,37 @@ def export_detector(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output / name if fmt == "triton" else output
+
+
+def _check_export(detector: PadimDetector, fmt: str, triton_device: str, quantised: bool) -> None:
+    """Refuse an unknown format or Triton device, a float32 graph of a reduced-precision model (its threshold is
+    that precision's), or a runtime package that is not installed; before anything is written."""
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    if triton_device not in TRITON_DEVICES:
+        raise ExportError(f"unknown Triton device {triton_device!r}; choose one of {', '.join(TRITON_DEVICES)}")
+    precision = detector.config.features.precision
+    if not quantised and precision != "fp32":
+        raise ExportError(
+            f"this model scores at {precision} and its threshold is {precision}'s: a float32 graph needs its own. "
+            "Export it with --precision int8 or fp16 and --calibration-images (checked against float32 and given "
+            "a threshold of its own), or score it with padim serve / predict"
+        )
+    if fmt == "openvino":
+        require("openvino")
+    require("onnx")
+    require("onnxscript")
+
+
+def _float32_graph(detector: PadimDetector, graph_dir: Path, fmt: str, external_data: bool | None) -> list[str]:
+    """The float32 graph written into ``graph_dir`` (ONNX, converted for OpenVINO); the names of its files."""
+    onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
+    files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else [])
+    if fmt == "openvino":
+        files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
+        for leftover in (onnx_path, Path(f"{onnx_path}.data")):
+            leftover.unlink(missing_ok=True)
+    return files
 
 
 def _export_onnx(
@@ -344,9 +354,7 @@ def export_metadata(
     quantised scorer's own calibration (its threshold, scores and input distances), ``precision``, and
     ``quantisation``: how, on which images, the accuracy gate's reading and the float32 calibration it replaces.
     """
-    height, width = detector.config.input_shape
     calibration = detector.calibration if quantised is None else quantised.calibration
-    framing = detector.framing.describe()
     metadata = {
         "kind": EXPORT_KIND,
         "export_version": EXPORT_VERSION,
@@ -356,33 +364,63 @@ def export_metadata(
         "torchvision_version": torchvision.__version__,
         "model": {"file": source.name, "sha256": source_sha256, "created": detector.provenance.created},
         "files_sha256": files,
-        "input": {
-            "name": INPUT_NAME,
-            "shape": ["batch", 3, height, width],
-            "dtype": "float32",
-            "layout": "NCHW",
-            "channels": "RGB",
-            "resize": framing["steps"],
-            "framing": {
-                "roi": framing["roi"],
-                "resize": framing["resize"],
-                "pad_fill": list(PAD_FILL),
-                "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
-                "the region (padim.models.data.framing.Framing.to_picture)",
-            },
-            "tiles": {
-                "rows": detector.config.framing.tiles[0],
-                "cols": detector.config.framing.tiles[1],
-                "tile_size": detector.config.features.image_size,
-                "overlap_pixels": detector.config.tiling.overlap * detector.config.tiling.cell,
-                "statistics": detector.config.framing.tile_statistics,
-                "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
-                "stitched into one anomaly_map there",
-            },
-            "normalisation": "(pixel / 255 - mean) / std, per channel",
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
+        "input": _input_section(detector),
+        **_output_sections(detector),
+        "precision_dtype": str(detector.precision_dtype).removeprefix("torch."),
+        "config": detector.config.stored(detector.embedding.embedding_dim),
+        "weights": detector.weights.to_header(),
+        "provenance": detector.provenance.to_header(),
+        "description": detector.describe(),
+        "calibration": calibration.summary(),
+        "calibration_scores": list(calibration.scores),
+        "calibration_input_distances": list(calibration.input_distances),
+        "calibration_taken_scores": list(calibration.taken_scores),
+        "precision": "float32" if quantised is None else quantised.precision,
+        "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
+    }
+    if quantised is not None:
+        metadata["quantisation"] = quantised.describe(detector.calibration)
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
+    return metadata
+
+
+def _input_section(detector: PadimDetector) -> dict:
+    """``padim.json``'s ``input``: what the graph takes, and how a picture becomes it."""
+    height, width = detector.config.input_shape
+    framing = detector.framing.describe()
+    return {
+        "name": INPUT_NAME,
+        "shape": ["batch", 3, height, width],
+        "dtype": "float32",
+        "layout": "NCHW",
+        "channels": "RGB",
+        "resize": framing["steps"],
+        "framing": {
+            "roi": framing["roi"],
+            "resize": framing["resize"],
+            "pad_fill": list(PAD_FILL),
+            "map": "anomaly_map covers the framed square; padim maps it back onto the picture, 0 outside "
+            "the region (padim.models.data.framing.Framing.to_picture)",
         },
+        "tiles": {
+            "rows": detector.config.framing.tiles[0],
+            "cols": detector.config.framing.tiles[1],
+            "tile_size": detector.config.features.image_size,
+            "overlap_pixels": detector.config.tiling.overlap * detector.config.tiling.cell,
+            "statistics": detector.config.framing.tile_statistics,
+            "where": "inside the graph: send the whole framed picture; its tiles are cut, scored and "
+            "stitched into one anomaly_map there",
+        },
+        "normalisation": "(pixel / 255 - mean) / std, per channel",
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+    }
+
+
+def _output_sections(detector: PadimDetector) -> dict:
+    """``padim.json``'s ``outputs`` and ``verdict``: what the graph gives, and how a verdict is read from it."""
+    height, width = detector.config.input_shape
+    return {
         "outputs": {
             "anomaly_map": {
                 "shape": ["batch", height, width],
@@ -405,22 +443,7 @@ def export_metadata(
             "rule": "anomalous when raw_score >= calibration.threshold",
             "score": "1 / (1 + exp(-(raw_score - calibration.threshold) / calibration.scale))",
         },
-        "precision_dtype": str(detector.precision_dtype).removeprefix("torch."),
-        "config": detector.config.stored(detector.embedding.embedding_dim),
-        "weights": detector.weights.to_header(),
-        "provenance": detector.provenance.to_header(),
-        "description": detector.describe(),
-        "calibration": calibration.summary(),
-        "calibration_scores": list(calibration.scores),
-        "calibration_input_distances": list(calibration.input_distances),
-        "calibration_taken_scores": list(calibration.taken_scores),
-        "precision": "float32" if quantised is None else quantised.precision,
-        "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
     }
-    if quantised is not None:
-        metadata["quantisation"] = quantised.describe(detector.calibration)
-    metadata["metadata_sha256"] = metadata_sha256(metadata)
-    return metadata
 
 
 def metadata_sha256(metadata: dict) -> str:

@@ -642,13 +642,8 @@ def export_quantised(
     rate = options.false_alarm_rate if options.false_alarm_rate is not None else detector.calibration.false_alarm_rate
     work = staging / ".work"
     work.mkdir()
-    cpu = torch.device("cpu")
     runtime = "openvino" if fmt == "openvino" else "onnxruntime"
-    session = (  # the precision: OpenVINO's inference precision (bf16); ONNX Runtime's graphs carry their own
-        (lambda graph, precision="float32": OpenVinoSession(graph, cpu, precision))
-        if runtime == "openvino"
-        else (lambda graph, precision="float32": OnnxRuntimeSession(graph, cpu, detector.config.input_shape))
-    )
+    session = _sessions(detector, runtime)
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
     quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
     normal = load_inputs(detector, split.threshold, "threshold images", progress)
@@ -663,7 +658,62 @@ def export_quantised(
     reference_check = run_graph(reference, defects) if defects else None
     del reference
     log.info("quantising the backbone: %s on %s", options.precision, runtime)
-    if options.precision == "fp16":
+    graph, settings = _quantised_graph(
+        detector, float_graph, graph_dir, options.precision, runtime, quantiser, work, external_data
+    )
+    quantised = session(graph, options.precision)
+    quantised_normal = run_graph(quantised, normal)
+    quantised_changed = run_graph(quantised, changed) if changed else None
+    quantised_check = run_graph(quantised, defects) if defects else None
+    del quantised
+    agreement = _gated(
+        compare(
+            reference_normal,
+            quantised_normal,
+            detector.calibration.threshold,
+            options.max_score_error,
+            reference_check,
+            quantised_check,
+        ),
+        options,
+    )
+    calibration = recalibrate(quantised_normal, rate, quantised_changed)
+    for leftover in work.iterdir():
+        leftover.unlink()
+    work.rmdir()
+    files = sorted(p.name for p in graph_dir.iterdir() if p.is_file())
+    return Quantised(
+        options.precision,
+        files,
+        calibration,
+        agreement,
+        settings,
+        split.describe(options.calibration_images),
+        None if options.check_images is None else str(options.check_images),
+    )
+
+
+def _sessions(detector, runtime: str):
+    """``(graph, precision) -> session`` on the CPU of ``runtime``: the precision is OpenVINO's inference precision
+    (bf16); ONNX Runtime's graphs carry their own."""
+    cpu = torch.device("cpu")
+    if runtime == "openvino":
+        return lambda graph, precision="float32": OpenVinoSession(graph, cpu, precision)
+    return lambda graph, precision="float32": OnnxRuntimeSession(graph, cpu, detector.config.input_shape)
+
+
+def _quantised_graph(
+    detector,
+    float_graph: Path,
+    graph_dir: Path,
+    precision: str,
+    runtime: str,
+    quantiser: list,
+    work: Path,
+    external_data: bool | None = None,
+) -> tuple[Path, dict]:
+    """The graph at ``precision`` written into ``graph_dir``, and the settings that made it (``padim.json``)."""
+    if precision == "fp16":
         graph = _export_onnx(detector, graph_dir / ONNX_FILE, external_data, backbone_dtype=torch.float16)
         settings = {
             "runtime": runtime,
@@ -672,7 +722,7 @@ def export_quantised(
             "activations": "float16 (input and features float32)",
             "quantised": "the backbone",
         }
-    elif options.precision == "bf16":
+    elif precision == "bf16":
         graph = graph_dir / OPENVINO_FILE
         _convert_openvino(float_graph, graph)
         settings = {
@@ -689,38 +739,18 @@ def export_quantised(
     else:
         graph = graph_dir / ONNX_FILE
         settings = quantise_onnxruntime(float_graph, graph, quantiser, work)
-    quantised = session(graph, options.precision)
-    quantised_normal = run_graph(quantised, normal)
-    quantised_changed = run_graph(quantised, changed) if changed else None
-    quantised_check = run_graph(quantised, defects) if defects else None
-    del quantised
-    agreement = compare(
-        reference_normal,
-        quantised_normal,
-        detector.calibration.threshold,
-        options.max_score_error,
-        reference_check,
-        quantised_check,
-    )
-    if not agreement.passed:
-        if not options.force:
-            raise AccuracyGateFailed(
-                f"the {options.precision} scorer is not accurate enough: {agreement.sentence()}; nothing was written. "
-                "Raise --max-score-error if this is acceptable for your line, or --force to write it anyway"
-            )
-        agreement = Agreement(**{**asdict(agreement), "forced": True})
-        log.warning("accuracy gate failed, written anyway (--force): %s", agreement.sentence())
-    calibration = recalibrate(quantised_normal, rate, quantised_changed)
-    for leftover in work.iterdir():
-        leftover.unlink()
-    work.rmdir()
-    files = sorted(p.name for p in graph_dir.iterdir() if p.is_file())
-    return Quantised(
-        options.precision,
-        files,
-        calibration,
-        agreement,
-        settings,
-        split.describe(options.calibration_images),
-        None if options.check_images is None else str(options.check_images),
-    )
+    return graph, settings
+
+
+def _gated(agreement: Agreement, options: QuantiseOptions) -> Agreement:
+    """The gate's verdict: a failed gate refuses the export, unless ``options.force`` (then it says so)."""
+    if agreement.passed:
+        return agreement
+    if not options.force:
+        raise AccuracyGateFailed(
+            f"the {options.precision} scorer is not accurate enough: {agreement.sentence()}; nothing was written. "
+            "Raise --max-score-error if this is acceptable for your line, or --force to write it anyway"
+        )
+    forced = Agreement(**{**asdict(agreement), "forced": True})
+    log.warning("accuracy gate failed, written anyway (--force): %s", forced.sentence())
+    return forced

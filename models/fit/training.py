@@ -283,13 +283,7 @@ def merge_fits(
     merged, provenances = _merged_parts(parts, run_options)
     merged.config = merged.config.replace(false_alarm_rate=false_alarm_rate)
     config = merged.config
-    fitted = set(merged.image_digests.tolist())
-    seen = [p for p in calibration_images if file_digest(p) in fitted]
-    if seen:
-        raise FitError(
-            f"{len(seen)} calibration image(s) were fitted in the parts ({_some([(str(p), '') for p in seen])}); "
-            "calibration needs normal images that no part has seen"
-        )
+    _unseen(merged, calibration_images)
     report = FitReport(listed=len(calibration_images))
     scratch = Path(scratch_dir or Path(output).parent)
     held = [TrainingImage(p, p.name) for p in calibration_images]
@@ -307,15 +301,7 @@ def merge_fits(
         if spool is not None:
             spool.close()
     try:
-        try:
-            calibration = Calibration.from_scores(
-                finished.scores,
-                config.verdict.false_alarm_rate,
-                input_distances=finished.input_distances,
-                taken_scores=finished.taken_scores,
-            )
-        except CalibrationError as error:
-            raise FitError(f"the calibration images cannot set a threshold: {error}") from None
+        calibration = _held_out_calibration(finished, config.verdict.false_alarm_rate)
         provenance = Provenance(
             fit_image_count=merged.count,
             calibration_source="held_out",
@@ -342,6 +328,30 @@ def merge_fits(
 
 
 # ---------------------------------------------------------------------- helpers
+def _unseen(merged: Fit, calibration_images: Sequence[Path]) -> None:
+    """Refuse calibration images that a part fitted: a merge calibrates on images none of them has seen."""
+    fitted = set(merged.image_digests.tolist())
+    seen = [p for p in calibration_images if file_digest(p) in fitted]
+    if seen:
+        raise FitError(
+            f"{len(seen)} calibration image(s) were fitted in the parts ({_some([(str(p), '') for p in seen])}); "
+            "calibration needs normal images that no part has seen"
+        )
+
+
+def _held_out_calibration(finished: Finished, false_alarm_rate: float) -> Calibration:
+    """The threshold from the held-out images' scores; a :class:`FitError` saying why when they cannot set one."""
+    try:
+        return Calibration.from_scores(
+            finished.scores,
+            false_alarm_rate,
+            input_distances=finished.input_distances,
+            taken_scores=finished.taken_scores,
+        )
+    except CalibrationError as error:
+        raise FitError(f"the calibration images cannot set a threshold: {error}") from None
+
+
 def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tuple[Fit, list[Provenance]]:
     """The parts' statistics added into the first one's, read one at a time; refused unless they match."""
     merged = load_fit(parts[0], run_options=run_options)

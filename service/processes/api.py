@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from ..admission import SharedPlaces
-from ..answers import answer, count_verdicts, keep_rows
+from ..answers import answered, count_verdicts, keep_rows
 from ..app import DESCRIPTION
 from ..batching import ScoredImage
-from ..decoding import Decoder
+from ..decoding import Decoded, Decoder
 from ..errors import ApiError, install_error_handlers
 from ..metrics import Metrics
 from ..middleware import BodyGuard, RequestContext
@@ -161,48 +161,10 @@ class ApiState:
     ) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
         """As :meth:`ServiceState.score_pictures`, the device being another process's: pictures decoded into slots,
         scored by the version ``served`` names (or, when it was let go meanwhile, the one that then serves)."""
-        loop = asyncio.get_running_loop()
         with self.places.admit(served.name, len(datas)) as admission:
             for attempt in range(STALE_TRIES):
-                height, width = served.scorer.config.input_shape
-                device = None if heatmap or mask else served.scorer.device_decode
-                # a slot holds the model input (8-bit pixels), or a JPEG left to the scoring device; then the map
-                size = (4 if heatmap or mask else 3) * height * width  # a float32 map is 4 bytes a pixel
-                slots = [self.slots.take(max(size, len(data) if device else 0)) for data in datas]
-                handed = False
                 try:
-                    decoded = await each(
-                        self.decoder.decoded(
-                            served.scorer, data, heatmap, slot.tensor(3, height, width, dtype=PIXELS), device
-                        )
-                        for data, slot in zip(datas, slots, strict=True)
-                    )
-                    for image, slot in zip(decoded, slots, strict=True):
-                        if image.jpeg is not None:
-                            slot.memory[: len(image.jpeg)] = image.jpeg
-                    admission.queued(len(decoded))
-                    raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
-                    handed = True  # from here the slots are the link's until it answers
-                    numbers = await self.link.score(
-                        served.serial,
-                        (height, width),
-                        [
-                            (slot, 0 if image.jpeg is None else len(image.jpeg))
-                            for slot, image in zip(slots, decoded, strict=True)
-                        ],
-                        raw_threshold,
-                        heatmap or mask,
-                        monitor,
-                        threshold is not None,
-                        done=functools.partial(self.slots.give, slots),
-                    )
-                    try:
-                        scored = [
-                            ScoredImage(*one, map=_map(slot, height, width) if heatmap or mask else None)
-                            for one, slot in zip(numbers, slots, strict=True)
-                        ]
-                    finally:
-                        self.slots.give(slots)  # their maps are read (copied): the slots are free again
+                    decoded, scored = await self._in_slots(served, datas, threshold, heatmap, mask, monitor, admission)
                     break
                 except Stale:
                     if attempt == STALE_TRIES - 1:
@@ -210,24 +172,61 @@ class ApiState:
                             "not_ready", "the model changed while this request waited; retry", {"Retry-After": "1"}
                         ) from None
                     served = self.table.served(served.name)
-                finally:
-                    if not handed:
-                        self.slots.give(slots)
-        if heatmap or mask:
-            results = await asyncio.gather(
-                *[
-                    loop.run_in_executor(
-                        self.decode, answer, served.name, served.scorer, image, one, threshold, heatmap, mask
-                    )
-                    for image, one in zip(decoded, scored, strict=True)
-                ]
+        results = await answered(self.decode, served.name, served.scorer, decoded, scored, threshold, heatmap, mask)
+        return scored, results, [image.picture for image in decoded]
+
+    async def _in_slots(
+        self,
+        served: ServedView,
+        datas: list[bytes],
+        threshold: float | None,
+        heatmap: bool,
+        mask: bool,
+        monitor: bool,
+        admission,
+    ) -> tuple[list[Decoded], list[ScoredImage]]:
+        """One try: the pictures decoded into slots and scored by the scoring process; :class:`Stale` when the version
+        ``served`` names was let go meanwhile."""
+        height, width = served.scorer.config.input_shape
+        device = None if heatmap or mask else served.scorer.device_decode
+        # a slot holds the model input (8-bit pixels), or a JPEG left to the scoring device; then the map
+        size = (4 if heatmap or mask else 3) * height * width  # a float32 map is 4 bytes a pixel
+        slots = [self.slots.take(max(size, len(data) if device else 0)) for data in datas]
+        handed = False
+        try:
+            decoded = await each(
+                self.decoder.decoded(served.scorer, data, heatmap, slot.tensor(3, height, width, dtype=PIXELS), device)
+                for data, slot in zip(datas, slots, strict=True)
             )
-        else:
-            results = [
-                answer(served.name, served.scorer, image, one, threshold, False, False)
-                for image, one in zip(decoded, scored, strict=True)
-            ]
-        return scored, list(results), [image.picture for image in decoded]
+            for image, slot in zip(decoded, slots, strict=True):
+                if image.jpeg is not None:
+                    slot.memory[: len(image.jpeg)] = image.jpeg
+            admission.queued(len(decoded))
+            raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
+            handed = True  # from here the slots are the link's until it answers
+            numbers = await self.link.score(
+                served.serial,
+                (height, width),
+                [
+                    (slot, 0 if image.jpeg is None else len(image.jpeg))
+                    for slot, image in zip(slots, decoded, strict=True)
+                ],
+                raw_threshold,
+                heatmap or mask,
+                monitor,
+                threshold is not None,
+                done=functools.partial(self.slots.give, slots),
+            )
+            try:
+                return decoded, [
+                    ScoredImage(*one, map=_map(slot, height, width) if heatmap or mask else None)
+                    for one, slot in zip(numbers, slots, strict=True)
+                ]
+            finally:
+                self.slots.give(slots)  # their maps are read (copied): the slots are free again
+        finally:
+            if not handed:
+                self.slots.give(slots)
 
     def observe(self, model: ServedView, results: list[dict], own_threshold: bool) -> None:
         count_verdicts(self.metrics, model.name, model.version, results, own_threshold)
@@ -255,12 +254,48 @@ def _map(slot: Slot, height: int, width: int):
 # --------------------------------------------------------------------------- the app
 def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
     """The API process's app: the score routes and health here, every other route passed on."""
-    settings = state.settings
     client = httpx.AsyncClient(
         transport=httpx.AsyncHTTPTransport(uds=str(state.run.engine_socket)),
         base_url="http://padim",
         timeout=httpx.Timeout(None, connect=5.0),
     )
+    app = FastAPI(
+        title="padim",
+        description=DESCRIPTION,
+        lifespan=_lifespan(state, client, on_fatal),
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.service = state
+    app.state.lines = None
+    install_error_handlers(app)
+    proxy = _proxy(client)
+
+    @app.get("/health/live", include_in_schema=False)
+    async def live() -> LiveResponse:
+        return LiveResponse(status="alive")
+
+    @app.get("/health/ready", include_in_schema=False)
+    async def ready(request: Request):
+        reason = _unready(state)
+        if reason is not None:
+            return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+        return await proxy(request)
+
+    app.include_router(score.router)
+    app.add_api_route(
+        "/{path:path}",
+        proxy,
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"],
+        include_in_schema=False,
+    )
+    _add_middleware(app, state)
+    return app
+
+
+def _lifespan(state: ApiState, client: httpx.AsyncClient, on_fatal):
+    """The API process's start (its journal of the record, the link to the scoring process) and stop."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -283,25 +318,11 @@ def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
             await client.aclose()
             await state.close()
 
-    app = FastAPI(
-        title="padim", description=DESCRIPTION, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
-    )
-    app.state.service = state
-    app.state.lines = None
-    install_error_handlers(app)
+    return lifespan
 
-    @app.get("/health/live", include_in_schema=False)
-    async def live() -> LiveResponse:
-        return LiveResponse(status="alive")
 
-    @app.get("/health/ready", include_in_schema=False)
-    async def ready(request: Request):
-        reason = _unready(state)
-        if reason is not None:
-            return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
-        return await proxy(request)
-
-    app.include_router(score.router)
+def _proxy(client: httpx.AsyncClient):
+    """The route that passes a request on to the scoring process's HTTP API."""
 
     async def proxy(request: Request) -> Response:
         """The request as the scoring process's HTTP API answers it, streamed both ways."""
@@ -335,12 +356,12 @@ def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
             background=BackgroundTask(upstream.aclose),
         )
 
-    app.add_api_route(
-        "/{path:path}",
-        proxy,
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"],
-        include_in_schema=False,
-    )
+    return proxy
+
+
+def _add_middleware(app: FastAPI, state: ApiState) -> None:
+    """The score routes' fast path, the body's limits, and the request's context (outermost)."""
+    settings = state.settings
     app.add_middleware(score.ScoreFastPath)  # innermost: behind the body's limits and the request's context
     app.add_middleware(
         BodyGuard,
@@ -352,7 +373,6 @@ def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
         else None,
     )
     app.add_middleware(RequestContext, metrics=state.metrics, draining=lambda: state.draining)
-    return app
 
 
 def _unready(state: ApiState) -> str | None:

@@ -14,7 +14,7 @@ from padim.models.features.embedding import TRACING
 from padim.models.scoring.model import ScoreOutput
 
 from ..admission import Places
-from ..answers import answer
+from ..answers import answered
 from ..batching import Item, ScoredImage
 from ..decoding import Decoded, Decoder
 from ..device_decoding import jpeg_tensor
@@ -157,32 +157,19 @@ class DeviceScoring:
         batcher, answered (heat maps and masks drawn on the pool). Places for the pictures are taken before decoding
         (503 when there are none) and given back when this returns or fails. With ``monitor``, the scores go to the
         model's monitor."""
-        loop = asyncio.get_running_loop()
         raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
         with self.places.admit(served.name, len(datas)) as admission:
             device = None if heatmap or mask else served.batcher.device
             decoded = await each(self.decoder.decoded(served.scorer, data, heatmap, device=device) for data in datas)
             admission.queued(len(decoded))
             scored = await self.scored(served, decoded, raw_threshold, heatmap or mask)
-        if heatmap or mask:
-            results = await asyncio.gather(
-                *[
-                    loop.run_in_executor(
-                        self.decoder.pool, answer, served.name, served.scorer, image, one, threshold, heatmap, mask
-                    )
-                    for image, one in zip(decoded, scored, strict=True)
-                ]
-            )
-        else:
-            results = [
-                answer(served.name, served.scorer, image, one, threshold, False, False)
-                for image, one in zip(decoded, scored, strict=True)
-            ]
+        pool = self.decoder.pool
+        results = await answered(pool, served.name, served.scorer, decoded, scored, threshold, heatmap, mask)
         if monitor:
             served.monitor.record(
                 [s.raw_score for s in scored], [s.input_distance for s in scored], threshold is not None
             )
-        return scored, list(results), [image.picture for image in decoded]
+        return scored, results, [image.picture for image in decoded]
 
 
 async def each(awaitables) -> list:
