@@ -114,14 +114,16 @@ def save_fitted(
     the way, so that neither a second copy of them nor the float32 and float16 forms at once
     are ever in memory beside the statistics.
     """
-    dtype = finished.precision_dtype
+    dtype, factors = finished.precision_dtype, finished.factors
+    if factors is None:
+        raise ValueError("a partial fit has no factors to write: it is saved with save_fit")
     pixels, length = finished.mean.shape[0], packed_length(finished.mean.shape[1])
     rows = max(1, FACTOR_CHUNK_BYTES // (4 * length))
 
     def chunks():
         for first in range(0, pixels, rows):
             count = min(rows, pixels - first)
-            yield finished.factors.read(first * length * 4, (count, length), torch.float32).to(dtype)
+            yield factors.read(first * length * 4, (count, length), torch.float32).to(dtype)
 
     _write(
         path,
