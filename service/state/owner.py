@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,8 +24,6 @@ from .recording import Recording
 from .scoring import DeviceScoring
 from .served import ServedModel, model_name
 from .versions import LoadedVersions
-
-log = logging.getLogger("padim.service")
 
 
 class ServiceState:
@@ -53,7 +50,6 @@ class ServiceState:
         self.ready = False
         self.draining = False
         self.startup_error: str | None = None
-        self.failure: str | None = None  # why a ready service became unready (its GPU failed)
         self.scheduler = Scheduler()  # the device's one thread: forms batches and scores them
         self.decoder = Decoder(
             settings.decode_workers, settings.pixel_budget(), settings.max_image_pixels, settings.heatmap_max_side
@@ -98,9 +94,13 @@ class ServiceState:
         """The inspection record, when it is on and open."""
         return self.recording.record
 
-    def _failed(self, why: str) -> None:
-        """The device was given up: the service turns unready for good, and says why."""
-        self.failure = why
+    @property
+    def failure(self) -> str | None:
+        """Why a ready service became unready for good (its GPU failed); ``None`` while it has not."""
+        return self.scoring.failure
+
+    def _failed(self) -> None:
+        """The device was given up: the service turns unready for good."""
         self.ready = False
 
     # ----------------------------------------------------------------- lifecycle

@@ -38,7 +38,7 @@ class DeviceScoring:
         decoder: decodes pictures to model input (its pool draws heat maps too).
         places: the queue bound's counts.
         max_device_errors: failing batches in a row after which the device is given up.
-        on_failure: told why, once the device is given up (the service turns unready for good).
+        on_failure: told once the device is given up (the service turns unready for good; :attr:`failure` says why).
     """
 
     def __init__(
@@ -48,12 +48,12 @@ class DeviceScoring:
         decoder: Decoder,
         places: Places,
         max_device_errors: int,
-        on_failure: Callable[[str], None],
+        on_failure: Callable[[], None],
     ):
         self.metrics, self.versions, self.decoder, self.places = metrics, versions, decoder, places
         self.max_device_errors, self.on_failure = max_device_errors, on_failure
         self.device_errors = 0  # scoring batches failed in a row on the GPU
-        self.failed = False  # the device was given up
+        self.failure: str | None = None  # why the device was given up (for good)
 
     def score(self, model: ServedModel, batch: torch.Tensor) -> ScoreOutput:
         """Runs on the scheduler's thread: one batch of ``model`` (a served version); counts the GPU's failures.
@@ -84,14 +84,14 @@ class DeviceScoring:
     def _device_failed(self, what: str) -> None:
         self.device_errors += 1
         log.error("device error", extra={"error": what, "in_a_row": self.device_errors})
-        if self.device_errors >= self.max_device_errors and not self.failed:
+        if self.device_errors >= self.max_device_errors and self.failure is None:
             self._give_up(
                 f"{self.device_errors} scoring batches in a row failed on the GPU (last: {what}); restart the service"
             )
 
     def _give_up(self, why: str) -> None:
-        self.failed = True
-        self.on_failure(why)
+        self.failure = why
+        self.on_failure()
 
     async def check_devices(self) -> str | None:
         """Why the GPU cannot serve now (a tiny operation on a CUDA device in use fails or hangs); ``None`` if it can.

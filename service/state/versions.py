@@ -7,10 +7,9 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from typing import Any
 
 from ..decoding import release_memory
 from ..metrics import Metrics
@@ -102,7 +101,7 @@ class LoadedVersions:
         self.changed()  # an unloaded model leaves the table at once, not when its version closes
 
     def _close_later(self, old: ServedModel) -> None:
-        close: Coroutine[Any, Any, None] = self._close_version(old)
+        close = self._close_version(old)
         self.track(asyncio.get_running_loop().create_task(close, name=f"close-{old.name}-{old.version}"))
 
     async def _close_version(self, old: ServedModel) -> None:
