@@ -4,7 +4,9 @@ For each backbone (resnet18 and wide_resnet50_2 by default), on generated images
 weights:
 
 - **fit**: ``padim train``'s own function on the GPU: seconds by phase and
-  ``torch.cuda.max_memory_allocated``;
+  ``torch.cuda.max_memory_allocated``, at ``--images`` and (``fit_phases``) at each of ``--fit-images`` (100 and
+  1,000 pictures): pass 1 and the part of it spent waiting for decoded pictures and their changed copies, the
+  finish, the calibration, the write, and whether the embeddings waited in GPU memory;
 - **scoring**: images per second at batch 1, 16 and 64 with torch (the model as served),
   ONNX Runtime's CUDA provider (needs ``onnxruntime-gpu``) and TensorRT through ONNX Runtime
   (needs its TensorRT provider; engines cached in the work folder), each skipped with the reason
@@ -58,21 +60,34 @@ def say(record: dict, results: list[dict]) -> None:
 
 
 def fit(
-    backbone: str, data: Path, out: Path, size: int, device: str, batch: int, precision: str = "fp32"
+    backbone: str,
+    data: Path,
+    out: Path,
+    size: int,
+    device: str,
+    batch: int,
+    precision: str = "fp32",
+    count: int | None = None,
+    workers: int | None = None,
 ) -> tuple[float, dict]:
+    """``padim train``'s own function on the first ``count`` pictures of ``data``: its seconds and what it reports."""
     config = PadimConfig(
         backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch, precision=precision
     )
+    if workers is not None:
+        config = config.replace(workers=workers)
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    report = train(config, training_images(data), out, progress=False)
+    report = train(config, training_images(data)[:count], out, progress=False)
     seconds = time.perf_counter() - started
     return seconds, {
         "phases": report.seconds,
         "cuda_max_memory_allocated": report.cuda_peak,
         "planned_bytes": report.plan.total if report.plan else None,
+        "embeddings_in_device_memory": bool(report.plan and report.plan.spool_held),
+        "workers": config.run.workers,
     }
 
 
@@ -212,6 +227,11 @@ def main() -> int:
     parser.add_argument(
         "--precisions", default="fp32,bf16,fp16", help="train --precision values, side by side (default all three)"
     )
+    parser.add_argument(
+        "--fit-images",
+        default="100,1000",
+        help="picture counts of the fit's phases, per backbone (default 100,1000; empty: none)",
+    )
     parser.add_argument("--cpu-fit", action="store_true", help="also fit on the CPU and compare thresholds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--workdir", type=Path, help="keep the data and models here (default: a temporary folder)")
@@ -224,14 +244,35 @@ def main() -> int:
         )
         return 2
     folder = work_folder(args.workdir, "padim-gpu-bench-")
+    fit_counts = [int(n) for n in args.fit_images.split(",") if n.strip()]
     (category,) = generate(
-        folder / "data", ("weave",), train=args.images, test_good=1, test_defect=1, size=args.size, seed=0
+        folder / "data",
+        ("weave",),
+        train=max([args.images, *fit_counts]),
+        test_good=1,
+        test_defect=1,
+        size=args.size,
+        seed=0,
     )
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     results: list[dict] = []
     for backbone in args.backbones.split(","):
         model = folder / f"{backbone}-{args.device}.padim"
-        seconds, detail = fit(backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch)
+        for count in fit_counts:  # the phases of a fit, by picture count (`padim train`'s report)
+            seconds, detail = fit(
+                backbone,
+                category / "train" / "good",
+                folder / f"{backbone}-{count}.padim",
+                args.size,
+                args.device,
+                args.fit_batch,
+                count=count,
+            )
+            record = {"backbone": backbone, "step": "fit_phases", "images": count, "seconds": round(seconds, 2)}
+            say({**record, **detail}, results)
+        seconds, detail = fit(
+            backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch, count=args.images
+        )
         say(
             {
                 "backbone": backbone,

@@ -92,23 +92,46 @@ class ScratchFile:
 class EmbeddingSpool:
     """``(rows, P, D)`` float32 embeddings, appended batch by batch and read a slice of pixels at a time.
 
-    The file is laid out slice by slice: slice ``s`` (pixels ``s * c .. (s + 1) * c``) holds
+    On disk (the default), the file is laid out slice by slice: slice ``s`` (pixels ``s * c .. (s + 1) * c``) holds
     every row's ``(c, D)`` block, row after row, so one slice of consecutive rows is one
     contiguous read. Space for ``capacity`` rows is reserved (sparsely: unwritten rows use no
     disk).
 
+    In a device's memory (``device``: a fit on a GPU whose memory holds the spool beside the rest of the fit), the
+    rows wait in one ``(capacity, P, D)`` tensor there, allocated at once: a batch is appended without a copy to
+    the host and read back without the disk; reads are views of it, read-only to the caller.
+
     Args:
-        directory: where the file is made.
+        directory: where the file is made (unused in a device's memory).
         capacity: most rows that will be appended.
         pixels, dim: ``P`` and ``D``.
         slice_pixels: ``c``, pixels per slice (the last slice may be shorter).
+        device: hold the rows in this device's memory instead of a file.
     """
 
-    def __init__(self, directory: str | os.PathLike, capacity: int, pixels: int, dim: int, slice_pixels: int):
-        self.file = ScratchFile(directory, prefix=".padim-embeddings-")
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        capacity: int,
+        pixels: int,
+        dim: int,
+        slice_pixels: int,
+        device: torch.device | str | None = None,
+    ):
+        self.held: torch.Tensor | None = None
+        self.file: ScratchFile | None = None
+        if device is not None:
+            self.held = torch.empty(capacity, pixels, dim, dtype=torch.float32, device=device)
+        else:
+            self.file = ScratchFile(directory, prefix=".padim-embeddings-")
         self.capacity, self.pixels, self.dim = capacity, pixels, dim
         self.slice_pixels = max(1, min(slice_pixels, pixels))
         self.rows = 0
+
+    @property
+    def where(self) -> str:
+        """``disk``, or the device whose memory holds the rows (``cuda:0``)."""
+        return "disk" if self.held is None else str(self.held.device)
 
     @staticmethod
     def size(rows: int, pixels: int, dim: int) -> int:
@@ -134,18 +157,26 @@ class EmbeddingSpool:
             )
         if self.rows + count > self.capacity:
             raise ValueError(f"the spool holds {self.capacity} rows; {self.rows + count} were given")
-        batch = batch.detach().to("cpu", torch.float32)
-        for index, (start, stop) in enumerate(self.slices):
-            self.file.write(self._offset(index, self.rows), batch[:, start:stop])
+        if self.held is not None:
+            self.held[self.rows : self.rows + count].copy_(batch.detach())
+        else:
+            assert self.file is not None, "a spool is held in memory or on disk"
+            batch = batch.detach().to("cpu", torch.float32)
+            for index, (start, stop) in enumerate(self.slices):
+                self.file.write(self._offset(index, self.rows), batch[:, start:stop])
         rows = range(self.rows, self.rows + count)
         self.rows += count
         return rows
 
     def read(self, index: int, first: int, stop: int) -> torch.Tensor:
-        """Rows ``first .. stop`` of slice ``index``: ``(stop - first, c, D)`` float32 on the CPU."""
+        """Rows ``first .. stop`` of slice ``index``: ``(stop - first, c, D)`` float32 on the CPU (a spool on disk) or
+        a view of the rows on their device (not to be written to)."""
         if not 0 <= first <= stop <= self.rows:
             raise ValueError(f"rows {first}..{stop} are not in the spool's {self.rows}")
         start, end = self.slices[index]
+        if self.held is not None:
+            return self.held[first:stop, start:end]
+        assert self.file is not None, "a spool is held in memory or on disk"
         return self.file.read(self._offset(index, first), (stop - first, end - start, self.dim), torch.float32)
 
     def _offset(self, index: int, row: int) -> int:
@@ -153,7 +184,9 @@ class EmbeddingSpool:
         return 4 * self.dim * (self.capacity * start + row * (stop - start))
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+        self.held = None  # the device's memory is given back with the last view
 
     def __enter__(self):
         return self

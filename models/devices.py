@@ -20,6 +20,7 @@ decisions are pure functions of what it read, tested with that state patched.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -210,3 +211,24 @@ def check_precision(precision: str, device: torch.device, capability: tuple[int,
                 " or ".join(CPU_FLAGS[precision]),
                 precision,
             )
+
+
+def usable_cpus() -> int:
+    """Cores this process may use: its affinity, bounded by a cgroup's CPU quota (a container's CPU limit)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        limit, every = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
+        if limit != "max":
+            cpus = min(cpus, max(1, int(int(limit) / int(every))))
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())
+            period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+            if quota > 0:
+                cpus = min(cpus, max(1, quota // period))
+        except (OSError, ValueError):
+            pass
+    return cpus

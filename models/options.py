@@ -554,7 +554,8 @@ class RunOptions(Group):
     )
     workers: int = option(
         DEFAULT_WORKERS,
-        f"image-decoding threads (default {DEFAULT_WORKERS})",
+        f"threads decoding pictures, and making a fit's changed copies of them (--expect) (default "
+        f"{DEFAULT_WORKERS}; a fit on a GPU wants about the machine's cores: it says so when it waited for them)",
         check=Number(0, None, "use an integer >= 0", integer=True),
         flag={"metavar": "N"},
     )

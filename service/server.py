@@ -14,13 +14,13 @@ import uvicorn
 
 from padim.core.artifact import read_header
 from padim.models.deploy.export import METADATA_FILE, read_export
-from padim.models.devices import resolve_device
+from padim.models.devices import resolve_device, usable_cpus
 from padim.models.errors import UsageError
 from padim.models.repository import Repository
 
 from .app import create_app
 from .lines.pipeline import check_file
-from .processes.supervisor import Supervisor, default_workers, usable_cpus
+from .processes.supervisor import Supervisor, default_workers
 from .protocol import ConnectionLimits, guarded_protocol
 from .settings import ServiceSettings
 from .state import model_name

@@ -207,7 +207,12 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
         "world_size": shard.world if shard else 1,
         "memory": None
         if report.plan is None
-        else {"planned_bytes": report.plan.total, "free_bytes": report.free_memory, "device": report.plan.device},
+        else {
+            "planned_bytes": report.plan.total,
+            "free_bytes": report.free_memory,
+            "device": report.plan.device,
+            "embeddings_in_device_memory": report.plan.spool_held,
+        },
         "spooled_bytes": report.spool,
         "cuda_max_memory_allocated": report.cuda_peak,
     }

@@ -16,10 +16,11 @@ import io
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -251,18 +252,25 @@ def iter_decoded(
     unreadable: list[tuple[Path, str]] | None = None,
     draft_to: int | None = None,
     roi: tuple[int, int, int, int] | None = None,
-) -> Iterator[tuple[list[Path], list[Image.Image]]]:
-    """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds)."""
+    then: Callable[[Path, Image.Image], Any] | None = None,
+) -> Iterator[tuple[list[Path], list[Any]]]:
+    """:func:`iter_batches` over batches chosen by the caller (e.g. never across two folds).
 
-    def decode(path: Path) -> Image.Image | ImageError:
+    Args:
+        then: work on each decoded picture that belongs beside its decoding, on the same threads (a fit's changed
+            copy, :meth:`~padim.models.fit.in_progress.Fit.decoded`); its result is yielded in the picture's place.
+    """
+
+    def decode(path: Path) -> Any:
         try:
-            return open_image(path, draft_to=draft_to, roi=roi)
+            image = open_image(path, draft_to=draft_to, roi=roi)
         except ImageError as error:
             if unreadable is None:
                 raise
             return error
+        return image if then is None else then(path, image)
 
-    def sort_out(chunk: Sequence[Path], decoded) -> tuple[list[Path], list[Image.Image]]:
+    def sort_out(chunk: Sequence[Path], decoded) -> tuple[list[Path], list[Any]]:
         kept_paths, kept = [], []
         for path, image in zip(chunk, decoded, strict=True):
             if isinstance(image, ImageError):

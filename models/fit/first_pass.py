@@ -6,15 +6,16 @@ at a time."""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import ACCUMULATOR_DTYPE, GaussianAccumulator, all_reduce_state_, empty_state
-from padim.models.data.images import iter_decoded
 from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.memory_plan import REEMBED_GROUP_BYTES, UPDATE_BLOCK_BYTES
@@ -29,6 +30,8 @@ from padim.models.fit.passes import (
     file_digest,
     run_lengths,
 )
+
+T = TypeVar("T")
 
 
 class FirstPass:
@@ -58,6 +61,7 @@ class FirstPass:
         self.digests: list[tuple[str, int]] = []
         self.rows_fold: list[int] = []  # the fold of every spooled row
         self.fitted_rows = 0
+        self.waited = 0.0  # seconds pass 1 waited for decoded pictures (and their copies): not the backbone
 
     def run(self, progress: bool) -> Accumulated:
         """Embed every picture; the fit then holds them (spooled, or in its statistics). Unreadable pictures are left
@@ -78,10 +82,10 @@ class FirstPass:
     def _embed_all(self, progress: bool) -> None:
         fit, total = self.fit, sum(len(g) for g in self.mine)
         with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
-            for paths, images in iter_decoded(
-                self._batches(), fit.config.run.workers, self.unreadable, fit.draft_to, fit.config.framing.roi
-            ):
-                self._add(paths, fit.embed([self.name_of[p] for p in paths], images))  # (B * spooled rows, P, D)
+            decoded = fit.decoded(self._batches(), self.unreadable, self.name_of.__getitem__)
+            for paths, images, copies in _waited_for(decoded, self):
+                names = [self.name_of[p] for p in paths]
+                self._add(paths, fit.embed(names, images, copies))  # (B * spooled rows, P, D)
                 if self.spooled is not None:
                     bar.set_postfix_str(f"embeddings spooled: {_megabytes(self.spooled.spool.nbytes)}", refresh=False)
                 bar.update(len(self.digests) + len(self.unreadable) - bar.n)  # images read so far, good or not
@@ -136,7 +140,7 @@ class FirstPass:
         new = [d for _, part in found for d in part]
         digests = torch.tensor([d for _, d in new], dtype=torch.int64)
         self.fit.image_digests = torch.cat([self.fit.image_digests, digests]).sort().values
-        return Accumulated(sorted(x for part, _ in found for x in part), new)
+        return Accumulated(sorted(x for part, _ in found for x in part), new, round(self.waited, 3))
 
 
 def embed_again(
@@ -159,14 +163,10 @@ def embed_again(
             fold_of_path = {i.path: k for k, fold in enumerate(chunk) for i in fold}
             name_of = {i.path: i.name for fold in chunk for i in fold}
             names, rows_fold, parts = [], [], []
-            for paths, images in iter_decoded(
-                batches_of(chunk, fit.config.run.batch_size),
-                fit.config.run.workers,
-                [],
-                fit.draft_to,
-                fit.config.framing.roi,
+            for paths, images, copies in fit.decoded(
+                batches_of(chunk, fit.config.run.batch_size), [], name_of.__getitem__
             ):
-                parts.append(fit.embed([name_of[p] for p in paths], images).cpu())
+                parts.append(fit.embed([name_of[p] for p in paths], images, copies).cpu())
                 names += fit.per_row(name_of[p] for p in paths)
                 rows_fold += fit.per_row(fold_of_path[p] for p in paths)
                 bar.update(len(paths))
@@ -186,6 +186,19 @@ def memory_groups(fit: Fitting, folds: Sequence[Sequence[TrainingImage]]) -> lis
         chunks[-1].append(list(fold))
         size += len(fold)
     return chunks
+
+
+def _waited_for(items: Iterator[T], into: FirstPass) -> Iterator[T]:
+    """``items``, adding the seconds each took to arrive to ``into.waited``."""
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            into.waited += time.perf_counter() - started
+        yield item
 
 
 def _megabytes(nbytes: int) -> str:

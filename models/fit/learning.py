@@ -33,7 +33,7 @@ from padim.core.calibration import CalibrationError
 from padim.core.errors import ArtifactError
 from padim.core.statistics import NotPositiveDefiniteError, downdate_state_
 from padim.models.config import PadimConfig
-from padim.models.data.images import iter_decoded, iter_for_model
+from padim.models.data.images import iter_for_model
 from padim.models.errors import FitError, NotUpdatable
 from padim.models.fit.in_progress import Fit
 from padim.models.fit.model_file import load_detector, load_fit, save_fitted
@@ -205,16 +205,14 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
     done = 0
     on_progress("remove", 0, len(doomed))
     taken: set[int] = set()
-    for paths, images in iter_decoded(
+    for paths, images, copies in fit.decoded(
         batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]], fit.config.run.batch_size),
-        fit.config.run.workers,
         unreadable,
-        fit.draft_to,
-        fit.config.framing.roi,
+        lambda path: doomed[path][0],
     ):
         names = [doomed[p][0] for p in paths]
         with torch.no_grad():
-            rows = fit.fitted(fit.embed(names, images))  # (pictures x fitted rows, P, D), as fitted
+            rows = fit.fitted(fit.embed(names, images, copies))  # (pictures x fitted rows, P, D), as fitted
         try:
             downdate_state_(fit.statistics, rows.to(fit.statistics.mean.device))
         except ValueError as error:

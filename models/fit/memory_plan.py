@@ -10,9 +10,10 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
 - **finish**: one slice's float64 buffers (comoment, Cholesky factor, inverse; see
   :data:`SLICE_BYTES`), a block of embeddings and the out-of-fold
   distances of every image (``N P`` float32; twice with ``expect``: its changed copy's too).
-- **spool** (disk): every picture's embeddings, and its changed copy's with ``expect``.
+- **spool** (disk, or a GPU's memory where it fits there: :func:`spool_in_memory`): every picture's embeddings,
+  and its changed copy's with ``expect``.
 - **backbone**: its weights (kept, and folded for inference) and one batch's activations (every
-  tile of every picture of the batch),
+  tile of every picture of the batch, and on a GPU of their changed copies with ``expect``: one call),
   measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
 - **process**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
   what the process keeps besides (:data:`PROCESS_BYTES`).
@@ -62,6 +63,9 @@ PROCESS_BYTES = {"cpu": 850 * 2**20, "cuda": 500 * 2**20}
 ACTIVATION_FACTOR = {"basic": 1.5, "bottleneck": 3.7}
 #: Disk left free beside the spool and the factors.
 DISK_RESERVE = GB
+#: A spool waits in a GPU's memory when the plan and the spool fit in this share of its free memory, less these
+#: bytes: the plan's parts are estimates, and the caching allocator and cuDNN's workspaces take their share.
+DEVICE_HEADROOM = (GB, 0.85)
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,9 @@ class FitPlan:
     Attributes:
         device: ``cpu`` or ``cuda``.
         statistics, finish, backbone, process: memory (see the module docstring).
-        spool: disk bytes of pass 1's embeddings (0 without a spool).
+        spool: bytes of pass 1's embeddings (0 without a spool): on disk, or in the device's memory.
         factors: disk bytes of the float32 precision factors waiting for the file.
+        spool_held: the spool waits in the device's memory (:func:`spool_in_memory`), counted in :attr:`total`.
     """
 
     device: str
@@ -82,16 +87,17 @@ class FitPlan:
     process: int
     spool: int
     factors: int
+    spool_held: bool = False
 
     @property
     def total(self) -> int:
-        return self.statistics + self.finish + self.backbone + self.process
+        return self.statistics + self.finish + self.backbone + self.process + (self.spool if self.spool_held else 0)
 
     def describe(self, free: int | None) -> str:
         """One line: the total, its parts and the free memory."""
         parts = (
             f"statistics {_gb(self.statistics)}, finish {_gb(self.finish)}, backbone {_gb(self.backbone)}, "
-            f"process {_gb(self.process)}"
+            f"process {_gb(self.process)}" + (f", embeddings {_gb(self.spool)}" if self.spool_held else "")
         )
         room = f" of {_gb(free)} free" if free is not None else ""
         return f"needs about {_gb(self.total)} on the {self.device.upper()}{room} ({parts})"
@@ -135,8 +141,9 @@ def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) ->
     per_pixel = 4 * (
         64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides, strict=False))
     )
+    through = 2 if config.gaussian.expect and device == "cuda" else 1  # on a GPU, pictures and copies: one call
     activations = int(
-        ACTIVATION_FACTOR[kind] * per_pixel * config.features.image_size**2 * config.run.batch_size * tiles
+        ACTIVATION_FACTOR[kind] * per_pixel * config.features.image_size**2 * config.run.batch_size * tiles * through
     )
     # without a spool: float64 slices and held batches; with expect, a batch's copies beside it
     embedding = (
@@ -181,6 +188,16 @@ def free_memory(device: str) -> int | None:
     if limit is not None:
         available = limit if available is None else min(available, limit)
     return available
+
+
+def spool_in_memory(plan: FitPlan, free: int | None) -> bool:
+    """Whether pass 1's spool (``plan`` with one) waits in the GPU's memory: on a GPU, when everything the plan counts
+    and the spool leave :data:`DEVICE_HEADROOM` of ``free``. There the finish reads it back without the disk, and
+    pass 1 appends a batch without waiting for its copy to the host. A CPU's spool stays on disk: a fit's memory on
+    a CPU does not grow with its pictures."""
+    if plan.device != "cuda" or free is None or not plan.spool:
+        return False
+    return plan.total + plan.spool + DEVICE_HEADROOM[0] <= free * DEVICE_HEADROOM[1]
 
 
 def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -32,10 +32,12 @@ class TrainingImage:
 
 @dataclass
 class Accumulated:
-    """What pass 1 found: images that could not be read, and the content digest of each image fitted."""
+    """What pass 1 found: images that could not be read, the content digest of each image fitted, and how long it
+    waited for pictures."""
 
     unreadable: list[tuple[str, str]]  # (name, reason)
     digests: list[tuple[str, int]]  # (name, digest)
+    waited: float = 0.0  # seconds of the pass spent waiting for decoded pictures and their changed copies
 
 
 @dataclass
@@ -213,6 +215,13 @@ class Fitting(Protocol):
 
     def fitted(self, rows: torch.Tensor) -> torch.Tensor: ...
 
-    def embed(self, names: Sequence[str], images) -> torch.Tensor: ...
+    def decoded(
+        self,
+        batches: Sequence[Sequence[Path]],
+        unreadable: list[tuple[Path, str]] | None,
+        name_of: Callable[[Path], str],
+    ) -> Iterator[tuple[list[Path], list, list | None]]: ...
+
+    def embed(self, names: Sequence[str], images, copies: Sequence | None = None) -> torch.Tensor: ...
 
     def formed(self, statistics: GaussianState | None, count: int) -> None: ...

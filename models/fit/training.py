@@ -24,15 +24,25 @@ from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
 from padim.models.config import CALIBRATION, PadimConfig
-from padim.models.data.images import iter_decoded, list_images
-from padim.models.devices import float64_is_slow
+from padim.models.data.images import list_images
+from padim.models.devices import float64_is_slow, usable_cpus
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import PrecisionGateFailed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.in_progress import Fit
-from padim.models.fit.memory_plan import DoesNotFit, FitFacts, FitPlan, check, free_memory, plan_fit, ran_out
+from padim.models.fit.memory_plan import (
+    DoesNotFit,
+    FitFacts,
+    FitPlan,
+    check,
+    free_memory,
+    plan_fit,
+    ran_out,
+    spool_in_memory,
+)
 from padim.models.fit.model_file import load_detector, load_fit, save_fitted
 from padim.models.fit.passes import (
+    Accumulated,
     Finished,
     HeldRows,
     ScoringPass,
@@ -80,7 +90,9 @@ class FitReport:
             but fewer than two of the images).
         warnings: one line each.
         seconds: wall time of each phase on this rank: ``fit`` (pass 1), ``finish`` (statistics
-            and factors), ``calibrate`` (out-of-fold distances and the threshold), ``write``.
+            and factors), ``calibrate`` (out-of-fold distances and the threshold), ``check`` (a reduced precision's
+            gate), ``write``; and ``fit_waiting_for_pictures``, the part of ``fit`` spent waiting for decoded
+            pictures and their changed copies (``--workers``), not in the backbone.
         plan: the memory the fit was sized for, and the free memory then.
         spool: bytes of embeddings spooled to disk (0 when the calibration embedded them again).
         precision_dtype: storage dtype of the precision factors written.
@@ -165,6 +177,7 @@ def train(
                 found = fit.accumulate(groups, progress, shard, spool)
             _record(report, found)
             _check_enough(fit, report, earlier_count)
+            _waited_for_pictures(fit, report)
             unreadable = {name for name, _ in report.unreadable}
             readable = [[i for i in group if i.name not in unreadable] for group in groups]
             scored = [_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard)
@@ -385,11 +398,13 @@ def _prepare(
 ) -> tuple[EmbeddingSpool | None, FitFacts]:
     """The memory plan (refused when it does not fit), and the spool when it fits on the disk; ``facts`` with
     whether it does."""
-    images = facts.images
-    spool = fit.spool_or_none(scratch, images)
+    images, device = facts.images, fit.device.type
+    free = free_memory(device)
+    spool = _spool(fit, scratch, images, plan_fit(fit.config, dataclasses.replace(facts, spool=True), device), free)
     facts = dataclasses.replace(facts, spool=spool is not None)
-    plan = plan_fit(fit.config, facts, fit.device.type)
-    free = free_memory(fit.device.type)
+    plan = plan_fit(fit.config, facts, device)
+    if spool is not None and spool.held is not None:
+        plan = dataclasses.replace(plan, spool_held=True)
     report.plan, report.free_memory = plan, free
     try:
         check(fit.config, plan, free, facts)
@@ -402,7 +417,9 @@ def _prepare(
     )
     spooled_bytes = EmbeddingSpool.size(images * fit.spooled_rows, fit.pixels, fit.embedder.embedding_dim)
     where = (
-        f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
+        f"embeddings{copies} kept in GPU memory ({_size(plan.spool)})"
+        if spool is not None and spool.held is not None
+        else f"embeddings{copies} spooled to {scratch} ({_size(plan.spool)}, removed when the fit ends)"
         if spool is not None
         else f"the embeddings of {images} images{copies} ({_size(spooled_bytes)}) "
         f"do not fit on the disk in {scratch}: the calibration embeds them again; --scratch-dir elsewhere avoids it"
@@ -431,6 +448,18 @@ def _prepare(
                 "finish (float64) takes about as long as on a 16-core CPU; see docs/gpu.md"
             )
     return spool, facts
+
+
+def _spool(fit: Fit, scratch: Path, images: int, plan: FitPlan, free: int | None) -> EmbeddingSpool | None:
+    """Pass 1's spool: in the GPU's memory where ``plan`` (a fit with a spool) and the spool fit there
+    (:func:`~padim.models.fit.memory_plan.spool_in_memory`), else on the disk in ``scratch``, else none."""
+    if spool_in_memory(plan, free):
+        try:
+            return fit.spool_or_none(scratch, images, in_memory=True)
+        except torch.OutOfMemoryError:  # the estimate was short, or another process took memory meanwhile
+            torch.cuda.empty_cache()
+            log.info("the embeddings did not fit in GPU memory after all: spooled to %s", scratch)
+    return fit.spool_or_none(scratch, images)
 
 
 @contextlib.contextmanager
@@ -463,14 +492,11 @@ def _held_out(
     names, parts = [], []
     unreadable: list[tuple[Path, str]] = []
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
-        for paths, pictures in iter_decoded(
-            batches_of([images], fit.config.run.batch_size),
-            fit.config.run.workers,
-            unreadable,
-            fit.draft_to,
-            fit.config.framing.roi,
+        name_of = {image.path: image.name for image in images}
+        for paths, pictures, copies in fit.decoded(
+            batches_of([images], fit.config.run.batch_size), unreadable, name_of.__getitem__
         ):
-            embedded = fit.embed([p.name for p in paths], pictures)  # and their changed copies (expect)
+            embedded = fit.embed([name_of[p] for p in paths], pictures, copies)  # and their changed copies (expect)
             if spool is not None:
                 spool.append(embedded)
             else:
@@ -597,12 +623,32 @@ def _leave_out_fitted(fit: Fit, images: Sequence[TrainingImage], report: FitRepo
     return fresh
 
 
-def _record(report: FitReport, found) -> None:
+def _record(report: FitReport, found: Accumulated) -> None:
     report.unreadable = found.unreadable
+    report.seconds["fit_waiting_for_pictures"] = found.waited
     same: dict[int, list[str]] = {}
     for name, digest in found.digests:
         same.setdefault(digest, []).append(name)
     report.copies = sorted(sorted(names) for names in same.values() if len(names) > 1)
+
+
+#: Pass 1 names ``--workers`` when it spent more than this share of its seconds (at least the second figure) waiting
+#: for pictures.
+WAITING_SHARE, WAITING_SECONDS = 0.3, 5.0
+
+
+def _waited_for_pictures(fit: Fit, report: FitReport) -> None:
+    """A warning naming ``--workers`` when pass 1 waited mostly for its pictures (decoded, and their changed copies
+    made, on that many threads) and this machine has more cores: on a GPU the backbone outruns two threads."""
+    waited, spent = report.seconds.get("fit_waiting_for_pictures", 0.0), report.seconds.get("fit", 0.0)
+    workers, cores = fit.config.run.workers, usable_cpus()
+    if spent < WAITING_SECONDS or waited <= WAITING_SHARE * spent or workers >= cores:
+        return
+    copies = " and their changed copies made (--expect)" if fit.config.gaussian.expect else ""
+    report.warnings.append(
+        f"pass 1 spent {waited:.1f} of its {spent:.1f} s waiting for pictures to be decoded{copies} on "
+        f"{workers} thread(s): --workers {cores} (this machine's cores) makes them on more"
+    )
 
 
 def _check_enough(fit: Fit, report: FitReport, earlier_count: int) -> None:

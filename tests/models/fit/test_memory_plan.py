@@ -1,9 +1,19 @@
 """The memory plan said before a fit: its parts, and what is offered when it does not fit."""
 
+import dataclasses
+
 import pytest
 
 from padim.models import PadimConfig
-from padim.models.fit.memory_plan import DoesNotFit, FitFacts, check, free_memory, plan_fit, ran_out
+from padim.models.fit.memory_plan import (
+    DoesNotFit,
+    FitFacts,
+    check,
+    free_memory,
+    plan_fit,
+    ran_out,
+    spool_in_memory,
+)
 
 WIDE = PadimConfig(backbone="wide_resnet50_2", weights="random")
 
@@ -63,3 +73,24 @@ def test_a_gpu_that_ran_out_mid_fit_is_told_options_well_under_its_plan(monkeypa
     assert "--image-size " in message and "--slim" in message and "--device cpu" in message
     size = int(message.split("--image-size ")[1].split()[0])
     assert plan_fit(config.replace(image_size=size), FitFacts(200, True), device="cuda").total <= plan.total * 3 // 4
+
+
+def test_the_spool_waits_in_gpu_memory_only_where_it_fits_beside_the_plan():
+    config = PadimConfig(weights="random", device="cuda")
+    plan = plan_fit(config, FitFacts(1000, True), device="cuda")
+    assert plan.spool == 1000 * 2 * 56 * 56 * 100 * 4  # 2.5 GB: pictures and their changed copies
+    assert spool_in_memory(plan, 80 * 10**9)  # an H100's
+    assert not spool_in_memory(plan, plan.total + plan.spool)  # no room left beside it: on disk
+    assert not spool_in_memory(plan_fit(config, FitFacts(1000, True), device="cpu"), 10**12)  # a CPU: disk
+    assert not spool_in_memory(plan_fit(config, FitFacts(1000, False), device="cuda"), 10**12)  # no spool
+    held = dataclasses.replace(plan, spool_held=True)
+    assert held.total == plan.total + plan.spool
+    assert "embeddings 2.5 GB" in held.describe(None) and "embeddings" not in plan.describe(None)
+
+
+def test_on_a_gpu_the_plan_counts_a_batch_and_its_changed_copies_through_the_backbone_at_once():
+    rough, stable = WIDE, WIDE.replace(expect="stable")
+    facts = FitFacts(40, True)
+    assert plan_fit(stable, facts, "cuda").backbone == plan_fit(stable, facts, "cpu").backbone
+    on_gpu, on_cpu = plan_fit(rough, facts, "cuda").backbone, plan_fit(rough, facts, "cpu").backbone
+    assert 0.5e9 < on_gpu - on_cpu < 0.7e9  # 16 more pictures' activations: 710 B/px at 224 px

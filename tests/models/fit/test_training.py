@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import reference_maps
 
+from padim.core.artifact import load_artifact
 from padim.core.calibration import Calibration, fold_of
 from padim.core.scoring import anomaly_maps, image_scores
 from padim.core.spool import EmbeddingSpool
@@ -23,6 +24,7 @@ from padim.models import (
     merge_fits,
     train,
 )
+from padim.models.data.changes import apply, seeded
 from padim.models.fit.model_file import load_detector, load_fit, save_fit
 from padim.models.fit.passes import ScoringPass, SpooledRows
 
@@ -327,6 +329,7 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
     assert report.spool == len(images) * 2 * 16 * 16 * 100 * 4 and set(report.seconds) == {
         "fit",
+        "fit_waiting_for_pictures",
         "finish",
         "calibrate",
         "write",
@@ -404,6 +407,78 @@ def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(
     # the same batches of the same images in one process: the same float32 embeddings
     torch.testing.assert_close(again.statistics.comoment, spooled.statistics.comoment, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(again.calibration.scores, spooled.calibration.scores, rtol=1e-6)
+
+
+def test_a_spool_in_the_devices_memory_fits_the_same_model_as_one_on_disk(images, tmp_path, monkeypatch):
+    # on a GPU with room the spool waits in its memory; here the CPU stands in for it
+    config = CONFIG.replace(shrinkage=0.1)  # the pool's pass reads the spool too
+    on_disk = train(config, images, tmp_path / "disk.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    monkeypatch.setattr("padim.models.fit.training.spool_in_memory", lambda plan, free: True)
+    held = train(config, images, tmp_path / "held.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert held.plan is not None and held.plan.spool_held and on_disk.plan is not None and not on_disk.plan.spool_held
+    assert held.plan.total == on_disk.plan.total + on_disk.plan.spool and held.spool == on_disk.spool > 0
+    first, _ = load_artifact(tmp_path / "disk.padim")
+    second, _ = load_artifact(tmp_path / "held.padim")
+    assert first.keys() == second.keys()
+    for name in ("mean", "precision_factor", "statistics.comoment", "calibration.scores", "calibration.taken_scores"):
+        assert torch.equal(first[name], second[name]), name  # the same rows, read from memory instead of the disk
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(EmbeddingSpool, "__init__", _failing_in_memory(EmbeddingSpool.__init__, out_of_memory))
+    fallen = train(config, images, tmp_path / "fallen.padim", progress=False, scratch_dir=tmp_path / "scratch")
+    assert fallen.plan is not None and not fallen.plan.spool_held and fallen.spool == on_disk.spool
+    assert torch.equal(load_artifact(tmp_path / "fallen.padim")[0]["precision_factor"], first["precision_factor"])
+
+
+def _failing_in_memory(init, fail):
+    """``EmbeddingSpool.__init__`` that runs ``fail`` for a spool in memory: the GPU had less room than planned."""
+
+    def patched(self, *args, device=None, **kwargs):
+        if device is not None:
+            fail()
+        init(self, *args, **kwargs)
+
+    return patched
+
+
+def test_changed_copies_are_made_on_the_decoding_threads_as_the_fit_would_make_them(images):
+    fit = Fit.start(CONFIG.replace(workers=2))
+    name_of = {image.path: image.name for image in images}
+    batches = [[image.path for image in images[:5]], [image.path for image in images[5:9]]]
+    seen = []
+    for paths, pictures, copies in fit.decoded(batches, [], name_of.__getitem__):
+        assert copies is not None and len(copies) == len(pictures) == len(paths)
+        names = [name_of[p] for p in paths]
+        made = [
+            apply(picture, fit.config.expected.draw(seeded(name)))
+            for name, picture in zip(names, pictures, strict=True)
+        ]
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(copies, made, strict=True))
+        # the embeddings of copies made there are those of copies made by embed itself
+        assert torch.equal(fit.embed(names, pictures, copies), fit.embed(names, pictures))
+        seen += paths
+    assert seen == [p for batch in batches for p in batch]
+    stable = Fit.start(AS_TAKEN)
+    assert all(copies is None for _, _, copies in stable.decoded(batches, [], name_of.__getitem__))
+
+
+def test_a_fit_says_how_long_it_waited_for_pictures_and_names_more_workers_when_that_was_most(
+    images, tmp_path, monkeypatch
+):
+    report = train(CONFIG, images, tmp_path / "model.padim", progress=False)
+    assert 0 < report.seconds["fit_waiting_for_pictures"] <= report.seconds["fit"]  # workers=0: decoded in line
+    assert not any("--workers" in w for w in report.warnings)  # a fit of a second or two says nothing
+    monkeypatch.setattr("padim.models.fit.training.WAITING_SECONDS", 0.0)
+    monkeypatch.setattr("padim.models.fit.training.WAITING_SHARE", 0.0)
+    monkeypatch.setattr("padim.models.fit.training.usable_cpus", lambda: 16)
+    report = train(CONFIG, images, tmp_path / "model.padim", progress=False)
+    (said,) = [w for w in report.warnings if "--workers" in w]
+    assert "waiting for pictures to be decoded and their changed copies made" in said and "--workers 16" in said
+    monkeypatch.setattr("padim.models.fit.training.usable_cpus", lambda: 1)  # no more cores to give it
+    report = train(CONFIG.replace(workers=1), images, tmp_path / "model.padim", progress=False)
+    assert not any("--workers" in w for w in report.warnings)
 
 
 def padim_files_open() -> list[str]:
