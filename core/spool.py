@@ -1,4 +1,5 @@
-"""Tensors parked on disk during a fit: the embeddings of pass 1, the factors before they are saved.
+"""Tensors parked during a fit: the embeddings of pass 1 (on disk, or in a GPU's memory where they fit there),
+the factors before they are saved (on disk).
 
 A fit reads every image through the backbone once. Its embeddings are kept, float32 as they
 were accumulated, in an :class:`EmbeddingSpool` so that the calibration can use them again

@@ -51,6 +51,8 @@ def gpu_model(dataset, tmp_path_factory):
 def test_fit_save_load_score_on_the_gpu(gpu_model, dataset, tmp_path):
     path, summary = gpu_model
     assert summary["memory"]["device"] == "cuda" and summary["cuda_max_memory_allocated"] > 0
+    assert summary["memory"]["embeddings_in_device_memory"]  # a few MB of embeddings on a GPU with room: kept there
+    assert 0 <= summary["phase_seconds"]["fit_waiting_for_pictures"] <= summary["phase_seconds"]["fit"]
     run_cli(
         "-q",
         "predict",
@@ -86,6 +88,24 @@ def test_a_model_fitted_on_the_gpu_keeps_the_cpu_fits_threshold(model_file, gpu_
 
     cpu, gpu = read_header(model_file)["calibration"], read_header(gpu_model[0])["calibration"]
     assert abs(gpu["threshold"] - cpu["threshold"]) <= 1e-3 * abs(cpu["threshold"])
+
+
+def test_embeddings_kept_in_gpu_memory_fit_the_model_of_embeddings_spooled_to_disk(dataset, tmp_path, monkeypatch):
+    from padim.core.artifact import load_artifact
+    from padim.models import PadimConfig, train, training_images
+
+    images, config = training_images(dataset / "train" / "good"), PadimConfig(weights="random", image_size=64)
+    config = config.replace(device="cuda", batch_size=8)
+    held = train(config, images, tmp_path / "held.padim", progress=False)
+    monkeypatch.setattr("padim.models.fit.training.spool_in_memory", lambda plan, free: False)
+    spooled = train(config, images, tmp_path / "disk.padim", progress=False)
+    assert held.plan is not None and held.plan.spool_held and spooled.plan is not None and not spooled.plan.spool_held
+    first, second = (load_artifact(tmp_path / name)[0] for name in ("held.padim", "disk.padim"))
+    # the same rows, read from GPU memory instead of the disk (cuDNN may pick other kernels from one fit to the next)
+    assert relative(first["calibration.scores"], second["calibration.scores"]) <= CROSS_DEVICE_RTOL
+    for name in ("mean", "precision_factor"):  # against their peak: entries near 0 have no scale of their own
+        a, b = first[name].double(), second[name].double()
+        assert float((a - b).abs().max()) <= CROSS_DEVICE_RTOL * float(b.abs().max()), name
 
 
 def test_float16_factors_are_upcast_once_at_load_on_the_gpu(model_file):
