@@ -68,14 +68,11 @@ def fit(
     batch: int,
     precision: str = "fp32",
     count: int | None = None,
-    workers: int | None = None,
 ) -> tuple[float, dict]:
     """``padim train``'s own function on the first ``count`` pictures of ``data``: its seconds and what it reports."""
     config = PadimConfig(
         backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch, precision=precision
     )
-    if workers is not None:
-        config = config.replace(workers=workers)
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

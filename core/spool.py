@@ -129,11 +129,6 @@ class EmbeddingSpool:
         self.slice_pixels = max(1, min(slice_pixels, pixels))
         self.rows = 0
 
-    @property
-    def where(self) -> str:
-        """``disk``, or the device whose memory holds the rows (``cuda:0``)."""
-        return "disk" if self.held is None else str(self.held.device)
-
     @staticmethod
     def size(rows: int, pixels: int, dim: int) -> int:
         """Bytes that ``rows`` rows take on disk."""

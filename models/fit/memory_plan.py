@@ -63,9 +63,10 @@ PROCESS_BYTES = {"cpu": 850 * 2**20, "cuda": 500 * 2**20}
 ACTIVATION_FACTOR = {"basic": 1.5, "bottleneck": 3.7}
 #: Disk left free beside the spool and the factors.
 DISK_RESERVE = GB
-#: A spool waits in a GPU's memory when the plan and the spool fit in this share of its free memory, less these
-#: bytes: the plan's parts are estimates, and the caching allocator and cuDNN's workspaces take their share.
-DEVICE_HEADROOM = (GB, 0.85)
+#: A spool waits in a GPU's memory when the plan, the spool and :data:`DEVICE_RESERVE` fit in this share of its free
+#: memory: the plan's parts are estimates, and the caching allocator and cuDNN's workspaces take theirs.
+DEVICE_SHARE = 0.85
+DEVICE_RESERVE = GB
 
 
 @dataclass(frozen=True)
@@ -191,13 +192,13 @@ def free_memory(device: str) -> int | None:
 
 
 def spool_in_memory(plan: FitPlan, free: int | None) -> bool:
-    """Whether pass 1's spool (``plan`` with one) waits in the GPU's memory: on a GPU, when everything the plan counts
-    and the spool leave :data:`DEVICE_HEADROOM` of ``free``. There the finish reads it back without the disk, and
-    pass 1 appends a batch without waiting for its copy to the host. A CPU's spool stays on disk: a fit's memory on
-    a CPU does not grow with its pictures."""
+    """Whether pass 1's spool (``plan`` with one) waits in the GPU's memory: on a GPU, when everything the plan
+    counts, the spool and :data:`DEVICE_RESERVE` fit in :data:`DEVICE_SHARE` of ``free``. There the finish reads it
+    back without the disk, and pass 1 appends a batch without waiting for its copy to the host. A CPU's spool stays
+    on disk: a fit's memory on a CPU does not grow with its pictures."""
     if plan.device != "cuda" or free is None or not plan.spool:
         return False
-    return plan.total + plan.spool + DEVICE_HEADROOM[0] <= free * DEVICE_HEADROOM[1]
+    return plan.total + plan.spool + DEVICE_RESERVE <= free * DEVICE_SHARE
 
 
 def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:

@@ -400,9 +400,10 @@ def _prepare(
     whether it does."""
     images, device = facts.images, fit.device.type
     free = free_memory(device)
-    spool = _spool(fit, scratch, images, plan_fit(fit.config, dataclasses.replace(facts, spool=True), device), free)
+    spooled = plan_fit(fit.config, dataclasses.replace(facts, spool=True), device)
+    spool = _spool(fit, scratch, images, spooled, free)
     facts = dataclasses.replace(facts, spool=spool is not None)
-    plan = plan_fit(fit.config, facts, device)
+    plan = plan_fit(fit.config, facts, device) if spool is None else spooled
     if spool is not None and spool.held is not None:
         plan = dataclasses.replace(plan, spool_held=True)
     report.plan, report.free_memory = plan, free
@@ -632,9 +633,10 @@ def _record(report: FitReport, found: Accumulated) -> None:
     report.copies = sorted(sorted(names) for names in same.values() if len(names) > 1)
 
 
-#: Pass 1 names ``--workers`` when it spent more than this share of its seconds (at least the second figure) waiting
-#: for pictures.
-WAITING_SHARE, WAITING_SECONDS = 0.3, 5.0
+#: Pass 1 names ``--workers`` when it spent more than this share of its seconds waiting for pictures ...
+WAITING_SHARE = 0.3
+#: ... and took at least these seconds (a short fit says nothing).
+WAITING_SECONDS = 5.0
 
 
 def _waited_for_pictures(fit: Fit, report: FitReport) -> None:
