@@ -67,6 +67,8 @@ DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: Bytes read or hashed at a time.
 CHUNK_BYTES = 64 * 2**20
+#: Bytes written between two requests that the disk write what it was given so far (:class:`_Writeback`).
+WRITEBACK_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ def save_artifact(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor | 
     try:
         with open(tmp, "wb") as handle:
             handle.seek(8 + reserved)
-            digests = {name: _write_stream(handle, name, entries[name]) for name in order}
+            with _Writeback(handle) as writeback:
+                digests = {name: _write_stream(handle, name, entries[name], writeback) for name in order}
             full_header["tensor_sha256"] = digests
             full_header["header_sha256"] = _header_sha256(full_header)
             text = _table_bytes(table, full_header)
@@ -218,7 +221,7 @@ def _stream_of(tensor: torch.Tensor) -> TensorStream:
     return TensorStream(tensor.dtype, tuple(tensor.shape), chunks)
 
 
-def _write_stream(handle, name: str, entry: TensorStream) -> str:
+def _write_stream(handle, name: str, entry: TensorStream, writeback: _Writeback) -> str:
     """Write the chunks and return their sha256, hashed while the disk writes (:class:`_Sha256`)."""
     written = 0
     with _Sha256() as digest:
@@ -228,11 +231,47 @@ def _write_stream(handle, name: str, entry: TensorStream) -> str:
             data = _bytes_of(chunk.detach().contiguous().cpu())
             digest.update(data)
             handle.write(data)
+            writeback.wrote(len(data))
             written += len(data)
         hexdigest = digest.hexdigest()
     if written != entry.nbytes:
         raise ValueError(f"tensor {name!r}: {written} bytes written for a declared {entry.nbytes}")
     return hexdigest
+
+
+class _Writeback:
+    """Has the disk write what was written so far (``fdatasync`` on a worker thread) every :data:`WRITEBACK_BYTES`,
+    while the caller goes on writing and hashing. On a machine with much memory a file of several GB would otherwise
+    wait whole in the page cache and the final ``fsync`` would write all of it after the last byte was hashed
+    (measured on a GPU node: 2 of a 4 GB file's 3.7 s). A context manager: errors of a flush are raised, the thread
+    ends with it."""
+
+    def __init__(self, handle):
+        self._handle, self._since, self._pending = handle, 0, None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writeback")
+
+    def wrote(self, size: int) -> None:
+        self._since += size
+        if self._since < WRITEBACK_BYTES or (self._pending is not None and not self._pending.done()):
+            return
+        self._wait()
+        self._handle.flush()
+        self._pending = self._pool.submit(os.fdatasync, self._handle.fileno())
+        self._since = 0
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def __enter__(self) -> _Writeback:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 class _Sha256:

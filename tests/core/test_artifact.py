@@ -1,4 +1,6 @@
+import errno
 import json
+import os
 import struct
 
 import pytest
@@ -138,6 +140,36 @@ def test_format_one_files_still_load_unverified(tmp_path):
     save_file({"a": torch.ones(2)}, str(path), metadata={"padim": json.dumps({"format_version": 1, "kind": "x"})})
     tensors, header = load_artifact(path)
     assert header["verified"] is False and torch.equal(tensors["a"], torch.ones(2))
+
+
+def test_the_disk_is_asked_to_write_while_the_file_is_still_being_written(tmp_path, monkeypatch):
+    """Every WRITEBACK_BYTES the written part is flushed on a worker thread (fdatasync), so that the final fsync of
+    a file of several GB waits for its tail only; the file is the same."""
+    asked = []
+    monkeypatch.setattr(artifact, "WRITEBACK_BYTES", 100)
+    monkeypatch.setattr(artifact.os, "fdatasync", lambda fd: asked.append(os.fstat(fd).st_size))
+    chunks = [torch.full((40,), float(i)) for i in range(6)]  # 160 bytes each
+    stream = artifact.TensorStream(torch.float32, (6, 40), lambda: iter(chunks))
+    save_artifact(tmp_path / "m.padim", {"s": stream, "b": torch.arange(7)}, {"kind": "test"})
+    loaded, _ = load_artifact(tmp_path / "m.padim")
+    assert torch.equal(loaded["s"], torch.stack(chunks)) and torch.equal(loaded["b"], torch.arange(7))
+    assert asked and asked[0] < (tmp_path / "m.padim").stat().st_size  # asked before the last chunk was written
+
+
+def test_a_flush_that_fails_fails_the_write_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.padim"
+    save_artifact(path, {"a": torch.ones(3)}, {"v": 1})
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(artifact, "WRITEBACK_BYTES", 8)
+    monkeypatch.setattr(artifact.os, "fdatasync", full)
+    with pytest.raises(OSError, match="No space"):
+        save_artifact(path, {"a": torch.zeros(300)}, {"v": 2})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]
 
 
 def test_streamed_tensors_are_written_chunk_by_chunk_and_any_safetensors_reader_agrees(tmp_path):

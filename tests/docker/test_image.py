@@ -42,8 +42,19 @@ def docker(*args: str, check: bool = True, timeout: float = 600) -> subprocess.C
     return result
 
 
+def remove_leftovers() -> None:
+    """What an earlier run stopped half-way (a CI job killed, kill -9) left behind: its containers, the image they
+    hold, and build-stage images. Each can be 6 GB, and the next build needs the room."""
+    names = docker("ps", "-aq", "--filter", "name=^padim-test-", check=False).stdout.split()
+    if names:
+        docker("rm", "-f", *names, check=False)
+    docker("rmi", "-f", IMAGE, check=False)
+    docker("image", "prune", "-f", "--filter", "label=padim.stage=build", check=False)
+
+
 @pytest.fixture(scope="module")
 def image(docker_report):
+    remove_leftovers()
     started = time.perf_counter()
     docker(
         "build",
