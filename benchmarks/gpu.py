@@ -68,10 +68,19 @@ def fit(
     batch: int,
     precision: str = "fp32",
     count: int | None = None,
+    workers: int | None = None,
 ) -> tuple[float, dict]:
-    """``padim train``'s own function on the first ``count`` pictures of ``data``: its seconds and what it reports."""
+    """``padim train``'s own function on the first ``count`` pictures of ``data``: its seconds and what it reports
+    (``workers``: ``--workers``, padim's default when None)."""
+    run = {} if workers is None else {"workers": workers}
     config = PadimConfig(
-        backbone=backbone, weights="random", image_size=size, device=device, batch_size=batch, precision=precision
+        backbone=backbone,
+        weights="random",
+        image_size=size,
+        device=device,
+        batch_size=batch,
+        precision=precision,
+        **run,
     )
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -158,7 +167,15 @@ def measure_precision(backbone, precision, reference, category, folder, device_n
     if precision != "fp32":
         try:
             seconds, detail = fit(
-                backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch, precision
+                backbone,
+                category / "train" / "good",
+                model,
+                args.size,
+                args.device,
+                args.fit_batch,
+                precision,
+                count=args.images,  # the fp32 reference's pictures: the two models differ by arithmetic alone
+                workers=args.workers,
             )
         except PadimError as error:  # bf16 on a GPU older than Ampere; a gate that refused
             say({"backbone": backbone, "step": "precision", "precision": precision, "skipped": str(error)}, results)
@@ -229,6 +246,11 @@ def main() -> int:
         default="100,1000",
         help="picture counts of the fit's phases, per backbone (default 100,1000; empty: none)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="the fits' --workers (decoding and changed-copy threads; default: padim's own default)",
+    )
     parser.add_argument("--cpu-fit", action="store_true", help="also fit on the CPU and compare thresholds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--workdir", type=Path, help="keep the data and models here (default: a temporary folder)")
@@ -264,11 +286,19 @@ def main() -> int:
                 args.device,
                 args.fit_batch,
                 count=count,
+                workers=args.workers,
             )
             record = {"backbone": backbone, "step": "fit_phases", "images": count, "seconds": round(seconds, 2)}
             say({**record, **detail}, results)
         seconds, detail = fit(
-            backbone, category / "train" / "good", model, args.size, args.device, args.fit_batch, count=args.images
+            backbone,
+            category / "train" / "good",
+            model,
+            args.size,
+            args.device,
+            args.fit_batch,
+            count=args.images,
+            workers=args.workers,
         )
         say(
             {
