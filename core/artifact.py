@@ -256,7 +256,7 @@ class _Writeback:
             return
         self._wait()
         self._handle.flush()
-        self._pending = self._pool.submit(os.fdatasync, self._handle.fileno())
+        self._pending = self._pool.submit(_FLUSH, self._handle.fileno())
         self._since = 0
 
     def _wait(self) -> None:
@@ -267,11 +267,16 @@ class _Writeback:
     def __enter__(self) -> _Writeback:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *rest) -> None:
         try:
-            self._wait()
+            if kind is None:
+                self._wait()  # a flush that failed fails the write
         finally:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)  # a write already failing raises its own error, not the flush's
+
+
+#: ``fdatasync`` where the system has it (Linux), else ``fsync`` (macOS).
+_FLUSH = getattr(os, "fdatasync", os.fsync)
 
 
 class _Sha256:

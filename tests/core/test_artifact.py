@@ -147,7 +147,7 @@ def test_the_disk_is_asked_to_write_while_the_file_is_still_being_written(tmp_pa
     a file of several GB waits for its tail only; the file is the same."""
     asked = []
     monkeypatch.setattr(artifact, "WRITEBACK_BYTES", 100)
-    monkeypatch.setattr(artifact.os, "fdatasync", lambda fd: asked.append(os.fstat(fd).st_size))
+    monkeypatch.setattr(artifact, "_FLUSH", lambda fd: asked.append(os.fstat(fd).st_size))
     chunks = [torch.full((40,), float(i)) for i in range(6)]  # 160 bytes each
     stream = artifact.TensorStream(torch.float32, (6, 40), lambda: iter(chunks))
     save_artifact(tmp_path / "m.padim", {"s": stream, "b": torch.arange(7)}, {"kind": "test"})
@@ -165,9 +165,16 @@ def test_a_flush_that_fails_fails_the_write_and_keeps_the_previous_file(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(artifact, "WRITEBACK_BYTES", 8)
-    monkeypatch.setattr(artifact.os, "fdatasync", full)
+    monkeypatch.setattr(artifact, "_FLUSH", full)
     with pytest.raises(OSError, match="No space"):
         save_artifact(path, {"a": torch.zeros(300)}, {"v": 2})
+
+    def interrupted():  # a write that fails on its own while a flush fails: its own error is the one raised
+        yield torch.zeros(300)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_artifact(path, {"a": artifact.TensorStream(torch.float32, (600,), interrupted)}, {"v": 3})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.padim"]
 
