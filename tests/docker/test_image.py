@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -52,24 +53,37 @@ def remove_leftovers() -> None:
     docker("image", "prune", "-f", "--filter", "label=padim.stage=build", check=False)
 
 
+def free_disk() -> str:
+    """The free space where the engine keeps its images: the build needs about 16 GB of it at its peak (the 6 GB
+    environment in the build stage, in the final stage's copy and in that copy's commit)."""
+    root = docker("info", "-f", "{{.DockerRootDir}}", check=False).stdout.strip() or "/var/lib/docker"
+    try:
+        return f"free disk at {root}: {shutil.disk_usage(root).free / 1e9:.1f} GB"
+    except OSError as error:
+        return f"free disk at {root}: unknown ({error})"
+
+
 @pytest.fixture(scope="module")
 def image(docker_report):
     remove_leftovers()
     started = time.perf_counter()
-    docker(
-        "build",
-        "--force-rm",
-        "--network",
-        "host",
-        "--build-arg",
-        f"CUDA_IMAGE={BASE}",
-        "--build-arg",
-        "BAKE_WEIGHTS=",
-        "-t",
-        IMAGE,
-        str(ROOT),
-        timeout=1800,
-    )
+    try:
+        docker(
+            "build",
+            "--force-rm",
+            "--network",
+            "host",
+            "--build-arg",
+            f"CUDA_IMAGE={BASE}",
+            "--build-arg",
+            "BAKE_WEIGHTS=",
+            "-t",
+            IMAGE,
+            str(ROOT),
+            timeout=1800,
+        )
+    except AssertionError as error:  # most often the disk: say how much there is
+        raise AssertionError(f"{error}\n{free_disk()}") from None
     # The build stage is a second ~6 GB image that nothing needs once the final one exists: on a
     # machine with little disk it is the difference between passing and ENOSPC.
     docker("image", "prune", "-f", "--filter", "label=padim.stage=build")
