@@ -60,25 +60,25 @@ def say(record: dict, results: list[dict]) -> None:
 
 
 def fit(
+    args: argparse.Namespace,
     backbone: str,
     data: Path,
     out: Path,
-    size: int,
-    device: str,
-    batch: int,
+    count: int,
     precision: str = "fp32",
-    count: int | None = None,
-    workers: int | None = None,
+    device: str | None = None,
 ) -> tuple[float, dict]:
-    """``padim train``'s own function on the first ``count`` pictures of ``data``: its seconds and what it reports
-    (``workers``: ``--workers``, padim's default when None)."""
-    run = {} if workers is None else {"workers": workers}
+    """``padim train``'s own function on the first ``count`` pictures of ``data``, with the command line's size,
+    batch and ``--workers`` (padim's default when not given), on ``device`` (the command line's when None): its
+    seconds and what it reports."""
+    device = device or args.device
+    run = {} if args.workers is None else {"workers": args.workers}
     config = PadimConfig(
         backbone=backbone,
         weights="random",
-        image_size=size,
+        image_size=args.size,
         device=device,
-        batch_size=batch,
+        batch_size=args.fit_batch,
         precision=precision,
         **run,
     )
@@ -166,17 +166,8 @@ def measure_precision(backbone, precision, reference, category, folder, device_n
     model = folder / f"{backbone}-{precision}-{args.device}.padim" if precision != "fp32" else reference
     if precision != "fp32":
         try:
-            seconds, detail = fit(
-                backbone,
-                category / "train" / "good",
-                model,
-                args.size,
-                args.device,
-                args.fit_batch,
-                precision,
-                count=args.images,  # the fp32 reference's pictures: the two models differ by arithmetic alone
-                workers=args.workers,
-            )
+            # the fp32 reference's pictures: the two models differ by arithmetic alone
+            seconds, detail = fit(args, backbone, category / "train" / "good", model, args.images, precision)
         except PadimError as error:  # bf16 on a GPU older than Ampere; a gate that refused
             say({"backbone": backbone, "step": "precision", "precision": precision, "skipped": str(error)}, results)
             return
@@ -279,27 +270,11 @@ def main() -> int:
         model = folder / f"{backbone}-{args.device}.padim"
         for count in fit_counts:  # the phases of a fit, by picture count (`padim train`'s report)
             seconds, detail = fit(
-                backbone,
-                category / "train" / "good",
-                folder / f"{backbone}-{count}.padim",
-                args.size,
-                args.device,
-                args.fit_batch,
-                count=count,
-                workers=args.workers,
+                args, backbone, category / "train" / "good", folder / f"{backbone}-{count}.padim", count
             )
             record = {"backbone": backbone, "step": "fit_phases", "images": count, "seconds": round(seconds, 2)}
             say({**record, **detail}, results)
-        seconds, detail = fit(
-            backbone,
-            category / "train" / "good",
-            model,
-            args.size,
-            args.device,
-            args.fit_batch,
-            count=args.images,
-            workers=args.workers,
-        )
+        seconds, detail = fit(args, backbone, category / "train" / "good", model, args.images)
         say(
             {
                 "backbone": backbone,
@@ -343,7 +318,8 @@ def main() -> int:
             )
         if args.cpu_fit:
             on_cpu = folder / f"{backbone}-cpu-fit.padim"
-            cpu_seconds, _ = fit(backbone, category / "train" / "good", on_cpu, args.size, "cpu", args.fit_batch)
+            # the GPU model's pictures (they were all the generated ones, which --fit-images may make many more)
+            cpu_seconds, _ = fit(args, backbone, category / "train" / "good", on_cpu, args.images, device="cpu")
             first, second = (read_header(p)["calibration"]["threshold"] for p in (model, on_cpu))
             say(
                 {
