@@ -185,14 +185,18 @@ class Recorder:
                 self._failed([entry], error)
         if not ok:
             return
+        # counted before the rows are in the journal: the database writer may read and subtract them as soon as they
+        # are, and a count added after that would never come down
+        with self._lock:
+            self.waiting += len(ok)
         try:
             sync_directories(folders)
             self.journal.append(lines)
         except (JournalFull, OSError) as error:
+            with self._lock:
+                self.waiting = max(0, self.waiting - len(ok))
             self._failed(ok, error)
             return
-        with self._lock:
-            self.waiting += len(ok)
         for entry in ok:
             entry.future.set_result(entry.row["id"])
         self._count("journaled", len(ok))
