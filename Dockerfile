@@ -19,14 +19,11 @@
 # BuildKit fetch a frontend image from a registry).
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 
-FROM ${CUDA_IMAGE} AS build
-# marks this stage's ~6 GB intermediate image, so that it can be removed once the final image
-# exists: docker image prune --filter label=padim.stage=build (the final stage does not inherit it)
-LABEL padim.stage=build
+# The dependencies, before any source: this ~6 GB layer (most of the build's time) is reused by a rebuild after a
+# change to the code, as long as pyproject.toml and constraints.txt are unchanged.
+FROM ${CUDA_IMAGE} AS deps
+LABEL padim.stage=deps
 ARG DEBIAN_FRONTEND=noninteractive
-# Backbones whose ImageNet weights are baked into the image (empty: none), so that a node
-# without internet can train with --weights imagenet. Needs download.pytorch.org at build time.
-ARG BAKE_WEIGHTS="resnet18"
 ARG PACKAGE_INDEX=""
 ARG EXTRA_PACKAGE_INDEX=""
 COPY docker/extra-ca/ /usr/local/share/ca-certificates/extra/
@@ -39,14 +36,31 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 WORKDIR /src
-COPY constraints.txt pyproject.toml setup.py README.md ./
+COPY constraints.txt pyproject.toml ./
+COPY docker/requirements.py ./docker/
+RUN python3 docker/requirements.py onnxruntime,postgres,lines,camera,opcua > requirements.txt \
+    && pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
+        -c constraints.txt -r requirements.txt \
+    && pip uninstall -y triton
+
+# The package itself, as a wheel (not an editable install), and the weights to bake in.
+FROM deps AS build
+# marks this stage's image, so that it can be removed once the final image exists:
+# docker image prune --filter label=padim.stage=build (the final stage does not inherit it)
+LABEL padim.stage=build
+# Backbones whose ImageNet weights are baked into the image (empty: none), so that a node
+# without internet can train with --weights imagenet. Needs download.pytorch.org at build time.
+ARG BAKE_WEIGHTS="resnet18"
+ARG PACKAGE_INDEX=""
+ARG EXTRA_PACKAGE_INDEX=""
+COPY setup.py README.md ./
 COPY cli ./cli
 COPY core ./core
 COPY models ./models
 COPY service ./service
-RUN pip install ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
-        -c constraints.txt ".[onnxruntime,postgres,lines,camera,opcua]" \
-    && pip uninstall -y triton \
+RUN pip wheel ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
+        --no-deps --wheel-dir /wheels . \
+    && pip install --no-deps --no-index /wheels/*.whl \
     && mkdir -p /opt/torch \
     && if [ -n "$BAKE_WEIGHTS" ]; then padim fetch-weights $BAKE_WEIGHTS; fi
 
@@ -58,7 +72,11 @@ RUN apt-get update \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin padim \
     && mkdir -p /models /record \
     && chown padim:padim /models /record
-COPY --from=build /opt/venv /opt/venv
+# the dependencies' environment (a cached layer while they are unchanged), then the package's wheel into it
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=build /wheels /tmp/wheels
+RUN /opt/venv/bin/pip install --no-deps --no-index --no-cache-dir --disable-pip-version-check /tmp/wheels/*.whl \
+    && rm -rf /tmp/wheels
 COPY --from=build /opt/torch /opt/torch
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH TORCH_HOME=/opt/torch \
     PADIM_HOST=0.0.0.0 PADIM_PORT=8000 PYTHONUNBUFFERED=1

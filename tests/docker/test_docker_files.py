@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from importlib import resources
 from pathlib import Path
 
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 COMPOSE_TEXT = (ROOT / "docker" / "compose.yaml").read_text()
 COMPOSE = yaml.safe_load(COMPOSE_TEXT)
+#: The sources the build stage copies (the package's folders and its build files).
+SOURCES = ("setup.py", "cli", "core", "models", "service")
 # The Compose Specification's JSON schema, as kept up to date and shipped by check-jsonschema
 # (its builtin "vendor.compose-spec"): offline, and what `docker compose config` enforces.
 SCHEMA = json.loads((resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
@@ -56,7 +59,39 @@ def test_cuda_base_matches_the_torch_wheels_and_adds_no_second_copy_of_their_lib
     match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-base-ubuntu\d+\.\d+", default)
     assert match, default
     assert f"{match[1]}.{match[2]}" == torch.version.cuda
-    assert instructions("FROM") == ["${CUDA_IMAGE} AS build", "${CUDA_IMAGE}"]  # multi-stage, same base
+    # the dependencies, the package built on them, the image: the first and last on the same base
+    assert instructions("FROM") == ["${CUDA_IMAGE} AS deps", "deps AS build", "${CUDA_IMAGE}"]
+
+
+def test_the_dependencies_are_installed_before_any_source_is_copied():
+    """A change to the code rebuilds from the sources' COPY on: the ~6 GB layer of the dependencies before it is
+    reused (tests/docker_image.py keeps it between runs)."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    steps = [line.split(None, 1) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    install = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "-r requirements.txt" in rest)
+    sources = [i for i, (op, rest) in enumerate(steps) if op == "COPY" and rest.split()[0] in SOURCES]
+    assert sources and install < min(sources)
+    # the dependencies' layer is made from the project's metadata and its pins, nothing of the code
+    assert [rest for op, rest in steps[:install] if op == "COPY"] == [
+        "docker/extra-ca/ /usr/local/share/ca-certificates/extra/",
+        "constraints.txt pyproject.toml ./",
+        "docker/requirements.py ./docker/",
+    ]
+
+
+def test_the_requirements_are_the_projects_dependencies_and_the_extras_asked_for():
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = requirements(ROOT / "pyproject.toml", ["onnxruntime", "lines"])
+    extras = project["optional-dependencies"]
+    assert listed == list(dict.fromkeys(project["dependencies"] + extras["onnxruntime"] + extras["lines"]))
+    assert "pytest>=8" not in listed  # an extra not asked for
+    with pytest.raises(SystemExit, match="no extra nope"):
+        requirements(ROOT / "pyproject.toml", ["nope"])
 
 
 def test_runtime_stage_is_non_root_and_serves_models_from_a_mount():

@@ -15,82 +15,30 @@ Needs a running Docker engine and the base image (the ``docker`` component of te
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
 
+import docker_image
 import httpx
 import pytest
+from docker_image import BASE, DEPS, IMAGE, docker
 from helpers import assert_same_verdict, free_port, large_png, metric, run_cli
 
-pytestmark = pytest.mark.docker
-
-ROOT = Path(__file__).resolve().parents[2]
-BASE = os.environ.get("PADIM_TEST_BASE_IMAGE", "padim-test-base:bookworm")
-IMAGE = "padim:test"
-
-
-def docker(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    # the legacy builder: BuildKit needs the buildx plugin in recent clients, and this
-    # Dockerfile builds either way
-    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"docker {' '.join(args[:3])} ... failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return result
-
-
-def remove_leftovers() -> None:
-    """What an earlier run stopped half-way (a CI job killed, kill -9) left behind: its containers, the image they
-    hold, and build-stage images. Each can be 6 GB, and the next build needs the room."""
-    names = docker("ps", "-aq", "--filter", "name=^padim-test-", check=False).stdout.split()
-    if names:
-        docker("rm", "-f", *names, check=False)
-    docker("rmi", "-f", IMAGE, check=False)
-    docker("image", "prune", "-f", "--filter", "label=padim.stage=build", check=False)
-
-
-def free_disk() -> str:
-    """The free space where the engine keeps its images: the build needs about 16 GB of it at its peak (the 6 GB
-    environment in the build stage, in the final stage's copy and in that copy's commit)."""
-    root = docker("info", "-f", "{{.DockerRootDir}}", check=False).stdout.strip() or "/var/lib/docker"
-    try:
-        return f"free disk at {root}: {shutil.disk_usage(root).free / 1e9:.1f} GB"
-    except OSError as error:
-        return f"free disk at {root}: unknown ({error})"
+pytestmark = [pytest.mark.docker, pytest.mark.system]
 
 
 @pytest.fixture(scope="module")
-def image(docker_report):
-    remove_leftovers()
-    started = time.perf_counter()
-    try:
-        docker(
-            "build",
-            "--force-rm",
-            "--network",
-            "host",
-            "--build-arg",
-            f"CUDA_IMAGE={BASE}",
-            "--build-arg",
-            "BAKE_WEIGHTS=",
-            "-t",
-            IMAGE,
-            str(ROOT),
-            timeout=1800,
-        )
-    except AssertionError as error:  # most often the disk: say how much there is
-        raise AssertionError(f"{error}\n{free_disk()}") from None
-    # The build stage is a second ~6 GB image that nothing needs once the final one exists: on a
-    # machine with little disk it is the difference between passing and ENOSPC.
+def image():
+    """The image as shipped (``BAKE_WEIGHTS`` empty), built in the background since the run began
+    (tests/docker_image.py)."""
+    seconds = docker_image.wait()
+    # The build stage is an image that nothing needs once the final one exists.
     docker("image", "prune", "-f", "--filter", "label=padim.stage=build")
     size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout)
-    docker_report.append(
-        f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in "
-        f"{time.perf_counter() - started:.0f} s; removed after the tests"
+    docker_image.report(
+        f"docker image {IMAGE} on {BASE}: {size / 1e9:.2f} GB, built in {seconds:.0f} s (in the background from the "
+        f"run's start, the dependencies' stage kept as {DEPS}); removed after the tests"
     )
     try:
         yield IMAGE
@@ -139,6 +87,9 @@ def container(image, trained):
         name,
         "-p",
         f"127.0.0.1:{port}:8000",
+        # the image's own HEALTHCHECK command, checked every 2 s instead of 15: healthy as soon as it is
+        "--health-interval",
+        "2s",
         "--shm-size",
         "256m",
         "-e",
