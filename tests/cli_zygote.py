@@ -1,23 +1,27 @@
-"""A warm interpreter that forks one child per ``padim`` command line a test runs.
+"""A warm interpreter that forks one child per ``padim`` command line a test runs, servers included.
 
 Importing torch and torchvision takes about 8 s of CPU on the 2-core CI machines (torchvision imports
-``torch._dynamo``), and the suite runs the command line a few hundred times: most of that time was
-the same imports again. This process imports those libraries once (and nothing of padim, nor anything
-that reads the environment when imported), then for each request forks a child that becomes
-``python -m padim ARGS``: its own process with the request's working folder, environment, stdin from
-/dev/null, stdout and stderr to the files named, the module run as ``-m`` runs it, Python's exit
-(threads joined, ``atexit``, streams flushed) and its exit status, which this process reports back.
+``torch._dynamo``), and the suite runs the command line a few hundred times and starts ``padim serve``
+dozens of times: most of that time was the same imports again. This process imports those libraries
+once (nothing of padim, nor anything that reads the environment when imported: see :data:`WARM`),
+then for each request forks a child that becomes ``python -m padim ARGS``: its own process in a
+process group of its own, with the request's working folder, environment, stdin from /dev/null,
+stdout and stderr to the files named (one file for both where the two names are the same), the module
+run as ``-m`` runs it, Python's exit (threads joined, ``atexit``, streams flushed) and its exit
+status, which this process reports back.
 
 Protocol on a unix socket, one connection per command line: the client sends one JSON line
 ``{"args", "env", "cwd", "stdout", "stderr"}``; the zygote answers the child's pid on a line, then,
 once the child exits, its exit code as :func:`subprocess.run` reports it (negative: a signal).
-``tests/helpers.py`` (:func:`run_cli`) is the client; it runs a fresh interpreter instead whenever the
-environment it passes holds anything but ``PADIM_*`` settings (read at run time, never at import).
+``tests/helpers.py`` is the client (:func:`run_cli` waits for the code; :func:`running_server` holds
+the connection as its process's handle); it runs a fresh interpreter instead whenever the environment
+it passes holds anything but ``PADIM_*`` settings (read at run time, never at import).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import runpy
@@ -28,10 +32,59 @@ import sys
 import threading
 import traceback
 
-import numpy  # noqa: F401  (imported once, for every child)
-import PIL.Image  # noqa: F401
-import torch  # noqa: F401
-import torchvision  # noqa: F401
+#: Imported once, for every child. Not OpenVINO (its thread pools do not survive a fork), not
+#: prometheus_client (it reads PROMETHEUS_MULTIPROC_DIR on import), not padim (it reads PADIM_*).
+WARM = (
+    "numpy",
+    "PIL.Image",
+    "torch",
+    "torchvision",
+    # the exporter and the runtime a `padim export` and a server's first `--runtime auto` load use
+    "torch.onnx",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    # what `padim serve` imports beside torch
+    "scipy.special",
+    "fastapi",
+    "uvicorn",
+    "pydantic_settings",
+    "sqlalchemy",
+)
+for _name in WARM:
+    importlib.import_module(_name)
+
+
+def warm_the_exporter() -> None:
+    """One export of a two-operation module, so that each child finds the exporter's operator registry built
+    (torch.onnx's first dynamo export in a process takes about 2 s of CPU more than the next, 2-core VM). The
+    module's tensors are too small for any parallel region, so no thread pool exists to cross the fork."""
+    import contextlib
+    import tempfile
+    import warnings
+
+    import torch
+
+    class Warm(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.relu(x @ x.transpose(-1, -2)).sum(-1)
+
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(), open(os.devnull, "w") as null:
+        warnings.simplefilter("ignore")
+        with contextlib.redirect_stdout(null):  # the exporter's progress lines; the client reads "ready" here
+            torch.onnx.export(Warm(), (torch.randn(2, 4, 4),), os.path.join(folder, "warm.onnx"), dynamo=True)
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None:  # the thread the exporter's progress bar started: none may cross the fork
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+
+
+warm_the_exporter()
+
+
+def _open_new(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
 
 def child(request: dict) -> None:
@@ -42,9 +95,11 @@ def child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        os.setpgid(0, 0)  # a group of its own, as a test that stops a process and what it started needs
         null = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        out = _open_new(request["stdout"])
+        # one file for both where the request names one (a server's log, as `stderr=STDOUT` gives)
+        err = os.dup(out) if request["stderr"] == request["stdout"] else _open_new(request["stderr"])
         for source, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(source, target)
             os.close(source)

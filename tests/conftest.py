@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from pathlib import Path
 
+import docker_image
 import pytest
-from helpers import IMAGE_SIZE, run_cli, running_server
+from helpers import IMAGE_SIZE, RUN_ENV, made_once, run_cli, run_folder, running_server
 
 from padim.models.data.synthetic import generate
 
@@ -22,32 +25,69 @@ def pytest_configure(config):
     (torch reads ``CUDA_VISIBLE_DEVICES`` then), and inherited by every CLI and server subprocess.
     """
     import components
+    import durations
+    import scheduling
 
     config.pluginmanager.register(components, "padim-system-components")  # markers for docker, browser, ...
+    config.pluginmanager.register(durations, "padim-durations")  # each test's seconds by kind of work
+    config.pluginmanager.register(scheduling, "padim-scheduling")  # both cores: files, load-sensitive tests apart
+    os.environ.setdefault(RUN_ENV, uuid.uuid4().hex[:12])  # the run's name, inherited by xdist's workers
+    # OpenMP threads wait for work asleep, not spinning: two workers share the cores, and a spinning thread of one
+    # takes its core from the other (measured on 2 cores beside a busy one: a file of fits took 104 s spinning, 76 s
+    # asleep; alone 65 s and 57 s). libgomp reads it when loaded: in every worker and process the tests start, set
+    # before they import torch.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     expression = (config.option.markexpr or "").replace("not cuda", "")
     if "cuda" not in expression:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def pytest_collection_finish(session):
+    """The Docker image's build starts now, in the background, where a test will need it and an engine can build it
+    (tests/docker_image.py): its minutes of download and unpacking overlap the tests before it."""
+    import components
+
+    if any("image" in item.fixturenames for item in session.items if item.get_closest_marker("docker")):
+        if components.COMPONENTS["docker"].missing() is None:
+            docker_image.start()
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in docker_image.reported():  # what the Docker tests measured (the image's size, its build)
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the run's first process: the others (xdist's workers) are gone
+        docker_image.finish()
+        shutil.rmtree(run_folder(), ignore_errors=True)
+
+
+# The session's data and models are made once for the whole run, whichever worker asks first (helpers.made_once):
+# the other worker reads them, and the exports a server makes of a model at its first load are cached beside it.
 @pytest.fixture(scope="session")
-def dataset(tmp_path_factory) -> Path:
+def dataset() -> Path:
     """An MVTec-layout 'weave' category: 30 train, 6 good + 3x4 defective test images, 96 px."""
-    root = tmp_path_factory.mktemp("data")
-    (category,) = generate(root, ("weave",), train=30, test_good=6, test_defect=4, size=96, seed=0)
-    return category
+
+    def make(root: Path) -> None:
+        generate(root, ("weave",), train=30, test_good=6, test_defect=4, size=96, seed=0)
+
+    return made_once("data", make) / "weave"
 
 
 @pytest.fixture(scope="session")
-def weights_file(tmp_path_factory) -> Path:
+def weights_file() -> Path:
     """A resnet18 state_dict file of seeded random weights: the same weights whatever --seed a test passes."""
-    import torch
-    import torchvision
 
-    path = tmp_path_factory.mktemp("weights") / "resnet18-seed0.pth"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        torch.save(torchvision.models.resnet18().state_dict(), path)
-    return path
+    def make(path: Path) -> None:
+        import torch
+        import torchvision
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            torch.save(torchvision.models.resnet18().state_dict(), path)
+
+    return made_once("resnet18-seed0.pth", make)
 
 
 def train_weave(dataset: Path, path: Path, *options):
@@ -70,20 +110,24 @@ def train_weave(dataset: Path, path: Path, *options):
 
 
 @pytest.fixture(scope="session")
-def model_file(dataset, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "weave.padim"
-    result = train_weave(dataset, path)
-    summary = json.loads(result.stdout)
-    assert summary["images"] == 30
-    return path
+def model_file(dataset) -> Path:
+    def make(path: Path) -> None:
+        summary = json.loads(train_weave(dataset, path).stdout)
+        assert summary["images"] == 30
+
+    return made_once("weave.padim", make)
 
 
 @pytest.fixture(scope="session")
-def second_model(dataset, tmp_path_factory) -> Path:
+def model_export(model_file) -> Path:
+    """``padim export`` of ``model_file`` (ONNX, the default format), for the tests that only read it."""
+    return made_once("weave-export", lambda path: run_cli("-q", "export", model_file, "--output", path))
+
+
+@pytest.fixture(scope="session")
+def second_model(dataset) -> Path:
     """Another model of the same line: other random projection (another --seed), so other raw scores."""
-    path = tmp_path_factory.mktemp("second") / "weave-v2.padim"
-    train_weave(dataset, path, "--seed", 1, "--false-alarm-rate", 0.05)
-    return path
+    return made_once("weave-v2.padim", lambda path: train_weave(dataset, path, "--seed", 1, "--false-alarm-rate", 0.05))
 
 
 @pytest.fixture(scope="session", params=[1, 2], ids=["one process", "two API processes"])

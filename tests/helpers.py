@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -18,11 +19,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import durations
 import httpx
 import numpy as np
 from PIL import Image
 
-IMAGE_SIZE = 64  # model input; keeps the whole suite at a few minutes on 2 cores
+IMAGE_SIZE = 64  # model input: the fits stay small (a few seconds each on 2 cores)
 
 #: Relative tolerance for scores of one image that went through different batch compositions,
 #: thread counts, processes or runtimes: a batched matmul, a convolution or a threaded reduction
@@ -34,6 +36,34 @@ SCORE_RTOL = 1e-5
 #: 1 / (4 scale) and its scale at least 1% of the threshold, so near the threshold a score moves
 #: up to 25 times the raw score's relative change.
 SCORE_ATOL = 25 * SCORE_RTOL
+
+
+#: The run's identity, shared with pytest-xdist's workers through the environment they inherit (tests/conftest.py
+#: names it in the run's first process).
+RUN_ENV = "PYTEST_PADIM_RUN"
+
+
+def run_folder() -> Path:
+    """A folder that every process of this test run shares (pytest-xdist's workers too), removed at its end."""
+    folder = Path(tempfile.gettempdir()) / f"padim-test-run-{os.environ[RUN_ENV]}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def made_once(name: str, make) -> Path:
+    """``name`` in the run's shared folder, made by ``make(path)`` once for the whole run: by the first of its
+    processes (pytest-xdist's workers) to ask, while the others wait for it, then used by all. What it makes is the
+    tests' to read: a test that changes it changes a copy."""
+    from padim.core.artifact import locked_file
+
+    folder = run_folder() / "shared"
+    folder.mkdir(exist_ok=True)
+    path, done = folder / name, folder / f"{name}.made"
+    with locked_file(folder / f"{name}.lock"):
+        if not done.exists():
+            make(path)
+            done.touch()
+    return path
 
 
 def assert_same_verdict(got: dict, expected: dict, rel: float = SCORE_RTOL) -> None:
@@ -59,20 +89,66 @@ def run_cli(
     """
     argv = [str(a) for a in args]
     merged = {**os.environ, **(env or {})}
-    if any(not k.startswith("PADIM_") for k in env or {}):
-        result = subprocess.run(
-            [sys.executable, "-m", "padim", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=merged,
-            cwd=cwd,
-        )
-    else:
-        result = _zygote().run(argv, merged, os.fspath(cwd or os.getcwd()), timeout)
+    with durations.timed(durations.command_kind(argv)):
+        if not forkable(env):
+            result = subprocess.run(
+                [sys.executable, "-m", "padim", *argv],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=merged,
+                cwd=cwd,
+            )
+        else:
+            result = _zygote().run(argv, merged, os.fspath(cwd or os.getcwd()), timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"padim {' '.join(argv)} failed ({result.returncode}):\n{result.stderr}")
     return result
+
+
+def forkable(env: dict | None) -> bool:
+    """Whether a command line with ``env`` added may fork from the warm interpreter: only ``PADIM_*`` settings
+    (read when the command runs), nothing a library reads when it is imported."""
+    return all(key.startswith("PADIM_") for key in env or {})
+
+
+class ForkedProcess:
+    """A ``padim`` process forked by the zygote, with what tests use of :class:`subprocess.Popen`: ``pid``,
+    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill`` (it is the zygote's child, so its
+    exit status comes over the zygote's connection, read by a thread of this object)."""
+
+    def __init__(self, args: list[str], pid: int, connection: socket.socket):
+        self.args, self.pid = ["padim", *args], pid
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        self._connection = connection
+        threading.Thread(target=self._await_exit, daemon=True, name=f"padim-{pid}").start()
+
+    def _await_exit(self) -> None:
+        with self._connection, self._connection.makefile("r") as answers:
+            line = answers.readline().strip()
+        # no code: the zygote itself died (its children are then killed with it, see _Zygote.stop)
+        self.returncode = int(line) if line else -signal.SIGKILL
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._exited.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if not self._exited.is_set():  # as Popen: never a signal to a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class _Zygote:
@@ -84,6 +160,7 @@ class _Zygote:
         self.folder = folder
         self.socket = folder / "zygote.sock"
         self.calls = 0
+        self.children: list[ForkedProcess] = []
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("cli_zygote.py")), str(self.socket)],
             stdout=subprocess.PIPE,
@@ -93,22 +170,38 @@ class _Zygote:
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError("the command line's zygote did not start")
 
+    def spawn(self, argv: list[str], env: dict, cwd: str, stdout: Path, stderr: Path) -> ForkedProcess:
+        """``padim ARGV`` forked, its output into ``stdout`` and ``stderr`` (the same path: one file for both)."""
+        request = {"args": argv, "env": env, "cwd": cwd, "stdout": str(stdout), "stderr": str(stderr)}
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(str(self.socket))
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            pid = b""
+            while not pid.endswith(b"\n"):  # the pid's line alone: the exit code's is the handle's to read
+                byte = connection.recv(1)
+                if not byte:
+                    raise RuntimeError(f"the zygote did not start padim {' '.join(argv)}")
+                pid += byte
+        except BaseException:
+            connection.close()
+            raise
+        child = ForkedProcess(argv, int(pid), connection)
+        with self._lock:
+            self.children = [c for c in self.children if c.poll() is None] + [child]
+        return child
+
     def run(self, argv: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
         with self._lock:
             self.calls += 1
             stdout, stderr = self.folder / f"{self.calls}.out", self.folder / f"{self.calls}.err"
-        request = {"args": argv, "env": env, "cwd": cwd, "stdout": str(stdout), "stderr": str(stderr)}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(str(self.socket))
-            connection.sendall(json.dumps(request).encode() + b"\n")
-            connection.settimeout(timeout)
-            with connection.makefile("r") as answers:
-                pid = int(answers.readline())
-                try:
-                    code = int(answers.readline())
-                except TimeoutError:
-                    os.kill(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired(["padim", *argv], timeout, *self._read(stdout, stderr)) from None
+        process = self.spawn(argv, env, cwd, stdout, stderr)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise subprocess.TimeoutExpired(["padim", *argv], timeout, *self._read(stdout, stderr)) from None
         return subprocess.CompletedProcess(["padim", *argv], code, *self._read(stdout, stderr))
 
     @staticmethod
@@ -119,6 +212,8 @@ class _Zygote:
         return texts
 
     def stop(self) -> None:
+        for child in self.children:  # a server a test left running (an error before its own cleanup)
+            child.kill()
         self.process.kill()
         self.process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -154,7 +249,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen, url: str, log: Path):
+    def __init__(self, process: subprocess.Popen | ForkedProcess, url: str, log: Path):
         self.process, self.url, self.log = process, url, log
 
     def logs(self) -> str:
@@ -168,17 +263,35 @@ def running_server(
     env: dict | None = None,
     args: tuple = (),
     wait_ready: bool = True,
-    padim: tuple[str, ...] = (sys.executable, "-m", "padim"),
+    padim: tuple[str, ...] | None = None,
     port: int | None = None,
+    fresh: bool = False,
 ):
-    """A real ``padim serve`` process on 127.0.0.1 (``padim``: how to run the command line)."""
+    """A real ``padim serve`` process on 127.0.0.1, its output in ``tmp_path/server-PORT.log``.
+
+    It is forked from the warm interpreter the command lines use (tests/cli_zygote.py), a process of its own
+    with its own pid, signals, exit code and process group; a fresh interpreter runs it instead where ``padim``
+    names another command line (an installed wheel's), ``env`` sets more than ``PADIM_*`` settings, or ``fresh``
+    asks for one (a claim about the process itself: what it holds in memory from its first byte).
+    """
     port = port or free_port()
     log = tmp_path / f"server-{port}.log"
-    command = [*padim, "serve", "--port", str(port), *args]
+    argv = ["serve", "--port", str(port), *(str(a) for a in args)]
     for model in models:
-        command += ["--model", str(model)]
-    with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        argv += ["--model", str(model)]
+    merged = {**os.environ, **(env or {})}
+    started = time.perf_counter()
+    process: subprocess.Popen | ForkedProcess
+    if padim is None and not fresh and forkable(env):
+        process = _zygote().spawn(argv, merged, os.getcwd(), log, log)
+    else:
+        with open(log, "w") as handle:
+            process = subprocess.Popen(
+                [*(padim or (sys.executable, "-m", "padim")), *argv],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=merged,
+            )
     server = Server(process, f"http://127.0.0.1:{port}", log)
     try:
         if wait_ready:
@@ -191,9 +304,10 @@ def running_server(
                         break
                 except httpx.TransportError:
                     pass
-                time.sleep(0.2)
+                time.sleep(0.1)
             else:
                 raise AssertionError("server not ready in time:\n" + server.logs())
+        durations.record("server start-ups", time.perf_counter() - started)
         yield server
     finally:
         if process.poll() is None:
@@ -258,11 +372,10 @@ def metric(url: str, name: str, **labels) -> float:
     return 0.0
 
 
+@functools.cache
 def large_png(side: int = 6300) -> bytes:
-    """A ~160 KB PNG that decodes to side x side pixels (about 160 MB as Pillow holds it)."""
-    import numpy as np
-    from PIL import Image
-
+    """A ~160 KB PNG that decodes to side x side pixels (about 160 MB as Pillow holds it); made once a session (its
+    compression takes seconds)."""
     rng = np.random.default_rng(0)
     pixels = np.full((side, side, 3), (120, 110, 100), dtype=np.uint8)
     pixels[rng.integers(0, side, 2000), rng.integers(0, side, 2000)] = rng.integers(0, 255, (2000, 3), dtype=np.uint8)

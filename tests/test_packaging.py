@@ -20,6 +20,8 @@ import httpx
 import pytest
 from helpers import running_server
 
+pytestmark = pytest.mark.system  # a wheel built and installed into a new environment
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Source folder of each top-level package, as setup.py maps them.
 FOLDERS = {"cli": "padim", "core": "padim/core", "models": "padim/models", "service": "padim/service"}

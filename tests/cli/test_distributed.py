@@ -59,6 +59,7 @@ def assert_same_statistics(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["statistics.comoment"], b["statistics.comoment"], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("count, parity", [(29, "odd"), (30, "even")])
 def test_two_gloo_processes_equal_one(dataset, tmp_path, count, parity):
     data = tmp_path / "data"
@@ -158,6 +159,7 @@ def test_parts_fitted_at_fp16_are_gated_when_merged(dataset, tmp_path):
     assert bad.returncode == 1 and "must be a positive number" in bad.stderr
 
 
+@pytest.mark.system
 def test_partial_under_torchrun_equals_single_process(dataset, tmp_path):
     data = dataset / "train" / "good"
     torchrun(2, "train", data, "--output", tmp_path / "two.part", "--partial", *COMMON)

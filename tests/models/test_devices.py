@@ -131,5 +131,16 @@ def test_configure_cuda_turns_tf32_off_and_cudnn_tuning_on():
         flags.allow_tf32, torch.backends.cuda.matmul.allow_tf32, flags.benchmark = before
 
 
-def test_the_probe_is_nothing_on_a_cpu():
-    devices.probe(torch.device("cpu"))
+def test_the_probe_is_nothing_on_a_cpu_and_refuses_a_wrong_sum_on_a_gpu(monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the probe ran an operation on a CPU")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "ones", no_work)
+        patched.setattr(torch.cuda, "synchronize", no_work)
+        assert devices.probe(torch.device("cpu")) is None
+    # a GPU in an error state that computes a wrong sum (its tensor and its wait stood in for on the CPU)
+    monkeypatch.setattr(torch, "ones", lambda n, device: torch.full((n,), 7.0 / 8))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    with pytest.raises(RuntimeError, match="gave 7.0 for 8.0"):
+        devices.probe(torch.device("cuda"))

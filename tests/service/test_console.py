@@ -14,12 +14,13 @@ import os
 import time
 from pathlib import Path
 
+import durations
 import httpx
 import pytest
 from components import browser_paths
 from helpers import SCORE_ATOL, running_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.system]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PADIM_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -48,7 +49,8 @@ def browser():
         "--window-size=1366,768",
     ):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+    with durations.timed("browser start-ups"):
+        driver = webdriver.Chrome(service=Service(chromedriver), options=options)
     driver.set_page_load_timeout(30)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:

@@ -270,7 +270,8 @@ def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_fi
     big = large_png()
     small = io.BytesIO()
     Image.new("RGB", (64, 64), (120, 110, 100)).save(small, format="PNG")
-    with running_server(tmp_path, [model_file]) as srv:
+    # a fresh interpreter: the claim is about what the process holds (a forked one starts with the zygote's pages)
+    with running_server(tmp_path, [model_file], fresh=True) as srv:
         for _ in range(3):
             httpx.post(srv.url + "/score", content=small.getvalue(), headers={"content-type": "image/png"}, timeout=60)
         time.sleep(0.5)
@@ -333,7 +334,7 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
         32,
     )
     pictures = {"image/png": line_camera_picture("PNG"), "image/jpeg": line_camera_picture("JPEG")}
-    with running_server(tmp_path, [model]) as srv:
+    with running_server(tmp_path, [model], fresh=True) as srv:  # what the process holds, from a fresh interpreter
         described = httpx.get(srv.url + "/models").json()["models"][0]
         assert described["tiles"] == [3, 3] and described["input_shape"] == [192, 192]
         for kind, body in pictures.items():  # warm: both decoders, the batch sizes

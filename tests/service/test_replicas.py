@@ -23,7 +23,7 @@ from padim.service.record.store import database_url
 
 ADMIN = "admin-key"
 CLIENTS = 3
-pytestmark = [pytest.mark.postgres, pytest.mark.haproxy, pytest.mark.load_sensitive]
+pytestmark = [pytest.mark.postgres, pytest.mark.haproxy, pytest.mark.load_sensitive, pytest.mark.system]
 
 
 def served_version(url: str, picture: bytes, scored: list[int]) -> int:

@@ -81,53 +81,53 @@ def test_threshold_zero_or_one_has_no_raw_value_and_says_so(server, dataset):
         assert answer["raw_threshold"] is None and answer["is_anomaly"] is anomalous
 
 
-def test_parity_with_padim_predict(server, dataset, model_file, tmp_path):
-    run_cli("-q", "predict", model_file, dataset / "test", "--output", tmp_path, "--no-heatmaps", "--no-maps")
-    expected = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    for record in expected:
-        from pathlib import Path
+@pytest.fixture(scope="module")
+def predicted(dataset, tmp_path_factory):
+    """``padim predict`` of the test pictures by a model and a runtime (``None``: its default), each pair predicted
+    once a module: the records by picture path."""
+    done: dict[tuple[str, str | None], dict[str, dict]] = {}
 
-        got = post_image(server.url, Path(record["path"])).json()
+    def predict(model, runtime: str | None = None) -> dict[str, dict]:
+        key = (str(model), runtime)
+        if key not in done:
+            out = tmp_path_factory.mktemp("predicted")
+            flags = ("--runtime", runtime) if runtime else ()
+            run_cli("-q", "predict", model, dataset / "test", "--output", out, "--no-heatmaps", "--no-maps", *flags)
+            records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            done[key] = {record["path"]: record for record in records}
+        return done[key]
+
+    return predict
+
+
+def test_parity_with_padim_predict(server, model_file, predicted):
+    from pathlib import Path
+
+    for path, record in predicted(model_file).items():
+        got = post_image(server.url, Path(path)).json()
         assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
         assert got["score"] == pytest.approx(record["score"], abs=SCORE_ATOL)
         assert_same_verdict(got, record)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "onnxruntime", "openvino", "export"])
-def test_predict_and_serve_agree_under_every_runtime(runtime, model_file, dataset, tmp_path):
+def test_predict_and_serve_agree_under_every_runtime(runtime, model_file, model_export, predicted, tmp_path):
     """Each runtime: serve equals predict on it (1e-5), and both equal torch (1e-4 relative)."""
     from pathlib import Path
 
     model, flags = model_file, ("--runtime", runtime)
     if runtime == "export":  # an export directory, served and predicted as it is (auto: onnxruntime)
-        run_cli("-q", "export", model_file, "--output", tmp_path / "export")
-        model, flags = tmp_path / "export", ()
-    run_cli("-q", "predict", model, dataset / "test", "--output", tmp_path / "p", "--no-heatmaps", "--no-maps", *flags)
-    run_cli(
-        "-q",
-        "predict",
-        model_file,
-        dataset / "test",
-        "--output",
-        tmp_path / "t",
-        "--no-heatmaps",
-        "--no-maps",
-        "--runtime",
-        "torch",
-    )
-    records = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
-    torch_scores = {
-        json.loads(line)["path"]: json.loads(line)["raw_score"]
-        for line in (tmp_path / "t" / "results.jsonl").read_text().splitlines()
-    }
+        model, flags = model_export, ()
+    records = predicted(model, None if runtime == "export" else runtime)
+    torch_scores = {path: record["raw_score"] for path, record in predicted(model_file, "torch").items()}
     with running_server(tmp_path, [model], args=flags) as served:
         described = httpx.get(served.url + "/models").json()["models"][0]
         assert described["runtime"] == ("onnxruntime" if runtime == "export" else runtime)
-        for record in records:
-            got = post_image(served.url, Path(record["path"])).json()
+        for path, record in records.items():
+            got = post_image(served.url, Path(path)).json()
             assert got["raw_score"] == pytest.approx(record["raw_score"], rel=1e-5)
             assert_same_verdict(got, record)
-            assert record["raw_score"] == pytest.approx(torch_scores[record["path"]], rel=1e-4)
+            assert record["raw_score"] == pytest.approx(torch_scores[path], rel=1e-4)
 
 
 def test_batch_endpoint_keeps_order(server, dataset):

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from helpers import IMAGE_SIZE, SCORE_RTOL, metric, run_cli, running_server
+from helpers import IMAGE_SIZE, SCORE_RTOL, metric, run_cli, running_server, wait_until
 
 from padim.models.fit.model_file import served_bytes
 from padim.models.repository import Repository
@@ -386,7 +386,7 @@ def test_a_load_that_does_not_fit_in_memory_is_refused_before_it_starts(
 
 
 # --------------------------------------------------------------------------- kill -9
-@pytest.mark.load_sensitive  # the kill lands 0.5 s into an activation that exports for seconds
+@pytest.mark.load_sensitive  # the kill must land inside an activation that exports for seconds
 def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_version(
     model_file, second_model, dataset, tmp_path
 ):
@@ -422,17 +422,26 @@ def test_kill_9_during_an_upload_and_during_an_activation_keeps_the_previous_ver
         assert served_version(server.url) == 1
         assert [v.version for v in Repository(root).versions("weave")] == [1, 2]  # the half upload is no version
 
+        answered: list[int] = []
+
         def activate() -> None:
             try:
-                httpx.post(server.url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=60)
+                answer = httpx.post(
+                    server.url + "/models/weave/versions/2/activate", headers={"x-api-key": ADMIN}, timeout=60
+                )
+                answered.append(answer.status_code)
             except httpx.TransportError:  # the server is killed before it answers: that is the point
                 pass
 
         activation = threading.Thread(target=activate, daemon=True)
         activation.start()
-        time.sleep(0.5)  # loading (exporting) version 2 beside version 1
+        # the kill lands while version 2 is being exported beside version 1 (its staging folder in the repository's
+        # cache), not before the activation began nor after it was done
+        exports = Repository(root).cache_root("weave")
+        wait_until(lambda: list(exports.glob(".*.tmp-*")), 60, "version 2's export to begin")
         server.process.send_signal(signal.SIGKILL)
         server.process.wait(30)
+        assert not answered, f"the activation was answered ({answered}) before the kill"
     assert (root / "weave" / "ACTIVE").read_text() == "1\n"
 
     with running_server(tmp_path, [], env=env, args=args) as server:
@@ -455,7 +464,8 @@ def test_memory_after_ten_swaps_stays_within_one_model_of_the_start(model_file, 
     """Runtime: torch on the CPU (PADIM_RUNTIME=torch)."""
     root = repository_with(tmp_path, model_file, second_model)
     env = {"PADIM_ADMIN_KEY": ADMIN, "PADIM_RUNTIME": "torch"}
-    with running_server(tmp_path, [], env=env, args=("--repository", str(root), "--device", "cpu")) as server:
+    args = ("--repository", str(root), "--device", "cpu")
+    with running_server(tmp_path, [], env=env, args=args, fresh=True) as server:  # its memory: a fresh interpreter
         admin = httpx.Client(base_url=server.url, timeout=120, headers={"x-api-key": ADMIN})
 
         def swap_to(version: int) -> None:

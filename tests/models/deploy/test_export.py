@@ -86,15 +86,14 @@ def test_the_triton_graph_runs_batched_as_triton_would_feed_it(triton_repo, mode
     assert np.allclose(inputs, expected.input_distances.numpy(), rtol=1e-4)
 
 
-def test_padim_json_alone_is_enough_for_a_client(model_file, dataset, tmp_path):
+def test_padim_json_alone_is_enough_for_a_client(model_file, model_export, dataset, tmp_path):
     """A client that knows only padim.json (numpy, PIL, onnxruntime; no padim) scores as padim predict."""
-    run_cli("-q", "export", model_file, "--output", tmp_path / "e")
-    meta = json.loads((tmp_path / "e" / METADATA_FILE).read_text())
+    meta = json.loads((model_export / METADATA_FILE).read_text())
     assert (
         meta["input"]["name"] == "images" and meta["input"]["layout"] == "NCHW" and meta["input"]["channels"] == "RGB"
     )
     size = meta["input"]["shape"][2]
-    session = onnxruntime.InferenceSession(str(tmp_path / "e" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(str(model_export / "model.onnx"), providers=["CPUExecutionProvider"])
     run_cli(
         "-q",
         "predict",

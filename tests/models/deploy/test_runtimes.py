@@ -150,12 +150,14 @@ def test_auto_says_which_runtime_and_precision_it_chose_and_where_a_gated_export
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "openvino"])
-def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(model_file, tmp_path, fmt, monkeypatch):
+def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(model_file, model_export, tmp_path, fmt, monkeypatch):
     """An OpenVINO export with --runtime auto used to go to ONNX Runtime and fail; on a GPU node too."""
-    run_cli("-q", "export", model_file, "--format", fmt, "--output", tmp_path / fmt)
+    exported = model_export if fmt == "onnx" else tmp_path / fmt
+    if fmt != "onnx":
+        run_cli("-q", "export", model_file, "--format", fmt, "--output", exported)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node whose runtimes have no CUDA provider
     monkeypatch.setattr("padim.models.devices.onnxruntime_has_cuda", lambda: False)
-    scorer = load_scorer(tmp_path / fmt, "auto", "auto")
+    scorer = load_scorer(exported, "auto", "auto")
     assert scorer.runtime == ("onnxruntime" if fmt == "onnx" else "openvino") and scorer.device.type == "cpu"
     assert scorer.providers[-1] in ("CPUExecutionProvider", "CPU")
 
@@ -228,8 +230,8 @@ def test_a_read_only_model_folder_caches_elsewhere(model_file, tmp_path, monkeyp
     assert place.parent == tmp_path / "xdg" / "padim" and place.name == f"{model_file.name}.onnx-{'ab' * 8}"
 
 
-def test_a_damaged_export_directory_is_refused(model_file, tmp_path):
-    run_cli("-q", "export", model_file, "--output", tmp_path / "e")
+def test_a_damaged_export_directory_is_refused(model_export, tmp_path):
+    shutil.copytree(model_export, tmp_path / "e")
     meta = json.loads((tmp_path / "e" / "padim.json").read_text())
     meta["calibration"]["threshold"] = 0.0  # an edited threshold must not pass for the trained one
     (tmp_path / "e" / "padim.json").write_text(json.dumps(meta))
@@ -270,16 +272,15 @@ def test_a_missing_runtime_says_what_to_install(model_file, monkeypatch):
         load_scorer(model_file, "openvino", "cpu")
 
 
-def test_cuda_with_a_cpu_only_onnxruntime_is_an_error_not_a_silent_cpu_run(model_file, tmp_path):
-    from padim.models.deploy.runtimes import OnnxRuntimeSession
-
-    run_cli("-q", "export", model_file, "--output", tmp_path / "e")
+def test_cuda_with_a_cpu_only_onnxruntime_is_an_error_not_a_silent_cpu_run(model_export):
     import onnxruntime
+
+    from padim.models.deploy.runtimes import OnnxRuntimeSession
 
     if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
         pytest.skip("this onnxruntime has the CUDA provider")
     with pytest.raises(ExportError, match="needs onnxruntime-gpu"):
-        OnnxRuntimeSession(tmp_path / "e" / "model.onnx", torch.device("cuda"))
+        OnnxRuntimeSession(model_export / "model.onnx", torch.device("cuda"))
 
 
 def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset, tmp_path):
