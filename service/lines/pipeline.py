@@ -231,9 +231,9 @@ class LineRunner:
         while True:
             model = state.model(self.config.model)  # 503 not_ready while models load: the loop waits below
             try:
-                with state.using(model) as served:
-                    (scored,), (result,), (size,) = await state.score_pictures(
-                        served, [picture.data], threshold, self.config.heatmaps, False
+                with state.using(model) as held:
+                    served, (scored,), (result,), (size,) = await state.score_pictures(
+                        held, [picture.data], threshold, self.config.heatmaps, False
                     )
                     break
             except ApiError as error:

@@ -158,9 +158,10 @@ class ApiState:
         heatmap: bool,
         mask: bool,
         monitor: bool = True,
-    ) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
+    ) -> tuple[ServedView, list[ScoredImage], list[dict], list[tuple[int, int]]]:
         """As :meth:`ServiceState.score_pictures`, the device being another process's: pictures decoded into slots,
-        scored by the version ``served`` names (or, when it was let go meanwhile, the one that then serves)."""
+        scored by the version ``served`` names or, when it was let go meanwhile, by the one that then serves, which
+        comes first in what this returns: the answer, its metrics and its record rows name the version that scored."""
         with self.places.admit(served.name, len(datas)) as admission:
             for attempt in range(STALE_TRIES):
                 try:
@@ -173,7 +174,7 @@ class ApiState:
                         ) from None
                     served = self.table.served(served.name)
         results = await answered(self.decode, served.name, served.scorer, decoded, scored, threshold, heatmap, mask)
-        return scored, results, [image.picture for image in decoded]
+        return served, scored, results, [image.picture for image in decoded]
 
     async def _in_slots(
         self,

@@ -143,8 +143,10 @@ async def _score(
     monitor: bool = True,
 ) -> dict:
     started = time.perf_counter()
-    # The version that admits the request scores and judges it, whatever is activated meanwhile.
-    with state.using(state.model(name)) as served:
+    # The version that admits the request scores and judges it, whatever is activated meanwhile (in an API process,
+    # the one that serves when that version was let go before the scoring process took the pictures: it names it).
+    with state.using(state.model(name)) as admitted:
+        served = admitted
         request.state.model = served.name
         datas, form_options = await _read_images(request, many, state.settings.batch_limit())
         heatmap = form_options.get("heatmap", heatmap)
@@ -160,7 +162,7 @@ async def _score(
                 raise ApiError("invalid_fields", str(error)) from None
             loop = asyncio.get_running_loop()
             digests = await asyncio.gather(*[loop.run_in_executor(state.decode, _sha256, d) for d in datas])
-        scored, results, pictures = await _answered(
+        served, scored, results, pictures = await _answered(
             request,
             state.settings.request_timeout_s,
             state.score_pictures(served, datas, threshold, heatmap, mask, monitor),

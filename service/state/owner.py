@@ -175,9 +175,12 @@ class ServiceState:
         heatmap: bool,
         mask: bool,
         monitor: bool = True,
-    ) -> tuple[list[ScoredImage], list[dict], list[tuple[int, int]]]:
-        """Pictures decoded, scored by ``served`` and answered: :meth:`DeviceScoring.score_pictures`."""
-        return await self.scoring.score_pictures(served, datas, threshold, heatmap, mask, monitor)
+    ) -> tuple[ServedModel, list[ScoredImage], list[dict], list[tuple[int, int]]]:
+        """Pictures decoded, scored by ``served`` (held by :meth:`using`, so always it, first in what this returns as
+        in an API process's :meth:`~padim.service.processes.api.ApiState.score_pictures`) and answered:
+        :meth:`DeviceScoring.score_pictures`."""
+        scored, results, pictures = await self.scoring.score_pictures(served, datas, threshold, heatmap, mask, monitor)
+        return served, scored, results, pictures
 
     def observe(self, model: ServedModel, results: list[dict], own_threshold: bool) -> None:
         """What one request was answered, into the verdict metrics."""
