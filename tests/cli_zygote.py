@@ -3,12 +3,12 @@
 Importing torch and torchvision takes about 8 s of CPU on the 2-core CI machines (torchvision imports
 ``torch._dynamo``), and the suite runs the command line a few hundred times and starts ``padim serve``
 dozens of times: most of that time was the same imports again. This process imports those libraries
-once (nothing of padim, nor anything that reads the environment when imported: see :data:`WARM`),
-then for each request forks a child that becomes ``python -m padim ARGS``: its own process in a
-process group of its own, with the request's working folder, environment, stdin from /dev/null,
-stdout and stderr to the files named (one file for both where the two names are the same), the module
-run as ``-m`` runs it, Python's exit (threads joined, ``atexit``, streams flushed) and its exit
-status, which this process reports back.
+once (nothing of padim, nor anything that reads the environment when imported: see :data:`WARM`) and
+builds the exporter's registry (:func:`warm_the_exporter`), then for each request forks a child that
+becomes ``python -m padim ARGS``: its own process in a process group of its own, with the request's
+working folder, environment, stdin from /dev/null, stdout and stderr to the files named (one file for
+both where the two names are the same), the module run as ``-m`` runs it, Python's exit (threads
+joined, ``atexit``, streams flushed) and its exit status, which this process reports back.
 
 Protocol on a unix socket, one connection per command line: the client sends one JSON line
 ``{"args", "env", "cwd", "stdout", "stderr"}``; the zygote answers the child's pid on a line, then,
