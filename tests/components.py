@@ -1,7 +1,8 @@
 """The system components some tests need, beside the Python packages: one marker each.
 
 A test that needs a component carries its marker (``@pytest.mark.docker``, ``browser``,
-``promtool``, ``postgres``, ``mosquitto``, ``haproxy``, ``helm``).
+``promtool``, ``postgres``, ``mosquitto``, ``haproxy``, ``helm``), and is a ``system`` test for it: the inner loop,
+``-m "not system"``, needs nothing but the Python environment.
 Before such a test runs, the component is looked for (once a session): where it is
 missing the test is **skipped** with one reason naming the component and the command that
 provides it, and the run's summary lists what was missing. Where ``PADIM_TEST_REQUIRE`` is ``all``
@@ -276,6 +277,18 @@ def pytest_configure(config):
         required()
     except ValueError as error:  # a misspelt PADIM_TEST_REQUIRE stops the run at once
         raise pytest.UsageError(str(error)) from None
+
+
+def pytest_collection_modifyitems(items):
+    """A test that needs a system component is a ``system`` test: ``-m "not system"`` runs with the Python
+    environment alone."""
+    for item in items:
+        if any(item.get_closest_marker(marker) is not None for marker in COMPONENTS):
+            item.add_marker("system")
+
+
+if pytest is not None:  # before -m deselects by marker
+    pytest_collection_modifyitems = pytest.hookimpl(tryfirst=True)(pytest_collection_modifyitems)
 
 
 def pytest_runtest_setup(item):

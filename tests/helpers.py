@@ -429,18 +429,17 @@ def score_in_batches(url: str, paths, **params) -> None:
 
 
 def roles(supervisor: int) -> dict[str, int]:
-    """The supervisor's children by role: ``scoring``, ``api-1``, ``api-2``, ... (from their command lines)."""
+    """The supervisor's children by role: ``scoring``, ``api-1``, ``api-2``, ... (by the names they give themselves,
+    ``padim-scoring``, ``padim-api-1``, as ``ps -o comm`` shows them)."""
     found = {}
     for task in Path(f"/proc/{supervisor}/task").iterdir():
         for child in (task / "children").read_text().split():
             try:
-                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                name = Path(f"/proc/{child}/comm").read_text().strip()
             except OSError:
                 continue
-            if b"padim.service.processes.scoring" in command:
-                found["scoring"] = int(child)
-            elif b"padim.service.processes.api" in command:
-                found[f"api-{command[command.index(b'padim.service.processes.api') + 2].decode()}"] = int(child)
+            if name.startswith("padim-"):
+                found[name.removeprefix("padim-")] = int(child)
     return found
 
 

@@ -92,7 +92,7 @@ def environment(bin_dir: Path, **extra: str) -> dict:
     }
 
 
-def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+def run_sample(tmp_path: Path, *options: str, **extra: str) -> subprocess.CompletedProcess:
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     # conftest's pytest_configure would hide GPUs; here the sample needs the marker only
@@ -107,16 +107,18 @@ def run_sample(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
         "-q",
         "-rs",
         "--strict-markers",
+        *options,
         "test_sample.py",
     ]
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n    system: needs a system\n")
     return subprocess.run(
         command,
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
-        env=environment(bare_path(tmp_path), CUDA_VISIBLE_DEVICES="", **extra),
+        # the installed plugins (Schemathesis, ...) are not what is tested, and take seconds to import
+        env=environment(bare_path(tmp_path), CUDA_VISIBLE_DEVICES="", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **extra),
     )
 
 
@@ -131,6 +133,11 @@ def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp
     assert "no CUDA device" in " ".join(skipped)  # the GPU test skips for the GPU, before the engine is looked for
     assert "system components missing" in result.stdout
     assert "no `docker` command" in result.stdout and "no chromium and no chromedriver" in result.stdout
+
+
+def test_a_test_that_needs_a_component_is_a_system_test(tmp_path):
+    inner = run_sample(tmp_path, "-m", "not system", PADIM_TEST_REQUIRE="all")  # nothing looked for, nothing fails
+    assert inner.returncode == 0 and re.search(r"\b1 passed, 8 deselected\b", inner.stdout), inner.stdout
 
 
 def test_under_padim_test_require_a_missing_component_fails(tmp_path):

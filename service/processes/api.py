@@ -57,7 +57,7 @@ from .shared import (
     Table,
     journal_name,
 )
-from .supervisor import die_with_parent
+from .supervisor import as_child
 from .wire import Link, Stale
 
 log = logging.getLogger("padim.service")
@@ -422,7 +422,7 @@ async def _mark_ready(state: ApiState) -> None:
 # --------------------------------------------------------------------------- the process
 def main(argv: list[str]) -> int:
     root, row, descriptor = Path(argv[0]), int(argv[1]), int(argv[2])
-    die_with_parent()
+    as_child()
     run = RunFolder(root)
     settings = run.settings()
     configure_logging(settings.log_level, role=f"api-{row}")

@@ -22,7 +22,7 @@ from ..admission import MAX_MODELS, SharedPlaces
 from ..app import create_app
 from ..server import DrainingServer, configure_logging, quiet_signals
 from .shared import READY, STARTING, RunFolder, journal_name, view_of
-from .supervisor import die_with_parent
+from .supervisor import as_child
 from .wire import Intake
 
 log = logging.getLogger("padim.service")
@@ -99,7 +99,7 @@ class Publisher:
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent()
+    as_child()
     run = RunFolder(Path(argv[0]))
     settings = run.settings()
     configure_logging(settings.log_level, role="scoring")

@@ -12,19 +12,29 @@ drains them on SIGTERM.
 
 Children run in a session of their own (a terminal's Ctrl-C reaches the supervisor only, which stops them in order)
 and die with it (``PR_SET_PDEATHSIG``) should it be killed.
+
+Children are forked from the supervisor, which has imported what they run: a replaced API process is up in the time
+its app takes to start, not the seconds a new interpreter takes to import torch, and the pages of the imported modules
+are shared until written. A scoring process that may use a GPU is the exception: it starts in a new interpreter, since
+CUDA cannot start in a process forked from one that has asked the driver anything (the supervisor asks torch whether
+there is a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import multiprocess
@@ -47,27 +57,110 @@ STOP_GRACE_S = 10.0
 
 #: The supervisor's pid, in its children's environment.
 SUPERVISOR = "PADIM_SUPERVISOR_PID"
+#: A child's row (0: the scoring process), in its environment.
+ROW = "PADIM_SUPERVISOR_ROW"
 
 
-def die_with_parent() -> None:
-    """Ask Linux for SIGTERM when the supervisor dies (nothing elsewhere); exit now if it is gone already (the parent
-    is no longer the supervisor: in a container the supervisor is PID 1 itself)."""
+def as_child() -> None:
+    """A child's first step: named by its role (``ps -o comm``, ``top``: ``padim-scoring``, ``padim-api-1``), and
+    SIGTERM asked of Linux for when the supervisor dies (nothing elsewhere); exit now if it is gone already (the
+    parent is no longer the supervisor: in a container the supervisor is PID 1 itself)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
+        row = os.environ.get(ROW)
+        if row is not None:
+            libc.prctl(15, ("padim-" + ("scoring" if row == "0" else f"api-{row}")).encode()[:15])  # PR_SET_NAME
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     expected = os.environ.get(SUPERVISOR)
     if expected is not None and os.getppid() != int(expected):
         sys.exit(1)
 
 
+class Forked:
+    """A child forked from this process to run ``target()`` and exit with what it returns; ``poll``, ``wait``,
+    ``send_signal``, ``kill``, ``pid`` and ``returncode`` as :class:`subprocess.Popen` has them (a negative code: the
+    signal that ended it)."""
+
+    def __init__(self, target: Callable[[], int], env: dict[str, str], close: tuple[socket.socket, ...] = ()):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # what is buffered is the supervisor's to write, not written twice
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child; its end is os._exit
+            os._exit(_run_child(target, env, close))
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(POLL_S)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_child(target: Callable[[], int], env: dict[str, str], close: tuple[socket.socket, ...]) -> int:
+    """In a forked child: a session of its own, default signal handling, the children's environment, the child's
+    copies of the supervisor's sockets in ``close`` closed (not shut down: the supervisor's own stay open), then
+    ``target``; its exit code once the threads it left running (not daemons) have ended, as an interpreter's exit
+    waits for them."""
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.update(env)
+        for sock in close:
+            sock.close()
+        # prometheus_client chose its value class when the supervisor imported it, before PROMETHEUS_MULTIPROC_DIR
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()
+        code = target()
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    return code
+
+
 @dataclass
 class Child:
-    """One process the supervisor runs: the scoring process (row 0) or an API process."""
+    """One process the supervisor runs: the scoring process (row 0) or an API process; ``python -m module *argv``
+    as a fork of the supervisor, or in a new interpreter where ``fresh``. A fork holds the supervisor's listening
+    socket only if it is in ``pass_fds`` (a drain closes it: no process may keep accepting into its backlog)."""
 
     row: int
-    command: list[str]
+    module: str
+    argv: list[str]
+    fresh: bool = False
     pass_fds: tuple[int, ...] = ()
-    process: subprocess.Popen | None = None
+    listening: socket.socket | None = None
+    process: subprocess.Popen | Forked | None = None
     started: float = 0.0
     ever_ready: bool = False
     failures: int = 0  # deaths in a row before ready
@@ -80,13 +173,25 @@ class Child:
         return "scoring process" if self.row == 0 else f"API process {self.row}"
 
     def start(self, run: RunFolder) -> None:
-        self.process = subprocess.Popen(
-            self.command, pass_fds=self.pass_fds, start_new_session=True, env={**os.environ, **self.env}
-        )
+        env = {**self.env, ROW: str(self.row)}
+        if self.fresh:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.argv],
+                pass_fds=self.pass_fds,
+                start_new_session=True,
+                env={**os.environ, **env},
+            )
+        else:
+            main = importlib.import_module(self.module).main
+            close = () if self.listening is None or self.listening.fileno() in self.pass_fds else (self.listening,)
+            self.process = Forked(lambda: main(self.argv), env, close)
         self.started = time.monotonic()
         self.restart_at = None
         run.started(self.row)
-        log.info(f"{self.role} started", extra={"row": self.row, "pid": self.process.pid})
+        log.info(
+            f"{self.role} started",
+            extra={"row": self.row, "pid": self.process.pid, "how": "new interpreter" if self.fresh else "forked"},
+        )
 
 
 def default_workers(device_type: str, cpus: int) -> int:
@@ -102,6 +207,15 @@ def default_workers(device_type: str, cpus: int) -> int:
     return max(2, min(16, cpus - 2))
 
 
+def may_use_a_gpu(device: str) -> bool:
+    """Whether a scoring process on ``device`` (``PADIM_DEVICE``) may start CUDA: then it is not forked."""
+    if device == "cpu":
+        return False
+    import torch
+
+    return device == "cuda" or torch.cuda.is_available()
+
+
 class Supervisor:
     def __init__(self, settings: ServiceSettings, workers: int):
         self.settings, self.workers = settings, workers
@@ -111,16 +225,15 @@ class Supervisor:
         self.listening = socket.create_server((settings.host, settings.port), backlog=2048)
         self.listening.set_inheritable(True)
         env = {"PROMETHEUS_MULTIPROC_DIR": str(self.run.metrics), SUPERVISOR: str(os.getpid())}
-        python = [sys.executable, "-m"]
-        self.children = [Child(0, [*python, "padim.service.processes.scoring", str(self.run.root)], env=env)] + [
-            Child(
-                row,
-                [*python, "padim.service.processes.api", str(self.run.root), str(row), str(self.listening.fileno())],
-                (self.listening.fileno(),),
-                env=env,
-            )
+        run, descriptor = str(self.run.root), self.listening.fileno()
+        fresh = may_use_a_gpu(settings.device)
+        self.children = [Child(0, f"{__package__}.scoring", [run], fresh, listening=self.listening, env=env)] + [
+            Child(row, f"{__package__}.api", [run, str(row), str(descriptor)], False, (descriptor,), env=env)
             for row in range(1, workers + 1)
         ]
+        for child in self.children:  # imported once, here: each fork starts with them
+            if not child.fresh:
+                importlib.import_module(child.module)
 
     def serve(self) -> int:
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}

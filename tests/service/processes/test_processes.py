@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,10 +32,28 @@ def ready(url: str) -> httpx.Response:
     return httpx.get(url + "/health/ready", timeout=10)
 
 
+def listening_socket(port: int) -> str:
+    """The inode of the socket listening on 127.0.0.1:``port``, as a process's /proc/PID/fd links name it."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # 0A: LISTEN
+            return f"socket:[{fields[9]}]"
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def holds(pid: int, link: str) -> bool:
+    return any(os.readlink(fd) == link for fd in Path(f"/proc/{pid}/fd").iterdir())
+
+
 def test_an_api_process_killed_is_replaced_and_the_other_keeps_serving(model_file, dataset, tmp_path):
     with running_server(tmp_path, [model_file], args=("--workers", "2")) as server:
         before = roles(server.process.pid)
         assert set(before) == {"scoring", "api-1", "api-2"}
+        # forked from the supervisor, each holds what it needs of its sockets: the API processes accept, the scoring
+        # process does not keep the port open once the supervisor closes it to drain
+        listening = listening_socket(int(server.url.rsplit(":", 1)[1]))
+        held = {role: holds(pid, listening) for role, pid in before.items()}
+        assert held == {"scoring": False, "api-1": True, "api-2": True}
         reference = httpx.post(server.url + "/score", content=probe(dataset), headers=PNG).json()["raw_score"]
         statuses: list[int] = []
         stop = threading.Event()
