@@ -11,8 +11,9 @@ both where the two names are the same), the module run as ``-m`` runs it, Python
 joined, ``atexit``, streams flushed) and its exit status, which this process reports back.
 
 Protocol on a unix socket, one connection per command line: the client sends one JSON line
-``{"args", "env", "cwd", "stdout", "stderr"}``; the zygote answers the child's pid on a line, then,
-once the child exits, its exit code as :func:`subprocess.run` reports it (negative: a signal).
+``{"args", "env", "cwd", "stdout", "stderr"}`` (and ``"code"`` for ``python -c CODE ARGS``); the zygote answers
+the child's pid on a line, then, once the child exits, its exit code as :func:`subprocess.run` reports it
+(negative: a signal).
 ``tests/helpers.py`` is the client (:func:`run_cli` waits for the code; :func:`running_server` holds
 the connection as its process's handle); it runs a fresh interpreter instead whenever the environment
 it passes holds anything but ``PADIM_*`` settings (read at run time, never at import).
@@ -88,7 +89,8 @@ def _open_new(path: str) -> int:
 
 
 def child(request: dict) -> None:
-    """Become ``python -m padim ARGS`` as the request describes; never returns."""
+    """Become ``python -m padim ARGS`` (or ``python -c CODE ARGS`` where the request has ``code``) as the request
+    describes; never returns."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -104,9 +106,13 @@ def child(request: dict) -> None:
             os.dup2(source, target)
             os.close(source)
         sys.path[0] = os.getcwd()  # what ``python -m`` puts first
-        sys.argv = ["padim", *request["args"]]
         try:
-            runpy.run_module("padim", run_name="__main__", alter_sys=True)
+            if "code" in request:  # ``python -c``: the code as __main__, its arguments after "-c"
+                sys.argv = ["-c", *request["args"]]
+                exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - a test's
+            else:
+                sys.argv = ["padim", *request["args"]]
+                runpy.run_module("padim", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exit_:  # as the interpreter reports it
             if exit_.code is None:

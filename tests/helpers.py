@@ -106,6 +106,24 @@ def run_cli(
     return result
 
 
+def python_forked(code: str, *args, output: Path) -> ForkedProcess:
+    """``python -c CODE ARGS`` forked from the warm interpreter (torch and the rest imported: a kill -9 test's writer
+    starts in a fraction of a second, not the seconds of a new interpreter's imports), stdout and stderr to
+    ``output``; :func:`wait_for_line` reads it."""
+    return _zygote().spawn([str(a) for a in args], dict(os.environ), os.getcwd(), output, output, code=code)
+
+
+def wait_for_line(output: Path, line: str, process: ForkedProcess, timeout: float = 120) -> None:
+    """Until ``output`` holds ``line`` (a process's "ready"); fails if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while line not in (output.read_text().splitlines() if output.exists() else []):
+        if process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode} before {line!r}:\n{output.read_text()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {line!r} in {timeout} s:\n{output.read_text()}")
+        time.sleep(0.01)
+
+
 def forkable(env: dict | None) -> bool:
     """Whether a command line with ``env`` added may fork from the warm interpreter: only ``PADIM_*`` settings
     (read when the command runs), nothing a library reads when it is imported."""
@@ -170,9 +188,14 @@ class _Zygote:
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError("the command line's zygote did not start")
 
-    def spawn(self, argv: list[str], env: dict, cwd: str, stdout: Path, stderr: Path) -> ForkedProcess:
-        """``padim ARGV`` forked, its output into ``stdout`` and ``stderr`` (the same path: one file for both)."""
+    def spawn(
+        self, argv: list[str], env: dict, cwd: str, stdout: Path, stderr: Path, code: str | None = None
+    ) -> ForkedProcess:
+        """``padim ARGV`` (``python -c CODE ARGV`` with ``code``) forked, its output into ``stdout`` and ``stderr``
+        (the same path: one file for both)."""
         request = {"args": argv, "env": env, "cwd": cwd, "stdout": str(stdout), "stderr": str(stderr)}
+        if code is not None:
+            request["code"] = code
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(str(self.socket))

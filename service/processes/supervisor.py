@@ -37,6 +37,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from prometheus_client import multiprocess
 
 from ..settings import ServiceSettings
@@ -211,8 +212,6 @@ def may_use_a_gpu(device: str) -> bool:
     """Whether a scoring process on ``device`` (``PADIM_DEVICE``) may start CUDA: then it is not forked."""
     if device == "cpu":
         return False
-    import torch
-
     return device == "cuda" or torch.cuda.is_available()
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
+from helpers import python_forked, wait_for_line
 
 from padim.core.artifact import file_sha256
 from padim.models.errors import NothingToRollBack, UnservableModel, UsageError, VersionActive, VersionNotFound
@@ -119,8 +118,9 @@ def test_kill_9_while_the_pointer_is_written_leaves_a_whole_pointer(model_file, 
     # a pointer before the writer starts (a writer killed before its first write leaves what was there)
     repository.activate("weave", 2)
     for delay in (0.05, 0.1, 0.2, 0.3, 0.5):
-        process = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-        assert process.stdout.readline().strip() == "ready"
+        output = tmp_path / f"writer-{delay}.log"
+        process = python_forked(WRITER, tmp_path, output=output)  # a process of its own, its imports warm
+        wait_for_line(output, "ready", process)
         time.sleep(delay)
         process.kill()
         process.wait()
