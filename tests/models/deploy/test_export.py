@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -169,9 +170,9 @@ def test_external_data_is_written_digested_and_read_by_both_runtimes(model_file,
         load_scorer(tmp_path / "e", "onnxruntime", "cpu")
 
 
-def test_export_replaces_an_earlier_export_and_refuses_other_folders(model_file, tmp_path):
+def test_export_replaces_an_earlier_export_and_refuses_other_folders(model_file, model_export, tmp_path):
     target = tmp_path / "e"
-    run_cli("-q", "export", model_file, "--output", target)
+    shutil.copytree(model_export, target)  # an earlier `padim export` of the model, ONNX
     first = read_export(target)["files_sha256"]
     run_cli("-q", "export", model_file, "--output", target, "--format", "openvino")
     assert set(read_export(target)["files_sha256"]) == {"model.xml", "model.bin"} != set(first)
