@@ -115,13 +115,13 @@ def python_forked(code: str, *args, output: Path) -> ForkedProcess:
 
 def wait_for_line(output: Path, line: str, process: ForkedProcess, timeout: float = 120) -> None:
     """Until ``output`` holds ``line`` (a process's "ready"); fails if the process exits first."""
-    deadline = time.monotonic() + timeout
-    while line not in (output.read_text().splitlines() if output.exists() else []):
+
+    def written() -> bool:
         if process.poll() is not None:
             raise AssertionError(f"exited with {process.returncode} before {line!r}:\n{output.read_text()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {line!r} in {timeout} s:\n{output.read_text()}")
-        time.sleep(0.01)
+        return output.exists() and line in output.read_text().splitlines()
+
+    wait_until(written, timeout, f"{line!r} in {output.name}")
 
 
 def forkable(env: dict | None) -> bool:

@@ -99,7 +99,7 @@ class Publisher:
 
 
 def main(argv: list[str]) -> int:
-    as_child()
+    as_child("scoring")
     run = RunFolder(Path(argv[0]))
     settings = run.settings()
     configure_logging(settings.log_level, role="scoring")

@@ -58,19 +58,15 @@ STOP_GRACE_S = 10.0
 
 #: The supervisor's pid, in its children's environment.
 SUPERVISOR = "PADIM_SUPERVISOR_PID"
-#: A child's row (0: the scoring process), in its environment.
-ROW = "PADIM_SUPERVISOR_ROW"
 
 
-def as_child() -> None:
-    """A child's first step: named by its role (``ps -o comm``, ``top``: ``padim-scoring``, ``padim-api-1``), and
-    SIGTERM asked of Linux for when the supervisor dies (nothing elsewhere); exit now if it is gone already (the
-    parent is no longer the supervisor: in a container the supervisor is PID 1 itself)."""
+def as_child(role: str) -> None:
+    """A child's first step: named ``padim-ROLE`` (``ps -o comm``, ``top``: ``padim-scoring``, ``padim-api-1``; the
+    role its log lines carry), and SIGTERM asked of Linux for when the supervisor dies (nothing elsewhere); exit now
+    if it is gone already (the parent is no longer the supervisor: in a container the supervisor is PID 1 itself)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        row = os.environ.get(ROW)
-        if row is not None:
-            libc.prctl(15, ("padim-" + ("scoring" if row == "0" else f"api-{row}")).encode()[:15])  # PR_SET_NAME
+        libc.prctl(15, f"padim-{role}".encode()[:15])  # PR_SET_NAME
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     expected = os.environ.get(SUPERVISOR)
     if expected is not None and os.getppid() != int(expected):
@@ -138,8 +134,11 @@ def _run_child(target: Callable[[], int], env: dict[str, str], close: tuple[sock
         for thread in threading.enumerate():
             if thread is not threading.main_thread() and not thread.daemon:
                 thread.join()
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except SystemExit as stop:  # as the interpreter reports it: a message is printed, and exits 1
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -152,15 +151,16 @@ def _run_child(target: Callable[[], int], env: dict[str, str], close: tuple[sock
 @dataclass
 class Child:
     """One process the supervisor runs: the scoring process (row 0) or an API process; ``python -m module *argv``
-    as a fork of the supervisor, or in a new interpreter where ``fresh``. A fork holds the supervisor's listening
-    socket only if it is in ``pass_fds`` (a drain closes it: no process may keep accepting into its backlog)."""
+    as a fork of the supervisor, or in a new interpreter where ``fresh``. A new interpreter inherits only
+    ``pass_fds``; a fork closes its copies of the supervisor's sockets in ``not_inherited`` (the listening socket,
+    for the scoring process: a drain closes it, and no process may keep accepting into its backlog)."""
 
     row: int
     module: str
     argv: list[str]
     fresh: bool = False
     pass_fds: tuple[int, ...] = ()
-    listening: socket.socket | None = None
+    not_inherited: tuple[socket.socket, ...] = ()
     process: subprocess.Popen | Forked | None = None
     started: float = 0.0
     ever_ready: bool = False
@@ -174,18 +174,16 @@ class Child:
         return "scoring process" if self.row == 0 else f"API process {self.row}"
 
     def start(self, run: RunFolder) -> None:
-        env = {**self.env, ROW: str(self.row)}
         if self.fresh:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.argv],
                 pass_fds=self.pass_fds,
                 start_new_session=True,
-                env={**os.environ, **env},
+                env={**os.environ, **self.env},
             )
         else:
             main = importlib.import_module(self.module).main
-            close = () if self.listening is None or self.listening.fileno() in self.pass_fds else (self.listening,)
-            self.process = Forked(lambda: main(self.argv), env, close)
+            self.process = Forked(lambda: main(self.argv), self.env, self.not_inherited)
         self.started = time.monotonic()
         self.restart_at = None
         run.started(self.row)
@@ -226,7 +224,7 @@ class Supervisor:
         env = {"PROMETHEUS_MULTIPROC_DIR": str(self.run.metrics), SUPERVISOR: str(os.getpid())}
         run, descriptor = str(self.run.root), self.listening.fileno()
         fresh = may_use_a_gpu(settings.device)
-        self.children = [Child(0, f"{__package__}.scoring", [run], fresh, listening=self.listening, env=env)] + [
+        self.children = [Child(0, f"{__package__}.scoring", [run], fresh, not_inherited=(self.listening,), env=env)] + [
             Child(row, f"{__package__}.api", [run, str(row), str(descriptor)], False, (descriptor,), env=env)
             for row in range(1, workers + 1)
         ]

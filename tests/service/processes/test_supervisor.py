@@ -30,7 +30,9 @@ def test_a_scoring_process_in_a_new_interpreter_starts_named_alone_and_drains_to
     listening = socket.create_server(("127.0.0.1", 0))
     listening.set_inheritable(True)
     env = {"PROMETHEUS_MULTIPROC_DIR": str(run.metrics), SUPERVISOR: str(os.getpid())}
-    child = Child(0, "padim.service.processes.scoring", [str(run.root)], fresh=True, listening=listening, env=env)
+    child = Child(
+        0, "padim.service.processes.scoring", [str(run.root)], fresh=True, not_inherited=(listening,), env=env
+    )
     try:
         child.start(run)
         assert child.process is not None
@@ -40,7 +42,7 @@ def test_a_scoring_process_in_a_new_interpreter_starts_named_alone_and_drains_to
             assert time.monotonic() < deadline, "the scoring process was not ready in time"
             time.sleep(0.05)
         pid = child.process.pid
-        assert Path(f"/proc/{pid}/comm").read_text().strip() == "padim-scoring"  # named from its row
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "padim-scoring"
         assert os.getsid(pid) == pid  # a session of its own: a terminal's Ctrl-C is the supervisor's
         inode = f"socket:[{os.fstat(listening.fileno()).st_ino}]"
         assert all(os.readlink(fd) != inode for fd in Path(f"/proc/{pid}/fd").iterdir())
