@@ -244,9 +244,11 @@ def processes_of(pid: int) -> dict[int, str]:
     found = {pid: "service"}
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            command = Path(f"/proc/{child}/cmdline").read_bytes()
+            # forked children name themselves (padim-scoring); an earlier version's ran `-m ...processes.scoring`
+            scoring = Path(f"/proc/{child}/comm").read_text().strip() == "padim-scoring"
+            scoring = scoring or b"processes.scoring" in Path(f"/proc/{child}/cmdline").read_bytes()
             found[pid] = "supervisor"
-            found[int(child)] = "scoring" if b"processes.scoring" in command else "api"
+            found[int(child)] = "scoring" if scoring else "api"
     return found
 
 
@@ -325,8 +327,8 @@ def main() -> int:
     parser.add_argument(
         "--before",
         metavar="PYTHONPATH",
-        help="also measure the service of the padim found at this PYTHONPATH (an "
-        "earlier version: a folder whose padim/ is that tree's cli/ with core, models and service beside), one process",
+        help="also measure the service of the padim found at this PYTHONPATH (an earlier version: a folder whose "
+        "padim/ is that tree's cli/ with core, models and service beside), at each --workers value",
     )
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds a row (after 2 s warm-up)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -346,8 +348,8 @@ def main() -> int:
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     results: list[dict] = []
     layouts = [("this", workers, None) for workers in args.workers]
-    if args.before is not None:
-        layouts.insert(0, ("before", 1, args.before))
+    if args.before is not None:  # the earlier version beside this one, at each --workers value
+        layouts = [("before", workers, args.before) for workers in args.workers] + layouts
     for backbone in args.backbones:
         model, bodies = prepare(folder, backbone, args.image_size, args.device)
         rates = scorer_alone(model, args.device, args.runtime, args.image_size, args.batches, args.repeats)
