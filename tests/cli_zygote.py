@@ -3,7 +3,7 @@
 Importing torch and torchvision takes about 8 s of CPU on the 2-core CI machines (torchvision imports
 ``torch._dynamo``), and the suite runs the command line a few hundred times and starts ``padim serve``
 dozens of times: most of that time was the same imports again. This process imports those libraries
-once (nothing of padim, nor anything that reads the environment when imported: see :data:`WARM`) and
+once, padim's modules included (nothing that reads the environment when imported: see :data:`WARM`) and
 builds the exporter's registry (:func:`warm_the_exporter`), then for each request forks a child that
 becomes ``python -m padim ARGS``: its own process in a process group of its own, with the request's
 working folder, environment, stdin from /dev/null, stdout and stderr to the files named (one file for
@@ -33,8 +33,11 @@ import sys
 import threading
 import traceback
 
-#: Imported once, for every child. Not OpenVINO (its thread pools do not survive a fork), not
-#: prometheus_client (it reads PROMETHEUS_MULTIPROC_DIR on import), not padim (it reads PADIM_*).
+#: Imported once, for every child. Not OpenVINO (its thread pools do not survive a fork). padim reads its settings
+#: when a command runs, never on import (tests/test_layers.py checks that): what `padim serve` and the other commands
+#: import of padim is here (0.7 s of a server's start on an idle 2-core VM). prometheus_client chooses its value class
+#: on import, from PROMETHEUS_MULTIPROC_DIR: each child chooses again in the request's environment (:func:`child`),
+#: as the service's supervisor does in the children it forks.
 WARM = (
     "numpy",
     "PIL.Image",
@@ -51,6 +54,19 @@ WARM = (
     "uvicorn",
     "pydantic_settings",
     "sqlalchemy",
+    "prometheus_client",
+    # padim: the command line, the service, and what the commands import when they run
+    "padim.cli",
+    "padim.service.server",
+    "padim.service.record.store",
+    "padim.models.fit.training",
+    "padim.models.deploy.export",
+    "padim.models.deploy.quantise",
+    "padim.models.deploy.runtimes",
+    "padim.models.evaluation.metrics",
+    "padim.models.evaluation.drift",
+    "padim.models.evaluation.report",
+    "padim.models.repository",
 )
 for _name in WARM:
     importlib.import_module(_name)
@@ -97,6 +113,9 @@ def child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        from prometheus_client import values  # its value class, chosen on import: chosen again in this environment
+
+        values.ValueClass = values.get_value_class()
         os.setpgid(0, 0)  # a group of its own, as a test that stops a process and what it started needs
         null = os.open(os.devnull, os.O_RDONLY)
         out = _open_new(request["stdout"])

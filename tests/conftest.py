@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import uuid
 from pathlib import Path
 
@@ -37,9 +38,34 @@ def pytest_configure(config):
     # asleep; alone 65 s and 57 s). libgomp reads it when loaded: in every worker and process the tests start, set
     # before they import torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    one_tls_context_for_every_client()
     expression = (config.option.markexpr or "").replace("not cuda", "")
     if "cuda" not in expression:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def one_tls_context_for_every_client() -> None:
+    """The tests speak plain HTTP to 127.0.0.1, yet httpx makes an SSL context, reading certifi's CA bundle, for every
+    client it makes, and each module-level ``httpx.get`` or ``httpx.post`` is a new client: 26 ms of CPU here, more
+    than the request it makes (py-spy over ``-m "not system"`` on 2 cores: a tenth of the run's CPU, half of it in the
+    readiness polls, beside the server that was starting). One context, made once, serves every client that asks for
+    httpx's default verification; any other asks httpx as before."""
+    import httpx._config
+    import httpx._transports.default as transports
+
+    make = httpx._config.create_ssl_context
+    made: dict[tuple, ssl.SSLContext] = {}  # by what httpx reads to make it: the same inputs, the same context
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in made:
+            made[key] = make(verify=verify, cert=cert, trust_env=trust_env)
+        return made[key]
+
+    assert transports.create_ssl_context is make, "httpx no longer makes its transports' contexts here"
+    transports.create_ssl_context = create_ssl_context
 
 
 def pytest_collection_finish(session):
@@ -122,6 +148,15 @@ def model_file(dataset) -> Path:
 def model_export(model_file) -> Path:
     """``padim export`` of ``model_file`` (ONNX, the default format), for the tests that only read it."""
     return made_once("weave-export", lambda path: run_cli("-q", "export", model_file, "--output", path))
+
+
+@pytest.fixture(scope="session")
+def model_export_openvino(model_file) -> Path:
+    """``padim export --format openvino`` of ``model_file``, for the tests that only read it."""
+    return made_once(
+        "weave-export-openvino",
+        lambda path: run_cli("-q", "export", model_file, "--format", "openvino", "--output", path),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def run_cli(
 
     The process is forked from a warm interpreter that has torch and torchvision imported
     (tests/cli_zygote.py: 8 s of imports saved per call on 2 cores); a fresh interpreter runs it
-    instead when ``env`` sets anything but ``PADIM_*`` settings, which libraries may read on import.
+    instead when ``env`` sets anything a library may read on import (:func:`forkable`).
     """
     argv = [str(a) for a in args]
     merged = {**os.environ, **(env or {})}
@@ -124,10 +124,14 @@ def wait_for_line(output: Path, line: str, process: ForkedProcess, timeout: floa
     wait_until(written, timeout, f"{line!r} in {output.name}")
 
 
+#: Variables that the libraries read when they are used, not when imported: torch.hub's folder, urllib's proxies.
+READ_WHEN_USED = frozenset({"TORCH_HOME", "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"})
+
+
 def forkable(env: dict | None) -> bool:
     """Whether a command line with ``env`` added may fork from the warm interpreter: only ``PADIM_*`` settings
-    (read when the command runs), nothing a library reads when it is imported."""
-    return all(key.startswith("PADIM_") for key in env or {})
+    (read when the command runs) and :data:`READ_WHEN_USED`, nothing a library reads when it is imported."""
+    return all(key.startswith("PADIM_") or key in READ_WHEN_USED for key in env or {})
 
 
 class ForkedProcess:
@@ -294,7 +298,7 @@ def running_server(
 
     It is forked from the warm interpreter the command lines use (tests/cli_zygote.py), a process of its own
     with its own pid, signals, exit code and process group; a fresh interpreter runs it instead where ``padim``
-    names another command line (an installed wheel's), ``env`` sets more than ``PADIM_*`` settings, or ``fresh``
+    names another command line (an installed wheel's), ``env`` sets what a library may read on import, or ``fresh``
     asks for one (a claim about the process itself: what it holds in memory from its first byte).
     """
     port = port or free_port()
@@ -319,17 +323,18 @@ def running_server(
     try:
         if wait_ready:
             deadline = time.time() + 120
-            while time.time() < deadline:
-                if process.poll() is not None:
-                    raise AssertionError(f"server exited with {process.returncode}:\n{server.logs()}")
-                try:
-                    if httpx.get(server.url + "/health/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-            else:
-                raise AssertionError("server not ready in time:\n" + server.logs())
+            with httpx.Client(timeout=2) as probe:  # one client: the polls take no CPU from the starting server
+                while time.time() < deadline:
+                    if process.poll() is not None:
+                        raise AssertionError(f"server exited with {process.returncode}:\n{server.logs()}")
+                    try:
+                        if probe.get(server.url + "/health/ready").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    time.sleep(0.1)
+                else:
+                    raise AssertionError("server not ready in time:\n" + server.logs())
         durations.record("server start-ups", time.perf_counter() - started)
         yield server
     finally:
@@ -396,6 +401,27 @@ def metric(url: str, name: str, **labels) -> float:
 
 
 @functools.cache
+def seed_export_cache(model: Path, export: Path) -> Path:
+    """``export`` (``padim export`` of ``model``'s bytes) placed where a first ``--runtime auto`` load of ``model``
+    caches its export: the same bytes, the same graph (the cache is keyed by the file's name and sha256), so that a
+    test about names, folders or what happens to a cache does not pay for an export (4-8 s on 2 cores). The folder
+    is the one this process's environment gives (``PADIM_CACHE_DIR``, else beside ``model``); returns it."""
+    from padim.core.artifact import file_sha256
+    from padim.models.deploy.runtimes import cache_dir
+
+    cached = cache_dir(model, file_sha256(model), "onnx")
+    shutil.copytree(export, cached)
+    return cached
+
+
+def copy_model(source: Path, target: Path, export: Path | None = None) -> Path:
+    """``source`` copied to ``target``, with ``export`` (``padim export`` of ``source``) as its cached export."""
+    shutil.copyfile(source, target)
+    if export is not None:
+        seed_export_cache(target, export)
+    return target
+
+
 def large_png(side: int = 6300) -> bytes:
     """A ~160 KB PNG that decodes to side x side pixels (about 160 MB as Pillow holds it); made once a session (its
     compression takes seconds)."""

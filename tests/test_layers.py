@@ -246,3 +246,58 @@ def test_imports_inside_functions_say_why_and_never_dodge_a_cycle():
             library.append(f"{MODULES[name].relative_to(ROOT)}:{lineno}")
     assert not unexplained, f"imports inside functions without a comment saying why: {unexplained}"
     assert not library, f"the library imports its own modules inside functions: {library}"
+
+
+def environment_reads_on_import(source: str) -> list[int]:
+    """Lines of ``source`` that read the environment (``os.environ``, ``os.getenv``) in code that runs on import: the
+    module's body, class bodies, decorators and default values; not a function's body."""
+    found: list[int] = []
+
+    def reads(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            return node.attr in {"environ", "environb", "getenv", "getenvb"}
+        return isinstance(node, ast.Name) and node.id in {"environ", "getenv"}
+
+    def visit(node: ast.AST, on_import: bool) -> None:
+        if on_import and reads(node):
+            found.append(node.lineno)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for part in [*getattr(node, "decorator_list", []), node.args, getattr(node, "returns", None)]:
+                if part is not None:
+                    visit(part, on_import)
+            for statement in node.body if isinstance(node.body, list) else [node.body]:
+                visit(statement, False)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, on_import)
+
+    visit(ast.parse(source), True)
+    return found
+
+
+def test_no_module_reads_the_environment_when_imported():
+    """Settings are read when a command or the service starts, never on import: an import cannot be given another
+    environment later, and what it read stays in every process forked after it (tests/cli_zygote.py imports padim
+    once and forks the suite's command lines and servers from it; the service's supervisor forks its children)."""
+    reads = {
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in MODULES.values()
+        for line in environment_reads_on_import(path.read_text())
+    }
+    assert not reads, f"read on import: {sorted(reads)}"
+
+
+def test_the_environment_checker_finds_reads_on_import():
+    source = """
+import os
+from os import environ
+A = os.environ.get("X")
+class B:
+    c = os.getenv("Y")
+def d(e=environ["Z"]):
+    return os.environ.get("RUN_TIME")
+@decorate(os.environ)
+def f():
+    g = lambda h=os.getenv("W"): os.environ
+"""
+    assert environment_reads_on_import(source) == [4, 6, 7, 9]

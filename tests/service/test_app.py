@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from helpers import running_server
+from helpers import copy_model, running_server
 from PIL import Image
 from pydantic import ValidationError
 
@@ -131,10 +131,10 @@ def test_settings_from_environment(monkeypatch, tmp_path):
 
 
 @pytest.mark.load_sensitive
-def test_model_dir_from_environment_and_full_queue_answers_503(model_file, dataset, tmp_path):
+def test_model_dir_from_environment_and_full_queue_answers_503(model_file, model_export, dataset, tmp_path):
     models = tmp_path / "models"
     models.mkdir()
-    (models / "weave.padim").write_bytes(model_file.read_bytes())
+    copy_model(model_file, models / "weave.padim", model_export)
     env = {
         "PADIM_MODEL_DIR": str(models),
         "PADIM_MAX_QUEUE": "1",

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, run_cli, running_server
+from helpers import SCORE_ATOL, SCORE_RTOL, assert_same_verdict, copy_model, run_cli, running_server
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -329,9 +329,8 @@ def test_api_key(model_file, dataset, tmp_path):
         assert "s3cret" not in srv.logs()
 
 
-def test_several_models_by_name(model_file, dataset, tmp_path):
-    other = tmp_path / "second.padim"
-    other.write_bytes(model_file.read_bytes())
+def test_several_models_by_name(model_file, model_export, dataset, tmp_path):
+    other = copy_model(model_file, tmp_path / "second.padim", model_export)
     with running_server(tmp_path, [other, model_file]) as srv:
         models = httpx.get(srv.url + "/models").json()
         assert models["default"] == "second" and [m["name"] for m in models["models"]] == ["second", "weave"]
@@ -429,9 +428,8 @@ def test_sigterm_during_load_loses_no_accepted_request(model_file, dataset, tmp_
     assert sum(1 for _, o in outcomes if o == 200) >= 16
 
 
-def test_serve_takes_models_positionally_like_the_other_commands(model_file, tmp_path):
-    copy = tmp_path / "line4.padim"
-    copy.write_bytes(model_file.read_bytes())
+def test_serve_takes_models_positionally_like_the_other_commands(model_file, model_export, tmp_path):
+    copy = copy_model(model_file, tmp_path / "line4.padim", model_export)
     with running_server(
         tmp_path, [model_file], args=(str(copy),)
     ) as running:  # `serve line4.padim --model weave.padim`

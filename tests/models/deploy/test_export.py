@@ -170,12 +170,12 @@ def test_external_data_is_written_digested_and_read_by_both_runtimes(model_file,
         load_scorer(tmp_path / "e", "onnxruntime", "cpu")
 
 
-def test_export_replaces_an_earlier_export_and_refuses_other_folders(model_file, model_export, tmp_path):
+def test_export_replaces_an_earlier_export_and_refuses_other_folders(model_file, model_export_openvino, tmp_path):
     target = tmp_path / "e"
-    shutil.copytree(model_export, target)  # an earlier `padim export` of the model, ONNX
+    shutil.copytree(model_export_openvino, target)  # an earlier `padim export --format openvino` of the model
     first = read_export(target)["files_sha256"]
-    run_cli("-q", "export", model_file, "--output", target, "--format", "openvino")
-    assert set(read_export(target)["files_sha256"]) == {"model.xml", "model.bin"} != set(first)
+    run_cli("-q", "export", model_file, "--output", target)  # ONNX, in its place
+    assert set(read_export(target)["files_sha256"]) == {"model.onnx"} != set(first)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

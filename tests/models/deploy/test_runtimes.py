@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import run_cli, seed_export_cache
 from PIL import Image
 
 from padim.core.artifact import ArtifactError
@@ -88,13 +88,20 @@ def test_torch_reference_checks_its_inputs(case_model):
     assert detector.model.embedder.embedding.neighbourhood == case[3] and detector.model.scoring.image_score == case[4]
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
-def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
-    path, size, dtype = case_model
+@pytest.fixture(scope="module")
+def case_reference(case_model, dataset):
+    """The torch path's detector for the case, five test pictures as served (8-bit), and its scores of them."""
+    path, _, _ = case_model
     reference = load_detector(path, device="cpu")
     paths = sorted((dataset / "test").rglob("*.png"))[::3][:5]
     batch = reference.preprocess([Image.open(p).convert("RGB") for p in paths])  # (5, 3, S, S)
-    expected = reference.score(batch)
+    return reference, batch, reference.score(batch)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_runtime_scores_as_torch_does(case_model, case_reference, runtime):
+    path, size, dtype = case_model
+    reference, batch, expected = case_reference
     deployed = load_scorer(path, runtime, "cpu")
     assert isinstance(deployed, DeployedDetector) and deployed.describe()["runtime"] == runtime
     assert deployed.precision_dtype == reference.precision_dtype
@@ -116,14 +123,14 @@ def test_runtime_scores_as_torch_does(case_model, dataset, runtime):
     assert deployed.describe()["calibration"] == reference.describe()["calibration"]
 
 
-def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_graph(case_model, tmp_path):
+def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_graph(case_model, case_reference, tmp_path):
     """The export directory is the one the runtimes cached for the model file (``export_detector``, as ``padim export
     --format onnx`` writes it: tests/models/deploy/test_export.py runs the command); Triton's model repository,
     another layout of the same graph, is exported for the first case."""
     path, size, dtype = case_model
     directory = load_scorer(path, "onnxruntime", "cpu").directory  # exported on the first load, read after
     assert read_export(directory)["format"] == "onnx"
-    reference = load_detector(path, device="cpu")
+    reference = case_reference[0]
     batch = torch.randn(3, 3, size, size)
     scored = reference.score(batch)
     expected = scored.raw_scores
@@ -166,11 +173,9 @@ def test_auto_says_which_runtime_and_precision_it_chose_and_where_a_gated_export
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "openvino"])
-def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(model_file, model_export, tmp_path, fmt, monkeypatch):
+def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(request, fmt, monkeypatch):
     """An OpenVINO export with --runtime auto used to go to ONNX Runtime and fail; on a GPU node too."""
-    exported = model_export if fmt == "onnx" else tmp_path / fmt
-    if fmt != "onnx":
-        run_cli("-q", "export", model_file, "--format", fmt, "--output", exported)
+    exported = request.getfixturevalue("model_export" if fmt == "onnx" else "model_export_openvino")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node whose runtimes have no CUDA provider
     monkeypatch.setattr("padim.models.devices.onnxruntime_has_cuda", lambda: False)
     scorer = load_scorer(exported, "auto", "auto")
@@ -196,8 +201,9 @@ def test_the_export_of_a_model_file_is_cached_and_renewed_when_the_file_changes(
     assert renewed.metadata["model"]["sha256"] != first.metadata["model"]["sha256"]
 
 
-def test_a_damaged_cache_is_exported_again(model_file, tmp_path, monkeypatch):
+def test_a_damaged_cache_is_exported_again(model_file, model_export, tmp_path, monkeypatch):
     monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
+    seed_export_cache(model_file, model_export)  # as a first load leaves it (that it does: the test above)
     first = load_scorer(model_file, "onnxruntime", "cpu")
     with open(first.directory / "model.onnx", "r+b") as handle:  # one flipped byte in the graph
         handle.seek(1000)
@@ -209,7 +215,7 @@ def test_a_damaged_cache_is_exported_again(model_file, tmp_path, monkeypatch):
 
 
 def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_still_served(
-    model_file, tmp_path, monkeypatch
+    model_file, model_export, tmp_path, monkeypatch
 ):
     """Export version 7 changed the graph only: a model file's cached version-6 export is made again (today's
     faster graph), while an export directory of version 6 given as such is served as it is. A cache of version 7
@@ -217,6 +223,7 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
     from padim.models.deploy.export import EXPORT_VERSION, GRAPH_VERSION, METADATA_FILE, metadata_sha256
 
     monkeypatch.setenv("PADIM_CACHE_DIR", str(tmp_path / "cache"))
+    seed_export_cache(model_file, model_export)  # today's export, as a first load caches it
     first = load_scorer(model_file, "onnxruntime", "cpu")
     old = shutil.copytree(first.directory, tmp_path / "old-export")
 
@@ -258,13 +265,12 @@ def test_a_damaged_export_directory_is_refused(model_export, tmp_path):
         read_export(tmp_path / "f")
 
 
-def test_torch_cannot_run_an_export_and_onnxruntime_cannot_run_openvino_ir(model_file, tmp_path):
-    run_cli("-q", "export", model_file, "--format", "openvino", "--output", tmp_path / "ov")
+def test_torch_cannot_run_an_export_and_onnxruntime_cannot_run_openvino_ir(model_file, model_export_openvino):
     with pytest.raises(ExportError, match="torch needs the .padim file"):
-        load_scorer(tmp_path / "ov", "torch", "cpu")
+        load_scorer(model_export_openvino, "torch", "cpu")
     with pytest.raises(ExportError, match="run it with --runtime openvino"):
-        load_scorer(tmp_path / "ov", "onnxruntime", "cpu")
-    deployed = load_scorer(tmp_path / "ov", "openvino", "cpu")
+        load_scorer(model_export_openvino, "onnxruntime", "cpu")
+    deployed = load_scorer(model_export_openvino, "openvino", "cpu")
     reference = load_detector(model_file, device="cpu")
     batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)
     assert np.allclose(deployed.score(batch).raw_scores, reference.score(batch).raw_scores, rtol=1e-4)
