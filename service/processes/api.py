@@ -253,6 +253,10 @@ def _map(slot: Slot, height: int, width: int):
 
 
 # --------------------------------------------------------------------------- the app
+#: Why an API process cannot serve while its scoring process is gone (readiness's reason, a score request's error).
+SCORING_DOWN = "the scoring process is not running; it is being restarted"
+
+
 def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
     """The API process's app: the score routes and health here, every other route passed on."""
     client = httpx.AsyncClient(
@@ -280,9 +284,14 @@ def create_api_app(state: ApiState, on_fatal=None) -> FastAPI:
     @app.get("/health/ready", include_in_schema=False)
     async def ready(request: Request):
         reason = _unready(state)
-        if reason is not None:
-            return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
-        return await proxy(request)
+        if reason is None:
+            try:
+                return await proxy(request)
+            except ApiError as error:  # it died before this process's link saw it go: the same answer as after
+                if error.code != "not_ready":
+                    raise
+                reason = "failed: " + SCORING_DOWN
+        return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
 
     app.include_router(score.router)
     app.add_api_route(
@@ -339,11 +348,7 @@ def _proxy(client: httpx.AsyncClient):
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError:
-            raise ApiError(
-                "not_ready",
-                "the scoring process is not running; it is being restarted, retry shortly",
-                headers={"Retry-After": "2"},
-            ) from None
+            raise ApiError("not_ready", f"{SCORING_DOWN}, retry shortly", headers={"Retry-After": "2"}) from None
         route = upstream.headers.get("x-padim-route")
         if route is not None:
             request.scope["state"]["route"] = route
@@ -383,7 +388,7 @@ def _unready(state: ApiState) -> str | None:
     if state.startup_error is not None:
         return "failed: " + state.startup_error
     if not state.link.up.is_set():
-        return "failed: the scoring process is not running; it is being restarted"
+        return "failed: " + SCORING_DOWN
     table = state.table.current()  # what score requests are admitted against: ready only once it says so too
     if not table.get("ready"):
         return "failed: " + table["failure"] if table.get("failure") else "loading"

@@ -46,3 +46,32 @@ def test_a_request_whose_version_was_let_go_is_answered_as_the_version_that_scor
     assert tried == [1, 2]
     assert served is second and scored == ["scored by 2"] and results == [{"raw_score": "scored by 2"}]
     assert sizes == [(64, 48)]
+
+
+def test_readiness_says_why_when_the_scoring_process_died_before_the_link_saw_it(tmp_path):
+    """Killed a moment ago, the scoring process refuses connections before this process's link has seen it go: the
+    readiness probe gets the answer it gets a moment later (a reason), not a score request's error body."""
+    import httpx
+
+    from padim.service.metrics import Metrics
+    from padim.service.settings import ServiceSettings
+
+    state = SimpleNamespace(
+        run=SimpleNamespace(engine_socket=tmp_path / "gone.sock", workers=1),  # nothing listens there
+        draining=False,
+        startup_error=None,
+        row=1,
+        link=SimpleNamespace(up=SimpleNamespace(is_set=lambda: True)),  # it has not seen the scoring process go
+        table=SimpleNamespace(current=lambda: {"ready": True}),
+        settings=ServiceSettings(),
+        metrics=Metrics(),
+    )
+
+    async def probe() -> httpx.Response:
+        transport = httpx.ASGITransport(app=api.create_api_app(state))  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://padim") as client:
+            return await client.get("/health/ready")
+
+    answer = asyncio.run(probe())
+    assert answer.status_code == 503
+    assert answer.json() == {"status": "not_ready", "reason": "failed: " + api.SCORING_DOWN}
