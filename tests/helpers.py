@@ -400,7 +400,6 @@ def metric(url: str, name: str, **labels) -> float:
     return 0.0
 
 
-@functools.cache
 def seed_export_cache(model: Path, export: Path) -> Path:
     """``export`` (``padim export`` of ``model``'s bytes) placed where a first ``--runtime auto`` load of ``model``
     caches its export: the same bytes, the same graph (the cache is keyed by the file's name and sha256), so that a
@@ -422,6 +421,7 @@ def copy_model(source: Path, target: Path, export: Path | None = None) -> Path:
     return target
 
 
+@functools.cache
 def large_png(side: int = 6300) -> bytes:
     """A ~160 KB PNG that decodes to side x side pixels (about 160 MB as Pillow holds it); made once a session (its
     compression takes seconds)."""
