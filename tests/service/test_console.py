@@ -283,6 +283,8 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         browser.save_screenshot(str(ARTIFACTS / "console-monitor-alarm.png"))
         browser.find_element(By.ID, "monitor-reset").click()
         browser.switch_to.alert.accept()
+        # the reset's answer is what the panel shows; reading /monitor before the POST lands would expect the alarm
+        wait(browser, lambda d: d.find_element(By.ID, "monitor-status").get_attribute("data-status") == "collecting")
         after = panel_agrees()
         assert after["status"] == "collecting" and after["images"] == 0
 
