@@ -92,8 +92,11 @@ def test_an_api_process_killed_is_replaced_and_the_other_keeps_serving(model_fil
         logs = server.logs()
     assert during.status_code == 503 and "API process 1" in during.json()["reason"], during.text
     assert after["api-1"] != killed and after["scoring"] == before["scoring"] and after["api-2"] == before["api-2"]
-    # only requests on the killed process's connections may have failed; after it, fresh connections are served
-    assert statuses[count:].count(200) >= 20 and 0 not in statuses[count + 3 :], statuses[count:][:20]
+    # only requests on the killed process's connections may have failed (a client has one at a time, and its failure
+    # may be counted after another client's success: the order of the list is not the order of the kill); after
+    # it, fresh connections are served
+    assert statuses[count:].count(200) >= 20 and statuses.count(0) <= len(threads), statuses[count:][:20]
+    assert all(status == 200 for status in statuses[-20:]), statuses[-20:]
     assert served >= statuses.count(200) + 1  # one /metrics adds up every process, the dead one's counts included
     assert "API process 1 stopped (signal SIGKILL); starting it again" in logs
 
