@@ -10,7 +10,12 @@ scores with :class:`padim.models.api.Detector` (what ``padim predict`` and the s
   defects drawn there (recall, image AUROC, PRO to 30% FPR on the maps);
 * **the line's changes**: the exchangeable normal pictures under each of :data:`NUISANCES` (brightness and
   contrast +-10%, a shift of 1-3 px, a turn of 1 degree, defocus sigma 0.5-1 px, JPEG quality 80, drawn as
-  ``benchmarks/quality.py`` draws them): false alarms per change, the worst one printed.
+  ``benchmarks/quality.py`` draws them): false alarms per change, the worst one printed;
+* **the edge of the cover**: the same pictures with each change exactly at the edge of ``rough``'s declared range
+  (:data:`EDGES`), and another region's normal pictures 20% brighter and darker: false alarms, the worst printed;
+* **the price of the promise**: beside each split's recall, the recall of an *oracle* threshold that flags exactly
+  as many of the unseen normal pictures as the calibrated one did (set just above the next one): how much of what
+  the features separate the honest threshold keeps.
 
 Categories: photographed materials (:mod:`photographed`: brick, grass, gravel, stained tissue, the moon) and
 generated ones (:func:`padim.models.data.synthetic.generate`; another region is the generator's ``region=0.5``,
@@ -21,8 +26,9 @@ as ``benchmarks/quality.py --grid robust`` reads it). Results per category, neve
     python benchmarks/shift.py --options "n1-s0.5-rough,n3-s0-rough" --categories tissue,brick
     python benchmarks/shift.py --quick                           # 2 categories, 2 option sets: a smoke run
 
-An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]`` (the last:
-``train --precision``).
+An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]
+[-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``); ``<expect>`` is a preset or ``geometry``,
+``rough``'s cover without its light (``shift=6,rotate=2,blur=1.5,jpeg=60``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from sklearn.metrics import roc_auc_score
 from timing import machine_name, work_folder
 
 import padim
-from padim.models.data.changes import apply
+from padim.models.data.changes import Draw, apply
 from padim.models.data.synthetic import DEFECTS, MORE_DEFECTS, generate
 from padim.models.evaluation.metrics import per_region_overlap
 
@@ -58,8 +64,22 @@ OPTION_SETS = (
     "n1-s0.5-rough",
 )
 METRICS = ("recall", "auroc", "pro")
+#: ``rough`` without its light (``-geometry``): what a standardised picture's cover still has to insure.
+GEOMETRY = "shift=6,rotate=2,blur=1.5,jpeg=60"
 #: The line's changes read on the exchangeable normal pictures (as ``benchmarks/quality.py --grid robust``).
 NUISANCES = ("brightness", "contrast", "shift", "rotate", "blur", "jpeg")
+#: The same changes at the edge of ``rough``'s declared range (``--expect rough``: +-20%, 6 px, 2 degrees, sigma
+#: 1.5 px, JPEG quality 60), each exactly there: a uniform draw within the range rarely lands at its edge.
+EDGES = {
+    "brighter20": Draw(brightness=1.2),
+    "darker20": Draw(brightness=0.8),
+    "contrast+20": Draw(contrast=1.2),
+    "contrast-20": Draw(contrast=0.8),
+    "shift6": Draw(dx=6 / 2**0.5, dy=6 / 2**0.5),
+    "rotate2": Draw(angle=2.0),
+    "blur1.5": Draw(sigma=1.5),
+    "jpeg60": Draw(quality=60),
+}
 
 
 def parse_options(name: str) -> dict:
@@ -68,7 +88,7 @@ def parse_options(name: str) -> dict:
     options = {
         "neighbourhood": int(parts[0][1:]),
         "shrinkage": float(parts[1][1:]),
-        "expect": "" if parts[2] == "stable" else parts[2],
+        "expect": {"stable": "", "geometry": GEOMETRY}.get(parts[2], parts[2]),
     }
     for extra in parts[3:]:
         if extra == "nofit":
@@ -77,6 +97,8 @@ def parse_options(name: str) -> dict:
             options["blur_sigma"] = float(extra[1:])
         elif extra in ("pbf16", "pfp16"):  # train --precision
             options["precision"] = extra[1:]
+        elif extra in ("zchannels", "zpicture"):  # train --standardise
+            options["standardise"] = extra[1:]
         else:
             raise SystemExit(f"unknown part {extra!r} of option set {name!r}")
     return options
@@ -147,10 +169,12 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
             [mask_of(where / "ground_truth", p, maps.shape[1:]) for p in defects]
             + [np.zeros(maps.shape[1:], bool) for _ in good]
         )
+        false_alarms = int((s_good > 0.5).sum())
         row[split] = {
-            "false_alarms": int((s_good > 0.5).sum()),
+            "false_alarms": false_alarms,
             "normal": len(good),
             "flagged": int((s_bad > 0.5).sum()),
+            "oracle_flagged": int((s_bad > oracle_threshold(s_good, false_alarms)).sum()),
             "defects": len(defects),
             "recall": round(float((s_bad > 0.5).mean()), 3),
             "auroc": round(float(roc_auc_score([0] * len(good) + [1] * len(defects), np.r_[s_good, s_bad])), 3),
@@ -163,7 +187,23 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
         for kind in NUISANCES
     }
     row["nuisance_pictures"] = len(good)
+    row["edges"] = {
+        kind: int((detector.scores([apply(p, draw) for p in good]) > 0.5).sum()) for kind, draw in EDGES.items()
+    }
+    region_good = [Image.open(p).convert("RGB") for p in pictures(category / "region" / "test" / "good")]
+    row["region_edges"] = {
+        kind: int((detector.scores([apply(p, EDGES[kind]) for p in region_good]) > 0.5).sum()) if region_good else 0
+        for kind in ("brighter20", "darker20")
+    }
+    row["region_pictures"] = len(region_good)
     return row
+
+
+def oracle_threshold(normal: np.ndarray, false_alarms: int) -> float:
+    """The threshold that flags exactly ``false_alarms`` of the ``normal`` scores (just above the next one): what an
+    oracle that saw the unseen normal pictures would set for the false alarms the calibrated threshold gave."""
+    ranked = np.sort(normal)[::-1]
+    return float(ranked[false_alarms]) if false_alarms < len(ranked) else -np.inf
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -179,11 +219,19 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "recall": round(sum(r[split]["flagged"] for r in read) / sum(r[split]["defects"] for r in read), 3)
                 if read
                 else None,
+                "oracle_recall": round(
+                    sum(r[split]["oracle_flagged"] for r in read) / sum(r[split]["defects"] for r in read), 3
+                )
+                if read
+                else None,
                 "auroc": round(statistics.mean(r[split]["auroc"] for r in read), 3) if read else None,
                 "pro": round(statistics.mean(r[split]["pro"] for r in read), 3) if read else None,
             }
         entry["nuisances"] = {k: sum(r["nuisances"][k] for r in mine) for k in NUISANCES}
         entry["nuisance_pictures"] = sum(r["nuisance_pictures"] for r in mine)
+        entry["edges"] = {k: sum(r["edges"][k] for r in mine) for k in EDGES}
+        entry["region_edges"] = {k: sum(r["region_edges"][k] for r in mine) for k in ("brighter20", "darker20")}
+        entry["region_pictures"] = sum(r["region_pictures"] for r in mine)
         entry["fit_s"] = round(statistics.mean(r["fit_s"] for r in mine), 2)
         out.append(entry)
     return out
@@ -192,19 +240,30 @@ def summarise(rows: list[dict]) -> list[dict]:
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     print(
-        f"{'options':22s} | {'exch FA':>8s} {'recall':>6s} {'AUROC':>6s} | "
-        f"{'region FA':>9s} {'recall':>6s} {'AUROC':>6s} {'PRO':>5s} | {'worst change FA':>20s} | {'fit s':>5s}"
+        f"{'options':26s} | {'exch FA':>8s} {'recall':>6s} {'oracle':>6s} {'AUROC':>6s} | "
+        f"{'region FA':>9s} {'recall':>6s} {'oracle':>6s} {'AUROC':>6s} {'PRO':>5s} | {'worst change FA':>18s} | "
+        f"{'worst edge FA':>18s} | {'region +20%':>11s} | {'fit s':>5s}"
     )
     for r in rows:
         e, g = r["exchangeable"], r["region"]
         name = r["options"] if "category" not in r else f"{r['category']}:{r['options']}"
         worst = max(r["nuisances"], key=r["nuisances"].get)
         change = f"{worst} {r['nuisances'][worst]}/{r['nuisance_pictures']}"
+        edge = max(r["edges"], key=r["edges"].get)
+        edge_text = f"{edge} {r['edges'][edge]}/{r['nuisance_pictures']}"
+        bright = f"{r['region_edges']['brighter20']}/{r['region_pictures']}"
         print(
-            f"{name:22s} | {e['false_alarms']:>3d}/{e['normal']:<4d} {_f(e['recall'])} {_f(e['auroc'])} | "
-            f"{g['false_alarms']:>4d}/{g['normal']:<4d} {_f(g['recall'])} {_f(g['auroc'])} {_f(g['pro'], 5)} | "
-            f"{change:>20s} | {r['fit_s']:5.1f}"
+            f"{name:26s} | {e['false_alarms']:>3d}/{e['normal']:<4d} {_f(e['recall'])} {_f(oracle(e))} "
+            f"{_f(e['auroc'])} | {g['false_alarms']:>4d}/{g['normal']:<4d} {_f(g['recall'])} {_f(oracle(g))} "
+            f"{_f(g['auroc'])} {_f(g['pro'], 5)} | {change:>18s} | {edge_text:>18s} | {bright:>11s} | {r['fit_s']:5.1f}"
         )
+
+
+def oracle(split: dict) -> float | None:
+    """The oracle's recall of a split: summed (``oracle_recall``) or of one category (``oracle_flagged``)."""
+    if "oracle_recall" in split:
+        return split["oracle_recall"]
+    return round(split["oracle_flagged"] / split["defects"], 3) if split["defects"] else None
 
 
 def _f(value: float | None, width: int = 6) -> str:

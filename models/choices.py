@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REDUCTIONS = ("random", "semi_orthogonal")
+#: ``train --standardise``: none, or how each picture's light is set before the backbone
+#: (:mod:`padim.models.features.photometric`).
+STANDARDISE = ("none", "channels", "picture")
 #: ``image_score``: how an image's score is read from its map (:func:`padim.core.scoring.image_scores`).
 IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 #: ``neighbourhood``: side of the per-layer feature average (1: none).

@@ -45,6 +45,7 @@ from padim.models.choices import (
     PRECISIONS,
     REDUCTIONS,
     RESIZES,
+    STANDARDISE,
     TILE_STATISTICS,
     parse_tiles,
 )
@@ -263,6 +264,18 @@ class Features(Group):
         check=Custom(lambda v: isinstance(v, int), "use an integer"),
         flag={"type": int},
         example="3",
+    )
+    standardise: str = option(
+        "none",
+        "each picture's light set before the backbone, so that a brighter, darker, flatter or harsher picture of the "
+        "same part reads as the same picture: none (default), channels (each channel of each picture set to one "
+        "mean and spread) or picture (each channel to one mean, one gain for all three: the ratios of the "
+        "channels' contrasts kept). It suits a material that looks alike all over (the cover of --expect then "
+        "insures placement, focus and compression); where the content's own spread varies from picture to "
+        "picture it costs ranking (docs/calibration.md)",
+        check=Choice(STANDARDISE),
+        before="none",
+        shown=True,
     )
     precision: str = option(
         "fp32",

@@ -58,15 +58,17 @@ from padim.models.data.framing import PAD_FILL
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 from padim.models.features.embedding import build_extractor
+from padim.models.features.photometric import standardised
 from padim.models.scoring.detector import PadimDetector
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 8
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 9
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
-#: a newer version that changed only ``padim.json`` (8: ``precision: bf16``) keeps the cache.
+#: a newer version that changed only ``padim.json`` (8: ``precision: bf16``) or what only a model of a newer format
+#: computes (9: ``config.standardise``, none in every older file) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
@@ -114,6 +116,7 @@ class ExportedScorer(nn.Module):
         self.embedding = model.embedder.embedding
         self.grid_shape = model.grid_shape
         self.tiling = model.embedder.tiling
+        self.standardise = model.embedder.standardise
         self.tiles_per_row = self.tiling.count // model.embedder.rows_per_image  # T (a Gaussian per position) or 1
         self.scoring = model.scoring
         dim = self.embedding.embedding_dim
@@ -137,7 +140,7 @@ class ExportedScorer(nn.Module):
             self.register_buffer("cols_t", cols_op.clone())  # (C, W, W_in)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tiles = self.tiling.cut(images)  # (B * T, 3, S, S) through the backbone
+        tiles = self.tiling.cut(standardised(images, self.standardise))  # (B * T, 3, S, S) through the backbone
         if self.backbone_dtype != torch.float32:  # fp16 exports: the backbone alone in float16
             features = self.extractor(tiles.to(self.backbone_dtype))
             features = {layer: features[layer].to(torch.float32) for layer in self.layers}

@@ -1,7 +1,8 @@
 """Backbones and embeddings: which network, which weights, and the per-pixel PaDiM embedding.
 
 ``backbones`` (the torchvision networks, their weight sources and the checks on weights files),
-``embedding`` (the multi-layer feature maps, the channel reduction, the embedding grid).
+``embedding`` (the multi-layer feature maps, the channel reduction, the embedding grid), ``photometric`` (each
+picture's light set before the backbone: ``train --standardise``).
 
 May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`,
 :mod:`padim.models.options`, :mod:`padim.models.devices`, :mod:`padim.models.data`, :mod:`padim.models.config`;

@@ -27,6 +27,7 @@ from padim.core.errors import ArtifactError
 from padim.models.data.framing import Framing
 from padim.models.data.images import normalisation, normalise, to_pixels
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
+from padim.models.features.photometric import standardised
 
 #: Held while torch.fx traces a backbone. Tracing patches ``torch.nn.Module.__call__`` for the whole
 #: process, so a module that runs in another thread meanwhile fails ("module is not installed as a
@@ -212,6 +213,7 @@ class FeatureEmbedder(nn.Module):
         self.rows_per_image = config.rows_per_image
         self.pixels = self.grid_shape[0] * self.grid_shape[1] * (self.tiling.count // self.rows_per_image)
         self.precision = config.features.precision
+        self.standardise = config.features.standardise
         self.extractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
 
@@ -232,7 +234,11 @@ class FeatureEmbedder(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H_in, W_in)`` model input (uint8 pixels, or float32 already normalised) ->
         ``(B * rows_per_image, pixels, D)`` embeddings."""
-        tiles = model_input(self.tiling.cut(batch.to(self.device, non_blocking=True)))  # (B * T, 3, S, S)
+        batch = batch.to(self.device, non_blocking=True)
+        if self.standardise == "none":
+            tiles = model_input(self.tiling.cut(batch))  # (B * T, 3, S, S)
+        else:  # the whole picture's light, then its tiles
+            tiles = self.tiling.cut(standardised(model_input(batch), self.standardise))
         embedding = self.embedding(self.extractor(tiles))  # (B * T, D, H, W)
         rows = batch.shape[0] * self.rows_per_image
         return embedding.permute(0, 2, 3, 1).reshape(rows, self.pixels, self.embedding.embedding_dim)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import run_cli, seed_export_cache
-from PIL import Image
+from PIL import Image, ImageEnhance
 
 from padim.core.artifact import ArtifactError
 from padim.models.deploy.export import ExportError, read_export
@@ -328,7 +328,7 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     # padim.json as an export before format 4 wrote it: no scoring options, no framing (export version 1)
     metadata = json.loads((tmp_path / "onnx" / METADATA_FILE).read_text())
     for section in (metadata["config"], metadata["description"]):
-        for key in ("neighbourhood", "image_score", "top_fraction", "roi", "resize"):
+        for key in ("neighbourhood", "image_score", "top_fraction", "roi", "resize", "standardise"):
             section.pop(key, None)
     metadata["export_version"] = 1
     del metadata["input"]["framing"]
@@ -338,6 +338,7 @@ def test_an_export_from_before_the_options_says_what_its_graph_computes(dataset,
     assert (deployed.config.gaussian.neighbourhood, deployed.config.scoring.image_score) == (1, "map_max")
     assert deployed.framing.is_whole_picture and deployed.describe()["resize"] == "squash"
     assert deployed.describe()["neighbourhood"] == 1 and deployed.describe()["image_score"] == "map_max"
+    assert deployed.config.features.standardise == "none" and deployed.describe()["standardise"] == "none"
     batch = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(
         deployed.score(batch).raw_scores, load_detector(path, device="cpu").score(batch).raw_scores, rtol=1e-4, atol=0
@@ -384,8 +385,12 @@ def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to
     assert "framed to 64x64" in (tmp_path / "triton" / "m" / "config.pbtxt").read_text()
 
 
-@pytest.mark.parametrize("statistics", ["position", "shared"])
-def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_graph(dataset, tmp_path, statistics):
+@pytest.mark.parametrize(("statistics", "standardise"), [("position", "channels"), ("shared", "picture")])
+def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_graph(
+    dataset, tmp_path, statistics, standardise
+):
+    """The tiles cut inside the graph, each picture's light set inside it too (over the whole picture, before the
+    tiles), as torch does."""
     path = tmp_path / "tiled.padim"
     run_cli(
         "-q",
@@ -413,6 +418,8 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
         32,
         "--blur-sigma",
         2,
+        "--standardise",
+        standardise,
     )
     reference = load_detector(path, device="cpu")
     pictures = [Image.open(p).convert("RGB") for p in sorted((dataset / "test").rglob("*.png"))[::3][:4]]
@@ -434,6 +441,11 @@ def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_g
     metadata = json.loads((tmp_path / "onnx" / "padim.json").read_text())
     assert metadata["export_version"] >= 3 and metadata["input"]["shape"] == ["batch", 3, 112, 160]
     assert metadata["input"]["tiles"]["rows"] == 2 and metadata["input"]["tiles"]["statistics"] == statistics
+    assert metadata["export_version"] >= 9 and metadata["config"]["standardise"] == standardise
+    # 15% more light: the same picture, whichever tiles it falls into, where the light is set
+    brighter = reference.preprocess([ImageEnhance.Brightness(p).enhance(1.15) for p in pictures])
+    moved = (reference.score(brighter).raw_scores.double() - expected.raw_scores.double()).abs()
+    assert (moved / expected.raw_scores.double()).max() < 0.05
     # Triton: the tiles are cut inside the graph it serves; a batch counts pictures, the backbone sees six tiles each
     import onnxruntime
     from google.protobuf import text_format

@@ -491,3 +491,44 @@ def test_shrinkage_travels_in_the_file_and_a_format_nine_file_has_none(images, t
     assert nine.config.gaussian.shrinkage == 0.0 and load_fit(tmp_path / "nine.padim").config.gaussian.shrinkage == 0
     torch.testing.assert_close(nine.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert nine.calibration == plain.calibration
+
+
+def test_standardise_travels_in_the_file_and_a_format_eleven_file_has_none(images, tmp_path, monkeypatch):
+    """Format 12 stores ``standardise``; a file of format 11 or older was fitted without it and is read so, whatever
+    today's default. A standardised model reads a brighter picture as the same picture; one without does not."""
+    from padim.models.data.changes import Draw, apply
+
+    lit = fit_detector(CONFIG.replace(standardise="channels"), images, progress=False)[0]
+    save_detector(lit, tmp_path / "lit.padim", with_statistics=True)
+    _, header = load_artifact(tmp_path / "lit.padim")
+    assert header["format_version"] == FORMAT_VERSION >= 12 and header["config"]["standardise"] == "channels"
+    loaded = load_detector(tmp_path / "lit.padim", device="cpu")
+    assert loaded.config.features.standardise == "channels" and loaded.describe()["standardise"] == "channels"
+    assert load_fit(tmp_path / "lit.padim").config.features.standardise == "channels"
+    plain = fit_detector(CONFIG, images, progress=False)[0]
+    taken = pictures(images, 4)
+    brighter = [apply(picture, Draw(brightness=1.15)) for picture in taken]
+
+    def moved(detector) -> float:  # the largest relative change of a picture's raw score, 15% more light
+        before = detector.score(detector.preprocess(taken)).raw_scores
+        after = detector.score(detector.preprocess(brighter)).raw_scores
+        return float(((after - before).abs() / before).max())
+
+    assert moved(loaded) < 0.05 and moved(plain) > 4 * moved(loaded), (moved(loaded), moved(plain))
+    save_detector(plain, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    del header["config"]["standardise"]
+    older_format_of(tensors, header, tmp_path / "eleven.padim", 11)
+    init = PadimConfig.__init__
+
+    def standardising(self, *args, **kwargs):
+        kwargs.setdefault("standardise", "channels")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PadimConfig, "__init__", standardising)
+    assert PadimConfig().features.standardise == "channels"  # as if the default standardised
+    eleven = load_detector(tmp_path / "eleven.padim", device="cpu")
+    assert eleven.config.features.standardise == "none"
+    batch = plain.preprocess(taken)
+    torch.testing.assert_close(eleven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert eleven.calibration == plain.calibration

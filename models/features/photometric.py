@@ -1,0 +1,50 @@
+"""Photometric standardisation: each picture's light taken out before the backbone reads it (``train --standardise``).
+
+A lamp that ages, an exposure that drifts, a lens that gathers dust: each multiplies every pixel of a picture by a
+little more or less, or spreads them a little more or less about their mean. The Gaussians of a good fit are tight,
+and such a change moves every feature of every pixel: a threshold that assumes nothing flags a third of the pictures
+10% brighter, and one that covers the change (``--expect``) has to stand far above every normal picture to do so.
+What can be normalised need not be insured.
+
+``channels``: each channel of each picture is set to mean 0 and spread 1 on the ImageNet-normalised input (the
+statistics the backbone was trained on), read over the whole model input (a tiled model's whole picture, not each
+tile). A change of a channel's 8-bit values by a gain and an offset then changes nothing but rounding and clipping.
+``picture``: each channel to mean 0, one gain for all three (the root of their mean variance), so the ratios of the
+channels' contrasts are kept; a lamp's gain and a contrast change are taken out as well, a colour cast's gain is
+not.
+What it cannot tell from light: a content whose own spread varies from picture to picture (cells on a slide, grass)
+is stretched by its content too, which costs ranking there (docs/calibration.md has the measurements).
+
+Inside the exported graph as in torch (:class:`padim.models.deploy.export.ExportedScorer`): a client sends the
+picture normalised as ``padim.json`` says, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from padim.models.choices import STANDARDISE
+
+#: The least spread a picture is stretched from (ImageNet-normalised units: about one 8-bit level, 1 / (255 x
+#: 0.229)). A flat field, whose channels vary by less, is centred and stretched no further: its noise is not
+#: blown up to a textured picture's contrast.
+FLAT = 0.02
+
+
+def standardised(images: torch.Tensor, mode: str) -> torch.Tensor:
+    """``(B, 3, H, W)`` float32 ImageNet-normalised pictures -> each picture's channels set to mean 0 and spread 1
+    (``channels``), or to mean 0 each and one gain for all (``picture``); ``none``: ``images`` as they are.
+
+    Reductions and broadcasts only, so that every exporter traces it (ONNX, OpenVINO, TensorRT) and a CUDA graph
+    captures it.
+    """
+    if mode == "none":
+        return images
+    if mode not in STANDARDISE:
+        raise ValueError(f"standardise: {mode!r} is not one of {', '.join(STANDARDISE)}")
+    mean = images.mean(dim=(2, 3), keepdim=True)  # (B, 3, 1, 1)
+    centred = images - mean
+    variance = (centred * centred).mean(dim=(2, 3), keepdim=True)  # (B, 3, 1, 1)
+    if mode == "picture":
+        variance = variance.mean(dim=1, keepdim=True)  # (B, 1, 1, 1): one gain for every channel
+    return centred * torch.rsqrt(variance.clamp_min(FLAT * FLAT))
