@@ -266,12 +266,19 @@ def test_connections_over_the_limit_get_503_at_once(strict):
 
 
 # ----------------------------------------------------------------------------- memory and overload
+#: The bursts' servers: a request time-out far above what any of their answers takes (tests/service/test_app.py
+#: test_slow_scoring_gets_504 tests the time-out itself).
+BURST = {"PADIM_REQUEST_TIMEOUT_S": "600"}
+
+
 def test_a_burst_of_large_images_keeps_memory_bounded_and_gives_it_back(model_file, tmp_path):
     big = large_png()
     small = io.BytesIO()
     Image.new("RGB", (64, 64), (120, 110, 100)).save(small, format="PNG")
-    # a fresh interpreter: the claim is about what the process holds (a forked one starts with the zygote's pages)
-    with running_server(tmp_path, [model_file], fresh=True) as srv:
+    # a fresh interpreter: the claim is about what the process holds (a forked one starts with the zygote's pages);
+    # the claim is memory, not waiting: 16 pictures of 40 Mpx decoded two at a time outlast the default 30 s request
+    # timeout on a slow host (a CI run's 14th answer was a 504), so the time-out is out of the way here
+    with running_server(tmp_path, [model_file], env=BURST, fresh=True) as srv:
         for _ in range(3):
             httpx.post(srv.url + "/score", content=small.getvalue(), headers={"content-type": "image/png"}, timeout=60)
         time.sleep(0.5)
@@ -334,7 +341,8 @@ def test_a_burst_of_line_camera_pictures_to_a_tiled_model_keeps_memory_bounded(d
         32,
     )
     pictures = {"image/png": line_camera_picture("PNG"), "image/jpeg": line_camera_picture("JPEG")}
-    with running_server(tmp_path, [model], fresh=True) as srv:  # what the process holds, from a fresh interpreter
+    # what the process holds, from a fresh interpreter; memory, not waiting (BURST)
+    with running_server(tmp_path, [model], env=BURST, fresh=True) as srv:
         described = httpx.get(srv.url + "/models").json()["models"][0]
         assert described["tiles"] == [3, 3] and described["input_shape"] == [192, 192]
         for kind, body in pictures.items():  # warm: both decoders, the batch sizes
