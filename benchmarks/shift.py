@@ -80,6 +80,8 @@ EDGES = {
     "blur1.5": Draw(sigma=1.5),
     "jpeg60": Draw(quality=60),
 }
+#: The edges another region's normal pictures are read at too.
+REGION_EDGES = ("brighter20", "darker20")
 
 
 def parse_options(name: str) -> dict:
@@ -193,7 +195,7 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
     region_good = [Image.open(p).convert("RGB") for p in pictures(category / "region" / "test" / "good")]
     row["region_edges"] = {
         kind: int((detector.scores([apply(p, EDGES[kind]) for p in region_good]) > 0.5).sum()) if region_good else 0
-        for kind in ("brighter20", "darker20")
+        for kind in REGION_EDGES
     }
     row["region_pictures"] = len(region_good)
     return row
@@ -230,7 +232,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         entry["nuisances"] = {k: sum(r["nuisances"][k] for r in mine) for k in NUISANCES}
         entry["nuisance_pictures"] = sum(r["nuisance_pictures"] for r in mine)
         entry["edges"] = {k: sum(r["edges"][k] for r in mine) for k in EDGES}
-        entry["region_edges"] = {k: sum(r["region_edges"][k] for r in mine) for k in ("brighter20", "darker20")}
+        entry["region_edges"] = {k: sum(r["region_edges"][k] for r in mine) for k in REGION_EDGES}
         entry["region_pictures"] = sum(r["region_pictures"] for r in mine)
         entry["fit_s"] = round(statistics.mean(r["fit_s"] for r in mine), 2)
         out.append(entry)

@@ -499,6 +499,21 @@ def older_format(path, target, version: int) -> None:
     older_format_of(*load_artifact(path), target, version)
 
 
+def defaults_as(monkeypatch, **options) -> None:
+    """As if today's defaults were ``options``: every :class:`~padim.models.config.PadimConfig` built without them
+    takes them (the older-format tests read a file with what it computed, whatever the defaults)."""
+    from padim.models.config import PadimConfig
+
+    init = PadimConfig.__init__
+
+    def changed(self, *args, **kwargs):
+        for name, value in options.items():
+            kwargs.setdefault(name, value)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PadimConfig, "__init__", changed)
+
+
 def older_format_of(tensors, header, target, version: int) -> None:
     """A file of ``tensors`` and ``header`` as format ``version`` wrote it."""
     from safetensors.torch import save_file

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli, seed_export_cache
+from helpers import defaults_as, run_cli, seed_export_cache
 from PIL import Image, ImageEnhance
 
 from padim.core.artifact import ArtifactError
@@ -494,7 +494,6 @@ def test_an_export_from_before_input_distances_is_served_without_them(model_file
 def test_export_version_six_carries_the_expected_changes_and_version_five_has_none(model_file, tmp_path, monkeypatch):
     """Version 6: ``config.expect`` and ``config.fit_changes`` in padim.json; an older export is read with none,
     whatever today's defaults."""
-    from padim.models.config import PadimConfig
     from padim.models.deploy import export
     from padim.models.deploy.export import METADATA_FILE, metadata_sha256
 
@@ -509,14 +508,7 @@ def test_export_version_six_carries_the_expected_changes_and_version_five_has_no
     metadata["export_version"] = 5
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     (tmp_path / "six" / METADATA_FILE).write_text(json.dumps(metadata))
-    init = PadimConfig.__init__
-
-    def declaring(self, *args, **kwargs):  # as if the defaults declared changes
-        kwargs.setdefault("expect", "rough")
-        kwargs.setdefault("fit_changes", True)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(PadimConfig, "__init__", declaring)
+    defaults_as(monkeypatch, expect="rough", fit_changes=True)  # as if the defaults declared changes
     five = load_scorer(tmp_path / "six", "onnxruntime", "cpu")
     assert five.config.gaussian.expect == "" and five.describe()["calibration"]["expect"] == ""
     batch = torch.randn(2, 3, reference.config.features.image_size, reference.config.features.image_size)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import older_format_of
+from helpers import defaults_as, older_format_of
 from PIL import Image
 
 from padim.core.artifact import FORMAT_VERSION, load_artifact
@@ -129,13 +129,7 @@ def test_a_format_ten_file_reads_as_fp32_and_its_old_option_name_still_reads(fit
     del header["config"]["precision"]
     header["config"]["precision_dtype"] = header["config"].pop("factor_dtype")  # as format 10 spelled it
     older_format_of(tensors, header, tmp_path / "ten.padim", 10)
-    init = PadimConfig.__init__
-
-    def reduced(self, *args, **kwargs):
-        kwargs.setdefault("precision", "bf16")
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(PadimConfig, "__init__", reduced)
+    defaults_as(monkeypatch, precision="bf16")
     assert PadimConfig().features.precision == "bf16"  # as if the default were reduced
     ten = load_detector(tmp_path / "ten.padim", device="cpu")
     assert ten.config.features.precision == "fp32" and ten.describe()["precision"] == "float32"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import older_format, older_format_of, tensor_byte_ranges
+from helpers import defaults_as, older_format, older_format_of, tensor_byte_ranges
 from PIL import Image
 
 from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
@@ -276,17 +276,6 @@ def test_scoring_options_travel_in_the_file_and_the_scorer_honours_them(images, 
     assert not torch.allclose(plain.score(batch).raw_scores, out.raw_scores, rtol=1e-2)
 
 
-def _defaults_changed(init):
-    """``PadimConfig.__init__`` as if the defaults were patch_max and sigma 8 as well."""
-
-    def changed(self, *args, **kwargs):
-        kwargs.setdefault("image_score", "patch_max")
-        kwargs.setdefault("blur_sigma", 8.0)
-        init(self, *args, **kwargs)
-
-    return changed
-
-
 @pytest.mark.parametrize("sigma, had_sigma", [(2.0, True), (4.0, False)], ids=["sigma-written", "sigma-missing"])
 def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_path, monkeypatch, sigma, had_sigma):
     # fitted as every model was before the options: no neighbourhood, the map's maximum (a header
@@ -309,7 +298,7 @@ def test_a_format_three_file_scores_as_it_did_whatever_the_defaults(images, tmp_
         loaded.config.scoring.blur_sigma,
     ) == (1, "map_max", sigma)
     # whatever the defaults: an old file is read with what it computed, not with today's default
-    monkeypatch.setattr(PadimConfig, "__init__", _defaults_changed(PadimConfig.__init__))
+    defaults_as(monkeypatch, image_score="patch_max", blur_sigma=8.0)
     batch = before.preprocess(pictures(images, 3))
     torch.testing.assert_close(loaded.score(batch).raw_scores, before.score(batch).raw_scores, rtol=1e-3, atol=0)
     # and resumed, it stays what it was
@@ -419,17 +408,6 @@ def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detec
     assert reading.input_drift is None and reading.flag_rate is not None
 
 
-def _default_expect(init, expect: str, fit_changes: bool):
-    """``PadimConfig.__init__`` as if the defaults declared ``expect`` (and ``fit_changes``)."""
-
-    def changed(self, *args, **kwargs):
-        kwargs.setdefault("expect", expect)
-        kwargs.setdefault("fit_changes", fit_changes)
-        init(self, *args, **kwargs)
-
-    return changed
-
-
 def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(images, tmp_path, monkeypatch):
     from padim.models.data.changes import Expected
 
@@ -451,7 +429,7 @@ def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(im
     for key in ("expect", "fit_changes"):
         del header["config"][key]
     older_format_of(tensors, header, tmp_path / "seven.padim", 7)
-    monkeypatch.setattr(PadimConfig, "__init__", _default_expect(PadimConfig.__init__, "rough", True))
+    defaults_as(monkeypatch, expect="rough", fit_changes=True)
     assert PadimConfig().gaussian.expect and PadimConfig().gaussian.fit_changes  # as if the defaults declared changes
     seven = load_detector(tmp_path / "seven.padim", device="cpu")
     assert seven.config.gaussian.expect == "" and not seven.config.copies_fitted
@@ -479,13 +457,7 @@ def test_shrinkage_travels_in_the_file_and_a_format_nine_file_has_none(images, t
     tensors, header = load_artifact(tmp_path / "plain.padim")
     del header["config"]["shrinkage"]
     older_format_of(tensors, header, tmp_path / "nine.padim", 9)
-    init = PadimConfig.__init__
-
-    def shrinking(self, *args, **kwargs):
-        kwargs.setdefault("shrinkage", 0.5)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(PadimConfig, "__init__", shrinking)
+    defaults_as(monkeypatch, shrinkage=0.5)
     assert PadimConfig().gaussian.shrinkage == 0.5  # as if the default shrank
     nine = load_detector(tmp_path / "nine.padim", device="cpu")
     assert nine.config.gaussian.shrinkage == 0.0 and load_fit(tmp_path / "nine.padim").config.gaussian.shrinkage == 0
@@ -519,13 +491,7 @@ def test_standardise_travels_in_the_file_and_a_format_eleven_file_has_none(image
     tensors, header = load_artifact(tmp_path / "plain.padim")
     del header["config"]["standardise"]
     older_format_of(tensors, header, tmp_path / "eleven.padim", 11)
-    init = PadimConfig.__init__
-
-    def standardising(self, *args, **kwargs):
-        kwargs.setdefault("standardise", "channels")
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(PadimConfig, "__init__", standardising)
+    defaults_as(monkeypatch, standardise="channels")
     assert PadimConfig().features.standardise == "channels"  # as if the default standardised
     eleven = load_detector(tmp_path / "eleven.padim", device="cpu")
     assert eleven.config.features.standardise == "none"
