@@ -26,7 +26,7 @@ Example:
     >>> save_artifact(path, {"mean": torch.zeros(2, 3)}, {"backbone": "resnet18"})
     >>> tensors, header = load_artifact(path)
     >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"], header["verified"]
-    ('resnet18', (2, 3), 12, True)
+    ('resnet18', (2, 3), 13, True)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 
 from .errors import ArtifactError as ArtifactError  # re-exported: raised here
 
-FORMAT_VERSION = 12
+FORMAT_VERSION = 13
 #: Header keys added by this module (never part of what the caller saved).
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"
@@ -137,16 +137,26 @@ def save_artifact(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor | 
         tmp.unlink(missing_ok=True)
 
 
-def copy_artifact(source: str | os.PathLike, target: str | os.PathLike, header: dict) -> None:
+def copy_artifact(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    header: dict,
+    replaced: Mapping[str, torch.Tensor | None] | None = None,
+) -> None:
     """Write ``source``'s tensors (verified on the way) with a new ``header`` to ``target``, atomically.
 
-    The tensors are streamed from one file to the other; ``target`` may be ``source``.
+    The tensors are streamed from one file to the other; ``target`` may be ``source``. ``replaced`` names tensors
+    written instead of (or besides) the source's, and with ``None`` those left out.
     """
     source = Path(source)
     table, data_start, old = _model_table(source)
+    replaced = replaced or {}
     tensors: dict[str, torch.Tensor | TensorStream] = {
-        name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name)) for name in table
+        name: _file_stream(source, table, data_start, name, _expected_digest(source, old, name))
+        for name in table
+        if name not in replaced
     }
+    tensors.update({name: tensor for name, tensor in replaced.items() if tensor is not None})
     save_artifact(target, tensors, header)
 
 

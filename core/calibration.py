@@ -65,8 +65,11 @@ MEDIAN_SCORE = 0.1
 MIN_THRESHOLD = 1e-3
 EULER_GAMMA = 0.5772156649015329
 
-#: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores.
-METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile")
+#: A threshold the line sets leaves at least this many of its pictures above it (:func:`line_pictures_needed`).
+LINE_EXCEEDANCES = 5
+#: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores; ``line``: the
+#: conformal quantile of what the line's normal pictures scored (:meth:`Calibration.tightened`, model format 13).
+METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile", "line")
 
 
 def fold_of(name: str, folds: int) -> int:
@@ -159,6 +162,34 @@ def images_needed(false_alarm_rate: float) -> int:
 
 
 # ---------------------------------------------------------------------- the threshold
+def conformal_threshold(scores: torch.Tensor, false_alarm_rate: float) -> float:
+    """The ``ceil((N + 1)(1 - alpha))``-th smallest of ``N`` normal scores: a new exchangeable normal score is at or
+    above it with probability at most ``alpha`` (no assumption about their distribution).
+
+    Raises:
+        CalibrationError: fewer than :func:`images_needed` scores (the rank would lie above the largest), or
+            scores that are not finite.
+    """
+    values = scores.detach().to(torch.float64).flatten().sort().values
+    needed = images_needed(false_alarm_rate)
+    if values.numel() < needed:
+        raise CalibrationError(
+            f"{values.numel()} normal score(s) cannot set a threshold for {false_alarm_rate:.2%} false alarms by their "
+            f"own quantile: {needed} are needed"
+        )
+    if not bool(torch.isfinite(values).all()):
+        raise CalibrationError("some normal scores are not finite")
+    return float(values[math.ceil((values.numel() + 1) * (1.0 - false_alarm_rate) - 1e-9) - 1])
+
+
+def line_pictures_needed(false_alarm_rate: float) -> int:
+    """Fewest line pictures a threshold the line sets is taken from: enough that :data:`LINE_EXCEEDANCES` of them lie
+    above their conformal quantile. Fewer make the promise hold on average but not for one proposal: after 100
+    pictures (the largest of them, at 1%) one proposal of 20 flagged 10% of unseen normal pictures, after 500 at
+    most 2.5% (``benchmarks/tightening.py``); the bound at 95% confidence is then 1.8%."""
+    return max(images_needed(false_alarm_rate), math.ceil(LINE_EXCEEDANCES / false_alarm_rate - 1.0 - 1e-9))
+
+
 def gumbel_quantile(values: torch.Tensor, probability: float) -> float:
     """The ``probability`` quantile of a Gumbel distribution with the mean and spread of ``values``.
 
@@ -218,6 +249,9 @@ class Calibration:
             above (NaN where it has none), unsorted: what :meth:`without` removes when a picture must go (a review
             found it was not normal). Empty before model format 9, and for scores whose pictures are not known
             (the held-out calibration images of ``merge``).
+        line_scores: raw scores of the line's normal pictures, sorted, where the threshold is their own quantile
+            (method ``line``, :meth:`tightened`): the promise is then made on them, and they are what normal
+            pictures score (:attr:`reference_scores`). Empty otherwise, and before model format 13.
     """
 
     scores: tuple[float, ...]
@@ -229,6 +263,7 @@ class Calibration:
     input_distances: tuple[float, ...] = ()
     taken_scores: tuple[float, ...] = ()
     pictures: tuple[tuple[int, float, float, float], ...] = field(default=(), compare=False)
+    line_scores: tuple[float, ...] = ()
 
     @classmethod
     def from_scores(
@@ -297,8 +332,9 @@ class Calibration:
                 taken.remove(own)
         kept = tuple(p for p in self.pictures if p[0] not in digests)
         earlier = min(self.earlier_scores, len(scores))
-        if self.false_alarm_rate is None:  # a threshold set by hand: kept, with the scores that remain
-            scale = _scale(torch.tensor(taken or scores, dtype=torch.float64), self.threshold)
+        if self.false_alarm_rate is None or self.line_scores:  # set by hand or by the line: kept
+            reference = self.line_scores or taken or scores
+            scale = _scale(torch.tensor(reference, dtype=torch.float64), self.threshold)
             rest = replace(self, scores=tuple(scores), scale=scale, earlier_scores=earlier, pictures=kept)
             return replace(rest, input_distances=tuple(inputs), taken_scores=tuple(taken)), len(gone)
         return Calibration.from_scores(
@@ -315,34 +351,76 @@ class Calibration:
         threshold = float(threshold)
         if not math.isfinite(threshold):
             raise CalibrationError(f"threshold must be finite, got {threshold}")
-        scale = _scale(torch.tensor(self.reference_scores, dtype=torch.float64), threshold)
-        return replace(self, threshold=threshold, scale=scale, method="manual", false_alarm_rate=None)
+        plain = replace(self, line_scores=())
+        scale = _scale(torch.tensor(plain.reference_scores, dtype=torch.float64), threshold)
+        return replace(plain, threshold=threshold, scale=scale, method="manual", false_alarm_rate=None)
+
+    def tightened(self, line_scores: torch.Tensor, false_alarm_rate: float | None = None) -> Calibration:
+        """The same model's threshold set from what its line's normal pictures scored (method ``line``).
+
+        The threshold is their conformal quantile (:func:`conformal_threshold`) for ``false_alarm_rate`` (the
+        calibration's own by default): the promise is restated on the line's pictures, with no cover of changes
+        the line did not make. The training pictures' values are kept (a review can still take one out).
+
+        Raises:
+            CalibrationError: fewer line scores than :func:`line_pictures_needed`, a rate out of range, or no rate (a
+                manual threshold and none given).
+        """
+        rate = self.false_alarm_rate if false_alarm_rate is None else false_alarm_rate
+        if rate is None:
+            raise CalibrationError("a manual threshold has no false-alarm rate: give the rate to tighten it for")
+        low, high = FALSE_ALARM_RATE_RANGE
+        if not low <= rate <= high:
+            raise CalibrationError(f"false_alarm_rate must be in [{low:g}, {high:g}], got {rate}")
+        values = line_scores.detach().to(torch.float64).flatten().sort().values
+        needed = line_pictures_needed(rate)
+        if values.numel() < needed:
+            raise CalibrationError(
+                f"{values.numel()} line picture(s) cannot set a threshold for {rate:.2%} false alarms: {needed} are "
+                f"needed, so that {LINE_EXCEEDANCES} of them lie above it"
+            )
+        threshold = conformal_threshold(values, rate)
+        return replace(
+            self,
+            threshold=threshold,
+            scale=_scale(values, threshold),
+            method="line",
+            false_alarm_rate=rate,
+            line_scores=tuple(values.tolist()),
+        )
 
     # ------------------------------------------------------------------ what it promises
     @property
+    def promised_on(self) -> tuple[float, ...]:
+        """The scores the promise is made on: the line's (method ``line``), else the calibration's."""
+        return self.line_scores or self.scores
+
+    @property
     def count(self) -> int:
+        """How many calibration scores there are (the line's are :attr:`line_scores`)."""
         return len(self.scores)
 
     @property
     def reference_scores(self) -> tuple[float, ...]:
         """What normal images as taken score: the score-drift reference (:mod:`padim.core.drift`) and the scores whose
-        median maps to :data:`MEDIAN_SCORE`. The calibration's own scores unless they are changed copies'."""
-        return self.taken_scores or self.scores
+        median maps to :data:`MEDIAN_SCORE`. The line's where the threshold is theirs, else the calibration's own
+        scores unless they are changed copies'."""
+        return self.line_scores or self.taken_scores or self.scores
 
     @property
     def covered(self) -> int:
-        """How many calibration scores are at or below the threshold."""
-        return sum(1 for s in self.scores if s <= self.threshold)
+        """How many of the scores the promise is made on are at or below the threshold."""
+        return sum(1 for s in self.promised_on if s <= self.threshold)
 
     @property
     def promised_false_alarm_rate(self) -> float:
         """Distribution-free false-alarm rate (see :func:`promised_false_alarm_rate`)."""
-        return promised_false_alarm_rate(self.count, self.covered)
+        return promised_false_alarm_rate(len(self.promised_on), self.covered)
 
     @property
     def false_alarm_bound(self) -> float:
         """Upper :data:`CONFIDENCE` bound of the false-alarm rate (see :func:`false_alarm_bound`)."""
-        return false_alarm_bound(self.count, self.covered)
+        return false_alarm_bound(len(self.promised_on), self.covered)
 
     @property
     def can_promise(self) -> bool:
@@ -398,6 +476,7 @@ class Calibration:
             "confidence": CONFIDENCE,
             "input_distances": len(self.input_distances),
             "taken_scores": len(self.taken_scores),
+            "line_scores": len(self.line_scores),
         }
 
     def to_header(self) -> dict:
@@ -412,6 +491,7 @@ class Calibration:
         taken_scores: torch.Tensor | None = None,
         digests: torch.Tensor | None = None,
         linked: torch.Tensor | None = None,
+        line_scores: torch.Tensor | None = None,
     ) -> Calibration:
         method = header["method"]
         if method not in METHODS:
@@ -422,6 +502,10 @@ class Calibration:
         _counted(header, "input_distances", len(distances), "input distances")
         taken = _sorted(taken_scores)
         _counted(header, "taken_scores", len(taken), "scores of images as taken")
+        line = _sorted(line_scores)
+        _counted(header, "line_scores", len(line), "line scores")
+        if (method == "line") != bool(line):
+            raise ValueError(f"a calibration of method {method!r} with {len(line)} line scores")
         pictures = linked_pictures(digests, linked)
         if "pictures" in header:
             _counted(header, "pictures", len(pictures), "pictures' values")
@@ -436,6 +520,7 @@ class Calibration:
             distances,
             taken,
             pictures,
+            line,
         )
 
     def picture_tensors(self) -> dict[str, torch.Tensor]:

@@ -132,6 +132,14 @@ class UpdateGateFailed(Conflict):
     """Activating an updated version whose gate found recall fell by more than allowed (without ``force``)."""
 
 
+class TooFewLinePictures(Conflict):
+    """A threshold sized by the line asked for before the line has scored enough pictures to promise its rate."""
+
+
+class LineChanged(Conflict):
+    """Activating a threshold the line set while what the line scored since reads as drift (without ``force``)."""
+
+
 class RecordNotFound(UsageError):
     """A record (or a job) the inspection record does not have."""
 
@@ -182,6 +190,8 @@ OUTCOMES: dict[type[PadimError], Outcome] = {
     NotUpdatable: Outcome(1, 422, "not_updatable"),
     NothingToUpdate: Outcome(1, 409, "nothing_to_update"),
     UpdateGateFailed: Outcome(1, 409, "update_gate_failed"),
+    TooFewLinePictures: Outcome(1, 409, "too_few_line_pictures"),
+    LineChanged: Outcome(1, 409, "line_changed"),
     RecordNotFound: Outcome(1, 404, "record_not_found"),
     RecordGone: Outcome(1, 410, "gone"),
     RecordUnavailable: Outcome(1, 503, "record_unavailable"),

@@ -104,7 +104,8 @@ class Metrics:
         )
         self.model_changes = Counter(
             "padim_model_changes_total",
-            "changes of a model while the service runs: upload (a version added), activate, rollback, unload",
+            "changes of a model while the service runs: upload (a version added), activate, rollback, unload, update "
+            "(a version learned from reviews), line_threshold (a version whose threshold the line set)",
             ["model", "change"],
             registry=self.registry,
         )

@@ -34,7 +34,9 @@ _WHY = {
     "(`read_only_models`), removing the active version (`version_active`), a rollback with nothing to go back to "
     "(`nothing_to_roll_back`), unloading the default model (`default_model`), another change of the model under "
     "way (`model_busy`), an update with nothing to learn (`nothing_to_update`), activating an updated version "
-    "whose gate failed without force=true (`update_gate_failed`)",
+    "whose gate failed without force=true (`update_gate_failed`), a threshold asked of a line with too few pictures "
+    "(`too_few_line_pictures`), activating a line's threshold after the line changed without force=true "
+    "(`line_changed`)",
     415: "neither multipart/form-data nor a raw image body (`unsupported_media_type`)",
     422: "not an image, an empty body, a malformed multipart body, more images than the batch limit or a bad "
     "option (`invalid_image`, `empty_body`, `invalid_multipart`, `missing_file`, `too_many_files`, "

@@ -6,7 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from padim.core.limits import FALSE_ALARM_RATE_RANGE
 from padim.models.options import shown_fields
+
+#: The highest version number a request may name: what the record's Integer column holds (PostgreSQL's int4).
+MAX_VERSION = 2**31 - 1
 
 
 class ModelInfo(BaseModel):
@@ -477,7 +481,53 @@ class UpdateRequest(BaseModel):
         "normal); default: every picture of the model reviewed as normal that the "
         "version has not fitted",
     )
-    version: int | None = Field(None, ge=1, description="the version to update; default the active one")
+    version: int | None = Field(None, ge=1, le=MAX_VERSION, description="the version to update; default the active one")
+
+
+class LineThresholdRequest(BaseModel):
+    """``POST /models/{name}/threshold``: which version's Gaussians, for which rate, from which line pictures."""
+
+    model_config = {"extra": "forbid"}
+
+    version: int | None = Field(
+        None, ge=1, le=MAX_VERSION, description="the version whose Gaussians keep scoring; default the active one"
+    )
+    false_alarm_rate: float | None = Field(
+        None,
+        ge=FALSE_ALARM_RATE_RANGE[0],
+        le=FALSE_ALARM_RATE_RANGE[1],
+        description="the rate to promise on the line; default the version's own",
+    )
+    since: str | None = Field(
+        None,
+        description="only pictures scored at or after this moment (ISO 8601, UTC unless it says): after a change "
+        "on the line, the pictures of the line as it is now",
+    )
+
+
+class LineThreshold(BaseModel):
+    """A new version (not active) whose threshold the line's normal pictures set: what it replaces and buys."""
+
+    model: str
+    version: int = Field(description="the new version: the same Gaussians, another threshold; not active")
+    base_version: int = Field(description="the version whose Gaussians it keeps (and whose pictures set it)")
+    proposed: str = Field(description="when (ISO 8601, UTC); what the line scores after it is read at activation")
+    line: dict = Field(
+        description="the pictures that set it: how many (once each, none reviewed as defect; unreviewed flagged "
+        "ones count as normal), how many reviewed normal, the versions that scored them, first and last (epoch s)"
+    )
+    threshold: dict = Field(description="raw thresholds, `old` and `new`")
+    replaces: dict = Field(
+        description="the threshold it replaces: method, raw threshold, promised rate, and the cover of changes it "
+        "was sized by (expect, fit_changes)"
+    )
+    calibration: dict = Field(
+        description="the rate asked, the rate promised on the line's pictures and its upper bound at `confidence`"
+    )
+    gate: dict = Field(
+        description="recorded scores of reviewed pictures at the old and the new threshold: defects caught (recall), "
+        "reviewed normals flagged; `passed` as an update's gate (PADIM_UPDATE_MAX_RECALL_DROP)"
+    )
 
 
 class JobInfo(BaseModel):

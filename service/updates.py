@@ -10,6 +10,15 @@ A job takes a version of a model (the active one by default) and writes a **new 
 3. the new version is committed to the repository with what it learned (record ids), its gate and its job,
    and activated when asked and the gate passed.
 
+**A threshold sized by the line** (``POST /models/{name}/threshold``, ``padim repository tighten``;
+:func:`propose_line_threshold`): the same Gaussians, the threshold set again from what the line's normal pictures
+scored (the record's raw scores: every picture those Gaussians scored that no review called a defect), by their own
+conformal quantile (:meth:`padim.core.calibration.Calibration.tightened`). No picture is scored again. It is written
+as a new version, not active, with the threshold it replaces, the cover it was sized by, and the same gate on the
+reviewed pictures' recorded scores; activating it is refused while the line has changed since
+(:func:`line_changed`: what the line scored after the proposal, read against the line's scores by the monitor's
+tests).
+
 One job runs at a time (one thread: scoring keeps its own), and one per model across every replica (a lock in
 PostgreSQL: :meth:`~padim.service.record.store.JobStore.claim_updates`). Its state is a row of the record's
 ``jobs`` table, so ``GET /jobs/{id}`` answers from the database, on every replica. A job that dies (kill -9) writes no
@@ -23,13 +32,29 @@ import logging
 import threading
 import time
 
+import torch
+
 from padim.core.artifact import file_sha256, read_header
+from padim.core.calibration import LINE_EXCEEDANCES, line_pictures_needed
+from padim.core.drift import assess
 from padim.core.errors import ArtifactError
+from padim.core.limits import FALSE_ALARM_RATE_RANGE
 from padim.models.config import PadimConfig
-from padim.models.errors import ModelBusy, NothingToUpdate, NotUpdatable, PadimError, UsageError, VersionNotFound
-from padim.models.fit.learning import fitted_digests, gate, picture_name, sha256_digest, update_model
+from padim.models.errors import (
+    ModelBusy,
+    NothingToUpdate,
+    NotUpdatable,
+    PadimError,
+    TooFewLinePictures,
+    UsageError,
+    VersionNotFound,
+)
+from padim.models.fit.learning import Gate, fitted_digests, gate, picture_name, sha256_digest, update_model
+from padim.models.fit.model_file import read_calibration, store_calibration
 from padim.models.fit.passes import TrainingImage
-from padim.models.repository import MODEL_FILE
+from padim.models.repository import MODEL_FILE, Repository, Version
+
+from .record.store import Filters, RecordStore
 
 log = logging.getLogger("padim.service")
 
@@ -257,3 +282,182 @@ def _unique(rows) -> list[dict]:
     for row in rows:
         seen[row["sha256"]] = row
     return list(seen.values())
+
+
+# ---------------------------------------------------------------------- a threshold sized by the line
+#: ``version.json``'s ``update.kind`` of a version whose threshold the line set.
+LINE = "line_threshold"
+
+
+def propose_line_threshold(
+    repository: Repository,
+    store: RecordStore,
+    name: str,
+    number: int | None = None,
+    false_alarm_rate: float | None = None,
+    since: float | None = None,
+    max_recall_drop: float = 0.0,
+) -> dict:
+    """Write a new version of ``name`` (not active): version ``number``'s Gaussians (the active one's by default),
+    its threshold set from the line; returns the version and what was proposed (:func:`_proposal`).
+
+    The line's normal pictures are every picture the same Gaussians scored (this version, and the versions it was
+    tightened from) at or after ``since``, once each, that no review called a defect: unreviewed flagged pictures
+    count as normal, so the quantile errs high (fewer false alarms), never low.
+
+    Raises:
+        VersionNotFound: no such model or version.
+        NotUpdatable: an export directory (no model file to write the threshold into).
+        CalibrationError: too few line pictures for the rate (the message says how many are needed).
+    """
+    if number is None:
+        number = repository.active(name)
+        if number is None:
+            raise VersionNotFound(f"the repository has no model named {name!r}")
+    version = repository.version(name, number)
+    if version.kind == "export":
+        raise NotUpdatable(
+            f"version {number} of {name!r} is an export directory; add the model file it was exported from as a "
+            "version and tighten that (then export it again)"
+        )
+    calibration = read_calibration(version.path)
+    scorers = _same_gaussians(repository, version)
+    rows = _pictures(row for v in scorers for row in store.iterate(Filters(model=name, version=v, since=since), 5000))
+    normal = [r for r in rows if r["label"] != "defect"]
+    rate = calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate
+    if rate is None:
+        raise UsageError(f"version {number} of {name!r} has a threshold set by hand: give the false-alarm rate")
+    low, high = FALSE_ALARM_RATE_RANGE
+    if not low <= rate <= high:
+        raise UsageError(f"the false-alarm rate must be in [{low:g}, {high:g}], got {rate:g}")
+    needed = line_pictures_needed(rate)
+    if len(normal) < needed:
+        raise TooFewLinePictures(
+            f"the line has {len(normal)} normal picture(s) scored by version {number} of {name!r}"
+            + ("" if since is None else " since then")
+            + f"; {needed} are needed to set a threshold for {rate:.2%} false alarms by their own quantile "
+            f"({LINE_EXCEEDANCES} of them above it)"
+        )
+    tightened = calibration.tightened(torch.tensor([r["raw_score"] for r in normal], dtype=torch.float64), rate)
+    checked = _recorded_gate(rows, calibration.threshold, tightened.threshold, max_recall_drop)
+    header = read_header(version.path)
+    config = header.get("config", {})
+    update = {
+        "kind": LINE,
+        "base_version": number,
+        "proposed": time.time(),
+        "line": {
+            "versions": scorers,
+            "pictures": len(normal),
+            "reviewed_normal": sum(r["label"] == "normal" for r in normal),
+            "since": since,
+            "first": min(r["time"] for r in normal),
+            "last": max(r["time"] for r in normal),
+        },
+        "threshold": {"old": calibration.threshold, "new": tightened.threshold},
+        "replaces": {
+            **{k: calibration.summary()[k] for k in ("method", "threshold", "promised_false_alarm_rate")},
+            "expect": config.get("expect"),
+            "fit_changes": config.get("fit_changes"),
+        },
+        "calibration": {
+            k: tightened.summary()[k]
+            for k in ("false_alarm_rate", "promised_false_alarm_rate", "false_alarm_bound", "confidence", "line_scores")
+        },
+        "gate": checked.to_dict(),
+    }
+    incoming = repository.incoming(name)
+    try:
+        output = incoming / MODEL_FILE
+        store_calibration(version.path, tightened, output)
+        committed = repository.commit(
+            name, incoming, file_sha256(output), f"line threshold of version {number}", update
+        )
+    except BaseException:
+        repository.discard(incoming)
+        raise
+    log.info(
+        "line threshold proposed",
+        extra={"model": name, "version": committed.version, "base_version": number, "pictures": len(normal)},
+    )
+    return {"version": committed.version, **update}
+
+
+def line_changed(store: RecordStore, version: Version, level: float, min_images: int) -> str | None:
+    """Why a version whose threshold the line set no longer fits the line, or ``None`` (also for other versions).
+
+    What the same Gaussians scored after the proposal (reviewed defects left out) is read against the line's scores
+    with the monitor's tests (flag rate at the line's threshold and bound, one-sided KS of the scores); an alarm
+    means the line moved since, and the threshold sized by it is stale.
+    """
+    update = version.update or {}
+    if update.get("kind") != LINE:
+        return None
+    calibration = read_calibration(version.path)
+    line = update["line"]
+    rows = _pictures(
+        row
+        for v in [version.version, *line["versions"]]  # once active, it scores with the same Gaussians too
+        for row in store.iterate(Filters(model=version.name, version=v, since=line["last"]), 5000)
+        if row["time"] > line["last"]
+    )
+    recent = torch.tensor([r["raw_score"] for r in rows if r["label"] != "defect"], dtype=torch.float64)
+    drift = assess(recent, calibration, None, level, min_images)
+    if drift.status != "alarm":
+        return None
+    said = []
+    if drift.flag_rate is not None and drift.flag_rate.alarm:
+        flags = drift.flag_rate
+        said.append(
+            f"{flags.flags} flagged ({flags.rate:.1%}) where the line's threshold promised at most "
+            f"{flags.normal_rate:.1%} (p = {flags.p_value:.2g})"
+        )
+    if drift.score_drift is not None and drift.score_drift.alarm:
+        shift = drift.score_drift
+        said.append(
+            f"scores higher than the line's (KS D+ {shift.statistic:.2f}, p = {shift.p_value:.2g}, median "
+            f"x{shift.median_ratio:.2f})"
+        )
+    return f"{drift.images} pictures scored since the proposal: " + "; ".join(said)
+
+
+def _pictures(rows) -> list[dict]:
+    """One row per picture (the newest given first wins), labelled ``defect`` where any review of it said so, else
+    ``normal`` where any did: a picture scored twice counts once, as its reviews say."""
+    seen: dict[str, dict] = {}
+    for row in rows:
+        kept = seen.setdefault(row["sha256"], dict(row))
+        if row["label"] == "defect" or (row["label"] == "normal" and kept["label"] is None):
+            kept["label"] = row["label"]
+    return list(seen.values())
+
+
+def _same_gaussians(repository: Repository, version: Version) -> list[int]:
+    """This version and those it was tightened from, whose pictures' raw scores are this version's."""
+    numbers = [version.version]
+    update = version.update or {}
+    while update.get("kind") == LINE:
+        try:
+            base = repository.version(version.name, int(update["base_version"]))
+        except VersionNotFound:  # removed since: its rows stay in the record under its number
+            numbers.append(int(update["base_version"]))
+            break
+        numbers.append(base.version)
+        update = base.update or {}
+    return numbers
+
+
+def _recorded_gate(rows: list[dict], old: float, new: float, max_recall_drop: float) -> Gate:
+    """The update gate from recorded raw scores: reviewed defects caught and reviewed normals flagged, at each
+    threshold."""
+    defects = [r["raw_score"] for r in rows if r["label"] == "defect"]
+    normals = [r["raw_score"] for r in rows if r["label"] == "normal"]
+    return Gate(
+        len(defects),
+        len(normals),
+        sum(s >= old for s in defects),
+        sum(s >= new for s in defects),
+        sum(s >= old for s in normals),
+        sum(s >= new for s in normals),
+        max_recall_drop,
+    )

@@ -177,6 +177,7 @@ def test_the_record_curl_examples_run_against_a_live_server(model_file, dataset,
         versions = httpx.get(server.url + "/models/weave/versions", headers={"x-api-key": "docs-admin"}).json()
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"state":"succeeded"' in result.stdout.replace(" ", "") and '"label":"normal"' in result.stdout
+    assert '"code":"too_few_line_pictures"' in result.stdout.replace(" ", "")
     assert (tmp_path / "picture.png").read_bytes() == (tmp_path / "part.png").read_bytes()
     assert (tmp_path / "heatmap.png").read_bytes().startswith(b"\x89PNG")
     assert [(v["version"], v["active"]) for v in versions["versions"]] == [(1, True), (2, False)]

@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
             "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
             "threshold_of": f"{spelled_precision(config.get('precision', 'fp32'))} scorer",
             "covers": promise_covers(
-                config.get("expect", ""), bool(config.get("expect")) and config.get("fit_changes", False)
+                config.get("expect", ""),
+                bool(config.get("expect")) and config.get("fit_changes", False),
+                calibration.get("line_scores", 0),
             ),
         }
         if calibration

@@ -30,19 +30,7 @@ def register(commands) -> None:
         "and for offline training: `--label normal` exports the pictures operators confirmed normal, which `padim "
         "train --resume MODEL OUT/pictures` can add. The folder appears only once complete.",
     )
-    export.add_argument(
-        "--record",
-        type=Path,
-        metavar="DIR",
-        default=os.environ.get("PADIM_RECORD_DIR"),
-        help="the record's folder (default PADIM_RECORD_DIR): its pictures, and its SQLite database "
-        "unless --url is given",
-    )
-    export.add_argument(
-        "--url",
-        default=os.environ.get("PADIM_RECORD_URL"),
-        help="the record's PostgreSQL database (default PADIM_RECORD_URL)",
-    )
+    record_options(export)
     export.add_argument("--output", "-o", type=Path, required=True, metavar="OUT", help="a new folder")
     export.add_argument("--model", help="only this model's rows")
     export.add_argument("--version", type=int, help="only rows this version scored")
@@ -52,25 +40,38 @@ def register(commands) -> None:
         choices=["normal", "defect", "none"],
         help="only rows whose latest review says this (none: not reviewed)",
     )
-    export.add_argument("--since", type=_moment, help="scored at or after (ISO 8601, UTC unless it says)")
-    export.add_argument("--until", type=_moment, help="scored before (ISO 8601)")
+    export.add_argument("--since", type=moment, help="scored at or after (ISO 8601, UTC unless it says)")
+    export.add_argument("--until", type=moment, help="scored before (ISO 8601)")
     export.add_argument("--part", help="only this part (the client's part field)")
     export.set_defaults(handler=run)
 
 
-def _moment(text: str) -> float:
-    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+def record_options(parser: argparse.ArgumentParser) -> None:
+    """``--record`` and ``--url``: where the record is (the service's own settings by default)."""
+    parser.add_argument(
+        "--record",
+        type=Path,
+        metavar="DIR",
+        default=os.environ.get("PADIM_RECORD_DIR"),
+        help="the record's folder (default PADIM_RECORD_DIR): its pictures, and its SQLite database "
+        "unless --url is given",
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("PADIM_RECORD_URL"),
+        help="the record's PostgreSQL database (default PADIM_RECORD_URL)",
+    )
 
 
-def run(args: argparse.Namespace) -> int:
+def open_record(args: argparse.Namespace):
+    """The record's database (:class:`~padim.service.record.store.RecordStore`) that ``--record`` / ``--url`` name.
+
+    Raises:
+        UsageError: no record given, or no database where it says.
+    """
     # imported here: `padim --help` loads no SQLAlchemy
-    from tqdm.auto import tqdm
-
     from padim.models.errors import UsageError
-    from padim.service.record.export import export_records
-    from padim.service.record.pictures import PictureStore
-    from padim.service.record.store import Filters, RecordStore, database_url
+    from padim.service.record.store import RecordStore, database_url
 
     if args.record is None:
         raise UsageError("no record folder: pass --record DIR (or set PADIM_RECORD_DIR)")
@@ -78,7 +79,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.record}: no such record folder")
     if args.url is None and not (Path(args.record) / "record.sqlite").is_file():
         raise UsageError(f"{args.record}: no record.sqlite there; pass --url for a record kept in PostgreSQL")
-    store = RecordStore(database_url(args.url, Path(args.record)))
+    return RecordStore(database_url(args.url, Path(args.record)))
+
+
+def moment(text: str) -> float:
+    """An ISO 8601 moment (UTC unless it says) as seconds since the epoch."""
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here: `padim --help` loads no SQLAlchemy
+    from tqdm.auto import tqdm
+
+    from padim.service.record.export import export_records
+    from padim.service.record.pictures import PictureStore
+    from padim.service.record.store import Filters
+
+    store = open_record(args)
     try:
         filters = Filters(
             model=args.model,

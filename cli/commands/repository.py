@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from ..options import quiet_option
+from .records import moment, open_record, record_options
 
 LAYOUT = (
     "DIR/NAME/N/ holds version N of model NAME (a model.padim file, or an export directory's files), "
@@ -48,7 +50,42 @@ def register(commands) -> None:
     remove.add_argument("root", type=Path, metavar="DIR")
     remove.add_argument("name", metavar="NAME")
     remove.add_argument("version", type=int, metavar="VERSION")
-    for parser in (listing, add, activate, rollback, remove):
+    threshold = actions.add_parser(
+        "threshold",
+        help="add a version whose threshold the line's normal pictures set (the record's scores; not active)",
+        description="Write the next version of NAME with VERSION's Gaussians (the active one's by default) and the "
+        "threshold the line set: the conformal quantile of the raw scores the record holds of every picture those "
+        "Gaussians scored that no review called a defect (unreviewed flagged pictures count as normal). Nothing is "
+        "scored again. It prints the threshold it replaces, the cover that threshold was sized by and the recall on "
+        "reviewed defects at each; `padim repository activate` then serves it, unless the line has changed since "
+        "(docs/calibration.md).",
+    )
+    threshold.add_argument("root", type=Path, metavar="DIR")
+    threshold.add_argument("name", metavar="NAME")
+    threshold.add_argument("--version", type=int, help="the version whose Gaussians keep scoring (default: the active)")
+    threshold.add_argument(
+        "--false-alarm-rate",
+        type=float,
+        metavar="RATE",
+        help="the rate to promise on the line (default: the version's)",
+    )
+    threshold.add_argument(
+        "--since", type=moment, metavar="TIME", help="only pictures scored at or after (ISO 8601, UTC unless it says)"
+    )
+    threshold.add_argument(
+        "--max-recall-drop",
+        type=float,
+        default=float(os.environ.get("PADIM_UPDATE_MAX_RECALL_DROP", "0.0")),
+        help="the gate's allowed share of reviewed defects lost (default PADIM_UPDATE_MAX_RECALL_DROP, else 0)",
+    )
+    activate.add_argument(
+        "--force",
+        action="store_true",
+        help="activate past a failed update gate, or a line threshold whose line has changed since",
+    )
+    for parser in (threshold, activate):
+        record_options(parser)
+    for parser in (listing, add, activate, rollback, remove, threshold):
         parser.set_defaults(handler=run)
 
 
@@ -89,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
             repository.activate(name, version.version)
         print(json.dumps({"model": name, **version.to_dict(), "active": args.activate}))
         return 0
+    if args.action == "threshold":
+        print(json.dumps({"model": name, **_line_threshold(repository, args)}))
+        return 0
     if args.action == "activate":
+        _check_activation(repository.version(name, args.version), args)
         repository.activate(name, args.version)
         number = args.version
     elif args.action == "rollback":
@@ -120,3 +161,50 @@ def _check_servable(path: Path) -> None:
         scorer.score(torch.zeros(1, 3, *scorer.config.input_shape, dtype=torch.uint8))
     except (ArtifactError, ExportError) as error:
         raise UnservableModel(f"{path}: cannot be served: {error}") from None
+
+
+def _line_threshold(repository, args: argparse.Namespace) -> dict:
+    # imported here: `padim --help` loads no torch
+    from padim.service.updates import propose_line_threshold
+
+    store = open_record(args)
+    try:
+        return propose_line_threshold(
+            repository, store, args.name, args.version, args.false_alarm_rate, args.since, args.max_recall_drop
+        )
+    finally:
+        store.close()
+
+
+def _check_activation(version, args: argparse.Namespace) -> None:
+    """What the service checks before it activates: an update's gate, and a line threshold's line since."""
+    # imported here: `padim --help` loads no torch
+    from padim.core.drift import LEVEL, MIN_IMAGES
+    from padim.models.errors import LineChanged, UpdateGateFailed, UsageError
+    from padim.service.updates import LINE, line_changed
+
+    update = version.update or {}
+    if args.force:
+        return
+    if (update.get("gate") or {}).get("passed") is False:
+        raise UpdateGateFailed(
+            f"version {version.version} of {version.name!r} failed its update's gate: {update['gate'].get('why')}; "
+            "--force activates it anyway"
+        )
+    if update.get("kind") != LINE:
+        return
+    if args.record is None and args.url is None:
+        raise UsageError(
+            f"version {version.version} of {version.name!r} has a threshold the line set: pass --record (or set "
+            "PADIM_RECORD_DIR) so that what the line scored since can be read, or --force"
+        )
+    store = open_record(args)
+    try:
+        stale = line_changed(store, version, LEVEL, MIN_IMAGES)
+    finally:
+        store.close()
+    if stale is not None:
+        raise LineChanged(
+            f"version {version.version} of {version.name!r}: the line has changed since its threshold was proposed: "
+            f"{stale}; propose one again (--since), or --force"
+        )

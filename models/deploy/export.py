@@ -57,7 +57,7 @@ from padim.models.choices import EXPORT_FORMATS
 from padim.models.data.framing import PAD_FILL
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
-from padim.models.features.embedding import build_extractor
+from padim.models.features.embedding import TRACING, build_extractor
 from padim.models.features.photometric import standardised
 from padim.models.scoring.detector import PadimDetector
 
@@ -65,10 +65,11 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 9
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 10
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
-#: a newer version that changed only ``padim.json`` (8: ``precision: bf16``) or what only a model of a newer format
-#: computes (9: ``config.standardise``, none in every older file) keeps the cache.
+#: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
+#: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
+#: ``config.standardise``, none in every older file) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
@@ -313,17 +314,18 @@ def _export_onnx(
         warnings.simplefilter("ignore")
         for noisy in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        program = torch.onnx.export(
-            scorer,
-            (example,),
-            dynamo=True,
-            input_names=[INPUT_NAME],
-            output_names=list(OUTPUT_NAMES),
-            dynamic_shapes={"images": {0: batch}},
-            opset_version=OPSET,
-            optimize=True,
-            verbose=False,
-        )
+        with TRACING.shared():  # not while a backbone is traced on another thread (a load, an update)
+            program = torch.onnx.export(
+                scorer,
+                (example,),
+                dynamo=True,
+                input_names=[INPUT_NAME],
+                output_names=list(OUTPUT_NAMES),
+                dynamic_shapes={"images": {0: batch}},
+                opset_version=OPSET,
+                optimize=True,
+                verbose=False,
+            )
         assert program is not None, "torch.onnx.export(dynamo=True) returns its program"
         program.save(str(path), external_data=external)
     return path
@@ -378,6 +380,7 @@ def export_metadata(
         "calibration_scores": list(calibration.scores),
         "calibration_input_distances": list(calibration.input_distances),
         "calibration_taken_scores": list(calibration.taken_scores),
+        "calibration_line_scores": list(calibration.line_scores),
         "precision": "float32" if quantised is None else quantised.precision,
         "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
     }

@@ -316,11 +316,13 @@ class DeployedDetector:
             self.provenance = Provenance.from_header(metadata["provenance"])
             distances = metadata.get("calibration_input_distances")  # export version 4
             taken = metadata.get("calibration_taken_scores")  # export version 6
+            line = metadata.get("calibration_line_scores")  # export version 10
             self.calibration = Calibration.from_header(
                 metadata["calibration"],
                 torch.tensor(metadata["calibration_scores"], dtype=torch.float64),
                 None if distances is None else torch.tensor(distances, dtype=torch.float64),
                 None if taken is None else torch.tensor(taken, dtype=torch.float64),
+                line_scores=None if line is None else torch.tensor(line, dtype=torch.float64),
             )
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
             self.precision = metadata.get("precision", "float32")  # export version 5
@@ -408,7 +410,7 @@ class DeployedDetector:
             "calibration": {
                 **self.metadata["description"]["calibration"],
                 **self.calibration.summary(),
-                **calibration_options(self.config),
+                **calibration_options(self.config, len(self.calibration.line_scores)),
                 "threshold_of": self.threshold_of,
                 **({"source": "held_out"} if self.precision != "float32" else {}),
             },

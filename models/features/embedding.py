@@ -13,8 +13,9 @@ do; the average is per channel, so averaging after the reduction equals averagin
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +30,52 @@ from padim.models.data.images import normalisation, normalise, to_pixels
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
 from padim.models.features.photometric import standardised
 
-#: Held while torch.fx traces a backbone. Tracing patches ``torch.nn.Module.__call__`` for the whole
-#: process, so a module that runs in another thread meanwhile fails ("module is not installed as a
-#: submodule"); a service that loads a model beside one that scores takes it around each batch (the
-#: traces of one backbone take 0.2-0.3 s on a 2-core CPU, resnet18 to wide_resnet50_2).
-TRACING = threading.Lock()
+
+class SharedOrAlone:
+    """A lock held by many at once (:meth:`shared`) or by one alone (:meth:`alone`); one waiting to be alone goes
+    before those that come after it. Not re-entrant: a holder does not take it again."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._sharing = 0
+        self._alone = False
+        self._waiting_alone = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._changed:
+            while self._alone or self._waiting_alone:
+                self._changed.wait()
+            self._sharing += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._sharing -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._changed:
+            self._waiting_alone += 1
+            while self._alone or self._sharing:
+                self._changed.wait()
+            self._waiting_alone -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._alone = False
+                self._changed.notify_all()
+
+
+#: torch.fx traces a backbone alone: tracing patches ``torch.nn.Module.__call__`` for the whole process, so a
+#: module that runs in another thread meanwhile fails ("module is not installed as a submodule"), and so does
+#: ``torch.export`` (an ONNX export at load). A service that loads a model beside one that scores holds it shared
+#: around each batch and each export, which run side by side (the traces of one backbone take 0.2-0.3 s on a
+#: 2-core CPU, resnet18 to wide_resnet50_2; an export several seconds, which scoring need not wait for).
+TRACING = SharedOrAlone()
 
 
 class FeatureExtractor(nn.Module):
@@ -57,7 +99,7 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         self.layers = tuple(layers)
         self.dtype = dtype
-        with TRACING:  # both trace: create_feature_extractor, and fuse (again, to fold the BatchNorms)
+        with TRACING.alone():  # both trace: create_feature_extractor, and fuse (again, to fold the BatchNorms)
             graph = create_feature_extractor(backbone.eval(), return_nodes={layer: layer for layer in layers})
             # in place: deep-copying torchvision's DualGraphModule puts it back in training mode
             self.body = fuse(graph, inplace=True) if fold_batchnorm else graph

@@ -8,7 +8,8 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (
 - ``calibration.scores``, ``calibration.input_distances``, ``calibration.taken_scores`` ``(N,)`` float64: the
   normal pictures' out-of-fold (or held-out) scores, input distances and, with ``expect``, their own scores where
   ``scores`` are their changed copies'; ``calibration.digests`` ``(N,)`` int64 and ``calibration.linked``
-  ``(N, 3)`` float64 tie each to its picture's content digest (unsorted; NaN: none).
+  ``(N, 3)`` float64 tie each to its picture's content digest (unsorted; NaN: none); ``calibration.line_scores``
+  ``(L,)`` float64: the line's normal pictures' scores where the threshold is theirs (format 13, method ``line``).
 - ``statistics.count``, ``statistics.mean``, ``statistics.comoment`` (``()``, ``(P, D)``, ``(P, T)``): the float64
   statistics, packed as in memory (resume, merge; not in ``--slim`` files; ``count`` counts tiles when they
   share the statistics).
@@ -141,20 +142,22 @@ def save_fitted(
     )
 
 
-def store_calibration(path: str | Path, calibration: Calibration) -> None:
-    """Store another threshold in a model file (``evaluate --calibrate``), atomically.
+def store_calibration(path: str | Path, calibration: Calibration, target: str | Path | None = None) -> None:
+    """Store another threshold in a model file (``evaluate --calibrate``, a line's threshold), atomically, into
+    ``path`` itself or into ``target``.
 
     A file of this format keeps its tensors, streamed from the old file to the new; an older one
     is read whole and written again in this format.
     """
+    target = path if target is None else target
     header = read_header(path)
     if header["format_version"] >= FORMAT_VERSION:
         header["calibration"] = calibration_header(calibration)
-        copy_artifact(path, path, header)
+        copy_artifact(path, target, header, {LINE: line_tensors(calibration).get(LINE)})
         return
     detector = load_detector(path, "cpu", with_statistics=True)
     detector.calibration = calibration
-    save_detector(detector, path, with_statistics=detector.statistics is not None)
+    save_detector(detector, target, with_statistics=detector.statistics is not None)
 
 
 def _write(
@@ -186,6 +189,7 @@ def _write(
             else {}
         ),
         **{f"calibration.{k}": v for k, v in calibration.picture_tensors().items()},
+        **line_tensors(calibration),
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
@@ -198,6 +202,16 @@ def _write(
         **provenance.to_header(),
     }
     save_artifact(path, tensors, header)
+
+
+LINE = "calibration.line_scores"
+
+
+def line_tensors(calibration: Calibration) -> dict[str, torch.Tensor]:
+    """``calibration.line_scores`` where the threshold is the line's (method ``line``), else nothing."""
+    if not calibration.line_scores:
+        return {}
+    return {LINE: torch.tensor(calibration.line_scores, dtype=torch.float64)}
 
 
 def calibration_header(calibration: Calibration) -> dict:
@@ -213,6 +227,21 @@ def served_bytes(path: str | Path) -> int:
         ArtifactError: not a readable model file.
     """
     return sum(size for name, size in tensor_sizes(path).items() if not name.startswith(STATISTICS_PREFIXES))
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    """A detector file's calibration alone (its tensors verified; the Gaussians and the backbone not read).
+
+    Raises:
+        ArtifactError: missing, damaged, partial, foreign or newer-format file (one line).
+    """
+    tensors, header = load_artifact(path, skip_prefixes=("mean", "precision_factor", "backbone.", "statistics."))
+    if header.get("kind") != DETECTOR:
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+    try:
+        return _read_calibration(header, tensors)
+    except (KeyError, ValueError) as error:
+        raise ArtifactError(f"{path}: inconsistent calibration ({error})") from None
 
 
 def load_detector(path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:
@@ -399,6 +428,7 @@ def _read_calibration(header: dict, tensors: dict[str, torch.Tensor]) -> Calibra
             tensors.get("calibration.taken_scores"),
             tensors.get("calibration.digests"),
             tensors.get("calibration.linked"),
+            tensors.get(LINE),
         )
     old = header["calibration"]  # format 1: a quantile of a few held-out scores, kept as it was
     scores = tensors["calibration.normal_scores"].to(torch.float64).sort().values

@@ -33,19 +33,25 @@ def shown_options(config: PadimConfig) -> dict:
     return {**config.shown(), "input_shape": list(config.input_shape)}
 
 
-def calibration_options(config: PadimConfig) -> dict:
+def calibration_options(config: PadimConfig, line_scores: int = 0) -> dict:
     """The options of the calibration a user sees beside its threshold: its folds, and the changes of the line it
-    covers (``expect``)."""
+    covers (``expect``), or the line's pictures that set it (``line_scores`` of them)."""
     return {
         "folds": config.gaussian.calibration_folds,
         "expect": config.gaussian.expect,
         "fit_changes": config.copies_fitted,
-        "covers": promise_covers(config.gaussian.expect, config.copies_fitted),
+        "covers": promise_covers(config.gaussian.expect, config.copies_fitted, line_scores),
     }
 
 
-def promise_covers(expect: str, fit_changes: bool = False) -> str:
-    """Which normal pictures the false-alarm promise is about, in words."""
+def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0) -> str:
+    """Which normal pictures the false-alarm promise is about, in words (``line_scores``: the threshold is the
+    quantile of that many of the line's pictures)."""
+    if line_scores:
+        return (
+            f"pictures like the line's {line_scores} normal pictures, whose own quantile the threshold is (the "
+            f"cover of the fit, {expect or 'none'}, replaced)"
+        )
     if not expect:
         return "pictures like the training pictures (no changes of the line declared: train --expect)"
     fitted = "; each picture's changed copy fitted too" if fit_changes else ""
@@ -187,7 +193,7 @@ class PadimDetector:
             "calibration": {
                 **self.calibration.summary(),
                 "source": self.provenance.calibration_source,
-                **calibration_options(self.config),
+                **calibration_options(self.config, len(self.calibration.line_scores)),
                 "threshold_of": f"{spelled_precision(self.config.features.precision)} scorer",
             },
             "verified": self.provenance.verified,

@@ -157,10 +157,40 @@ function showVersions(model) {
     item.dataset.version = v.version;
     item.textContent = `v${v.version}${v.active ? " (active)" : ""} — ${v.created.replace("T", " ").replace("Z", " UTC")}, ` +
       `${v.source}, sha256 ${v.sha256.slice(0, 12)}…` +
-      (v.calibration ? `, threshold promises ${(100 * v.calibration.promised_false_alarm_rate).toFixed(2)}%` : "");
+      (v.calibration ? `, threshold promises ${(100 * v.calibration.promised_false_alarm_rate).toFixed(2)}%` : "") +
+      describeLine(v.update);
     if (v.active) item.className = "active";
     return item;
   }));
+  $("line-threshold").hidden = !state.record;
+}
+
+// A version whose threshold the line set: from how many pictures, what it replaced, what it buys on reviewed defects
+function describeLine(update) {
+  if (!update || update.kind !== "line_threshold") return "";
+  const g = update.gate;
+  const recall = g.defects ? `; recall on ${g.defects} reviewed defects ${pct(g.recall_old)} → ${pct(g.recall_new)}` : "";
+  const cover = update.replaces.expect ? ` (covering ${update.replaces.expect})` : "";
+  return ` — threshold set by ${update.line.pictures} line pictures: raw ${update.threshold.old.toFixed(2)}${cover} → ` +
+    `${update.threshold.new.toFixed(2)}${recall}`;
+}
+
+function pct(value) {
+  return value === null || value === undefined ? "–" : `${(100 * value).toFixed(0)}%`;
+}
+
+async function sizeByLine() {
+  if (!state.model) return;
+  if (!adminKey()) { $("version-message").textContent = "Enter the admin key first."; $("admin-key").focus(); return; }
+  try {
+    const proposal = await api(`/models/${encodeURIComponent(state.model)}/threshold`, { method: "POST", admin: true });
+    $("version-message").textContent = `Version ${proposal.version} proposed (not active): ` +
+      describeLine(proposal).replace(/^ — /, "") + `. Activate it with POST /models/${proposal.model}/versions/` +
+      `${proposal.version}/activate or padim repository activate.`;
+    await loadModels();
+  } catch (error) {
+    $("version-message").textContent = error.status === 401 || error.status === 403 ? "That is not the admin key." : error.message;
+  }
 }
 
 async function rollBack() {
@@ -544,6 +574,7 @@ function wire() {
   $("admin-key").value = adminKey();
   $("admin-key").addEventListener("change", (event) => sessionStorage.setItem(ADMIN_KEY_STORE, event.target.value.trim()));
   $("rollback").addEventListener("click", rollBack);
+  $("line-threshold").addEventListener("click", sizeByLine);
   $("review-key").value = reviewKey();
   $("review-key").addEventListener("change", (event) => {
     sessionStorage.setItem(REVIEW_KEY_STORE, event.target.value.trim());

@@ -23,7 +23,7 @@ from ..openapi import error_responses
 from ..record.pictures import picture_format
 from ..record.recorder import Recorder
 from ..record.store import Filters
-from ..schemas import RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
+from ..schemas import MAX_VERSION, RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
 from ..state import ServiceState
 
 router = APIRouter(prefix="/records", tags=["record"])
@@ -77,7 +77,7 @@ Limit = Annotated[int, Query(ge=1, le=500, description="rows per page")]
 async def list_records(
     state: StateDep,
     model: Model = None,
-    version: Annotated[int | None, Query(ge=1)] = None,
+    version: Annotated[int | None, Query(ge=1, le=MAX_VERSION)] = None,
     verdict: Annotated[Literal["anomalous", "normal"] | None, Query(description="the verdict given")] = None,
     label: Annotated[
         Literal["normal", "defect", "none"] | None, Query(description="the latest review's label; none: not reviewed")

@@ -1,4 +1,5 @@
-"""``POST /models/{name}/update`` (admin): a new version that learns from the record's reviews; ``GET /jobs/{id}``.
+"""``POST /models/{name}/update`` (admin): a new version that learns from the record's reviews; ``GET /jobs/{id}``;
+``POST /models/{name}/threshold`` (admin): a new version whose threshold the line's normal pictures set.
 
 Present when the record is on; the update route also needs the admin routes (``PADIM_ADMIN_KEY``) and a
 repository to write the new version into.
@@ -12,8 +13,9 @@ from fastapi import APIRouter, Body, Query
 
 from ..deps import AdminKey, RecordReader, StateDep
 from ..openapi import error_responses
-from ..schemas import JobInfo, UpdateRequest
-from .records import iso, on_database, recorder
+from ..schemas import JobInfo, LineThreshold, LineThresholdRequest, UpdateRequest
+from ..updates import propose_line_threshold
+from .records import _seconds, iso, on_database, recorder
 
 router = APIRouter(tags=["admin"], dependencies=[AdminKey])
 jobs = APIRouter(tags=["record"], dependencies=[RecordReader])
@@ -36,6 +38,38 @@ async def update(
     body = body or UpdateRequest()
     job = await state.jobs.start(name, body.records, body.version, activate)
     return JobInfo(**_job_out(job))
+
+
+@router.post(
+    "/models/{name}/threshold",
+    status_code=201,
+    summary="write a new version (not active) with the same Gaussians and the threshold the line's normal pictures "
+    "set (their conformal quantile, from the record's scores), with the threshold and cover it replaces and the "
+    "recall it buys on reviewed defects; activating it is refused while the line has changed since (409 "
+    "line_changed)",
+    responses=error_responses(403, 404, 409, 422, 503),
+)
+async def line_threshold(
+    name: str, state: StateDep, body: Annotated[LineThresholdRequest | None, Body()] = None
+) -> LineThreshold:
+    body = body or LineThresholdRequest()
+    since = _seconds("since", body.since)
+    repository = state.changes.writable()
+    store = recorder(state).store
+    async with state.changes.changing(name):
+        proposal = await on_database(
+            state,
+            propose_line_threshold,
+            repository,
+            store,
+            name,
+            body.version,
+            body.false_alarm_rate,
+            since,
+            state.settings.update_max_recall_drop,
+        )
+    state.metrics.model_changes.labels(name, "line_threshold").inc()
+    return LineThreshold(model=name, **{**proposal, "proposed": iso(proposal["proposed"])})
 
 
 @jobs.get(

@@ -14,6 +14,7 @@ from padim.models.errors import (
     DefaultModel,
     ExportError,
     InsufficientMemory,
+    LineChanged,
     ModelBusy,
     ReadOnlyModels,
     UnservableModel,
@@ -43,6 +44,8 @@ class RepositoryChanges:
         metrics: where changes are counted.
         ready: whether the service has loaded its models (changes wait until it has).
         poll_s: seconds between two reads of the repository (``PADIM_REPOSITORY_POLL_S``).
+        line_changed: why a version whose threshold the line set is stale now, or ``None`` (blocking; read before
+            such a version is activated).
     """
 
     def __init__(
@@ -53,9 +56,10 @@ class RepositoryChanges:
         metrics: Metrics,
         ready: Callable[[], bool],
         poll_s: float | None,
+        line_changed: Callable[[Version], str | None] = lambda version: None,
     ):
         self.repository, self.versions, self.loader, self.metrics = repository, versions, loader, metrics
-        self.ready, self.poll_s = ready, poll_s
+        self.ready, self.poll_s, self.line_changed = ready, poll_s, line_changed
         self._changing: dict[str, asyncio.Lock] = {}
 
     def writable(self) -> Repository:
@@ -140,8 +144,8 @@ class RepositoryChanges:
         """Load version ``number`` beside the active one, point the repository at it, then swap.
 
         With ``rollback``, the version is the one active before the current (409 when none). A version made by an
-        update whose gate failed is refused (409 update_gate_failed) unless ``force``, which its ``version.json``
-        then keeps."""
+        update whose gate failed is refused (409 update_gate_failed), and one whose threshold the line set while
+        the line has changed since (409 line_changed), unless ``force``, which its ``version.json`` then keeps."""
         repository = self.writable()
         async with self.changing(name):
             if rollback:
@@ -162,17 +166,25 @@ class RepositoryChanges:
         return {**version.to_dict(), "active": True}
 
     async def _past_gate(self, repository: Repository, version: Version, force: bool) -> None:
-        """Refuse a version whose update's gate failed (409), unless ``force``, which its ``version.json`` keeps."""
+        """Refuse a version whose update's gate failed, or whose line threshold the line has moved away from (409),
+        unless ``force``, which its ``version.json`` keeps."""
         gate = (version.update or {}).get("gate") or {}
-        if gate.get("passed") is not False:
-            return
         name, number = version.name, version.version
-        if not force:
+        stale = await asyncio.to_thread(self.line_changed, version)
+        if gate.get("passed") is not False and stale is None:
+            return
+        if not force and gate.get("passed") is False:
             raise UpdateGateFailed(
                 f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; "
                 "activate it with force=true to override (it is kept in its version.json)"
             )
-        await asyncio.to_thread(repository.note_forced, name, number, {"time": utc_now(), "gate": gate.get("why")})
+        if not force:
+            raise LineChanged(
+                f"version {number} of {name!r} has a threshold the line set, and the line has changed since: "
+                f"{stale}; propose it again from the line as it is now (since=...), or activate it with force=true"
+            )
+        why = gate.get("why") if gate.get("passed") is False else stale
+        await asyncio.to_thread(repository.note_forced, name, number, {"time": utc_now(), "gate": why})
         log.warning("version activated past its gate", extra={"model": name, "version": number})
 
     async def unload(self, name: str) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from padim.models.errors import UsageError
 from padim.models.repository import Repository, Version
 
@@ -17,7 +19,7 @@ from ..errors import ApiError
 from ..metrics import Metrics
 from ..record.recorder import Recorder
 from ..settings import ServiceSettings
-from ..updates import UpdateJobs
+from ..updates import LINE, UpdateJobs, line_changed
 from .changes import RepositoryChanges
 from .loading import Loader
 from .recording import Recording
@@ -65,7 +67,13 @@ class ServiceState:
             settings, self.repository, self.versions, self.scoring, self.scheduler, self.places, loading
         )
         self.changes = RepositoryChanges(
-            self.repository, self.versions, self.loader, metrics, lambda: self.ready, settings.repository_poll_s
+            self.repository,
+            self.versions,
+            self.loader,
+            metrics,
+            lambda: self.ready,
+            settings.repository_poll_s,
+            self._line_changed,
         )
         self.recording = Recording(
             settings, metrics, self.versions, self.loader, self.scoring, self.repository, self.decoder, self.scheduler
@@ -93,6 +101,19 @@ class ServiceState:
     def record(self) -> Recorder | None:
         """The inspection record, when it is on and open."""
         return self.recording.record
+
+    def _line_changed(self, version: Version) -> str | None:
+        """Why a version whose threshold the line set is stale (:func:`~padim.service.updates.line_changed`); a
+        service without its record cannot tell, and says so."""
+        if (version.update or {}).get("kind") != LINE:
+            return None
+        if self.record is None:
+            return "the inspection record is off, so what the line scored since the proposal cannot be read"
+        settings = self.settings
+        try:
+            return line_changed(self.record.store, version, settings.monitor_level, settings.monitor_min_images)
+        except SQLAlchemyError as error:  # refused rather than activated unread; force=true still can
+            return f"the record's database does not answer ({str(error).splitlines()[0][:200]})"
 
     @property
     def failure(self) -> str | None:

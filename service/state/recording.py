@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from padim.models.errors import RecordGone, UsageError, VersionNotFound
+from padim.models.features.embedding import TRACING
 from padim.models.repository import Repository
 from padim.models.scorer import Scorer
 
@@ -159,5 +160,10 @@ class Recording:
             (scored,) = await self.scoring.scored(model, [decoded], raw_threshold, True)
         else:  # not served: scored on the device's thread between two batches, by its own scorer
             item = Item(decoded.tensor, raw_threshold, True, lambda result: None)
-            scored = await asyncio.wrap_future(self.scheduler.call(lambda: score_items(model.score_batch, [item])[0]))
+
+            def draw():
+                with TRACING.shared():  # as a served batch: not while a backbone is traced (a load, an update)
+                    return score_items(model.score_batch, [item])[0]
+
+            scored = await asyncio.wrap_future(self.scheduler.call(draw))
         return await loop.run_in_executor(pool, answer, model.name, model.scorer, decoded, scored, own, True, False)

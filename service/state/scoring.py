@@ -63,7 +63,7 @@ class DeviceScoring:
         """
         name = model.name
         try:
-            with TRACING:  # not while another version's backbone is traced on the loader thread
+            with TRACING.shared():  # not while another version's backbone is traced on the loader thread
                 out = model.score_batch(batch, on_split=lambda: self.metrics.device_errors.labels(name, "split").inc())
         except Exception as error:
             if not is_cuda_error(error):

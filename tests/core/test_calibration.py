@@ -1,5 +1,6 @@
 """Calibration: folds, order statistics and thresholds against scipy/numpy, and realised false-alarm rates."""
 
+import dataclasses
 import hashlib
 import math
 
@@ -14,10 +15,12 @@ from padim.core.calibration import (
     CalibrationError,
     beta_quantile,
     betainc,
+    conformal_threshold,
     estimate_threshold,
     false_alarm_bound,
     fold_of,
     images_needed,
+    line_pictures_needed,
     promised_false_alarm_rate,
 )
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
@@ -249,3 +252,49 @@ def test_without_a_picture_equals_the_calibration_of_the_others():
     manual, _ = whole.with_threshold(15.0).without({1003})
     assert manual.threshold == 15.0 and manual.count == 59 and manual.method == "manual"
     assert Calibration.from_scores(scores, 0.05).without({1003}) == (Calibration.from_scores(scores, 0.05), 0)
+
+
+def test_a_threshold_tightened_by_the_line_is_its_pictures_conformal_quantile_and_promises_on_them():
+    """The same Gaussians, the threshold set by what the line's normal pictures scored: their ceil((n+1)(1-a))-th
+    smallest (checked against NumPy's order statistic), the promise and its bound on them, and they are what a normal
+    picture scores (drift reference, the 0.1 median)."""
+    rng = np.random.default_rng(11)
+    training = Calibration.from_scores(torch.from_numpy(rng.gumbel(20.0, 3.0, size=60)), 0.01)
+    line = rng.normal(14.0, 1.5, size=500)  # a steady line scores below the cover's threshold
+    tightened = training.tightened(torch.from_numpy(line))
+    rank = math.ceil(501 * 0.99)  # 496th smallest: 5 of 500 above it at most
+    assert tightened.threshold == np.sort(line)[rank - 1] < training.threshold
+    assert tightened.method == "line" and tightened.false_alarm_rate == 0.01 and tightened.scores == training.scores
+    assert tightened.count == 60 and len(tightened.promised_on) == 500 and tightened.covered == rank
+    assert tightened.promised_false_alarm_rate == pytest.approx(5 / 501) and tightened.can_promise
+    assert tightened.false_alarm_bound == pytest.approx(stats.beta.ppf(CONFIDENCE, 5, 496), rel=1e-8)
+    assert tightened.reference_scores == tuple(np.sort(line).tolist())
+    assert abs(float(tightened.normalise(torch.tensor(np.quantile(line, 0.5)))) - 0.1) < 1e-9
+    assert tightened.summary()["line_scores"] == 500 and tightened.summary()["method"] == "line"
+    # another rate; a file's header and tensors give it back; a header that disagrees with the tensors is refused
+    five = training.tightened(torch.from_numpy(line), 0.05)
+    assert five.threshold == np.sort(line)[math.ceil(501 * 0.95) - 1]
+    scores = torch.tensor(training.scores, dtype=torch.float64)
+    again = Calibration.from_header(tightened.to_header(), scores, line_scores=torch.from_numpy(line))
+    assert again == tightened
+    with pytest.raises(ValueError, match="counts 500 line scores, the file holds 0"):
+        Calibration.from_header(tightened.to_header(), scores)
+    # too few pictures: refused, saying how many (five of them above the threshold: one proposal from the largest of
+    # 100 flagged up to 10% in benchmarks/tightening.py)
+    assert line_pictures_needed(0.01) == 499 and line_pictures_needed(0.05) == 99 and line_pictures_needed(0.5) == 9
+    with pytest.raises(CalibrationError, match="498 line picture.*499 are needed, so that 5 of them lie above"):
+        training.tightened(torch.from_numpy(line[:498]))
+    assert np.sort(line[:499])[-5] == training.tightened(torch.from_numpy(line[:499])).threshold
+    assert conformal_threshold(torch.from_numpy(line[:99]), 0.01) == line[:99].max()
+    with pytest.raises(CalibrationError, match="98 normal score.*99 are needed"):
+        conformal_threshold(torch.from_numpy(line[:98]), 0.01)
+    with pytest.raises(CalibrationError, match="manual threshold has no false-alarm rate"):
+        training.with_threshold(30.0).tightened(torch.from_numpy(line))
+    # a manual threshold over it forgets the line; a review that takes a training picture out keeps the line's
+    manual = tightened.with_threshold(15.0)
+    assert manual.method == "manual" and manual.line_scores == () and manual.count == 60
+    pictures = tuple((1000 + i, s, math.nan, math.nan) for i, s in enumerate(training.scores))
+    linked = dataclasses.replace(tightened, pictures=pictures)
+    taken_out, found = linked.without({1000})
+    assert found == 1 and taken_out.threshold == tightened.threshold and taken_out.line_scores == tightened.line_scores
+    assert len(taken_out.scores) == 59 and taken_out.method == "line"

@@ -289,7 +289,7 @@ def test_the_monitor_panel_says_what_the_monitor_json_says(browser, model_file, 
         assert after["status"] == "collecting" and after["images"] == 0
 
 
-def test_the_console_shows_the_version_and_an_admin_rolls_back_with_the_key_typed_in(browser, model_file, tmp_path):
+def test_the_console_shows_versions_an_admin_rolls_back_and_sizes_the_threshold(browser, model_file, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
@@ -298,7 +298,7 @@ def test_the_console_shows_the_version_and_an_admin_rolls_back_with_the_key_type
     repository = Repository(tmp_path / "repo")
     for _ in range(2):
         repository.activate("weave", repository.add("weave", model_file).version)
-    env = {"PADIM_ADMIN_KEY": "adm1n-key"}
+    env = {"PADIM_ADMIN_KEY": "adm1n-key", "PADIM_RECORD_DIR": str(tmp_path / "record")}
     with running_server(tmp_path, [], env=env, args=("--repository", str(tmp_path / "repo"))) as served:
         browser.get(served.url + "/")
         wait(browser, lambda d: "Version 2." in text(d, "model-info"))
@@ -313,6 +313,10 @@ def test_the_console_shows_the_version_and_an_admin_rolls_back_with_the_key_type
         wait(browser, lambda d: "back on version 1" in text(d, "version-message"))
         wait(browser, lambda d: "Version 1." in text(d, "model-info"))
         assert "v1 (active)" in text(browser, "version-list")
+        # the line has scored nothing yet: the route's answer says how many pictures a threshold sized by it needs
+        browser.find_element(By.ID, "line-threshold").click()
+        wait(browser, lambda d: "499 are needed" in text(d, "version-message"))
+        assert "0 normal picture(s)" in text(browser, "version-message")
         assert "adm1n" not in browser.current_url
         assert browser.execute_script("return sessionStorage.getItem('padim-admin-key')") == "adm1n-key"
         assert browser.execute_script("return localStorage.length") == 0

@@ -3,6 +3,7 @@ them into a new version that (once activated) no longer flags that light; a wron
 holds back a version that loses recall; a job killed midway writes nothing."""
 
 import json
+import math
 import signal
 import time
 
@@ -170,6 +171,92 @@ def test_false_alarms_reviewed_as_normal_are_learned_into_a_version_that_no_long
         refused = httpx.post(server.url + "/models/weave/update", json={"version": added["version"]}, headers=admin)
         assert refused.status_code == 422 and refused.json()["error"]["code"] == "not_updatable"
         assert "--slim" in refused.json()["error"]["message"]
+
+
+def test_a_threshold_sized_by_the_line_is_proposed_activated_and_refused_once_the_line_has_moved(
+    line, dataset, tmp_path
+):
+    """The record's scores of the line's normal pictures set a new version's threshold (their conformal quantile,
+    recomputed here from the answers); it serves once activated; once the line moves (another lamp), a proposal made
+    before is refused (409 line_changed) unless forced. The same offline with ``padim repository``."""
+    repository, env, args = line
+    normal, shifted = normal_and_shifted(tmp_path / "pictures", 110)
+    defects = sorted(p for p in dataset.glob("test/*/*.png") if p.parent.name != "good")
+    five = {"false_alarm_rate": 0.05}
+    with running_server(tmp_path, [], env=env, args=args) as server:
+        url = server.url
+        first = score_all(url, normal[:60])
+        wait_rows(url, 60)
+        early = httpx.post(url + "/models/weave/threshold", headers=admin, timeout=60)  # the model's 1%
+        assert early.status_code == 409 and early.json()["error"]["code"] == "too_few_line_pictures", early.text
+        assert "60 normal picture(s)" in early.text and "499 are needed" in early.text
+        rest = score_all(url, normal[60:])
+        seen_defects = score_all(url, defects)
+        wait_rows(url, 110 + len(defects))
+        label(url, seen_defects, "defect")
+        label(url, rest[:5], "normal")
+        old = httpx.get(url + "/models/weave/versions", headers=admin).json()["versions"][0]["calibration"]
+
+        proposed = httpx.post(url + "/models/weave/threshold", json=five, headers=admin, timeout=60)
+        assert proposed.status_code == 201, proposed.text
+        body = proposed.json()
+        raw = sorted(a["raw_score"] for a in first + rest)  # the defects are reviewed as such: left out
+        rank = math.ceil(111 * 0.95)
+        assert body["threshold"] == {"old": old["threshold"], "new": pytest.approx(raw[rank - 1], rel=1e-12)}
+        assert body["threshold"]["new"] < old["threshold"]  # a steady line: tighter than the cover's
+        assert body["version"] == 2 and body["base_version"] == 1 and body["line"]["versions"] == [1]
+        assert body["line"]["pictures"] == 110 and body["line"]["reviewed_normal"] == 5
+        assert body["replaces"]["method"] == old["method"] and body["replaces"]["threshold"] == old["threshold"]
+        assert body["calibration"]["line_scores"] == 110
+        assert body["calibration"]["promised_false_alarm_rate"] == pytest.approx((111 - rank) / 111)
+        gate = body["gate"]
+        assert gate["defects"] == len(defects) and gate["caught_old"] == flags(seen_defects)
+        assert gate["caught_new"] == sum(a["raw_score"] >= body["threshold"]["new"] for a in seen_defects)
+        assert gate["normals"] == 5 and gate["passed"]
+        versions = httpx.get(url + "/models/weave/versions", headers=admin).json()["versions"]
+        assert [v["active"] for v in versions] == [True, False] and versions[1]["calibration"]["method"] == "line"
+        assert (
+            versions[1]["source"] == "line threshold of version 1" and versions[1]["update"]["kind"] == "line_threshold"
+        )
+
+        activated = httpx.post(url + "/models/weave/versions/2/activate", headers=admin, timeout=120)
+        assert activated.status_code == 200, activated.text
+        served = score_all(url, normal[:8])
+        assert [a["raw_threshold"] for a in served] == pytest.approx([body["threshold"]["new"]] * 8, rel=1e-9)
+        assert [a["raw_score"] for a in served] == pytest.approx([a["raw_score"] for a in first[:8]], rel=1e-5)
+
+        # proposed again from version 2 (its rows and version 1's: the same Gaussians); then the lamp changes
+        again = httpx.post(url + "/models/weave/threshold", json=five, headers=admin, timeout=60).json()
+        assert again["version"] == 3 and again["line"]["versions"] == [2, 1] and again["line"]["pictures"] == 110
+        moved = score_all(url, shifted[:40])
+        wait_rows(url, 110 + len(defects) + 8 + 40)
+        refused = httpx.post(url + "/models/weave/versions/3/activate", headers=admin, timeout=120)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "line_changed", refused.text
+        assert "40 pictures scored since the proposal" in refused.json()["error"]["message"], refused.text
+        assert flags(moved) >= 10
+        forced = httpx.post(
+            url + "/models/weave/versions/3/activate", params={"force": True}, headers=admin, timeout=120
+        )
+        assert forced.status_code == 200, forced.text
+        third = httpx.get(url + "/models/weave/versions", headers=admin).json()["versions"][2]
+        assert third["active"] and "40 pictures" in third["update"]["forced"][0]["gate"]
+
+    # offline, as padim repository: the same proposal from the same rows; activation reads the line since
+    record = ["--record", tmp_path / "record"]
+    tighten = ("repository", "threshold", repository, "weave", "--version", "1", *record)
+    offline = json.loads(run_cli(*tighten, "--false-alarm-rate", "0.08").stdout)
+    assert offline["version"] == 4 and offline["line"]["pictures"] == 110 and offline["line"]["versions"] == [1]
+    ranked = sorted(a["raw_score"] for a in first + rest)[math.ceil(111 * 0.92) - 1]
+    assert offline["threshold"]["new"] == pytest.approx(ranked, rel=1e-12)
+    mine = run_cli(*tighten, check=False)  # the version's own rate, 1%: 499 pictures
+    assert mine.returncode == 1 and "110 normal picture(s)" in mine.stderr and "499 are needed" in mine.stderr
+    assert json.loads(run_cli("repository", "activate", repository, "weave", "4", *record).stdout)["active"]
+    stale = run_cli("repository", "activate", repository, "weave", "2", check=False)
+    assert stale.returncode == 1 and "pass --record" in stale.stderr
+    stale = run_cli("repository", "activate", repository, "weave", "2", *record, check=False)
+    assert stale.returncode == 1 and "the line has changed since" in stale.stderr, stale.stderr
+    few = run_cli(*tighten, "--since", "2100-01-01", check=False)
+    assert few.returncode == 1 and "0 normal picture(s)" in few.stderr and "since then" in few.stderr
 
 
 def test_the_gate_holds_back_a_version_that_loses_recall(line, tmp_path):

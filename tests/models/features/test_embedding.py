@@ -109,3 +109,60 @@ def test_neighbourhood_averages_each_layer_on_its_own_grid_then_reduces(reductio
 def test_neighbourhood_must_be_odd_and_positive(k):
     with pytest.raises(ValueError, match="odd number"):
         Embedding.create(BACKBONES["resnet18"], LAYERS, embedding_dim=10, reduction="random", seed=0, neighbourhood=k)
+
+
+def test_a_backbone_is_traced_alone_while_batches_and_exports_share_the_lock():
+    """torch.fx patches nn.Module.__call__ for the whole process while it traces: a forward on another thread then
+    fails. Batches (and exports) hold TRACING shared, side by side; a trace waits for them and holds it alone, and
+    a batch that comes while a trace waits goes after it."""
+    import threading
+    import time
+
+    from padim.models.features.embedding import TRACING, SharedOrAlone
+
+    lock, order, held = SharedOrAlone(), [], []
+
+    def take(how, name: str) -> None:
+        held.append(how)  # kept: a context manager collected unclosed would let go
+        how.__enter__()
+        order.append(name)
+
+    first, second = lock.shared(), lock.shared()
+    first.__enter__(), second.__enter__()  # two at once
+    tracer = threading.Thread(target=take, args=(lock.alone(), "alone"))
+    tracer.start()
+    time.sleep(0.1)
+    late = threading.Thread(target=take, args=(lock.shared(), "late batch"))
+    late.start()
+    time.sleep(0.1)
+    assert order == []  # the trace waits for both holders, the late batch for the waiting trace
+    first.__exit__(None, None, None), second.__exit__(None, None, None)
+    tracer.join(5)
+    time.sleep(0.1)
+    assert order == ["alone"]  # and the late batch waits until it is done
+    held[0].__exit__(None, None, None)
+    late.join(5)
+    assert order == ["alone", "late batch"]
+
+    # the real thing: traces of a backbone on one thread, batches of another extractor on two others
+    backbone, _ = build_backbone("resnet18", "random", seed=0)
+    scoring = FeatureExtractor(build_backbone("resnet18", "random", seed=1)[0], ("layer1",))
+    errors, stop = [], threading.Event()
+
+    def batches():
+        while not stop.is_set():
+            try:
+                with TRACING.shared():
+                    scoring(torch.zeros(1, 3, 32, 32))
+            except Exception as error:  # noqa: BLE001 - what a scoring thread would have answered 500 for
+                errors.append(error)
+
+    threads = [threading.Thread(target=batches) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for _ in range(6):
+        FeatureExtractor(backbone, ("layer1", "layer2"))
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []

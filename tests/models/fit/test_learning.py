@@ -108,3 +108,38 @@ def test_a_format_eight_file_loses_the_statistics_of_a_picture_but_keeps_its_sco
         - CONFIG.rows_per_picture
     )
     shutil.rmtree(tmp_path)
+
+
+def test_a_line_threshold_travels_in_the_file_and_its_export_and_a_format_twelve_file_has_none(model_file, tmp_path):
+    """Format 13 and export version 10 carry the line's scores of a threshold the line set (method ``line``); the
+    Gaussians and every other tensor are copied as they were; a file of format 12 is read with no line."""
+    from padim.core.artifact import FORMAT_VERSION, read_header
+    from padim.models.deploy import export
+    from padim.models.deploy.runtimes import load_scorer
+    from padim.models.fit.model_file import read_calibration, store_calibration
+
+    calibration = read_calibration(model_file)
+    assert calibration == load_detector(model_file, device="cpu").calibration and calibration.line_scores == ()
+    line = torch.linspace(0.5, 0.9, 600, dtype=torch.float64) * calibration.threshold
+    tightened = calibration.tightened(line)
+    store_calibration(model_file, tightened, tmp_path / "line.padim")
+    header = read_header(tmp_path / "line.padim")
+    assert header["format_version"] == FORMAT_VERSION == 13 and header["calibration"]["method"] == "line"
+    assert read_calibration(model_file) == calibration  # the version it came from is not touched
+    loaded = load_detector(tmp_path / "line.padim", device="cpu")
+    assert loaded.calibration == tightened and loaded.calibration.line_scores == tuple(line.tolist())
+    before, after = load_artifact(model_file)[0], load_artifact(tmp_path / "line.padim")[0]
+    assert set(after) == set(before) | {"calibration.line_scores"}
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert "the line's 600 normal pictures" in loaded.describe()["calibration"]["covers"]
+    export.export_detector(loaded, tmp_path / "exported", "onnx", tmp_path / "line.padim")
+    exported = load_scorer(tmp_path / "exported", "onnxruntime", "cpu")
+    assert exported.calibration == tightened and "line's 600" in exported.describe()["calibration"]["covers"]
+    # a format-12 file holds no line's scores and reads as it did; its threshold set by the line is written as 13
+    tensors, old = load_artifact(model_file)
+    del old["calibration"]["line_scores"]
+    older_format_of(tensors, old, tmp_path / "twelve.padim", 12)
+    assert read_calibration(tmp_path / "twelve.padim") == calibration
+    store_calibration(tmp_path / "twelve.padim", tightened, tmp_path / "twelve-line.padim")
+    assert read_header(tmp_path / "twelve-line.padim")["format_version"] == 13
+    assert read_calibration(tmp_path / "twelve-line.padim") == tightened
