@@ -299,7 +299,8 @@ def propose_line_threshold(
     max_recall_drop: float = 0.0,
 ) -> dict:
     """Write a new version of ``name`` (not active): version ``number``'s Gaussians (the active one's by default),
-    its threshold set from the line; returns the version and what was proposed (:func:`_proposal`).
+    its threshold set from the line; returns the new version's number and what its ``version.json`` keeps of the
+    proposal (``update``: the line's pictures, the thresholds, what it replaces, the promise, the gate).
 
     The line's normal pictures are every picture the same Gaussians scored (this version, and the versions it was
     tightened from) at or after ``since``, once each, that no review called a defect: unreviewed flagged pictures
@@ -308,7 +309,8 @@ def propose_line_threshold(
     Raises:
         VersionNotFound: no such model or version.
         NotUpdatable: an export directory (no model file to write the threshold into).
-        CalibrationError: too few line pictures for the rate (the message says how many are needed).
+        UsageError: no rate (a threshold set by hand, and none given), or one out of range.
+        TooFewLinePictures: fewer line pictures than :func:`~padim.core.calibration.line_pictures_needed`.
     """
     if number is None:
         number = repository.active(name)

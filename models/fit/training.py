@@ -579,7 +579,7 @@ def _out_of_fold_calibration(
         input_distances = torch.cat([torch.tensor(earlier_inputs, dtype=torch.float64), input_distances])
     if taken_scores is not None:
         # an earlier calibration without its images' own scores (a file older than format 8) gives its scores
-        earlier_taken = fit.earlier.reference_scores if fit.earlier is not None else ()
+        earlier_taken = (fit.earlier.taken_scores or fit.earlier.scores) if fit.earlier is not None else ()
         taken_scores = torch.cat([torch.tensor(earlier_taken, dtype=torch.float64), taken_scores])
     if not len(scores) and not earlier:
         raise FitError(

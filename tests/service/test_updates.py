@@ -240,6 +240,8 @@ def test_a_threshold_sized_by_the_line_is_proposed_activated_and_refused_once_th
         assert forced.status_code == 200, forced.text
         third = httpx.get(url + "/models/weave/versions", headers=admin).json()["versions"][2]
         assert third["active"] and "40 pictures" in third["update"]["forced"][0]["gate"]
+        metrics = httpx.get(url + "/metrics", headers=admin).text
+        assert 'padim_model_changes_total{change="line_threshold",model="weave"} 2.0' in metrics
 
     # offline, as padim repository: the same proposal from the same rows; activation reads the line since
     record = ["--record", tmp_path / "record"]

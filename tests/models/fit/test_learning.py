@@ -110,7 +110,9 @@ def test_a_format_eight_file_loses_the_statistics_of_a_picture_but_keeps_its_sco
     shutil.rmtree(tmp_path)
 
 
-def test_a_line_threshold_travels_in_the_file_and_its_export_and_a_format_twelve_file_has_none(model_file, tmp_path):
+def test_a_line_threshold_travels_in_the_file_and_its_export_and_a_format_twelve_file_has_none(
+    model_file, dataset, tmp_path
+):
     """Format 13 and export version 10 carry the line's scores of a threshold the line set (method ``line``); the
     Gaussians and every other tensor are copied as they were; a file of format 12 is read with no line."""
     from padim.core.artifact import FORMAT_VERSION, read_header
@@ -135,6 +137,12 @@ def test_a_line_threshold_travels_in_the_file_and_its_export_and_a_format_twelve
     export.export_detector(loaded, tmp_path / "exported", "onnx", tmp_path / "line.padim")
     exported = load_scorer(tmp_path / "exported", "onnxruntime", "cpu")
     assert exported.calibration == tightened and "line's 600" in exported.describe()["calibration"]["covers"]
+    # pictures added to its statistics (a resume, an update): calibrated again from the training pictures' scores
+    added = named_by_content(sorted((dataset / "test" / "good").glob("*.png"))[:2])
+    update_model(tmp_path / "line.padim", added, [], tmp_path / "resumed.padim")
+    resumed = read_calibration(tmp_path / "resumed.padim")
+    assert resumed.method != "line" and resumed.line_scores == () and resumed.count == calibration.count + 2
+    assert len(resumed.taken_scores) == len(calibration.taken_scores) + 2
     # a format-12 file holds no line's scores and reads as it did; its threshold set by the line is written as 13
     tensors, old = load_artifact(model_file)
     del old["calibration"]["line_scores"]
