@@ -179,7 +179,25 @@ def conformal_threshold(scores: torch.Tensor, false_alarm_rate: float) -> float:
         )
     if not bool(torch.isfinite(values).all()):
         raise CalibrationError("some normal scores are not finite")
-    return float(values[math.ceil((values.numel() + 1) * (1.0 - false_alarm_rate) - 1e-9) - 1])
+    return float(values[conformal_rank(values.numel(), false_alarm_rate) - 1])
+
+
+def conformal_rank(count: int, false_alarm_rate: float) -> int:
+    """``ceil((count + 1)(1 - alpha))``: the rank (from 1, smallest first) of the conformal quantile of ``count``
+    scores."""
+    return math.ceil((count + 1) * (1.0 - false_alarm_rate))
+
+
+def checked_rate(false_alarm_rate: float) -> float:
+    """``false_alarm_rate`` when within :data:`~padim.core.limits.FALSE_ALARM_RATE_RANGE`.
+
+    Raises:
+        CalibrationError: out of range.
+    """
+    low, high = FALSE_ALARM_RATE_RANGE
+    if not low <= false_alarm_rate <= high:
+        raise CalibrationError(f"false_alarm_rate must be in [{low:g}, {high:g}], got {false_alarm_rate}")
+    return false_alarm_rate
 
 
 def line_pictures_needed(false_alarm_rate: float) -> int:
@@ -218,8 +236,7 @@ def estimate_threshold(scores: torch.Tensor, false_alarm_rate: float) -> tuple[f
     if count == 0:
         raise CalibrationError("no calibration scores")
     if count >= empirical_minimum(false_alarm_rate):
-        rank = math.ceil((count + 1) * (1.0 - false_alarm_rate))
-        return float(values[rank - 1]), "empirical"
+        return float(values[conformal_rank(count, false_alarm_rate) - 1]), "empirical"
     if count == 1:
         return float(values[0]), "maximum"
     return gumbel_quantile(values, 1.0 - false_alarm_rate), "gumbel_tail"
@@ -281,9 +298,7 @@ class Calibration:
             CalibrationError: no scores, non-finite scores, or scores that are all (nearly)
                 zero (the normal images do not differ from each other).
         """
-        low, high = FALSE_ALARM_RATE_RANGE
-        if not low <= false_alarm_rate <= high:
-            raise CalibrationError(f"false_alarm_rate must be in [{low:g}, {high:g}], got {false_alarm_rate}")
+        checked_rate(false_alarm_rate)
         values = scores.detach().to(torch.float64).flatten().sort().values
         if values.numel() and not bool(torch.isfinite(values).all()):
             raise CalibrationError("some calibration scores are not finite")
@@ -369,9 +384,7 @@ class Calibration:
         rate = self.false_alarm_rate if false_alarm_rate is None else false_alarm_rate
         if rate is None:
             raise CalibrationError("a manual threshold has no false-alarm rate: give the rate to tighten it for")
-        low, high = FALSE_ALARM_RATE_RANGE
-        if not low <= rate <= high:
-            raise CalibrationError(f"false_alarm_rate must be in [{low:g}, {high:g}], got {rate}")
+        checked_rate(rate)
         values = line_scores.detach().to(torch.float64).flatten().sort().values
         needed = line_pictures_needed(rate)
         if values.numel() < needed:

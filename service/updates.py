@@ -35,17 +35,18 @@ import time
 import torch
 
 from padim.core.artifact import file_sha256, read_header
-from padim.core.calibration import LINE_EXCEEDANCES, line_pictures_needed
+from padim.core.calibration import LINE_EXCEEDANCES, CalibrationError, checked_rate, line_pictures_needed
 from padim.core.drift import assess
 from padim.core.errors import ArtifactError
-from padim.core.limits import FALSE_ALARM_RATE_RANGE
 from padim.models.config import PadimConfig
 from padim.models.errors import (
+    LineChanged,
     ModelBusy,
     NothingToUpdate,
     NotUpdatable,
     PadimError,
     TooFewLinePictures,
+    UpdateGateFailed,
     UsageError,
     VersionNotFound,
 )
@@ -329,9 +330,10 @@ def propose_line_threshold(
     rate = calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate
     if rate is None:
         raise UsageError(f"version {number} of {name!r} has a threshold set by hand: give the false-alarm rate")
-    low, high = FALSE_ALARM_RATE_RANGE
-    if not low <= rate <= high:
-        raise UsageError(f"the false-alarm rate must be in [{low:g}, {high:g}], got {rate:g}")
+    try:
+        checked_rate(rate)
+    except CalibrationError as error:  # what was asked, not what was fitted: 422
+        raise UsageError(str(error)) from None
     needed = line_pictures_needed(rate)
     if len(normal) < needed:
         raise TooFewLinePictures(
@@ -421,6 +423,25 @@ def line_changed(store: RecordStore, version: Version, level: float, min_images:
             f"x{shift.median_ratio:.2f})"
         )
     return f"{drift.images} pictures scored since the proposal: " + "; ".join(said)
+
+
+def activation_refused(version: Version, stale: str | None) -> PadimError | None:
+    """Why activating ``version`` is refused unless forced, or ``None``: its update's gate failed, or the line changed
+    since the line set its threshold (``stale``: :func:`line_changed`'s reason). The service and ``padim repository
+    activate`` refuse alike."""
+    gate = (version.update or {}).get("gate") or {}
+    name, number = version.name, version.version
+    if gate.get("passed") is False:
+        return UpdateGateFailed(
+            f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; activate it with force=true "
+            "(padim repository activate --force) to override (it is kept in its version.json)"
+        )
+    if stale is not None:
+        return LineChanged(
+            f"version {number} of {name!r} has a threshold the line set, and the line has changed since: {stale}; "
+            "propose it again from the line as it is now (since, --since), or activate it with force=true (--force)"
+        )
+    return None
 
 
 def _pictures(rows) -> list[dict]:

@@ -180,31 +180,23 @@ def _check_activation(version, args: argparse.Namespace) -> None:
     """What the service checks before it activates: an update's gate, and a line threshold's line since."""
     # imported here: `padim --help` loads no torch
     from padim.core.drift import LEVEL, MIN_IMAGES
-    from padim.models.errors import LineChanged, UpdateGateFailed, UsageError
-    from padim.service.updates import LINE, line_changed
+    from padim.models.errors import UsageError
+    from padim.service.updates import LINE, activation_refused, line_changed
 
-    update = version.update or {}
     if args.force:
         return
-    if (update.get("gate") or {}).get("passed") is False:
-        raise UpdateGateFailed(
-            f"version {version.version} of {version.name!r} failed its update's gate: {update['gate'].get('why')}; "
-            "--force activates it anyway"
-        )
-    if update.get("kind") != LINE:
-        return
-    if args.record is None and args.url is None:
-        raise UsageError(
-            f"version {version.version} of {version.name!r} has a threshold the line set: pass --record (or set "
-            "PADIM_RECORD_DIR) so that what the line scored since can be read, or --force"
-        )
-    store = open_record(args)
-    try:
-        stale = line_changed(store, version, LEVEL, MIN_IMAGES)
-    finally:
-        store.close()
-    if stale is not None:
-        raise LineChanged(
-            f"version {version.version} of {version.name!r}: the line has changed since its threshold was proposed: "
-            f"{stale}; propose one again (--since), or --force"
-        )
+    stale = None
+    if (version.update or {}).get("kind") == LINE:
+        if args.record is None and args.url is None:
+            raise UsageError(
+                f"version {version.version} of {version.name!r} has a threshold the line set: pass --record (or set "
+                "PADIM_RECORD_DIR) so that what the line scored since can be read, or --force"
+            )
+        store = open_record(args)
+        try:
+            stale = line_changed(store, version, LEVEL, MIN_IMAGES)
+        finally:
+            store.close()
+    refused = activation_refused(version, stale)
+    if refused is not None:
+        raise refused

@@ -14,7 +14,6 @@ from padim.models.errors import (
     DefaultModel,
     ExportError,
     InsufficientMemory,
-    LineChanged,
     ModelBusy,
     ReadOnlyModels,
     UnservableModel,
@@ -28,6 +27,7 @@ from padim.models.repository import Repository, Version, check_model, model_path
 
 from ..errors import ApiError
 from ..metrics import Metrics
+from ..updates import activation_refused
 from .loading import Loader
 from .versions import LoadedVersions, collect
 
@@ -168,22 +168,15 @@ class RepositoryChanges:
     async def _past_gate(self, repository: Repository, version: Version, force: bool) -> None:
         """Refuse a version whose update's gate failed, or whose line threshold the line has moved away from (409),
         unless ``force``, which its ``version.json`` keeps."""
-        gate = (version.update or {}).get("gate") or {}
-        name, number = version.name, version.version
         stale = await asyncio.to_thread(self.line_changed, version)
-        if gate.get("passed") is not False and stale is None:
+        refused = activation_refused(version, stale)
+        if refused is None:
             return
-        if not force and gate.get("passed") is False:
-            raise UpdateGateFailed(
-                f"version {number} of {name!r} failed its update's gate: {gate.get('why')}; "
-                "activate it with force=true to override (it is kept in its version.json)"
-            )
         if not force:
-            raise LineChanged(
-                f"version {number} of {name!r} has a threshold the line set, and the line has changed since: "
-                f"{stale}; propose it again from the line as it is now (since=...), or activate it with force=true"
-            )
-        why = gate.get("why") if gate.get("passed") is False else stale
+            raise refused
+        name, number = version.name, version.version
+        gate = (version.update or {}).get("gate") or {}
+        why = gate.get("why") if isinstance(refused, UpdateGateFailed) else stale
         await asyncio.to_thread(repository.note_forced, name, number, {"time": utc_now(), "gate": why})
         log.warning("version activated past its gate", extra={"model": name, "version": number})
 
