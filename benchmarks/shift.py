@@ -17,6 +17,10 @@ scores with :class:`padim.models.api.Detector` (what ``padim predict`` and the s
   as many of the unseen normal pictures as the calibrated one did (set just above the next one): how much of what
   the features separate the honest threshold keeps.
 
+A category written ``<category>+light`` is a line whose lamp wanders (:data:`LINE_LIGHT`: every picture under one
+seeded draw of brightness +-20% and contrast +-10%), its edges read on the pictures before the draw: what
+``--expect auto`` is measured on. ``--fit-rounds N`` times the fits alone, the option sets interleaved.
+
 Categories: photographed materials (:mod:`photographed`: brick, grass, gravel, stained tissue, the moon) and
 generated ones (:func:`padim.models.data.synthetic.generate`; another region is the generator's ``region=0.5``,
 as ``benchmarks/quality.py --grid robust`` reads it). Results per category, never only the mean; JSON with
@@ -25,10 +29,11 @@ as ``benchmarks/quality.py --grid robust`` reads it). Results per category, neve
     python benchmarks/shift.py                                   # every option set, every category (~40 min, 2 cores)
     python benchmarks/shift.py --options "n1-s0.5-rough,n3-s0-rough" --categories tissue,brick
     python benchmarks/shift.py --quick                           # 2 categories, 2 option sets: a smoke run
+    python benchmarks/shift.py --categories brick,brick+light --options n3-s0.5-rough,n3-s0.5-auto --fit-rounds 3
 
 An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]
-[-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``); ``<expect>`` is a preset or ``geometry``,
-``rough``'s cover without its light (``shift=6,rotate=2,blur=1.5,jpeg=60``).
+[-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``); ``<expect>`` is a preset, ``auto`` or
+``geometry``, ``rough``'s cover without its light (``shift=6,rotate=2,blur=1.5,jpeg=60``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from sklearn.metrics import roc_auc_score
 from timing import machine_name, work_folder
 
 import padim
-from padim.models.data.changes import Draw, apply
+from padim.models.data.changes import Draw, Expected, apply, seeded
 from padim.models.data.synthetic import DEFECTS, MORE_DEFECTS, generate
 from padim.models.evaluation.metrics import per_region_overlap
 
@@ -123,6 +128,36 @@ def generated_category(root: Path, category: str, train: int, seed: int = 0) -> 
     return folder
 
 
+#: ``<category>+light``: a line whose lamp wanders: every picture of the category (training, normal and defect)
+#: under one seeded draw of these changes, so that ``--expect auto`` finds them in the training pictures; the edges
+#: are then read on the pictures as the category had them (``plain/``), the line's own range's edge.
+LINE_LIGHT = Expected(brightness=0.2, contrast=0.1)
+
+
+def line_category(root: Path, base: Path, changes: Expected = LINE_LIGHT) -> Path:
+    """``base``'s pictures each under one seeded draw of ``changes`` (masks untouched), in ``<base>+light``; the
+    normal test pictures as they were under ``plain/`` for the edges."""
+    folder = root / f"{base.name}+light"
+    if (folder / ".complete").exists():
+        return folder
+    for path in sorted(base.rglob("*.png")):
+        relative = path.relative_to(base)
+        target = folder / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if "ground_truth" in relative.parts:
+            shutil.copyfile(path, target)
+            continue
+        with Image.open(path) as opened:
+            picture = opened.convert("RGB")
+        apply(picture, changes.draw(seeded(relative.as_posix()))).save(target)
+        if relative.parent.name == "good" and "test" in relative.parts:
+            plain = folder / "plain" / relative
+            plain.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, plain)
+    (folder / ".complete").touch()
+    return folder
+
+
 def pictures(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.png")) if folder.is_dir() else []
 
@@ -147,6 +182,7 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
         "options": option_set,
         "fit_s": round(fit_seconds, 2),
         "threshold": detector.calibration.threshold,
+        "expect": detector.config.gaussian.expect,
         "precision_check": described.get("precision_check"),
     }
     for split, where in (("exchangeable", category), ("region", category / "region")):
@@ -184,21 +220,55 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
         }
     rng = np.random.default_rng(7)
     good = [Image.open(p).convert("RGB") for p in pictures(category / "test" / "good")]
+    plain = category / "plain"  # a line category: its edges are read on the pictures before the line's draw
+    edge_good = [Image.open(p).convert("RGB") for p in pictures(plain / "test" / "good")] if plain.is_dir() else good
     row["nuisances"] = {
         kind: int((detector.scores([apply(picture, nuisance(kind, rng)) for picture in good]) > 0.5).sum())
         for kind in NUISANCES
     }
     row["nuisance_pictures"] = len(good)
     row["edges"] = {
-        kind: int((detector.scores([apply(p, draw) for p in good]) > 0.5).sum()) for kind, draw in EDGES.items()
+        kind: int((detector.scores([apply(p, draw) for p in edge_good]) > 0.5).sum()) for kind, draw in EDGES.items()
     }
-    region_good = [Image.open(p).convert("RGB") for p in pictures(category / "region" / "test" / "good")]
+    region_folder = (plain if plain.is_dir() else category) / "region" / "test" / "good"
+    region_good = [Image.open(p).convert("RGB") for p in pictures(region_folder)]
     row["region_edges"] = {
         kind: int((detector.scores([apply(p, EDGES[kind]) for p in region_good]) > 0.5).sum()) if region_good else 0
         for kind in REGION_EDGES
     }
     row["region_pictures"] = len(region_good)
     return row
+
+
+def fit_times(categories: dict[str, Path], option_sets: list[str], weights: str, rounds: int) -> dict:
+    """Seconds of ``padim.fit`` (what ``padim train`` runs) on each category's training pictures for each option set,
+    the option sets interleaved round by round so that a slow moment of the machine hits each: medians, and each
+    option set's median over the first's, per category and summed."""
+    seconds: dict[str, dict[str, list[float]]] = {name: {o: [] for o in option_sets} for name in categories}
+    measuring: dict[str, float] = {}
+    for round_ in range(rounds):
+        for name, category in categories.items():
+            for option_set in option_sets if round_ % 2 == 0 else option_sets[::-1]:
+                started = time.perf_counter()
+                detector = padim.fit(
+                    category / "train" / "good", weights=weights, progress=False, **parse_options(option_set)
+                )
+                seconds[name][option_set].append(time.perf_counter() - started)
+                if detector.report is not None and "measure" in detector.report.seconds:
+                    measuring[name] = round(detector.report.seconds["measure"], 3)
+                print(f"fit time, round {round_ + 1}: {name} {option_set} {seconds[name][option_set][-1]:.2f} s")
+    medians = {name: {o: statistics.median(v) for o, v in by.items()} for name, by in seconds.items()}
+    first = option_sets[0]
+    return {
+        "rounds": rounds,
+        "median_s": {name: {o: round(v, 2) for o, v in by.items()} for name, by in medians.items()},
+        "ratio_to_first": {name: {o: round(v / by[first], 3) for o, v in by.items()} for name, by in medians.items()},
+        "ratio_summed": {
+            o: round(sum(m[o] for m in medians.values()) / sum(m[first] for m in medians.values()), 3)
+            for o in option_sets
+        },
+        "measure_s": measuring,
+    }
 
 
 def oracle_threshold(normal: np.ndarray, false_alarms: int) -> float:
@@ -287,18 +357,38 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--maps", type=Path, help="save the heat map of one defect of each kind per option set here")
+    parser.add_argument(
+        "--fit-rounds",
+        type=int,
+        default=0,
+        help="also time the fits alone: this many interleaved rounds of every option set on each category (and on "
+        "--fit-categories), medians",
+    )
+    parser.add_argument(
+        "--fit-categories",
+        default="",
+        help="generated categories timed beside the others (e.g. pill: a placed part, which --expect auto registers)",
+    )
+    parser.add_argument("--skip-quality", action="store_true", help="time the fits only (--fit-rounds)")
     args = parser.parse_args()
     if args.quick:
         args.categories, args.options = "tissue,carpet", "n3-s0-rough,n1-s0.5-rough"
     root = work_folder(args.workdir, "padim-shift-")
     rows = []
+    folders: dict[str, Path] = {}
     for name in args.categories.split(","):
+        line, name = name.endswith("+light"), name.removesuffix("+light")
         if name.endswith("-448"):
             category = write_tiled_category(root, name.removesuffix("-448"), train=args.train)
         elif name in MATERIALS:
             category = write_category(root, name, train=args.train)
         else:
             category = generated_category(root, name, args.train)
+        if line:
+            category = line_category(root, category)
+        folders[category.name] = category
+        if args.skip_quality:
+            continue
         for option_set in args.options.split(","):
             row = measure(category, option_set, args.weights, args.maps)
             rows.append(row)
@@ -310,11 +400,23 @@ def main() -> None:
         "train": args.train,
         "rows": rows,
         "photographed": summarise([r for r in rows if r["category"] in MATERIALS]),
-        "generated": summarise([r for r in rows if r["category"] not in MATERIALS and "-448" not in r["category"]]),
+        "generated": summarise([r for r in rows if r["category"] in GENERATED]),
+        "photographed_light": summarise(
+            [r for r in rows if r["category"].removesuffix("+light") in MATERIALS and r["category"].endswith("+light")]
+        ),
+        "generated_light": summarise(
+            [r for r in rows if r["category"].removesuffix("+light") in GENERATED and r["category"].endswith("+light")]
+        ),
         "tiled": summarise([r for r in rows if r["category"].endswith("-448")]),
     }
+    if args.fit_rounds:
+        for name in filter(None, args.fit_categories.split(",")):
+            generate(root / "timed", (name,), train=args.train, test_good=1, test_defect=1, size=224, seed=0)
+            folders[name] = root / "timed" / name
+        result["fit_time"] = fit_times(folders, args.options.split(","), args.weights, args.fit_rounds)
+        print(json.dumps(result["fit_time"], indent=1))
     print_table(rows, "every category")
-    for kind in ("photographed", "generated", "tiled"):
+    for kind in ("photographed", "generated", "photographed_light", "generated_light", "tiled"):
         if result[kind]:
             print_table(result[kind], f"{kind}: sums of false alarms, pooled recall, mean AUROC / PRO")
     if args.output:

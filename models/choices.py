@@ -27,6 +27,12 @@ EXPECT_PRESETS = {
     "typical": "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80",
     "rough": "brightness=0.2,contrast=0.2,shift=6,rotate=2,blur=1.5,jpeg=60",
 }
+#: ``expect``: the cover sized by the training pictures' own spread (:mod:`padim.models.data.spread`), measured when
+#: the fit starts and stored as the bounds it chose.
+EXPECT_AUTO = "auto"
+#: ``expect auto``: each bound is how far the training pictures wander times this, so the edge of what the line
+#: showed lies inside the cover (a uniform draw within the bound rarely lands at its own edge).
+EXPECT_AUTO_MARGIN = 1.5
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
 #: ``train --precision``: the backbone's arithmetic (the Gaussian part is float32 at every precision).

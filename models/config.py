@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from padim.core.tiling import Tiling
-from padim.models.choices import BACKBONES, BackboneSpec
+from padim.models.choices import BACKBONES, EXPECT_AUTO, BackboneSpec
 from padim.models.data.changes import Expected
 from padim.models.errors import ConfigError as ConfigError  # re-exported: raised here
 from padim.models.options import (
@@ -89,7 +89,13 @@ class PadimConfig:
 
     @property
     def expected(self) -> Expected:
-        """``expect`` as :class:`~padim.models.data.changes.Expected` (falsy when nothing is expected)."""
+        """``expect`` as :class:`~padim.models.data.changes.Expected` (falsy when nothing is expected).
+
+        Raises:
+            ValueError: ``expect`` is ``auto``, which a fit measures before it starts (no bounds yet).
+        """
+        if self.gaussian.expect == EXPECT_AUTO:
+            raise ValueError("expect auto has no bounds until a fit measures its training pictures")
         return Expected.parse(self.gaussian.expect)
 
     @property
@@ -199,6 +205,8 @@ class PadimConfig:
 def _bounds(expect: Any) -> Any:
     if not (isinstance(expect, str) or expect is None):
         return expect  # the group's check names it
+    if expect is not None and expect.strip() == EXPECT_AUTO:  # measured when a fit starts (padim.models.fit.training)
+        return EXPECT_AUTO
     try:
         return str(Expected.parse(expect))
     except ValueError as error:

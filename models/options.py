@@ -38,6 +38,8 @@ from padim.models.choices import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
     DEVICES,
+    EXPECT_AUTO,
+    EXPECT_AUTO_MARGIN,
     EXPECT_PRESETS,
     IMAGE_SCORES,
     NEIGHBOURHOODS,
@@ -468,6 +470,8 @@ class Gaussian(Group):
         "rough",
         "the small changes the line makes to its pictures, for the threshold to cover: a preset, "
         + ", ".join(f"{k} ({v or 'none'})" for k, v in EXPECT_PRESETS.items())
+        + f", {EXPECT_AUTO} (each bound {EXPECT_AUTO_MARGIN:g}x how far the training pictures' own light, contrast, "
+        "placement, focus and JPEG quality wander, measured when the fit starts; padim info shows what was measured)"
         + ", or your own list of change=bound from brightness, contrast (shares), shift (pixels of the picture), "
         "rotate (degrees), blur (sigma, pixels), jpeg (lowest quality). Each picture's calibration score is then "
         "that of a copy of it under one seeded draw of those changes, scored without it, so that the false-alarm "
@@ -475,7 +479,7 @@ class Gaussian(Group):
         "twice the spool",
         check=Custom(
             lambda v: isinstance(v, str),
-            "use a list of change=bound (e.g. brightness=0.1,shift=2) or a preset: " + ", ".join(EXPECT_PRESETS),
+            "use a list of change=bound (e.g. brightness=0.1,shift=2), auto, or a preset: " + ", ".join(EXPECT_PRESETS),
         ),
         flag={"metavar": "CHANGES"},
         example="shift=2",

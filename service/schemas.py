@@ -66,6 +66,22 @@ class BatchResponse(BaseModel):
     latency_ms: float
 
 
+class SpreadInfo(BaseModel):
+    """What ``train --expect auto`` measured on the training pictures (padim.models.data.spread)."""
+
+    pictures: int = Field(description="how many were measured (at most 200)")
+    brightness: float = Field(description="95th percentile of |mean grey / median - 1|")
+    contrast: float = Field(description="95th percentile of |relative spread / median - 1|")
+    shift: float | None = Field(
+        description="offset from the median picture, pixels (null: the pictures share no "
+        "position, placement covered as rough's)"
+    )
+    rotate: float | None = Field(description="turn from the median picture, degrees (null: as shift)")
+    blur: float = Field(description="the Gaussian sigma, pixels, that softens the median picture to the softest")
+    jpeg: int | None = Field(description="the lowest JPEG quality (null: stored losslessly)")
+    registered: float = Field(description="the share of pictures that registered to their median picture")
+
+
 class CalibrationInfo(BaseModel):
     """How the threshold was set and what it promises (see docs/calibration.md)."""
 
@@ -87,6 +103,10 @@ class CalibrationInfo(BaseModel):
         description="the changes of the line the threshold covers, as bounds (train --expect; empty: none declared)",
     )
     fit_changes: bool = Field(default=False, description="whether each training picture's changed copy was fitted too")
+    measured: SpreadInfo | None = Field(
+        default=None,
+        description="train --expect auto: how far the training pictures wander, which sized `expect` (1.5x each)",
+    )
     covers: str = Field(default="", description="which normal pictures the false-alarm promise is about, in words")
     threshold_of: str = Field(
         default="float32 scorer",

@@ -74,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
             "folds": config.get("calibration_folds"),
             "expect": config.get("expect", ""),
             "fit_changes": bool(config.get("expect")) and config.get("fit_changes", False),
+            **({"measured": header["expect_measured"]} if header.get("expect_measured") else {}),
             "threshold_of": f"{spelled_precision(config.get('precision', 'fp32'))} scorer",
             "covers": promise_covers(
                 config.get("expect", ""),
                 bool(config.get("expect")) and config.get("fit_changes", False),
                 calibration.get("line_scores", 0),
+                header.get("expect_measured"),
             ),
         }
         if calibration

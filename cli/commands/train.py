@@ -172,12 +172,15 @@ def configuration(args: argparse.Namespace):
 def _resumed(args: argparse.Namespace, config, given: set[str]):
     """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
     # imported here: `padim --help` and `padim health` load no torch
+    from padim.models.choices import EXPECT_AUTO
     from padim.models.config import CALIBRATION
     from padim.models.fit.model_file import load_fit
 
     resume = load_fit(args.resume, run_options=config)
     # the earlier out-of-fold scores were read from their maps one way: the new ones must be too
     clash = [k for k in config.differences(resume.config, CALIBRATION) if k in given]
+    if config.gaussian.expect == EXPECT_AUTO and resume.provenance.expect_measured:  # the cover it measured stays
+        clash = [k for k in clash if k != "expect"]
     if clash:
         k = clash[0]
         source = "the flag" if getattr(args, k, None) is not None else "--config"
@@ -249,5 +252,9 @@ def verdict_line(header: dict) -> str:
         f"{cal['scores']} out-of-fold scores, aiming at {cal['false_alarm_rate']:.2%} false alarms; promised "
         f"{cal['promised_false_alarm_rate']:.2%} on average and at most {cal['false_alarm_bound']:.2%} with "
         f"{cal['confidence']:.0%} confidence, whatever the score distribution, on "
-        f"{promise_covers(config.get('expect', ''), bool(config.get('expect')) and config.get('fit_changes', False))}"
+        + promise_covers(
+            config.get("expect", ""),
+            bool(config.get("expect")) and config.get("fit_changes", False),
+            measured=header.get("expect_measured"),
+        )
     )

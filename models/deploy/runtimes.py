@@ -410,7 +410,11 @@ class DeployedDetector:
             "calibration": {
                 **self.metadata["description"]["calibration"],
                 **self.calibration.summary(),
-                **calibration_options(self.config, len(self.calibration.line_scores)),
+                **calibration_options(
+                    self.config,
+                    len(self.calibration.line_scores),
+                    self.metadata["description"]["calibration"].get("measured"),
+                ),
                 "threshold_of": self.threshold_of,
                 **({"source": "held_out"} if self.precision != "float32" else {}),
             },

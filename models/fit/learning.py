@@ -260,6 +260,7 @@ def _write_statistics_only(
         fit_seconds=round(time.perf_counter() - started, 3),
         fits=[*earlier.fits, run],
         merged_from=list(earlier.merged_from),
+        expect_measured=earlier.expect_measured,
     )
     try:
         if fit.earlier is None:

@@ -18,17 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image
 from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
+from padim.models.choices import EXPECT_AUTO
 from padim.models.config import CALIBRATION, PadimConfig
+from padim.models.data.framing import Framing
 from padim.models.data.images import list_images
+from padim.models.data.spread import Spread, measure, sampled
 from padim.models.devices import float64_is_slow, usable_cpus
 from padim.models.errors import FitError as FitError  # re-exported: raised here
-from padim.models.errors import PrecisionGateFailed
-from padim.models.fit.distributed import Shard
+from padim.models.errors import ImageError, PrecisionGateFailed
+from padim.models.fit.distributed import Shard, gather
 from padim.models.fit.in_progress import Fit
 from padim.models.fit.memory_plan import (
     DoesNotFit,
@@ -99,6 +103,8 @@ class FitReport:
         float16_change: the float16 check's largest relative change of image scores.
         precision_check: a reduced precision's gate (``train --precision``; ``None`` at fp32).
         cuda_peak: ``torch.cuda.max_memory_allocated`` of the fit on a GPU (``None`` on a CPU).
+        spread: what ``--expect auto`` measured on the training pictures (``None`` without it, and on a resume,
+            which keeps the cover it was fitted with).
     """
 
     listed: int = 0
@@ -116,6 +122,7 @@ class FitReport:
     float16_change: float | None = None
     precision_check: PrecisionCheck | None = None
     cuda_peak: int | None = None
+    spread: Spread | None = None
 
     @property
     def fitted(self) -> int:
@@ -162,6 +169,11 @@ def train(
     """
     started = time.perf_counter()
     report = FitReport()
+    if resume is None and config.gaussian.expect == EXPECT_AUTO:
+        with report.timed("measure"):
+            config, report.spread = measured_cover(config, images, shard)
+        if announce is not None and (shard is None or shard.main):
+            announce(f"--expect auto: {report.spread.describe()}")
     with _out_of_memory_as_error(None, report, None):
         fit = resume if resume is not None else Fit.start(config)
     config = fit.config
@@ -243,6 +255,12 @@ def fit_partial(
     """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
     report = FitReport()
+    if config.gaussian.expect == EXPECT_AUTO:
+        raise FitError(
+            "--partial with --expect auto: each part would measure only its own pictures, and parts fitted with "
+            "other covers do not merge; measure once (padim train --expect auto on a sample of the pictures shows "
+            "the bounds, padim info keeps them) and give every part those bounds, or a preset (--expect rough)"
+        )
     with _out_of_memory_as_error(None, report, None):
         fit = Fit.start(config)
     report.listed = len(images)
@@ -719,7 +737,53 @@ def _next_provenance(
         fit_seconds=round(time.perf_counter() - started, 3),
         fits=[*earlier.fits, run],
         merged_from=list(earlier.merged_from),
+        expect_measured=report.spread.to_dict() if report.spread is not None else earlier.expect_measured,
     )
+
+
+def measured_cover(
+    config: PadimConfig, images: Sequence[TrainingImage], shard: Shard | None = None
+) -> tuple[PadimConfig, Spread]:
+    """``config`` with ``expect auto`` replaced by the bounds the training pictures' own spread sets
+    (:mod:`padim.models.data.spread`), and that spread. Every rank measures the same pictures (so that a picture
+    none can read fails every rank alike) and uses rank 0's numbers; an unreadable picture is left out of it (the fit
+    says why).
+
+    Raises:
+        FitError: fewer than two of the pictures measured could be read.
+    """
+    chosen = [images[i] for i in sampled([image.name for image in images])]
+
+    def readable() -> Iterator[Image.Image]:
+        for image in chosen:
+            try:
+                with Image.open(image.path) as opened:
+                    opened.load()
+                    yield opened
+            except (OSError, ValueError, Image.DecompressionBombError):
+                continue  # the fit says why
+
+    try:
+        spread = measure(readable(), None if config.framing.roi is None else _region_of(Framing.of(config)))
+    except ValueError:
+        raise FitError(
+            f"--expect auto measures the training pictures, and fewer than two of the {len(chosen)} it read "
+            "could be decoded; declare the changes instead (e.g. --expect rough)"
+        ) from None
+    spread = gather(spread, shard)[0]
+    return config.replace(expect=str(spread.cover())), spread
+
+
+def _region_of(framing: Framing):
+    """The region of interest of a picture, or the whole picture where it does not hold it (the fit says so)."""
+
+    def region(width: int, height: int) -> tuple[int, int, int, int]:
+        try:
+            return framing.region(width, height)
+        except ImageError:
+            return 0, 0, width, height
+
+    return region
 
 
 def _some(items: Sequence[tuple[str, str]], shown: int = 3) -> str:

@@ -15,7 +15,7 @@ import torch
 from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
-from padim.models.choices import spelled_precision
+from padim.models.choices import EXPECT_AUTO_MARGIN, spelled_precision
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.features.backbones import WeightsInfo
@@ -33,24 +33,33 @@ def shown_options(config: PadimConfig) -> dict:
     return {**config.shown(), "input_shape": list(config.input_shape)}
 
 
-def calibration_options(config: PadimConfig, line_scores: int = 0) -> dict:
+def calibration_options(config: PadimConfig, line_scores: int = 0, measured: dict | None = None) -> dict:
     """The options of the calibration a user sees beside its threshold: its folds, and the changes of the line it
-    covers (``expect``), or the line's pictures that set it (``line_scores`` of them)."""
+    covers (``expect``), or the line's pictures that set it (``line_scores`` of them); ``measured``: the training
+    pictures' spread that ``--expect auto`` sized the cover by."""
     return {
         "folds": config.gaussian.calibration_folds,
         "expect": config.gaussian.expect,
         "fit_changes": config.copies_fitted,
-        "covers": promise_covers(config.gaussian.expect, config.copies_fitted, line_scores),
+        **({"measured": measured} if measured else {}),
+        "covers": promise_covers(config.gaussian.expect, config.copies_fitted, line_scores, measured),
     }
 
 
-def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0) -> str:
+def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0, measured: dict | None = None) -> str:
     """Which normal pictures the false-alarm promise is about, in words (``line_scores``: the threshold is the
-    quantile of that many of the line's pictures)."""
+    quantile of that many of the line's pictures; ``measured``: ``expect`` was sized by the training pictures)."""
     if line_scores:
         return (
             f"pictures like the line's {line_scores} normal pictures, whose own quantile the threshold is (the "
             f"cover of the fit, {expect or 'none'}, replaced)"
+        )
+    if measured:
+        fitted = "; each picture's changed copy fitted too" if fit_changes else ""
+        return (
+            f"pictures within {expect or 'no change'}: {EXPECT_AUTO_MARGIN:g}x how far the "
+            f"{measured.get('pictures')} training pictures measured wander (--expect auto; one seeded draw a "
+            f"training picture{fitted})"
         )
     if not expect:
         return "pictures like the training pictures (no changes of the line declared: train --expect)"
@@ -79,6 +88,8 @@ class Provenance:
         verified: whether the file's digests were checked when it was read (format 2).
         precision_check: a reduced precision's scores against fp32's (:mod:`padim.models.fit.precision`; format
             11), ``None`` at fp32.
+        expect_measured: what ``--expect auto`` measured on the training pictures
+            (:class:`~padim.models.data.spread.Spread`; format 14), ``None`` for a declared cover.
     """
 
     created: str = field(default_factory=now)
@@ -91,6 +102,7 @@ class Provenance:
     merged_from: list[str] = field(default_factory=list)
     verified: bool = True
     precision_check: dict | None = None
+    expect_measured: dict | None = None
 
     def to_header(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "verified"}
@@ -193,7 +205,7 @@ class PadimDetector:
             "calibration": {
                 **self.calibration.summary(),
                 "source": self.provenance.calibration_source,
-                **calibration_options(self.config, len(self.calibration.line_scores)),
+                **calibration_options(self.config, len(self.calibration.line_scores), self.provenance.expect_measured),
                 "threshold_of": f"{spelled_precision(self.config.features.precision)} scorer",
             },
             "verified": self.provenance.verified,

@@ -112,6 +112,19 @@ function describeInput(m) {
   return `${tiles[0]}x${tiles[1]} tiles of ${m.image_size} px (${shape[1]}x${shape[0]}, ${m.tile_statistics} statistics)`;
 }
 
+// What the promise covers: the changes declared (train --expect), or those the training pictures showed (auto)
+function describeCover(c) {
+  const m = c.measured;
+  if (m) {
+    const placement = m.shift === null ? "placement as rough's (a texture)" :
+      `placement ${m.shift.toFixed(1)} px, ${m.rotate.toFixed(1)}°`;
+    return ` Covers ${c.expect || "no change"}: 1.5x what ${m.pictures} training pictures showed (light ` +
+      `${pct(m.brightness)}, contrast ${pct(m.contrast)}, ${placement}, blur ${m.blur.toFixed(2)} px` +
+      `${m.jpeg === null ? "" : `, JPEG ${m.jpeg}`}).`;
+  }
+  return c.expect ? ` Covers the declared changes ${c.expect}.` : " Covers pictures like the training pictures only.";
+}
+
 // A model fitted at bf16/fp16 (train --precision) or an export's int8/fp16/bf16, with the gate's reading, what
 // this machine runs it at where that differs, and the batch sizes replayed from CUDA graphs.
 function describePrecision(m) {
@@ -141,7 +154,7 @@ function chooseModel(name) {
     `Version ${model.version}. ${model.weights}. Fitted on ${model.fit_image_count} images; threshold promises ` +
     `${(100 * c.promised_false_alarm_rate).toFixed(2)}% false alarms ` +
     `(at most ${(100 * c.false_alarm_bound).toFixed(2)}% with ${(100 * c.confidence).toFixed(0)}% confidence). ` +
-    `Runtime ${model.runtime}${describePrecision(model)}.` +
+    `Runtime ${model.runtime}${describePrecision(model)}.` + describeCover(c) +
     (model.roi ? ` Scores the region x=${model.roi[0]}, y=${model.roi[1]}, ${model.roi[2]}x${model.roi[3]} px only.` : "") +
     ((model.tiles || [1, 1])[0] * (model.tiles || [1, 1])[1] > 1 ? ` Input: ${describeInput(model)}.` : "");
   const demo = /random/i.test(model.weights);

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import IMAGE_SIZE, normal_and_shifted, run_cli
+from helpers import IMAGE_SIZE, normal_and_shifted, older_format_of, run_cli
 from PIL import Image
 
 from padim.core import load_artifact
@@ -356,6 +356,84 @@ def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_p
     )
     assert wrong.returncode == 1 and "brightness=2.0 is not allowed; use a number from 0 to 0.5" in wrong.stderr
     assert not (tmp_path / "x.padim").exists()
+
+
+def test_expect_auto_measures_the_training_pictures_and_the_model_keeps_what_it_measured(dataset, tmp_path):
+    """``--expect auto`` measures the training pictures when the fit starts (the same numbers
+    :func:`~padim.models.data.spread.measure` gives on them), fits with the bounds they set, says so, and keeps both in
+    the file (format 14); a resume keeps that cover; a partial fit refuses; a format-13 file reads without one."""
+    from padim.models.data.spread import Spread, measure
+    from padim.models.fit.model_file import load_detector
+
+    common = ["--weights", "random", "--image-size", IMAGE_SIZE, "--batch-size", 8]
+    pictures = sorted((dataset / "train" / "good").glob("*.png"))
+    training = tmp_path / "train"
+    training.mkdir()
+    for path in pictures[:16]:
+        (training / path.name).write_bytes(path.read_bytes())
+    done = run_cli("train", training, "--output", tmp_path / "auto.padim", *common, "--expect", "auto")
+    spread = measure(Image.open(p) for p in sorted(training.glob("*.png")))
+    cover = str(spread.cover())
+    summary = json.loads(done.stdout)
+    assert summary["calibration"]["expect"] == cover and summary["calibration"]["fit_changes"]
+    assert f"--expect auto: 16 training pictures measured: light within {spread.brightness:.1%}" in done.stderr
+    assert "how far the 16 training pictures measured wander (--expect auto;" in done.stderr  # the verdict line
+    _, header = load_artifact(tmp_path / "auto.padim")
+    assert header["format_version"] == 14 and header["config"]["expect"] == cover
+    assert Spread.from_dict(header["expect_measured"]) == spread
+    info = json.loads(run_cli("info", tmp_path / "auto.padim").stdout)
+    assert (
+        info["calibration"]["measured"] == spread.to_dict()
+        and "16 training pictures measured" in (info["calibration"]["covers"])
+    )
+    described = load_detector(tmp_path / "auto.padim", "cpu").describe()["calibration"]
+    assert described["measured"] == spread.to_dict() and described["expect"] == cover
+    # a resume (auto given again or not) keeps the cover it measured and what it measured
+    extra = tmp_path / "more"
+    extra.mkdir()
+    for path in pictures[16:20]:
+        (extra / path.name).write_bytes(path.read_bytes())
+    run_cli(
+        "-q",
+        "train",
+        extra,
+        "--resume",
+        tmp_path / "auto.padim",
+        "--output",
+        tmp_path / "more.padim",
+        "--expect",
+        "auto",
+    )
+    _, resumed = load_artifact(tmp_path / "more.padim")
+    assert resumed["config"]["expect"] == cover and resumed["expect_measured"] == header["expect_measured"]
+    assert resumed["fit_image_count"] == 20
+    from padim.models.fit.learning import update_model
+    from padim.models.fit.passes import TrainingImage
+
+    taken_out = sorted(extra.glob("*.png"))[0]
+    update_model(tmp_path / "more.padim", [], [TrainingImage(taken_out, taken_out.name)], tmp_path / "less.padim")
+    _, less = load_artifact(tmp_path / "less.padim")
+    assert less["fit_image_count"] == 19 and less["expect_measured"] == header["expect_measured"]
+    partial = run_cli(
+        "-q",
+        "train",
+        training,
+        "--output",
+        tmp_path / "p.padim",
+        *common,
+        "--expect",
+        "auto",
+        "--partial",
+        check=False,
+    )
+    assert partial.returncode == 1 and "--partial with --expect auto" in partial.stderr
+    assert not (tmp_path / "p.padim").exists()
+    # format 13 had no measurement: read as a declared cover
+    tensors, current = load_artifact(tmp_path / "auto.padim")
+    del current["expect_measured"]
+    older_format_of(tensors, current, tmp_path / "thirteen.padim", 13)
+    older = load_detector(tmp_path / "thirteen.padim", "cpu").describe()["calibration"]
+    assert "measured" not in older and older["expect"] == cover and "declared changes" in older["covers"]
 
 
 def test_train_with_a_state_dict_file(dataset, tmp_path, weights_file):

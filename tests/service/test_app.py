@@ -237,3 +237,23 @@ def test_a_model_fitted_at_bf16_is_served_at_bf16_with_its_check(dataset, tmp_pa
     detector = load_detector(model, device="cpu")
     expected = detector.score(detector.preprocess([Image.open(dataset / "test" / "good" / "000.png").convert("RGB")]))
     assert scored["raw_score"] == pytest.approx(float(expected.raw_scores[0]), rel=1e-5)
+
+
+def test_a_cover_sized_by_the_training_pictures_is_described_with_what_was_measured(dataset, tmp_path):
+    """``train --expect auto``: GET /models shows what was measured beside the bounds, through the export the service
+    scores with on a CPU (runtime auto) and through torch."""
+    from helpers import run_cli
+
+    from padim.core import load_artifact
+
+    model = tmp_path / "auto.padim"
+    good = dataset / "train" / "good"
+    run_cli("-q", "train", good, "-o", model, "--weights", "random", "--image-size", 32, "--expect", "auto")
+    _, header = load_artifact(model)
+    for runtime in ("auto", "torch"):
+        with TestClient(create_app(ServiceSettings(models=[model], device="cpu", runtime=runtime))) as client:
+            wait_ready(client)
+            (described,) = client.get("/models").json()["models"]
+        calibration = described["calibration"]
+        assert calibration["measured"] == header["expect_measured"] and calibration["measured"]["pictures"] == 30
+        assert calibration["expect"] == header["config"]["expect"] and "(--expect auto;" in calibration["covers"]

@@ -217,6 +217,8 @@ def test_a_tiled_fp16_model_with_a_region_says_so_and_scores_a_picture(browser, 
         32,
         "--precision",
         "fp16",
+        "--expect",
+        "auto",
     )
     with running_server(tmp_path, [model]) as srv:
         browser.get(srv.url + "/")
@@ -226,6 +228,7 @@ def test_a_tiled_fp16_model_with_a_region_says_so_and_scores_a_picture(browser, 
         info = text(browser, "model-info")
         assert "Scores the region x=8, y=8, 80x80 px only." in info and "Input: 2x2 tiles of 64 px" in info
         assert "Runtime torch at fp16 (scores within " in info and "% of fp32's on 16 training pictures)" in info
+        assert "1.5x what 30 training pictures showed (light " in info  # --expect auto's cover
         path = dataset / "test" / "hole" / "000.png"
         browser.find_element(By.ID, "file-input").send_keys(str(path))
         wait(browser, lambda d: d.find_element(By.ID, "score").text)
