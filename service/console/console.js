@@ -115,14 +115,15 @@ function describeInput(m) {
 // What the promise covers: the changes declared (train --expect), or those the training pictures showed (auto)
 function describeCover(c) {
   const m = c.measured;
+  const bounds = (c.expect || "").replaceAll(",", ", ");  // a line that wraps in the panel
   if (m) {
     const placement = m.shift === null ? "placement as rough's (a texture)" :
       `placement ${m.shift.toFixed(1)} px, ${m.rotate.toFixed(1)}°`;
-    return ` Covers ${c.expect || "no change"}: 1.5x what ${m.pictures} training pictures showed (light ` +
+    return ` Covers ${bounds || "no change"}: 1.5x what ${m.pictures} training pictures showed (light ` +
       `${pct(m.brightness)}, contrast ${pct(m.contrast)}, ${placement}, blur ${m.blur.toFixed(2)} px` +
       `${m.jpeg === null ? "" : `, JPEG ${m.jpeg}`}).`;
   }
-  return c.expect ? ` Covers the declared changes ${c.expect}.` : " Covers pictures like the training pictures only.";
+  return bounds ? ` Covers the declared changes ${bounds}.` : " Covers pictures like the training pictures only.";
 }
 
 // A model fitted at bf16/fp16 (train --precision) or an export's int8/fp16/bf16, with the gate's reading, what

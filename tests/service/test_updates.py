@@ -226,6 +226,7 @@ def test_a_threshold_sized_by_the_line_is_proposed_activated_and_refused_once_th
         assert [a["raw_score"] for a in served] == pytest.approx([a["raw_score"] for a in first[:8]], rel=1e-5)
 
         # proposed again from version 2 (its rows and version 1's: the same Gaussians); then the lamp changes
+        wait_rows(url, 110 + len(defects) + 8)  # the 8 just scored are in the record: read by the proposal
         again = httpx.post(url + "/models/weave/threshold", json=five, headers=admin, timeout=60).json()
         assert again["version"] == 3 and again["line"]["versions"] == [2, 1] and again["line"]["pictures"] == 110
         moved = score_all(url, shifted[:40])
