@@ -155,7 +155,10 @@ def measure(
     Raises:
         ValueError: fewer than two pictures.
     """
-    smalls, crops, qualities, scales = [], [], [], []
+    smalls: list[np.ndarray] = []
+    crops: list[np.ndarray] = []
+    qualities: list[int | None] = []
+    scale = 1.0  # the first picture's reduction: the others are measured on its shape
     for image in pictures:
         qualities.append(jpeg_quality(image))
         image = ImageOps.exif_transpose(image)  # as the fit sees it
@@ -163,16 +166,16 @@ def measure(
             image = image.crop(region(*image.size))
         grey = np.asarray(image.convert("RGB").convert("L"), dtype=np.float64)
         crops.append(_centre(grey, FOCUS_SIDE).copy())
-        scale = min(1.0, GREY_SIDE / max(grey.shape))
-        smalls.append(_reduced(grey, scale))
-        scales.append(scale)
+        if not smalls:
+            scale = min(1.0, GREY_SIDE / max(grey.shape))
+        smalls.append(_reduced(grey, min(1.0, GREY_SIDE / max(grey.shape))))
     if len(smalls) < 2:
         raise ValueError("measuring a spread takes at least two pictures")
     if len({g.shape for g in smalls}) > 1:  # pictures of different sizes: measured on the first one's shape
         smalls = [_resized(g, smalls[0].shape) for g in smalls]
     means = np.array([g.mean() for g in smalls])
     spreads = np.array([g.std() for g in smalls]) / np.maximum(means, 1e-6)
-    shift, rotate, registered = _placement(smalls, scales[0])
+    shift, rotate, registered = _placement(smalls, scale)
     jpegs = [q for q in qualities if q is not None]
     return Spread(
         pictures=len(smalls),
@@ -258,9 +261,10 @@ def _placement(small: Sequence[np.ndarray], scale: float) -> tuple[float | None,
     the share that registered; ``None`` for both when fewer than half registered."""
     template = np.median(np.stack(small), axis=0)
     window = np.outer(np.hanning(template.shape[0]), np.hanning(template.shape[1]))
-    reference = np.fft.fft2((template - template.mean()) * window)
+    weighted = (template - template.mean()) * window  # the median picture as every picture is compared with it
+    reference = np.fft.fft2(weighted)
     offsets, turns, registered = [], [], 0
-    for found in (_register(grey, template, reference, window) for grey in small):
+    for found in (_register(grey, weighted, reference, window) for grey in small):
         if found is None:
             continue
         registered += 1
@@ -274,9 +278,10 @@ def _placement(small: Sequence[np.ndarray], scale: float) -> tuple[float | None,
 
 
 def _register(
-    grey: np.ndarray, template: np.ndarray, reference: np.ndarray, window: np.ndarray
+    grey: np.ndarray, weighted: np.ndarray, reference: np.ndarray, window: np.ndarray
 ) -> tuple[tuple[float, float], float] | None:
-    """The offset ``(dy, dx)`` and turn of ``grey`` against the median picture, or ``None`` when the phase
+    """The offset ``(dy, dx)`` and turn of ``grey`` against the median picture (``weighted``: less its mean, times
+    ``window``; ``reference``: its Fourier transform), or ``None`` when the phase
     correlation's peak does not stand out (:data:`REGISTERS`: the pictures share no position).
 
     The offset is the whitened (phase) correlation's peak, to a tenth of a pixel by a parabola through it; the turn
@@ -289,7 +294,6 @@ def _register(
     aligned = Image.fromarray(grey.astype(np.float32), mode="F").transform(
         grey.shape[::-1], Image.Transform.AFFINE, (1, 0, dx, 0, 1, dy), resample=Image.Resampling.BILINEAR
     )
-    weighted = (template - template.mean()) * window
     norm = max(float(np.linalg.norm(weighted)), 1e-12)
     scores: dict[float, float] = {}
 

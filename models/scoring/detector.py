@@ -54,8 +54,8 @@ def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0,
             f"pictures like the line's {line_scores} normal pictures, whose own quantile the threshold is (the "
             f"cover of the fit, {expect or 'none'}, replaced)"
         )
+    fitted = "; each picture's changed copy fitted too" if fit_changes else ""
     if measured:
-        fitted = "; each picture's changed copy fitted too" if fit_changes else ""
         return (
             f"pictures within {expect or 'no change'}: {EXPECT_AUTO_MARGIN:g}x how far the "
             f"{measured.get('pictures')} training pictures measured wander (--expect auto; one seeded draw a "
@@ -63,7 +63,6 @@ def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0,
         )
     if not expect:
         return "pictures like the training pictures (no changes of the line declared: train --expect)"
-    fitted = "; each picture's changed copy fitted too" if fit_changes else ""
     return f"pictures within the declared changes {expect} (one seeded draw a training picture{fitted})"
 
 
