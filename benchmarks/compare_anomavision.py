@@ -18,6 +18,10 @@ the ratio of padim's fastest to AnomaVision's fastest.
 padim's side also runs what ``--runtime auto`` picks for the model file, and its gated exports (each with its own
 threshold, from ``--calibration-images`` more normal pictures, never the test ones): OpenVINO int8 everywhere, and
 OpenVINO bf16 where this CPU runs bfloat16 (AVX512-BF16, AMX). Each export's gate reading is printed beside.
+And the same pictures fitted at ``train --precision int8`` (the backbone quantised from the training pictures, no
+other folder): what ``--runtime auto`` picks for it (its own graph on ONNX Runtime) and torch with the same int8
+backbone. Every scorer's image AUROC on the whole test set is printed beside its speed, and each fit's time
+(``--fit-rounds`` interleaved fits a precision, median).
 """
 
 from __future__ import annotations
@@ -84,12 +88,16 @@ def worker(work: Path, batch_size: int) -> None:
         runtimes["openvino"] = ModelWrapper(str(xml), "cpu").predict
     except Exception as error:  # noqa: BLE001 - reported, the others still run (its backend imports
         print(json.dumps({"note": f"openvino not measured: {error}"}), flush=True)  # openvino.runtime, gone in 2026)
-    batch = np.load(work / "test.npy")
+    test = np.load(work / "test.npy")
+    batch = test[:batch_size]
     scores = {}
     with torch.no_grad():
         for name, run in runtimes.items():
-            out = run(batch)
-            scores[name] = np.asarray(out[0] if not isinstance(out[0], torch.Tensor) else out[0].numpy()).tolist()
+            scores[name] = []
+            for first in range(0, len(test), batch_size):
+                out = run(test[first : first + batch_size])
+                found = out[0] if not isinstance(out[0], torch.Tensor) else out[0].numpy()
+                scores[name] += np.asarray(found).reshape(-1).tolist()
             run(batch[:1])
     print(json.dumps({"ready": list(runtimes), "scores": scores}), flush=True)
     for line in sys.stdin:
@@ -116,6 +124,7 @@ def main() -> int:
     parser.add_argument(
         "--calibration-images", type=int, default=40, help="normal pictures for the gated exports (0: none)"
     )
+    parser.add_argument("--fit-rounds", type=int, default=1, help="fits a precision (fp32, int8), interleaved")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--output", type=Path, help="write the JSON report here too")
     args = parser.parse_args()
@@ -136,7 +145,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
     if not category.exists():
-        generate(work / "data", ("carpet",), train=args.train_images, test_good=10, test_defect=5, size=224, seed=1)
+        generate(work / "data", ("carpet",), train=args.train_images, test_good=25, test_defect=10, size=224, seed=1)
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
     # PaDiM as published on both sides: no neighbourhood average, the map smoothed with sigma 4
     config = PadimConfig(
@@ -148,14 +157,26 @@ def main() -> int:
         neighbourhood=1,
         blur_sigma=4.0,
     )
-    detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)
-    save_detector(detector, work / "padim.padim")
+    fit_seconds: dict[str, list[float]] = {"fp32": [], "int8": []}
+    for _ in range(args.fit_rounds):
+        for precision in fit_seconds:
+            started = time.perf_counter()
+            fitted, _ = fit_detector(
+                config.replace(precision=precision), training_images(category / "train" / "good"), progress=False
+            )
+            fit_seconds[precision].append(time.perf_counter() - started)
+            save_detector(fitted, work / ("padim.padim" if precision == "fp32" else f"padim-{precision}.padim"))
+            if precision == "fp32":
+                detector = fitted
+            print(f"padim fit at {precision}: {fit_seconds[precision][-1]:.1f} s", flush=True)
     train_paths = sorted((category / "train" / "good").glob("*.png"))
-    test_paths = sorted((category / "test").rglob("*.png"))[: args.batch_size]
+    test_paths = sorted((category / "test").rglob("*.png"))
+    labels = np.array([p.parent.name != "good" for p in test_paths], dtype=int)
     pictures = detector.preprocess([Image.open(p).convert("RGB") for p in train_paths])
     np.save(work / "train.npy", model_input(pictures).numpy())  # AnomaVision reads normalised float32
-    batch = detector.preprocess([Image.open(p).convert("RGB") for p in test_paths])
-    np.save(work / "test.npy", model_input(batch).numpy())
+    test = detector.preprocess([Image.open(p).convert("RGB") for p in test_paths])
+    np.save(work / "test.npy", model_input(test).numpy())
+    batch = test[: args.batch_size]
 
     scorers = {}
     for runtime in ("torch", "onnxruntime", "openvino", "auto"):
@@ -185,6 +206,8 @@ def main() -> int:
                 scorers[f"openvino-{precision}"] = load_scorer(output, "auto", "cpu")
         except ExportError as error:
             print(f"padim gated exports: not measured ({error})")
+    for runtime in ("auto", "torch"):  # the model fitted at int8: its own graph (auto), and torch around it
+        scorers[f"int8-trained {runtime}"] = load_scorer(work / "padim-int8.padim", runtime, "cpu")
     print("padim auto picks:", type(scorers["auto"]).__name__, getattr(scorers["auto"], "runtime", "torch"))
     for scorer in scorers.values():
         scorer.score(batch)
@@ -209,6 +232,12 @@ def main() -> int:
     if ready is None:
         print("the AnomaVision worker did not start", file=sys.stderr)
         return 1
+    from sklearn.metrics import roc_auc_score
+
+    auroc = {f"anomavision {name}": float(roc_auc_score(labels, found)) for name, found in ready["scores"].items()}
+    for name, scorer in scorers.items():
+        raw = [scorer.score(test[i : i + args.batch_size]).raw_scores for i in range(0, len(test), args.batch_size)]
+        auroc[f"padim {name}"] = float(roc_auc_score(labels, torch.cat(raw).numpy()))
     times: dict[str, list[float]] = {}
     sizes = sorted({1, args.batch_size})
     for _ in range(args.rounds):
@@ -232,8 +261,16 @@ def main() -> int:
         "image_size": 224,
         "layers": list(config.features.layers),
         "embedding_dim": 100,
+        "test_pictures": {"normal": int((labels == 0).sum()), "defect": int(labels.sum())},
+        "image_auroc": {k: round(v, 4) for k, v in auroc.items()},
+        "fit_seconds": {k: round(float(np.median(v)), 2) for k, v in fit_seconds.items()},
+        "fit_ratio_int8": round(float(np.median(fit_seconds["int8"]) / np.median(fit_seconds["fp32"])), 3),
         "img_per_s": {},
     }
+    for name, value in auroc.items():
+        print(f"  image AUROC {name:<30} {value:.4f}")
+    print(f"fit: fp32 {report['fit_seconds']['fp32']} s, int8 {report['fit_seconds']['int8']} s "
+          f"({report['fit_ratio_int8']}x)")  # fmt: skip
     print(f"scorer alone (tensor in, map + score out), {args.rounds} interleaved rounds; img/s median (best)")
     for key, seconds in times.items():
         b = int(key.rsplit("b", 1)[1])

@@ -38,7 +38,7 @@ from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import iter_for_model, list_images, open_image, to_rgb
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.fit.model_file import load_detector
-from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
+from padim.models.fit.precision import PrecisionGate
 from padim.models.fit.training import FitError, FitReport, TrainingImage, train, training_images
 from padim.models.options import OPTIONS
 from padim.models.scorer import Scorer
@@ -301,7 +301,7 @@ def fit(
     *,
     config: PadimConfig | str | os.PathLike | None = None,
     progress: bool = True,
-    max_score_error: float = MAX_SCORE_ERROR,
+    max_score_error: float | None = None,
     force: bool = False,
     **options: Any,
 ) -> Detector:
@@ -314,9 +314,9 @@ def fit(
         output: write the model file here too.
         config: a :class:`PadimConfig`, or a YAML file of options (as ``padim train --config``).
         progress: progress bars on stderr.
-        max_score_error, force: the gate of a reduced ``precision`` (``bf16``, ``fp16``), as ``padim train
+        max_score_error, force: the gate of a reduced ``precision`` (``bf16``, ``fp16``, ``int8``), as ``padim train
             --max-score-error`` and ``--force``: the largest relative difference of its image scores from fp32's on
-            16 training pictures, and whether to keep a model past it.
+            16 training pictures (default 0.02; int8 0.25), and whether to keep a model past it.
         **options: :class:`PadimConfig` options (:mod:`padim.models.options`), e.g. ``backbone="wide_resnet50_2"``,
             ``weights="random"``, ``image_size=256``, ``false_alarm_rate=0.005``.
 

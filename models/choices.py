@@ -35,8 +35,11 @@ EXPECT_AUTO = "auto"
 EXPECT_AUTO_MARGIN = 1.5
 DEVICES = ("auto", "cpu", "cuda")
 PRECISION_DTYPES = ("auto", "float16", "float32")
-#: ``train --precision``: the backbone's arithmetic (the Gaussian part is float32 at every precision).
-PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``train --precision``: the backbone's arithmetic (the Gaussian part is float32 at every precision); ``int8`` is
+#: the backbone quantised from the training pictures, run by ONNX Runtime on the CPU.
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+#: ``train --precision auto``: chosen by the machine the fit runs on (:func:`padim.models.devices.choose_precision`).
+PRECISION_AUTO = "auto"
 
 
 def spelled_precision(precision: str) -> str:

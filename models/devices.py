@@ -64,6 +64,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def precision_device(device: str, precision: str) -> torch.device:
+    """:func:`resolve_device` for a backbone at ``precision``: an int8 backbone's ``auto`` is the CPU (ONNX Runtime's
+    int8 kernels), whatever GPU there is."""
+    return resolve_device("cpu" if precision == "int8" and device == "auto" else device)
+
+
 def onnxruntime_has_cuda() -> bool:
     """Whether the installed ONNX Runtime has its CUDA provider (``onnxruntime-gpu``)."""
     try:
@@ -192,6 +198,13 @@ def check_precision(precision: str, device: torch.device, capability: tuple[int,
     """
     if precision == "fp32":
         return
+    if precision == "int8":
+        if device.type == "cuda":
+            raise UsageError(
+                "an int8 backbone runs on the CPU (ONNX Runtime's int8 kernels): use --device cpu; for a GPU fit "
+                "and score at --precision bf16 or fp16"
+            )
+        return  # faster than float32 wherever ONNX Runtime has int8 kernels (AVX2 and up, ARM's dot products)
     if device.type == "cuda":
         if capability is None:
             capability = torch.cuda.get_device_capability(device)
@@ -211,6 +224,37 @@ def check_precision(precision: str, device: torch.device, capability: tuple[int,
                 " or ".join(CPU_FLAGS[precision]),
                 precision,
             )
+
+
+#: CPU flags of int8 dot products (VNNI) and of the matrix units (AMX) that ``--precision auto`` looks for.
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+#: x86 CPUs where ONNX Runtime's int8 kernels beat its float32 ones (measured on AVX2 alone, docs/quantisation.md).
+INT8_BASE_FLAGS = ("avx2",)
+
+
+def choose_precision(device: torch.device, capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """``train --precision auto``: the backbone's arithmetic for a fit on ``device``, and why in a few words.
+
+    bf16 on a GPU with bfloat16 (Ampere and newer) and on a CPU with AMX; int8 on a CPU with AVX2 or VNNI where ONNX
+    Runtime is installed; fp32 otherwise (the one precision whose scores agree on a CPU and a GPU within 1e-4).
+    """
+    if device.type == "cuda":
+        capability = capability or torch.cuda.get_device_capability(device)
+        if tuple(capability) >= BF16_CAPABILITY:
+            return "bf16", f"a GPU with bfloat16 (compute capability {capability[0]}.{capability[1]})"
+        return "fp32", f"a GPU without bfloat16 (compute capability {capability[0]}.{capability[1]})"
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bf16", "a CPU with AMX (bfloat16 matrix units)"
+    fast = [f for f in (*INT8_FLAGS, *INT8_BASE_FLAGS) if f in flags]
+    if not fast:
+        return "fp32", "a CPU without int8 dot products (no AVX2, VNNI or AMX)"
+    try:
+        import onnxruntime  # noqa: F401 (an optional extra: is it installed?)
+        import onnxscript  # noqa: F401
+    except ImportError:
+        return "fp32", f"a CPU with {fast[0]}, but ONNX Runtime (the int8 kernels) is not installed"
+    return "int8", f"a CPU with {fast[0]} and ONNX Runtime installed"
 
 
 def usable_cpus() -> int:

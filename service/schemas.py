@@ -161,9 +161,14 @@ class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type
     calibration: CalibrationInfo
     verified: bool = Field(description="whether the file's digests were checked at load (model format 2)")
     runtime: str = Field(description="what runs the scorer: torch, onnxruntime or openvino")
+    runtime_reason: str | None = Field(
+        default=None,
+        description="why PADIM_RUNTIME=auto chose that runtime for a model file: the fastest scorer whose scores "
+        "the model's threshold was computed from (asked for: the runtime was named)",
+    )
     precision: Literal["float32", "bf16", "fp16", "int8"] = Field(
         default="float32",
-        description="the backbone's arithmetic: a model file's train --precision (float32, bf16, fp16), or an "
+        description="the backbone's arithmetic: a model file's train --precision (float32, bf16, fp16, int8), or an "
         "export's padim export --precision (float32, int8, fp16, bf16); the threshold is that arithmetic's",
     )
     cuda_graphs: list[int] = Field(
@@ -178,8 +183,9 @@ class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type
     )
     precision_check: dict | None = Field(
         default=None,
-        description="a model fitted at bf16 or fp16: its image scores against fp32's on training pictures "
-        "(images, max_score_error, median_score_error, verdict_changes, tolerance, passed, forced)",
+        description="a model fitted at bf16, fp16 or int8: its image scores against fp32's on training pictures "
+        "(images, max_score_error, median_score_error, verdict_changes, tolerance, passed, forced; int8: quantiser, "
+        "what made its backbone)",
     )
     quantisation: QuantisationInfo | None = Field(
         default=None,

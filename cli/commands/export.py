@@ -67,10 +67,10 @@ def register(commands) -> None:
     quantised.add_argument(
         "--precision",
         choices=EXPORT_PRECISIONS,
-        default="float32",
-        help="the backbone's precision (default float32). int8: CPUs (--format onnx or openvino; triton "
-        "with --triton-device cpu); fp16: CUDA (--format onnx or triton); bf16: OpenVINO on a CPU with "
-        "bfloat16 (--format openvino)",
+        help="the backbone's precision (default: the model's own, float32, or for a model trained at --precision "
+        "int8 its int8 backbone and threshold, no --calibration-images needed). int8: CPUs (--format onnx or "
+        "openvino; triton with --triton-device cpu); fp16: CUDA (--format onnx or triton); bf16: OpenVINO on a CPU "
+        "with bfloat16 (--format openvino)",
     )
     quantised.add_argument(
         "--calibration-images",
@@ -125,19 +125,21 @@ def _quantise_options(args: argparse.Namespace) -> QuantiseOptions | None:
         raise UsageError("--name is the Triton model name; it needs --format triton")
     if args.triton_device != "gpu" and args.format != "triton":
         raise UsageError("--triton-device is for --format triton")
-    if args.precision == "float32":
-        given = [
-            flag
-            for flag, value in (
-                ("--calibration-images", args.calibration_images),
-                ("--check-images", args.check_images),
-                ("--force", args.force),
-                ("--false-alarm-rate", args.false_alarm_rate),
-            )
-            if value
-        ]
-        if given:
-            raise UsageError(f"{', '.join(given)} are for a quantised export: add --precision int8, fp16 or bf16")
+    from padim.core.artifact import read_header  # torch: not for --help
+
+    fitted_at = read_header(args.model).get("config", {}).get("precision", "fp32")
+    if fitted_at == "int8" and args.precision == "float32":
+        raise UsageError(
+            "this model was trained at int8 and its threshold is its int8 scores': leave --precision out (or give "
+            "int8) for its own graph, or retrain at --precision fp32 for a float32 one"
+        )
+    if fitted_at == "int8" and args.precision in (None, "int8") and args.calibration_images is None:
+        args.precision = "int8"
+        _float32_only(args, "an int8 model's own graph (its threshold is the model's)")
+        return None  # the model's own int8 graph
+    if args.precision in (None, "float32"):
+        args.precision = "float32"
+        _float32_only(args, "a quantised export: add --precision int8, fp16 or bf16")
         return None
     from padim.models.deploy.quantise import QuantiseOptions  # torch: not for --help
 
@@ -155,6 +157,19 @@ def _quantise_options(args: argparse.Namespace) -> QuantiseOptions | None:
         args.force,
         args.false_alarm_rate,
     )
+
+
+def _float32_only(args: argparse.Namespace, what: str) -> None:
+    """Refuse the quantiser's flags where no quantiser runs."""
+    flags = (
+        ("--calibration-images", args.calibration_images),
+        ("--check-images", args.check_images),
+        ("--force", args.force),
+        ("--false-alarm-rate", args.false_alarm_rate),
+    )
+    given = [flag for flag, value in flags if value]
+    if given:
+        raise UsageError(f"{', '.join(given)} are for {what}")
 
 
 def _exported(args: argparse.Namespace, quantise: QuantiseOptions | None) -> Path:
@@ -200,6 +215,9 @@ def _report(args: argparse.Namespace, directory: Path, quantised: bool, seconds:
                 "quantisation": metadata["quantisation"],
             }
         )
+    elif args.precision == "int8":  # a model trained at int8: its own graph and threshold
+        metadata = json.loads((directory / "padim.json").read_text())
+        report.update({"precision": "int8", "threshold_of": metadata["threshold_of"]})
     if args.format == "triton":
         report["serve_with"] = TRITON_EXAMPLE.replace("DIR", str(args.output))
     return report

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import load_artifact, read_header
     from padim.models.choices import spelled_precision
-    from padim.models.deploy.runtimes import is_export
+    from padim.models.deploy.runtimes import is_export, runtime_choice
     from padim.models.features.backbones import WeightsInfo
     from padim.models.scoring.detector import promise_covers
 
@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         "tiles": config.get("tiles", [1, 1]),
         "precision": spelled_precision(config.get("precision", "fp32")),
         "precision_check": header.get("precision_check"),
+        "runtime": dict(
+            zip(("auto", "why"), runtime_choice("auto", "auto", config.get("precision", "fp32")), strict=True)
+        ),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),

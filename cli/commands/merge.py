@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.config import PadimConfig
     from padim.models.data.images import list_images
     from padim.models.features.backbones import WeightsInfo
-    from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
+    from padim.models.fit.precision import PrecisionGate
     from padim.models.fit.training import merge_fits
 
-    gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
+    gate = PrecisionGate(args.max_score_error, args.force)
 
     options = PadimConfig().replace(device=args.device, batch_size=args.batch_size, workers=args.workers)
     calibration = list_images(args.calibration_dir)

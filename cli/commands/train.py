@@ -75,13 +75,14 @@ def _file_options(verdicts) -> None:
         "--max-score-error",
         type=float,
         metavar="SHARE",
-        help="with --precision bf16 or fp16: the largest relative difference of training pictures' image scores "
-        "from fp32's that the model may have, or it is refused and nothing is written (default 0.02: 2%%)",
+        help="with --precision bf16, fp16 or int8: the largest relative difference of training pictures' image "
+        "scores from fp32's that the model may have, or it is refused and nothing is written (default 0.02: 2%%; "
+        "int8: 0.25)",
     )
     verdicts.add_argument(
         "--force",
         action="store_true",
-        help="with --precision bf16 or fp16: write the model even past --max-score-error (the file says so)",
+        help="with --precision bf16, fp16 or int8: write the model even past --max-score-error (the file says so)",
     )
 
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.devices import resolve_device
     from padim.models.fit import distributed
     from padim.models.fit.model_file import save_fit
-    from padim.models.fit.precision import MAX_SCORE_ERROR, PrecisionGate
+    from padim.models.fit.precision import PrecisionGate
     from padim.models.fit.training import fit_partial, train, training_images
 
     config, given = configuration(args)
@@ -102,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
     if (args.max_score_error is not None or args.force) and (args.partial or config.features.precision == "fp32"):
         raise UsageError(
-            "--max-score-error and --force gate a model fitted at --precision bf16 or fp16 (and not --partial, "
-            "which writes no scores)"
+            "--max-score-error and --force gate a model fitted at --precision bf16, fp16, int8 or auto (and not "
+            "--partial, which writes no scores)"
         )
-    gate = PrecisionGate(MAX_SCORE_ERROR if args.max_score_error is None else args.max_score_error, args.force)
+    gate = PrecisionGate(args.max_score_error, args.force)
     # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
     shard = distributed.from_environment(resolve_device(config.run.device))
     main = shard is None or shard.main
@@ -172,7 +173,7 @@ def configuration(args: argparse.Namespace):
 def _resumed(args: argparse.Namespace, config, given: set[str]):
     """The fit of ``--resume``, refused when a flag or ``--config`` asks for other statistics than it has."""
     # imported here: `padim --help` and `padim health` load no torch
-    from padim.models.choices import EXPECT_AUTO
+    from padim.models.choices import EXPECT_AUTO, PRECISION_AUTO
     from padim.models.config import CALIBRATION
     from padim.models.fit.model_file import load_fit
 
@@ -181,6 +182,8 @@ def _resumed(args: argparse.Namespace, config, given: set[str]):
     clash = [k for k in config.differences(resume.config, CALIBRATION) if k in given]
     if config.gaussian.expect == EXPECT_AUTO and resume.provenance.expect_measured:  # the cover it measured stays
         clash = [k for k in clash if k != "expect"]
+    if config.features.precision == PRECISION_AUTO:  # the precision it was fitted at stays
+        clash = [k for k in clash if k != "precision"]
     if clash:
         k = clash[0]
         source = "the flag" if getattr(args, k, None) is not None else "--config"

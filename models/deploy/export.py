@@ -29,18 +29,15 @@ every file of the export, checked when it is loaded.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import importlib
-import io
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,27 +54,28 @@ from padim.models.choices import EXPORT_FORMATS
 from padim.models.data.framing import PAD_FILL
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
-from padim.models.features.embedding import TRACING, build_extractor
+from padim.models.features.embedding import TRACING, FeatureExtractor, build_extractor
 from padim.models.features.photometric import standardised
+from padim.models.features.quantised import GRAPH_KEY, export_module
+from padim.models.features.quantised import INPUT as QUANTISED_INPUT
 from padim.models.scoring.detector import PadimDetector
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 10
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 11
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
 #: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
 #: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
-#: ``config.standardise``, none in every older file) keeps the cache.
+#: ``config.standardise``, none in every older file; 11: an int8 model file's own graph, ``precision: int8`` without
+#: ``quantisation``, which only a model of format 15 has) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
 #: Graphs with more weight bytes than this keep them in ONNX external data (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1_500_000_000
-#: ONNX operator set of the exported graphs (onnxruntime >= 1.16, OpenVINO >= 2023.1, Triton >= 23.10).
-OPSET = 18
 #: Largest batch the Triton configuration accepts.
 TRITON_MAX_BATCH = 32
 #: Where Triton runs the model (``instance_group`` kind): ``gpu`` (``KIND_GPU``) or ``cpu``.
@@ -108,9 +106,12 @@ class ExportedScorer(nn.Module):
         super().__init__()
         model = detector.model
         self.backbone_dtype = backbone_dtype
-        self.extractor = model.embedder.extractor.body
-        if model.embedder.precision != "fp32":  # a model fitted at bf16/fp16: its backbone again from the weights
-            self.extractor = build_extractor(detector.config, detector.backbone_weights, "fp32").body
+        if model.embedder.precision != "fp32":  # fitted at bf16, fp16 or int8: its float backbone from the weights
+            extractor = build_extractor(detector.config, detector.backbone_weights, "fp32")
+            assert isinstance(extractor, FeatureExtractor), "fp32 is the float backbone"
+            self.extractor = extractor.body
+        else:
+            self.extractor = model.embedder.extractor.body
         if backbone_dtype != torch.float32:  # a copy: the detector's own backbone stays as it is
             self.extractor = copy.deepcopy(self.extractor).to(backbone_dtype)
         self.layers = model.embedder.extractor.layers
@@ -141,13 +142,24 @@ class ExportedScorer(nn.Module):
             self.register_buffer("cols_t", cols_op.clone())  # (C, W, W_in)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tiles = self.tiling.cut(standardised(images, self.standardise))  # (B * T, 3, S, S) through the backbone
+        tiles = self.tiles(images)  # (B * T, 3, S, S) through the backbone
         if self.backbone_dtype != torch.float32:  # fp16 exports: the backbone alone in float16
             features = self.extractor(tiles.to(self.backbone_dtype))
             features = {layer: features[layer].to(torch.float32) for layer in self.layers}
         else:
             features = self.extractor(tiles)
-        embedding = self.embedding([features[layer] for layer in self.layers])  # (B * T, D, H, W)
+        return self.statistics([features[layer] for layer in self.layers], images.shape[0])
+
+    def tiles(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H_in, W_in)`` -> ``(B * T, 3, S, S)``: what the backbone reads."""
+        return self.tiling.cut(standardised(images, self.standardise))
+
+    def statistics(
+        self, features: list[torch.Tensor], batch: int | torch.SymInt
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backbone's maps of ``batch`` pictures -> anomaly maps, raw scores and input distances: all after the
+        backbone."""
+        embedding = self.embedding(features)  # (B * T, D, H, W)
         dim, grid_pixels = embedding.shape[1], self.grid_shape[0] * self.grid_shape[1]
         pixels = self.mean.shape[0]
         # constant subgraph, folded at load: (p, T + 1) packed -> (p, D, D) float32
@@ -161,7 +173,7 @@ class ExportedScorer(nn.Module):
             rows = rows.reshape(pixels, -1, dim)
         delta = rows - self.mean.unsqueeze(1)  # (p, N, D)
         squared = triangular_squared_norm(delta, factor).transpose(0, 1)  # (N, p)
-        squared = squared.reshape(images.shape[0], self.tiling.count * grid_pixels)  # (B, T * P)
+        squared = squared.reshape(batch, self.tiling.count * grid_pixels)  # (B, T * P)
         if self.tiling.count == 1:
             distance = squared.clamp_min(0).sqrt().reshape(-1, *self.grid_shape)  # (B, H, W)
             maps = self.rows @ distance @ self.cols_t  # (B, S, S)
@@ -278,7 +290,16 @@ def _check_export(detector: PadimDetector, fmt: str, triton_device: str, quantis
     if triton_device not in TRITON_DEVICES:
         raise ExportError(f"unknown Triton device {triton_device!r}; choose one of {', '.join(TRITON_DEVICES)}")
     precision = detector.config.features.precision
-    if not quantised and precision != "fp32":
+    if not quantised and precision == "int8":  # its own int8 graph, which ONNX Runtime runs on a CPU
+        if fmt == "openvino":
+            raise ExportError(
+                "this model scores with its int8 backbone in ONNX Runtime, and its threshold is those scores': export "
+                "it with --format onnx (or triton --triton-device cpu), or --format openvino --precision int8 "
+                "--calibration-images DIR for an OpenVINO graph checked against float32 with a threshold of its own"
+            )
+        if fmt == "triton" and triton_device == "gpu":
+            raise ExportError("an int8 model's graph runs on ONNX Runtime's CPU provider: use --triton-device cpu")
+    elif not quantised and precision != "fp32":
         raise ExportError(
             f"this model scores at {precision} and its threshold is {precision}'s: a float32 graph needs its own. "
             "Export it with --precision int8 or fp16 and --calibration-images (checked against float32 and given "
@@ -291,8 +312,12 @@ def _check_export(detector: PadimDetector, fmt: str, triton_device: str, quantis
 
 
 def _float32_graph(detector: PadimDetector, graph_dir: Path, fmt: str, external_data: bool | None) -> list[str]:
-    """The float32 graph written into ``graph_dir`` (ONNX, converted for OpenVINO); the names of its files."""
-    onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
+    """The model's own graph written into ``graph_dir`` (ONNX, converted for OpenVINO): float32, or the int8
+    backbone of a model fitted at int8; the names of its files."""
+    if detector.config.features.precision == "int8":
+        onnx_path = _export_int8_onnx(detector, graph_dir / ONNX_FILE, external_data)
+    else:
+        onnx_path = _export_onnx(detector, graph_dir / ONNX_FILE, external_data)
     files = [onnx_path.name] + ([f"{onnx_path.name}.data"] if (graph_dir / f"{onnx_path.name}.data").exists() else [])
     if fmt == "openvino":
         files = _convert_openvino(onnx_path, graph_dir / OPENVINO_FILE)
@@ -308,38 +333,101 @@ def _export_onnx(
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     height, width = detector.config.input_shape
-    example = torch.zeros(2, 3, height, width)
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    with warnings.catch_warnings(), _quiet_exporter():
-        warnings.simplefilter("ignore")
-        for noisy in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-        with TRACING.shared():  # not while a backbone is traced on another thread (a load, an update)
-            program = torch.onnx.export(
-                scorer,
-                (example,),
-                dynamo=True,
-                input_names=[INPUT_NAME],
-                output_names=list(OUTPUT_NAMES),
-                dynamic_shapes={"images": {0: batch}},
-                opset_version=OPSET,
-                optimize=True,
-                verbose=False,
+    return export_module(
+        scorer, (torch.zeros(2, 3, height, width),), [INPUT_NAME], OUTPUT_NAMES, path, external, guard=TRACING.shared()
+    )
+
+
+class _Tiles(nn.Module):
+    """What a picture becomes before the backbone: ``(B, 3, H_in, W_in)`` -> ``(B * T, 3, S, S)``."""
+
+    def __init__(self, scorer: ExportedScorer) -> None:
+        super().__init__()
+        self.tiling, self.standardise = scorer.tiling, scorer.standardise
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.tiling.cut(standardised(images, self.standardise))
+
+
+class _AfterBackbone(nn.Module):
+    """Everything after the backbone: its maps -> the scorer's outputs (:meth:`ExportedScorer.statistics`)."""
+
+    def __init__(self, scorer: ExportedScorer) -> None:
+        super().__init__()
+        self.scorer = scorer
+
+    def forward(self, *maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.scorer.statistics(list(maps), maps[0].shape[0] // self.scorer.tiling.count)
+
+
+def _export_int8_onnx(detector: PadimDetector, path: Path, external_data: bool | None) -> Path:
+    """The whole scorer of a model fitted at int8 as one ONNX graph: its own quantised backbone (the model file's,
+    the very graph its threshold was computed with) between the graphs before it (tiles, light) and after it (the
+    statistics, the map, the score), joined by :func:`onnx.compose.merge_models`."""
+    # an optional extra ([onnx]): imported only when asked for
+    import onnx
+    from onnx import compose
+
+    scorer = ExportedScorer(detector).eval().to("cpu")
+    layers = list(scorer.layers)
+    height, width = detector.config.input_shape
+    images = torch.zeros(2, 3, height, width)
+    with torch.no_grad():
+        tiles = _Tiles(scorer)(images)
+        features = scorer.extractor(tiles)
+    maps = tuple(features[layer] for layer in layers)
+    scorer.extractor = nn.Identity()  # the float backbone stays out of the graph
+    weight_bytes = sum(t.numel() * t.element_size() for t in scorer.buffers())
+    external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
+    with tempfile.TemporaryDirectory(prefix="padim-int8-export-") as folder:
+        after = onnx.load(
+            export_module(
+                _AfterBackbone(scorer),
+                maps,
+                layers,
+                OUTPUT_NAMES,
+                Path(folder) / "after.onnx",
+                varargs=True,
+                guard=TRACING.shared(),
             )
-        assert program is not None, "torch.onnx.export(dynamo=True) returns its program"
-        program.save(str(path), external_data=external)
+        )
+        backbone = onnx.load_from_string(detector.backbone_weights[GRAPH_KEY].numpy().tobytes())
+        parts = [compose.add_prefix(backbone, "int8/"), compose.add_prefix(after, "after/")]
+        entry = f"int8/{QUANTISED_INPUT}"
+        if scorer.tiling.count > 1 or scorer.standardise != "none":
+            before = onnx.load(
+                export_module(
+                    _Tiles(scorer), (images,), [INPUT_NAME], ["tiles"], Path(folder) / "t.onnx", guard=TRACING.shared()
+                )
+            )
+            parts.insert(0, compose.add_prefix(before, "before/"))
+        for part in parts:
+            part.ir_version = max(p.ir_version for p in parts)
+        if len(parts) == 3:
+            parts[:2] = [compose.merge_models(parts[0], parts[1], io_map=[("before/tiles", entry)])]
+            entry = f"before/{INPUT_NAME}"
+        merged = compose.merge_models(
+            parts[0], parts[1], io_map=[(f"int8/{layer}", f"after/{layer}") for layer in layers]
+        )
+    _rename(merged, entry, INPUT_NAME)
+    for name in OUTPUT_NAMES:
+        _rename(merged, f"after/{name}", name)
+    onnx.save(merged, str(path), save_as_external_data=external)
     return path
 
 
-class _quiet_exporter:
-    """The dynamo exporter prints its progress with ``print``; keep stdout for JSON."""
-
-    def __enter__(self):
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._redirect.__enter__()
-
-    def __exit__(self, *exc):
-        return self._redirect.__exit__(*exc)
+def _rename(model, old: str, new: str) -> None:
+    """Rename the value ``old`` of an ONNX graph to ``new`` everywhere it appears (nodes, inputs, outputs)."""
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
+    for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        if value.name == old:
+            value.name = new
 
 
 def _convert_openvino(onnx_path: Path, xml_path: Path) -> list[str]:
@@ -360,6 +448,7 @@ def export_metadata(
     ``quantisation``: how, on which images, the accuracy gate's reading and the float32 calibration it replaces.
     """
     calibration = detector.calibration if quantised is None else quantised.calibration
+    own_precision = "int8" if detector.config.features.precision == "int8" else "float32"  # the graph's backbone
     metadata = {
         "kind": EXPORT_KIND,
         "export_version": EXPORT_VERSION,
@@ -381,8 +470,8 @@ def export_metadata(
         "calibration_input_distances": list(calibration.input_distances),
         "calibration_taken_scores": list(calibration.taken_scores),
         "calibration_line_scores": list(calibration.line_scores),
-        "precision": "float32" if quantised is None else quantised.precision,
-        "threshold_of": "float32 scorer" if quantised is None else quantised.threshold_of,
+        "precision": own_precision if quantised is None else quantised.precision,
+        "threshold_of": f"{own_precision} scorer" if quantised is None else quantised.threshold_of,
     }
     if quantised is not None:
         metadata["quantisation"] = quantised.describe(detector.calibration)

@@ -67,6 +67,7 @@ from padim.models.deploy.runtimes import (
 )
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
 from padim.models.features.embedding import model_input
+from padim.models.features.quantised import HEADROOM, quantise_static
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,6 @@ QUANTISER_IMAGES = 32
 MIN_THRESHOLD_IMAGES = 20
 #: The gate: largest relative difference of raw scores on held-out images (measured: docs/quantisation.md).
 MAX_SCORE_ERROR = 0.25
-#: Activation ranges measured on normal images are widened by this factor: a defect's features are larger than
-#: any normal image's, and a range fitted to normal images alone clips them at the first quantiser they meet
-#: (measured, docs/quantisation.md: defect scores fell by up to 22% and AUROC by .022 at 1.0; 1.5 kept AUROC).
-HEADROOM = 1.5
 #: Images a batch while calibrating and checking.
 BATCH = 8
 #: Seed of the permutation that splits the calibration folder.
@@ -307,96 +304,13 @@ def compare(
 
 
 # ---------------------------------------------------------------------- graphs
-def backbone_convolutions(model) -> list[str]:
-    """Names of the ``Conv`` nodes of an exported ONNX graph that belong to the backbone (``ExportedScorer.extractor``).
-
-    The exporter records each node's module path (``pkg.torch.onnx.name_scopes``); a graph without
-    it has every ``Conv`` counted (the embedding and the statistics have none).
-    """
-    names = []
-    for node in model.graph.node:
-        if node.op_type != "Conv":
-            continue
-        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
-        if scopes is None or "'extractor" in scopes:
-            names.append(node.name)
-    return names
-
-
 def quantise_onnxruntime(float_graph: Path, output: Path, batches: list[np.ndarray], work: Path) -> dict:
-    """Static QDQ quantisation of the backbone's convolutions of ``float_graph`` into ``output``.
+    """Static QDQ quantisation of the backbone's convolutions of ``float_graph`` into ``output`` (as ``train
+    --precision int8`` quantises its backbone: :func:`padim.models.features.quantised.quantise_static`).
 
     ``batches``: ``(b, 3, S, S)`` float32 inputs of the quantiser's images.
     """
-    # optional extras ([onnxruntime]): imported only when asked for
-    import onnx
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    model = onnx.load(str(float_graph), load_external_data=False)
-    convolutions = backbone_convolutions(model)
-    del model
-    prepared = work / "prepared.onnx"
-    # symbolic shape inference fails on the statistics' reshapes, and the optimiser would fold the
-    # packed precision factors into full float32 matrices: ONNX shape inference only
-    quant_pre_process(str(float_graph), str(prepared), skip_optimization=True, skip_symbolic_shape=True)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self._batches = iter(batches)
-
-        def get_next(self):
-            batch = next(self._batches, None)
-            return None if batch is None else {"images": batch}
-
-    settings = {
-        "format": "QDQ",
-        "weights": "int8, per channel",
-        "activations": "uint8",
-        "reduce_range": True,
-        "calibration": "MinMax",
-        "quantised": f"{len(convolutions)} backbone convolutions",
-    }
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress: keep stdout for JSON
-        quantize_static(
-            str(prepared),
-            str(output),
-            Reader(),
-            quant_format=QuantFormat.QDQ,
-            nodes_to_quantize=convolutions,
-            op_types_to_quantize=["Conv"],
-            per_channel=True,
-            reduce_range=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-        )
-    prepared.unlink(missing_ok=True)
-    quantised = onnx.load(str(output))
-    widened = widen_onnx_ranges(quantised, HEADROOM)
-    onnx.save(quantised, str(output))
-    settings["headroom"] = f"activation ranges x{HEADROOM} ({widened} quantisers)"
-    return {"runtime": "onnxruntime", "tool": "onnxruntime.quantization.quantize_static", **settings}
-
-
-def widen_onnx_ranges(model, factor: float) -> int:
-    """Multiply the scale of every activation quantiser (``QuantizeLinear``; weights are stored quantised, with a
-    ``DequantizeLinear`` alone) of a QDQ graph by ``factor``, in place: its range ``[min, max]`` becomes
-    ``[factor min, factor max]`` (the zero point stays). Its ``DequantizeLinear`` shares the scale. Returns how many."""
-    from onnx import numpy_helper  # an optional extra ([onnx]): imported only when asked for
-
-    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
-    scales = {node.input[1] for node in model.graph.node if node.op_type == "QuantizeLinear"}
-    for name in scales:
-        tensor = initializers[name]
-        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(factor), name))
-    return len(scales)
+    return quantise_static(float_graph, output, batches, work)
 
 
 def widen_openvino_ranges(model, factor: float) -> int:

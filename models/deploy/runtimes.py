@@ -74,44 +74,42 @@ def is_export(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def resolve_runtime(runtime: str, device: str) -> str:
-    """The runtime of a ``.padim`` file: ``auto`` -> ``onnxruntime`` on a CPU when installed, else ``torch``.
+def resolve_runtime(runtime: str, device: str, precision: str = "fp32") -> str:
+    """The runtime of a ``.padim`` file (:func:`runtime_choice` without its reason)."""
+    return runtime_choice(runtime, device, precision)[0]
 
-    ``device`` is the asked one (``auto``, ``cpu``, ``cuda``): ``auto`` runs torch wherever torch
-    sees a GPU (ONNX Runtime's CPU path would leave it idle). Other names are checked.
+
+def runtime_choice(runtime: str, device: str, precision: str = "fp32") -> tuple[str, str]:
+    """The runtime of a ``.padim`` file fitted at ``precision``, and why in a few words: ``auto`` is the fastest
+    scorer whose scores the model's threshold was computed from.
+
+    - int8: ONNX Runtime on the CPU, the model's own int8 backbone in one graph with the rest (``torch`` runs the
+      same backbone, through ONNX Runtime too, beside torch's statistics: slower at batch 1).
+    - bf16, fp16: torch, the one runtime that computes the backbone at that arithmetic.
+    - fp32: torch on a GPU (``device`` ``cuda``, or ``auto`` where torch sees one), else ONNX Runtime where installed
+      (1.2-1.45x torch on a CPU), else torch.
+
+    Other names are checked and returned as they are.
     """
     if runtime not in RUNTIMES:
         raise ExportError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if runtime != "auto":
-        return runtime
+        return runtime, "asked for"
+    if precision == "int8":
+        return "onnxruntime", (
+            "the model's int8 backbone, with which its threshold was computed, runs on ONNX Runtime's int8 kernels "
+            "(the CPU), in one graph with the statistics"
+        )
+    if precision != "fp32":
+        return "torch", f"the model scores at {precision}, which torch computes; its threshold is those scores"
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return "torch"
+        return "torch", "torch on the GPU (ONNX Runtime's CPU path would leave it idle)"
     try:
         import onnxruntime  # noqa: F401 (optional extras: is it installed?)
         import onnxscript  # noqa: F401
     except ImportError:
-        log.info("runtime auto: torch (install 'padim-inspect[onnxruntime]' to score 1.2-1.45x faster on CPU)")
-        return "torch"
-    if log.isEnabledFor(logging.DEBUG):  # results and GET /models say which runtime scored; this says why
-        log.debug(
-            "runtime auto: onnxruntime at float32 (the fastest runtime a model file's own threshold holds on)%s",
-            _faster(),
-        )
-    return "onnxruntime"
-
-
-def _faster() -> str:
-    """Where this CPU could score faster with a gated export of its own (said once, beside ``auto``'s choice)."""
-    try:
-        bfloat16 = bfloat16_native()
-    except ExportError:  # OpenVINO not installed
-        return ""
-    return (
-        "; this CPU runs OpenVINO in bfloat16: `padim export --format openvino --precision bf16` (or int8) gives a "
-        "gated, faster scorer with its own threshold"
-        if bfloat16
-        else ""
-    )
+        return "torch", "ONNX Runtime is not installed ('padim-inspect[onnxruntime]' scores 1.2-1.45x faster on a CPU)"
+    return "onnxruntime", "float32 on ONNX Runtime: the fastest runtime of a float32 model on a CPU (1.2-1.45x torch)"
 
 
 def export_runtime(path: Path, runtime: str) -> str:
@@ -155,16 +153,23 @@ def load_scorer(
         target = runtime_device(chosen, device)
         log.debug("%s: %s on %s", path, chosen, target)
         return DeployedDetector(path, metadata, chosen, target)
-    chosen = resolve_runtime(runtime, device)
-    if runtime == "auto" and chosen != "torch":
-        precision = read_header(path).get("config", {}).get("precision", "fp32")
-        if precision != "fp32":  # only torch computes the scores its threshold was calibrated on
-            log.info("runtime auto: torch (the model scores at %s; %s would run a float32 graph)", precision, chosen)
-            chosen = "torch"
+    precision = read_header(path).get("config", {}).get("precision", "fp32")
+    chosen, reason = runtime_choice(runtime, device, precision)
+    if runtime == "auto":
+        log.debug("runtime auto: %s (%s)", chosen, reason)
     if chosen == "torch":
-        return load_detector(path, device=device, with_statistics=with_statistics)
+        detector = load_detector(path, device=device, with_statistics=with_statistics)
+        detector.runtime_reason = reason
+        return detector
+    if precision == "int8" and chosen == "openvino":
+        raise ExportError(
+            f"{path}: an int8 model's threshold is its ONNX Runtime int8 scores: run it with --runtime onnxruntime "
+            "(or auto), or export an OpenVINO graph with its own threshold (padim export --format openvino "
+            "--precision int8 --calibration-images DIR)"
+        )
     require(chosen)
-    target = runtime_device(chosen, device)
+    # the int8 graph runs on ONNX Runtime's CPU kernels, whatever GPU there is
+    target = runtime_device(chosen, "cpu" if precision == "int8" and device == "auto" else device)
     log.debug("%s: %s on %s", path, chosen, target)
     sha256 = file_sha256(path)
     cached = (
@@ -192,7 +197,9 @@ def load_scorer(
         return load_scorer(path, runtime, device, cache=cache)
     if metadata["model"]["sha256"] != sha256:
         raise ArtifactError(f"{cached}: cached export of another file; remove it")
-    return DeployedDetector(cached, metadata, chosen, target, source=path)
+    deployed = DeployedDetector(cached, metadata, chosen, target, source=path)
+    deployed.runtime_reason = reason
+    return deployed
 
 
 @contextlib.contextmanager
@@ -333,6 +340,7 @@ class DeployedDetector:
             ) from None
         self.statistics = None
         self.runs_at: str | None = None  # the arithmetic here where it is not ``precision``
+        self.runtime_reason: str | None = None  # why ``--runtime auto`` chose it (a model file's cached export)
         self.image_size = self.config.features.image_size
         self.framing = Framing.of(self.config)
         self._device = device
@@ -405,6 +413,7 @@ class DeployedDetector:
             **self.metadata["description"],
             **shown_options(self.config),
             "runtime": self.runtime,
+            **({"runtime_reason": self.runtime_reason} if self.runtime_reason else {}),
             "precision": self.precision,
             **({"runs_at": self.runs_at} if self.runs_at is not None else {}),
             "calibration": {
@@ -416,7 +425,7 @@ class DeployedDetector:
                     self.metadata["description"]["calibration"].get("measured"),
                 ),
                 "threshold_of": self.threshold_of,
-                **({"source": "held_out"} if self.precision != "float32" else {}),
+                **({"source": "held_out"} if quantisation else {}),
             },
             **(
                 {

@@ -14,6 +14,7 @@ do; the average is per channel, so averaging after the reduction equals averagin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -29,6 +30,7 @@ from padim.models.data.framing import Framing
 from padim.models.data.images import normalisation, normalise, to_pixels
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
 from padim.models.features.photometric import standardised
+from padim.models.features.quantised import GRAPH_KEY, QuantisedExtractor
 
 
 class SharedOrAlone:
@@ -265,23 +267,31 @@ class FeatureEmbedder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.extractor.parameters()).device
+        """Where the backbone runs (an int8 backbone, ONNX Runtime's, on the CPU: its anchor buffer is there)."""
+        return next(itertools.chain(self.extractor.parameters(), self.extractor.buffers())).device
+
+    @property
+    def quantised(self) -> bool:
+        """Whether the backbone is the int8 graph (``train --precision int8``; a new fit's until it is made: no)."""
+        return isinstance(self.extractor, QuantisedExtractor)
 
     def preprocess(self, images) -> torch.Tensor:
         """PIL images -> ``(B, 3, H_in, W_in)`` uint8 model input (region of interest, resize mode), normalised on
         the device by :meth:`forward`."""
         return to_pixels(images, self.framing)
 
+    def tiles(self, batch: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H_in, W_in)`` model input -> ``(B * T, 3, S, S)``: what the backbone reads, normalised."""
+        if self.standardise == "none":
+            return model_input(self.tiling.cut(batch))
+        return self.tiling.cut(standardised(model_input(batch), self.standardise))  # the picture's light, then tiles
+
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H_in, W_in)`` model input (uint8 pixels, or float32 already normalised) ->
         ``(B * rows_per_image, pixels, D)`` embeddings."""
         batch = batch.to(self.device, non_blocking=True)
-        if self.standardise == "none":
-            tiles = model_input(self.tiling.cut(batch))  # (B * T, 3, S, S)
-        else:  # the whole picture's light, then its tiles
-            tiles = self.tiling.cut(standardised(model_input(batch), self.standardise))
-        embedding = self.embedding(self.extractor(tiles))  # (B * T, D, H, W)
+        embedding = self.embedding(self.extractor(self.tiles(batch)))  # (B * T, D, H, W)
         rows = batch.shape[0] * self.rows_per_image
         return embedding.permute(0, 2, 3, 1).reshape(rows, self.pixels, self.embedding.embedding_dim)
 
@@ -318,15 +328,21 @@ def grid_shape(config) -> tuple[int, int]:
     return side, side
 
 
-#: ``train --precision`` -> the backbone's dtype.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``train --precision`` -> the backbone's dtype (int8: the float32 backbone it is quantised from).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
 
 def build_extractor(
     config, backbone_weights: dict[str, torch.Tensor], precision: str | None = None
-) -> FeatureExtractor:
+) -> FeatureExtractor | QuantisedExtractor:
     """The feature extractor of ``config.features.backbone`` with ``backbone_weights`` loaded (no weights download),
-    at ``precision`` (default: the configuration's)."""
+    at ``precision`` (default: the configuration's). At int8 it is the quantised graph the weights hold
+    (:data:`~padim.models.features.quantised.GRAPH_KEY`); a new fit's, before its graph is made, the float32
+    backbone it is quantised from (:meth:`padim.models.fit.in_progress.Fit.quantise`)."""
+    precision = precision or config.features.precision
+    if precision == "int8" and GRAPH_KEY in backbone_weights:
+        return QuantisedExtractor(backbone_weights[GRAPH_KEY], config.features.layers)
+    backbone_weights = {k: v for k, v in backbone_weights.items() if k != GRAPH_KEY}
     with torch.device("meta"):
         backbone = getattr(torchvision.models, config.features.backbone)(weights=None)
     missing = [
@@ -335,4 +351,4 @@ def build_extractor(
     if missing:
         raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
     backbone.load_state_dict(backbone_weights, strict=False, assign=True)
-    return FeatureExtractor(backbone, config.features.layers, dtype=DTYPES[precision or config.features.precision])
+    return FeatureExtractor(backbone, config.features.layers, dtype=DTYPES[precision])

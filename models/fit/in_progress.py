@@ -47,13 +47,16 @@ from PIL import Image
 from padim.core.calibration import Calibration, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import GaussianState
+from padim.models.choices import PRECISION_AUTO
 from padim.models.config import PadimConfig
 from padim.models.data.changes import Expected, apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
-from padim.models.devices import check_precision, resolve_device
+from padim.models.devices import check_precision, precision_device
+from padim.models.errors import FitError
 from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
-from padim.models.features.embedding import Embedding, FeatureEmbedder
-from padim.models.fit.distributed import Shard
+from padim.models.features.embedding import TRACING, Embedding, FeatureEmbedder
+from padim.models.features.quantised import GRAPH_KEY, QuantisedExtractor, quantise_backbone
+from padim.models.fit.distributed import Shard, gather
 from padim.models.fit.finish import Finish
 from padim.models.fit.first_pass import FirstPass, embed_again
 from padim.models.fit.memory_plan import SLICE_BYTES, spool_fits
@@ -98,7 +101,8 @@ class Fit:
         self.weights = weights
         self.backbone_weights = backbone_weights
         self.embedding = embedding
-        self.device = resolve_device(config.run.device)
+        self.device = precision_device(config.run.device, config.features.precision)
+        assert config.features.precision != PRECISION_AUTO, "train resolves --precision auto before a fit starts"
         check_precision(config.features.precision, self.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
         self.rows_per_image = self.embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
@@ -126,6 +130,36 @@ class Fit:
             config.gaussian.neighbourhood,
         )
         return cls(config, weights, backbone_weights, embedding)
+
+    def quantise(self, paths: Sequence[Path], shard: Shard | None = None) -> dict:
+        """Make the int8 backbone of a new ``--precision int8`` fit (:mod:`padim.models.features.quantised`) from
+        ``paths``, at most :data:`~padim.models.features.quantised.QUANTISER_IMAGES` training pictures chosen alike on
+        every rank, read as training reads them; every rank quantises and rank 0's graph is used. Returns what made it.
+
+        Raises:
+            FitError: none of ``paths`` could be read.
+        """
+        unreadable: list[tuple[Path, str]] = []
+        batches = []
+        for _, images in iter_decoded(
+            [list(paths[i : i + 8]) for i in range(0, len(paths), 8)],
+            self.config.run.workers,
+            unreadable,
+            self.draft_to,
+            self.config.framing.roi,
+        ):
+            if images:
+                batches.append(self.embedder.tiles(self.embedder.preprocess(images)).cpu())
+        if not batches:
+            raise FitError(
+                f"--precision int8 sets its quantiser's ranges on the training pictures, and none of the {len(paths)} "
+                f"it read could be decoded ({unreadable[0][0]}: {unreadable[0][1]})"
+            )
+        graph, settings = quantise_backbone(self.embedder.extractor, batches, TRACING.shared())
+        graph, settings = gather((graph, settings), shard)[0]
+        self.backbone_weights = {**self.backbone_weights, GRAPH_KEY: graph}
+        self.embedder.extractor = QuantisedExtractor(graph, self.config.features.layers)
+        return settings
 
     @property
     def draft_to(self) -> int:

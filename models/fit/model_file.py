@@ -15,7 +15,8 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (
   share the statistics).
 - ``image_digests`` ``(N,)`` int64: content digests of the fitted pictures.
 - ``embedding.channel_index`` ``(D,)`` or ``embedding.projection`` ``(C, D)``: the channel reduction.
-- ``backbone.*``: the backbone weights used.
+- ``backbone.*``: the backbone weights used; at ``precision`` int8 also ``backbone.int8.onnx``, the quantised backbone
+  (ONNX bytes, uint8: :mod:`padim.models.features.quantised`), format 15.
 
 The header holds ``kind`` (``padim-detector`` or ``padim-partial``), ``config`` (flat: every option,
 :meth:`~padim.models.config.PadimConfig.stored`), ``weights``, ``embedding_dim``, ``grid``, ``precision_dtype``,
@@ -49,9 +50,10 @@ from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
 from padim.core.version import __version__
 from padim.models.config import RETIRED, PadimConfig
-from padim.models.devices import check_precision, resolve_device
+from padim.models.devices import check_precision, precision_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding, FeatureEmbedder
+from padim.models.features.quantised import GRAPH_KEY
 from padim.models.fit.in_progress import Fit
 from padim.models.fit.passes import Finished
 from padim.models.scoring.detector import PadimDetector, Provenance
@@ -278,7 +280,7 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         config.scoring,
     )
     precision_dtype = getattr(torch, header.get("precision_dtype", "float32"))
-    target = resolve_device(device)
+    target = precision_device(device, config.features.precision)
     check_precision(config.features.precision, target)
     model = model.to(target)
     if model.device.type == "cuda":  # float16 factors: upcast once here, not on every batch
@@ -403,6 +405,8 @@ def _read_common(
         if embedding.embedding_dim != int(header["embedding_dim"]):
             raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")
         backbone_weights = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}
+        if config.features.precision == "int8" and GRAPH_KEY not in backbone_weights:
+            raise ValueError(f"precision int8 but no backbone.{GRAPH_KEY} (the quantised backbone)")
         weights = WeightsInfo(**header["weights"])
     except (KeyError, TypeError, ValueError) as error:
         raise _inconsistent(path, error) from None

@@ -24,14 +24,15 @@ from tqdm.auto import tqdm
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
-from padim.models.choices import EXPECT_AUTO
+from padim.models.choices import EXPECT_AUTO, PRECISION_AUTO
 from padim.models.config import CALIBRATION, PadimConfig
 from padim.models.data.framing import Framing
 from padim.models.data.images import list_images
 from padim.models.data.spread import Spread, measure, sampled
-from padim.models.devices import float64_is_slow, usable_cpus
+from padim.models.devices import choose_precision, float64_is_slow, resolve_device, usable_cpus
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import ImageError, PrecisionGateFailed
+from padim.models.features.quantised import GRAPH_KEY, QUANTISER_IMAGES, graph_settings
 from padim.models.fit.distributed import Shard, gather
 from padim.models.fit.in_progress import Fit
 from padim.models.fit.memory_plan import (
@@ -105,6 +106,8 @@ class FitReport:
         cuda_peak: ``torch.cuda.max_memory_allocated`` of the fit on a GPU (``None`` on a CPU).
         spread: what ``--expect auto`` measured on the training pictures (``None`` without it, and on a resume,
             which keeps the cover it was fitted with).
+        precision_choice: why ``--precision auto`` chose what it chose (``None`` without it).
+        quantisation: what made a new int8 fit's backbone (``seconds["quantise"]`` its time).
     """
 
     listed: int = 0
@@ -123,6 +126,8 @@ class FitReport:
     precision_check: PrecisionCheck | None = None
     cuda_peak: int | None = None
     spread: Spread | None = None
+    precision_choice: str | None = None
+    quantisation: dict | None = None
 
     @property
     def fitted(self) -> int:
@@ -174,9 +179,17 @@ def train(
             config, report.spread = measured_cover(config, images, shard)
         if announce is not None and (shard is None or shard.main):
             announce(f"--expect auto: {report.spread.describe()}")
+    if resume is None and config.features.precision == PRECISION_AUTO:
+        config, report.precision_choice = chosen_precision(config)
+        if announce is not None and (shard is None or shard.main):
+            announce(f"--precision auto: {report.precision_choice}")
     with _out_of_memory_as_error(None, report, None):
         fit = resume if resume is not None else Fit.start(config)
     config = fit.config
+    if config.features.precision == "int8" and not fit.embedder.quantised:
+        with report.timed("quantise"):
+            chosen = [images[i].path for i in sampled([image.name for image in images], QUANTISER_IMAGES)]
+            report.quantisation = fit.quantise(chosen, shard)
     images = _leave_out_fitted(fit, images, report)
     groups = fit.groups(images)
     earlier_count = fit.count
@@ -214,6 +227,8 @@ def train(
             with report.timed("check"):
                 report.precision_check = _gated(fit, finished, readable, calibration, gate or PrecisionGate())
             provenance.precision_check = report.precision_check.to_dict()
+            if GRAPH_KEY in fit.backbone_weights:  # what made the int8 backbone, beside its gate
+                provenance.precision_check["quantiser"] = graph_settings(fit.backbone_weights[GRAPH_KEY])
         with report.timed("write"):
             save_fitted(output, fit, finished, calibration, provenance, with_statistics)
         return report
@@ -255,6 +270,12 @@ def fit_partial(
     """Pass 1 and the statistics alone, for ``train --partial``: every image fitted, no factors, no calibration."""
     started = time.perf_counter()
     report = FitReport()
+    if config.features.precision in ("int8", PRECISION_AUTO):
+        raise FitError(
+            f"--partial with --precision {config.features.precision}: each part would quantise its backbone from its "
+            "own pictures, and parts with other backbones do not merge; fit the parts at --precision fp32 (or bf16, "
+            "fp16), or fit one model at int8 on every picture (--resume adds pictures to it later)"
+        )
     if config.gaussian.expect == EXPECT_AUTO:
         raise FitError(
             "--partial with --expect auto: each part would measure only its own pictures, and parts fitted with "
@@ -401,6 +422,9 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
                 f"{source}: other backbone weights than {parts[0]} (sha256 {part.weights.sha256[:12]} vs "
                 f"{merged.weights.sha256[:12]})"
             )
+        graphs = [fit.backbone_weights.get(GRAPH_KEY) for fit in (merged, part)]
+        if graphs[0] is not None and (graphs[1] is None or not torch.equal(graphs[0], graphs[1])):
+            raise FitError(f"{source}: another int8 backbone than {parts[0]} (each fit quantised its own)")
         if not merged.embedding.same_reduction(part.embedding):
             raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
         assert merged.statistics is not None and part.statistics is not None, "a partial fit holds its statistics"
@@ -739,6 +763,12 @@ def _next_provenance(
         merged_from=list(earlier.merged_from),
         expect_measured=report.spread.to_dict() if report.spread is not None else earlier.expect_measured,
     )
+
+
+def chosen_precision(config: PadimConfig) -> tuple[PadimConfig, str]:
+    """``config`` with ``--precision auto`` replaced by the precision chosen for the device it fits on, and why."""
+    precision, reason = choose_precision(resolve_device(config.run.device))
+    return config.replace(precision=precision), f"{precision}, for {reason}"
 
 
 def measured_cover(

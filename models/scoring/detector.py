@@ -152,6 +152,7 @@ class PadimDetector:
         self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
         self.precision_dtype = precision_dtype
         self.graphs: CudaGraphs | None = None  # capture_graphs: the forward as CUDA graphs, on a GPU
+        self.runtime_reason: str | None = None  # why ``--runtime auto`` chose torch (set by the loader)
 
     @property
     def device(self) -> torch.device:
@@ -209,6 +210,7 @@ class PadimDetector:
             },
             "verified": self.provenance.verified,
             "runtime": self.runtime,
+            **({"runtime_reason": self.runtime_reason} if self.runtime_reason else {}),
             **({"cuda_graphs": list(self.graphs.sizes)} if self.graphs is not None else {}),
             "precision": spelled_precision(self.config.features.precision),
             **({"precision_check": self.provenance.precision_check} if self.provenance.precision_check else {}),

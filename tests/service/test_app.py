@@ -239,6 +239,29 @@ def test_a_model_fitted_at_bf16_is_served_at_bf16_with_its_check(dataset, tmp_pa
     assert scored["raw_score"] == pytest.approx(float(expected.raw_scores[0]), rel=1e-5)
 
 
+def test_a_model_fitted_at_int8_is_served_with_its_own_graph_and_says_what_runs_and_why(dataset, tmp_path):
+    """``train --precision int8``: the service (runtime auto) scores with the model's own int8 graph on ONNX Runtime,
+    as torch with the same int8 backbone scores, and GET /models says so with the gate's figures."""
+    from helpers import run_cli
+
+    from padim.models.fit.model_file import load_detector
+
+    model = tmp_path / "int8.padim"
+    good = dataset / "train" / "good"
+    run_cli("-q", "train", good, "-o", model, "--weights", "random", "--image-size", 32, "--precision", "int8")
+    with TestClient(create_app(ServiceSettings(models=[model], device="auto"))) as client:
+        wait_ready(client)
+        (described,) = client.get("/models").json()["models"]
+        scored = client.post("/score", content=png(dataset), headers={"content-type": "image/png"}).json()
+    assert described["precision"] == "int8" and described["runtime"] == "onnxruntime"
+    assert "int8 backbone" in described["runtime_reason"] and described["calibration"]["threshold_of"] == "int8 scorer"
+    assert described["calibration"]["source"] == "out_of_fold"
+    detector = load_detector(model)
+    assert detector.device.type == "cpu"
+    expected = detector.score(detector.preprocess([Image.open(dataset / "test" / "good" / "000.png").convert("RGB")]))
+    assert scored["raw_score"] == pytest.approx(float(expected.raw_scores[0]), rel=1e-4)
+
+
 def test_a_cover_sized_by_the_training_pictures_is_described_with_what_was_measured(dataset, tmp_path):
     """``train --expect auto``: GET /models shows what was measured beside the bounds, through the export the service
     scores with on a CPU (runtime auto) and through torch."""

@@ -21,7 +21,7 @@ from PIL import Image, ImageEnhance
 
 from padim.core.artifact import ArtifactError
 from padim.models.deploy.export import ExportError, read_export
-from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime
+from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime, runtime_choice
 from padim.models.features.embedding import model_input
 from padim.models.fit.model_file import load_detector, save_detector
 
@@ -161,15 +161,14 @@ def test_auto_picks_onnxruntime_on_cpu_and_torch_where_torch_sees_a_gpu(monkeypa
         resolve_runtime("tensorrt", "cpu")
 
 
-def test_auto_says_which_runtime_and_precision_it_chose_and_where_a_gated_export_would_be_faster(caplog):
-    from padim.models.deploy.runtimes import bfloat16_native
-
-    caplog.set_level("DEBUG", logger="padim.models.deploy.runtimes")
-    assert resolve_runtime("auto", "cpu") == "onnxruntime"
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("runtime auto:")]
-    assert len(said) == 1 and said[0].startswith("runtime auto: onnxruntime at float32")
-    # the bf16 export is named only where this CPU has bfloat16 (emulated, OpenVINO's bf16 is slower than float32)
-    assert ("--precision bf16" in said[0]) == bfloat16_native()
+def test_auto_says_which_runtime_it_chose_and_why_by_the_precision_the_threshold_was_computed_at(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # int8 and bf16 choose alike with a GPU or not
+    assert runtime_choice("auto", "cpu")[0] == "onnxruntime" and "float32" in runtime_choice("auto", "cpu")[1]
+    runtime, reason = runtime_choice("auto", "auto", "int8")
+    assert runtime == "onnxruntime" and "int8 backbone" in reason and "threshold" in reason
+    runtime, reason = runtime_choice("auto", "cpu", "bf16")
+    assert runtime == "torch" and "bf16" in reason
+    assert runtime_choice("onnxruntime", "cpu", "bf16") == ("onnxruntime", "asked for")
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "openvino"])

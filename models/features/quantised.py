@@ -1,0 +1,304 @@
+"""The INT8 backbone (``train --precision int8``): quantised once from the training pictures, run by ONNX Runtime.
+
+The backbone's stages (:class:`~padim.models.features.embedding.FeatureExtractor`, BatchNorms folded) are exported
+to ONNX and quantised statically in the QDQ format by ``onnxruntime.quantization``: per-channel int8 weights,
+uint8 activations whose ranges are the MinMax of :data:`QUANTISER_IMAGES` training pictures widened by
+:data:`HEADROOM` (a defect's features are larger than any normal picture's), ``reduce_range`` (7-bit weights, which
+CPUs without VNNI multiply without saturating), the convolutions only. The graph's bytes are kept in the model file
+among the backbone's tensors (:data:`GRAPH_KEY`), so every copy of the model (a resume, a merge, a learned update,
+a repository's version) runs the very graph its statistics and threshold were computed with; the file's digests
+cover it like any tensor.
+
+:class:`QuantisedExtractor` runs it where the float backbone would run: the fit's embeddings, its out-of-fold scores
+and so its threshold, every later score, all come from it. Only the backbone is int8: the embedding, the Gaussians
+and the map are float32, as at every precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from padim.core.errors import ArtifactError
+from padim.models.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+#: Where the quantised graph is kept among the backbone's tensors (``backbone.`` + this in the file): uint8 bytes.
+GRAPH_KEY = "int8.onnx"
+#: Training pictures whose activations set the quantiser's ranges (the same on every rank: the names that hash
+#: lowest).
+QUANTISER_IMAGES = 32
+#: Activation ranges measured on normal pictures are widened by this factor: a defect's features are larger than any
+#: normal picture's, and a range fitted to normal pictures alone clips them at the first quantiser they meet
+#: (measured, docs/quantisation.md: defect scores fell by up to 22% and AUROC by .022 at 1.0; 1.5 kept AUROC).
+HEADROOM = 1.5
+#: ONNX operator set of the graphs (onnxruntime >= 1.16, OpenVINO >= 2023.1, Triton >= 23.10).
+OPSET = 18
+#: The quantised graph's input.
+INPUT = "images"
+
+
+def require_onnxruntime():
+    """ONNX Runtime and the ONNX exporter, which an int8 backbone needs (the ``onnxruntime`` extra)."""
+    try:
+        # an optional extra ([onnxruntime]): imported only for an int8 backbone
+        import onnxruntime
+        import onnxscript  # noqa: F401 (torch's ONNX exporter needs it)
+    except ImportError:
+        raise UsageError(
+            "--precision int8 runs the backbone in ONNX Runtime, which is not installed: "
+            "pip install 'padim-inspect[onnxruntime]' (or use --precision fp32)"
+        ) from None
+    return onnxruntime
+
+
+class quiet_exporter:
+    """The dynamo exporter prints its progress with ``print`` and logs at INFO: keep stdout for JSON."""
+
+    def __enter__(self):
+        self._out = contextlib.redirect_stdout(io.StringIO())
+        self._out.__enter__()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        for noisy in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc):
+        self._warnings.__exit__(*exc)
+        return self._out.__exit__(*exc)
+
+
+def export_module(
+    module: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    path: Path,
+    external_data: bool = False,
+    varargs: bool = False,
+    guard: contextlib.AbstractContextManager | None = None,
+) -> Path:
+    """``module`` as an ONNX graph at ``path`` (torch's dynamo exporter), every input's first axis a dynamic batch
+    (``varargs``: ``module`` takes ``example`` as ``*args``), under ``guard`` (the embedding's ``TRACING.shared()``:
+    not while a backbone is traced on another thread, a load or an update)."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    shapes = tuple({0: batch} for _ in example)
+    with quiet_exporter(), guard or contextlib.nullcontext():
+        program = torch.onnx.export(
+            module,
+            example,
+            dynamo=True,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_shapes=(shapes,) if varargs else shapes,
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+        assert program is not None, "torch.onnx.export(dynamo=True) returns its program"
+        program.save(str(path), external_data=external_data)
+    return path
+
+
+class _Stages(nn.Module):
+    """The float backbone's stages with a tuple out (what the exporter takes): ``images -> (map of each layer)``."""
+
+    def __init__(self, extractor) -> None:
+        super().__init__()
+        self.extractor, self.layers = extractor.body, extractor.layers
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self.extractor(images)
+        return tuple(outputs[layer] for layer in self.layers)
+
+
+def backbone_convolutions(model) -> list[str]:
+    """Names of the ``Conv`` nodes of an exported ONNX graph that belong to the backbone (a module named
+    ``extractor``).
+
+    The exporter records each node's module path (``pkg.torch.onnx.name_scopes``); a graph without it has every
+    ``Conv`` counted (the embedding and the statistics have none).
+    """
+    names = []
+    for node in model.graph.node:
+        if node.op_type != "Conv":
+            continue
+        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        if scopes is None or "'extractor" in scopes:
+            names.append(node.name)
+    return names
+
+
+def widen_onnx_ranges(model, factor: float) -> int:
+    """Multiply the scale of every activation quantiser (``QuantizeLinear``; weights are stored quantised, with a
+    ``DequantizeLinear`` alone) of a QDQ graph by ``factor``, in place: its range ``[min, max]`` becomes
+    ``[factor min, factor max]`` (the zero point stays). Its ``DequantizeLinear`` shares the scale. Returns how many."""
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    from onnx import numpy_helper
+
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    scales = {node.input[1] for node in model.graph.node if node.op_type == "QuantizeLinear"}
+    for name in scales:
+        tensor = initializers[name]
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(factor), name))
+    return len(scales)
+
+
+def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarray], work: Path) -> dict:
+    """Static QDQ quantisation of the backbone's convolutions of ``float_graph`` into ``output`` (ranges from
+    ``batches``, ``(b, 3, S, S)`` float32 inputs, widened by :data:`HEADROOM`); the settings that made it."""
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    import onnx
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    model = onnx.load(str(float_graph), load_external_data=False)
+    convolutions = backbone_convolutions(model)
+    input_name = model.graph.input[0].name
+    del model
+    prepared = work / "prepared.onnx"
+    # symbolic shape inference fails on the statistics' reshapes, and the optimiser would fold the
+    # packed precision factors into full float32 matrices: ONNX shape inference only
+    quant_pre_process(str(float_graph), str(prepared), skip_optimization=True, skip_symbolic_shape=True)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self._batches = iter(batches)
+
+        def get_next(self):
+            batch = next(self._batches, None)
+            return None if batch is None else {input_name: batch}
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress: keep stdout for JSON
+        quantize_static(
+            str(prepared),
+            str(output),
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            nodes_to_quantize=convolutions,
+            op_types_to_quantize=["Conv"],
+            per_channel=True,
+            reduce_range=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+        )
+    prepared.unlink(missing_ok=True)
+    quantised = onnx.load(str(output))
+    widened = widen_onnx_ranges(quantised, HEADROOM)
+    onnx.save(quantised, str(output))
+    return {
+        "runtime": "onnxruntime",
+        "tool": "onnxruntime.quantization.quantize_static",
+        "format": "QDQ",
+        "weights": "int8, per channel",
+        "activations": "uint8",
+        "reduce_range": True,
+        "calibration": "MinMax",
+        "quantised": f"{len(convolutions)} backbone convolutions",
+        "headroom": f"activation ranges x{HEADROOM} ({widened} quantisers)",
+    }
+
+
+def quantise_backbone(
+    extractor, batches: Sequence[torch.Tensor], guard: contextlib.AbstractContextManager | None = None
+) -> tuple[torch.Tensor, dict]:
+    """The int8 graph of a float :class:`~padim.models.features.embedding.FeatureExtractor` as uint8 bytes (for the
+    model file), its activation ranges from ``batches`` (``(b, 3, S, S)`` normalised float32 tiles, as the backbone
+    reads them); and what made it (kept in the graph's metadata too). ``guard``: as :func:`export_module`'s."""
+    ort = require_onnxruntime()
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    import onnx
+
+    stages = _Stages(extractor).eval().to("cpu")
+    side = batches[0].shape[-2:]
+    with tempfile.TemporaryDirectory(prefix="padim-int8-") as folder:
+        work = Path(folder)
+        # the dynamo exporter (2.8 s for resnet18 on 2 cores): the TorchScript one's graph (0.2 s) shares the
+        # convolutions' biases through Identity nodes, and its int8 convolutions ran 2.5x slower
+        float_graph = export_module(
+            stages, (torch.zeros(2, 3, *side),), [INPUT], list(extractor.layers), work / "float32.onnx", guard=guard
+        )
+        inputs = [np.ascontiguousarray(b.detach().cpu().numpy(), dtype=np.float32) for b in batches]
+        settings = quantise_static(float_graph, work / "int8.onnx", inputs, work)
+        settings.update(
+            {
+                "images": int(sum(len(b) for b in batches)),
+                "onnxruntime": ort.__version__,
+                "layers": list(extractor.layers),
+            }
+        )
+        model = onnx.load(str(work / "int8.onnx"))
+        entry = model.metadata_props.add()
+        entry.key, entry.value = "padim.quantisation", json.dumps(settings)
+        data = model.SerializeToString()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), settings
+
+
+def graph_settings(graph: torch.Tensor) -> dict:
+    """What made a quantised graph (its ``padim.quantisation`` metadata); ``{}`` where it holds none."""
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    import onnx
+
+    model = onnx.load_from_string(graph.numpy().tobytes())
+    found = next((p.value for p in model.metadata_props if p.key == "padim.quantisation"), None)
+    return {} if found is None else json.loads(found)
+
+
+class QuantisedExtractor(nn.Module):
+    """The backbone's stages as their int8 graph in ONNX Runtime (on the CPU): what
+    :class:`~padim.models.features.embedding.FeatureExtractor` gives, ``(B, 3, S, S)`` normalised images ->
+    ``[(B, C_l, S / stride_l, S / stride_l)]`` float32 maps.
+
+    Args:
+        graph: the graph's bytes, as the model file keeps them (uint8).
+        layers: the stages it returns, shallowest first.
+
+    Raises:
+        ArtifactError: bytes that are not the graph of these stages.
+        UsageError: ONNX Runtime is not installed.
+    """
+
+    def __init__(self, graph: torch.Tensor, layers: tuple[str, ...]) -> None:
+        super().__init__()
+        ort = require_onnxruntime()
+        self.layers = tuple(layers)
+        self.dtype = torch.float32
+        self.graph = graph
+        self.register_buffer("_anchor", torch.zeros(0), persistent=False)  # where the module is (always the CPU)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        # idle threads otherwise spin after each run, taking the cores from the decoding beside it
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            self.session = ort.InferenceSession(graph.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
+        except Exception as error:  # ONNX Runtime raises its own types for a graph it cannot read
+            raise ArtifactError(f"the int8 backbone cannot be read ({type(error).__name__}: {error})") from None
+        outputs = [output.name for output in self.session.get_outputs()]
+        if outputs != list(self.layers) or [i.name for i in self.session.get_inputs()] != [INPUT]:
+            raise ArtifactError(f"the int8 backbone gives {outputs}, not the stages {list(self.layers)}")
+
+    @torch.inference_mode()
+    def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
+        array = np.ascontiguousarray(images.detach().to("cpu", torch.float32).numpy())
+        return [torch.from_numpy(m) for m in self.session.run(None, {INPUT: array})]

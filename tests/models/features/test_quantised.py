@@ -1,0 +1,70 @@
+"""The int8 backbone: quantised from pictures, checked against the float backbone it came from and against an
+independent reading of its QDQ graph."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from padim.core.errors import ArtifactError
+from padim.models.data.synthetic import texture
+from padim.models.features.backbones import build_backbone
+from padim.models.features.embedding import FeatureExtractor, model_input
+from padim.models.features.quantised import HEADROOM, QuantisedExtractor, graph_settings, quantise_backbone
+
+LAYERS = ("layer1", "layer2")
+SIDE = 64
+
+
+def pictures(count: int, seed: int) -> torch.Tensor:
+    """``count`` generated weave pictures as the backbone reads them (normalised float32)."""
+    rng = np.random.default_rng(seed)
+    stack = np.stack([texture("weave", SIDE, rng) for _ in range(count)])  # (N, S, S, 3) uint8
+    return model_input(torch.from_numpy(stack).permute(0, 3, 1, 2).contiguous())
+
+
+@pytest.fixture(scope="module")
+def quantised():
+    model, _ = build_backbone("resnet18", "random", seed=0)
+    extractor = FeatureExtractor(model.eval(), LAYERS)
+    graph, settings = quantise_backbone(extractor, [pictures(8, 0), pictures(8, 1)])
+    return extractor, graph, settings
+
+
+def test_the_int8_backbone_gives_the_float_backbones_maps_within_its_quantisation_step(quantised):
+    extractor, graph, _ = quantised
+    int8 = QuantisedExtractor(graph, LAYERS)
+    unseen = pictures(4, 2)  # pictures the quantiser did not see
+    for reference, approximate in zip(extractor(unseen), int8(unseen), strict=True):
+        assert approximate.shape == reference.shape and approximate.dtype == torch.float32
+        error = (approximate - reference).abs().max() / reference.abs().max()
+        assert 0 < error < 0.1  # int8: not exact, but a few steps of 1/255 of each range
+        correlation = np.corrcoef(approximate.flatten().numpy(), reference.flatten().numpy())[0, 1]
+        assert correlation > 0.99
+
+
+def test_only_the_convolutions_are_quantised_with_int8_weights_and_widened_activation_ranges(quantised):
+    extractor, graph, settings = quantised
+    model = onnx.load_from_string(graph.numpy().tobytes())
+    convolutions = [n for n in model.graph.node if n.op_type == "Conv"]
+    produced_by = {output: node for node in model.graph.node for output in node.output}
+    initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for conv in convolutions:  # every input of every convolution passes through a quantiser
+        activation, weight = (produced_by[name] for name in conv.input[:2])
+        assert activation.op_type == weight.op_type == "DequantizeLinear"
+        assert initial[weight.input[0]].dtype == np.int8
+        # reduce_range: 7-bit weights, which CPUs without VNNI multiply without saturating
+        assert np.abs(initial[weight.input[0]]).max() <= 64
+    assert len(convolutions) == sum(isinstance(m, torch.nn.Conv2d) for m in extractor.body.modules())
+    assert {n.op_type for n in model.graph.node if n.op_type.startswith("QLinear")} == set()  # QDQ, not QOperator
+    assert settings["headroom"].startswith(f"activation ranges x{HEADROOM}") and settings["images"] == 16
+    assert graph_settings(graph) == settings
+
+
+def test_bytes_that_are_not_the_graph_of_these_stages_are_refused(quantised):
+    _, graph, _ = quantised
+    with pytest.raises(ArtifactError, match="cannot be read"):
+        QuantisedExtractor(graph[: len(graph) // 2].clone(), LAYERS)
+    with pytest.raises(ArtifactError, match="not the stages"):
+        QuantisedExtractor(graph, ("layer1", "layer2", "layer3"))
