@@ -63,7 +63,9 @@ class ExportError(PadimError):
 
 class PrecisionGateFailed(FitError):
     """A model fitted at a reduced precision (``train --precision``) moved scores past its tolerance: nothing was
-    written."""
+    written. ``check``: the gate's reading (a :class:`~padim.models.fit.precision.PrecisionCheck`), where known."""
+
+    check = None
 
 
 class AccuracyGateFailed(ExportError):

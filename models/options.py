@@ -286,7 +286,8 @@ class Features(Group):
         "and a GPU), bf16 or fp16 (a GPU runs them several times faster), int8 (the backbone quantised from the "
         "training pictures and run by ONNX Runtime: a CPU scores 1.3-1.5x faster, more with VNNI), or auto (chosen "
         "for the machine that fits, said in one line: bf16 on a GPU with bfloat16 or a CPU with AMX, int8 on a CPU "
-        "with AVX2 or VNNI and ONNX Runtime, else fp32). The Gaussian part stays float32. A reduced precision is "
+        "with AVX2 or VNNI and ONNX Runtime, else fp32; fp32 after all where the chosen one's gate refuses it). The "
+        "Gaussian part stays float32. A reduced precision is "
         "checked against fp32 on the training pictures and refused past --max-score-error; its threshold comes from "
         "its own scores (docs/quantisation.md, docs/gpu.md)",
         check=Choice(

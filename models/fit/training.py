@@ -183,6 +183,20 @@ def train(
         config, report.precision_choice = chosen_precision(config)
         if announce is not None and (shard is None or shard.main):
             announce(f"--precision auto: {report.precision_choice}")
+        reduced = config.features.precision != "fp32"
+        if reduced and shard is None and not (gate is not None and gate.force):
+            # auto's reduced precision is a choice, not a demand: where its gate refuses it, fp32 is fitted instead
+            try:
+                done = train(config, images, output, None, progress, None, with_statistics, scratch_dir, announce, gate)
+            except PrecisionGateFailed as refused:
+                tried = config.features.precision
+                said = refused.check.sentence() if refused.check is not None else str(refused)
+                config = config.replace(precision="fp32")
+                report.precision_choice = f"fp32: {tried}'s gate refused it ({said})"
+                log.warning("--precision auto: %s's gate refused it (%s); fitting at fp32 instead", tried, said)
+            else:
+                done.precision_choice = report.precision_choice
+                return done
     with _out_of_memory_as_error(None, report, None):
         fit = resume if resume is not None else Fit.start(config)
     config = fit.config
@@ -584,11 +598,13 @@ def _gated(
     if check.passed:
         return check
     if not gate.force:
-        raise PrecisionGateFailed(
+        refused = PrecisionGateFailed(
             f"the {check.precision} model is not accurate enough: {check.sentence()}; nothing was written. Raise "
             "--max-score-error if this is acceptable for your line, --force to write it anyway, or fit at "
             "--precision fp32"
         )
+        refused.check = check
+        raise refused
     log.warning("precision gate failed, written anyway (--force): %s", check.sentence())
     return dataclasses.replace(check, forced=True)
 

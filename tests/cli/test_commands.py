@@ -524,6 +524,14 @@ def test_precision_auto_chooses_for_the_machine_and_says_why(dataset, tmp_path):
     (line,) = [x for x in result.stderr.splitlines() if "--precision auto:" in x]
     assert line.endswith(f"--precision auto: {chosen}, for {why}")
     assert load_artifact(model)[1]["config"]["precision"] == chosen
+    # auto's reduced precision is a choice: where its gate refuses it, the model is fitted at fp32 instead
+    strict = tmp_path / "strict.padim"
+    args = ["--weights", "random", "--image-size", 32, "--precision", "auto", "--max-score-error", "1e-9"]
+    result = run_cli("train", dataset / "train" / "good", "-o", strict, *args)
+    assert load_artifact(strict)[1]["config"]["precision"] == "fp32"
+    if chosen != "fp32":
+        (line,) = [x for x in result.stderr.splitlines() if "fitting at fp32 instead" in x]
+        assert f"{chosen}'s gate refused it ({chosen} against fp32 on 16 training pictures" in line
 
 
 def test_train_with_a_state_dict_file(dataset, tmp_path, weights_file):
