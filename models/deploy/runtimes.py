@@ -10,8 +10,9 @@ A ``.padim`` file asked for with another runtime is verified and loaded as usual
 and the export cached (:func:`cache_dir`), keyed by the file's sha256: the next load reads the
 cache, and a changed file (``evaluate --calibrate``, a new fit) gets a new export.
 
-**Default** (``auto``): for a ``.padim`` file, ONNX Runtime on a CPU when it is installed, torch
-otherwise (and torch on a GPU); for an export directory, the runtime its graph was made for
+**Default** (``auto``, :func:`runtime_choice`, which says why): for a float32 ``.padim`` file, ONNX Runtime on a
+CPU when it is installed, torch otherwise (and torch on a GPU); for a file fitted at int8, its own int8 graph on
+ONNX Runtime (the CPU); at bf16 or fp16, torch; for an export directory, the runtime its graph was made for
 (ONNX Runtime for ``model.onnx``, OpenVINO for ``model.xml``). The device of ``auto`` is chosen per
 runtime (:func:`padim.models.devices.runtime_device`): a GPU only where that runtime can use it
 here. Measured on
@@ -54,7 +55,7 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.devices import runtime_device
+from padim.models.devices import check_precision, runtime_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import model_input
 from padim.models.fit.model_file import load_detector
@@ -154,6 +155,8 @@ def load_scorer(
         log.debug("%s: %s on %s", path, chosen, target)
         return DeployedDetector(path, metadata, chosen, target)
     precision = read_header(path).get("config", {}).get("precision", "fp32")
+    if precision == "int8" and device == "cuda":  # its backbone is ONNX Runtime's int8 kernels: the CPU's
+        check_precision(precision, torch.device("cuda"))
     chosen, reason = runtime_choice(runtime, device, precision)
     if runtime == "auto":
         log.debug("runtime auto: %s (%s)", chosen, reason)

@@ -171,6 +171,20 @@ def test_auto_says_which_runtime_it_chose_and_why_by_the_precision_the_threshold
     assert runtime_choice("onnxruntime", "cpu", "bf16") == ("onnxruntime", "asked for")
 
 
+def test_an_int8_model_asked_to_score_on_a_gpu_is_refused_with_what_to_do(tmp_path):
+    """Its backbone is ONNX Runtime's int8 kernels: --device cuda is refused before anything loads."""
+    from helpers import older_format_of
+
+    from padim.core import load_artifact
+    from padim.models.errors import UsageError
+
+    model = tmp_path / "int8.padim"
+    older_format_of({"x": torch.zeros(1)}, {"kind": "padim-detector", "config": {"precision": "int8"}}, model, 15)
+    with pytest.raises(UsageError, match="an int8 backbone runs on the CPU"):
+        load_scorer(model, "auto", "cuda")
+    assert load_artifact(model)[1]["config"]["precision"] == "int8"
+
+
 @pytest.mark.parametrize("fmt", ["onnx", "openvino"])
 def test_auto_runs_an_export_on_the_runtime_its_graph_is_for(request, fmt, monkeypatch):
     """An OpenVINO export with --runtime auto used to go to ONNX Runtime and fail; on a GPU node too."""
