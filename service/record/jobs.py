@@ -127,8 +127,13 @@ class UpdateClaim:
 
     def release(self) -> None:
         if self.connection is not None:
-            # the lock belongs to the server's session: the connection is closed, not handed back to the pool
             with contextlib.suppress(Exception):  # a database gone has let go of it already
+                # let go at once: a closed connection's lock lasts until its server process has noticed and ended,
+                # and a claim made meanwhile (the next update, on any replica) would find it still held
+                self.connection.execute(text("SELECT pg_advisory_unlock_all()"))
+                self.connection.commit()
+            # the lock belongs to the server's session: the connection is closed, not handed back to the pool
+            with contextlib.suppress(Exception):
                 self.connection.invalidate()
                 self.connection.close()
             self.connection = None
