@@ -304,15 +304,6 @@ def compare(
 
 
 # ---------------------------------------------------------------------- graphs
-def quantise_onnxruntime(float_graph: Path, output: Path, batches: list[np.ndarray], work: Path) -> dict:
-    """Static QDQ quantisation of the backbone's convolutions of ``float_graph`` into ``output`` (as ``train
-    --precision int8`` quantises its backbone: :func:`padim.models.features.quantised.quantise_static`).
-
-    ``batches``: ``(b, 3, S, S)`` float32 inputs of the quantiser's images.
-    """
-    return quantise_static(float_graph, output, batches, work)
-
-
 def widen_openvino_ranges(model, factor: float) -> int:
     """The same for an OpenVINO model's activation ``FakeQuantize`` nodes (their input is not a constant): the
     input and output low and high limits times ``factor``. Returns how many."""
@@ -652,7 +643,7 @@ def _quantised_graph(
         settings = quantise_openvino(float_graph, graph, quantiser)
     else:
         graph = graph_dir / ONNX_FILE
-        settings = quantise_onnxruntime(float_graph, graph, quantiser, work)
+        settings = quantise_static(float_graph, graph, quantiser, work)  # as train --precision int8 quantises
     return graph, settings
 
 

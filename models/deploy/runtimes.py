@@ -75,11 +75,6 @@ def is_export(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def resolve_runtime(runtime: str, device: str, precision: str = "fp32") -> str:
-    """The runtime of a ``.padim`` file (:func:`runtime_choice` without its reason)."""
-    return runtime_choice(runtime, device, precision)[0]
-
-
 def runtime_choice(runtime: str, device: str, precision: str = "fp32") -> tuple[str, str]:
     """The runtime of a ``.padim`` file fitted at ``precision``, and why in a few words: ``auto`` is the fastest
     scorer whose scores the model's threshold was computed from.

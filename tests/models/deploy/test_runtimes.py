@@ -21,7 +21,7 @@ from PIL import Image, ImageEnhance
 
 from padim.core.artifact import ArtifactError
 from padim.models.deploy.export import ExportError, read_export
-from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, resolve_runtime, runtime_choice
+from padim.models.deploy.runtimes import DeployedDetector, cache_dir, load_scorer, runtime_choice
 from padim.models.features.embedding import model_input
 from padim.models.fit.model_file import load_detector, save_detector
 
@@ -154,11 +154,11 @@ def test_an_export_directory_runs_on_both_runtimes_and_triton_gets_the_same_grap
 @pytest.mark.parametrize("gpu", [False, True])
 def test_auto_picks_onnxruntime_on_cpu_and_torch_where_torch_sees_a_gpu(monkeypatch, gpu):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-    assert resolve_runtime("auto", "cpu") == "onnxruntime"
-    assert resolve_runtime("auto", "cuda") == "torch"
-    assert resolve_runtime("auto", "auto") == ("torch" if gpu else "onnxruntime")
+    assert runtime_choice("auto", "cpu")[0] == "onnxruntime"
+    assert runtime_choice("auto", "cuda")[0] == "torch"
+    assert runtime_choice("auto", "auto")[0] == ("torch" if gpu else "onnxruntime")
     with pytest.raises(ExportError, match="choose one of auto, torch, onnxruntime, openvino"):
-        resolve_runtime("tensorrt", "cpu")
+        runtime_choice("tensorrt", "cpu")
 
 
 def test_auto_says_which_runtime_it_chose_and_why_by_the_precision_the_threshold_was_computed_at(monkeypatch):
