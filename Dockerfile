@@ -58,6 +58,7 @@ COPY cli ./cli
 COPY core ./core
 COPY models ./models
 COPY service ./service
+COPY configs ./configs
 RUN pip wheel ${PACKAGE_INDEX:+--index-url "$PACKAGE_INDEX"} ${EXTRA_PACKAGE_INDEX:+--extra-index-url "$EXTRA_PACKAGE_INDEX"} \
         --no-deps --wheel-dir /wheels . \
     && pip install --no-deps --no-index /wheels/*.whl \

@@ -116,7 +116,7 @@ def main() -> None:
         weights=args.weights,
         image_size=args.image_size,
         false_alarm_rate=args.false_alarm_rate,
-        workers=2,
+        decode_workers=2,
         device="cpu",
     )
     rows: dict = {}

@@ -69,10 +69,10 @@ def fit(
     device: str | None = None,
 ) -> tuple[float, dict]:
     """``padim train``'s own function on the first ``count`` pictures of ``data``, with the command line's size,
-    batch and ``--workers`` (padim's default when not given), on ``device`` (the command line's when None): its
+    batch and ``--decode-workers`` (padim's default when not given), on ``device`` (the command line's when None): its
     seconds and what it reports."""
     device = device or args.device
-    run = {} if args.workers is None else {"workers": args.workers}
+    run = {} if args.decode_workers is None else {"decode_workers": args.decode_workers}
     config = PadimConfig(
         backbone=backbone,
         weights="random",
@@ -93,7 +93,7 @@ def fit(
         "cuda_max_memory_allocated": report.cuda_peak,
         "planned_bytes": report.plan.total if report.plan else None,
         "embeddings_in_device_memory": bool(report.plan and report.plan.spool_held),
-        "workers": config.run.workers,
+        "decode_workers": config.run.decode_workers,
     }
 
 
@@ -238,9 +238,9 @@ def main() -> int:
         help="picture counts of the fit's phases, per backbone (default 100,1000; empty: none)",
     )
     parser.add_argument(
-        "--workers",
+        "--decode-workers",
         type=int,
-        help="the fits' --workers (decoding and changed-copy threads; default: padim's own default)",
+        help="the fits' --decode-workers (decoding and changed-copy threads; default: padim's own default)",
     )
     parser.add_argument("--cpu-fit", action="store_true", help="also fit on the CPU and compare thresholds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -70,7 +70,11 @@ def main() -> None:
     weights = seeded_resnet18(work / "resnet18-seed0.pth")
 
     config = PadimConfig(
-        weights=str(weights), image_size=args.image_size, batch_size=args.batch_size, device=args.device, workers=2
+        weights=str(weights),
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        device=args.device,
+        decode_workers=2,
     )
     start = time.perf_counter()
     detector, _ = fit_detector(config, training_images(category / "train" / "good"), progress=False)

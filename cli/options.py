@@ -11,10 +11,10 @@ from padim.models import options
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, RUNTIMES
 
 
-def run_options() -> argparse.ArgumentParser:
-    """``--device``, ``--batch-size``, ``--workers``: how a command runs, never what it computes."""
+def run_options(skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """``--device``, ``--batch-size``, ``--decode-workers`` (but ``skip``): how a command runs, not what it computes."""
     parent = argparse.ArgumentParser(add_help=False)
-    options.add_flags(parent.add_argument_group("how it runs"), "run")
+    options.add_flags(parent.add_argument_group("how it runs"), "run", skip=skip)
     return parent
 
 
@@ -51,7 +51,8 @@ def batch_size(args: argparse.Namespace) -> int:
 
 
 def workers(args: argparse.Namespace) -> int:
-    return DEFAULT_WORKERS if args.workers is None else args.workers
+    """``--decode-workers`` (``--workers`` before): threads decoding pictures."""
+    return DEFAULT_WORKERS if args.decode_workers is None else args.decode_workers
 
 
 def some(names: list[str], shown: int = 3) -> str:

@@ -10,7 +10,7 @@ mkdir -p "$out"
 echo "1/4 generating demo data in $out/data ..."
 padim -q synth "$out/data" --categories weave --train 40 --test-good 8 --test-defect 4 --size 256 > /dev/null
 echo "2/4 training on $out/data/weave/train/good (RANDOM weights: demo only) ..."
-padim -q train "$out/data/weave/train/good" --output "$out/weave.padim" --config configs/demo.yaml > /dev/null
+padim -q train "$out/data/weave/train/good" --output "$out/weave.padim" --config demo > /dev/null
 echo "3/4 starting padim serve on 127.0.0.1:$port ..."
 padim serve "$out/weave.padim" --port "$port" --log-level warning 2> "$out/server.log" &
 server=$!

@@ -351,7 +351,7 @@ def fit(
             shutil.rmtree(kept, ignore_errors=True)
         raise
     detector = Detector(
-        scorer, report, batch_size=config.run.batch_size, workers=config.run.workers, source=Path(output)
+        scorer, report, batch_size=config.run.batch_size, workers=config.run.decode_workers, source=Path(output)
     )
     if kept is not None:
         weakref.finalize(detector, shutil.rmtree, kept, True)

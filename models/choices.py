@@ -4,6 +4,7 @@ lists them). Every default of how a command runs is here, once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 REDUCTIONS = ("random", "semi_orthogonal")
 #: ``train --standardise``: none, or how each picture's light is set before the backbone
@@ -52,11 +53,13 @@ EXPORT_FORMATS = ("onnx", "openvino", "triton")
 #: ``padim export --precision``: the backbone in float32, int8 (CPU: ONNX Runtime, OpenVINO), fp16 (CUDA) or bf16
 #: (OpenVINO's bfloat16 inference on CPUs with AVX512-BF16 or AMX).
 EXPORT_PRECISIONS = ("float32", "int8", "fp16", "bf16")
+#: ... as ``export --precision`` spells them, the way ``train --precision`` does (``fp32``); ``float32`` still read.
+EXPORT_PRECISION_FLAGS = {"fp32": "float32", "int8": "int8", "fp16": "fp16", "bf16": "bf16"}
 #: What runs the scorer (``--runtime``, ``PADIM_RUNTIME``); ``auto`` is chosen in :mod:`padim.models.deploy.runtimes`.
 RUNTIMES = ("auto", "torch", "onnxruntime", "openvino")
 #: Images per forward pass (``--batch-size``, :class:`~padim.models.config.PadimConfig`, ``padim.load``).
 DEFAULT_BATCH_SIZE = 16
-#: Threads decoding images (``--workers``, the config, the Python API, the service's ``PADIM_DECODE_WORKERS``).
+#: Threads decoding images (``--decode-workers``, the config, the Python API, the service's ``PADIM_DECODE_WORKERS``).
 DEFAULT_WORKERS = 2
 
 
@@ -120,3 +123,17 @@ def parse_tiles(text: str) -> tuple[int, int] | str:
     if len(parts) == 2 and all(p.isdigit() for p in parts):
         return int(parts[0]), int(parts[1])
     return text
+
+
+def install_extra(extra: str) -> str:
+    """How to install an extra, for the messages that ask for one (the package is not on the package index yet)."""
+    return f"pip install '.[{extra}]' in padim's source folder"
+
+
+#: The presets ``--config NAME`` reads: configs/*.yaml, installed as ``padim/configs/`` (setup.py).
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def presets() -> dict[str, Path]:
+    """The shipped presets by name (``paper``, ``resnet18``, ...): what ``--config NAME`` reads."""
+    return {path.stem: path for path in sorted(PRESETS_DIR.glob("*.yaml"))}

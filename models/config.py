@@ -2,12 +2,13 @@
 
 Built from YAML (``configs/*.yaml``), flags and keywords, all flat (``image_size: 128``), by option name; read
 by group (``config.features.image_size``), and passed by group (``config.scoring`` to whatever reads maps).
-No I/O but :func:`read_config_file`.
+No I/O but :func:`read_config_file` (a YAML file, or a preset shipped in the package: :func:`presets`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import yaml
 
 from padim.core.tiling import Tiling
-from padim.models.choices import BACKBONES, EXPECT_AUTO, BackboneSpec
+from padim.models.choices import BACKBONES, EXPECT_AUTO, BackboneSpec, presets
 from padim.models.data.changes import Expected
 from padim.models.errors import ConfigError as ConfigError  # re-exported: raised here
 from padim.models.options import (
@@ -39,7 +40,7 @@ from padim.models.options import (
 #: Options of model format 1 (a held-out share for calibration), replaced by cross-fitting.
 RETIRED = ("holdout_fraction", "min_holdout", "threshold_quantile")
 
-__all__ = ["CALIBRATION", "STATISTICS", "ConfigError", "PadimConfig", "read_config_file"]
+__all__ = ["CALIBRATION", "STATISTICS", "ConfigError", "PadimConfig", "presets", "read_config_file", "to_yaml"]
 
 
 @dataclass(frozen=True, init=False)
@@ -65,6 +66,8 @@ class PadimConfig:
             ConfigError: a value not allowed (the message names the option and what is allowed).
             TypeError: a name that is neither an option nor a group.
         """
+        # earlier spellings still read (a group's name is never one: ``features`` was embedding_dim's)
+        values = {name if name in GROUPS else RENAMED.get(name, name): value for name, value in values.items()}
         options = {name: values.pop(name) for name in list(values) if name in OPTIONS}
         unknown = sorted(set(values) - set(GROUPS))
         if unknown:
@@ -217,13 +220,32 @@ def _names(group: str) -> list[str]:
     return [name for name, d in OPTIONS.items() if d.group == group]
 
 
-def read_config_file(path: str | Path, label: str = "--config") -> tuple[PadimConfig, set[str]]:
-    """A configuration from a YAML file (as ``configs/*.yaml``), and the option names it sets.
+def config_path(value: str | Path, label: str = "--config") -> Path:
+    """The file ``--config VALUE`` names: a YAML file, or else a preset's name (``paper``).
 
     Raises:
-        ConfigError: an unreadable file, invalid YAML, or an option or value not allowed; the
-            message starts with ``label`` and the path.
+        ConfigError: neither a file nor a preset (the message lists the presets).
     """
+    path = Path(value)
+    if path.is_file():
+        return path
+    shipped = presets()
+    if str(value) in shipped:
+        return shipped[str(value)]
+    raise ConfigError(
+        f"{label} {value}: no such file, and not a preset; the presets: {', '.join(shipped)} "
+        "(docs/training.md#presets-and-yaml-files)"
+    )
+
+
+def read_config_file(path: str | Path, label: str = "--config") -> tuple[PadimConfig, set[str]]:
+    """A configuration from a YAML file (as ``configs/*.yaml``) or a preset's name, and the option names it sets.
+
+    Raises:
+        ConfigError: neither a file nor a preset, an unreadable file, invalid YAML, or an option or value not
+            allowed; the message starts with ``label`` and the path.
+    """
+    path = config_path(path, label)
     try:
         values = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as error:
@@ -232,3 +254,12 @@ def read_config_file(path: str | Path, label: str = "--config") -> tuple[PadimCo
         raise ConfigError(f"{label} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     config = PadimConfig.from_mapping(values, source=str(path))
     return config, {RENAMED.get(key, key) for key in values}
+
+
+def to_yaml(config: PadimConfig) -> str:
+    """Every option of ``config`` as the YAML ``--config`` reads, each with its help as a comment above it."""
+    lines = []
+    for name, value in config.to_dict().items():
+        lines += ["# " + line for line in textwrap.wrap(OPTIONS[name].option.help, 100)]
+        lines.append(yaml.safe_dump({name: json_value(value)}, default_flow_style=True, width=10**6).strip()[1:-1])
+    return "\n".join(lines) + "\n"

@@ -132,6 +132,7 @@ class Option:
     shown: bool = False
     renamed_from: tuple[str, ...] = ()
     example: str | None = None
+    brief: str | None = None
 
 
 def option(
@@ -144,6 +145,7 @@ def option(
     shown: bool = False,
     renamed_from: tuple[str, ...] = (),
     example: str | None = None,
+    brief: str | None = None,
 ) -> Any:
     """A field of a group: ``default``, and its declaration.
 
@@ -159,8 +161,10 @@ def option(
         example: an allowed value other than the default, as the flag spells it, where the check cannot give one
             (a :class:`Custom` check, or none): the tests set every option to another value and follow it to the
             flag, the JSON and the resume check (:meth:`Declared.other_value`).
+        brief: ``train --help``'s words where ``help`` is long and the option is one of :data:`ESSENTIAL` (the
+            first screen of the help); ``help`` stays the whole story (docs/training.md, ``--print-config``).
     """
-    declared = Option(help, check, flag or {}, before, shown, renamed_from, example)
+    declared = Option(help, check, flag or {}, before, shown, renamed_from, example, brief)
     return field(default=default, metadata={"option": declared})
 
 
@@ -223,15 +227,18 @@ class Features(Group):
 
     backbone: str = option(
         "resnet18",
-        "torchvision ResNet-family name (default resnet18)",
+        "a torchvision ResNet (default resnet18)",
         check=Choice(tuple(BACKBONES)),
-        flag={"choices": None},  # ten names: the check's message lists them when one is wrong
+        flag={"choices": None, "metavar": "NAME"},  # ten names: the check's message lists them when one is wrong
     )
     weights: str = option(
         "imagenet",
-        "imagenet (default; torchvision cache), random (demo/tests only, seeded) or a state_dict path",
+        "imagenet (default; torchvision's cache: padim fetch-weights offline), random (demo/tests only, seeded) or the "
+        "path of a state_dict file",
         check=Custom(lambda v: isinstance(v, str) and bool(v), "use imagenet, random or the path of a state_dict file"),
+        flag={"metavar": "W"},
         example="random",
+        brief="imagenet (default), random (demos only) or a state_dict file",
     )
     layers: tuple[str, ...] = option(
         ("layer1", "layer2", "layer3"),
@@ -249,7 +256,8 @@ class Features(Group):
     )
     reduction: str = option(
         "random",
-        "channel subset (paper, default) or semi-orthogonal projection",
+        "how the channels are reduced: random (default; a random subset, as the paper) or semi_orthogonal (a "
+        "projection)",
         check=Choice(REDUCTIONS),
         shown=True,
     )
@@ -294,7 +302,9 @@ class Features(Group):
             (*PRECISIONS, PRECISION_AUTO),
             "fp32: float32; bf16: bfloat16, Ampere GPUs and newer; fp16: float16; int8: the CPU, ONNX Runtime",
         ),
+        flag={"metavar": "PRECISION"},
         before="fp32",
+        brief="fp32 (default), bf16 or fp16 (GPUs), int8 (CPUs) or auto (the fastest that passes the gate)",
     )
 
     def __post_init__(self) -> None:
@@ -449,7 +459,7 @@ class Gaussian(Group):
     shrinkage: float = option(
         0.5,
         "shrink each pixel's covariance toward the covariance pooled over every pixel by this weight, from 0 (none, "
-        "the paper; configs/paper.yaml) to 0.95 (default 0.5): few pictures leave a pixel's Gaussian too tight where "
+        "the paper; --config paper) to 0.95 (default 0.5): few pictures leave a pixel's Gaussian too tight where "
         "they did not vary, and the pooled one lends it the variation seen elsewhere (docs/quality.md)",
         check=Number(0, 0.95, "use a number from 0 (none) to 0.95"),
         flag={"metavar": "WEIGHT"},
@@ -459,7 +469,7 @@ class Gaussian(Group):
     neighbourhood: int = option(
         3,
         "average each layer's features over K x K neighbours before the Gaussian: 3 (default, as PatchCore: more "
-        "defects found on most generated categories, docs/quality.md), 1 (none, the paper; configs/paper.yaml) or 5",
+        "defects found on most generated categories, docs/quality.md), 1 (none, the paper; --config paper) or 5",
         check=Choice(NEIGHBOURHOODS, "1 = no averaging"),
         flag={"metavar": "K"},
         before=1,
@@ -492,11 +502,13 @@ class Gaussian(Group):
         flag={"metavar": "CHANGES"},
         example="shift=2",
         before="",
+        brief="the line's changes (light, placement, focus, JPEG) the threshold covers: rough (default), typical, "
+        "stable, auto or change=bound,...",
     )
     fit_changes: bool = option(
         True,
-        "with --expect, fit each picture's changed copy too: the Gaussians learn the changes (fewer defects missed "
-        "than a threshold widened alone; docs/quality.md); --no-fit-changes widens the threshold alone",
+        "with --expect, fit each picture's changed copy too (default: on): the Gaussians learn the changes (fewer "
+        "defects missed than a threshold widened alone; docs/quality.md); --no-fit-changes widens the threshold alone",
         check=Custom(lambda v: isinstance(v, bool), "use true or false"),
         flag={"action": argparse.BooleanOptionalAction},
         before=False,
@@ -577,12 +589,14 @@ class RunOptions(Group):
         check=Number(1, None, "use an integer >= 1", integer=True),
         flag={"metavar": "N"},
     )
-    workers: int = option(
+    decode_workers: int = option(
         DEFAULT_WORKERS,
-        f"threads decoding pictures, and making a fit's changed copies of them (--expect) (default "
-        f"{DEFAULT_WORKERS}; a fit on a GPU wants about the machine's cores: it says so when it waited for them)",
+        f"threads decoding pictures (and in a fit making their changed copies: --expect) (default "
+        f"{DEFAULT_WORKERS}; a fit on a GPU wants about the machine's cores: it says so when it waited for them). "
+        "Spelled workers before model format 16 (still read)",
         check=Number(0, None, "use an integer >= 0", integer=True),
         flag={"metavar": "N"},
+        renamed_from=("workers",),
     )
 
 
@@ -600,7 +614,9 @@ GROUPS: dict[str, type[Group]] = {
 STATISTICS = ("features", "framing", "gaussian")
 #: ... and, beside those, the groups a resume or a merge keeps for the earlier calibration scores to stay valid.
 CALIBRATION = (*STATISTICS, "scoring")
-#: ``train --help``'s sections.
+#: The options most fits need, first in ``train --help`` (with ``DATA_DIR``, ``--output``, ``--config``).
+ESSENTIAL = ("backbone", "weights", "image_size", "false_alarm_rate", "expect", "precision", "device")
+#: ``train --help``'s sections after those (each without the essential ones).
 SECTIONS = {
     "what the detector computes (fixed once fitted: --resume and merge keep them)": STATISTICS + ("scoring",),
     "the verdict and the file": ("verdict", "storage"),
@@ -653,26 +669,38 @@ RENAMED: dict[str, str] = {old: d.name for d in OPTIONS.values() for old in d.op
 BEFORE: dict[str, Any] = {d.name: d.option.before for d in OPTIONS.values() if d.option.before is not ALWAYS_WRITTEN}
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *groups: str) -> None:
-    """Add ``groups``' options as flags (``--image-size``), each defaulting to ``None`` (not given)."""
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *groups: str, skip: tuple[str, ...] = ()
+) -> None:
+    """Add ``groups``' options but ``skip`` as flags (``--image-size``), each defaulting to ``None`` (not given)."""
     for d in OPTIONS.values():
-        if d.group not in groups:
-            continue
-        kwargs: dict[str, Any] = {"dest": d.name, "help": d.option.help, "default": None}
-        check = d.option.check
-        if isinstance(check, Choice):
-            kwargs.update(choices=check.values, type=type(check.values[0]))
-        elif isinstance(check, Number):
-            kwargs.update(type=int if check.integer else float)
-        kwargs.update(d.option.flag)
-        aliases = ["--" + old.replace("_", "-") for old in d.option.renamed_from]
-        parser.add_argument(d.flag, *aliases, **kwargs)
+        if d.group in groups and d.name not in skip:
+            _add_flag(parser, d, d.option.help)
+
+
+def add_essential_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the :data:`ESSENTIAL` options as flags, with their brief help where they have one."""
+    for name in ESSENTIAL:
+        _add_flag(parser, OPTIONS[name], OPTIONS[name].option.brief or OPTIONS[name].option.help)
+
+
+def _add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, d: Declared, help: str) -> None:
+    kwargs: dict[str, Any] = {"dest": d.name, "help": help, "default": None}
+    check = d.option.check
+    if isinstance(check, Choice):
+        kwargs.update(choices=check.values, type=type(check.values[0]))
+    elif isinstance(check, Number):
+        kwargs.update(type=int if check.integer else float)
+    kwargs.update(d.option.flag)
+    parser.add_argument(d.flag, **kwargs)
+    for old in d.option.renamed_from:  # an earlier spelling, still read, not shown
+        parser.add_argument("--" + old.replace("_", "-"), **{**kwargs, "help": argparse.SUPPRESS})
 
 
 def add_section(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
-    """A ``--help`` section of :data:`SECTIONS` with its groups' flags."""
+    """A ``--help`` section of :data:`SECTIONS` with its groups' flags (the :data:`ESSENTIAL` ones are shown first)."""
     section = parser.add_argument_group(title)
-    add_flags(section, *SECTIONS[title])
+    add_flags(section, *SECTIONS[title], skip=ESSENTIAL)
     return section
 
 

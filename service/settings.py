@@ -65,9 +65,11 @@ class ServiceSettings(BaseSettings):
         "affinity and a container's CPU limit): 1 on a CPU or with fewer than 4 cores, else one a core but two, "
         "at most 16 (docs/sizing.md)",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 in the Docker image)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where models score; auto: cuda when torch sees a GPU"
+    )
     runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
         "auto",
         description="what runs the scorer; auto: onnxruntime on a CPU when installed (1.2-1.45x torch "
@@ -251,7 +253,9 @@ class ServiceSettings(BaseSettings):
         "arrive, their verdicts delivered to MQTT, webhooks or OPC UA through on-disk outboxes",
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may take")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error; logs are JSON lines on stderr"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ServiceSettings:

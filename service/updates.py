@@ -186,7 +186,7 @@ class UpdateJobs:
                 [image(r) for r in add],
                 [image(r) for r in remove],
                 output,
-                run_options=PadimConfig(batch_size=8, workers=1, device=state.settings.device),
+                run_options=PadimConfig(batch_size=8, decode_workers=1, device=state.settings.device),
                 on_progress=progress,
             )
             store.jobs.set_job(job_id, phase="gate", progress=0.85)

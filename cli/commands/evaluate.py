@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from padim.models.errors import UsageError
@@ -30,7 +31,14 @@ def register(commands) -> None:
         "category_dir",
         type=Path,
         metavar="CATEGORY_DIR",
-        help="folder with test/<good|defect>/ and ground_truth/<defect>/",
+        help="folder with test/good/ and test/<defect>/ (pictures), and optionally ground_truth/<defect>/ "
+        "(NAME_mask.png for test/<defect>/NAME.png): a defect picture without a mask counts by image (image AUROC, "
+        "F1) and is left out of pixel AUROC and PRO, said once",
+    )
+    evaluate.add_argument(
+        "--require-masks",
+        action="store_true",
+        help="refuse a category where a defect picture has no mask, instead of leaving it out of the pixel metrics",
     )
     evaluate.add_argument(
         "--output", "-o", type=Path, metavar="FILE", help="also write the JSON to this file (default: stdout only)"
@@ -54,13 +62,27 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.models.deploy.runtimes import is_export
-    from padim.models.evaluation.metrics import compute_metrics, score_category
+    from padim.models.evaluation.metrics import compute_metrics, read_mvtec_category, score_category, unmasked
     from padim.models.evaluation.report import write_report
 
     if args.calibrate and is_export(args.model):
         raise UsageError(
             f"{args.model}: --calibrate writes the threshold into the .padim model file; "
             "calibrate that file, then export it again"
+        )
+    missing = unmasked(read_mvtec_category(args.category_dir))
+    if missing:
+        counts = ", ".join(f"{n} in test/{defect}" for defect, n in missing.items())
+        where = args.category_dir / "ground_truth"
+        if args.require_masks:
+            raise UsageError(
+                f"{sum(missing.values())} defect picture(s) have no mask in {where}/<defect>/ ({counts}); "
+                "add NAME_mask.png for each, or leave out --require-masks to count them by image only"
+            )
+        print(
+            f"padim evaluate: {sum(missing.values())} defect picture(s) have no mask in {where}/<defect>/ ({counts}): "
+            "counted by image (image AUROC, F1), left out of pixel AUROC and PRO",
+            file=sys.stderr,
         )
     detector = load(args)
     scored = score_category(detector, args.category_dir, batch_size(args), workers(args), progress=not args.quiet)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from padim.models.choices import EXPORT_FORMATS, EXPORT_PRECISIONS
+from padim.models.choices import EXPORT_FORMATS, EXPORT_PRECISION_FLAGS, install_extra
 from padim.models.errors import UsageError
 
 from ..options import quiet_option
@@ -17,6 +17,11 @@ if TYPE_CHECKING:  # torch: not for --help
     from padim.models.deploy.quantise import QuantiseOptions
 
 TRITON_EXAMPLE = "tritonserver --model-repository DIR"
+
+
+def precision_value(text: str) -> str:
+    """``--precision``: train's spelling (``fp32``); the export's own older one (``float32``) still read."""
+    return "fp32" if text == "float32" else text
 
 
 def register(commands) -> None:
@@ -30,7 +35,7 @@ def register(commands) -> None:
         "calibration, the model's identity and every file's sha256. `padim predict/evaluate/serve` run an export "
         "directory as they run the .padim file (--runtime onnxruntime|openvino), to 1e-4 of torch's scores. "
         f"--format triton writes DIR/NAME/config.pbtxt and DIR/NAME/1/model.onnx; serve it with `{TRITON_EXAMPLE}`. "
-        "Needs the extras: pip install 'padim-inspect[onnx]' (and [openvino] for --format openvino). "
+        f"Needs an extra: {install_extra('onnx')} ('.[openvino]' for --format openvino). "
         "--precision int8 quantises the backbone (ONNX Runtime: static QDQ; OpenVINO: NNCF) on part of "
         "--calibration-images, compares it with float32 on the rest (and --check-images), refuses to write it when "
         "raw scores move more than --max-score-error (exit 4), and sets its own threshold from its scores of the "
@@ -66,8 +71,10 @@ def register(commands) -> None:
     quantised = export.add_argument_group("quantised scorers (--precision int8|fp16|bf16)")
     quantised.add_argument(
         "--precision",
-        choices=EXPORT_PRECISIONS,
-        help="the backbone's precision (default: the model's own, float32, or for a model trained at --precision "
+        choices=tuple(EXPORT_PRECISION_FLAGS),
+        type=precision_value,
+        help="the backbone's precision, spelled as train's (default: the model's own, fp32, or for a model trained "
+        "at --precision "
         "int8 its int8 backbone and threshold, no --calibration-images needed). int8: CPUs (--format onnx or "
         "openvino; triton with --triton-device cpu); fp16: CUDA (--format onnx or triton); bf16: OpenVINO on a CPU "
         "with bfloat16 (--format openvino)",
@@ -127,6 +134,8 @@ def _quantise_options(args: argparse.Namespace) -> QuantiseOptions | None:
         raise UsageError("--triton-device is for --format triton")
     from padim.core.artifact import read_header  # torch: not for --help
 
+    if args.precision is not None:  # the flag's spelling (fp32) as the export's metadata writes it (float32)
+        args.precision = EXPORT_PRECISION_FLAGS[args.precision]
     fitted_at = read_header(args.model).get("config", {}).get("precision", "fp32")
     if fitted_at == "int8" and args.precision == "float32":
         raise UsageError(

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     gate = PrecisionGate(args.max_score_error, args.force)
 
-    options = PadimConfig().replace(device=args.device, batch_size=args.batch_size, workers=args.workers)
+    options = PadimConfig().replace(device=args.device, batch_size=args.batch_size, decode_workers=args.decode_workers)
     calibration = list_images(args.calibration_dir)
     if not calibration:
         raise UsageError(f"--calibration-dir {args.calibration_dir}: no images found")

@@ -11,13 +11,6 @@ from padim.models.errors import UsageError
 from ..options import RUNTIME_HELP, quiet_option
 
 
-def settings_names() -> str:
-    """Every service setting as its PADIM_* variable (pydantic only: ``padim --help`` stays torch-free)."""
-    from padim.service.settings import ServiceSettings  # pydantic only, no torch: --help lists the variables
-
-    return ", ".join(f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields)
-
-
 def register(commands) -> None:
     serve = commands.add_parser(
         "serve",
@@ -25,10 +18,10 @@ def register(commands) -> None:
         help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
         description="Serve one or more model files or export directories. Each is named by its file stem; the first "
         "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
-        "/docs. "
-        f"Flags override PADIM_* environment variables ({settings_names()}; see docs/http-api.md). "
-        "The API key is read from PADIM_API_KEY only, the admin key from PADIM_ADMIN_KEY only and the review key from "
-        "PADIM_REVIEW_KEY only, never from a flag.",
+        "/docs. A flag overrides its PADIM_* environment variable (--max-batch-size: PADIM_MAX_BATCH_SIZE; MODEL: "
+        "PADIM_MODELS; --record: PADIM_RECORD_DIR); the other settings (keys, limits, the record, the monitor) are "
+        "variables only: docs/settings.md lists every one with its default. The keys (PADIM_API_KEY, "
+        "PADIM_ADMIN_KEY, PADIM_REVIEW_KEY) are never flags.",
     )
     serve.add_argument(
         "model_args",
@@ -84,7 +77,8 @@ def register(commands) -> None:
         "--workers",
         type=int,
         help="API processes that speak HTTP and decode, beside one scoring process that owns the device; 1: "
-        "everything in one process (default: from the usable CPUs, 1 on a CPU; docs/sizing.md)",
+        "everything in one process (default: from the usable CPUs, 1 on a CPU; docs/sizing.md). Decoding threads: "
+        "PADIM_DECODE_WORKERS",
     )
     serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
     serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")

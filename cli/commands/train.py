@@ -9,39 +9,78 @@ import time
 from pathlib import Path
 
 from padim.models import options
-from padim.models.choices import EXPECT_PRESETS
+from padim.models.choices import EXPECT_PRESETS, presets
 from padim.models.errors import UsageError
 
 from ..options import quiet_option, run_options
 
 DESCRIPTION = (
-    "Fit a detector on every image under DATA_DIR (png/jpg/jpeg/bmp/tif, recursively). "
-    "Every image is read through the backbone once, fitted, and also scored by the model of the images "
-    "outside its calibration fold (folds come from file names; that model is derived from the fitted one, "
-    "not fitted again); those out-of-fold scores set the threshold for the false-alarm rate you ask for "
-    "(--false-alarm-rate), and train says what that threshold can promise. Unreadable images are left out "
-    "and named. Before it starts, train says how much memory the fit needs, and refuses one that would not "
-    "fit, naming what would. Memory does not grow with the number of images: their embeddings wait on disk "
-    "(--scratch-dir) until the calibration. Under torchrun "
-    "(torchrun --nproc-per-node N -m padim train ...) each rank fits a disjoint shard, the statistics "
-    "are combined with torch.distributed (NCCL on GPUs, Gloo on CPUs) and rank 0 writes the file."
+    "Fit a detector on the normal (defect-free) pictures under DATA_DIR and write it, with its threshold, to one "
+    "model file. Every default below is what most lines need; every option in full: docs/training.md."
 )
+MORE = """\
+how it works:
+  Every picture (png/jpg/jpeg/bmp/tif, recursively) goes through the backbone
+  once, is fitted, and is scored by the model of the pictures outside its
+  calibration fold (derived from the fitted one, not fitted again); those
+  out-of-fold scores set the threshold for --false-alarm-rate, and train says
+  what it can promise. Unreadable pictures are left out and named. Before it
+  starts, train says how much memory the fit needs and refuses a fit that
+  would not fit, naming what would; memory does not grow with the number of
+  pictures (their embeddings wait in --scratch-dir). Under torchrun
+  (torchrun --nproc-per-node N -m padim train ...) each rank fits a shard and
+  rank 0 writes the file (docs/training-at-scale.md).
+
+examples:
+  padim train line3/good -o line3.padim                  # ImageNet weights
+  padim train line3/good -o line3.padim --config paper   # the paper's PaDiM
+  padim train line3/good -o line3.padim --print-config > mine.yaml
+"""
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """The description wrapped to the terminal, the epilog as written; flags and their help side by side."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text == DESCRIPTION:
+            return argparse.HelpFormatter._fill_text(self, text, width, indent)
+        return super()._fill_text(text, width, indent)
 
 
 def register(commands) -> None:
     train = commands.add_parser(
         "train",
-        parents=[run_options(), quiet_option()],
+        parents=[run_options(skip=options.ESSENTIAL), quiet_option()],
         help="fit a detector on a folder of normal images",
+        usage="%(prog)s DATA_DIR --output MODEL [options]",
         description=DESCRIPTION,
+        epilog=MORE,
+        formatter_class=Help,
     )
-    train.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) images")
-    train.add_argument("--output", "-o", type=Path, required=True, help="model file to write (atomically)")
-    train.add_argument("--config", type=Path, help="YAML file of options (see configs/); flags override it")
+    essential = train.add_argument_group("the options most fits need")
+    essential.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of normal (defect-free) pictures")
+    essential.add_argument(
+        "--output", "-o", type=Path, metavar="MODEL", required=True, help="model file to write (atomically)"
+    )
+    essential.add_argument(
+        "--config",
+        metavar="PRESET|YAML",
+        help="a preset (" + ", ".join(presets()) + ") or a YAML file of options; flags override it (default: none)",
+    )
+    essential.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective options (defaults, --config, flags) as the YAML --config reads, and exit",
+    )
+    options.add_essential_flags(essential)
     computes, verdicts = options.SECTIONS
     options.add_section(train, computes)
     _file_options(options.add_section(train, verdicts))
-    train.add_argument(
+    runs = next(g for g in train._action_groups if g.title == "how it runs")
+    runs.add_argument(
         "--scratch-dir",
         type=Path,
         metavar="DIR",
@@ -49,6 +88,11 @@ def register(commands) -> None:
         "during the fit, in files removed when it ends however it ends (default: the output's folder); "
         "when they would not fit on its disk, the calibration embeds the images again instead",
     )
+    # the essentials first, then what the detector computes, the file, how it runs, and -h/-q last
+    groups = train._action_groups
+    for last in (essential, runs, train._optionals):
+        groups.append(groups.pop(groups.index(last)))
+    groups.insert(0, groups.pop(groups.index(essential)))
     train.set_defaults(handler=run)
 
 
@@ -58,7 +102,8 @@ def _file_options(verdicts) -> None:
         type=Path,
         metavar="MODEL",
         help="add DATA_DIR's images to this model's statistics (old images are not re-read; images it "
-        "already fitted, by content, are left out); their out-of-fold scores join the model's",
+        "already fitted, by content, are left out); their out-of-fold scores join the model's (default: none, a "
+        "new model)",
     )
     verdicts.add_argument(
         "--slim",
@@ -96,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.fit.training import fit_partial, train, training_images
 
     config, given = configuration(args)
+    if args.print_config:
+        from padim.models.config import to_yaml  # with the configuration (torch comes with the tiling)
+
+        print(to_yaml(config), end="")
+        return 0
     images = training_images(args.data_dir)
     if not images:
         raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")

@@ -50,7 +50,7 @@ from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.scoring import image_scores, upsample_blur_operator
 from padim.core.tiling import tiled_anomaly_maps
 from padim.core.version import __version__
-from padim.models.choices import EXPORT_FORMATS
+from padim.models.choices import EXPORT_FORMATS, install_extra
 from padim.models.data.framing import PAD_FILL
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
@@ -64,12 +64,13 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 11
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 12
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
 #: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
 #: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
 #: ``config.standardise``, none in every older file; 11: an int8 model file's own graph, ``precision: int8`` without
-#: ``quantisation``, which only a model of format 15 has) keeps the cache.
+#: ``quantisation``, which only a model of format 15 has; 12: the run option ``decode_workers``, spelled ``workers``
+#: before) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
@@ -667,6 +668,4 @@ def require(package: str):
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ExportError(
-            f"{package} is not installed; install it with: pip install 'padim-inspect[{extra}]'"
-        ) from None
+        raise ExportError(f"{package} is not installed; install it with: {install_extra(extra)}") from None

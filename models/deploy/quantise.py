@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from padim.core.calibration import Calibration, images_needed
-from padim.models.choices import EXPORT_PRECISIONS
+from padim.models.choices import EXPORT_PRECISIONS, install_extra
 from padim.models.data.changes import apply, seeded
 from padim.models.data.images import iter_for_model, list_images
 from padim.models.deploy.export import (
@@ -330,7 +330,7 @@ def quantise_openvino(float_graph: Path, output: Path, batches: list[np.ndarray]
     try:
         import nncf  # an optional extra ([openvino]): imported only when asked for
     except ImportError:
-        raise ExportError("nncf is not installed; install it with: pip install 'padim-inspect[openvino]'") from None
+        raise ExportError(f"nncf is not installed; install it with: {install_extra('openvino')}") from None
     import openvino as ov  # as nncf
 
     model = ov.Core().read_model(str(float_graph))

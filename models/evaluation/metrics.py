@@ -39,6 +39,21 @@ class Sample:
     def is_anomalous(self) -> bool:
         return self.defect != "good"
 
+    @property
+    def has_pixel_truth(self) -> bool:
+        """Whether its pixels' truth is known: a good picture's are all normal; a defect's needs its mask."""
+        return not self.is_anomalous or self.mask_path is not None
+
+
+def unmasked(samples: list[Sample]) -> dict[str, int]:
+    """Defect pictures without a mask in ``ground_truth/<defect>/``, counted by defect folder: they count by image
+    (image AUROC, F1) and are left out of the pixel metrics, whose truth they lack."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        if not sample.has_pixel_truth:
+            counts[sample.defect] = counts.get(sample.defect, 0) + 1
+    return counts
+
 
 def read_mvtec_category(root: str | Path) -> list[Sample]:
     """The test samples of an MVTec-layout category, sorted by defect type and name."""
@@ -187,6 +202,9 @@ def compute_metrics(
 ) -> dict:
     """Image AUROC, pixel AUROC, PRO and F1 from any detector's scores ``(N,)`` and maps ``(N, S, S)``.
 
+    The pixel metrics read the pictures whose pixels' truth is known: good ones, and defect ones with a mask; a
+    defect picture without a mask counts by image only (``unmasked_defect_images``), never as all-normal pixels.
+
     Args:
         masks: ``(N, S, S)`` ground truth, if already read (:attr:`Scored.masks`).
     """
@@ -194,13 +212,16 @@ def compute_metrics(
     mask_array = load_masks(samples, tuple(maps.shape[-2:])) if masks is None else masks
     labels = np.array([s.is_anomalous for s in samples])
     has_both = labels.any() and not labels.all()
-    has_pixels = mask_array.any() and not mask_array.all()
+    known = np.array([s.has_pixel_truth for s in samples], dtype=bool)
+    pixel_masks, pixel_maps = mask_array[known], maps[known]
+    has_pixels = pixel_masks.any() and not pixel_masks.all()
     result: dict = {
         "images": len(samples),
         "anomalous_images": int(labels.sum()),
+        "unmasked_defect_images": int((~known).sum()),
         "image_auroc": float(roc_auc_score(labels, scores)) if has_both else None,
-        "pixel_auroc": float(roc_auc_score(mask_array.ravel(), maps.ravel())) if has_pixels else None,
-        "pro_0.3": per_region_overlap(maps, mask_array) if has_pixels else None,
+        "pixel_auroc": float(roc_auc_score(pixel_masks.ravel(), pixel_maps.ravel())) if has_pixels else None,
+        "pro_0.3": per_region_overlap(pixel_maps, pixel_masks) if has_pixels else None,
         **threshold_metrics(samples, scores, threshold),
     }
     if has_both:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from padim.core.errors import ArtifactError
+from padim.models.choices import install_extra
 from padim.models.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def require_onnxruntime():
     except ImportError:
         raise UsageError(
             "--precision int8 runs the backbone in ONNX Runtime, which is not installed: "
-            "pip install 'padim-inspect[onnxruntime]' (or use --precision fp32)"
+            f"{install_extra('onnxruntime')} (or use --precision fp32)"
         ) from None
     return onnxruntime
 

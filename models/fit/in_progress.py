@@ -143,7 +143,7 @@ class Fit:
         batches = []
         for _, images in iter_decoded(
             [list(paths[i : i + 8]) for i in range(0, len(paths), 8)],
-            self.config.run.workers,
+            self.config.run.decode_workers,
             unreadable,
             self.draft_to,
             self.config.framing.roi,
@@ -204,13 +204,13 @@ class Fit:
         unreadable: list[tuple[Path, str]] | None,
         name_of: Callable[[Path], str],
     ) -> Iterator[tuple[list[Path], list[Image.Image], list[Image.Image] | None]]:
-        """``batches`` of pictures decoded on the fit's threads (``--workers``) as training reads them, each batch
-        with its pictures' changed copies (``expect``; ``None`` without), made on the same threads: a copy costs
+        """``batches`` of pictures decoded on the fit's threads (``--decode-workers``) as training reads them, each
+        batch with its pictures' changed copies (``expect``; ``None`` without), made on the same threads: a copy costs
         more than decoding (15 ms for a 224 px picture with ``rough``, 280 ms for 1024 px, on one core)."""
         config = self.config
         then = functools.partial(_with_copy, config.expected, name_of) if config.gaussian.expect else None
         for paths, items in iter_decoded(
-            batches, config.run.workers, unreadable, self.draft_to, config.framing.roi, then
+            batches, config.run.decode_workers, unreadable, self.draft_to, config.framing.roi, then
         ):
             if then is None:
                 yield paths, items, None

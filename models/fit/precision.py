@@ -135,7 +135,7 @@ def measure_precision(fit, mean: torch.Tensor, factors, paths: Sequence[Path], t
     reference_embedder = reference_embedder.to(fit.device)
     reduced, reference = [], []
     for _, images in iter_decoded(
-        [list(paths[:CHECK_IMAGES])], config.run.workers, None, fit.draft_to, config.framing.roi
+        [list(paths[:CHECK_IMAGES])], config.run.decode_workers, None, fit.draft_to, config.framing.roi
     ):
         batch = reduced_embedder.preprocess(images)
         reduced.append(reduced_embedder(batch))

@@ -97,7 +97,7 @@ class FitReport:
         seconds: wall time of each phase on this rank: ``fit`` (pass 1), ``finish`` (statistics
             and factors), ``calibrate`` (out-of-fold distances and the threshold), ``check`` (a reduced precision's
             gate), ``write``; and ``fit_waiting_for_pictures``, the part of ``fit`` spent waiting for decoded
-            pictures and their changed copies (``--workers``), not in the backbone.
+            pictures and their changed copies (``--decode-workers``), not in the backbone.
         plan: the memory the fit was sized for, and the free memory then.
         spool: bytes of embeddings spooled to disk (0 when the calibration embedded them again).
         precision_dtype: storage dtype of the precision factors written.
@@ -691,23 +691,23 @@ def _record(report: FitReport, found: Accumulated) -> None:
     report.copies = sorted(sorted(names) for names in same.values() if len(names) > 1)
 
 
-#: Pass 1 names ``--workers`` when it spent more than this share of its seconds waiting for pictures ...
+#: Pass 1 names ``--decode-workers`` when it spent more than this share of its seconds waiting for pictures ...
 WAITING_SHARE = 0.3
 #: ... and took at least these seconds (a short fit says nothing).
 WAITING_SECONDS = 5.0
 
 
 def _waited_for_pictures(fit: Fit, report: FitReport) -> None:
-    """A warning naming ``--workers`` when pass 1 waited mostly for its pictures (decoded, and their changed copies
-    made, on that many threads) and this machine has more cores: on a GPU the backbone outruns two threads."""
+    """A warning naming ``--decode-workers`` when pass 1 waited mostly for its pictures (decoded, and their changed
+    copies made, on that many threads) and this machine has more cores: on a GPU the backbone outruns two threads."""
     waited, spent = report.seconds.get("fit_waiting_for_pictures", 0.0), report.seconds.get("fit", 0.0)
-    workers, cores = fit.config.run.workers, usable_cpus()
+    workers, cores = fit.config.run.decode_workers, usable_cpus()
     if spent < WAITING_SECONDS or waited <= WAITING_SHARE * spent or workers >= cores:
         return
     copies = " and their changed copies made (--expect)" if fit.config.gaussian.expect else ""
     report.warnings.append(
         f"pass 1 spent {waited:.1f} of its {spent:.1f} s waiting for pictures to be decoded{copies} on "
-        f"{workers} thread(s): --workers {cores} (this machine's cores) makes them on more"
+        f"{workers} thread(s): --decode-workers {cores} (this machine's cores) makes them on more"
     )
 
 

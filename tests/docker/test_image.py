@@ -15,6 +15,8 @@ Needs a running Docker engine and the base image (the ``docker`` component of te
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -74,10 +76,24 @@ def trained(image, dataset, tmp_path_factory) -> Path:
     return models / "weave.padim"
 
 
+def readme_docker_run(image: str, models: Path, port: int) -> list[str]:
+    """The README's ``docker run --gpus all ...`` as written, for this engine: no GPU here, the port on 127.0.0.1,
+    the test's models folder, the test's image."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (line,) = re.findall(r"^docker run --gpus all (.*?)\s+#", readme, re.M)
+    words = shlex.split(line)
+    assert words[-1] == "padim" and "-p" in words and "-v" in words, words
+    port_at, volume_at = words.index("-p") + 1, words.index("-v") + 1
+    assert words[port_at] == "8000:8000" and words[volume_at].endswith(":/models:ro"), words
+    words[port_at], words[volume_at] = f"127.0.0.1:{port}:8000", f"{models}:/models:ro"
+    return [*words[:-1], image]
+
+
 @pytest.fixture(scope="module")
 def container(image, trained):
-    """The server container, model folder mounted read-only, in the layout of a GPU node: a supervisor as PID 1 with
-    a scoring process and two API processes meeting in the container's /dev/shm; removed at the end."""
+    """The server container as the README's ``docker run`` starts it, model folder mounted read-only, in the layout
+    of a GPU node: a supervisor as PID 1 with a scoring process and two API processes meeting in the container's
+    /dev/shm; removed at the end."""
     port = free_port()
     name = f"padim-test-{port}"
     docker(
@@ -85,18 +101,12 @@ def container(image, trained):
         "-d",
         "--name",
         name,
-        "-p",
-        f"127.0.0.1:{port}:8000",
         # the image's own HEALTHCHECK command, checked every 2 s instead of 15: healthy as soon as it is
         "--health-interval",
         "2s",
-        "--shm-size",
-        "256m",
         "-e",
         "PADIM_WORKERS=2",
-        "-v",
-        f"{trained.parent}:/models:ro",
-        image,
+        *readme_docker_run(image, trained.parent, port),
     )
     try:
         deadline = time.time() + 240

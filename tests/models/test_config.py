@@ -99,7 +99,7 @@ def test_which_fields_shape_the_statistics():
     base = PadimConfig()
     assert base.differences(base.replace(batch_size=4, device="cpu", false_alarm_rate=0.05)) == []
     assert base.differences(base.replace(image_size=128, seed=3)) == ["image_size", "seed"]
-    assert base.with_run_options(PadimConfig(batch_size=4, workers=0)).run.batch_size == 4
+    assert base.with_run_options(PadimConfig(batch_size=4, decode_workers=0)).run.batch_size == 4
     # averaging neighbours changes every embedding; how a score is read from the map does not
     assert base.differences(base.replace(neighbourhood=1, image_score="patch_max", blur_sigma=4.0)) == ["neighbourhood"]
 

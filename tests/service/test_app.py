@@ -191,17 +191,30 @@ def test_image_modes_are_scored_like_rgb(server, dataset, mode):
     assert scores[0].json()["raw_score"] == pytest.approx(scores[1].json()["raw_score"], rel=1e-5)
 
 
-def test_every_setting_is_in_the_docs_settings_table():
+def test_every_setting_is_in_the_docs_settings_tables_with_its_default():
+    """docs/settings.md: a row for every setting the service reads, whose default is the setting's where that is a
+    plain value (a number, a word, true/false); a computed one (from the CPUs, unset) is said in words."""
+    import re
     from pathlib import Path
 
     from padim.service.settings import ServiceSettings
 
-    page = (Path(__file__).parents[2] / "docs" / "http-api.md").read_text()
-    table = page[page.index("**Settings** come from") :]
-    missing = [
-        f"PADIM_{name.upper()}" for name in ServiceSettings.model_fields if f"`PADIM_{name.upper()}`" not in table
-    ]
-    assert not missing, f"not in the settings table of docs/http-api.md: {missing}"
+    page = (Path(__file__).parents[2] / "docs" / "settings.md").read_text()
+    rows = dict(re.findall(r"^\| `(PADIM_[A-Z0-9_]+)` \| ([^|]*) \|", page, re.M))
+    expected = {f"PADIM_{name.upper()}": field for name, field in ServiceSettings.model_fields.items()}
+    missing = sorted(set(expected) - set(rows))
+    assert not missing, f"not in docs/settings.md: {missing}"
+    assert sorted(set(rows) - set(expected)) == ["PADIM_CACHE_DIR"]  # read by the model loader, not a setting
+    for variable, field in expected.items():
+        default, said = field.default, rows[variable].strip()
+        if isinstance(default, bool):
+            assert said == str(default).lower(), (variable, said)
+        elif isinstance(default, (int, float)):
+            assert float(said) == default, (variable, said, default)
+        elif isinstance(default, str):
+            assert said == default, (variable, said, default)
+        else:  # None or a list: no plain value, so not a number
+            assert not re.fullmatch(r"[0-9.]+", said), (variable, said)
 
 
 def test_clients_see_a_weights_file_by_name_and_digest_never_its_server_path(dataset, weights_file, tmp_path):

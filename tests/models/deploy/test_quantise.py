@@ -375,7 +375,8 @@ def test_a_bf16_export_is_gated_given_its_own_threshold_and_served_at_what_this_
     "extra, message",
     [
         ((), "needs --calibration-images"),
-        (("--precision", "float32", "--calibration-images", "."), "are for a quantised export"),
+        (("--precision", "fp32", "--calibration-images", "."), "are for a quantised export"),
+        (("--precision", "float32", "--calibration-images", "."), "are for a quantised export"),  # the old spelling
         (("-f", "openvino", "--precision", "fp16", "--calibration-images", "."), "fp16 is for CUDA"),
         (("-f", "triton", "--precision", "int8", "--calibration-images", "."), "--triton-device cpu"),
         (("--precision", "bf16", "--calibration-images", "."), "bf16 is OpenVINO's bfloat16"),

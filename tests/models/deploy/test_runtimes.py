@@ -243,6 +243,8 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
     def written_as(folder, version):
         metadata = json.loads((folder / METADATA_FILE).read_text())
         metadata["export_version"] = version
+        if version < 12 and "decode_workers" in metadata["config"]:  # as versions before 12 spelled it
+            metadata["config"]["workers"] = metadata["config"].pop("decode_workers")
         metadata["metadata_sha256"] = metadata_sha256(metadata)
         (folder / METADATA_FILE).write_text(json.dumps(metadata))
 
@@ -256,6 +258,8 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
     assert served.metadata["export_version"] == GRAPH_VERSION - 1
     batch = torch.randn(2, 3, served.image_size, served.image_size)
     torch.testing.assert_close(served.score(batch).raw_scores, renewed.score(batch).raw_scores)
+    assert "workers" in json.loads((old / METADATA_FILE).read_text())["config"]  # read as decode_workers
+    assert "decode_workers" in renewed.metadata["config"]
 
 
 def test_a_read_only_model_folder_caches_elsewhere(model_file, tmp_path, monkeypatch):
@@ -302,7 +306,7 @@ def test_a_missing_runtime_says_what_to_install(model_file, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_openvino)
     monkeypatch.setattr("importlib.import_module", lambda name: no_openvino(name))
     with pytest.raises(
-        ExportError, match=r"openvino is not installed; install it with: pip install 'padim-inspect\[openvino\]'"
+        ExportError, match=r"openvino is not installed; install it with: pip install '\.\[openvino\]' in padim's source"
     ):
         load_scorer(model_file, "openvino", "cpu")
 

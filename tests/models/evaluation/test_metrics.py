@@ -1,10 +1,13 @@
-"""PRO against a threshold-by-threshold reference, and the MVTec reader."""
+"""PRO against a threshold-by-threshold reference, the MVTec reader, and pixel metrics without every mask."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import ndimage
+from sklearn.metrics import roc_auc_score
 
-from padim.models.evaluation.metrics import per_region_overlap, read_mvtec_category
+from padim.models.evaluation.metrics import Sample, compute_metrics, per_region_overlap, read_mvtec_category, unmasked
 
 
 def reference_pro(maps, masks, max_fpr=0.3):
@@ -56,3 +59,29 @@ def test_read_mvtec_category(dataset):
     assert all((s.mask_path is None) == (s.defect == "good") for s in samples)
     with pytest.raises(ValueError, match="MVTec-layout"):
         read_mvtec_category(dataset / "train")
+
+
+def test_a_defect_picture_without_a_mask_counts_by_image_only(tmp_path):
+    """Its pixels' truth is unknown: it is left out of pixel AUROC and PRO, never read as all-normal pixels."""
+    rng = np.random.default_rng(3)
+    (tmp_path / "m.png").touch()
+    samples = [
+        Sample(Path("g0.png"), "good", None),
+        Sample(Path("g1.png"), "good", None),
+        Sample(Path("h0.png"), "hole", tmp_path / "m.png"),
+        Sample(Path("h1.png"), "hole", None),  # no mask
+    ]
+    masks = np.zeros((4, 8, 8), dtype=bool)
+    masks[2, 2:5, 2:5] = True
+    maps = rng.random((4, 8, 8))
+    maps[2, 2:5, 2:5] += 1.0
+    maps[3, 4:7, 4:7] += 1.0  # its defect, somewhere its (missing) mask would have said
+    scores = maps.reshape(4, -1).max(axis=1)
+    result = compute_metrics(samples, scores, maps, masks=masks)
+    known = [0, 1, 2]
+    assert result["unmasked_defect_images"] == 1 and unmasked(samples) == {"hole": 1}
+    assert result["pixel_auroc"] == pytest.approx(roc_auc_score(masks[known].ravel(), maps[known].ravel()))
+    assert result["pro_0.3"] == pytest.approx(reference_pro(maps[known], masks[known]))
+    as_all_normal = roc_auc_score(masks.ravel(), maps.ravel())  # what counting it as normal pixels would give
+    assert result["pixel_auroc"] > as_all_normal + 0.01
+    assert result["image_auroc"] == pytest.approx(roc_auc_score([0, 0, 1, 1], scores))  # every picture, by image

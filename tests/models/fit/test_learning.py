@@ -13,7 +13,7 @@ from padim.models.errors import FitError, NotUpdatable
 from padim.models.fit.learning import picture_name, update_model
 from padim.models.fit.model_file import load_detector
 
-CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0)
+CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, decode_workers=0)
 #: Statistics of the same pictures embedded in other batches agree to the last bits of a convolution (as resume's).
 RTOL, ATOL = 1e-5, 1e-5
 

@@ -18,7 +18,7 @@ from padim.models.features.embedding import FeatureEmbedder, model_input
 from padim.models.fit.model_file import load_detector, load_fit, save_detector
 from padim.models.fit.precision import PrecisionGate, compare_scores
 
-CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5, expect="")
+CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, decode_workers=0, calibration_folds=5, expect="")
 
 
 @pytest.fixture(scope="module")

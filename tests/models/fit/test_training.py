@@ -28,7 +28,7 @@ from padim.models.data.changes import apply, seeded
 from padim.models.fit.model_file import load_detector, load_fit, save_fit
 from padim.models.fit.passes import ScoringPass, SpooledRows
 
-CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5)
+CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, decode_workers=0, calibration_folds=5)
 #: The mechanics against brute-force refits of the pictures as taken: no changed copies (those have their own test).
 AS_TAKEN = CONFIG.replace(expect="stable")
 #: Rows a picture gives the statistics under the default: its own and its changed copy's.
@@ -444,7 +444,7 @@ def _failing_in_memory(init, fail):
 
 
 def test_changed_copies_are_made_on_the_decoding_threads_as_the_fit_would_make_them(images):
-    fit = Fit.start(CONFIG.replace(workers=2))
+    fit = Fit.start(CONFIG.replace(decode_workers=2))
     name_of = {image.path: image.name for image in images}
     batches = [[image.path for image in images[:5]], [image.path for image in images[5:9]]]
     seen = []
@@ -469,16 +469,16 @@ def test_a_fit_says_how_long_it_waited_for_pictures_and_names_more_workers_when_
 ):
     report = train(CONFIG, images, tmp_path / "model.padim", progress=False)
     assert 0 < report.seconds["fit_waiting_for_pictures"] <= report.seconds["fit"]  # workers=0: decoded in line
-    assert not any("--workers" in w for w in report.warnings)  # a fit of a second or two says nothing
+    assert not any("--decode-workers" in w for w in report.warnings)  # a fit of a second or two says nothing
     monkeypatch.setattr("padim.models.fit.training.WAITING_SECONDS", 0.0)
     monkeypatch.setattr("padim.models.fit.training.WAITING_SHARE", 0.0)
     monkeypatch.setattr("padim.models.fit.training.usable_cpus", lambda: 16)
     report = train(CONFIG, images, tmp_path / "model.padim", progress=False)
-    (said,) = [w for w in report.warnings if "--workers" in w]
-    assert "waiting for pictures to be decoded and their changed copies made" in said and "--workers 16" in said
+    (said,) = [w for w in report.warnings if "--decode-workers" in w]
+    assert "waiting for pictures to be decoded and their changed copies made" in said and "--decode-workers 16" in said
     monkeypatch.setattr("padim.models.fit.training.usable_cpus", lambda: 1)  # no more cores to give it
-    report = train(CONFIG.replace(workers=1), images, tmp_path / "model.padim", progress=False)
-    assert not any("--workers" in w for w in report.warnings)
+    report = train(CONFIG.replace(decode_workers=1), images, tmp_path / "model.padim", progress=False)
+    assert not any("--decode-workers" in w for w in report.warnings)
 
 
 def padim_files_open() -> list[str]:

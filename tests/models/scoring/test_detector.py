@@ -15,7 +15,9 @@ from padim.models.features.embedding import FeatureEmbedder, model_input, stacke
 from padim.models.fit.model_file import load_detector, load_fit, save_detector
 
 # neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
-CONFIG = PadimConfig(weights="random", image_size=64, batch_size=8, workers=0, calibration_folds=5, neighbourhood=1)
+CONFIG = PadimConfig(
+    weights="random", image_size=64, batch_size=8, decode_workers=0, calibration_folds=5, neighbourhood=1
+)
 
 
 @pytest.fixture(scope="module")
@@ -498,3 +500,19 @@ def test_standardise_travels_in_the_file_and_a_format_eleven_file_has_none(image
     batch = plain.preprocess(taken)
     torch.testing.assert_close(eleven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert eleven.calibration == plain.calibration
+
+
+def test_decode_workers_is_stored_so_and_a_format_fifteen_file_spelled_it_workers(detector, images, tmp_path):
+    """Format 16 spells the decoding threads ``decode_workers`` (serve's ``--workers`` are API processes); a file
+    of format 15 or older wrote ``workers``, and is read as before."""
+    save_detector(detector, tmp_path / "new.padim", with_statistics=True)
+    tensors, header = load_artifact(tmp_path / "new.padim")
+    assert header["format_version"] == FORMAT_VERSION >= 16
+    assert "decode_workers" in header["config"] and "workers" not in header["config"]
+    header["config"]["workers"] = header["config"].pop("decode_workers")
+    older_format_of(tensors, header, tmp_path / "fifteen.padim", 15)
+    fifteen = load_detector(tmp_path / "fifteen.padim", device="cpu")
+    assert load_fit(tmp_path / "fifteen.padim").config.run.decode_workers == header["config"]["workers"]
+    batch = detector.preprocess(pictures(images, 3))
+    torch.testing.assert_close(fifteen.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert PadimConfig(workers=3).run.decode_workers == 3  # the Python keyword's earlier spelling too
