@@ -11,10 +11,10 @@ from padim.models import options
 from padim.models.choices import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, RUNTIMES
 
 
-def run_options(skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """``--device``, ``--batch-size``, ``--decode-workers`` (but ``skip``): how a command runs, not what it computes."""
+def run_options() -> argparse.ArgumentParser:
+    """``--device``, ``--batch-size``, ``--decode-workers``: how a command runs, never what it computes."""
     parent = argparse.ArgumentParser(add_help=False)
-    options.add_flags(parent.add_argument_group("how it runs"), "run", skip=skip)
+    options.add_flags(parent.add_argument_group("how it runs"), "run")
     return parent
 
 
@@ -35,15 +35,20 @@ def runtime_option() -> argparse.ArgumentParser:
 def quiet_option() -> argparse.ArgumentParser:
     """``-q`` after the command as well as before it."""
     parent = argparse.ArgumentParser(add_help=False)
+    add_quiet(parent)
+    return parent
+
+
+def add_quiet(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``-q`` on ``parser`` (a command's, or one of its help's sections)."""
     # SUPPRESS: without -q here, the value given before the command stands
-    parent.add_argument(
+    parser.add_argument(
         "-q",
         "--quiet",
         action="store_true",
         default=argparse.SUPPRESS,
         help="no progress bars or info logs (warnings and errors still print)",
     )
-    return parent
 
 
 def batch_size(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from padim.models import options
 from padim.models.choices import EXPECT_PRESETS, presets
 from padim.models.errors import UsageError
 
-from ..options import quiet_option, run_options
+from ..options import add_quiet
 
 DESCRIPTION = (
     "Fit a detector on the normal (defect-free) pictures under DATA_DIR and write it, with its threshold, to one "
@@ -53,7 +53,7 @@ class Help(argparse.RawDescriptionHelpFormatter):
 def register(commands) -> None:
     train = commands.add_parser(
         "train",
-        parents=[run_options(skip=options.ESSENTIAL), quiet_option()],
+        add_help=False,  # -h goes last, under "options", after the sections below
         help="fit a detector on a folder of normal images",
         usage="%(prog)s DATA_DIR --output MODEL [options]",
         description=DESCRIPTION,
@@ -79,7 +79,8 @@ def register(commands) -> None:
     computes, verdicts = options.SECTIONS
     options.add_section(train, computes)
     _file_options(options.add_section(train, verdicts))
-    runs = next(g for g in train._action_groups if g.title == "how it runs")
+    runs = train.add_argument_group("how it runs")
+    options.add_flags(runs, "run", skip=options.ESSENTIAL)
     runs.add_argument(
         "--scratch-dir",
         type=Path,
@@ -88,11 +89,9 @@ def register(commands) -> None:
         "during the fit, in files removed when it ends however it ends (default: the output's folder); "
         "when they would not fit on its disk, the calibration embeds the images again instead",
     )
-    # the essentials first, then what the detector computes, the file, how it runs, and -h/-q last
-    groups = train._action_groups
-    for last in (essential, runs, train._optionals):
-        groups.append(groups.pop(groups.index(last)))
-    groups.insert(0, groups.pop(groups.index(essential)))
+    last = train.add_argument_group("options")
+    last.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    add_quiet(last)
     train.set_defaults(handler=run)
 
 
