@@ -426,11 +426,11 @@ async def _mark_ready(state: ApiState) -> None:
 
 # --------------------------------------------------------------------------- the process
 def main(argv: list[str]) -> int:
-    root, row, descriptor = Path(argv[0]), int(argv[1]), int(argv[2])
+    root, row, descriptor, secrets = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     role = f"api-{row}"
     as_child(role)
     run = RunFolder(root)
-    settings = run.settings()
+    settings = run.settings(secrets)
     configure_logging(settings.log_level, role=role)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request passed on: the access log has them
     torch.set_num_threads(1)  # its torch ops are small; the cores are for decoding and the device's process

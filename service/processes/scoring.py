@@ -101,7 +101,7 @@ class Publisher:
 def main(argv: list[str]) -> int:
     as_child("scoring")
     run = RunFolder(Path(argv[0]))
-    settings = run.settings()
+    settings = run.settings(int(argv[1]))
     configure_logging(settings.log_level, role="scoring")
     run.set_state(0, STARTING, os.getpid())
     publisher = Publisher(run)

@@ -1,6 +1,12 @@
 """The run folder: where the processes of one service meet (in ``/dev/shm``, memory that is shared).
 
-- ``settings.json`` (the supervisor): the service's settings, keys included (mode 0600);
+Its name says whose it is: ``padim-NS-PID-START-RANDOM``, the supervisor's pid namespace, pid and start time. A new
+supervisor removes the folders of supervisors that are gone (:func:`sweep`: a kill -9 or the OOM killer leaves its
+folder behind), never one whose supervisor runs: a pid is only taken for the same process with its start time.
+
+- ``settings.json`` (the supervisor): the service's settings but the keys (mode 0600): the keys
+  (:data:`SECRETS`) never go into a file; each child reads them once, when it starts, from a pipe of its own
+  (:meth:`RunFolder.secrets_pipe`);
 - ``status`` (each process its row): state and pid of the scoring process (row 0) and of each API process, and the
   table's generation;
 - ``places``, ``places.lock`` (each process its row): the queue bound's counts
@@ -57,6 +63,10 @@ _HEADER_WORDS = 1
 _ROW_WORDS = 3
 
 
+#: Settings that are never written into the run folder: each child reads them from a pipe when it starts.
+SECRETS = ("api_key", "admin_key", "review_key", "record_url")
+
+
 def shared_memory_root() -> Path:
     """Where run folders go: ``/dev/shm`` (a tmpfs: files there are memory) when it can be written, else the
     temporary folder."""
@@ -66,35 +76,78 @@ def shared_memory_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
-class RunFolder:
-    """The run folder ``root`` of a service with ``workers`` API processes (rows 1..workers; row 0 scores)."""
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: /proc/PID/stat's 22nd field); ``None`` if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # fields from the 3rd on follow the name's ")"
 
-    def __init__(self, root: Path):
+
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode): pids are compared only within it."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def sweep(root: Path) -> list[Path]:
+    """Remove the run folders in ``root`` of this user's supervisors, in this pid namespace, that are gone (no process
+    with that pid and start time); what was removed. Another namespace's folders (a container sharing the host's
+    /dev/shm) and folders named otherwise are left alone."""
+    removed, mine, uid = [], pid_namespace(), os.getuid()
+    for folder in sorted(root.glob("padim-*")):
+        parts = folder.name.split("-")
+        if len(parts) != 5 or not all(p.isdigit() for p in parts[1:4]) or folder.is_symlink():
+            continue
+        namespace, pid, start = (int(p) for p in parts[1:4])
+        with contextlib.suppress(OSError):
+            if namespace == mine and folder.stat().st_uid == uid and process_start(pid) != start:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
+class RunFolder:
+    """The run folder ``root`` of a service with ``workers`` API processes (rows 1..workers; row 0 scores).
+
+    The supervisor's holds the keys (``secrets``) in memory, for :meth:`secrets_pipe`; a child's holds none."""
+
+    def __init__(self, root: Path, secrets: dict[str, str] | None = None):
         self.root = Path(root)
         self.workers = int((self.root / "workers").read_text()) if (self.root / "workers").exists() else 0
         self._status: mmap.mmap | None = None
+        self._secrets = secrets or {}
 
     # ----------------------------------------------------------------- made by the supervisor
     @classmethod
     def create(cls, settings: ServiceSettings, workers: int) -> RunFolder:
-        root = shared_memory_root() / f"padim-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        pid = os.getpid()
+        root = shared_memory_root() / f"padim-{pid_namespace()}-{pid}-{process_start(pid)}-{uuid.uuid4().hex[:8]}"
         root.mkdir(mode=0o700)
         for name in ("views", "slots", "metrics"):
             (root / name).mkdir()
         (root / "workers").write_text(str(workers))
         secrets = {
-            name: getattr(settings, name).get_secret_value()
-            for name in ("api_key", "admin_key", "review_key", "record_url")
-            if getattr(settings, name) is not None
+            name: getattr(settings, name).get_secret_value() for name in SECRETS if getattr(settings, name) is not None
         }
-        values = settings.model_dump(mode="json", exclude_unset=False) | secrets
+        values = settings.model_dump(mode="json", exclude=set(SECRETS))
         descriptor = os.open(root / "settings.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as handle:
             json.dump(values, handle)
         with open(root / "status", "wb") as handle:
             handle.truncate((_HEADER_WORDS + (workers + 1) * _ROW_WORDS) * _WORD.size)
         SharedPlaces.create(root / "places", workers + 1)
-        return cls(root)
+        return cls(root, secrets)
+
+    def secrets_pipe(self) -> int:
+        """The read end of a new pipe that holds the keys, its write end closed: for one child to read once, when it
+        starts (:meth:`settings`). The caller closes its copy once the child has one."""
+        read, write = os.pipe()
+        try:
+            os.write(write, json.dumps(self._secrets).encode())  # a few hundred bytes: a pipe holds 64 KB
+        finally:
+            os.close(write)
+        return read
 
     def remove(self) -> None:
         self.close()
@@ -117,9 +170,12 @@ class RunFolder:
     def places(self) -> Path:
         return self.root / "places"
 
-    def settings(self) -> ServiceSettings:
+    def settings(self, secrets: int) -> ServiceSettings:
+        """The service's settings: the run folder's, with the keys read from the pipe ``secrets`` (then closed)."""
         values = json.loads((self.root / "settings.json").read_text())
-        return ServiceSettings.model_validate(values)
+        with os.fdopen(secrets, "rb") as pipe:
+            keys = json.loads(pipe.read() or b"{}")
+        return ServiceSettings.model_validate(values | keys)
 
     # ----------------------------------------------------------------- status
     def _words(self) -> mmap.mmap:

@@ -41,7 +41,7 @@ import torch
 from prometheus_client import multiprocess
 
 from ..settings import ServiceSettings
-from .shared import READY, STOPPED, RunFolder
+from .shared import READY, STOPPED, RunFolder, shared_memory_root, sweep
 
 log = logging.getLogger("padim.service")
 
@@ -174,16 +174,22 @@ class Child:
         return "scoring process" if self.row == 0 else f"API process {self.row}"
 
     def start(self, run: RunFolder) -> None:
-        if self.fresh:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.argv],
-                pass_fds=self.pass_fds,
-                start_new_session=True,
-                env={**os.environ, **self.env},
-            )
-        else:
-            main = importlib.import_module(self.module).main
-            self.process = Forked(lambda: main(self.argv), self.env, self.not_inherited)
+        """Start it, the keys handed over in a pipe of its own (the last argument: its descriptor), never a file."""
+        secrets = run.secrets_pipe()
+        argv = [*self.argv, str(secrets)]
+        try:
+            if self.fresh:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", self.module, *argv],
+                    pass_fds=(*self.pass_fds, secrets),
+                    start_new_session=True,
+                    env={**os.environ, **self.env},
+                )
+            else:
+                main = importlib.import_module(self.module).main
+                self.process = Forked(lambda: main(argv), self.env, self.not_inherited)
+        finally:
+            os.close(secrets)  # the child has its own copy
         self.started = time.monotonic()
         self.restart_at = None
         run.started(self.row)
@@ -216,6 +222,12 @@ def may_use_a_gpu(device: str) -> bool:
 class Supervisor:
     def __init__(self, settings: ServiceSettings, workers: int):
         self.settings, self.workers = settings, workers
+        removed = sweep(shared_memory_root())
+        if removed:
+            log.info(
+                f"removed the run folders of {len(removed)} supervisor(s) that are gone",
+                extra={"removed": [folder.name for folder in removed]},
+            )
         self.run = RunFolder.create(settings, workers)
         self.stopping = False
         self.exit_code = 0

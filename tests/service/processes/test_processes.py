@@ -237,3 +237,43 @@ lines:
     assert sorted(b["source"] for b in receiver.bodies) == sorted(f"part-{i:02d}.png" for i in range(len(pictures)))
     assert there["raw_score"] == pytest.approx(on_cpu["raw_score"], rel=1e-2)
     assert there["is_anomaly"] == on_cpu["is_anomaly"] and "heatmap" in on_cpu
+
+
+def test_the_keys_are_in_no_file_and_a_supervisor_killed_leaves_a_folder_the_next_start_sweeps(
+    model_file, dataset, tmp_path
+):
+    """The keys reach each child through a pipe, also a replaced one, and never wait in the run folder (tmpfs); a
+    supervisor killed with SIGKILL cannot remove its folder, and the next start removes it, saying so."""
+    from padim.service.processes.shared import shared_memory_root
+
+    key = f"key-{os.urandom(8).hex()}"
+    env = {"PADIM_API_KEY": key}
+
+    def holding_the_key(folder: Path) -> list[Path]:
+        return [p for p in folder.rglob("*") if p.is_file() and not p.is_socket() and key.encode() in p.read_bytes()]
+
+    with running_server(tmp_path, [model_file], env=env, args=("--workers", "2")) as server:
+        supervisor = server.process.pid
+        (folder,) = shared_memory_root().glob(f"padim-*-{supervisor}-*")
+        assert holding_the_key(folder) == []
+        killed = roles(supervisor)["api-1"]
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: roles(supervisor).get("api-1") not in (None, killed), 60, "a new API process 1")
+        wait_until(lambda: ready(server.url).status_code == 200, 90, "the replacement to be ready")
+        # new connections, each to whichever API process accepts it: the replaced one too knows the key it was handed
+        sent = [key] * 8 + ["wrong"] * 2
+        statuses = [
+            httpx.post(
+                server.url + "/score", content=probe(dataset), headers={**PNG, "x-api-key": k, "connection": "close"}
+            ).status_code
+            for k in sent
+        ]
+        assert statuses == [200] * 8 + [401] * 2 and holding_the_key(folder) == []
+        children = list(roles(supervisor).values())
+        os.kill(supervisor, signal.SIGKILL)
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 60, "the children to end")
+        assert folder.is_dir()  # nobody was left to remove it
+    with running_server(tmp_path, [model_file], env=env, args=("--workers", "2")) as again:
+        logs = again.logs()
+    assert not folder.exists() and "removed the run folders of 1 supervisor(s) that are gone" in logs
+    assert folder.name in logs

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -36,10 +38,42 @@ def test_a_view_decodes_and_judges_as_its_scorer(model_file, dataset, runtime):
     assert view.provenance.created == scorer.provenance.created
 
 
-def test_the_settings_keep_their_keys_for_the_other_processes(run):
-    settings = run.settings()
+def test_the_settings_reach_a_child_with_their_keys_and_the_keys_are_in_no_file(run):
+    settings = run.settings(run.secrets_pipe())
     assert settings.api_key is not None and settings.api_key.get_secret_value() == "k"
+    assert settings.models == run.settings(run.secrets_pipe()).models  # each child its own pipe
     assert (run.root / "settings.json").stat().st_mode & 0o777 == 0o600
+    assert not [path for path in run.root.rglob("*") if path.is_file() and b'"k"' in path.read_bytes()]
+    assert RunFolder(run.root).settings(RunFolder(run.root).secrets_pipe()).api_key is None  # a child holds none
+
+
+def test_a_start_sweeps_the_run_folders_of_supervisors_that_are_gone(tmp_path):
+    """By pid and start time in this pid namespace: a gone supervisor's folder goes, a running one's (this
+    process's, or one whose pid now names another process) stays where that process is it, another namespace's
+    and another name's stay."""
+    from padim.service.processes.shared import pid_namespace, process_start, sweep
+
+    me, namespace = os.getpid(), pid_namespace()
+    gone = _a_pid_that_is_gone()
+    folders = {
+        "running": tmp_path / f"padim-{namespace}-{me}-{process_start(me)}-aaaaaaaa",
+        "gone": tmp_path / f"padim-{namespace}-{gone}-12345-bbbbbbbb",
+        "pid reused": tmp_path / f"padim-{namespace}-{me}-{process_start(me) - 1}-cccccccc",
+        "other namespace": tmp_path / f"padim-{namespace + 1}-{gone}-12345-dddddddd",
+        "older name": tmp_path / f"padim-{gone}-eeeeeeee",
+    }
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "status").write_bytes(b"x")
+    removed = sweep(tmp_path)
+    assert sorted(removed) == sorted([folders["gone"], folders["pid reused"]])
+    assert {name for name, folder in folders.items() if folder.exists()} == {"running", "other namespace", "older name"}
+
+
+def _a_pid_that_is_gone() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def test_the_table_is_read_again_when_its_generation_changes(run, model_file):
