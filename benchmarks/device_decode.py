@@ -1,8 +1,8 @@
 """What decoding JPEGs on the scoring device does to scores: the device's path against the CPU's, on real photographs.
 
 The CPU path is the service's (Pillow; a large JPEG decoded at a reduced scale, then resized); the device path is
-:class:`padim.service.device_decoding.DeviceDecode` (torchvision's decoder: nvJPEG on a GPU, libjpeg-turbo on a CPU;
-the whole picture decoded, then resized on the device). Pictures: the JPEG photographs that ship with installed
+:class:`padim.service.device.device_decoding.DeviceDecode` (torchvision's decoder: nvJPEG on a GPU, libjpeg-turbo on
+a CPU; the whole picture decoded, then resized on the device). Pictures: the JPEG photographs that ship with installed
 packages (scikit-learn's, matplotlib's), as they are and re-encoded as 1920x1080 camera frames (quality 90). The
 model: seeded random resnet18 weights, fitted on 224 px crops of the same photographs, so that its threshold sits
 among their scores.
@@ -31,8 +31,8 @@ from timing import work_folder  # noqa: E402 (the benchmarks' own helpers)
 from padim.models import PadimConfig, fit_detector, training_images  # noqa: E402
 from padim.models.deploy.runtimes import load_scorer  # noqa: E402
 from padim.models.fit.model_file import save_detector  # noqa: E402
-from padim.service.decoding import Decoder  # noqa: E402
-from padim.service.device_decoding import DeviceDecode, jpeg_tensor  # noqa: E402
+from padim.service.device.decoding import Decoder  # noqa: E402
+from padim.service.device.device_decoding import DeviceDecode, jpeg_tensor  # noqa: E402
 
 
 def photographs() -> list[Path]:

@@ -15,11 +15,11 @@ from fastapi.staticfiles import StaticFiles
 from padim.core.version import __version__
 from padim.models.errors import UsageError
 
-from .admission import Places
-from .errors import install_error_handlers
+from .device.admission import Places
+from .edge.errors import install_error_handlers
+from .edge.middleware import BodyGuard, RequestContext
+from .edge.openapi import truthful_openapi
 from .lines.pipeline import Lines
-from .middleware import BodyGuard, RequestContext
-from .openapi import truthful_openapi
 from .routes import health, lines, metrics, models, records, score, updates, versions
 from .settings import ServiceSettings, get_settings
 from .state import ServiceState

@@ -122,14 +122,14 @@ def test_no_cycle_between_modules():
 
 
 def room(name: str) -> str:
-    """A module's room: the subpackage of ``padim.models`` (or of the service) it is in, or itself."""
+    """A module's room: the subpackage of ``padim.models`` or ``padim.service`` it is in, or itself."""
     parts = name.split(".")
-    if parts[:2] == ["padim", "models"] and len(parts) > 3:
+    if parts[:2] in (["padim", "models"], ["padim", "service"]) and len(parts) > 3:
         return ".".join(parts[:3])
     return name
 
 
-def test_no_cycle_between_the_rooms_of_models():
+def test_no_cycle_between_the_rooms():
     rooms: dict[str, set[str]] = {}
     for name, targets in GRAPH.items():
         rooms.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
@@ -155,35 +155,65 @@ MODEL_ROOMS = (
     "padim.models.api",
     "padim.models",
 )
-MODELS = sorted(n for n in MODULES if n == "padim.models" or n.startswith("padim.models."))
-ROOMS_OF_MODELS = sorted(n for n in MODELS if n.count(".") == 2 and is_package(n))
+#: The rooms of :mod:`padim.service`, lower first, as those of models.
+SERVICE_ROOMS = (
+    "padim.service.settings",
+    "padim.service.metrics",
+    "padim.service.monitor",
+    "padim.service.edge",
+    "padim.service.record",
+    "padim.service.device",
+    "padim.service.updates",
+    "padim.service.state",
+    "padim.service.lines",
+    "padim.service.routes",
+    "padim.service.app",
+    "padim.service.processes",
+    "padim.service.server",
+    "padim.service",
+)
+#: Each layer with rooms: its rooms in order, and how many modules may stand at its top.
+HOUSES = {"padim.models": (MODEL_ROOMS, 10), "padim.service": (SERVICE_ROOMS, 12)}
 
 
-def test_models_reads_as_a_table_of_contents():
-    """At most about ten modules at the top of models/, every module in a room of the list above."""
-    top = [n for n in MODELS if n.count(".") == 2 and not is_package(n)]
-    assert len(top) <= 10, f"{len(top)} modules at the top of models/: {top}"
-    assert sorted({room(n) for n in MODELS}) == sorted(MODEL_ROOMS)
+def members(house: str) -> list[str]:
+    return sorted(n for n in MODULES if n == house or n.startswith(house + "."))
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_the_rooms_of_models_import_down(name):
-    mine = MODEL_ROOMS.index(room(name))
-    upward = [t for t in GRAPH[name] if t in MODELS and MODEL_ROOMS.index(room(t)) > mine]
+ROOMS = [(house, n) for house in HOUSES for n in members(house) if n.count(".") == 2 and is_package(n)]
+
+
+@pytest.mark.parametrize("house", HOUSES)
+def test_each_house_reads_as_a_table_of_contents(house):
+    """At most about ten (models) or twelve (service) modules at the top, every module in a room of the list."""
+    rooms, most = HOUSES[house]
+    top = [n for n in members(house) if n.count(".") == 2 and not is_package(n)]
+    assert len(top) <= most, f"{len(top)} modules at the top of {house}: {top}"
+    assert sorted({room(n) for n in members(house)}) == sorted(rooms)
+
+
+@pytest.mark.parametrize("name", [n for house in HOUSES for n in members(house)])
+def test_the_rooms_import_down(name):
+    rooms = HOUSES[".".join(name.split(".")[:2])][0]
+    mine = rooms.index(room(name))
+    upward = [t for t in GRAPH[name] if room(t) in rooms and rooms.index(room(t)) > mine]
     assert not upward, f"{name} ({room(name)}) imports {upward} from a room above it (tests/test_layers.py)"
 
 
-@pytest.mark.parametrize("package", ROOMS_OF_MODELS)
-def test_each_room_opens_with_what_it_holds_and_may_import(package):
-    """Its docstring names each of its modules and, after "May import:", every room of models/ it imports."""
+@pytest.mark.parametrize("house, package", ROOMS, ids=[p for _, p in ROOMS])
+def test_each_room_opens_with_what_it_holds_and_may_import(house, package):
+    """Its docstring names each of its modules and, after "May import:", every room of its house it imports."""
+    rooms = HOUSES[house][0]
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
     assert "May import:" in doc, f"{package}: no 'May import:' in its docstring"
-    said = set(re.findall(r":mod:`(padim\.models\.\w+)`", doc.split("May import:", 1)[1]))
-    used = {room(t) for n in MODELS if room(n) == package for t in GRAPH[n] if t in MODELS and room(t) != package}
+    said = set(re.findall(rf":mod:`({re.escape(house)}\.\w+)`", doc.split("May import:", 1)[1]))
+    inside = members(house)
+    used = {room(t) for n in inside if room(n) == package for t in GRAPH[n] if t in inside and room(t) != package}
     assert used <= said, f"{package} imports {sorted(used - said)}, which its docstring does not name"
-    assert all(MODEL_ROOMS.index(r) < MODEL_ROOMS.index(package) for r in said), f"{package} names a room above it"
-    modules = [n.rpartition(".")[2] for n in MODELS if n.startswith(package + ".")]
-    assert [m for m in modules if f"``{m}``" not in doc] == [], f"{package}: its docstring leaves modules out"
+    assert all(rooms.index(r) < rooms.index(package) for r in said), f"{package} names a room above it"
+    modules = [n.rpartition(".")[2] for n in inside if n.rpartition(".")[0] == package]
+    left_out = [m for m in modules if f"``{m}``" not in doc and f":mod:`.{m}`" not in doc]
+    assert left_out == [], f"{package}: its docstring leaves modules out: {left_out}"
 
 
 def test_layers_are_told_apart():

@@ -36,8 +36,9 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio  # the service's modules bring torch: imported here, so `padim --help` stays light
 
+    from padim.service.edge.running import configure_logging
     from padim.service.lines.pipeline import run_lines
-    from padim.service.server import check_lines, configure_logging, served_files
+    from padim.service.server import check_lines, served_files
 
     if args.quiet and args.log_level is None:
         args.log_level = "warning"

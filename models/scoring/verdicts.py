@@ -75,7 +75,7 @@ def verdict(
 def verdict_of(
     raw_score: float, over: int, pixels: int, finite: bool, calibration: Calibration, threshold: float | None = None
 ) -> Verdict:
-    """The verdict on one image from what a scored batch counted of its map (:mod:`padim.service.batching`):
+    """The verdict on one image from what a scored batch counted of its map (:mod:`padim.service.device.batching`):
     ``over`` of its ``pixels`` at or above the raw threshold of ``threshold``, and whether the map was all finite.
 
     Raises:

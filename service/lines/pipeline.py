@@ -25,8 +25,8 @@ from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..batching import ScoredImage
-from ..errors import ApiError
+from ..device.batching import ScoredImage
+from ..edge.errors import ApiError
 from ..record.rows import make_row
 from ..state import ServedModel, ServiceState
 from .config import CameraSource, Line, LinesFile, check_lines, read_lines

@@ -16,6 +16,10 @@ They meet in the **run folder** (:mod:`.shared`, in ``/dev/shm``): the queue bou
 table of served versions and what an API process needs of each (its view), and the slots pictures travel in.
 Messages between them are small tuples (:mod:`.wire`); pictures and maps never travel in them.
 
-May import :mod:`padim.service` and what it imports; nothing outside imports this package but the server
-(:mod:`padim.service.server`).
+Modules: ``supervisor``, ``scoring``, ``api``, ``shared``, ``wire``. Nothing outside imports this package but the
+server (:mod:`padim.service.server`).
+
+May import: :mod:`padim.service.settings`, :mod:`padim.service.metrics`, :mod:`padim.service.edge`,
+:mod:`padim.service.record`, :mod:`padim.service.device`, :mod:`padim.service.state`, :mod:`padim.service.routes`,
+:mod:`padim.service.app`.
 """

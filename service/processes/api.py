@@ -28,20 +28,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from ..admission import SharedPlaces
-from ..answers import answered, count_verdicts, keep_rows
 from ..app import DESCRIPTION
-from ..batching import ScoredImage
-from ..decoding import Decoded, Decoder
-from ..errors import ApiError, install_error_handlers
+from ..device.admission import SharedPlaces
+from ..device.answers import answered, count_verdicts, keep_rows
+from ..device.batching import ScoredImage
+from ..device.decoding import Decoded, Decoder
+from ..edge.errors import ApiError, install_error_handlers
+from ..edge.middleware import BodyGuard, RequestContext
+from ..edge.protocol import ConnectionLimits, guarded_protocol
+from ..edge.running import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
+from ..edge.schemas import LiveResponse
 from ..metrics import Metrics
-from ..middleware import BodyGuard, RequestContext
-from ..protocol import ConnectionLimits, guarded_protocol
 from ..record.recorder import Recorder
 from ..record.store import RecordStore, database_url
 from ..routes import score, versions
-from ..schemas import LiveResponse
-from ..server import SERVER_HEADER, DrainingServer, configure_logging, quiet_signals
 from ..settings import ServiceSettings
 from ..state import each
 from .shared import (

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import uvicorn
 
-from ..admission import MAX_MODELS, SharedPlaces
 from ..app import create_app
-from ..server import DrainingServer, configure_logging, quiet_signals
+from ..device.admission import MAX_MODELS, SharedPlaces
+from ..edge.running import DrainingServer, configure_logging, quiet_signals
 from .shared import READY, STARTING, RunFolder, journal_name, view_of
 from .supervisor import as_child
 from .wire import Intake

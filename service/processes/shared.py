@@ -10,7 +10,7 @@ folder behind), never one whose supervisor runs: a pid is only taken for the sam
 - ``status`` (each process its row): state and pid of the scoring process (row 0) and of each API process, and the
   table's generation;
 - ``places``, ``places.lock`` (each process its row): the queue bound's counts
-  (:class:`padim.service.admission.SharedPlaces`);
+  (:class:`padim.service.device.admission.SharedPlaces`);
 - ``table.json`` (the scoring process): the served versions (model -> serial, version), the default model,
   readiness;
 - ``views/SERIAL.json`` (the scoring process): what an API process needs of a version: configuration, calibration,
@@ -49,9 +49,9 @@ from padim.models.features.backbones import WeightsInfo
 from padim.models.options import json_value
 from padim.models.scoring.detector import Provenance
 
-from ..admission import SharedPlaces
-from ..device_decoding import DeviceDecode
-from ..errors import ApiError
+from ..device.admission import SharedPlaces
+from ..device.device_decoding import DeviceDecode
+from ..edge.errors import ApiError
 from ..settings import ServiceSettings
 from ..state import model_info
 

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 
-from ..batching import Item, ScoredImage
-from ..errors import ApiError
+from ..device.batching import Item, ScoredImage
+from ..edge.errors import ApiError
 from .shared import PIXELS, RunFolder, Slot, SlotMaps
 
 log = logging.getLogger("padim.service")

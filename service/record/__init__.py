@@ -9,6 +9,11 @@
   so that scoring never waits for the database.
 - :mod:`.export`: a filtered set of rows and pictures written to a folder (``padim records export``).
 
+- ``rows``: a row from what a score answered, with the client's fields; ``jobs``: update jobs, run once across
+  replicas; ``upkeep``: stopped replicas' journals adopted, pictures evicted past retention or the byte budget.
+
 This package imports SQLAlchemy and Alembic, and from padim only ``padim.models.errors`` and the repository's
 ``sync_directory``.
+
+May import: nothing of :mod:`padim.service`.
 """

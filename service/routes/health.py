@@ -1,8 +1,8 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..deps import StateDep
-from ..schemas import LiveResponse, ReadyResponse
+from ..edge.schemas import LiveResponse, ReadyResponse
+from .deps import StateDep
 
 router = APIRouter(prefix="/health", tags=["health"])
 

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Request
 
-from ..deps import ApiKey, StateDep
-from ..errors import ApiError
+from ..edge.errors import ApiError
+from ..edge.openapi import error_responses
+from ..edge.schemas import LastPicture, LinesResponse, LineState, TriggerRequest, TriggerResponse
 from ..lines.pipeline import Lines
-from ..openapi import error_responses
-from ..schemas import LastPicture, LinesResponse, LineState, TriggerRequest, TriggerResponse
+from .deps import ApiKey, StateDep
 
 router = APIRouter(prefix="/lines", tags=["lines"], dependencies=[ApiKey])
 

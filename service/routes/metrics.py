@@ -1,7 +1,7 @@
 from fastapi import APIRouter, Response
 
-from ..deps import StateDep
 from ..metrics import exposition
+from .deps import StateDep
 
 router = APIRouter(tags=["metrics"])
 

@@ -4,9 +4,9 @@ from fastapi import APIRouter
 
 from padim.core.errors import PadimError
 
-from ..deps import ApiKey, StateDep
-from ..openapi import error_responses
-from ..schemas import ModelsResponse, MonitorResponse
+from ..edge.openapi import error_responses
+from ..edge.schemas import ModelsResponse, MonitorResponse
+from .deps import ApiKey, StateDep
 
 router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
 

@@ -17,14 +17,14 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from padim.models.errors import RecordGone, RecordUnavailable
 
-from ..deps import RecordReader, ReviewKey, StateDep
-from ..errors import ApiError
-from ..openapi import error_responses
+from ..edge.errors import ApiError
+from ..edge.openapi import error_responses
+from ..edge.schemas import MAX_VERSION, RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
 from ..record.pictures import picture_format
 from ..record.recorder import Recorder
 from ..record.store import Filters
-from ..schemas import MAX_VERSION, RecordDetail, RecordRow, RecordsPage, RecordStorage, ReviewRequest
 from ..state import ServiceState
+from .deps import RecordReader, ReviewKey, StateDep
 
 router = APIRouter(prefix="/records", tags=["record"])
 

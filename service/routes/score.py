@@ -17,12 +17,12 @@ from starlette.exceptions import HTTPException
 
 from padim.models.errors import RecordUnavailable
 
-from ..deps import ApiKey, StateDep, require_api_key
-from ..errors import ApiError, answer_for
-from ..openapi import error_responses
+from ..edge.errors import ApiError, answer_for
+from ..edge.openapi import error_responses
+from ..edge.schemas import BatchResponse, ScoreResponse
 from ..record.rows import InvalidFields, parse_fields
-from ..schemas import BatchResponse, ScoreResponse
 from ..state import ServiceState
+from .deps import ApiKey, StateDep, require_api_key
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 

@@ -11,10 +11,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
-from ..deps import AdminKey, RecordReader, StateDep
-from ..openapi import error_responses
-from ..schemas import JobInfo, LineThreshold, LineThresholdRequest, UpdateRequest
+from ..edge.openapi import error_responses
+from ..edge.schemas import JobInfo, LineThreshold, LineThresholdRequest, UpdateRequest
 from ..updates import propose_line_threshold
+from .deps import AdminKey, RecordReader, StateDep
 from .records import _seconds, iso, on_database, recorder
 
 router = APIRouter(tags=["admin"], dependencies=[AdminKey])

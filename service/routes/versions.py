@@ -18,10 +18,10 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from padim.models.errors import DigestMismatch
 from padim.models.repository import MODEL_FILE, check_name
 
-from ..deps import AdminKey, StateDep
-from ..errors import ApiError
-from ..openapi import error_responses
-from ..schemas import VersionChange, VersionInfo, VersionsResponse
+from ..edge.errors import ApiError
+from ..edge.openapi import error_responses
+from ..edge.schemas import VersionChange, VersionInfo, VersionsResponse
+from .deps import AdminKey, StateDep
 
 router = APIRouter(prefix="/models", tags=["admin"], dependencies=[AdminKey])
 

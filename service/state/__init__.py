@@ -17,6 +17,9 @@
 A change to how versions swap belongs in ``versions``; to what a load checks or warms, ``loading``; to a GPU's
 failures, ``scoring``; to the admin routes' rules, ``changes``; to what the service writes into the record,
 ``recording``.
+
+May import: :mod:`padim.service.settings`, :mod:`padim.service.metrics`, :mod:`padim.service.monitor`,
+:mod:`padim.service.edge`, :mod:`padim.service.record`, :mod:`padim.service.device`, :mod:`padim.service.updates`.
 """
 
 from .owner import ServiceState

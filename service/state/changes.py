@@ -25,7 +25,7 @@ from padim.models.errors import (
 )
 from padim.models.repository import Repository, Version, check_model, model_path_in, utc_now
 
-from ..errors import ApiError
+from ..edge.errors import ApiError
 from ..metrics import Metrics
 from ..updates import activation_refused
 from .loading import Loader

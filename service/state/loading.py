@@ -20,9 +20,9 @@ from padim.models.fit.model_file import served_bytes
 from padim.models.repository import Repository, Version
 from padim.models.scorer import Scorer
 
-from ..admission import Places
-from ..batching import Batcher, Scheduler
-from ..device_decoding import DeviceDecode
+from ..device.admission import Places
+from ..device.batching import Batcher, Scheduler
+from ..device.device_decoding import DeviceDecode
 from ..monitor import Monitor
 from ..settings import ServiceSettings
 from .scoring import DeviceScoring

@@ -12,10 +12,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from padim.models.errors import UsageError
 from padim.models.repository import Repository, Version
 
-from ..admission import LocalPlaces, Places
-from ..batching import Scheduler, ScoredImage
-from ..decoding import Decoder
-from ..errors import ApiError
+from ..device.admission import LocalPlaces, Places
+from ..device.batching import Scheduler, ScoredImage
+from ..device.decoding import Decoder
+from ..edge.errors import ApiError
 from ..metrics import Metrics
 from ..record.recorder import Recorder
 from ..settings import ServiceSettings

@@ -11,9 +11,9 @@ from padim.models.features.embedding import TRACING
 from padim.models.repository import Repository
 from padim.models.scorer import Scorer
 
-from ..answers import answer, count_verdicts, keep_rows
-from ..batching import Item, Scheduler, ScoredImage, score_items
-from ..decoding import Decoder
+from ..device.answers import answer, count_verdicts, keep_rows
+from ..device.batching import Item, Scheduler, ScoredImage, score_items
+from ..device.decoding import Decoder
 from ..metrics import Metrics
 from ..record.recorder import Recorder
 from ..record.store import RecordStore, database_url

@@ -13,12 +13,12 @@ from padim.models.devices import is_cuda_error, probe
 from padim.models.features.embedding import TRACING
 from padim.models.scoring.model import ScoreOutput
 
-from ..admission import Places
-from ..answers import answered
-from ..batching import Item, ScoredImage
-from ..decoding import Decoded, Decoder
-from ..device_decoding import jpeg_tensor
-from ..errors import ApiError
+from ..device.admission import Places
+from ..device.answers import answered
+from ..device.batching import Item, ScoredImage
+from ..device.decoding import Decoded, Decoder
+from ..device.device_decoding import jpeg_tensor
+from ..edge.errors import ApiError
 from ..metrics import Metrics
 from .served import ServedModel
 from .versions import LoadedVersions

@@ -12,9 +12,9 @@ import torch
 from padim.models.scorer import Scorer
 from padim.models.scoring.model import ScoreOutput
 
-from ..batching import Batcher
+from ..device.batching import Batcher
+from ..edge.schemas import ModelDescription, ModelInfo
 from ..monitor import Monitor
-from ..schemas import ModelDescription, ModelInfo
 
 log = logging.getLogger("padim.service")
 

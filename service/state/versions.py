@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 
-from ..decoding import release_memory
+from ..device.decoding import release_memory
 from ..metrics import Metrics
 from .served import ServedModel, release_device_memory
 

@@ -247,8 +247,8 @@ def test_jpegs_decoded_by_nvjpeg_score_as_the_cpus_decode_within_its_stated_diff
     from PIL import Image
 
     from padim.models.deploy.runtimes import load_scorer
-    from padim.service.decoding import Decoder
-    from padim.service.device_decoding import DeviceDecode, jpeg_tensor
+    from padim.service.device.decoding import Decoder
+    from padim.service.device.device_decoding import DeviceDecode, jpeg_tensor
 
     scorer = load_scorer(model_file, "torch", "cuda")
     device = DeviceDecode(torch.device("cuda"), scorer.framing)

@@ -36,7 +36,7 @@ def test_an_option_reaches_the_flags_the_json_and_the_resume_check(name):
 
 
 def test_the_served_description_shows_the_declared_options():
-    from padim.service.schemas import ModelDescription
+    from padim.service.edge.schemas import ModelDescription
 
     shown = {name for name, d in OPTIONS.items() if d.option.shown}
     assert shown <= set(ModelDescription.model_fields)

@@ -137,7 +137,7 @@ def crossed_first(request: bytes, max_bytes: int = 32_768, max_headers: int = 10
 
 @pytest.mark.parametrize("request_bytes, code", HEADER_CASES, ids=HEADER_IDS)
 def test_which_header_limit_a_request_breaks_does_not_depend_on_how_its_bytes_arrive(request_bytes, code):
-    from padim.service.protocol import HeaderScan
+    from padim.service.edge.protocol import HeaderScan
 
     expected = crossed_first(request_bytes)
     assert {"bytes": "headers_too_large", "count": "too_many_headers"}[expected] == code

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from padim.models.deploy.runtimes import load_scorer
-from padim.service.errors import ApiError
+from padim.service.edge.errors import ApiError
 from padim.service.processes.shared import RunFolder, ScorerView, SlotMaps, SlotPool, Table, view_of
 from padim.service.settings import ServiceSettings
 

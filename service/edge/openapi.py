@@ -1,7 +1,7 @@
 """The OpenAPI document, made to tell the truth about what the service answers.
 
 FastAPI documents 200 and its own 422 shape; the service also answers 401, 404, 408, 413, 415,
-500, 503 and 504, all as :class:`~padim.service.schemas.ErrorResponse`. The routes declare
+500, 503 and 504, all as :class:`~padim.service.edge.schemas.ErrorResponse`. The routes declare
 their statuses with :func:`error_responses`; :func:`truthful_openapi` then replaces FastAPI's
 422 schema with the real one and, only when ``PADIM_API_KEY`` is set, declares the key as a
 security scheme on the routes that need it (a key the server does not check is not declared).

@@ -2,7 +2,7 @@
 
 A bounded run (a fixed seed, 25 examples per operation): with no key configured, with a key
 sent, and with a key configured but not sent (every protected route must then answer the
-documented 401). Settings: tests/service/schemathesis.toml (one documented tolerance).
+documented 401). Settings: tests/service/edge/schemathesis.toml (one documented tolerance).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""JPEGs decoded where the model scores them (service/device_decoding.py): which pictures go, what they become, and
-the service's answers with it on (``PADIM_DEVICE_DECODE=on``: the same path on the CPU as on a GPU, with the CPU's
-decoder in place of nvJPEG)."""
+"""JPEGs decoded where the model scores them (service/device/device_decoding.py): which pictures go, what they
+become, and the service's answers with it on (``PADIM_DEVICE_DECODE=on``: the same path on the CPU as on a GPU,
+with the CPU's decoder in place of nvJPEG)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from PIL import Image
 from padim.models.data.framing import Framing
 from padim.models.deploy.runtimes import load_scorer
 from padim.service.app import create_app
-from padim.service.decoding import Decoder
-from padim.service.device_decoding import DeviceDecode, jpeg_tensor
+from padim.service.device.decoding import Decoder
+from padim.service.device.device_decoding import DeviceDecode, jpeg_tensor
 from padim.service.settings import ServiceSettings
 
 

@@ -4,10 +4,10 @@ import re
 from pathlib import Path
 
 from padim.models.errors import OUTCOMES
-from padim.service.errors import SERVICE_CODES, STATUS, ApiError
-from padim.service.openapi import _WHY
+from padim.service.edge.errors import SERVICE_CODES, STATUS, ApiError
+from padim.service.edge.openapi import _WHY
 
-SERVICE = Path(__file__).resolve().parents[2] / "service"
+SERVICE = Path(__file__).resolve().parents[3] / "service"
 
 
 def test_a_code_is_the_librarys_or_the_services_never_both():

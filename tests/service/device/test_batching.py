@@ -9,9 +9,9 @@ import torch
 
 from padim.models.scoring.model import ScoreOutput
 from padim.models.scoring.verdicts import verdict
-from padim.service.admission import LocalPlaces, SharedPlaces
-from padim.service.batching import Batcher, Item, Scheduler, scored_images
-from padim.service.errors import ApiError
+from padim.service.device.admission import LocalPlaces, SharedPlaces
+from padim.service.device.batching import Batcher, Item, Scheduler, scored_images
+from padim.service.edge.errors import ApiError
 
 
 class Recorder:

@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
-from .errors import ApiError
-from .settings import ServiceSettings
-from .state import ServiceState
+from ..edge.errors import ApiError
+from ..settings import ServiceSettings
+from ..state import ServiceState
 
 
 async def get_state(request: Request) -> ServiceState:

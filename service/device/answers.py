@@ -14,10 +14,10 @@ from padim.models.errors import NonFiniteScoreError
 from padim.models.scoring.heatmaps import mask_image, overlay
 from padim.models.scoring.verdicts import verdict_of
 
+from ..edge.errors import api_error
+from ..record.rows import make_row
 from .batching import ScoredImage
 from .decoding import Decoded, release_memory
-from .errors import api_error
-from .record.rows import make_row
 
 log = logging.getLogger("padim.service")
 

@@ -3,7 +3,7 @@
 A request takes its places before its pictures are decoded (:meth:`Places.admit`), so an overloaded service answers
 503 ``overloaded`` at once instead of decoding what it cannot score; it gives them back when it is answered, failed
 or abandoned. While an image is being decoded it also counts as *arriving*: the scheduler waits for images on their
-way rather than sending a batch that is about to grow (:mod:`padim.service.batching`).
+way rather than sending a batch that is about to grow (:mod:`padim.service.device.batching`).
 
 :class:`LocalPlaces` counts in one process. :class:`SharedPlaces` counts in shared memory for the API processes and
 the scoring process of one service (:mod:`padim.service.processes`): a row a process, each row written by its own
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from .errors import ApiError
+from ..edge.errors import ApiError
 
 
 class Places(Protocol):

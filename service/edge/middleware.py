@@ -10,8 +10,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+from ..metrics import Metrics
 from .errors import BodyTimeout, BodyTooLarge
-from .metrics import Metrics
 
 access_log = logging.getLogger("padim.access")
 log = logging.getLogger("padim.service")

@@ -6,7 +6,7 @@ image its result; while a batch is being scored new images queue up, so under lo
 
 **When a batch leaves.** The device never waits for company that is not coming. When it is free, the oldest queue
 is sent at once with what it holds (up to the preferred size), unless more images of that model are on their way
-(admitted and being decoded: :meth:`padim.service.admission.Places.arriving`); then it waits for them, at most
+(admitted and being decoded: :meth:`padim.service.device.admission.Places.arriving`); then it waits for them, at most
 ``max_delay`` after the first image queued, or until the preferred size is reached. So a lone picture is scored as
 soon as it is decoded, and a burst still forms one batch. This is Triton's queue delay applied only to a forming
 batch, not to every first image.
@@ -36,8 +36,8 @@ import torch
 from padim.models.features.embedding import stacked
 from padim.models.scoring.model import ScoreOutput
 
+from ..edge.errors import ApiError
 from .device_decoding import DeviceDecode
-from .errors import ApiError
 
 CPU = torch.device("cpu")
 

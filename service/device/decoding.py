@@ -24,8 +24,8 @@ from padim.models.data.framing import PICTURE_SIZE
 from padim.models.data.images import bounded_copy, bounded_size, decode_side, image_dimensions, open_image
 from padim.models.errors import ImageError, ImageTooLarge
 
+from ..edge.errors import api_error
 from .device_decoding import DeviceDecode
-from .errors import api_error
 
 #: After decoding an image at least this large, freed memory is handed back to the system at once.
 TRIM_AFTER_PIXELS = 4_000_000
@@ -84,7 +84,7 @@ def release_memory() -> None:
 @dataclass
 class Decoded:
     """One request image, decoded: its model input and, when asked for, a bounded copy to draw on; or, for the
-    scoring device to decode (:mod:`padim.service.device_decoding`), the JPEG's bytes."""
+    scoring device to decode (:mod:`padim.service.device.device_decoding`), the JPEG's bytes."""
 
     tensor: torch.Tensor | None  # (3, H_in, W_in) model input; None when the device decodes it
     shown: Image.Image | None  # at most heatmap_max_side a side; None unless a heat map was asked for
