@@ -335,31 +335,7 @@ class Calibration:
         Raises:
             CalibrationError: too few scores would be left to set a threshold.
         """
-        gone = [p for p in self.pictures if p[0] in digests]
-        if not gone:
-            return self, 0
-        scores, inputs, taken = list(self.scores), list(self.input_distances), list(self.taken_scores)
-        for _, score, distance, own in gone:
-            scores.remove(score)
-            if inputs and not math.isnan(distance):
-                inputs.remove(distance)
-            if taken and not math.isnan(own):
-                taken.remove(own)
-        kept = tuple(p for p in self.pictures if p[0] not in digests)
-        earlier = min(self.earlier_scores, len(scores))
-        if self.false_alarm_rate is None or self.line_scores:  # set by hand or by the line: kept
-            reference = self.line_scores or taken or scores
-            scale = _scale(torch.tensor(reference, dtype=torch.float64), self.threshold)
-            rest = replace(self, scores=tuple(scores), scale=scale, earlier_scores=earlier, pictures=kept)
-            return replace(rest, input_distances=tuple(inputs), taken_scores=tuple(taken)), len(gone)
-        return Calibration.from_scores(
-            torch.tensor(scores, dtype=torch.float64),
-            self.false_alarm_rate,
-            earlier,
-            _tensor(inputs),
-            _tensor(taken),
-            kept,
-        ), len(gone)
+        return _without(self, digests)
 
     def with_threshold(self, threshold: float) -> Calibration:
         """Same normal scores, a threshold chosen elsewhere (e.g. F1-optimal on a test set)."""
@@ -386,12 +362,7 @@ class Calibration:
             raise CalibrationError("a manual threshold has no false-alarm rate: give the rate to tighten it for")
         checked_rate(rate)
         values = line_scores.detach().to(torch.float64).flatten().sort().values
-        needed = line_pictures_needed(rate)
-        if values.numel() < needed:
-            raise CalibrationError(
-                f"{values.numel()} line picture(s) cannot set a threshold for {rate:.2%} false alarms: {needed} are "
-                f"needed, so that {LINE_EXCEEDANCES} of them lie above it"
-            )
+        _enough_line_pictures(values.numel(), rate)
         threshold = conformal_threshold(values, rate)
         return replace(
             self,
@@ -506,35 +477,9 @@ class Calibration:
         linked: torch.Tensor | None = None,
         line_scores: torch.Tensor | None = None,
     ) -> Calibration:
-        method = header["method"]
-        if method not in METHODS:
-            raise ValueError(f"unknown calibration method {method!r}")
-        values = scores.to(torch.float64).sort().values
-        _counted(header, "scores", values.numel(), "calibration scores")
-        distances = _sorted(input_distances)
-        _counted(header, "input_distances", len(distances), "input distances")
-        taken = _sorted(taken_scores)
-        _counted(header, "taken_scores", len(taken), "scores of images as taken")
-        line = _sorted(line_scores)
-        _counted(header, "line_scores", len(line), "line scores")
-        if (method == "line") != bool(line):
-            raise ValueError(f"a calibration of method {method!r} with {len(line)} line scores")
-        pictures = linked_pictures(digests, linked)
-        if "pictures" in header:
-            _counted(header, "pictures", len(pictures), "pictures' values")
-        rate = header["false_alarm_rate"]
-        return cls(
-            tuple(values.tolist()),
-            float(header["threshold"]),
-            float(header["scale"]),
-            method,
-            None if rate is None else float(rate),
-            int(header.get("earlier_scores", 0)),
-            distances,
-            taken,
-            pictures,
-            line,
-        )
+        """As a model file stores it: the header's summary and the tensors beside it, each count checked against
+        the header's (a ``ValueError`` names the one that is not)."""
+        return cls(*_stored(header, scores, input_distances, taken_scores, digests, linked, line_scores))
 
     def picture_tensors(self) -> dict[str, torch.Tensor]:
         """:attr:`pictures` as a file stores them: ``digests`` ``(N,)`` int64 and ``linked`` ``(N, 3)`` float64."""
@@ -544,6 +489,86 @@ class Calibration:
             "digests": torch.tensor([p[0] for p in self.pictures], dtype=torch.int64),
             "linked": torch.tensor([p[1:] for p in self.pictures], dtype=torch.float64),
         }
+
+
+def _enough_line_pictures(count: int, rate: float) -> None:
+    """Refuse fewer line scores than a threshold for ``rate`` by their own quantile needs."""
+    needed = line_pictures_needed(rate)
+    if count < needed:
+        raise CalibrationError(
+            f"{count} line picture(s) cannot set a threshold for {rate:.2%} false alarms: {needed} are needed, so "
+            f"that {LINE_EXCEEDANCES} of them lie above it"
+        )
+
+
+def _without(calibration: Calibration, digests: set[int]) -> tuple[Calibration, int]:
+    """:meth:`Calibration.without`."""
+    gone = [p for p in calibration.pictures if p[0] in digests]
+    if not gone:
+        return calibration, 0
+    scores, inputs, taken = list(calibration.scores), list(calibration.input_distances), list(calibration.taken_scores)
+    for _, score, distance, own in gone:
+        scores.remove(score)
+        if inputs and not math.isnan(distance):
+            inputs.remove(distance)
+        if taken and not math.isnan(own):
+            taken.remove(own)
+    kept = tuple(p for p in calibration.pictures if p[0] not in digests)
+    earlier = min(calibration.earlier_scores, len(scores))
+    if calibration.false_alarm_rate is None or calibration.line_scores:  # set by hand or by the line: kept
+        reference = calibration.line_scores or taken or scores
+        scale = _scale(torch.tensor(reference, dtype=torch.float64), calibration.threshold)
+        rest = replace(calibration, scores=tuple(scores), scale=scale, earlier_scores=earlier, pictures=kept)
+        return replace(rest, input_distances=tuple(inputs), taken_scores=tuple(taken)), len(gone)
+    return Calibration.from_scores(
+        torch.tensor(scores, dtype=torch.float64),
+        calibration.false_alarm_rate,
+        earlier,
+        _tensor(inputs),
+        _tensor(taken),
+        kept,
+    ), len(gone)
+
+
+def _stored(
+    header: dict,
+    scores: torch.Tensor,
+    input_distances: torch.Tensor | None,
+    taken_scores: torch.Tensor | None,
+    digests: torch.Tensor | None,
+    linked: torch.Tensor | None,
+    line_scores: torch.Tensor | None,
+) -> tuple:
+    """:meth:`Calibration.from_header`'s fields, in order."""
+    method = header["method"]
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}")
+    values = scores.to(torch.float64).sort().values
+    _counted(header, "scores", values.numel(), "calibration scores")
+    distances = _sorted(input_distances)
+    _counted(header, "input_distances", len(distances), "input distances")
+    taken = _sorted(taken_scores)
+    _counted(header, "taken_scores", len(taken), "scores of images as taken")
+    line = _sorted(line_scores)
+    _counted(header, "line_scores", len(line), "line scores")
+    if (method == "line") != bool(line):
+        raise ValueError(f"a calibration of method {method!r} with {len(line)} line scores")
+    pictures = linked_pictures(digests, linked)
+    if "pictures" in header:
+        _counted(header, "pictures", len(pictures), "pictures' values")
+    rate = header["false_alarm_rate"]
+    return (
+        tuple(values.tolist()),
+        float(header["threshold"]),
+        float(header["scale"]),
+        method,
+        None if rate is None else float(rate),
+        int(header.get("earlier_scores", 0)),
+        distances,
+        taken,
+        pictures,
+        line,
+    )
 
 
 def linked_pictures(

@@ -312,7 +312,7 @@ def fit(
             (in-memory images are written as PNG files to a temporary folder for the fit, named
             ``image-00000.png`` ... in the order given, which decides their calibration folds).
         output: write the model file here too.
-        config: a :class:`PadimConfig`, or a YAML file of options (as ``padim train --config``).
+        config: a :class:`PadimConfig`, a YAML file of options or a preset's name (as ``padim train --config``).
         progress: progress bars on stderr.
         max_score_error, force: the gate of a reduced ``precision`` (``bf16``, ``fp16``, ``int8``), as ``padim train
             --max-score-error`` and ``--force``: the largest relative difference of its image scores from fp32's on
@@ -326,15 +326,7 @@ def fit(
         ConfigError: an unknown option or a value out of range (the message lists what is allowed).
     """
     gate = PrecisionGate(max_score_error, force)  # ConfigError for a tolerance that is not a positive number
-    if config is None:
-        config = PadimConfig()
-    elif not isinstance(config, PadimConfig):
-        config = read_config_file(Path(config), label="config")[0]
-    allowed = list(OPTIONS)
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    config = config.replace(**options)
+    config = _configuration(config, options)
     kept = None
     if output is None:  # a model file all the same: the detector reads it, and save() copies it
         kept = Path(tempfile.mkdtemp(prefix="padim-model-"))
@@ -356,6 +348,18 @@ def fit(
     if kept is not None:
         weakref.finalize(detector, shutil.rmtree, kept, True)
     return detector
+
+
+def _configuration(config: PadimConfig | str | os.PathLike | None, options: dict[str, Any]) -> PadimConfig:
+    """``fit``'s configuration: ``config`` (a preset's name or a YAML file's path too) with ``options`` applied."""
+    if config is None:
+        config = PadimConfig()
+    elif not isinstance(config, PadimConfig):
+        config = read_config_file(Path(config), label="config")[0]  # a preset's name is a Path of its name
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(OPTIONS)}")
+    return config.replace(**options)
 
 
 def _training_images(images, scratch: Path) -> list[TrainingImage]:

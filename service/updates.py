@@ -217,15 +217,8 @@ class UpdateJobs:
         except BaseException:
             repository.discard(incoming)
             raise
-        return {
-            "version": committed.version,
-            "base_version": version.version,
-            "learned_from": learned,
-            "removed": removed,
-            "gate": checked.to_dict(),
-            "report": report.to_dict(),
-            "seconds": round(time.time() - started, 3),
-        }
+        kept = {k: v for k, v in update.items() if k != "job"}  # base_version, learned_from, removed, gate, report
+        return {"version": committed.version, **kept, "seconds": round(time.time() - started, 3)}
 
     async def _finish(self, job_id: str, name: str, future, activate: bool, claim) -> None:
         """Back on the event loop: activate when asked and the gate passed; the job's final state."""
@@ -313,51 +306,22 @@ def propose_line_threshold(
         UsageError: no rate (a threshold set by hand, and none given), or one out of range.
         TooFewLinePictures: fewer line pictures than :func:`~padim.core.calibration.line_pictures_needed`.
     """
-    if number is None:
-        number = repository.active(name)
-        if number is None:
-            raise VersionNotFound(f"the repository has no model named {name!r}")
-    version = repository.version(name, number)
-    if version.kind == "export":
-        raise NotUpdatable(
-            f"version {number} of {name!r} is an export directory; add the model file it was exported from as a "
-            "version and tighten that (then export it again)"
-        )
+    version = _model_file_version(repository, name, number)
+    number = version.version
     calibration = read_calibration(version.path)
     scorers = _same_gaussians(repository, version)
     rows = _pictures(row for v in scorers for row in store.iterate(Filters(model=name, version=v, since=since), 5000))
     normal = [r for r in rows if r["label"] != "defect"]
-    rate = calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate
-    if rate is None:
-        raise UsageError(f"version {number} of {name!r} has a threshold set by hand: give the false-alarm rate")
-    try:
-        checked_rate(rate)
-    except CalibrationError as error:  # what was asked, not what was fitted: 422
-        raise UsageError(str(error)) from None
-    needed = line_pictures_needed(rate)
-    if len(normal) < needed:
-        raise TooFewLinePictures(
-            f"the line has {len(normal)} normal picture(s) scored by version {number} of {name!r}"
-            + ("" if since is None else " since then")
-            + f"; {needed} are needed to set a threshold for {rate:.2%} false alarms by their own quantile "
-            f"({LINE_EXCEEDANCES} of them above it)"
-        )
+    rate = _line_rate(calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate, name, number)
+    _enough(len(normal), rate, f"version {number} of {name!r}" + ("" if since is None else " since then"))
     tightened = calibration.tightened(torch.tensor([r["raw_score"] for r in normal], dtype=torch.float64), rate)
     checked = _recorded_gate(rows, calibration.threshold, tightened.threshold, max_recall_drop)
-    header = read_header(version.path)
-    config = header.get("config", {})
+    config = read_header(version.path).get("config", {})
     update = {
         "kind": LINE,
         "base_version": number,
         "proposed": time.time(),
-        "line": {
-            "versions": scorers,
-            "pictures": len(normal),
-            "reviewed_normal": sum(r["label"] == "normal" for r in normal),
-            "since": since,
-            "first": min(r["time"] for r in normal),
-            "last": max(r["time"] for r in normal),
-        },
+        "line": {"versions": scorers, "since": since, **_line_summary(normal)},
         "threshold": {"old": calibration.threshold, "new": tightened.threshold},
         "replaces": {
             **{k: calibration.summary()[k] for k in ("method", "threshold", "promised_false_alarm_rate")},
@@ -370,21 +334,72 @@ def propose_line_threshold(
         },
         "gate": checked.to_dict(),
     }
-    incoming = repository.incoming(name)
-    try:
-        output = incoming / MODEL_FILE
-        store_calibration(version.path, tightened, output)
-        committed = repository.commit(
-            name, incoming, file_sha256(output), f"line threshold of version {number}", update
-        )
-    except BaseException:
-        repository.discard(incoming)
-        raise
+    committed = _committed(repository, name, version, tightened, update)
     log.info(
         "line threshold proposed",
         extra={"model": name, "version": committed.version, "base_version": number, "pictures": len(normal)},
     )
     return {"version": committed.version, **update}
+
+
+def _committed(repository: Repository, name: str, version: Version, calibration, update: dict) -> Version:
+    """The next version of ``name``: ``version``'s file with ``calibration``, and ``update`` in its version.json."""
+    incoming = repository.incoming(name)
+    try:
+        output = incoming / MODEL_FILE
+        store_calibration(version.path, calibration, output)
+        return repository.commit(
+            name, incoming, file_sha256(output), f"line threshold of version {version.version}", update
+        )
+    except BaseException:
+        repository.discard(incoming)
+        raise
+
+
+def _model_file_version(repository: Repository, name: str, number: int | None) -> Version:
+    """Version ``number`` of ``name`` (the active one when ``None``), refused when it is an export directory."""
+    if number is None:
+        number = repository.active(name)
+        if number is None:
+            raise VersionNotFound(f"the repository has no model named {name!r}")
+    version = repository.version(name, number)
+    if version.kind == "export":
+        raise NotUpdatable(
+            f"version {number} of {name!r} is an export directory; add the model file it was exported from as a "
+            "version and tighten that (then export it again)"
+        )
+    return version
+
+
+def _line_rate(rate: float | None, name: str, number: int) -> float:
+    """The false-alarm rate to promise on the line, checked (what was asked, not what was fitted: a UsageError)."""
+    if rate is None:
+        raise UsageError(f"version {number} of {name!r} has a threshold set by hand: give the false-alarm rate")
+    try:
+        checked_rate(rate)
+    except CalibrationError as error:
+        raise UsageError(str(error)) from None
+    return rate
+
+
+def _enough(pictures: int, rate: float, scored_by: str) -> None:
+    """Refuse fewer line pictures than a threshold for ``rate`` by their own quantile needs."""
+    needed = line_pictures_needed(rate)
+    if pictures < needed:
+        raise TooFewLinePictures(
+            f"the line has {pictures} normal picture(s) scored by {scored_by}; {needed} are needed to set a threshold "
+            f"for {rate:.2%} false alarms by their own quantile ({LINE_EXCEEDANCES} of them above it)"
+        )
+
+
+def _line_summary(normal: list[dict]) -> dict:
+    """The line's normal pictures, in ``version.json``: how many, how many reviewed, the first and the last."""
+    return {
+        "pictures": len(normal),
+        "reviewed_normal": sum(r["label"] == "normal" for r in normal),
+        "first": min(r["time"] for r in normal),
+        "last": max(r["time"] for r in normal),
+    }
 
 
 def line_changed(store: RecordStore, version: Version, level: float, min_images: int) -> str | None:

@@ -24,24 +24,29 @@ def precision_value(text: str) -> str:
     return "fp32" if text == "float32" else text
 
 
+DESCRIPTION = (
+    "Write the whole scorer as one graph: normalised images (B, 3, S, S) in, anomaly_map (B, S, S) "
+    "and raw_score (B,) out, with the backbone, channel reduction, Mahalanobis distance, upsampling, blur and "
+    "maximum inside. Beside it, padim.json gives the input size and normalisation, the threshold and "
+    "calibration, the model's identity and every file's sha256. `padim predict/evaluate/serve` run an export "
+    "directory as they run the .padim file (--runtime onnxruntime|openvino), to 1e-4 of torch's scores. "
+    f"--format triton writes DIR/NAME/config.pbtxt and DIR/NAME/1/model.onnx; serve it with `{TRITON_EXAMPLE}`. "
+    f"Needs an extra: {install_extra('onnx')} ('.[openvino]' for --format openvino). "
+    "--precision int8 quantises the backbone (ONNX Runtime: static QDQ; OpenVINO: NNCF) on part of "
+    "--calibration-images, compares it with float32 on the rest (and --check-images), refuses to write it when "
+    "raw scores move more than --max-score-error (exit 4), and sets its own threshold from its scores of the "
+    "images the quantiser did not see. --precision fp16 is the same for CUDA (ONNX Runtime, TensorRT, Triton); "
+    "--precision bf16 for OpenVINO's bfloat16 on CPUs that have it (AVX512-BF16, AMX; made on that CPU). "
+    "See docs/quantisation.md."
+)
+
+
 def register(commands) -> None:
     export = commands.add_parser(
         "export",
         parents=[quiet_option()],
         help="export the whole scorer to ONNX, OpenVINO IR or a Triton model repository",
-        description="Write the whole scorer as one graph: normalised images (B, 3, S, S) in, anomaly_map (B, S, S) "
-        "and raw_score (B,) out, with the backbone, channel reduction, Mahalanobis distance, upsampling, blur and "
-        "maximum inside. Beside it, padim.json gives the input size and normalisation, the threshold and "
-        "calibration, the model's identity and every file's sha256. `padim predict/evaluate/serve` run an export "
-        "directory as they run the .padim file (--runtime onnxruntime|openvino), to 1e-4 of torch's scores. "
-        f"--format triton writes DIR/NAME/config.pbtxt and DIR/NAME/1/model.onnx; serve it with `{TRITON_EXAMPLE}`. "
-        f"Needs an extra: {install_extra('onnx')} ('.[openvino]' for --format openvino). "
-        "--precision int8 quantises the backbone (ONNX Runtime: static QDQ; OpenVINO: NNCF) on part of "
-        "--calibration-images, compares it with float32 on the rest (and --check-images), refuses to write it when "
-        "raw scores move more than --max-score-error (exit 4), and sets its own threshold from its scores of the "
-        "images the quantiser did not see. --precision fp16 is the same for CUDA (ONNX Runtime, TensorRT, Triton); "
-        "--precision bf16 for OpenVINO's bfloat16 on CPUs that have it (AVX512-BF16, AMX; made on that CPU). "
-        "See docs/quantisation.md.",
+        description=DESCRIPTION,
     )
     export.add_argument("model", type=Path, metavar="MODEL", help="model file (padim train)")
     export.add_argument("--format", "-f", choices=EXPORT_FORMATS, default="onnx", help="default onnx")
@@ -68,7 +73,11 @@ def register(commands) -> None:
         help="ONNX weights in a separate model.onnx.data file (default auto: when over 1.5 GB, "
         "as protobuf stops at 2 GB)",
     )
-    quantised = export.add_argument_group("quantised scorers (--precision int8|fp16|bf16)")
+    _quantised_options(export.add_argument_group("quantised scorers (--precision int8|fp16|bf16)"))
+    export.set_defaults(handler=run)
+
+
+def _quantised_options(quantised) -> None:
     quantised.add_argument(
         "--precision",
         choices=tuple(EXPORT_PRECISION_FLAGS),
@@ -115,7 +124,6 @@ def register(commands) -> None:
         metavar="A",
         help="the quantised scorer's threshold rate (default: the model's)",
     )
-    export.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

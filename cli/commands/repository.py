@@ -50,6 +50,20 @@ def register(commands) -> None:
     remove.add_argument("root", type=Path, metavar="DIR")
     remove.add_argument("name", metavar="NAME")
     remove.add_argument("version", type=int, metavar="VERSION")
+    threshold = _threshold_action(actions)
+    activate.add_argument(
+        "--force",
+        action="store_true",
+        help="activate past a failed update gate, or a line threshold whose line has changed since",
+    )
+    for parser in (threshold, activate):
+        record_options(parser)
+    for parser in (listing, add, activate, rollback, remove, threshold):
+        parser.set_defaults(handler=run)
+
+
+def _threshold_action(actions) -> argparse.ArgumentParser:
+    """``padim repository threshold``: a version whose threshold the line set."""
     threshold = actions.add_parser(
         "threshold",
         help="add a version whose threshold the line's normal pictures set (the record's scores; not active)",
@@ -78,15 +92,7 @@ def register(commands) -> None:
         default=float(os.environ.get("PADIM_UPDATE_MAX_RECALL_DROP", "0.0")),
         help="the gate's allowed share of reviewed defects lost (default PADIM_UPDATE_MAX_RECALL_DROP, else 0)",
     )
-    activate.add_argument(
-        "--force",
-        action="store_true",
-        help="activate past a failed update gate, or a line threshold whose line has changed since",
-    )
-    for parser in (threshold, activate):
-        record_options(parser)
-    for parser in (listing, add, activate, rollback, remove, threshold):
-        parser.set_defaults(handler=run)
+    return threshold
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,19 +10,44 @@ from padim.models.errors import UsageError
 
 from ..options import RUNTIME_HELP, quiet_option
 
+DESCRIPTION = (
+    "Serve one or more model files or export directories. Each is named by its file stem; the first "
+    "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
+    "/docs. A flag overrides its PADIM_* environment variable (--max-batch-size: PADIM_MAX_BATCH_SIZE; MODEL: "
+    "PADIM_MODELS; --record: PADIM_RECORD_DIR); the other settings (keys, limits, the record, the monitor) are "
+    "variables only: docs/settings.md lists every one with its default. The keys (PADIM_API_KEY, "
+    "PADIM_ADMIN_KEY, PADIM_REVIEW_KEY) are never flags."
+)
+
 
 def register(commands) -> None:
     serve = commands.add_parser(
         "serve",
         parents=[quiet_option()],
         help="serve models over HTTP (FastAPI): POST /score, and the inspection console at /",
-        description="Serve one or more model files or export directories. Each is named by its file stem; the first "
-        "is the default. Open http://HOST:PORT/ in a browser for the inspection console; the API is described at "
-        "/docs. A flag overrides its PADIM_* environment variable (--max-batch-size: PADIM_MAX_BATCH_SIZE; MODEL: "
-        "PADIM_MODELS; --record: PADIM_RECORD_DIR); the other settings (keys, limits, the record, the monitor) are "
-        "variables only: docs/settings.md lists every one with its default. The keys (PADIM_API_KEY, "
-        "PADIM_ADMIN_KEY, PADIM_REVIEW_KEY) are never flags.",
+        description=DESCRIPTION,
     )
+    _what_is_served(serve)
+    serve.add_argument("--default-model", help="name of the default model (default: the first)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
+    serve.add_argument("--port", type=int, help="default 8000")
+    serve.add_argument("--device", choices=DEVICES, help="default auto: cuda when torch sees a GPU")
+    serve.add_argument("--runtime", choices=RUNTIMES, help=RUNTIME_HELP)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="API processes that speak HTTP and decode, beside one scoring process that owns the device; 1: "
+        "everything in one process (default: from the usable CPUs, 1 on a CPU; docs/sizing.md). Decoding threads: "
+        "PADIM_DECODE_WORKERS",
+    )
+    serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
+    serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    serve.set_defaults(handler=run)
+
+
+def _what_is_served(serve: argparse.ArgumentParser) -> None:
+    """The models (files, a folder, a repository), the record and the lines."""
     serve.add_argument(
         "model_args",
         type=Path,
@@ -68,22 +93,6 @@ def register(commands) -> None:
         action="store_true",
         help="check the models and the --lines file (folders, cameras, hosts, secrets) as a start would, and exit",
     )
-    serve.add_argument("--default-model", help="name of the default model (default: the first)")
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in Docker)")
-    serve.add_argument("--port", type=int, help="default 8000")
-    serve.add_argument("--device", choices=DEVICES, help="default auto: cuda when torch sees a GPU")
-    serve.add_argument("--runtime", choices=RUNTIMES, help=RUNTIME_HELP)
-    serve.add_argument(
-        "--workers",
-        type=int,
-        help="API processes that speak HTTP and decode, beside one scoring process that owns the device; 1: "
-        "everything in one process (default: from the usable CPUs, 1 on a CPU; docs/sizing.md). Decoding threads: "
-        "PADIM_DECODE_WORKERS",
-    )
-    serve.add_argument("--max-batch-size", type=int, help="largest device batch (default 32)")
-    serve.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    serve.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

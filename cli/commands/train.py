@@ -146,15 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(to_yaml(config), end="")
         return 0
     images = training_images(args.data_dir)
-    if not images:
-        raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
-    if args.partial and (args.resume or args.slim):
-        raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
-    if (args.max_score_error is not None or args.force) and (args.partial or config.features.precision == "fp32"):
-        raise UsageError(
-            "--max-score-error and --force gate a model fitted at --precision bf16, fp16, int8 or auto (and not "
-            "--partial, which writes no scores)"
-        )
+    _check(args, config, images)
     gate = PrecisionGate(args.max_score_error, args.force)
     # the group first: it pins this rank's GPU (cuda:LOCAL_RANK), where --resume's fit is then loaded
     shard = distributed.from_environment(resolve_device(config.run.device))
@@ -188,17 +180,34 @@ def run(args: argparse.Namespace) -> int:
             )
     finally:
         distributed.leave(shard)
-    if not main:
-        return 0
-    header = None if args.partial else read_header(args.output)
+    if main:
+        header = None if args.partial else read_header(args.output)
+        _say(args, report, header)
+        print(json.dumps(_summary(args, report, header, fit, shard, time.perf_counter() - started)))
+    return 0
+
+
+def _check(args: argparse.Namespace, config, images: list) -> None:
+    """The flags against each other and the folder, before anything starts."""
+    if not images:
+        raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
+    if args.partial and (args.resume or args.slim):
+        raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
+    if (args.max_score_error is not None or args.force) and (args.partial or config.features.precision == "fp32"):
+        raise UsageError(
+            "--max-score-error and --force gate a model fitted at --precision bf16, fp16, int8 or auto (and not "
+            "--partial, which writes no scores)"
+        )
+
+
+def _say(args: argparse.Namespace, report, header: dict | None) -> None:
+    """What the threshold promises and the precision's check (unless -q), and every warning, on stderr."""
     if header is not None and not args.quiet:
         print(f"padim train: {verdict_line(header)}", file=sys.stderr)
         if report.precision_check is not None:
             print(f"padim train: {report.precision_check.sentence()}", file=sys.stderr)
     for warning in report.warnings:
         print(f"padim train: warning: {warning}", file=sys.stderr)
-    print(json.dumps(_summary(args, report, header, fit, shard, time.perf_counter() - started)))
-    return 0
 
 
 def configuration(args: argparse.Namespace):

@@ -252,35 +252,29 @@ def export_detector(
         graph_dir = staging / name / "1" if fmt == "triton" else staging
         graph_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        quantised = None
-        if write_graph is not None:
-            quantised = write_graph(graph_dir, staging)
-            files = quantised.files
-        else:
-            files = _float32_graph(detector, graph_dir, fmt, external_data)
+        quantised = None if write_graph is None else write_graph(graph_dir, staging)
+        files = quantised.files if quantised is not None else _float32_graph(detector, graph_dir, fmt, external_data)
         meta_dir = staging / name if fmt == "triton" else staging
         prefix = "1/" if fmt == "triton" else ""
         metadata = export_metadata(
             detector, fmt, source, source_sha256, {prefix + f: file_sha256(graph_dir / f) for f in files}, quantised
         )
-        if fmt == "triton":
-            tiles = detector.config.tile_count
-            (meta_dir / "config.pbtxt").write_text(
-                triton_config(
-                    name,
-                    detector.config.input_shape,
-                    max_batch_size=max(1, TRITON_MAX_BATCH // tiles),
-                    device=triton_device,
-                    tiles=tiles,
-                )
-            )
-        (meta_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        _write_beside(detector, meta_dir, metadata, name, triton_device if fmt == "triton" else None)
         log.info("exported %s as %s in %.1f s", source, fmt, time.perf_counter() - started)
         _replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output / name if fmt == "triton" else output
+
+
+def _write_beside(detector: PadimDetector, folder: Path, metadata: dict, name: str, triton: str | None) -> None:
+    """``padim.json`` beside the graph, and for Triton (``triton``: where it runs the model) ``config.pbtxt``."""
+    if triton is not None:
+        tiles = detector.config.tile_count
+        shape, batch = detector.config.input_shape, max(1, TRITON_MAX_BATCH // tiles)
+        (folder / "config.pbtxt").write_text(triton_config(name, shape, batch, device=triton, tiles=tiles))
+    (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
 
 
 def _check_export(detector: PadimDetector, fmt: str, triton_device: str, quantised: bool) -> None:

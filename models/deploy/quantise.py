@@ -39,6 +39,7 @@ import contextlib
 import io
 import logging
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -550,14 +551,7 @@ def export_quantised(
     runtime = "openvino" if fmt == "openvino" else "onnxruntime"
     session = _sessions(detector, runtime)
     float_graph = _export_onnx(detector, work / "float32.onnx", external_data)
-    quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
-    normal = load_inputs(detector, split.threshold, "threshold images", progress)
-    changed = (
-        load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress, changed=True)
-        if detector.config.gaussian.expect
-        else []
-    )
-    defects = load_inputs(detector, tuple(check), "check images", progress) if check else []
+    quantiser, normal, changed, defects = _inputs(detector, split, check, progress)
     reference = session(float_graph)
     reference_normal = run_graph(reference, normal)
     reference_check = run_graph(reference, defects) if defects else None
@@ -571,21 +565,13 @@ def export_quantised(
     quantised_changed = run_graph(quantised, changed) if changed else None
     quantised_check = run_graph(quantised, defects) if defects else None
     del quantised
-    agreement = _gated(
-        compare(
-            reference_normal,
-            quantised_normal,
-            detector.calibration.threshold,
-            options.max_score_error,
-            reference_check,
-            quantised_check,
-        ),
-        options,
+    threshold = detector.calibration.threshold
+    compared = compare(
+        reference_normal, quantised_normal, threshold, options.max_score_error, reference_check, quantised_check
     )
+    agreement = _gated(compared, options)
     calibration = recalibrate(quantised_normal, rate, quantised_changed)
-    for leftover in work.iterdir():
-        leftover.unlink()
-    work.rmdir()
+    shutil.rmtree(work)
     files = sorted(p.name for p in graph_dir.iterdir() if p.is_file())
     return Quantised(
         options.precision,
@@ -596,6 +582,20 @@ def export_quantised(
         split.describe(options.calibration_images),
         None if options.check_images is None else str(options.check_images),
     )
+
+
+def _inputs(detector, split, check: list[Path], progress: bool) -> tuple[list, list, list, list]:
+    """The model inputs of the quantiser's pictures, the threshold's (and their changed copies, where the model
+    expects the line's changes) and the check's defects."""
+    quantiser = load_inputs(detector, split.quantiser, "quantiser images", progress) if split.quantiser else []
+    normal = load_inputs(detector, split.threshold, "threshold images", progress)
+    changed = (
+        load_inputs(detector, split.threshold, "threshold images, changed as the model expects", progress, changed=True)
+        if detector.config.gaussian.expect
+        else []
+    )
+    defects = load_inputs(detector, tuple(check), "check images", progress) if check else []
+    return quantiser, normal, changed, defects
 
 
 def _sessions(detector, runtime: str):

@@ -144,12 +144,7 @@ def load_scorer(
     """
     path = Path(path)
     if is_export(path):
-        metadata = read_export(path)
-        chosen = export_runtime(path, runtime)
-        require(chosen)
-        target = runtime_device(chosen, device)
-        log.debug("%s: %s on %s", path, chosen, target)
-        return DeployedDetector(path, metadata, chosen, target)
+        return _export_scorer(path, runtime, device)
     precision = read_header(path).get("config", {}).get("precision", "fp32")
     if precision == "int8" and device == "cuda":  # its backbone is ONNX Runtime's int8 kernels: the CPU's
         check_precision(precision, torch.device("cuda"))
@@ -174,13 +169,37 @@ def load_scorer(
     cached = (
         cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")
     )  # both runtimes read the ONNX graph
+    metadata = _cached_export(path, sha256, cached, chosen, pruned=cache is None)
+    if metadata is None:  # stale or damaged, and removed: made again as today's
+        return load_scorer(path, runtime, device, cache=cache)
+    if metadata["model"]["sha256"] != sha256:
+        raise ArtifactError(f"{cached}: cached export of another file; remove it")
+    deployed = DeployedDetector(cached, metadata, chosen, target, source=path)
+    deployed.runtime_reason = reason
+    return deployed
+
+
+def _export_scorer(path: Path, runtime: str, device: str) -> DeployedDetector:
+    """An export directory on ``runtime`` (``auto``: the runtime its graph is for)."""
+    metadata = read_export(path)
+    chosen = export_runtime(path, runtime)
+    require(chosen)
+    target = runtime_device(chosen, device)
+    log.debug("%s: %s on %s", path, chosen, target)
+    return DeployedDetector(path, metadata, chosen, target)
+
+
+def _cached_export(path: Path, sha256: str, cached: Path, runtime: str, pruned: bool) -> dict | None:
+    """The metadata of the model file ``path``'s export in ``cached``, exported first when there is none; ``None``
+    when the one there is an older padim's graph or damaged (removed: the caller exports it again). ``pruned``:
+    older exports of the same file beside it are removed (a given cache folder's owner prunes it instead)."""
     with _exclusive(cached):  # replicas sharing a repository's cache export a version once, and read it whole
         if not is_export(cached):
             detector = load_detector(path, device="cpu")
-            log.info("exporting %s for %s into %s (once; later loads read it)", path, chosen, cached)
+            log.info("exporting %s for %s into %s (once; later loads read it)", path, runtime, cached)
             export_detector(detector, cached, "onnx", path, source_sha256=sha256)
             del detector
-            if cache is None:  # a given cache folder holds every version's export: its owner prunes it
+            if pruned:
                 _prune(cached)
         try:
             metadata = read_export(cached)
@@ -192,13 +211,8 @@ def load_scorer(
         if stale is not None:
             log.warning("%s: %s; exporting again", cached, stale)
             shutil.rmtree(cached, ignore_errors=True)
-    if stale is not None:
-        return load_scorer(path, runtime, device, cache=cache)
-    if metadata["model"]["sha256"] != sha256:
-        raise ArtifactError(f"{cached}: cached export of another file; remove it")
-    deployed = DeployedDetector(cached, metadata, chosen, target, source=path)
-    deployed.runtime_reason = reason
-    return deployed
+            return None
+    return metadata
 
 
 @contextlib.contextmanager
@@ -343,6 +357,12 @@ class DeployedDetector:
         self.image_size = self.config.features.image_size
         self.framing = Framing.of(self.config)
         self._device = device
+        self._session = self._open(runtime, device)
+
+    def _open(self, runtime: str, device: torch.device) -> OnnxRuntimeSession | OpenVinoSession:
+        """The session that runs the graph on ``runtime``; a bf16 export where OpenVINO runs another precision is said
+        (``runs_at``)."""
+        directory = self.directory
         graph = self.directory / (ONNX_FILE if (self.directory / ONNX_FILE).is_file() else OPENVINO_FILE)
         if runtime == "onnxruntime":
             if graph.suffix != ".onnx":
@@ -350,12 +370,9 @@ class DeployedDetector:
                     f"{directory}: an OpenVINO export; run it with --runtime openvino, "
                     "or export with --format onnx for onnxruntime"
                 )
-            self._session: OnnxRuntimeSession | OpenVinoSession = OnnxRuntimeSession(
-                graph, device, self.config.input_shape
-            )
+            return OnnxRuntimeSession(graph, device, self.config.input_shape)
         elif runtime == "openvino":
             session = OpenVinoSession(graph, device, self.precision)
-            self._session = session
             if self.precision == "bf16" and session.precision == "bf16" and not bfloat16_native():
                 log.warning(
                     "%s: a bf16 export on a CPU without native bfloat16 (OpenVINO offers %s): OpenVINO emulates "
@@ -375,6 +392,7 @@ class DeployedDetector:
                     ", ".join(openvino_capabilities()),
                     f"{agreement['max_score_error']:.2%}" if "max_score_error" in agreement else "the gate's",
                 )
+            return session
         else:
             raise ExportError(f"an export cannot run on {runtime!r}; choose onnxruntime or openvino")
 

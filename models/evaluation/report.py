@@ -70,41 +70,55 @@ def write_report(
 # ---------------------------------------------------------------------------------------- plots
 def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
     plots: dict[str, str] = {}
-    threshold = scored.raw_threshold
     scores = scored.raw_scores.astype(np.float64)
     if labels.any() and not labels.all():
-        fpr, tpr, _ = roc_curve(labels, scores)
-        fig, ax = _axes(
-            plt, "Image ROC", "false-positive rate (good images flagged)", "true-positive rate (defects caught)"
-        )
-        ax.plot(fpr, tpr, color="#1f6feb", lw=2, label=f"AUROC {metrics['image_auroc']:.3f}")
-        if threshold is not None:
-            flagged = scores >= threshold
-            point = (flagged[~labels].mean(), flagged[labels].mean())
-            ax.plot(*point, "o", color="#d1242f", ms=8, label=f"at the threshold ({point[0]:.1%}, {point[1]:.1%})")
-        ax.plot([0, 1], [0, 1], ":", color="#999")
-        ax.legend(loc="lower right")
-        plots["image_roc"] = _png(plt, fig)
-
-    masks = scored.masks
+        plots["image_roc"] = _image_roc(scores, labels, scored.raw_threshold, metrics)
+    known = np.array([s.has_pixel_truth for s in scored.samples], dtype=bool)  # a defect without a mask: no pixels
+    masks, maps = scored.masks[known], scored.maps[known]
     if masks.any() and not masks.all():
-        fpr, tpr, _ = roc_curve(masks.ravel(), scored.maps.ravel())
-        fig, ax = _axes(plt, "Pixel ROC", "false-positive rate (normal pixels)", "true-positive rate (defect pixels)")
-        ax.plot(fpr, tpr, color="#1f6feb", lw=2, label=f"AUROC {metrics['pixel_auroc']:.3f}")
-        ax.plot([0, 1], [0, 1], ":", color="#999")
-        ax.legend(loc="lower right")
-        plots["pixel_roc"] = _png(plt, fig)
+        plots.update(_pixel_plots(masks, maps, metrics))
+    plots["histogram"] = _histogram(scored, scores)
+    return plots
 
-        fpr, pro = pro_curve(scored.maps, masks)
-        fig, ax = _axes(
-            plt, "Per-region overlap (PRO)", "false-positive rate (normal pixels)", "mean overlap per defect region"
-        )
-        ax.plot(fpr, pro, color="#8250df", lw=2, label=f"normalised area to 30% FPR {metrics['pro_0.3']:.3f}")
-        ax.axvspan(0, 0.3, color="#8250df", alpha=0.08)
-        ax.axvline(0.3, color="#8250df", ls=":", lw=1)
-        ax.legend(loc="lower right")
-        plots["pro"] = _png(plt, fig)
 
+def _image_roc(scores: np.ndarray, labels: np.ndarray, threshold: float | None, metrics: dict) -> str:
+    fpr, tpr, _ = roc_curve(labels, scores)
+    fig, ax = _axes(
+        plt, "Image ROC", "false-positive rate (good images flagged)", "true-positive rate (defects caught)"
+    )
+    ax.plot(fpr, tpr, color="#1f6feb", lw=2, label=f"AUROC {metrics['image_auroc']:.3f}")
+    if threshold is not None:
+        flagged = scores >= threshold
+        point = (flagged[~labels].mean(), flagged[labels].mean())
+        ax.plot(*point, "o", color="#d1242f", ms=8, label=f"at the threshold ({point[0]:.1%}, {point[1]:.1%})")
+    ax.plot([0, 1], [0, 1], ":", color="#999")
+    ax.legend(loc="lower right")
+    return _png(plt, fig)
+
+
+def _pixel_plots(masks: np.ndarray, maps: np.ndarray, metrics: dict) -> dict[str, str]:
+    """The pixel ROC and the PRO curve, on the pictures whose pixels' truth is known (as the metrics)."""
+    fpr, tpr, _ = roc_curve(masks.ravel(), maps.ravel())
+    fig, ax = _axes(plt, "Pixel ROC", "false-positive rate (normal pixels)", "true-positive rate (defect pixels)")
+    ax.plot(fpr, tpr, color="#1f6feb", lw=2, label=f"AUROC {metrics['pixel_auroc']:.3f}")
+    ax.plot([0, 1], [0, 1], ":", color="#999")
+    ax.legend(loc="lower right")
+    plots = {"pixel_roc": _png(plt, fig)}
+    fpr, pro = pro_curve(maps, masks)
+    fig, ax = _axes(
+        plt, "Per-region overlap (PRO)", "false-positive rate (normal pixels)", "mean overlap per defect region"
+    )
+    ax.plot(fpr, pro, color="#8250df", lw=2, label=f"normalised area to 30% FPR {metrics['pro_0.3']:.3f}")
+    ax.axvspan(0, 0.3, color="#8250df", alpha=0.08)
+    ax.axvline(0.3, color="#8250df", ls=":", lw=1)
+    ax.legend(loc="lower right")
+    plots["pro"] = _png(plt, fig)
+    return plots
+
+
+def _histogram(scored: Scored, scores: np.ndarray) -> str:
+    """Image scores of the good pictures against each defect type's, with the threshold."""
+    threshold = scored.raw_threshold
     defects = sorted({s.defect for s in scored.samples})
     fig, ax = _axes(
         plt,
@@ -131,8 +145,7 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
     if threshold is not None:
         ax.axvline(threshold, color="black", ls="--", lw=1.5, label=f"threshold {threshold:.3g}")
     ax.legend(fontsize=8, ncols=2)
-    plots["histogram"] = _png(plt, fig)
-    return plots
+    return _png(plt, fig)
 
 
 def _axes(plt, title: str, xlabel: str, ylabel: str, size=(4.6, 4.2), square: bool = True):

@@ -140,16 +140,11 @@ class Fit:
             FitError: none of ``paths`` could be read.
         """
         unreadable: list[tuple[Path, str]] = []
-        batches = []
-        for _, images in iter_decoded(
-            [list(paths[i : i + 8]) for i in range(0, len(paths), 8)],
-            self.config.run.decode_workers,
-            unreadable,
-            self.draft_to,
-            self.config.framing.roi,
-        ):
-            if images:
-                batches.append(self.embedder.tiles(self.embedder.preprocess(images)).cpu())
+        chunks = [list(paths[i : i + 8]) for i in range(0, len(paths), 8)]
+        decoded = iter_decoded(
+            chunks, self.config.run.decode_workers, unreadable, self.draft_to, self.config.framing.roi
+        )
+        batches = [self.embedder.tiles(self.embedder.preprocess(images)).cpu() for _, images in decoded if images]
         if not batches:
             raise FitError(
                 f"--precision int8 sets its quantiser's ranges on the training pictures, and none of the {len(paths)} "

@@ -347,50 +347,57 @@ def merge_fits(
         raise FitError("nothing to merge")
     started = time.perf_counter()
     merged, provenances = _merged_parts(parts, run_options)
-    merged.config = merged.config.replace(false_alarm_rate=false_alarm_rate)
-    config = merged.config
+    config = merged.config = merged.config.replace(false_alarm_rate=false_alarm_rate)
     _unseen(merged, calibration_images)
     report = FitReport(listed=len(calibration_images))
     scratch = Path(scratch_dir or Path(output).parent)
     held = [TrainingImage(p, p.name) for p in calibration_images]
-    spool = merged.spool_or_none(scratch, len(held))
-    try:
-        with report.timed("fit"):
-            scored = _held_out(merged, held, spool, progress, report)
-        if not scored.names:
-            raise FitError(
-                f"none of the {len(calibration_images)} calibration images could be read ({_some(report.unreadable)})"
-            )
-        facts = FitFacts(len(held), spool is not None, with_statistics, resume=True)
-        finished = _finish(merged, report, [scored], scratch, facts, progress, None)
-    finally:
-        if spool is not None:
-            spool.close()
+    finished = _merged_finished(merged, held, report, scratch, with_statistics, progress)
     try:
         calibration = _held_out_calibration(finished, config.verdict.false_alarm_rate)
-        provenance = Provenance(
-            fit_image_count=merged.count,
-            calibration_source="held_out",
-            unreadable_image_count=sum(p.unreadable_image_count for p in provenances),
-            fit_seconds=round(time.perf_counter() - started, 3),
-            merged_from=[str(p) for p in parts],
-            fits=[f for p in provenances for f in p.fits],
-        )
+        provenance = _merged_provenance(merged, parts, provenances, time.perf_counter() - started)
         if config.features.precision != "fp32":  # gated on the pictures it calibrated on
-            unreadable = {name for name, _ in report.unreadable}
-            readable = [[image for image in held if str(image.path) not in unreadable]]
+            readable = [image for image in held if str(image.path) not in {name for name, _ in report.unreadable}]
             with report.timed("check"):
-                report.precision_check = _gated(merged, finished, readable, calibration, gate or PrecisionGate())
+                report.precision_check = _gated(merged, finished, [readable], calibration, gate or PrecisionGate())
             provenance.precision_check = report.precision_check.to_dict()
         with report.timed("write"):
             save_fitted(output, merged, finished, calibration, provenance, with_statistics)
-        shortfall = calibration.shortfall()
-        if shortfall:
+        if shortfall := calibration.shortfall():
             report.warnings.append(shortfall)
         return report
     finally:
         if finished.factors is not None:
             finished.factors.close()
+
+
+def _merged_finished(
+    merged: Fit, held: list[TrainingImage], report: FitReport, scratch: Path, with_statistics: bool, progress: bool
+) -> Finished:
+    """The merged fit finished, with ``held``'s scores as its calibration's (pictures no part fitted)."""
+    spool = merged.spool_or_none(scratch, len(held))
+    try:
+        with report.timed("fit"):
+            scored = _held_out(merged, held, spool, progress, report)
+        if not scored.names:
+            raise FitError(f"none of the {len(held)} calibration images could be read ({_some(report.unreadable)})")
+        facts = FitFacts(len(held), spool is not None, with_statistics, resume=True)
+        return _finish(merged, report, [scored], scratch, facts, progress, None)
+    finally:
+        if spool is not None:
+            spool.close()
+
+
+def _merged_provenance(merged: Fit, parts: Sequence[str | Path], provenances: list, seconds: float) -> Provenance:
+    """What a merged model file says of where it came from: the parts, their fits, the unreadable pictures."""
+    return Provenance(
+        fit_image_count=merged.count,
+        calibration_source="held_out",
+        unreadable_image_count=sum(p.unreadable_image_count for p in provenances),
+        fit_seconds=round(seconds, 3),
+        merged_from=[str(p) for p in parts],
+        fits=[f for p in provenances for f in p.fits],
+    )
 
 
 # ---------------------------------------------------------------------- helpers

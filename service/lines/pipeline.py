@@ -205,24 +205,10 @@ class LineRunner:
         named = (("line", config.name), ("station", config.station), ("camera", config.camera), ("part", picture.part))
         fields = {k: v for k, v in named if v is not None}
         message = _message(key, fields, served, result, picture, heatmap_path, now)
-        row = None
-        if state.record is not None:
-            row = make_row(
-                served.name,
-                served.version,
-                result,
-                scored.input_distance,
-                size,
-                picture.sha256,
-                len(picture.data),
-                fields,
-                state.settings.review_sample,
-                source="line",
-                now=picture.seen,
-                key=key,  # the same row id on every attempt: the record inserts it once
-            )
-            message["record_id"] = row["id"]
-        return message, row
+        if state.record is None:
+            return message, None
+        row = _row(served, result, scored, size, picture, fields, state.settings.review_sample, key)
+        return {**message, "record_id": row["id"]}, row
 
     async def _scored(self, picture: Picture) -> tuple[ServedModel, ScoredImage, dict, tuple[int, int]]:
         """The picture scored and answered; a busy or loading service is waited for (a line cannot drop a part)."""
@@ -304,6 +290,24 @@ class LineRunner:
         if not isinstance(self.source, Camera) or self.source.config.mode != "trigger":
             raise ApiError("invalid_parameter", f"line {self.config.name!r} is not a camera in trigger mode")
         return self.source.trigger(part)
+
+
+def _row(served, result: dict, scored, size: tuple[int, int], picture, fields: dict, sample: float, key: str) -> dict:
+    """The record's row of a line's picture, with the same id on every attempt (``key``): the record inserts it once."""
+    return make_row(
+        served.name,
+        served.version,
+        result,
+        scored.input_distance,
+        size,
+        picture.sha256,
+        len(picture.data),
+        fields,
+        sample,
+        source="line",
+        now=picture.seen,
+        key=key,
+    )
 
 
 class _Rejected(Exception):

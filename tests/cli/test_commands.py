@@ -198,8 +198,9 @@ def test_evaluate_says_which_defect_pictures_have_no_mask_or_refuses_with_requir
     category = tmp_path / "weave"
     shutil.copytree(dataset, category)
     (category / "ground_truth" / "hole" / "000_mask.png").unlink()
-    result = run_cli("-q", "evaluate", model_file, category)
+    result = run_cli("-q", "evaluate", model_file, category, "--report", tmp_path / "report")
     assert "1 defect picture(s) have no mask" in result.stderr and "1 in test/hole" in result.stderr
+    assert "Pixel ROC: normal pixels" in (tmp_path / "report" / "report.html").read_text()  # from the masked ones
     assert result.stderr.count("no mask") == 1  # said once
     assert json.loads(result.stdout)["unmasked_defect_images"] == 1
     refused = run_cli("-q", "evaluate", model_file, category, "--require-masks", check=False)
