@@ -45,6 +45,11 @@ class Sample:
         return not self.is_anomalous or self.mask_path is not None
 
 
+def pixel_truth(samples: list[Sample]) -> np.ndarray:
+    """``(N,)`` bool: which pictures the pixel metrics read (:attr:`Sample.has_pixel_truth`)."""
+    return np.array([s.has_pixel_truth for s in samples], dtype=bool)
+
+
 def unmasked(samples: list[Sample]) -> dict[str, int]:
     """Defect pictures without a mask in ``ground_truth/<defect>/``, counted by defect folder: they count by image
     (image AUROC, F1) and are left out of the pixel metrics, whose truth they lack."""
@@ -212,7 +217,7 @@ def compute_metrics(
     mask_array = load_masks(samples, tuple(maps.shape[-2:])) if masks is None else masks
     labels = np.array([s.is_anomalous for s in samples])
     has_both = labels.any() and not labels.all()
-    known = np.array([s.has_pixel_truth for s in samples], dtype=bool)
+    known = pixel_truth(samples)
     pixel_masks, pixel_maps = mask_array[known], maps[known]
     has_pixels = pixel_masks.any() and not pixel_masks.all()
     result: dict = {

@@ -23,7 +23,7 @@ import torch
 from sklearn.metrics import roc_curve
 
 from padim.models.data.images import open_image
-from padim.models.evaluation.metrics import Scored, pro_curve
+from padim.models.evaluation.metrics import Scored, pixel_truth, pro_curve
 from padim.models.evaluation.pages import TEMPLATES, data_uri, write_atomically
 from padim.models.scoring.heatmaps import figure
 from padim.models.scoring.verdicts import verdict
@@ -73,7 +73,7 @@ def _plots(scored: Scored, labels: np.ndarray, metrics: dict) -> dict[str, str]:
     scores = scored.raw_scores.astype(np.float64)
     if labels.any() and not labels.all():
         plots["image_roc"] = _image_roc(scores, labels, scored.raw_threshold, metrics)
-    known = np.array([s.has_pixel_truth for s in scored.samples], dtype=bool)  # a defect without a mask: no pixels
+    known = pixel_truth(scored.samples)  # as the metrics: a defect picture without a mask has no pixel truth
     masks, maps = scored.masks[known], scored.maps[known]
     if masks.any() and not masks.all():
         plots.update(_pixel_plots(masks, maps, metrics))
