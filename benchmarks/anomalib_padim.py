@@ -38,15 +38,28 @@ def to_input(paths, size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
-def build(weights: Path, channel_index: Path, device: str, backbone: str = "resnet18"):
+def build(
+    weights: Path, channel_index: Path, device: str, backbone: str = "resnet18", layers: tuple[str, ...] | None = None
+):
+    """anomalib's PaDiM on ``backbone``'s ``layers`` with the weights of a torchvision state_dict file: a ResNet as
+    timm's network (anomalib's own path; the same keys), any other as torchvision's network handed to anomalib's
+    feature extractor (its ``nn.Module`` path: torch.fx nodes, as padim's stages)."""
     from anomalib.models.image.padim.torch_model import PadimModel
 
     channels = json.loads(channel_index.read_text())
-    model = PadimModel(
-        backbone=backbone, layers=["layer1", "layer2", "layer3"], pre_trained=False, n_features=len(channels)
-    )
     state = torch.load(weights, map_location="cpu", weights_only=True)
-    model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
+    if backbone.startswith(("resnet", "wide_resnet", "resnext")):
+        model = PadimModel(
+            backbone=backbone, layers=list(layers or ("layer1", "layer2", "layer3")), pre_trained=False,
+            n_features=len(channels),
+        )  # fmt: skip
+        model.feature_extractor.feature_extractor.load_state_dict(state, strict=False)
+    else:
+        import torchvision
+
+        network = torchvision.models.get_model(backbone, weights=None).eval()
+        network.load_state_dict(state, strict=False)
+        model = PadimModel(backbone=network, layers=list(layers), pre_trained=False, n_features=len(channels))
     model.idx = torch.tensor(channels)
     return model.to(device)
 
@@ -71,6 +84,8 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, required=True, help="the backbone's state_dict file")
     parser.add_argument("--channel-index", type=Path, required=True, help="JSON list of the channels kept")
     parser.add_argument("--backbone", default="resnet18")
+    parser.add_argument("--layers", help="comma-separated stages (default layer1,layer2,layer3)")
+    parser.add_argument("--scores-only", action="store_true", help="fit-score: scores.npy and the fit time only")
     parser.add_argument("--out", type=Path, help="output folder (fit-score)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=224)
@@ -80,7 +95,8 @@ def main() -> None:
 
     import anomalib
 
-    model = build(args.weights, args.channel_index, args.device, args.backbone)
+    layers = tuple(args.layers.split(",")) if args.layers else None
+    model = build(args.weights, args.channel_index, args.device, args.backbone, layers)
     fit_seconds = fit(model, json.loads(args.train_list.read_text()), args.image_size, args.batch_size, args.device)
     if args.mode == "fit-only":
         cuda = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
@@ -93,12 +109,17 @@ def main() -> None:
         for i in range(0, len(test), args.batch_size):
             out = model(to_input(test[i : i + args.batch_size], args.image_size).to(args.device))
             scores.append(out.pred_score.flatten().cpu())
-            maps.append(out.anomaly_map.reshape(-1, args.image_size, args.image_size).cpu())
+            if not args.scores_only:
+                maps.append(out.anomaly_map.reshape(-1, args.image_size, args.image_size).cpu())
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.save(args.out / "scores.npy", torch.cat(scores).numpy())
+    if args.scores_only:
+        (args.out / "result.json").write_text(json.dumps({"version": anomalib.__version__, "fit_seconds": fit_seconds}))
+        return
+    with torch.no_grad():
         batch = to_input((test * args.batch_size)[: args.batch_size], args.image_size).to(args.device)
         per_batch = median_seconds(lambda: model(batch), args.repeats)
         single = median_seconds(lambda: model(batch[:1]), args.repeats)
-    args.out.mkdir(parents=True, exist_ok=True)
-    np.save(args.out / "scores.npy", torch.cat(scores).numpy())
     np.save(args.out / "maps.npy", torch.cat(maps).numpy().astype(np.float32))
     artifact = args.out / "anomalib_padim_state_dict.pt"
     torch.save(model.state_dict(), artifact)

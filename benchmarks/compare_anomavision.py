@@ -259,7 +259,7 @@ def main() -> int:
         "rounds": args.rounds,
         "batch_size": args.batch_size,
         "image_size": 224,
-        "layers": list(config.features.layers),
+        "layers": list(config.features.stages),
         "embedding_dim": 100,
         "test_pictures": {"normal": int((labels == 0).sum()), "defect": int(labels.sum())},
         "image_auroc": {k: round(v, 4) for k, v in auroc.items()},

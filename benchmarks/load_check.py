@@ -26,7 +26,7 @@ from padim.models.features.backbones import build_backbone, used_state
 def model_tensors(backbone: str, size: int = 224) -> dict[str, torch.Tensor]:
     """Tensors of a fitted detector of ``backbone`` as ``PadimDetector.save`` writes them."""
     config = PadimConfig(backbone=backbone, weights="random", image_size=size)
-    state = used_state(build_backbone(backbone, "random")[0], config.spec, config.features.layers)
+    state = used_state(build_backbone(backbone, "random")[0], config.spec, config.features.stages)
     pixels = (size // 4) ** 2
     dim = config.embedding_dim_or_default()
     packed = dim * (dim + 1) // 2

@@ -341,7 +341,7 @@ def measure_category(
             for seed in seeds:
                 embedding = Embedding.create(
                     config.spec,
-                    config.features.layers,
+                    config.features.stages,
                     config.embedding_dim_or_default(),
                     reduction,
                     seed,
@@ -635,7 +635,7 @@ def measure_robust(
         config = base.replace(neighbourhood=neighbourhood)
         for seed in seeds:
             embedding = Embedding.create(
-                config.spec, config.features.layers, config.embedding_dim_or_default(), "random", seed, neighbourhood
+                config.spec, config.features.stages, config.embedding_dim_or_default(), "random", seed, neighbourhood
             )
             x = embed(embedding, train_features).double()
             copies = {k: [embed(embedding, c).double() for c in v] for k, v in copy_features.items()}
@@ -982,7 +982,7 @@ def product_check(config: PadimConfig, root: Path, false_alarm_rate: float = 0.0
     fit = Fit.start(config)
     embedding = Embedding.create(
         config.spec,
-        config.features.layers,
+        config.features.stages,
         config.embedding_dim_or_default(),
         config.features.reduction,
         config.features.seed,

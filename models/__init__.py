@@ -4,6 +4,8 @@ At the top, what decides a detector and the doors into the rooms:
 
 - ``options``: every option declared once, in groups (help, check, flag, JSON, what older files computed).
 - ``config``, ``choices``: the configuration those groups make, and the allowed values (one place for defaults).
+- ``families``: the backbone families (ResNet, VGG, EfficientNet, MobileNetV3, ConvNeXt): each backbone's stages,
+  channels and strides, its default stages and ``D``, the keys a detector uses, what the memory plan needs.
 - ``errors``: the error family's cases and the one table of what each becomes (exit / HTTP status).
 - ``devices``: which device runs what (per runtime), and the CUDA settings (TF32 off).
 - ``scorer``: the :class:`~padim.models.scorer.Scorer` protocol every scorer implements (torch,
@@ -21,7 +23,7 @@ Rooms, each opening with what it holds and may import:
 - ``deploy/``: export to ONNX / OpenVINO / Triton, quantised exports, and the runtimes that run them.
 - ``evaluation/``: metrics on a labelled set, drift, and the HTML reports.
 
-Imports point down the rooms' order (``tests/test_layers.py``: choices, errors, options, devices, data,
+Imports point down the rooms' order (``tests/test_layers.py``: choices, families, errors, options, devices, data,
 config, features, scoring, scorer, fit, deploy, evaluation, repository, api), never back.
 Names are resolved on first use (PEP 562), so that ``padim.models.choices`` and the command
 line's ``--help`` do not import torch.
@@ -30,7 +32,8 @@ line's ``--help`` do not import torch.
 from padim.core.lazy import lazy_exports
 
 EXPORTS = {
-    "features.backbones": ("BACKBONES", "BackboneSpec", "WeightsInfo", "build_backbone"),
+    "families": ("BACKBONES", "FAMILIES", "BackboneSpec"),
+    "features.backbones": ("WeightsInfo", "build_backbone"),
     "config": ("PadimConfig",),
     "scoring.detector": ("PadimDetector", "Provenance"),
     "devices": ("CROSS_DEVICE_RTOL", "resolve_device", "runtime_device"),

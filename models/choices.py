@@ -3,7 +3,6 @@ lists them). Every default of how a command runs is here, once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 REDUCTIONS = ("random", "semi_orthogonal")
@@ -61,59 +60,6 @@ RUNTIMES = ("auto", "torch", "onnxruntime", "openvino")
 DEFAULT_BATCH_SIZE = 16
 #: Threads decoding images (``--decode-workers``, the config, the Python API, the service's ``PADIM_DECODE_WORKERS``).
 DEFAULT_WORKERS = 2
-
-
-@dataclass(frozen=True)
-class BackboneSpec:
-    """What a backbone gives, per stage (as timm's ``FeatureInfo``).
-
-    Attributes:
-        name: torchvision model name.
-        layers: stage names usable as features.
-        channels: output channels of each stage.
-        strides: spatial stride of each stage relative to the input.
-        default_embedding_dim: embedding size ``D`` after reduction used by default.
-    """
-
-    name: str
-    layers: tuple[str, ...]
-    channels: tuple[int, ...]
-    strides: tuple[int, ...]
-    default_embedding_dim: int
-
-    def channels_of(self, layers: tuple[str, ...]) -> tuple[int, ...]:
-        return tuple(self.channels[self.layers.index(layer)] for layer in layers)
-
-    def stride_of(self, layer: str) -> int:
-        return self.strides[self.layers.index(layer)]
-
-    def used_keys(self, keys, layers: tuple[str, ...]) -> list[str]:
-        """The state-dict ``keys`` a detector on ``layers`` uses: none of ``fc`` or of deeper stages."""
-        deepest = max(self.layers.index(layer) for layer in layers)
-        unused = tuple(f"{stage}." for stage in self.layers[deepest + 1 :]) + ("fc.",)
-        return [k for k in keys if not k.startswith(unused)]
-
-
-_STAGES = ("layer1", "layer2", "layer3", "layer4")
-_STRIDES = (4, 8, 16, 32)
-_BASIC = (64, 128, 256, 512)
-_BOTTLENECK = (256, 512, 1024, 2048)
-
-BACKBONES: dict[str, BackboneSpec] = {
-    name: BackboneSpec(name, _STAGES, channels, _STRIDES, default)
-    for name, channels, default in [
-        ("resnet18", _BASIC, 100),
-        ("resnet34", _BASIC, 100),
-        ("resnet50", _BOTTLENECK, 550),
-        ("resnet101", _BOTTLENECK, 550),
-        ("resnet152", _BOTTLENECK, 550),
-        ("resnext50_32x4d", _BOTTLENECK, 550),
-        ("resnext101_32x8d", _BOTTLENECK, 550),
-        ("resnext101_64x4d", _BOTTLENECK, 550),
-        ("wide_resnet50_2", _BOTTLENECK, 550),
-        ("wide_resnet101_2", _BOTTLENECK, 550),
-    ]
-}
 
 
 def parse_tiles(text: str) -> tuple[int, int] | str:

@@ -16,9 +16,10 @@ from typing import Any
 import yaml
 
 from padim.core.tiling import Tiling
-from padim.models.choices import BACKBONES, EXPECT_AUTO, BackboneSpec, presets
+from padim.models.choices import EXPECT_AUTO, presets
 from padim.models.data.changes import Expected
 from padim.models.errors import ConfigError as ConfigError  # re-exported: raised here
+from padim.models.families import BACKBONES, BackboneSpec
 from padim.models.options import (
     BEFORE,
     CALIBRATION,
@@ -105,7 +106,7 @@ class PadimConfig:
     def tiling(self) -> Tiling:
         """The tiles on the model input and how their maps are stitched (:class:`~padim.core.tiling.Tiling`)."""
         tiles, size = self.framing.tiles, self.features.image_size
-        cell = self.spec.stride_of(self.features.layers[0])
+        cell = self.spec.stride_of(self.features.stages[0])
         cells = size // cell
         overlap = min(cells - 1, round(self.framing.tile_overlap * cells)) if tiles != (1, 1) else 0
         return Tiling(tiles[0], tiles[1], size, cell, overlap)
@@ -197,8 +198,10 @@ class PadimConfig:
         return {name: getattr(getattr(self, d.group), name) for name, d in OPTIONS.items()}
 
     def stored(self, embedding_dim: int) -> dict[str, Any]:
-        """The flat JSON a model file's header and an export's metadata hold: every option, with ``D`` as built."""
-        return {name: json_value(value) for name, value in self.replace(embedding_dim=embedding_dim).to_dict().items()}
+        """The flat JSON a model file's header and an export's metadata hold: every option, with ``D`` and the stages
+        as built."""
+        built = self.replace(embedding_dim=embedding_dim, layers=self.features.stages)
+        return {name: json_value(value) for name, value in built.to_dict().items()}
 
     def shown(self) -> dict[str, Any]:
         """The options a served model's description shows (``GET /models``), as JSON."""

@@ -34,7 +34,6 @@ from typing import Any
 
 from padim.core.limits import FALSE_ALARM_RATE_RANGE
 from padim.models.choices import (
-    BACKBONES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
     DEVICES,
@@ -53,6 +52,7 @@ from padim.models.choices import (
     parse_tiles,
 )
 from padim.models.errors import ConfigError
+from padim.models.families import BACKBONES, BOTTLENECK_DIM, DEFAULT_DIM, FAMILIES
 
 
 def fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
@@ -227,9 +227,12 @@ class Features(Group):
 
     backbone: str = option(
         "resnet18",
-        "a torchvision ResNet (default resnet18)",
+        "a torchvision classifier of one of the families "
+        + "; ".join(f"{f.title}: {', '.join(f.members)}" for f in FAMILIES.values())
+        + " (default resnet18; docs/training.md#backbone-families)",
         check=Choice(tuple(BACKBONES)),
-        flag={"choices": None, "metavar": "NAME"},  # ten names: the check's message lists them when one is wrong
+        flag={"choices": None, "metavar": "NAME"},  # 35 names: the check's message lists them when one is wrong
+        brief="a torchvision ResNet, VGG, EfficientNet, MobileNetV3 or ConvNeXt (default resnet18)",
     )
     weights: str = option(
         "imagenet",
@@ -240,16 +243,18 @@ class Features(Group):
         example="random",
         brief="imagenet (default), random (demos only) or a state_dict file",
     )
-    layers: tuple[str, ...] = option(
-        ("layer1", "layer2", "layer3"),
-        "comma-separated stages, shallowest first (default layer1,layer2,layer3)",
+    layers: tuple[str, ...] | None = option(
+        None,
+        "comma-separated stages of the backbone, shallowest first (default: its first three, at strides 4, 8 and 16, "
+        "as the paper: layer1,layer2,layer3 for a ResNet, features.15,features.22,features.29 for vgg16; a wrong "
+        "name lists the backbone's stages, padim info shows a model's)",
         flag={"type": _layers_value},
         shown=True,
         example="layer1,layer2",
     )
     image_size: int = option(
         224,
-        "side of the square model input, a multiple of 16 (of 32 with layer4) (default 224)",
+        "side of the square model input, a multiple of 16 (of 32 with a stage at stride 32) (default 224)",
         flag={"type": int, "metavar": "PX"},
         shown=True,
         example="128",
@@ -263,7 +268,8 @@ class Features(Group):
     )
     embedding_dim: int | None = option(
         None,
-        "embedding size after reduction (default 100 for resnet18, 550 for wide_resnet50_2)",
+        f"embedding size after reduction (default {DEFAULT_DIM}, {BOTTLENECK_DIM} for the bottleneck ResNets: resnet50 "
+        "and wider; at most the default stages' channels: 88 for mobilenet_v3_small)",
         flag={"type": int, "metavar": "D"},
         renamed_from=("features",),
         shown=True,
@@ -312,12 +318,22 @@ class Features(Group):
             _set(self, "layers", tuple(self.layers))
         super().__post_init__()
 
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The backbone's stages this detector reads: ``layers``, or the backbone's default stages."""
+        return self.layers if self.layers is not None else BACKBONES[self.backbone].default_stages
+
     def check(self) -> None:
         spec = BACKBONES[self.backbone]
-        layers = self.layers
-        if not layers or not isinstance(layers, tuple) or any(layer not in spec.layers for layer in layers):
-            fail("layers", list(layers), "choose from: " + ", ".join(spec.layers))
-        if list(layers) != sorted(layers, key=spec.layers.index) or len(set(layers)) != len(layers):
+        layers = self.stages
+        if not layers or not isinstance(layers, tuple) or any(layer not in spec.stages for layer in layers):
+            fail(
+                "layers",
+                list(layers) if isinstance(layers, tuple) else layers,
+                f"choose from {self.backbone}'s stages: "
+                + ", ".join(f"{s} (stride {t})" for s, t in zip(spec.stages, spec.strides, strict=True)),
+            )
+        if list(layers) != sorted(layers, key=spec.stages.index) or len(set(layers)) != len(layers):
             fail("layers", list(layers), "list each layer once, shallowest first")
         stride = max(spec.stride_of(layer) for layer in layers)
         multiple = max(stride, 16)  # every layer's grid must divide the first one's evenly
@@ -726,6 +742,8 @@ def shown_fields() -> dict[str, tuple[Any, str]]:
 def _json_type(annotation: Any, name: str) -> Any:
     if name == "embedding_dim":  # a fitted detector's D as built: always a number
         return int
+    if name == "layers":  # a fitted detector's stages as built: always a list
+        return list[str]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is tuple:
         return list[args[0]]  # type: ignore[valid-type]  # the element type is read at run time

@@ -140,6 +140,7 @@ def test_no_cycle_between_the_rooms():
 #: module is a room of one). docs/layout.md says the same in words.
 MODEL_ROOMS = (
     "padim.models.choices",
+    "padim.models.families",
     "padim.models.errors",
     "padim.models.options",
     "padim.models.devices",

@@ -20,7 +20,7 @@ def register(commands) -> None:
         "(default ~/.cache/torch). Run it where there is internet, then copy that directory, or bake it into "
         "the Docker image (build argument BAKE_WEIGHTS).",
     )
-    fetch.add_argument("backbones", nargs="+", metavar="BACKBONE", help="e.g. resnet18 wide_resnet50_2")
+    fetch.add_argument("backbones", nargs="+", metavar="BACKBONE", help="any of train --backbone's: resnet18 vgg16 ...")
     fetch.set_defaults(handler=run)
 
 
@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     import torch
 
-    from padim.models.features.backbones import BACKBONES, build_backbone
+    from padim.models.families import BACKBONES
+    from padim.models.features.backbones import build_backbone
 
     unknown = [b for b in args.backbones if b not in BACKBONES]
     if unknown:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from padim.models.families import BACKBONES
+
 from ..options import quiet_option
 
 #: Files up to this size have every tensor checked by default (hashing runs at about 1 GB/s).
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if header["verified"]
         else False,
         "backbone": config.get("backbone"),
+        **_backbone(config, header.get("backbone")),
         "image_size": config.get("image_size"),
         "tiles": config.get("tiles", [1, 1]),
         "precision": spelled_precision(config.get("precision", "fp32")),
@@ -94,6 +97,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backbone(config: dict, stored: dict | None) -> dict:
+    """The family and the stages a model reads: as ``stored`` (a model file's header ``backbone``, format 17; an
+    export's description, version 13), else this padim's table's for its stored ``config``."""
+    if stored is not None:
+        return {"backbone_family": stored.get("family", stored.get("backbone_family")), "stages": stored["stages"]}
+    spec = BACKBONES.get(str(config.get("backbone")))
+    if spec is None or not config.get("layers"):
+        return {}
+    return {"backbone_family": spec.family, "stages": spec.described(tuple(config["layers"]))}
+
+
 def _runs_at(precision: str) -> dict:
     """``runs_at`` where this machine runs an export at another precision than its own (bf16 without bfloat16)."""
     from padim.models.deploy.runtimes import ExportError, openvino_runs  # torch: not for --help
@@ -121,6 +135,7 @@ def export_summary(directory: Path) -> dict:
         "precision": metadata.get("precision", "float32"),
         **_runs_at(metadata.get("precision", "float32")),
         "backbone": description.get("backbone"),
+        **_backbone(description, description if "stages" in description else None),
         "image_size": description.get("image_size"),
         "weights": description.get("weights"),
         "model": metadata["model"],

@@ -297,6 +297,8 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
             precision_check=header.get("precision_check"),
             weights=WeightsInfo(**header["weights"]).label,
             backbone=header["config"]["backbone"],
+            backbone_family=header["backbone"]["family"],
+            stages=[stage["name"] for stage in header["backbone"]["stages"]],
             image_size=header["config"]["image_size"],
             embedding_dim=header["embedding_dim"],
         )

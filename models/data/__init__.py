@@ -6,5 +6,6 @@ batches), ``framing`` (the region of interest, resize mode and tiles: a picture 
 light, placement, focus and compression wander: ``--expect auto``), ``synthetic`` (texture data sets with drawn
 defects, MVTec AD layout).
 
-May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`; numpy, Pillow, torch.
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`, :mod:`padim.models.families`;
+numpy, Pillow, torch.
 """

@@ -429,6 +429,9 @@ class DeployedDetector:
         return {
             **self.metadata["description"],
             **shown_options(self.config),
+            # an export of version 12 or older describes neither: the table's, for its stored stages
+            "backbone_family": self.config.spec.family,
+            "stages": self.config.spec.described(self.config.features.stages),
             "runtime": self.runtime,
             **({"runtime_reason": self.runtime_reason} if self.runtime_reason else {}),
             "precision": self.precision,

@@ -1,12 +1,18 @@
-"""torchvision ResNet-family backbones and their three weight sources.
+"""torchvision backbones of every family (:mod:`padim.models.families`) and their three weight sources.
 
-- ``imagenet``: torchvision's ``WeightsEnum`` (``IMAGENET1K_V1``) through its own download
-  and cache (``torch.hub.get_dir()/checkpoints``). Offline without the cached file it fails with
+One constructor, :func:`network` (torchvision's ``get_model``), makes every backbone, on any device (the meta device
+for shapes and sizes). The weights:
+
+- ``imagenet``: torchvision's ``WeightsEnum`` (``IMAGENET1K_V1``, from ``get_model_weights``) through its own
+  download and cache (``torch.hub.get_dir()/checkpoints``). Offline without the cached file it fails with
   a message saying where to put the file; it never falls back to other weights.
-- ``random``: torchvision's own initialisation under a fixed seed. For tests and demos only.
+- ``random``: torchvision's own initialisation under a fixed seed (for EfficientNet and MobileNetV3 with the
+  BatchNorms' statistics then set from seeded noise pictures:
+  :attr:`~padim.models.families.BackboneSpec.random_batchnorm`). For tests and demos only.
 - a path: a ``state_dict`` saved with ``torch.save(model.state_dict(), path)`` for the same
-  architecture, read with ``weights_only=True``; keys of stages the detector does not use
-  (``fc.*``, and stages deeper than its deepest layer) are ignored.
+  architecture, read with ``weights_only=True``; keys of blocks the detector does not use
+  (the classifier's, and those past its deepest stage) are ignored, so a file may hold only the
+  blocks up to it (docs/training.md: a weights file made from another framework's).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import torch
 import torchvision
 from torch import nn
 
-from padim.models.choices import BACKBONES, BackboneSpec
 from padim.models.errors import WeightsError as WeightsError  # re-exported: raised here
+from padim.models.families import BACKBONES, BackboneSpec
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -64,8 +70,14 @@ class WeightsInfo:
         return {"source": self.source, "detail": self.detail, "sha256": self.sha256}
 
 
+def network(name: str) -> nn.Module:
+    """torchvision's ``name`` with its own initialisation (no weights loaded), in eval mode, on the current default
+    device (``with torch.device("meta")``: shapes only). The one place a backbone is constructed."""
+    return torchvision.models.get_model(name, weights=None).eval()
+
+
 def build_backbone(
-    name: str, weights: str, seed: int = 0, layers: tuple[str, ...] = ("layer1", "layer2", "layer3")
+    name: str, weights: str, seed: int = 0, layers: tuple[str, ...] | None = None
 ) -> tuple[nn.Module, WeightsInfo]:
     """A torchvision backbone in eval mode with the requested weights.
 
@@ -73,31 +85,54 @@ def build_backbone(
         name: a key of ``BACKBONES``.
         weights: ``imagenet``, ``random`` or a state_dict path.
         seed: seed for ``random`` weights.
-        layers: the stages a detector will use: a state_dict file must hold these (and may
-            lack ``fc`` and deeper stages).
+        layers: the stages a detector will use (default: the backbone's default stages): a state_dict file must
+            hold the blocks up to these (and may lack the classifier and deeper blocks).
 
     Raises:
         WeightsError: weights unavailable (offline), unreadable, or of another architecture.
     """
     if name not in BACKBONES:
         raise WeightsError(f"unknown backbone {name!r}; choose one of: {', '.join(BACKBONES)}")
-    builder = getattr(torchvision.models, name)
+    spec = BACKBONES[name]
     if weights == "random":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = builder(weights=None)
+            model = network(name)
+            if spec.random_batchnorm:
+                _batchnorm_from_noise(model)
         source, detail = "random", str(seed)
     elif weights == "imagenet":
-        model = builder(weights=None)
-        enum = torchvision.models.get_model_weights(name).IMAGENET1K_V1
+        model = network(name)
+        enum = torchvision.models.get_model_weights(name)[spec.imagenet_weights]
         model.load_state_dict(_imagenet_state_dict(name, enum))
         source, detail = "imagenet", f"torchvision {name} {enum.name}"
     else:
-        model = builder(weights=None)
-        _load_file(model, BACKBONES[name], Path(weights), layers)
+        model = network(name)
+        _load_file(model, spec, Path(weights), layers or spec.default_stages)
         source, detail = "file", str(Path(weights).resolve())
     model.eval()
     return model, WeightsInfo(source, detail, "")
+
+
+#: Seeded noise pictures whose activations set a random backbone's BatchNorm statistics: ``(N, 3, S, S)``.
+NOISE_PICTURES = (16, 3, 96, 96)
+
+
+def _batchnorm_from_noise(model: nn.Module) -> None:
+    """Each BatchNorm's running mean and variance set to its input's over :data:`NOISE_PICTURES` of standard normal
+    noise (the global generator's, seeded by the caller), every other module in eval mode (no dropout, no stochastic
+    depth): each then normalises what it sees to unit scale."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a cumulative average: the one pass's statistics
+        norm.train()
+    with torch.no_grad():
+        model(torch.randn(NOISE_PICTURES))
+    for norm, momentum in zip(norms, momenta, strict=True):
+        norm.momentum = momentum
+    model.eval()
 
 
 def weights_sha256(state: dict[str, torch.Tensor]) -> str:

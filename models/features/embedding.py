@@ -20,7 +20,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 from torch.fx.experimental.optimization import fuse
 from torchvision.models.feature_extraction import create_feature_extractor
@@ -28,7 +27,8 @@ from torchvision.models.feature_extraction import create_feature_extractor
 from padim.core.errors import ArtifactError
 from padim.models.data.framing import Framing
 from padim.models.data.images import normalisation, normalise, to_pixels
-from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, BackboneSpec
+from padim.models.families import BackboneSpec
+from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, network
 from padim.models.features.photometric import standardised
 from padim.models.features.quantised import GRAPH_KEY, QuantisedExtractor
 
@@ -84,7 +84,7 @@ class FeatureExtractor(nn.Module):
     """Backbone stages as a list of feature maps.
 
     Args:
-        backbone: a torchvision ResNet-family model (eval mode).
+        backbone: a torchvision model of a family of :mod:`padim.models.families` (eval mode).
         layers: stages to return, shallowest first.
         fold_batchnorm: fold conv+BN pairs (inference only; changes outputs by < 1e-4).
         dtype: the arithmetic of the stages (``train --precision``): the folded weights are cast to it, each
@@ -324,7 +324,7 @@ def stacked(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
 
 def grid_shape(config) -> tuple[int, int]:
     """``(H, W)`` of the first layer's feature grid at the configured input size (of one tile)."""
-    side = config.features.image_size // config.spec.stride_of(config.features.layers[0])
+    side = config.features.image_size // config.spec.stride_of(config.features.stages[0])
     return side, side
 
 
@@ -341,14 +341,14 @@ def build_extractor(
     backbone it is quantised from (:meth:`padim.models.fit.in_progress.Fit.quantise`)."""
     precision = precision or config.features.precision
     if precision == "int8" and GRAPH_KEY in backbone_weights:
-        return QuantisedExtractor(backbone_weights[GRAPH_KEY], config.features.layers)
+        return QuantisedExtractor(backbone_weights[GRAPH_KEY], config.features.stages)
     backbone_weights = {k: v for k, v in backbone_weights.items() if k != GRAPH_KEY}
     with torch.device("meta"):
-        backbone = getattr(torchvision.models, config.features.backbone)(weights=None)
+        backbone = network(config.features.backbone)
     missing = [
-        k for k in config.spec.used_keys(backbone.state_dict(), config.features.layers) if k not in backbone_weights
+        k for k in config.spec.used_keys(backbone.state_dict(), config.features.stages) if k not in backbone_weights
     ]
     if missing:
         raise ArtifactError(f"backbone weights incomplete: missing {missing[:3]}")
     backbone.load_state_dict(backbone_weights, strict=False, assign=True)
-    return FeatureExtractor(backbone, config.features.layers, dtype=DTYPES[precision])
+    return FeatureExtractor(backbone, config.features.stages, dtype=DTYPES[precision])

@@ -11,7 +11,7 @@ model file's format, above the types it saves: detectors and fits in progress), 
 resumed, partial, merged, each ending in a model file), ``learning`` (a model taught from reviewed pictures: added,
 taken out, gated against the version it replaces).
 
-May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`,
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`, :mod:`padim.models.families`,
 :mod:`padim.models.options`, :mod:`padim.models.devices`, :mod:`padim.models.data`, :mod:`padim.models.config`,
 :mod:`padim.models.features`, :mod:`padim.models.scoring`, :mod:`padim.models.scorer`.
 """

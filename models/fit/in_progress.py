@@ -117,13 +117,13 @@ class Fit:
     def start(cls, config: PadimConfig) -> Fit:
         """A new fit: the backbone with its weights, the seeded channel reduction, no statistics."""
         backbone, weights = build_backbone(
-            config.features.backbone, config.features.weights, config.features.seed, config.features.layers
+            config.features.backbone, config.features.weights, config.features.seed, config.features.stages
         )
-        backbone_weights = used_state(backbone, config.spec, config.features.layers)
+        backbone_weights = used_state(backbone, config.spec, config.features.stages)
         weights = WeightsInfo(weights.source, weights.detail, weights_sha256(backbone_weights))
         embedding = Embedding.create(
             config.spec,
-            config.features.layers,
+            config.features.stages,
             config.embedding_dim_or_default(),
             config.features.reduction,
             config.features.seed,
@@ -153,7 +153,7 @@ class Fit:
         graph, settings = quantise_backbone(self.embedder.extractor, batches, TRACING.shared())
         graph, settings = gather((graph, settings), shard)[0]
         self.backbone_weights = {**self.backbone_weights, GRAPH_KEY: graph}
-        self.embedder.extractor = QuantisedExtractor(graph, self.config.features.layers)
+        self.embedder.extractor = QuantisedExtractor(graph, self.config.features.stages)
         return settings
 
     @property

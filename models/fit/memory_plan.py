@@ -13,8 +13,9 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
 - **spool** (disk, or a GPU's memory where it fits there: :func:`spool_in_memory`): every picture's embeddings,
   and its changed copy's with ``expect``.
 - **backbone**: its weights (kept, and folded for inference) and one batch's activations (every
-  tile of every picture of the batch, and on a GPU of their changed copies with ``expect``: one call),
-  measured per input pixel on resnet18 and wide_resnet50_2 (2-core AMD EPYC, torch 2.14.1).
+  tile of every picture of the batch, and on a GPU of their changed copies with ``expect``: one call): the
+  family's measured factor over the bytes of its stem's and stages' outputs
+  (:attr:`~padim.models.families.BackboneSpec.activation_factor`: 162 B/px on resnet18, 710 on wide_resnet50_2).
 - **process**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
   what the process keeps besides (:data:`PROCESS_BYTES`).
 
@@ -32,13 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torchvision
 
 from padim.core.packing import packed_length
 from padim.core.spool import EmbeddingSpool, free_disk
 from padim.models.config import PadimConfig
 from padim.models.errors import DoesNotFit as DoesNotFit  # re-exported: raised here
-from padim.models.features.backbones import BACKBONES
+from padim.models.features.backbones import network
 from padim.models.features.embedding import grid_shape
 
 GB = 2**30
@@ -58,9 +58,6 @@ UPDATE_BLOCK_BYTES = 256 * 2**20
 #: pass 1 (resnet18 at 224 px: 873 MB resident after pass 1, of which 160 MB are backbone). On a GPU:
 #: the CUDA context.
 PROCESS_BYTES = {"cpu": 850 * 2**20, "cuda": 500 * 2**20}
-#: Peak activation bytes per input pixel per image, over the feature map sizes' sum: measured
-#: 162 B/px on resnet18 (1.5x its stage outputs) and 710 B/px on wide_resnet50_2 (3.7x).
-ACTIVATION_FACTOR = {"basic": 1.5, "bottleneck": 3.7}
 #: Disk left free beside the spool and the factors.
 DISK_RESERVE = GB
 #: A spool waits in a GPU's memory when the plan, the spool and :data:`DEVICE_RESERVE` fit in this share of its free
@@ -128,7 +125,7 @@ def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) ->
     device = device or (
         "cuda" if config.run.device == "cuda" or (config.run.device == "auto" and torch.cuda.is_available()) else "cpu"
     )
-    spec = BACKBONES[config.features.backbone]
+    spec = config.spec
     rows, cols = grid_shape(config)
     tiles, per_image = config.tile_count, config.rows_per_image  # a picture's tiles; its rows in the statistics
     pixels, dim = rows * cols * tiles // per_image, config.embedding_dim_or_default()
@@ -137,14 +134,12 @@ def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) ->
     statistics = (pixels * packed_length(dim) * 8 + 2 * pixels * dim * 8) if held else 2 * pixels * dim * 8
     slice_pixels = max(1, min(pixels, SLICE_BYTES[device] // (8 * dim * dim)))
     finish = 4 * slice_pixels * dim * dim * 8 + 4 * BLOCK_BYTES + images * spooled * pixels * 4
-    deepest = max(spec.layers.index(layer) for layer in config.features.layers)
-    kind = "basic" if spec.channels[0] == 64 else "bottleneck"
-    per_pixel = 4 * (
-        64 / 4 + 64 / 16 + sum(c / s**2 for c, s in zip(spec.channels[: deepest + 1], spec.strides, strict=False))
-    )
+    deepest = max(spec.stages.index(layer) for layer in config.features.stages)
+    outputs = [*spec.stem, *zip(spec.channels[: deepest + 1], spec.strides, strict=False)]  # (channels, stride)
+    per_pixel = 4 * sum(c / s**2 for c, s in outputs)
     through = 2 if config.gaussian.expect and device == "cuda" else 1  # on a GPU, pictures and copies: one call
     activations = int(
-        ACTIVATION_FACTOR[kind] * per_pixel * config.features.image_size**2 * config.run.batch_size * tiles * through
+        spec.activation_factor * per_pixel * config.features.image_size**2 * config.run.batch_size * tiles * through
     )
     # without a spool: float64 slices and held batches; with expect, a batch's copies beside it
     embedding = (
@@ -242,8 +237,8 @@ def _alternatives(config: PadimConfig, plan: FitPlan, free: int, facts: FitFacts
         return total if total <= free else None
 
     options = []
-    spec = BACKBONES[config.features.backbone]
-    multiple = max(16, max(spec.stride_of(layer) for layer in config.features.layers))
+    spec = config.spec
+    multiple = max(16, max(spec.stride_of(layer) for layer in config.features.stages))
     for size in range(config.features.image_size - multiple, 2 * multiple - 1, -multiple):
         try:
             total = fits(config.replace(image_size=size))
@@ -279,8 +274,8 @@ def _alternatives(config: PadimConfig, plan: FitPlan, free: int, facts: FitFacts
 def _weights_bytes(config: PadimConfig) -> int:
     """Parameters of the backbone's used stages, counted on a meta-device model (nothing allocated)."""
     with torch.device("meta"):
-        model = getattr(torchvision.models, config.features.backbone)(weights=None)
-    keys = set(BACKBONES[config.features.backbone].used_keys(model.state_dict().keys(), config.features.layers))
+        model = network(config.features.backbone)
+    keys = set(config.spec.used_keys(model.state_dict().keys(), config.features.stages))
     return sum(t.numel() * 4 for k, t in model.state_dict().items() if k in keys)
 
 

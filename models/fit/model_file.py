@@ -19,8 +19,10 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (
   (ONNX bytes, uint8: :mod:`padim.models.features.quantised`), format 15.
 
 The header holds ``kind`` (``padim-detector`` or ``padim-partial``), ``config`` (flat: every option,
-:meth:`~padim.models.config.PadimConfig.stored`), ``weights``, ``embedding_dim``, ``grid``, ``precision_dtype``,
-``calibration``, ``has_statistics`` and the :class:`~padim.models.scoring.detector.Provenance` fields.
+:meth:`~padim.models.config.PadimConfig.stored`), ``backbone`` (its family and the stages read, each with its
+channels and stride: format 17; checked against this padim's table on reading), ``weights``, ``embedding_dim``,
+``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
+:class:`~padim.models.scoring.detector.Provenance` fields.
 
 Every earlier format is read (docs/file-format.md has a table of what each added): a file is read with the
 options it was fitted with, and those it predates take the value they computed then (each option's ``before``,
@@ -378,10 +380,16 @@ def _common_header(config: PadimConfig, weights: WeightsInfo, embedding: Embeddi
         "torch_version": torch.__version__,
         "torchvision_version": torchvision.__version__,
         "config": config.stored(embedding.embedding_dim),
+        "backbone": backbone_header(config),
         "weights": weights.to_header(),
         "embedding_dim": embedding.embedding_dim,
         "grid": list(grid),
     }
+
+
+def backbone_header(config: PadimConfig) -> dict:
+    """The header's ``backbone``: the family and the stages read, with their channels and strides (format 17)."""
+    return {"family": config.spec.family, "stages": config.spec.described(config.features.stages)}
 
 
 def _read_common(
@@ -394,13 +402,18 @@ def _read_common(
             for key in RETIRED:
                 values.pop(key, None)
         config = PadimConfig.from_stored(values, str(path), older=header["format_version"] < FORMAT_VERSION)
+        if "backbone" in header and header["backbone"] != backbone_header(config):  # format 16 and older: the table's
+            raise ValueError(
+                f"its backbone {header['backbone']} is not {config.features.backbone}'s as this padim knows it "
+                f"({backbone_header(config)})"
+            )
         reduction = (
             {"channel_index": tensors["embedding.channel_index"]}
             if "embedding.channel_index" in tensors
             else {"projection": tensors["embedding.projection"]}
         )
         embedding = Embedding.for_layers(
-            config.spec, config.features.layers, neighbourhood=config.gaussian.neighbourhood, **reduction
+            config.spec, config.features.stages, neighbourhood=config.gaussian.neighbourhood, **reduction
         )
         if embedding.embedding_dim != int(header["embedding_dim"]):
             raise ValueError(f"embedding_dim {header['embedding_dim']} but {embedding.embedding_dim} channels stored")

@@ -6,7 +6,7 @@ calibration and provenance: :class:`~padim.models.scoring.detector.PadimDetector
 ``verdicts`` (a score and a calibration -> the per-image verdict), ``heatmaps`` (the anomaly map drawn over the
 picture, for people). Reading and writing it is :mod:`padim.models.fit.model_file`.
 
-May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`,
+May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`, :mod:`padim.models.families`,
 :mod:`padim.models.options`, :mod:`padim.models.devices`, :mod:`padim.models.data`, :mod:`padim.models.config`,
 :mod:`padim.models.features`.
 """

@@ -196,6 +196,8 @@ class PadimDetector:
         """Metadata a user sees (``padim info``, ``GET /models``, results files)."""
         return {
             "backbone": self.config.features.backbone,
+            "backbone_family": self.config.spec.family,
+            "stages": self.config.spec.described(self.config.features.stages),
             "weights": self.weights.label,
             "weights_source": self.weights.source,
             **shown_options(self.config),

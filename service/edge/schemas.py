@@ -151,9 +151,19 @@ ShownOptions: type[BaseModel] = create_model(  # type: ignore[call-overload]  # 
 )
 
 
+class StageInfo(BaseModel):
+    """A stage of the backbone that the model reads."""
+
+    name: str = Field(description="the torchvision node (layer2, features.22)")
+    channels: int
+    stride: int = Field(description="input pixels per feature-grid cell")
+
+
 class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type]  # ShownOptions: made at import
     """A served model in full (``GET /models``)."""
 
+    backbone_family: str = Field(description="resnet, vgg, efficientnet, mobilenet_v3 or convnext")
+    stages: list[StageInfo] = Field(description="the backbone's stages the model reads, shallowest first")
     weights_source: str
     grid: list[int]
     input_shape: list[int] = Field(description="height, width of the model input in pixels (the tiles together)")

@@ -35,7 +35,7 @@ async def one_line(name: str, request: Request) -> dict:
     "/{name}/trigger",
     status_code=202,
     response_model=TriggerResponse,
-    responses=error_responses(404, 422),
+    responses=error_responses(400, 404, 422),
     summary="score the next frame of a camera line in trigger mode (a PLC's or a light barrier's signal)",
 )
 async def trigger(name: str, request: Request, body: Annotated[TriggerRequest | None, Body()] = None) -> dict:

@@ -47,7 +47,7 @@ async def update(
     "set (their conformal quantile, from the record's scores), with the threshold and cover it replaces and the "
     "recall it buys on reviewed defects; activating it is refused while the line has changed since (409 "
     "line_changed)",
-    responses=error_responses(403, 404, 409, 422, 503),
+    responses=error_responses(400, 403, 404, 409, 422, 503),
 )
 async def line_threshold(
     name: str, state: StateDep, body: Annotated[LineThresholdRequest | None, Body()] = None

@@ -11,7 +11,7 @@ def test_defaults_follow_the_paper():
     c = PadimConfig()
     assert (
         c.features.backbone,
-        c.features.layers,
+        c.features.stages,
         c.features.image_size,
         c.embedding_dim_or_default(),
         c.gaussian.epsilon,
@@ -36,7 +36,8 @@ def test_defaults_follow_the_paper():
         ({"embedding_dim": 500}, "from 1 to 448"),
         ({"layers": ("layer1", "layer4"), "image_size": 48}, "multiple of 32 .*layer4 has stride 32"),
         ({"layers": ("layer3", "layer1")}, "shallowest first"),
-        ({"layers": ("layer9",)}, "choose from: layer1"),
+        ({"layers": ("layer9",)}, "choose from resnet18's stages: layer1 \\(stride 4\\)"),
+        ({"backbone": "vgg16", "layers": ("layer1",)}, "choose from vgg16's stages: features.15 \\(stride 4\\)"),
         ({"device": "tpu"}, "auto, cpu, cuda"),
         ({"false_alarm_rate": 0.9}, "from 1e-06 to 0.5"),
         ({"false_alarm_rate": True}, "from 1e-06 to 0.5"),
@@ -123,8 +124,13 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
         paper.scoring.blur_sigma,
         paper.gaussian.expect,
     ) == (1, "map_max", 4.0, "")
-    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, embedding_dim=100, expect="stable", shrinkage=0.0)
+    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, expect="stable", shrinkage=0.0)
     assert not paper.copies_fitted
+    # the recipe on any backbone's own stages and D (the paper's: resnet18 100, wide_resnet50_2 550)
+    on_vgg = read_config_file("paper")[0].replace(backbone="vgg16")
+    assert on_vgg.features.stages == ("features.15", "features.22", "features.29")
+    assert on_vgg.embedding_dim_or_default() == 100
+    assert read_config_file("paper")[0].replace(backbone="wide_resnet50_2").embedding_dim_or_default() == 550
 
 
 def test_retired_hold_out_options_say_what_replaced_them():
@@ -171,3 +177,23 @@ def test_a_region_from_yaml_is_a_tuple_and_shapes_the_statistics(tmp_path):
     config, given = read_config_file(path)
     assert config.framing.roi == (10, 20, 300, 200) and config.framing.resize == "pad" and given == {"roi", "resize"}
     assert PadimConfig().differences(config) == ["roi", "resize"]  # a resume or merge must keep them
+
+
+def test_the_stages_follow_the_backbone_unless_layers_names_them():
+    vgg = PadimConfig(backbone="vgg16")
+    assert vgg.features.layers is None and vgg.features.stages == ("features.15", "features.22", "features.29")
+    assert vgg.embedding_dim_or_default() == 100 and vgg.tiling.cell == 4
+    followed = PadimConfig().replace(backbone="efficientnet_b0").features.stages
+    assert followed == ("features.2", "features.3", "features.5")
+    assert PadimConfig(backbone="mobilenet_v3_small").embedding_dim_or_default() == 88  # 16 + 24 + 48: every channel
+    # what a file stores is what was built: the stages, whatever the default becomes
+    stored = vgg.stored(100)
+    assert stored["layers"] == ["features.15", "features.22", "features.29"]
+    assert PadimConfig.from_stored(stored, "file", older=False).features.layers == vgg.features.stages
+    # named stages stay named: another backbone does not have them
+    with pytest.raises(ConfigError, match=r"layers: \['layer2', 'layer3'\] is not allowed; choose from vgg16's stages"):
+        PadimConfig(layers=("layer2", "layer3")).replace(backbone="vgg16")
+    deep = PadimConfig(backbone="convnext_tiny", layers=("features.3", "features.7"), image_size=64)
+    assert deep.features.stages == ("features.3", "features.7") and deep.embedding_dim_or_default() == 100
+    with pytest.raises(ConfigError, match="multiple of 32 .*features.7 has stride 32"):
+        deep.replace(image_size=48)

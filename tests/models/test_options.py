@@ -30,7 +30,11 @@ def test_an_option_reaches_the_flags_the_json_and_the_resume_check(name):
     # the model file's and the export's JSON: flat, by name, read back the same (D as built)
     stored = changed.stored(changed.embedding_dim_or_default())
     read = PadimConfig.from_stored(stored, "test", older=False).to_dict()
-    assert read == {**changed.to_dict(), "embedding_dim": changed.embedding_dim_or_default()}
+    assert read == {
+        **changed.to_dict(),
+        "embedding_dim": changed.embedding_dim_or_default(),
+        "layers": changed.features.stages,
+    }
     # the resume and merge check: group equality, no list kept by hand
     assert base.differences(changed, CALIBRATION) == ([name] if declared.group in CALIBRATION else [])
 

@@ -245,6 +245,9 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
         metadata["export_version"] = version
         if version < 12 and "decode_workers" in metadata["config"]:  # as versions before 12 spelled it
             metadata["config"]["workers"] = metadata["config"].pop("decode_workers")
+        if version < 13:  # no backbone family nor stages in the description before 13
+            metadata["description"].pop("backbone_family", None)
+            metadata["description"].pop("stages", None)
         metadata["metadata_sha256"] = metadata_sha256(metadata)
         (folder / METADATA_FILE).write_text(json.dumps(metadata))
 
@@ -260,6 +263,9 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
     torch.testing.assert_close(served.score(batch).raw_scores, renewed.score(batch).raw_scores)
     assert "workers" in json.loads((old / METADATA_FILE).read_text())["config"]  # read as decode_workers
     assert "decode_workers" in renewed.metadata["config"]
+    assert "stages" not in json.loads((old / METADATA_FILE).read_text())["description"]  # described by the table
+    assert served.describe()["backbone_family"] == "resnet" == renewed.metadata["description"]["backbone_family"]
+    assert [s["name"] for s in served.describe()["stages"]] == ["layer1", "layer2", "layer3"]
 
 
 def test_a_read_only_model_folder_caches_elsewhere(model_file, tmp_path, monkeypatch):

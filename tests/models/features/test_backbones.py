@@ -1,30 +1,11 @@
-"""Every supported backbone states its channels and strides truthfully; weights sources."""
+"""The three weight sources of every family's backbones (the stages themselves: tests/models/test_families.py)."""
 
 import pytest
 import torch
 import torchvision
 
 from padim.models.features import backbones
-from padim.models.features.backbones import BACKBONES, WeightsError, build_backbone, weights_sha256
-from padim.models.features.embedding import FeatureExtractor
-
-
-@pytest.mark.parametrize("name", list(BACKBONES))
-def test_feature_info_matches_the_network(name):
-    spec = BACKBONES[name]
-    with torch.device("meta"):  # shapes only: no weights, no compute
-        model = getattr(torchvision.models, name)(weights=None).eval()
-        extractor = FeatureExtractor(model, spec.layers, fold_batchnorm=False)
-        outputs = extractor.body(torch.empty(1, 3, 224, 224))
-    for layer, channels, stride in zip(spec.layers, spec.channels, spec.strides, strict=True):
-        assert tuple(outputs[layer].shape) == (1, channels, 224 // stride, 224 // stride)
-
-
-def test_paper_dimensions():
-    assert sum(BACKBONES["resnet18"].channels[:3]) == 448
-    assert sum(BACKBONES["wide_resnet50_2"].channels[:3]) == 1792
-    assert BACKBONES["resnet18"].default_embedding_dim == 100
-    assert BACKBONES["wide_resnet50_2"].default_embedding_dim == 550
+from padim.models.features.backbones import WeightsError, build_backbone, weights_sha256
 
 
 def test_random_weights_are_seeded():
@@ -95,5 +76,63 @@ def test_imagenet_from_torch_cache(tmp_path, monkeypatch):
 
 
 def test_unknown_backbone():
-    with pytest.raises(WeightsError, match="choose one of: resnet18"):
-        backbones.build_backbone("vgg16", "random")
+    with pytest.raises(WeightsError, match="choose one of: resnet18.*vgg16.*efficientnet_b0.*mobilenet_v3_small"):
+        backbones.build_backbone("alexnet", "random")
+
+
+def test_random_weights_are_torchvisions_own_under_the_seed():
+    """``random`` is the architecture's constructor after ``torch.manual_seed`` (what benchmarks/timing.py draws and
+    what every model file with random weights before the families holds); for EfficientNet and MobileNetV3 the same
+    parameters, with the BatchNorms' statistics of noise pictures, so that their features keep unit scale."""
+    torch.manual_seed(5)
+    expected = torchvision.models.resnet18().state_dict()
+    model, _ = build_backbone("resnet18", "random", seed=5)
+    assert weights_sha256(model.state_dict()) == weights_sha256(expected)
+    torch.manual_seed(5)
+    plain = torchvision.models.mobilenet_v3_small().eval()
+    model, _ = build_backbone("mobilenet_v3_small", "random", seed=5)
+    statistics = ("running_mean", "running_var", "num_batches_tracked")
+    for key, value in plain.state_dict().items():
+        if key.endswith(statistics):
+            assert not torch.equal(model.state_dict()[key], value) or key.endswith("num_batches_tracked"), key
+        else:
+            assert torch.equal(model.state_dict()[key], value), key
+    again, _ = build_backbone("mobilenet_v3_small", "random", seed=5)
+    assert weights_sha256(again.state_dict()) == weights_sha256(model.state_dict())  # seeded, noise included
+    pictures = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        deep, vanishing = model.features[:9](pictures), plain.features[:9](pictures)  # the stride-16 stage
+    assert 0.3 < float(deep.std()) < 3 and float(vanishing.std()) < 1e-3
+
+
+def features_of(name: str) -> torch.nn.Module:
+    """A VGG with values in its ``features`` only: constructed on the meta device, then filled (torchvision's
+    initialisation of its 100-million-weight classifier takes seconds, and a file of it half a gigabyte)."""
+    with torch.device("meta"):
+        model = torchvision.models.get_model(name)
+    model.classifier = torch.nn.Identity()
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return model
+
+
+def test_a_file_of_another_family_holds_its_features_up_to_the_deepest_stage(tmp_path):
+    """A VGG file may hold only ``features`` (a conversion from another framework's weights has no classifier):
+    enough for every stage up to those it holds; the keys a stage needs are named when missing."""
+    source = features_of("vgg11")
+    features = {k: v for k, v in source.state_dict().items() if k.startswith("features.")}
+    torch.save(features, tmp_path / "vgg11-features.pth")
+    loaded, info = build_backbone("vgg11", str(tmp_path / "vgg11-features.pth"))
+    assert info.source == "file" and torch.equal(loaded.features[0].weight, source.features[0].weight)
+    short = {k: v for k, v in features.items() if int(k.split(".")[1]) < 16}  # up to stride 8
+    torch.save(short, tmp_path / "vgg11-short.pth")
+    build_backbone("vgg11", str(tmp_path / "vgg11-short.pth"), layers=("features.9", "features.14"))
+    with pytest.raises(WeightsError, match=r"not a vgg11 state_dict \(missing \['features.16"):
+        build_backbone("vgg11", str(tmp_path / "vgg11-short.pth"))  # the default stages reach features.19
+    torch.save(features_of("vgg11_bn").state_dict(), tmp_path / "vgg11_bn.pth")
+    with pytest.raises(WeightsError, match="not a vgg11 state_dict"):
+        build_backbone("vgg11", str(tmp_path / "vgg11_bn.pth"))

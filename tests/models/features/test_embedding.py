@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from scipy.ndimage import uniform_filter
 
-from padim.models.features.backbones import BACKBONES, build_backbone
+from padim.models.families import BACKBONES
+from padim.models.features.backbones import build_backbone
 from padim.models.features.embedding import Embedding, FeatureExtractor
 
 LAYERS = ("layer1", "layer2", "layer3")

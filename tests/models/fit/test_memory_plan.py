@@ -94,3 +94,28 @@ def test_on_a_gpu_the_plan_counts_a_batch_and_its_changed_copies_through_the_bac
     assert plan_fit(stable, facts, "cuda").backbone == plan_fit(stable, facts, "cpu").backbone
     on_gpu, on_cpu = plan_fit(rough, facts, "cuda").backbone, plan_fit(rough, facts, "cpu").backbone
     assert 0.5e9 < on_gpu - on_cpu < 0.7e9  # 16 more pictures' activations: 710 B/px at 224 px
+
+
+@pytest.mark.parametrize("backbone", ["vgg16", "efficientnet_b0", "mobilenet_v3_large", "convnext_tiny"])
+def test_every_family_is_planned_with_its_own_stages_and_weights(backbone):
+    """The weights counted are the parameters of the blocks up to the deepest stage read (those torch.fx keeps), and
+    the activations the family's factor over its stem's and stages' outputs (models/families.py)."""
+    import torch
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    from padim.models.features.backbones import network
+    from padim.models.fit.memory_plan import _weights_bytes
+
+    config = PadimConfig(backbone=backbone, weights="random")
+    with torch.device("meta"):
+        kept = create_feature_extractor(network(backbone), {s: s for s in config.features.stages}).state_dict()
+    assert _weights_bytes(config) == sum(t.numel() * 4 for t in kept.values())
+    plan = plan_fit(config, FitFacts(40, True), device="cpu")
+    spec, pixels = config.spec, 56 * 56
+    assert plan.statistics == pixels * 100 * 101 // 2 * 8 + 2 * pixels * 100 * 8  # D 100 of each
+    outputs = [*spec.stem, *zip(spec.channels[:3], spec.strides[:3], strict=True)]
+    activations = int(spec.activation_factor * 4 * sum(c / s**2 for c, s in outputs) * 224**2 * 16)
+    embeddings = 16 * pixels * 100 * 4 * 2  # a batch's embeddings and its copies' (rough), beside the spool
+    assert plan.backbone == 2 * _weights_bytes(config) + activations + embeddings
+    shallower = plan_fit(config.replace(layers=spec.stages[:2], embedding_dim=32), FitFacts(40, True), device="cpu")
+    assert shallower.backbone < plan.backbone  # fewer blocks kept, fewer outputs

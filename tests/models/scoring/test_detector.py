@@ -516,3 +516,33 @@ def test_decode_workers_is_stored_so_and_a_format_fifteen_file_spelled_it_worker
     batch = detector.preprocess(pictures(images, 3))
     torch.testing.assert_close(fifteen.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert PadimConfig(workers=3).run.decode_workers == 3  # the Python keyword's earlier spelling too
+
+
+def test_the_backbone_is_described_in_the_file_and_a_format_sixteen_file_reads_it_from_the_table(
+    detector, images, tmp_path
+):
+    """Format 17 writes the family and the stages read, with their channels and strides, and checks them against
+    this padim's table on reading; a file of format 16 or older has none, and gets the table's."""
+    save_detector(detector, tmp_path / "new.padim", with_statistics=True)
+    tensors, header = load_artifact(tmp_path / "new.padim")
+    assert header["format_version"] == FORMAT_VERSION >= 17
+    assert header["backbone"] == {
+        "family": "resnet",
+        "stages": [
+            {"name": "layer1", "channels": 64, "stride": 4},
+            {"name": "layer2", "channels": 128, "stride": 8},
+            {"name": "layer3", "channels": 256, "stride": 16},
+        ],
+    }
+    batch = detector.preprocess(pictures(images, 3))
+    old = {k: v for k, v in header.items() if k != "backbone"}
+    older_format_of(tensors, old, tmp_path / "sixteen.padim", 16)
+    sixteen = load_detector(tmp_path / "sixteen.padim", device="cpu")
+    assert sixteen.describe()["backbone_family"] == "resnet"
+    assert sixteen.describe()["stages"] == header["backbone"]["stages"]
+    torch.testing.assert_close(sixteen.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
+    # a file whose stages are not the ones this padim's table gives its backbone is refused, not misread
+    wrong = {**header, "backbone": {**header["backbone"], "stages": header["backbone"]["stages"][:2]}}
+    older_format_of(tensors, wrong, tmp_path / "wrong.padim", FORMAT_VERSION)
+    with pytest.raises(ArtifactError, match="inconsistent model file .*is not resnet18's as this padim knows it"):
+        load_detector(tmp_path / "wrong.padim", device="cpu")
