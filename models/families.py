@@ -112,16 +112,14 @@ class Family:
     members: tuple[str, ...]
 
 
-def _features(count: int) -> tuple[str, ...]:
-    return tuple(f"features.{i}" for i in range(count))
-
-
-def _spec(name, family, nodes, channels, blocks, head, stem, factor, random_batchnorm=False) -> BackboneSpec:
-    """One backbone whose stages are at strides 4, 8, 16 and 32, the first three read by default."""
-    strides = (4, 8, 16, 32)
+def _features_spec(name, family, count, nodes, channels, stem, random_batchnorm) -> BackboneSpec:
+    """A backbone whose stages are ``features.N`` modules at strides 4, 8, 16 and 32 (``count`` of them in all),
+    the first three read by default, the classifier never."""
+    stages = tuple(f"features.{i}" for i in nodes)
     return BackboneSpec(
-        name, family, tuple(nodes), tuple(channels), strides, tuple(nodes[:3]), min(DEFAULT_DIM, sum(channels[:3])),
-        blocks, head, stem, factor, random_batchnorm=random_batchnorm,
+        name, family, stages, tuple(channels), (4, 8, 16, 32), stages[:3], min(DEFAULT_DIM, sum(channels[:3])),
+        tuple(f"features.{i}" for i in range(count)), ("classifier",), stem, ACTIVATION_FACTORS[family],
+        random_batchnorm=random_batchnorm,
     )  # fmt: skip
 
 
@@ -190,6 +188,24 @@ ACTIVATION_FACTORS = {
     "convnext": 6.8,
 }
 
+#: The families whose stages are ``features.N``: family -> (its backbones: name -> (``features`` modules, the stages'
+#: indices, their channels), the largest activations before the first stage (``(channels, stride)``, from the
+#: stages' channels), whether random weights set the BatchNorms from noise).
+_FEATURES_FAMILIES = {
+    "vgg": (
+        {name: (count, nodes, (256, 512, 512, 512)) for name, (count, nodes) in _VGGS.items()},
+        lambda channels: ((64, 1), (128, 2)),
+        False,
+    ),
+    "efficientnet": (_EFFICIENTNETS, lambda channels: ((32, 2), (96, 2)), True),
+    "mobilenet_v3": (_MOBILENETS, lambda channels: ((16, 2), (64, 2)), True),
+    "convnext": (
+        {name: (8, (1, 3, 5, 7), channels) for name, channels in _CONVNEXTS.items()},
+        lambda channels: ((channels[0], 4),),  # its stem: the first stage's shape
+        False,
+    ),
+}
+
 BACKBONES: dict[str, BackboneSpec] = {
     **{
         name: BackboneSpec(
@@ -208,58 +224,9 @@ BACKBONES: dict[str, BackboneSpec] = {
         for name, kind in _RESNETS.items()
     },
     **{
-        name: _spec(
-            name,
-            "vgg",
-            [f"features.{i}" for i in nodes],
-            (256, 512, 512, 512),
-            _features(count),
-            ("classifier",),
-            ((64, 1), (128, 2)),
-            ACTIVATION_FACTORS["vgg"],
-        )  # fmt: skip
-        for name, (count, nodes) in _VGGS.items()
-    },
-    **{
-        name: _spec(
-            name,
-            "efficientnet",
-            [f"features.{i}" for i in nodes],
-            channels,
-            _features(count),
-            ("classifier",),
-            ((32, 2), (96, 2)),
-            ACTIVATION_FACTORS["efficientnet"],
-            random_batchnorm=True,
-        )  # fmt: skip
-        for name, (count, nodes, channels) in _EFFICIENTNETS.items()
-    },
-    **{
-        name: _spec(
-            name,
-            "mobilenet_v3",
-            [f"features.{i}" for i in nodes],
-            channels,
-            _features(count),
-            ("classifier",),
-            ((16, 2), (64, 2)),
-            ACTIVATION_FACTORS["mobilenet_v3"],
-            random_batchnorm=True,
-        )  # fmt: skip
-        for name, (count, nodes, channels) in _MOBILENETS.items()
-    },
-    **{
-        name: _spec(
-            name,
-            "convnext",
-            ["features.1", "features.3", "features.5", "features.7"],
-            channels,
-            _features(8),
-            ("classifier",),
-            ((channels[0], 4),),
-            ACTIVATION_FACTORS["convnext"],
-        )  # fmt: skip
-        for name, channels in _CONVNEXTS.items()
+        name: _features_spec(name, family, count, nodes, channels, stem(channels), random_batchnorm)
+        for family, (members, stem, random_batchnorm) in _FEATURES_FAMILIES.items()
+        for name, (count, nodes, channels) in members.items()
     },
 }
 
