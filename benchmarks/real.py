@@ -192,6 +192,8 @@ def padim(cli: list[str], category: Path, flags: list[str], work: Path) -> dict:
         "false_alarm_bound": summary["calibration"]["false_alarm_bound"],
         "stages": [s["name"] for s in header["stages"]],
         "embedding_dim": summary["embedding_dim"],
+        "shrinkage": summary.get("shrinkage"),
+        "cover": summary["calibration"]["expect"],
         "config": {k: header["header"]["config"][k] for k in ("shrinkage", "neighbourhood", "blur_sigma", "expect")},
     }
 

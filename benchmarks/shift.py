@@ -31,7 +31,7 @@ as ``benchmarks/quality.py --grid robust`` reads it). Results per category, neve
     python benchmarks/shift.py --quick                           # 2 categories, 2 option sets: a smoke run
     python benchmarks/shift.py --categories brick,brick+light --options n3-s0.5-rough,n3-s0.5-auto --fit-rounds 3
 
-An option set is written ``n<neighbourhood>-s<shrinkage>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]
+An option set is written ``n<neighbourhood>-s<shrinkage or auto>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]
 [-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``); ``<expect>`` is a preset, ``auto`` or
 ``geometry``, ``rough``'s cover without its light (``shift=6,rotate=2,blur=1.5,jpeg=60``).
 """
@@ -94,7 +94,7 @@ def parse_options(name: str) -> dict:
     parts = name.split("-")
     options = {
         "neighbourhood": int(parts[0][1:]),
-        "shrinkage": float(parts[1][1:]),
+        "shrinkage": "auto" if parts[1] == "sauto" else float(parts[1][1:]),
         "expect": {"stable": "", "geometry": GEOMETRY}.get(parts[2], parts[2]),
     }
     for extra in parts[3:]:

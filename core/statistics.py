@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import NotPositiveDefiniteError as NotPositiveDefiniteError  # re-exported: raised here
+from .limits import SHRINKAGE_AUTO, SHRINKAGE_MAX
 from .packing import add_lower_products_, packed_length, unpack_lower
 
 ACCUMULATOR_DTYPE = torch.float64
@@ -347,6 +348,114 @@ def pooled_comoment(state: GaussianState) -> torch.Tensor:
     return unpack_lower(state.comoment.sum(dim=0, keepdim=True), state.embedding_dim, symmetric=True)[0]
 
 
+@dataclass
+class PooledMoments:
+    """What the pooled target and its estimated weight need of every pixel's sample covariance ``S_p``, summed a
+    slice of pixels at a time (:meth:`add_`): ``sum_p S_p``, ``sum_p ||S_p||_F^2`` and ``sum_p tr(S_p)^2``."""
+
+    total: torch.Tensor  # (D, D) float64, sum_p S_p
+    squares: float = 0.0
+    trace_squares: float = 0.0
+    pixels: int = 0
+    #: sum_p of the sampling variance of S_p read from the pictures' fourth moments, and the same as a Gaussian
+    #: would give (:meth:`add_tails_`): their ratio scales the Gaussian estimate (1 without them).
+    fourth: float = 0.0
+    gaussian: float = 0.0
+
+    @classmethod
+    def empty(cls, dim: int, device: torch.device | str = "cpu") -> PooledMoments:
+        return cls(torch.zeros(dim, dim, dtype=ACCUMULATOR_DTYPE, device=device))
+
+    @classmethod
+    def of(cls, state: GaussianState, chunk_pixels: int = 256) -> PooledMoments:
+        """The moments of ``state``'s pixels, ``chunk_pixels`` unpacked at a time."""
+        moments = cls.empty(state.embedding_dim, state.comoment.device)
+        for start in range(0, state.num_pixels, chunk_pixels):
+            moments.add_(covariance(state, start, start + chunk_pixels))
+        return moments
+
+    def add_(self, covariances: torch.Tensor) -> PooledMoments:
+        """Adds ``(c, D, D)`` sample covariances (left unchanged)."""
+        covariances = covariances.to(ACCUMULATOR_DTYPE)
+        self.total += covariances.sum(dim=0).to(self.total.device)
+        self.squares += float(covariances.square().sum())
+        self.trace_squares += float(covariances.diagonal(dim1=-2, dim2=-1).sum(-1).square().sum())
+        self.pixels += covariances.shape[0]
+        return self
+
+    def add_tails_(self, fourth: torch.Tensor, comoment: torch.Tensor, count: int) -> PooledMoments:
+        """Adds the tails of ``count`` pictures at ``c`` pixels: ``fourth`` ``(c,)`` ``sum_k ||x_k - m||^4`` and
+        ``comoment`` ``(c, D, D)`` ``sum_k (x_k - m)(x_k - m)^T``, both about their own mean ``m``. Ledoit and Wolf's
+        estimate of the sampling variance of ``S_p``, ``(sum_k ||x_k x_k^T - S_p||^2) / n^2 = (sum_k ||x_k||^4 -
+        n ||S_p||^2) / n^2`` (``S_p`` over ``n``), is summed beside what a Gaussian's would be, ``(||S_p||^2 +
+        tr(S_p)^2) / n``: features with heavier tails than a Gaussian's vary more from sample to sample, and ask
+        for more shrinkage (:attr:`tails`)."""
+        if count < 2:
+            return self
+        biased = comoment.to(ACCUMULATOR_DTYPE) / count
+        squares = biased.square().sum(dim=(-2, -1))  # (c,)
+        traces = biased.diagonal(dim1=-2, dim2=-1).sum(-1)  # (c,)
+        self.fourth += float((fourth.to(ACCUMULATOR_DTYPE) - count * squares).sum()) / count**2
+        self.gaussian += float((squares + traces.square()).sum()) / count
+        return self
+
+    @property
+    def tails(self) -> float:
+        """How much more the sample covariances vary than a Gaussian's would (1: as a Gaussian's, or unmeasured)."""
+        return max(self.fourth, 0.0) / self.gaussian if self.gaussian > 0 else 1.0
+
+    @property
+    def target(self) -> torch.Tensor:
+        """``T = sum_p S_p / P``, the pooled covariance."""
+        return self.total / self.pixels
+
+    def intensity(self, count: int, tails: float | None = None) -> float:
+        """The weight of ``T`` estimated from ``count`` pictures: :func:`shrinkage_intensity`, its sampling
+        variance scaled by ``tails`` (default :attr:`tails`)."""
+        target_square = float(self.target.square().sum())
+        factor = self.tails if tails is None else tails
+        return shrinkage_intensity(self.squares, self.trace_squares, target_square, count, self.pixels, factor)
+
+
+def shrinkage_intensity(
+    squares: float, trace_squares: float, target_square: float, count: int, pixels: int, tails: float = 1.0
+) -> float:
+    """The Ledoit-Wolf weight of the pooled covariance ``T`` for per-pixel sample covariances ``S_p`` of ``count``
+    pictures, with the sampling variance of a Gaussian's covariance in place of fourth moments (which a streamed
+    comoment does not keep): the weight that minimises the expected squared Frobenius error of
+    ``(1 - lambda) S_p + lambda T`` summed over the pixels, ``T`` taken as known (it has ``P`` times the samples),
+
+        ``lambda = sum_p E ||S_p - Sigma_p||^2 / sum_p ||S_p - T||^2``,  ``E ||S_p - Sigma_p||^2 = (||Sigma_p||^2 +
+        tr(Sigma_p)^2) / (n - 1)``
+
+    with ``||Sigma_p||^2`` and ``tr(Sigma_p)^2`` estimated without bias from ``||S_p||^2`` and ``tr(S_p)^2`` (their
+    expectations under a Wishart law), times ``tails``: how much more the covariances of these features vary than
+    a Gaussian's (:meth:`PooledMoments.add_tails_`, from the pictures' fourth moments, as Ledoit and Wolf read it).
+    Few pictures, heavy tails or pixels that differ little from the pool ask for much shrinkage; many pictures for
+    little. Clipped to ``[0, 0.95]``.
+
+    Args:
+        squares: ``sum_p ||S_p||_F^2``; trace_squares: ``sum_p tr(S_p)^2``; target_square: ``||T||_F^2``.
+        count: pictures; pixels: ``P``; tails: the sampling variance's factor over a Gaussian's.
+
+    Example (300 pictures ask for less than 30):
+        >>> x = torch.randn(300, 50, 6, dtype=torch.float64) * torch.linspace(0.5, 2, 50)[:, None]
+        >>> few, many = (PooledMoments.of(batch_state(x[:n])).intensity(n) for n in (30, 300))
+        >>> 0 < many < few < 1
+        True
+    """
+    if count < 3 or pixels < 1:
+        return 0.0
+    m = count - 1
+    frobenius = max((squares - trace_squares / m) / (1 + 1 / m - 2 / m**2), 0.0)  # sum_p ||Sigma_p||^2
+    traces = max(trace_squares - 2 * frobenius / m, 0.0)  # sum_p tr(Sigma_p)^2
+    error = tails * (frobenius + traces) / m  # sum_p E ||S_p - Sigma_p||^2
+    spread = squares - pixels * target_square  # sum_p ||S_p - T||^2
+    if spread <= 0.0:
+        return SHRINKAGE_MAX
+    return min(max(error / spread, 0.0), SHRINKAGE_MAX)
+
+
 @dataclass(frozen=True)
 class Shrinkage:
     """Each pixel's covariance shrunk toward the covariance pooled over every pixel (``train --shrinkage``).
@@ -384,11 +493,23 @@ class Shrinkage:
     target: torch.Tensor | None = None  # (D, D) T, float64; None with weight 0
 
     @classmethod
-    def of(cls, state: GaussianState, epsilon: float, weight: float) -> Shrinkage:
-        """The shrinkage of ``state``'s pixels toward their pooled covariance (the state's own ``T``)."""
+    def of(cls, state: GaussianState, epsilon: float, weight: float | str) -> Shrinkage:
+        """The shrinkage of ``state``'s pixels toward their pooled covariance (the state's own ``T``); ``weight``
+        :data:`SHRINKAGE_AUTO`: estimated from the state (:func:`shrinkage_intensity`)."""
+        if weight == SHRINKAGE_AUTO:
+            return cls.estimated(PooledMoments.of(state), int(state.count), epsilon)
         if not weight:
             return cls(epsilon)
-        return cls.pooled(pooled_comoment(state), int(state.count), state.num_pixels, epsilon, weight)
+        return cls.pooled(pooled_comoment(state), int(state.count), state.num_pixels, epsilon, float(weight))
+
+    @classmethod
+    def estimated(cls, moments: PooledMoments, count: int, epsilon: float, tails: float | None = None) -> Shrinkage:
+        """Toward ``moments``' pooled covariance with the weight they ask for (:meth:`PooledMoments.intensity`;
+        ``tails``: their factor, if not theirs)."""
+        weight = moments.intensity(count, tails)
+        if not weight:
+            return cls(epsilon)
+        return cls(epsilon, weight, moments.target)
 
     @classmethod
     def pooled(cls, comoment_sum: torch.Tensor, count: int, pixels: int, epsilon: float, weight: float) -> Shrinkage:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from padim.core.limits import FALSE_ALARM_RATE_RANGE
+from padim.core.limits import FALSE_ALARM_RATE_RANGE, SHRINKAGE_AUTO, SHRINKAGE_MAX
 from padim.models.choices import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
@@ -189,6 +189,20 @@ def tiles_value(text: str) -> tuple[int, int]:
     if not isinstance(tiles, tuple):
         raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxCOLS (e.g. 2x2 or 3x4)")
     return tiles
+
+
+def shrinkage_value(text: str) -> float | str:
+    """``--shrinkage``: a number, or ``auto``."""
+    if text.strip().lower() == SHRINKAGE_AUTO:
+        return SHRINKAGE_AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or auto") from None
+
+
+def _shrinkage_ok(value: Any) -> bool:
+    return value == SHRINKAGE_AUTO or (_is_number(value) and 0 <= value <= SHRINKAGE_MAX)
 
 
 def folds_value(text: str) -> int | str:
@@ -472,15 +486,18 @@ class Gaussian(Group):
         check=Number(0, None, "use a number >= 0 (the paper uses 0.01)"),
         shown=True,
     )
-    shrinkage: float = option(
-        0.5,
-        "shrink each pixel's covariance toward the covariance pooled over every pixel by this weight, from 0 (none, "
-        "the paper; --config paper) to 0.95 (default 0.5): few pictures leave a pixel's Gaussian too tight where "
-        "they did not vary, and the pooled one lends it the variation seen elsewhere (docs/quality.md)",
-        check=Number(0, 0.95, "use a number from 0 (none) to 0.95"),
-        flag={"metavar": "WEIGHT"},
+    shrinkage: float | str = option(
+        SHRINKAGE_AUTO,
+        "shrink each pixel's covariance toward the covariance pooled over every pixel: auto (default: the weight "
+        "the fit's own statistics ask for, a Ledoit-Wolf estimate, small with many pictures and larger with few; "
+        "train and padim info say what it chose) or a weight from 0 (none, the paper; --config paper) to 0.95: few "
+        "pictures leave a pixel's Gaussian too tight where they did not vary, and the pooled one lends it the "
+        "variation seen elsewhere (docs/quality.md)",
+        check=Custom(_shrinkage_ok, "use auto or a number from 0 (none) to 0.95"),
+        flag={"type": shrinkage_value, "metavar": "WEIGHT"},
         before=0.0,
         shown=True,
+        example="0.3",
     )
     neighbourhood: int = option(
         3,
@@ -525,6 +542,17 @@ class Gaussian(Group):
         True,
         "with --expect, fit each picture's changed copy too (default: on): the Gaussians learn the changes (fewer "
         "defects missed than a threshold widened alone; docs/quality.md); --no-fit-changes widens the threshold alone",
+        check=Custom(lambda v: isinstance(v, bool), "use true or false"),
+        flag={"action": argparse.BooleanOptionalAction},
+        before=False,
+    )
+    trim_cover: bool = option(
+        True,
+        "leave out of --expect's cover each change the training pictures already show at least as far as its bound "
+        "(their light, contrast, placement, focus and JPEG quality, measured when the fit starts as --expect auto "
+        "measures them; train and padim info say what was left out): their own out-of-fold scores cover it, and "
+        "copies changed further than the line goes would only raise the threshold (default: on; not with "
+        "--partial, --resume or --expect auto; docs/calibration.md); --no-trim-cover draws every declared change",
         check=Custom(lambda v: isinstance(v, bool), "use true or false"),
         flag={"action": argparse.BooleanOptionalAction},
         before=False,
@@ -747,7 +775,7 @@ def _json_type(annotation: Any, name: str) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is tuple:
         return list[args[0]]  # type: ignore[valid-type]  # the element type is read at run time
-    if origin in (typing.Union, types.UnionType):
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
         return _json_type(next(a for a in args if a is not type(None)), name) | None
     return annotation
 

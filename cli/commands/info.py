@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from padim.models.choices import spelled_precision
     from padim.models.deploy.runtimes import is_export, runtime_choice
     from padim.models.features.backbones import WeightsInfo
-    from padim.models.scoring.detector import promise_covers
+    from padim.models.scoring.detector import promise_covers, shrinkage_chosen
 
     if is_export(args.model):
         print(json.dumps(export_summary(args.model), indent=2))
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             zip(("auto", "why"), runtime_choice("auto", "auto", config.get("precision", "fp32")), strict=True)
         ),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
+        "shrinkage": shrinkage_chosen(config.get("shrinkage", 0.0), header.get("shrinkage_estimated")),
         "fit_image_count": header.get("fit_image_count"),
         "unreadable_image_count": header.get("unreadable_image_count"),
         "calibration": {

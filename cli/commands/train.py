@@ -204,6 +204,9 @@ def _say(args: argparse.Namespace, report, header: dict | None) -> None:
     """What the threshold promises and the precision's check (unless -q), and every warning, on stderr."""
     if header is not None and not args.quiet:
         print(f"padim train: {verdict_line(header)}", file=sys.stderr)
+        shrinkage = _shrinkage(header)
+        if shrinkage["chosen"] == "estimated":
+            print(f"padim train: shrinkage {shrinkage['weight']:.3f}, {shrinkage['why']}", file=sys.stderr)
         if report.precision_check is not None:
             print(f"padim train: {report.precision_check.sentence()}", file=sys.stderr)
     for warning in report.warnings:
@@ -238,8 +241,9 @@ def _resumed(args: argparse.Namespace, config, given: set[str]):
     resume = load_fit(args.resume, run_options=config)
     # the earlier out-of-fold scores were read from their maps one way: the new ones must be too
     clash = [k for k in config.differences(resume.config, CALIBRATION) if k in given]
-    if config.gaussian.expect == EXPECT_AUTO and resume.provenance.expect_measured:  # the cover it measured stays
-        clash = [k for k in clash if k != "expect"]
+    measured = resume.provenance.expect_measured or {}
+    if measured and (config.gaussian.expect == EXPECT_AUTO or _declared(config.gaussian.expect, measured)):
+        clash = [k for k in clash if k != "expect"]  # the cover it measured (or trimmed) stays
     if config.features.precision == PRECISION_AUTO:  # the precision it was fitted at stays
         clash = [k for k in clash if k != "precision"]
     if clash:
@@ -252,6 +256,13 @@ def _resumed(args: argparse.Namespace, config, given: set[str]):
     if "false_alarm_rate" in given:
         resume.config = resume.config.replace(false_alarm_rate=config.verdict.false_alarm_rate)
     return resume
+
+
+def _declared(expect: str, measured: dict) -> bool:
+    """Whether ``expect`` is what a trimmed cover (``--trim-cover``) declared before it left changes out."""
+    from padim.models.data.changes import Expected  # numpy and Pillow: not for --help
+
+    return "declared" in measured and Expected.parse(expect) == Expected.parse(measured["declared"])
 
 
 def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, seconds: float) -> dict:
@@ -301,8 +312,15 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
             stages=[stage["name"] for stage in header["backbone"]["stages"]],
             image_size=header["config"]["image_size"],
             embedding_dim=header["embedding_dim"],
+            shrinkage=_shrinkage(header),
         )
     return summary
+
+
+def _shrinkage(header: dict) -> dict:
+    from padim.models.scoring.detector import shrinkage_chosen  # torch: not for --help
+
+    return shrinkage_chosen(header["config"].get("shrinkage", 0.0), header.get("shrinkage_estimated"))
 
 
 def verdict_line(header: dict) -> str:

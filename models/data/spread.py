@@ -29,6 +29,7 @@ NumPy and Pillow only; at most :data:`SAMPLE` pictures are read (chosen by name,
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -115,6 +116,29 @@ class Spread:
             jpeg=jpeg,
         )
 
+    def shown(self, expected: Expected) -> list[str]:
+        """The changes of ``expected`` these pictures already show at least as far as its bound (``train
+        --trim-cover``): their light, contrast or focus wander as far, they are placed or turned as far apart, or
+        compressed as hard. Pictures that share no position (fewer than half register: a texture's crops) show every
+        shift already (a shifted crop is another crop) but not a turn. A change not expected is not listed."""
+        measured = {
+            "brightness": self.brightness,
+            "contrast": self.contrast,
+            "shift": math.inf if self.shift is None else self.shift,
+            "rotate": self.rotate,
+            "blur": self.blur,
+        }
+        shown = [name for name, value in measured.items() if getattr(expected, name) and value is not None
+                 and value >= getattr(expected, name)]  # fmt: skip
+        if expected.jpeg and self.jpeg is not None and self.jpeg <= expected.jpeg:
+            shown.append("jpeg")
+        return shown
+
+    def trimmed(self, expected: Expected) -> Expected:
+        """``expected`` without the changes these pictures already show (:meth:`shown`): their own out-of-fold
+        scores cover them, and a copy changed further than the line goes would only raise the threshold."""
+        return dataclasses.replace(expected, **dict.fromkeys(self.shown(expected), 0.0))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -136,6 +160,30 @@ class Spread:
             f"{self.contrast:.1%}, {placement}, focus softer by up to sigma {self.blur:g} px, {jpeg}; covered with "
             f"a margin of {margin:g}x: {self.cover(margin) or 'nothing'}"
         )
+
+
+def trim_sentence(spread: Spread | None, trimmed: dict | None, cover: str) -> str:
+    """One line for ``train --trim-cover``: what the training pictures showed of the declared changes, what was
+    left out and what the cover draws."""
+    if spread is None or trimmed is None:
+        return "fewer than two training pictures could be read to measure their spread: the cover is kept whole"
+    placement = (
+        f"placed within {spread.shift:g} px and {spread.rotate:g} degrees"
+        if spread.shift is not None and spread.rotate is not None
+        else f"sharing no position (only {spread.registered:.0%} of them register: a texture, whose crops show every "
+        "shift)"
+    )
+    measured = (
+        f"{spread.pictures} training pictures measured: light within {spread.brightness:.1%}, contrast within "
+        f"{spread.contrast:.1%}, {placement}, focus softer by up to sigma {spread.blur:g} px, "
+        + (f"JPEG down to quality {spread.jpeg}" if spread.jpeg is not None else "stored losslessly")
+    )
+    if not trimmed["left_out"]:
+        return f"{measured}; they show none of the declared changes as far: the cover draws all of them"
+    return (
+        f"{measured}; they already show {', '.join(trimmed['left_out'])} at least as far as declared, left to "
+        f"their own out-of-fold scores (--no-trim-cover draws them too); the cover draws {cover or 'nothing'}"
+    )
 
 
 def sampled(names: Sequence[str], count: int = SAMPLE) -> list[int]:

@@ -14,10 +14,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from padim.core.limits import SHRINKAGE_AUTO
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.scoring import squared_mahalanobis
 from padim.core.spool import ScratchFile
-from padim.core.statistics import GaussianState, Shrinkage, empty_state, triangular_inverse
+from padim.core.statistics import (
+    GaussianState,
+    PooledMoments,
+    Shrinkage,
+    empty_state,
+    triangular_inverse,
+)
 from padim.core.tiling import Tiling
 from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
@@ -67,6 +74,7 @@ class Finish:
         self.slices = pixel_slices(fit)
         self.factors = ScratchFile(scratch, prefix=".padim-factors-") if scratch is not None and main else None
         self.shrinkage = Shrinkage(fit.config.gaussian.epsilon)
+        self.tails = 1.0  # --shrinkage auto: how much more the covariances vary than a Gaussian's
         self.results = _Results()
         self.float16 = _Float16Check()
 
@@ -101,7 +109,25 @@ class Finish:
             change,
             results.tensor(results.input_distances),
             results.tensor(results.taken_scores) if fit.config.gaussian.expect else None,
+            self._estimated(),
         )
+
+    def _samples(self) -> int:
+        """The independent samples a pixel's covariance has for ``--shrinkage auto``: its rows, a picture's fitted
+        copy not counted (it is the picture changed a little, not another picture; tiles sharing a Gaussian are)."""
+        return int(self.statistics.count) // (2 if self.fit.config.copies_fitted else 1)
+
+    def _estimated(self) -> dict | None:
+        """What ``--shrinkage auto`` chose, and from what (``None`` for a weight given)."""
+        if self.fit.config.gaussian.shrinkage != SHRINKAGE_AUTO:
+            return None
+        return {
+            "weight": float(self.shrinkage.weight),
+            "rows": int(self.statistics.count),
+            "samples": self._samples(),
+            "pixels": self.fit.pixels,
+            "tails": round(self.tails, 4),
+        }
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -144,9 +170,9 @@ class Finish:
         return covariance, cholesky
 
     def _shrinkage(self) -> Shrinkage:
-        """The model's :class:`~padim.core.statistics.Shrinkage`: its pooled covariance needs every pixel's
-        comoment before any pixel is factored, so spooled images are formed once more here (a slice at a time,
-        kept nowhere) when ``--shrinkage`` is set."""
+        """The model's :class:`~padim.core.statistics.Shrinkage`: its pooled covariance (and, with ``--shrinkage
+        auto``, the weight estimated from the data) needs every pixel's comoment before any pixel is factored, so
+        spooled images are formed once more here (a slice at a time, kept nowhere) when ``--shrinkage`` is set."""
         fit = self.fit
         epsilon, weight = fit.config.gaussian.epsilon, fit.config.gaussian.shrinkage
         state = self.statistics
@@ -155,17 +181,25 @@ class Finish:
         if state.spooled is None:
             holder = state.target if state.target is not None else state.base
             assert holder is not None, "without a spool the statistics hold every image"
+            if weight == SHRINKAGE_AUTO:  # no pictures at hand: the tails the model was last estimated with
+                self.tails = float((fit.provenance.shrinkage_estimated or {}).get("tails", 1.0))
+                moments = PooledMoments.of(holder)
+                return Shrinkage.estimated(moments, self._samples(), epsilon, self.tails).to(fit.device)
             return Shrinkage.of(holder, epsilon, weight).to(fit.device)
-        dim = fit.embedder.embedding_dim
-        total = torch.zeros(dim, dim, dtype=torch.float64)
+        moments = PooledMoments.empty(fit.embedder.embedding_dim)
+        tails = moments if weight == SHRINKAGE_AUTO else None  # the spooled pictures' fourth moments too
         with (
             self.timed("finish"),
             tqdm(total=fit.pixels, desc="pool", unit="px", disable=not self.progress, leave=False) as bar,
         ):
             for pixels in self.slices:
-                total += self._comoment(pixels, True, keep=False).sum(dim=0).cpu()
+                moments.add_(self._comoment(pixels, True, keep=False, tails=tails).div_(state.count - 1).cpu())
                 bar.update(pixels.size)
-        return Shrinkage.pooled(total, state.count, fit.pixels, epsilon, weight).to(fit.device)
+        if weight == SHRINKAGE_AUTO:
+            self.tails = moments.tails
+            return Shrinkage.estimated(moments, self._samples(), epsilon).to(fit.device)
+        comoments = moments.total * (state.count - 1)
+        return Shrinkage.pooled(comoments, state.count, fit.pixels, epsilon, float(weight)).to(fit.device)
 
     def _write_factors(self, pixels: PixelSlice, cholesky: torch.Tensor, scoring: ScoringPass | None) -> None:
         """The slice's precision factors ``W = L^-1`` into the scratch file (float32, packed), and the float16
@@ -180,9 +214,12 @@ class Finish:
             if sample is not None:
                 self.float16.add(sample.to(fit.device), self.statistics.mean[pixels.start : pixels.stop], stored)
 
-    def _comoment(self, pixels: PixelSlice, forming: bool, keep: bool = True) -> torch.Tensor:
+    def _comoment(
+        self, pixels: PixelSlice, forming: bool, keep: bool = True, tails: PooledMoments | None = None
+    ) -> torch.Tensor:
         """Symmetric ``(c, D, D)`` float64 comoment of every image, for the slice's pixels (``forming``: from the
-        spool, kept in the statistics unless ``keep`` is false)."""
+        spool, kept in the statistics unless ``keep`` is false; ``tails``: the spooled rows' fourth moments added
+        to it, :meth:`~padim.core.statistics.PooledMoments.add_tails_`)."""
         fit, state, shard = self.fit, self.statistics, self.shard
         dim, start, stop = fit.embedder.embedding_dim, pixels.start, pixels.stop
         spooled = state.spooled
@@ -193,9 +230,15 @@ class Finish:
         assert spooled.mean is not None, "the spool's mean is set once pass 1 is over"
         mean = spooled.mean[start:stop]  # (c, D) of the spooled images: centred on their exact mean
         square = torch.empty(stop - start, dim, dim, dtype=torch.float64, device=fit.device)
-        distributed.together(functools.partial(_spooled_square, fit, spooled, pixels, mean, square), shard, fit.device)
+        fourth = None if tails is None else torch.zeros(stop - start, dtype=torch.float64, device=fit.device)
+        distributed.together(
+            functools.partial(_spooled_square, fit, spooled, pixels, mean, square, fourth), shard, fit.device
+        )
         if shard is not None:  # the lower triangle travels: half the bytes
             square = unpack_lower(distributed.sum_(pack_lower(square), shard), dim, symmetric=True)
+            fourth = None if fourth is None else distributed.sum_(fourth, shard)
+        if tails is not None and fourth is not None:
+            tails.add_tails_(fourth.cpu(), square.cpu(), spooled.count)
         if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
             n_b, n_s = int(state.base.count), spooled.count
             delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
@@ -236,9 +279,15 @@ class Finish:
 
 
 def _spooled_square(
-    fit: Fitting, spooled: Spooled, pixels: PixelSlice, mean: torch.Tensor, square: torch.Tensor
+    fit: Fitting,
+    spooled: Spooled,
+    pixels: PixelSlice,
+    mean: torch.Tensor,
+    square: torch.Tensor,
+    fourth: torch.Tensor | None = None,
 ) -> None:
-    """This rank's comoment of its spooled rows at the slice's pixels, centred on ``mean``, into ``square``."""
+    """This rank's comoment of its spooled rows at the slice's pixels, centred on ``mean``, into ``square``; with
+    ``fourth`` ``(c,)``, their ``sum ||x - mean||^4`` added to it."""
     start, stop, dim = pixels.start, pixels.stop, fit.embedder.embedding_dim
     per = fit.spooled_rows  # blocks of whole pictures: their copies are told apart by place
     rows = max(per, BLOCK_BYTES // (8 * (stop - start) * dim) // per * per)
@@ -249,6 +298,8 @@ def _spooled_square(
         x = fit.fitted(block).to(fit.device)
         centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
         square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
+        if fourth is not None:
+            fourth += centred.square().sum(-1).square().sum(-1)
 
 
 def pixel_slices(fit: Fitting) -> list[PixelSlice]:

@@ -261,6 +261,7 @@ def _write_statistics_only(
         fits=[*earlier.fits, run],
         merged_from=list(earlier.merged_from),
         expect_measured=earlier.expect_measured,
+        shrinkage_estimated=finished.shrinkage,
     )
     try:
         if fit.earlier is None:

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,6 +20,9 @@ from padim.core.spool import EmbeddingSpool, ScratchFile
 from padim.core.statistics import GaussianState
 from padim.models.config import PadimConfig
 from padim.models.features.embedding import FeatureEmbedder
+
+if TYPE_CHECKING:
+    from padim.models.scoring.detector import Provenance
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class Finished:
         unscored: names of fitted images left without an out-of-fold score (their fold holds all
             but fewer than two of the images).
         float16_change: largest relative change of the checked scores with float16 factors.
+        shrinkage: with ``--shrinkage auto``, the weight estimated from the statistics and what it was estimated
+            from (``weight``, ``rows``: samples a pixel, ``pixels``); ``None`` for a weight given.
     """
 
     mean: torch.Tensor
@@ -147,6 +152,7 @@ class Finished:
     float16_change: float | None = None
     input_distances: torch.Tensor | None = None
     taken_scores: torch.Tensor | None = None
+    shrinkage: dict | None = None
 
 
 def run_lengths(labels: Sequence) -> list[int]:
@@ -192,6 +198,7 @@ class Fitting(Protocol):
     statistics: GaussianState | None
     spooled: Spooled | None
     image_digests: torch.Tensor
+    provenance: Provenance
 
     @property
     def pixels(self) -> int: ...

@@ -26,9 +26,10 @@ from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
 from padim.models.choices import EXPECT_AUTO, PRECISION_AUTO
 from padim.models.config import CALIBRATION, PadimConfig
+from padim.models.data.changes import Expected
 from padim.models.data.framing import Framing
 from padim.models.data.images import list_images
-from padim.models.data.spread import Spread, measure, sampled
+from padim.models.data.spread import SAMPLE, Spread, measure, sampled, trim_sentence
 from padim.models.devices import choose_precision, float64_is_slow, resolve_device, usable_cpus
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import ImageError, PrecisionGateFailed
@@ -104,10 +105,13 @@ class FitReport:
         float16_change: the float16 check's largest relative change of image scores.
         precision_check: a reduced precision's gate (``train --precision``; ``None`` at fp32).
         cuda_peak: ``torch.cuda.max_memory_allocated`` of the fit on a GPU (``None`` on a CPU).
-        spread: what ``--expect auto`` measured on the training pictures (``None`` without it, and on a resume,
-            which keeps the cover it was fitted with).
+        spread: what ``--expect auto`` or ``--trim-cover`` measured on the training pictures (``None`` without
+            them, and on a resume, which keeps the cover it was fitted with).
         precision_choice: why ``--precision auto`` chose what it chose (``None`` without it).
         quantisation: what made a new int8 fit's backbone (``seconds["quantise"]`` its time).
+        shrinkage: what ``--shrinkage auto`` estimated (:attr:`Finished.shrinkage`; ``None`` for a weight given).
+        trimmed: with ``--trim-cover``, the changes declared and those left out of the cover (``declared``,
+            ``left_out``), beside the ``spread`` they were read from; ``None`` otherwise.
     """
 
     listed: int = 0
@@ -128,6 +132,8 @@ class FitReport:
     spread: Spread | None = None
     precision_choice: str | None = None
     quantisation: dict | None = None
+    shrinkage: dict | None = None
+    trimmed: dict | None = None
 
     @property
     def fitted(self) -> int:
@@ -179,6 +185,12 @@ def train(
             config, report.spread = measured_cover(config, images, shard)
         if announce is not None and (shard is None or shard.main):
             announce(f"--expect auto: {report.spread.describe()}")
+    elif resume is None and config.gaussian.expect and config.gaussian.trim_cover:
+        declared = config.gaussian.expect
+        with report.timed("measure"):
+            config, report.spread, report.trimmed = trimmed_cover(config, images, shard)
+        if announce is not None and (shard is None or shard.main):
+            announce(f"--expect {declared}: {trim_sentence(report.spread, report.trimmed, config.gaussian.expect)}")
     if resume is None and config.features.precision == PRECISION_AUTO:
         config, report.precision_choice = chosen_precision(config)
         if announce is not None and (shard is None or shard.main):
@@ -355,7 +367,7 @@ def merge_fits(
     finished = _merged_finished(merged, held, report, scratch, with_statistics, progress)
     try:
         calibration = _held_out_calibration(finished, config.verdict.false_alarm_rate)
-        provenance = _merged_provenance(merged, parts, provenances, time.perf_counter() - started)
+        provenance = _merged_provenance(merged, parts, provenances, time.perf_counter() - started, report)
         if config.features.precision != "fp32":  # gated on the pictures it calibrated on
             readable = [image for image in held if str(image.path) not in {name for name, _ in report.unreadable}]
             with report.timed("check"):
@@ -388,7 +400,9 @@ def _merged_finished(
             spool.close()
 
 
-def _merged_provenance(merged: Fit, parts: Sequence[str | Path], provenances: list, seconds: float) -> Provenance:
+def _merged_provenance(
+    merged: Fit, parts: Sequence[str | Path], provenances: list, seconds: float, report: FitReport
+) -> Provenance:
     """What a merged model file says of where it came from: the parts, their fits, the unreadable pictures."""
     return Provenance(
         fit_image_count=merged.count,
@@ -397,6 +411,7 @@ def _merged_provenance(merged: Fit, parts: Sequence[str | Path], provenances: li
         fit_seconds=round(seconds, 3),
         merged_from=[str(p) for p in parts],
         fits=[f for p in provenances for f in p.fits],
+        shrinkage_estimated=report.shrinkage,
     )
 
 
@@ -591,6 +606,7 @@ def _finish(
     report.unscored = finished.unscored
     report.precision_dtype = str(finished.precision_dtype).removeprefix("torch.")
     report.float16_change = finished.float16_change
+    report.shrinkage = finished.shrinkage
     if fit.device.type == "cuda":
         report.cuda_peak = torch.cuda.max_memory_allocated(fit.device)
     return finished
@@ -784,7 +800,10 @@ def _next_provenance(
         fit_seconds=round(time.perf_counter() - started, 3),
         fits=[*earlier.fits, run],
         merged_from=list(earlier.merged_from),
-        expect_measured=report.spread.to_dict() if report.spread is not None else earlier.expect_measured,
+        expect_measured={**report.spread.to_dict(), **(report.trimmed or {})}
+        if report.spread is not None
+        else earlier.expect_measured,
+        shrinkage_estimated=report.shrinkage,
     )
 
 
@@ -798,13 +817,40 @@ def measured_cover(
     config: PadimConfig, images: Sequence[TrainingImage], shard: Shard | None = None
 ) -> tuple[PadimConfig, Spread]:
     """``config`` with ``expect auto`` replaced by the bounds the training pictures' own spread sets
-    (:mod:`padim.models.data.spread`), and that spread. Every rank measures the same pictures (so that a picture
-    none can read fails every rank alike) and uses rank 0's numbers; an unreadable picture is left out of it (the fit
-    says why).
+    (:mod:`padim.models.data.spread`), and that spread.
 
     Raises:
         FitError: fewer than two of the pictures measured could be read.
     """
+    spread = _spread(config, images, shard)
+    if spread is None:
+        raise FitError(
+            f"--expect auto measures the training pictures, and fewer than two of the {min(len(images), SAMPLE)} it "
+            "read could be decoded; declare the changes instead (e.g. --expect rough)"
+        )
+    return config.replace(expect=str(spread.cover())), spread
+
+
+def trimmed_cover(
+    config: PadimConfig, images: Sequence[TrainingImage], shard: Shard | None = None
+) -> tuple[PadimConfig, Spread | None, dict | None]:
+    """``config`` with the declared changes the training pictures already show at least as far left out of its
+    cover (``--trim-cover``: :meth:`Spread.shown`), the spread measured, and what was declared and left out
+    (``declared``, ``left_out``; ``None`` where fewer than two pictures could be read: the cover is kept whole)."""
+    spread = _spread(config, images, shard)
+    if spread is None:
+        return config, None, None
+    declared = Expected.parse(config.gaussian.expect)
+    shown = spread.shown(declared)
+    trimmed = config.replace(expect=str(spread.trimmed(declared))) if shown else config
+    return trimmed, spread, {"declared": str(declared), "left_out": shown}
+
+
+def _spread(config: PadimConfig, images: Sequence[TrainingImage], shard: Shard | None) -> Spread | None:
+    """The training pictures' spread (:func:`~padim.models.data.spread.measure` on at most ``SAMPLE`` of them, in
+    the region of interest); ``None`` where fewer than two could be read. Every rank measures the same pictures (so
+    that a picture none can read fails every rank alike) and uses rank 0's numbers; an unreadable picture is left
+    out of it (the fit says why)."""
     chosen = [images[i] for i in sampled([image.name for image in images])]
 
     def readable() -> Iterator[Image.Image]:
@@ -819,12 +865,8 @@ def measured_cover(
     try:
         spread = measure(readable(), None if config.framing.roi is None else _region_of(Framing.of(config)))
     except ValueError:
-        raise FitError(
-            f"--expect auto measures the training pictures, and fewer than two of the {len(chosen)} it read "
-            "could be decoded; declare the changes instead (e.g. --expect rough)"
-        ) from None
-    spread = gather(spread, shard)[0]
-    return config.replace(expect=str(spread.cover())), spread
+        spread = None
+    return gather(spread, shard)[0]
 
 
 def _region_of(framing: Framing):

@@ -55,6 +55,19 @@ def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0,
             f"cover of the fit, {expect or 'none'}, replaced)"
         )
     fitted = "; each picture's changed copy fitted too" if fit_changes else ""
+    if measured and "declared" in measured:  # --trim-cover (format 18)
+        left = measured.get("left_out") or []
+        drawn = f"{expect} drawn on each training picture (one seeded draw{fitted})" if expect else "no copies drawn"
+        return (
+            f"pictures within the declared changes {measured['declared']}: "
+            + (
+                f"{', '.join(left)} already as far among the {measured.get('pictures')} training pictures measured "
+                f"(their own out-of-fold scores cover it), "
+                if left
+                else ""
+            )  # fmt: skip
+            + drawn
+        )
     if measured:
         return (
             f"pictures within {expect or 'no change'}: {EXPECT_AUTO_MARGIN:g}x how far the "
@@ -64,6 +77,31 @@ def promise_covers(expect: str, fit_changes: bool = False, line_scores: int = 0,
     if not expect:
         return "pictures like the training pictures (no changes of the line declared: train --expect)"
     return f"pictures within the declared changes {expect} (one seeded draw a training picture{fitted})"
+
+
+def shrinkage_chosen(shrinkage: float | str, estimated: dict | None) -> dict:
+    """The weight of the pooled covariance a model was fitted with, and why, for ``train`` and ``padim info``:
+    ``weight``, ``chosen`` (``given`` or ``estimated``) and a sentence (``why``); ``estimated`` is the header's
+    ``shrinkage_estimated`` (format 18)."""
+    if estimated:
+        weight, samples = estimated["weight"], estimated.get("samples", estimated["rows"])
+        amount = "little" if weight < 0.1 else "a fair amount" if weight < 0.4 else "much"
+        tails = estimated.get("tails", 1.0)
+        return {
+            "weight": weight,
+            "chosen": "estimated",
+            "why": f"estimated from the statistics (--shrinkage auto): {samples} samples a pixel over "
+            f"{estimated['pixels']} pixels, whose covariances vary {tails:.2g}x as much as a Gaussian's would, ask "
+            f"for {amount} of the pooled covariance; more pictures ask for less",
+        }
+    if shrinkage == "auto":  # a partial fit: its merge estimates the weight
+        return {"weight": None, "chosen": "estimated", "why": "estimated when the parts are merged"}
+    weight = float(shrinkage)
+    return {
+        "weight": weight,
+        "chosen": "given",
+        "why": "none: the paper's sample covariances" if not weight else "given (--shrinkage WEIGHT)",
+    }
 
 
 def now() -> str:
@@ -89,6 +127,8 @@ class Provenance:
             11), ``None`` at fp32.
         expect_measured: what ``--expect auto`` measured on the training pictures
             (:class:`~padim.models.data.spread.Spread`; format 14), ``None`` for a declared cover.
+        shrinkage_estimated: the weight ``--shrinkage auto`` estimated from the statistics, and from what
+            (``weight``, ``rows``, ``pixels``; format 18), ``None`` for a weight given.
     """
 
     created: str = field(default_factory=now)
@@ -102,6 +142,7 @@ class Provenance:
     verified: bool = True
     precision_check: dict | None = None
     expect_measured: dict | None = None
+    shrinkage_estimated: dict | None = None
 
     def to_header(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "verified"}
@@ -201,6 +242,7 @@ class PadimDetector:
             "weights": self.weights.label,
             "weights_source": self.weights.source,
             **shown_options(self.config),
+            "shrinkage_chosen": shrinkage_chosen(self.config.gaussian.shrinkage, self.provenance.shrinkage_estimated),
             "embedding_dim": self.embedding.embedding_dim,
             "grid": list(self.model.grid_shape),
             "fit_image_count": self.provenance.fit_image_count,

@@ -159,12 +159,25 @@ class StageInfo(BaseModel):
     stride: int = Field(description="input pixels per feature-grid cell")
 
 
+class ShrinkageChoice(BaseModel):
+    """The weight of the pooled covariance a model was fitted with, and why (model format 18)."""
+
+    weight: float | None = Field(description="the weight; null for a partial fit, whose merge estimates it")
+    chosen: Literal["given", "estimated"] = Field(
+        description="given (train --shrinkage WEIGHT) or estimated from the statistics (--shrinkage auto)"
+    )
+    why: str = Field(description="in words: what it was estimated from, or that it was given")
+
+
 class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type]  # ShownOptions: made at import
     """A served model in full (``GET /models``)."""
 
     backbone_family: str = Field(description="resnet, vgg, efficientnet, mobilenet_v3 or convnext")
     stages: list[StageInfo] = Field(description="the backbone's stages the model reads, shallowest first")
     weights_source: str
+    shrinkage_chosen: ShrinkageChoice | None = Field(
+        default=None, description="the shrinkage weight the fit used and why (the option `shrinkage` may say auto)"
+    )
     grid: list[int]
     input_shape: list[int] = Field(description="height, width of the model input in pixels (the tiles together)")
     fit_image_count: int

@@ -93,7 +93,8 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     assert summary["memory"]["planned_bytes"] < summary["memory"]["free_bytes"]
     assert summary["memory"]["embeddings_in_device_memory"] is False  # on a CPU the spool waits on disk
     phases = summary["phase_seconds"]
-    assert set(phases) == {"fit", "fit_waiting_for_pictures", "finish", "calibrate", "write"}
+    # measure: the training pictures' spread, which --trim-cover reads
+    assert set(phases) == {"measure", "fit", "fit_waiting_for_pictures", "finish", "calibrate", "write"}
     assert 0 < phases["fit_waiting_for_pictures"] < phases["fit"]  # the part of pass 1 not in the backbone
 
 
@@ -320,13 +321,28 @@ def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_p
         "brightness=0.1,shift=2",
         "--fit-changes",
     )
+    # the generated textures' crops share no position: they already show every shift, which --trim-cover (the
+    # default) leaves to their own out-of-fold scores; train, the file and padim info say so
     summary = json.loads(done.stdout)
-    assert summary["calibration"]["expect"] == "brightness=0.1,shift=2" and summary["calibration"]["fit_changes"]
-    assert "on pictures within the declared changes brightness=0.1,shift=2" in done.stderr
-    assert "embeddings (and their changed copies', --expect brightness=0.1,shift=2)" in done.stderr  # the plan line
+    assert summary["calibration"]["expect"] == "brightness=0.1" and summary["calibration"]["fit_changes"]
+    assert "padim train: --expect brightness=0.1,shift=2: 30 training pictures measured: light within" in done.stderr
+    assert "they already show shift at least as far as declared" in done.stderr
+    assert (
+        "on pictures within the declared changes brightness=0.1,shift=2: shift already as far among the 30 "
+        "training pictures measured" in done.stderr
+    )  # the verdict line
+    assert "embeddings (and their changed copies', --expect brightness=0.1)" in done.stderr  # the plan line
     info = json.loads(run_cli("info", tmp_path / "line.padim").stdout)
-    assert info["calibration"]["expect"] == "brightness=0.1,shift=2" and info["calibration"]["fit_changes"] is True
-    assert "within the declared changes" in info["calibration"]["covers"]
+    assert info["calibration"]["expect"] == "brightness=0.1" and info["calibration"]["fit_changes"] is True
+    measured = info["calibration"]["measured"]
+    assert measured["declared"] == "brightness=0.1,shift=2" and measured["left_out"] == ["shift"]
+    assert measured["shift"] is None and measured["pictures"] == 30  # placement not measurable: a texture
+    assert "within the declared changes brightness=0.1,shift=2" in info["calibration"]["covers"]
+    # --no-trim-cover draws every declared change
+    whole = run_cli("-q", "train", dataset / "train" / "good", "--output", tmp_path / "whole.padim", *common,
+                    "--expect", "brightness=0.1,shift=2", "--no-trim-cover")  # fmt: skip
+    assert json.loads(whole.stdout)["calibration"]["expect"] == "brightness=0.1,shift=2"
+    assert "measured" not in json.loads(run_cli("info", tmp_path / "whole.padim").stdout)["calibration"]
     _, header = load_artifact(tmp_path / "line.padim")
     assert header["fit_image_count"] == 30 and header["calibration"]["scores"] == 30  # one score a picture
     # a preset is stored as its bounds; fitting copies without saying which changes is refused
@@ -341,10 +357,7 @@ def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_p
         "typical",
         "--no-fit-changes",
     )
-    assert (
-        json.loads(preset.stdout)["calibration"]["expect"]
-        == "brightness=0.1,contrast=0.1,shift=3,rotate=1,blur=1,jpeg=80"
-    )
+    assert json.loads(preset.stdout)["calibration"]["expect"] == "brightness=0.1,contrast=0.1,rotate=1,blur=1,jpeg=80"
     refused = run_cli(
         "-q",
         "train",
@@ -371,6 +384,33 @@ def test_train_with_expected_changes_says_what_the_promise_covers(dataset, tmp_p
     )
     assert wrong.returncode == 1 and "brightness=2.0 is not allowed; use a number from 0 to 0.5" in wrong.stderr
     assert not (tmp_path / "x.padim").exists()
+
+
+def test_train_and_info_say_the_shrinkage_the_statistics_asked_for(dataset, tmp_path):
+    """``--shrinkage auto`` (the default) estimates the weight when the factors are formed: train says it (stderr and
+    its JSON line), the file keeps it (format 18) and ``padim info`` shows it; a weight given is shown as given."""
+    common = ["--weights", "random", "--image-size", IMAGE_SIZE, "--batch-size", 8]
+    done = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "auto.padim", *common)
+    chosen = json.loads(done.stdout)["shrinkage"]
+    assert chosen["chosen"] == "estimated" and 0 < chosen["weight"] <= 0.95
+    assert f"padim train: shrinkage {chosen['weight']:.3f}, estimated from the statistics (--shrinkage auto)" in (
+        done.stderr
+    )
+    _, header = load_artifact(tmp_path / "auto.padim")
+    assert header["config"]["shrinkage"] == "auto" and header["shrinkage_estimated"]["weight"] == chosen["weight"]
+    assert json.loads(run_cli("info", tmp_path / "auto.padim").stdout)["shrinkage"] == chosen
+    given = run_cli(
+        "train", dataset / "train" / "good", "--output", tmp_path / "given.padim", *common, "--shrinkage", 0.3
+    )
+    assert json.loads(given.stdout)["shrinkage"] == {
+        "weight": 0.3,
+        "chosen": "given",
+        "why": "given (--shrinkage WEIGHT)",
+    }
+    assert "estimated from the statistics" not in given.stderr
+    wrong = run_cli("train", dataset / "train" / "good", "--output", tmp_path / "x.padim", *common, "--shrinkage",
+                    "lots", check=False)  # fmt: skip
+    assert wrong.returncode == 2 and "'lots' is not a number or auto" in wrong.stderr
 
 
 def test_expect_auto_measures_the_training_pictures_and_the_model_keeps_what_it_measured(dataset, tmp_path):

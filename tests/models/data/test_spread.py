@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -146,3 +147,26 @@ def test_only_the_region_the_model_sees_is_measured():
     pictures = [lit(f) for f in np.linspace(0.8, 1.2, 9)]
     assert measure(pictures).brightness > 0.08
     assert measure(pictures, region=lambda width, height: (0, 0, 48, height)).brightness == 0
+
+
+def test_a_trimmed_cover_leaves_out_what_the_pictures_already_show_as_far():
+    """``--trim-cover``: a lamp wandering +-30% is wider than ``rough``'s 20%, so brightness is left out, and so is
+    the shift of a texture's crops (they share no position: a shifted crop is another crop); contrast, the turn,
+    focus and JPEG are not shown as far, and stay; a change not declared is never listed. Measured on pictures made
+    with known changes."""
+    rough = Expected.parse(EXPECT_PRESETS["rough"])
+    lamp = measure(line(texture, Expected(brightness=0.3), count=40))
+    assert lamp.brightness >= 0.2 and lamp.shift is None
+    assert lamp.shown(rough) == ["brightness", "shift"]
+    assert lamp.trimmed(rough) == Expected(contrast=0.2, rotate=2, blur=1.5, jpeg=60)
+    assert lamp.shown(Expected(rotate=2)) == [] and lamp.trimmed(Expected()) == Expected()
+    steady = measure(line(texture, Expected(brightness=0.05), count=40))
+    assert steady.shown(rough) == ["shift"] and steady.trimmed(rough) == dataclasses.replace(rough, shift=0)
+    still = measure([part() for _ in range(6)])  # a placed part that never moves keeps the whole cover
+    assert still.shown(rough) == [] and still.trimmed(rough) == rough
+    # a placed part moved +-5 px each way is placed as far apart as a declared 3 px, and turned less than 2 degrees;
+    # pictures stored at JPEG 50 are compressed harder than rough's lowest quality, 60
+    moved = measure(line(lambda i: part(), Expected(shift=5)))
+    assert moved.shown(Expected(shift=3, rotate=2)) == ["shift"]
+    compressed = dataclasses.replace(still, jpeg=50)
+    assert compressed.shown(rough) == ["jpeg"] and compressed.trimmed(rough).jpeg == 0

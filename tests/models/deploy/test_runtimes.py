@@ -248,6 +248,10 @@ def test_a_cache_an_older_padim_wrote_is_exported_again_and_an_older_export_is_s
         if version < 13:  # no backbone family nor stages in the description before 13
             metadata["description"].pop("backbone_family", None)
             metadata["description"].pop("stages", None)
+        if version < 14:  # a given shrinkage weight, nothing estimated, before 14
+            metadata["provenance"].pop("shrinkage_estimated", None)
+            if metadata["config"]["shrinkage"] == "auto":
+                metadata["config"]["shrinkage"] = 0.5
         metadata["metadata_sha256"] = metadata_sha256(metadata)
         (folder / METADATA_FILE).write_text(json.dumps(metadata))
 

@@ -413,7 +413,9 @@ def test_input_distances_travel_in_the_file_and_a_format_six_file_has_none(detec
 def test_expected_changes_travel_in_the_file_and_a_format_seven_file_has_none(images, tmp_path, monkeypatch):
     from padim.models.data.changes import Expected
 
-    declared = fit_detector(CONFIG.replace(expect="typical", fit_changes=True), images, progress=False)[0]
+    declared = fit_detector(
+        CONFIG.replace(expect="typical", fit_changes=True, trim_cover=False), images, progress=False
+    )[0]
     save_detector(declared, tmp_path / "declared.padim", with_statistics=True)
     _, header = load_artifact(tmp_path / "declared.padim")
     assert header["format_version"] == FORMAT_VERSION
@@ -546,3 +548,34 @@ def test_the_backbone_is_described_in_the_file_and_a_format_sixteen_file_reads_i
     older_format_of(tensors, wrong, tmp_path / "wrong.padim", FORMAT_VERSION)
     with pytest.raises(ArtifactError, match="inconsistent model file .*is not resnet18's as this padim knows it"):
         load_detector(tmp_path / "wrong.padim", device="cpu")
+
+
+def test_an_estimated_shrinkage_is_told_in_the_file_and_a_format_seventeen_file_gave_its_weight(
+    detector, images, tmp_path
+):
+    """Format 18: ``--shrinkage auto`` (the default) stores ``auto`` and the weight it estimated, with what from;
+    the model is the one a fit given that weight makes. A file of format 17 or older gave a weight, and reads so."""
+    save_detector(detector, tmp_path / "new.padim", with_statistics=True)
+    tensors, header = load_artifact(tmp_path / "new.padim")
+    assert header["format_version"] == FORMAT_VERSION >= 18 and header["config"]["shrinkage"] == "auto"
+    estimated = header["shrinkage_estimated"]
+    rows = len(images) * detector.config.rows_per_picture  # the pictures and their fitted copies (--expect)
+    assert 0 < estimated["weight"] <= 0.95 and estimated["rows"] == rows == 2 * len(images)
+    assert estimated["samples"] == len(images) and estimated["pixels"] == 16 * 16 and estimated["tails"] > 0
+    chosen = detector.describe()["shrinkage_chosen"]
+    assert chosen["chosen"] == "estimated" and chosen["weight"] == estimated["weight"]
+    assert f"{len(images)} samples a pixel" in chosen["why"]  # a picture's changed copy is not another picture
+    given = fit_detector(CONFIG.replace(shrinkage=estimated["weight"]), images, progress=False)[0]
+    batch = detector.preprocess(pictures(images, 3))
+    # the stored weight is rounded to 4 digits: the scores agree to about that
+    torch.testing.assert_close(given.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-3, atol=0)
+    old = {k: v for k, v in header.items() if k != "shrinkage_estimated"}
+    old["config"] = {**header["config"], "shrinkage": estimated["weight"]}
+    older_format_of(tensors, old, tmp_path / "seventeen.padim", 17)
+    seventeen = load_detector(tmp_path / "seventeen.padim", device="cpu")
+    assert seventeen.config.gaussian.shrinkage == estimated["weight"]
+    assert seventeen.describe()["shrinkage_chosen"] == {
+        "weight": estimated["weight"], "chosen": "given", "why": "given (--shrinkage WEIGHT)"
+    }  # fmt: skip
+    torch.testing.assert_close(seventeen.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert load_fit(tmp_path / "seventeen.padim").config.gaussian.shrinkage == estimated["weight"]
