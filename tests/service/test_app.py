@@ -293,3 +293,8 @@ def test_a_cover_sized_by_the_training_pictures_is_described_with_what_was_measu
         calibration = described["calibration"]
         assert calibration["measured"] == header["expect_measured"] and calibration["measured"]["pictures"] == 30
         assert calibration["expect"] == header["config"]["expect"] and "(--expect auto;" in calibration["covers"]
+        # the weight --shrinkage auto (the default) estimated, and why (model format 18, export version 14)
+        assert described["shrinkage"] == "auto"
+        chosen = described["shrinkage_chosen"]
+        assert chosen["chosen"] == "estimated" and chosen["weight"] == header["shrinkage_estimated"]["weight"]
+        assert "30 samples a pixel" in chosen["why"]
