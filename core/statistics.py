@@ -497,28 +497,34 @@ class Shrinkage:
         """The shrinkage of ``state``'s pixels toward their pooled covariance (the state's own ``T``); ``weight``
         :data:`SHRINKAGE_AUTO`: estimated from the state (:func:`shrinkage_intensity`)."""
         if weight == SHRINKAGE_AUTO:
-            return cls.estimated(PooledMoments.of(state), int(state.count), epsilon)
+            return cls.of_moments(PooledMoments.of(state), int(state.count), epsilon, weight)
         if not weight:
             return cls(epsilon)
         return cls.pooled(pooled_comoment(state), int(state.count), state.num_pixels, epsilon, float(weight))
 
     @classmethod
-    def estimated(cls, moments: PooledMoments, count: int, epsilon: float, tails: float | None = None) -> Shrinkage:
-        """Toward ``moments``' pooled covariance with the weight they ask for (:meth:`PooledMoments.intensity`;
-        ``tails``: their factor, if not theirs)."""
-        weight = moments.intensity(count, tails)
-        if not weight:
-            return cls(epsilon)
-        return cls(epsilon, weight, moments.target)
+    def of_moments(
+        cls, moments: PooledMoments, count: int, epsilon: float, weight: float | str, tails: float | None = None
+    ) -> Shrinkage:
+        """Toward ``moments``' pooled covariance by ``weight``, or with :data:`SHRINKAGE_AUTO` by the weight they ask
+        for (:meth:`PooledMoments.intensity`; ``tails``: their factor, if not theirs)."""
+        if weight == SHRINKAGE_AUTO:
+            weight = moments.intensity(count, tails)
+        return cls.toward(moments.target, epsilon, float(weight))
 
     @classmethod
     def pooled(cls, comoment_sum: torch.Tensor, count: int, pixels: int, epsilon: float, weight: float) -> Shrinkage:
         """From ``sum_p C_p`` (:func:`pooled_comoment`, or summed a slice of pixels at a time) of ``count`` images."""
+        return cls.toward(comoment_sum.to(ACCUMULATOR_DTYPE) / (pixels * (count - 1)), epsilon, weight)
+
+    @classmethod
+    def toward(cls, target: torch.Tensor, epsilon: float, weight: float) -> Shrinkage:
+        """Toward the pooled covariance ``target`` by ``weight`` (none at 0: the paper's model)."""
         if not 0.0 <= weight < 1.0:
             raise ValueError(f"a shrinkage weight is in [0, 1), got {weight}")
         if not weight:
             return cls(epsilon)
-        return cls(epsilon, weight, comoment_sum.to(ACCUMULATOR_DTYPE) / (pixels * (count - 1)))
+        return cls(epsilon, weight, target)
 
     @property
     def scale(self) -> float:

@@ -148,17 +148,20 @@ class Spread:
 
     def describe(self, margin: float = MARGIN) -> str:
         """One line: what was measured and what the cover declares."""
+        measured = self.measured("covered as rough's")
+        return f"{measured}; covered with a margin of {margin:g}x: {self.cover(margin) or 'nothing'}"
+
+    def measured(self, texture: str) -> str:
+        """What was measured, in words; ``texture``: what follows where placement could not be measured."""
         placement = (
             f"placement up to {self.shift:g} px and {self.rotate:g} degrees"
             if self.shift is not None and self.rotate is not None
-            else f"placement not measurable (only {self.registered:.0%} of them share a position: a texture), "
-            f"covered as rough's"
+            else f"placement not measurable (only {self.registered:.0%} of them share a position: a texture), {texture}"
         )
         jpeg = f"JPEG down to quality {self.jpeg}" if self.jpeg is not None else "stored losslessly"
         return (
             f"{self.pictures} training pictures measured: light within {self.brightness:.1%}, contrast within "
-            f"{self.contrast:.1%}, {placement}, focus softer by up to sigma {self.blur:g} px, {jpeg}; covered with "
-            f"a margin of {margin:g}x: {self.cover(margin) or 'nothing'}"
+            f"{self.contrast:.1%}, {placement}, focus softer by up to sigma {self.blur:g} px, {jpeg}"
         )
 
 
@@ -167,17 +170,7 @@ def trim_sentence(spread: Spread | None, trimmed: dict | None, cover: str) -> st
     left out and what the cover draws."""
     if spread is None or trimmed is None:
         return "fewer than two training pictures could be read to measure their spread: the cover is kept whole"
-    placement = (
-        f"placed within {spread.shift:g} px and {spread.rotate:g} degrees"
-        if spread.shift is not None and spread.rotate is not None
-        else f"sharing no position (only {spread.registered:.0%} of them register: a texture, whose crops show every "
-        "shift)"
-    )
-    measured = (
-        f"{spread.pictures} training pictures measured: light within {spread.brightness:.1%}, contrast within "
-        f"{spread.contrast:.1%}, {placement}, focus softer by up to sigma {spread.blur:g} px, "
-        + (f"JPEG down to quality {spread.jpeg}" if spread.jpeg is not None else "stored losslessly")
-    )
+    measured = spread.measured("whose crops show every shift")
     if not trimmed["left_out"]:
         return f"{measured}; they show none of the declared changes as far: the cover draws all of them"
     return (

@@ -184,7 +184,7 @@ class Finish:
             if weight == SHRINKAGE_AUTO:  # no pictures at hand: the tails the model was last estimated with
                 self.tails = float((fit.provenance.shrinkage_estimated or {}).get("tails", 1.0))
                 moments = PooledMoments.of(holder)
-                return Shrinkage.estimated(moments, self._samples(), epsilon, self.tails).to(fit.device)
+                return Shrinkage.of_moments(moments, self._samples(), epsilon, weight, self.tails).to(fit.device)
             return Shrinkage.of(holder, epsilon, weight).to(fit.device)
         moments = PooledMoments.empty(fit.embedder.embedding_dim)
         tails = moments if weight == SHRINKAGE_AUTO else None  # the spooled pictures' fourth moments too
@@ -195,11 +195,8 @@ class Finish:
             for pixels in self.slices:
                 moments.add_(self._comoment(pixels, True, keep=False, tails=tails).div_(state.count - 1).cpu())
                 bar.update(pixels.size)
-        if weight == SHRINKAGE_AUTO:
-            self.tails = moments.tails
-            return Shrinkage.estimated(moments, self._samples(), epsilon).to(fit.device)
-        comoments = moments.total * (state.count - 1)
-        return Shrinkage.pooled(comoments, state.count, fit.pixels, epsilon, float(weight)).to(fit.device)
+        self.tails = moments.tails
+        return Shrinkage.of_moments(moments, self._samples(), epsilon, weight).to(fit.device)
 
     def _write_factors(self, pixels: PixelSlice, cholesky: torch.Tensor, scoring: ScoringPass | None) -> None:
         """The slice's precision factors ``W = L^-1`` into the scratch file (float32, packed), and the float16
@@ -238,7 +235,7 @@ class Finish:
             square = unpack_lower(distributed.sum_(pack_lower(square), shard), dim, symmetric=True)
             fourth = None if fourth is None else distributed.sum_(fourth, shard)
         if tails is not None and fourth is not None:
-            tails.add_tails_(fourth.cpu(), square.cpu(), spooled.count)
+            tails.add_tails_(fourth, square, spooled.count)  # sums read back as numbers: no copy to the host
         if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
             n_b, n_s = int(state.base.count), spooled.count
             delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
