@@ -45,7 +45,7 @@ def main() -> None:
         with torch.no_grad():
             x = torch.cat(
                 [
-                    fit.embed(
+                    fit.reading.embed(
                         [p.name for p in paths[i : i + 16]], [Image.open(p).convert("RGB") for p in paths[i : i + 16]]
                     )
                     for i in range(0, len(paths), 16)

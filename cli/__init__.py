@@ -14,8 +14,7 @@ models -> core (``tests/test_layers.py`` checks it). The API names are imported 
 so that ``padim --help`` and ``padim health`` load no torch.
 """
 
-from padim.core.lazy import lazy_exports
-from padim.core.version import DISTRIBUTION, __version__
+from padim.core import DISTRIBUTION, __version__, lazy_exports
 
 _API = {"models.api": ("Detector", "Prediction", "fit", "load"), "models.config": ("PadimConfig",)}
 _names, __getattr__, _dir = lazy_exports(__name__, _API)

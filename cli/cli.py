@@ -12,8 +12,8 @@ import argparse
 import logging
 import sys
 
+from padim.core import __version__
 from padim.core.errors import PadimError
-from padim.core.version import __version__
 from padim.models.errors import outcome
 
 from .commands import COMMANDS

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import FALSE_ALARM_RATE_RANGE
 from .errors import CalibrationError as CalibrationError  # re-exported: raised here
-from .limits import FALSE_ALARM_RATE_RANGE
 
 #: Confidence of the upper bound stored with every model.
 CONFIDENCE = 0.95
@@ -70,6 +70,20 @@ LINE_EXCEEDANCES = 5
 #: How a threshold was set; ``quantile``: model format 1, a quantile of a few held-out scores; ``line``: the
 #: conformal quantile of what the line's normal pictures scored (:meth:`Calibration.tightened`, model format 13).
 METHODS = ("gumbel_tail", "empirical", "maximum", "manual", "quantile", "line")
+#: The model's own threshold on the 0..1 score scale: its calibrated raw threshold normalises to it.
+MODEL_THRESHOLD = 0.5
+
+
+def threshold_at(threshold: float | None) -> float:
+    """The threshold (0..1 score scale) a request, a line or a picture is judged at: its own, or the model's
+    (:data:`MODEL_THRESHOLD`) where it names none. Every verdict asks this, so that the default is worked out once."""
+    return MODEL_THRESHOLD if threshold is None else float(threshold)
+
+
+def named_threshold(threshold: float | None) -> float | None:
+    """``threshold`` where it is a request's own, ``None`` where it is the model's (a threshold equal to the model's
+    is the model's: its answers and metrics read as the model's)."""
+    return None if threshold is None or abs(float(threshold) - MODEL_THRESHOLD) < 1e-12 else float(threshold)
 
 
 def fold_of(name: str, folds: int) -> int:
@@ -189,7 +203,7 @@ def conformal_rank(count: int, false_alarm_rate: float) -> int:
 
 
 def checked_rate(false_alarm_rate: float) -> float:
-    """``false_alarm_rate`` when within :data:`~padim.core.limits.FALSE_ALARM_RATE_RANGE`.
+    """``false_alarm_rate`` when within :data:`~padim.core.FALSE_ALARM_RATE_RANGE`.
 
     Raises:
         CalibrationError: out of range.
@@ -436,8 +450,10 @@ class Calibration:
         z = (float(raw) - self.threshold) / self.scale
         return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
 
-    def raw_threshold(self, normalised_threshold: float) -> float:
-        """Raw score whose normalised score is ``normalised_threshold`` (inverse of normalise)."""
+    def raw_threshold(self, normalised_threshold: float | None = None) -> float:
+        """Raw score whose normalised score is ``normalised_threshold`` (inverse of normalise); ``None``: the
+        model's (:func:`threshold_at`), :attr:`threshold` itself."""
+        normalised_threshold = threshold_at(normalised_threshold)
         if not 0.0 <= normalised_threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {normalised_threshold}")
         if normalised_threshold in (0.0, 1.0):

@@ -20,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import IMAGE_SCORES
+
 
 def squared_mahalanobis(
     embedding: torch.Tensor, mean: torch.Tensor, precision_factor: torch.Tensor, chunk_pixels: int = 128
@@ -131,12 +133,6 @@ def upsample_blur_operator(
 def resize_map(anomaly_map: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """One ``(S, S)`` map, bilinearly resized to ``(height, width)`` (e.g. an image's own size)."""
     return F.interpolate(anomaly_map[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
-
-
-#: How an image score is read from its maps (``PadimConfig.image_score``): the maximum of the
-#: smoothed map (the paper), the maximum of the unsmoothed feature-grid distances, or the mean of
-#: the top ``top_fraction`` of the smoothed map's pixels.
-IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 
 
 def image_scores(

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import SHRINKAGE_AUTO, SHRINKAGE_MAX
 from .errors import NotPositiveDefiniteError as NotPositiveDefiniteError  # re-exported: raised here
-from .limits import SHRINKAGE_AUTO, SHRINKAGE_MAX
 from .packing import add_lower_products_, packed_length, unpack_lower
 
 ACCUMULATOR_DTYPE = torch.float64
@@ -129,6 +129,71 @@ def merge_states_(into: GaussianState, other: GaussianState) -> GaussianState:
 def merge_states(a: GaussianState, b: GaussianState) -> GaussianState:
     """``merge(A, B)``: the state of one accumulator fed A's and B's images."""
     return merge_states_(a.clone(), b)
+
+
+# ------------------------------------------------------------------ two passes: a spool's moments
+# A fit with a spool forms its statistics in two passes: the rows' sum (so their exact mean) while they are spooled,
+# then, a slice of pixels at a time, their comoment centred on that mean, merged with any earlier statistics. The
+# same Chan merge as :func:`merge_states_`, on an unpacked slice: the square the factors are taken from.
+@dataclass
+class RowSums:
+    """The count and the float64 sum ``(P, D)`` of rows added so far (pass 1 of a spooled fit): their mean."""
+
+    total: torch.Tensor | None = None
+    count: int = 0
+
+    def add_(self, rows: torch.Tensor) -> RowSums:
+        """``(R, P, D)`` rows added."""
+        batch = rows.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
+        self.total = batch if self.total is None else self.total.add_(batch)
+        self.count += rows.shape[0]
+        return self
+
+    def sum_or_zeros(self, pixels: int, dim: int, device: torch.device | str) -> torch.Tensor:
+        """The sum, or zeros for no rows (a rank without pictures still all-reduces its share)."""
+        if self.total is not None:
+            return self.total
+        return torch.zeros(pixels, dim, dtype=ACCUMULATOR_DTYPE, device=device)
+
+
+def mean_of(total: torch.Tensor, count: int) -> torch.Tensor:
+    """The mean of ``count`` rows whose sum is ``total`` (zeros for none)."""
+    return total / max(count, 1)
+
+
+def merged_mean(mean_a: torch.Tensor, n_a: int, mean_b: torch.Tensor, n_b: int) -> torch.Tensor:
+    """The mean of A's ``n_a`` and B's ``n_b`` rows together: ``mean_a + (mean_b - mean_a) n_b / n``."""
+    return mean_a + (mean_b - mean_a) * (n_b / (n_a + n_b))
+
+
+def add_centred_products_(
+    square: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, first: bool, fourth: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(R, c, D)`` rows of ``c`` pixels centred on ``mean`` ``(c, D)``: their products ``sum (x - mean)(x -
+    mean)^T`` added to ``square`` ``(c, D, D)`` float64 (written over it when ``first``); with ``fourth`` ``(c,)``,
+    their ``sum ||x - mean||^4`` added to it (the tails :class:`PooledMoments` reads)."""
+    centred = (rows.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
+    square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first else 1.0)
+    if fourth is not None:
+        fourth += centred.square().sum(-1).square().sum(-1)
+    return square
+
+
+def merge_comoment_(
+    square: torch.Tensor,
+    mean: torch.Tensor,
+    count: int,
+    other: torch.Tensor,
+    other_mean: torch.Tensor,
+    other_count: int,
+) -> torch.Tensor:
+    """The comoment ``square`` ``(c, D, D)`` of ``count`` rows about ``mean`` ``(c, D)`` merged in place with another
+    set's (``other``, unpacked, about ``other_mean``): Chan's ``M2 = M2_a + M2_b + delta delta^T n_a n_b / n``, as
+    :func:`merge_states_` merges packed statistics."""
+    delta = (mean - other_mean).unsqueeze(2)  # (c, D, 1)
+    square.add_(other)
+    square.baddbmm_(delta, delta.transpose(1, 2), alpha=other_count * count / (other_count + count))
+    return square
 
 
 def update_state_(

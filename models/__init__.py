@@ -29,7 +29,7 @@ Names are resolved on first use (PEP 562), so that ``padim.models.choices`` and 
 line's ``--help`` do not import torch.
 """
 
-from padim.core.lazy import lazy_exports
+from padim.core import lazy_exports
 
 EXPORTS = {
     "families": ("BACKBONES", "FAMILIES", "BackboneSpec"),

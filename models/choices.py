@@ -9,8 +9,6 @@ REDUCTIONS = ("random", "semi_orthogonal")
 #: ``train --standardise``: none, or how each picture's light is set before the backbone
 #: (:mod:`padim.models.features.photometric`).
 STANDARDISE = ("none", "channels", "picture")
-#: ``image_score``: how an image's score is read from its map (:func:`padim.core.scoring.image_scores`).
-IMAGE_SCORES = ("map_max", "patch_max", "top_mean")
 #: ``neighbourhood``: side of the per-layer feature average (1: none).
 NEIGHBOURHOODS = (1, 3, 5)
 #: ``resize``: how the region of interest becomes the model's square input (:mod:`padim.models.data.framing`).

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from padim.core.limits import FALSE_ALARM_RATE_RANGE, SHRINKAGE_AUTO, SHRINKAGE_MAX
+from padim.core import FALSE_ALARM_RATE_RANGE, IMAGE_SCORES, SHRINKAGE_AUTO, SHRINKAGE_MAX
 from padim.models.choices import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WORKERS,
@@ -40,7 +40,6 @@ from padim.models.choices import (
     EXPECT_AUTO,
     EXPECT_AUTO_MARGIN,
     EXPECT_PRESETS,
-    IMAGE_SCORES,
     NEIGHBOURHOODS,
     PRECISION_AUTO,
     PRECISION_DTYPES,

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from padim.core.version import __version__
+from padim.core import __version__
 from padim.models.errors import UsageError
 
 from .device.admission import Places

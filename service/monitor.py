@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from padim.core.calibration import Calibration
+from padim.core.calibration import MODEL_THRESHOLD, Calibration
 from padim.core.drift import Drift, assess, histogram
 
 #: Bins of the plotted score histograms, on the 0..1 score scale (the threshold, 0.5, is an edge).
@@ -100,7 +100,7 @@ class Monitor:
             "threshold_overrides": self.threshold_overrides,
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
             "bytes": self.nbytes,
-            "threshold": 0.5,
+            "threshold": MODEL_THRESHOLD,
             "raw_threshold": calibration.threshold,
             "histogram": {
                 "edges": list(SCORE_EDGES),

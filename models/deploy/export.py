@@ -46,10 +46,10 @@ import torch
 import torchvision
 from torch import nn
 
+from padim.core import __version__
 from padim.core.artifact import ArtifactError, file_sha256
 from padim.core.scoring import image_scores, upsample_blur_operator
 from padim.core.tiling import tiled_anomaly_maps
-from padim.core.version import __version__
 from padim.models.choices import EXPORT_FORMATS, install_extra
 from padim.models.data.framing import PAD_FILL
 from padim.models.errors import ExportError as ExportError  # re-exported: raised here

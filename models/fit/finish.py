@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from padim.core.limits import SHRINKAGE_AUTO
+from padim.core import SHRINKAGE_AUTO
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.scoring import squared_mahalanobis
 from padim.core.spool import ScratchFile
@@ -22,7 +22,10 @@ from padim.core.statistics import (
     GaussianState,
     PooledMoments,
     Shrinkage,
+    add_centred_products_,
     empty_state,
+    merge_comoment_,
+    merged_mean,
     triangular_inverse,
 )
 from padim.core.tiling import Tiling
@@ -236,11 +239,9 @@ class Finish:
             fourth = None if fourth is None else distributed.sum_(fourth, shard)
         if tails is not None and fourth is not None:
             tails.add_tails_(fourth, square, spooled.count)  # sums read back as numbers: no copy to the host
-        if state.base is not None and int(state.base.count):  # Chan: merge with the earlier statistics
-            n_b, n_s = int(state.base.count), spooled.count
-            delta = (mean - state.base.mean[start:stop]).unsqueeze(2)  # (c, D, 1)
-            square.add_(unpack_lower(state.base.comoment[start:stop], dim, symmetric=True))
-            square.baddbmm_(delta, delta.transpose(1, 2), alpha=n_b * n_s / (n_b + n_s))
+        if state.base is not None and int(state.base.count):  # Chan: merged with the earlier statistics
+            earlier = unpack_lower(state.base.comoment[start:stop], dim, symmetric=True)
+            merge_comoment_(square, mean, spooled.count, earlier, state.base.mean[start:stop], int(state.base.count))
         if forming and keep and state.target is not None:
             state.target.comoment[start:stop] = pack_lower(square)
         return square
@@ -292,11 +293,7 @@ def _spooled_square(
         square.zero_()
     for first in range(0, spooled.spool.rows, rows):
         block = spooled.spool.read(pixels.index, first, min(first + rows, spooled.spool.rows))
-        x = fit.fitted(block).to(fit.device)
-        centred = (x.to(torch.float64) - mean).transpose(0, 1)  # (c, R, D)
-        square.baddbmm_(centred.transpose(1, 2), centred, beta=0.0 if first == 0 else 1.0)
-        if fourth is not None:
-            fourth += centred.square().sum(-1).square().sum(-1)
+        add_centred_products_(square, fit.reading.fitted(block).to(fit.device), mean, first == 0, fourth)
 
 
 def pixel_slices(fit: Fitting) -> list[PixelSlice]:
@@ -317,7 +314,7 @@ def merged_statistics(fit: Fitting, with_statistics: bool) -> _State:
     n_s = spooled.count
     assert spooled.mean is not None, "the spool's mean is set once pass 1 is over"
     n = n_b + n_s
-    mean = spooled.mean if base is None else base.mean + (spooled.mean - base.mean) * (n_s / n)
+    mean = spooled.mean if base is None else merged_mean(base.mean, n_b, spooled.mean, n_s)
     target = None
     if with_statistics:
         target = base if base is not None else empty_state(fit.pixels, fit.embedder.embedding_dim, fit.device)

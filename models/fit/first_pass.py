@@ -1,13 +1,18 @@
 """Pass 1 of a fit (:class:`FirstPass`): every normal picture read through the backbone once, in the order of its
 calibration fold, into pass 1's spool (or, where the spool does not fit on the disk, straight into the statistics);
 and, without a spool, the calibration's pictures embedded again (:func:`embed_again`), a group that fits in memory
-at a time."""
+at a time.
+
+Each is handed what it reads with (the pictures, the fit's :class:`~padim.models.fit.passes.Reading`, the
+statistics it adds to) and returns what it made (:class:`PassOne`; the scoring passes): it does not call back into
+the fit, which takes the result in (:meth:`~padim.models.fit.in_progress.Fit.accumulate`)."""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,14 +20,22 @@ import torch
 from tqdm.auto import tqdm
 
 from padim.core.spool import EmbeddingSpool
-from padim.core.statistics import ACCUMULATOR_DTYPE, GaussianAccumulator, all_reduce_state_, empty_state
+from padim.core.statistics import (
+    ACCUMULATOR_DTYPE,
+    GaussianAccumulator,
+    GaussianState,
+    RowSums,
+    all_reduce_state_,
+    empty_state,
+    mean_of,
+)
 from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.memory_plan import REEMBED_GROUP_BYTES, UPDATE_BLOCK_BYTES
 from padim.models.fit.passes import (
     Accumulated,
-    Fitting,
     HeldRows,
+    Reading,
     ScoringPass,
     Spooled,
     TrainingImage,
@@ -34,119 +47,130 @@ from padim.models.fit.passes import (
 T = TypeVar("T")
 
 
-class FirstPass:
-    """Pass 1 over ``groups`` (this rank's whole folds under ``shard``) of ``fit``.
+@dataclass
+class PassOne:
+    """What pass 1 made: what it found (unreadable pictures, digests, waits), and the pictures' rows held as the fit
+    holds them: ``spooled`` (waiting in the spool for the finish to form their comoment) or ``statistics`` (the
+    statistics it was handed with them added, without a spool); ``digests``: the content digest of every picture it
+    fitted, on every rank."""
 
-    With a ``spool``, the embeddings go there (the fit's ``spooled``) and the finish forms their comoment; without
-    one, they are added to the fit's statistics at once.
+    found: Accumulated
+    spooled: Spooled | None
+    statistics: GaussianState | None
+    digests: torch.Tensor
+
+
+class FirstPass:
+    """Pass 1 over ``groups`` (this rank's whole folds under ``shard``), read by ``reading``.
+
+    With a ``spool``, the embeddings go there and the finish forms their comoment; without one, they are added to
+    ``statistics`` (the fit's so far: ``None`` for none) at once, in place. ``pixels``: of a row of the statistics.
     """
 
     def __init__(
         self,
-        fit: Fitting,
+        reading: Reading,
         groups: Sequence[Sequence[TrainingImage]],
         shard: Shard | None,
         spool: EmbeddingSpool | None,
+        statistics: GaussianState | None,
+        pixels: int,
     ):
-        self.fit, self.shard = fit, shard
+        self.reading, self.shard, self.pixels = reading, shard, pixels
         self.mine = distributed.folds_of(groups, shard)
         self.name_of = {i.path: i.name for group in groups for i in group}
         self.fold_of_path = {i.path: k for k, group in enumerate(self.mine) for i in group}
         self.spooled = Spooled(spool) if spool is not None else None
         self.accumulator: GaussianAccumulator | None = None
+        self.sums = RowSums()  # of the spooled rows fitted: their mean
         if spool is None:  # no spool: the statistics are streamed into memory
-            base = fit.statistics if shard is None or shard.main else None
+            base = statistics if shard is None or shard.main else None
             self.accumulator = GaussianAccumulator(base, block_bytes=UPDATE_BLOCK_BYTES)
         self.unreadable: list[tuple[Path, str]] = []
         self.digests: list[tuple[str, int]] = []
         self.rows_fold: list[int] = []  # the fold of every spooled row
-        self.fitted_rows = 0
         self.waited = 0.0  # seconds pass 1 waited for decoded pictures (and their copies): not the backbone
 
-    def run(self, progress: bool) -> Accumulated:
-        """Embed every picture; the fit then holds them (spooled, or in its statistics). Unreadable pictures are left
-        out and returned, with the content digest of each picture fitted."""
-        distributed.together(functools.partial(self._embed_all, progress), self.shard, self.fit.device)
+    def run(self, progress: bool) -> PassOne:
+        """Embed every picture, spooled or into the statistics; unreadable pictures are left out and said."""
+        distributed.together(functools.partial(self._embed_all, progress), self.shard, self.reading.device)
+        spooled, statistics = None, None
         if self.spooled is not None:
-            self._spooled(self.spooled)
+            spooled = self._spooled(self.spooled)
         else:
-            self._streamed()
-        return self._found()
+            statistics = self._streamed()
+        found, digests = self._found()
+        return PassOne(found, spooled, statistics, digests)
 
     def _batches(self) -> list[list[Path]]:
-        batch_size = self.fit.config.run.batch_size
+        batch_size = self.reading.config.run.batch_size
         if self.spooled is None:  # batched as the calibration will embed them again: the same embeddings, bit for bit
-            return [b for chunk in memory_groups(self.fit, self.mine) for b in batches_of(chunk, batch_size)]
+            groups = memory_groups(self.reading, self.pixels, self.mine)
+            return [b for chunk in groups for b in batches_of(chunk, batch_size)]
         return batches_of(self.mine, batch_size)
 
     def _embed_all(self, progress: bool) -> None:
-        fit, total = self.fit, sum(len(g) for g in self.mine)
+        reading, total = self.reading, sum(len(g) for g in self.mine)
         with tqdm(total=total, desc="fit", unit="img", disable=not progress, leave=False) as bar:
-            decoded = fit.decoded(self._batches(), self.unreadable, self.name_of.__getitem__)
+            decoded = reading.decoded(self._batches(), self.unreadable, self.name_of.__getitem__)
             for paths, images, copies in _waited_for(decoded, self):
                 names = [self.name_of[p] for p in paths]
-                self._add(paths, fit.embed(names, images, copies))  # (B * spooled rows, P, D)
+                self._add(paths, reading.embed(names, images, copies))  # (B * spooled rows, P, D)
                 if self.spooled is not None:
                     bar.set_postfix_str(f"embeddings spooled: {_megabytes(self.spooled.spool.nbytes)}", refresh=False)
                 bar.update(len(self.digests) + len(self.unreadable) - bar.n)  # images read so far, good or not
 
     def _add(self, paths: list[Path], embedded: torch.Tensor) -> None:
         """One batch's spooled rows into the spool (and its sum), or into the accumulator."""
-        fit, spooled = self.fit, self.spooled
-        fitted = fit.fitted(embedded)
-        self.fitted_rows += fitted.shape[0]
+        reading, spooled = self.reading, self.spooled
+        fitted = reading.fitted(embedded)
         if spooled is not None:
             spooled.spool.append(embedded)
-            batch_sum = fitted.sum(dim=0, dtype=ACCUMULATOR_DTYPE)
-            spooled.total = batch_sum if spooled.total is None else spooled.total.add_(batch_sum)
-            spooled.names += fit.per_row(self.name_of[p] for p in paths)
-            self.rows_fold.extend(fit.per_row(self.fold_of_path[p] for p in paths))
+            self.sums.add_(fitted)
+            spooled.names += reading.per_row(self.name_of[p] for p in paths)
+            self.rows_fold.extend(reading.per_row(self.fold_of_path[p] for p in paths))
         else:
             assert self.accumulator is not None, "no spool: the images go into the accumulator"
             self.accumulator.partial_fit(fitted)
         self.digests.extend((self.name_of[p], file_digest(p)) for p in paths)
 
-    def _spooled(self, spooled: Spooled) -> None:
-        """Every rank's count and mean of the spooled rows, agreed; the spool handed to the fit."""
-        fit = self.fit
-        total_sum = (
-            spooled.total
-            if spooled.total is not None
-            else torch.zeros(fit.pixels, fit.embedder.embedding_dim, dtype=ACCUMULATOR_DTYPE, device=fit.device)
-        )
-        count = torch.tensor(float(self.fitted_rows), dtype=ACCUMULATOR_DTYPE, device=fit.device)
+    def _spooled(self, spooled: Spooled) -> Spooled:
+        """Every rank's count and mean of the spooled rows, agreed: the spool as the finish reads it."""
+        device = self.reading.device
+        total_sum = self.sums.sum_or_zeros(self.pixels, self.reading.embedder.embedding_dim, device)
+        count = torch.tensor(float(self.sums.count), dtype=ACCUMULATOR_DTYPE, device=device)
         distributed.sum_(total_sum, self.shard)
         distributed.sum_(count, self.shard)
         spooled.count = int(count)
-        spooled.mean = total_sum / max(spooled.count, 1)
-        spooled.total = None
+        spooled.mean = mean_of(total_sum, spooled.count)
+        self.sums = RowSums()
         spooled.folds = run_lengths(self.rows_fold)
-        fit.spooled = spooled
+        return spooled
 
-    def _streamed(self) -> None:
-        """The accumulated statistics (every rank's, all-reduced) become the fit's."""
+    def _streamed(self) -> GaussianState:
+        """The accumulated statistics, every rank's all-reduced."""
         assert self.accumulator is not None, "no spool: the images went into the accumulator"
         statistics = self.accumulator.state
         if statistics is None:
-            statistics = empty_state(self.fit.pixels, self.fit.embedder.embedding_dim, self.fit.device)
+            statistics = empty_state(self.pixels, self.reading.embedder.embedding_dim, self.reading.device)
         if self.shard is not None:
             statistics = all_reduce_state_(statistics)
-        self.fit.statistics = statistics
+        return statistics
 
-    def _found(self) -> Accumulated:
-        """Every rank's unreadable pictures and digests; the new digests join the fit's."""
+    def _found(self) -> tuple[Accumulated, torch.Tensor]:
+        """Every rank's unreadable pictures and digests, and the digests as a tensor."""
         unreadable = [(self.name_of[p], reason) for p, reason in self.unreadable]
         found = distributed.gather((unreadable, self.digests), self.shard)
         new = [d for _, part in found for d in part]
         digests = torch.tensor([d for _, d in new], dtype=torch.int64)
-        self.fit.image_digests = torch.cat([self.fit.image_digests, digests]).sort().values
-        return Accumulated(sorted(x for part, _ in found for x in part), new, round(self.waited, 3))
+        return Accumulated(sorted(x for part, _ in found for x in part), new, round(self.waited, 3)), digests
 
 
 def embed_again(
-    fit: Fitting, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
+    reading: Reading, pixels: int, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
 ) -> Iterator[ScoringPass]:
-    """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time.
+    """The calibration without a spool: this rank's folds embedded again, a group that fits in memory at a time
+    (``pixels``: of a row of the statistics).
 
     Batched as pass 1 batched them without a spool, so that every image's embedding is the
     one its statistics hold (the out-of-fold correction removes exactly those).
@@ -159,24 +183,26 @@ def embed_again(
         disable=not progress,
         leave=False,
     ) as bar:
-        for chunk in memory_groups(fit, mine):
+        for chunk in memory_groups(reading, pixels, mine):
             fold_of_path = {i.path: k for k, fold in enumerate(chunk) for i in fold}
             name_of = {i.path: i.name for fold in chunk for i in fold}
             names, rows_fold, parts = [], [], []
-            for paths, images, copies in fit.decoded(
-                batches_of(chunk, fit.config.run.batch_size), [], name_of.__getitem__
+            for paths, images, copies in reading.decoded(
+                batches_of(chunk, reading.config.run.batch_size), [], name_of.__getitem__
             ):
-                parts.append(fit.embed([name_of[p] for p in paths], images, copies).cpu())
-                names += fit.per_row(name_of[p] for p in paths)
-                rows_fold += fit.per_row(fold_of_path[p] for p in paths)
+                parts.append(reading.embed([name_of[p] for p in paths], images, copies).cpu())
+                names += reading.per_row(name_of[p] for p in paths)
+                rows_fold += reading.per_row(fold_of_path[p] for p in paths)
                 bar.update(len(paths))
-            embedded = torch.cat(parts) if parts else torch.zeros(0, fit.pixels, fit.embedder.embedding_dim)
+            embedded = torch.cat(parts) if parts else torch.zeros(0, pixels, reading.embedder.embedding_dim)
             yield ScoringPass(HeldRows(embedded), names, run_lengths(rows_fold))
 
 
-def memory_groups(fit: Fitting, folds: Sequence[Sequence[TrainingImage]]) -> list[list[list[TrainingImage]]]:
+def memory_groups(
+    reading: Reading, pixels: int, folds: Sequence[Sequence[TrainingImage]]
+) -> list[list[list[TrainingImage]]]:
     """Consecutive non-empty folds in groups whose float32 embeddings fit in :data:`REEMBED_GROUP_BYTES`."""
-    per_image = fit.spooled_rows * fit.pixels * fit.embedder.embedding_dim * 4
+    per_image = reading.spooled_rows * pixels * reading.embedder.embedding_dim * 4
     chunks: list[list[list[TrainingImage]]] = []
     size = 0
     for fold in (f for f in folds if f):

@@ -37,19 +37,16 @@ the factors, and the scores are gathered.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from padim.core.calibration import Calibration, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import GaussianState
 from padim.models.choices import PRECISION_AUTO
 from padim.models.config import PadimConfig
-from padim.models.data.changes import Expected, apply, seeded
 from padim.models.data.images import decode_side, iter_decoded
 from padim.models.devices import check_precision, precision_device
 from padim.models.errors import FitError
@@ -63,11 +60,10 @@ from padim.models.fit.memory_plan import SLICE_BYTES, spool_fits
 from padim.models.fit.passes import (
     Accumulated,
     Finished,
+    Reading,
     ScoringPass,
     Spooled,
     TrainingImage,
-    interleaved,
-    split_rows,
 )
 from padim.models.scoring.detector import Provenance
 
@@ -106,6 +102,7 @@ class Fit:
         check_precision(config.features.precision, self.device)
         self.embedder = FeatureEmbedder(config, backbone_weights, embedding).to(self.device)
         self.rows_per_image = self.embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
+        self.reading = Reading(config, self.embedder, self.device)
         self.statistics = None if statistics is None else statistics.to(self.device)
         self.spooled: Spooled | None = None
         self._slim_count = 0  # rows fitted into a slim fit, which keeps no statistics
@@ -182,54 +179,6 @@ class Fit:
         """A picture's rows of embeddings in pass 1's spool: its own, then its changed copy's (``expect``)."""
         return self.config.spooled_rows_per_picture
 
-    def per_row(self, values: Iterable) -> list:
-        """One value per picture -> one per spooled row (:attr:`spooled_rows`: its tiles and its copy's)."""
-        return [value for value in values for _ in range(self.spooled_rows)]
-
-    def fitted(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows of spooled ``rows`` (whole pictures) that go into the statistics: all but the copies, unless
-        those are fitted."""
-        if not self.config.gaussian.expect or self.config.copies_fitted:
-            return rows
-        return split_rows(rows, self.rows_per_image)[0]
-
-    def decoded(
-        self,
-        batches: Sequence[Sequence[Path]],
-        unreadable: list[tuple[Path, str]] | None,
-        name_of: Callable[[Path], str],
-    ) -> Iterator[tuple[list[Path], list[Image.Image], list[Image.Image] | None]]:
-        """``batches`` of pictures decoded on the fit's threads (``--decode-workers``) as training reads them, each
-        batch with its pictures' changed copies (``expect``; ``None`` without), made on the same threads: a copy costs
-        more than decoding (15 ms for a 224 px picture with ``rough``, 280 ms for 1024 px, on one core)."""
-        config = self.config
-        then = functools.partial(_with_copy, config.expected, name_of) if config.gaussian.expect else None
-        for paths, items in iter_decoded(
-            batches, config.run.decode_workers, unreadable, self.draft_to, config.framing.roi, then
-        ):
-            if then is None:
-                yield paths, items, None
-            else:
-                yield paths, [image for image, _ in items], [copy for _, copy in items]
-
-    def embed(self, names: Sequence[str], images, copies: Sequence | None = None) -> torch.Tensor:
-        """A batch's spooled rows: every picture's embeddings ``(T, P, D)``, then its changed copy's (``expect``:
-        one draw of the declared changes, seeded by the picture's name; made here unless ``copies`` are given, as
-        :meth:`decoded` gives them). On a GPU, pictures and copies go through the backbone in one call (half the
-        launches); on a CPU one after the other (half the activations' memory, at the same speed)."""
-        if not self.config.gaussian.expect:
-            return self.embedder(self.embedder.preprocess(images))
-        if copies is None:
-            expected = self.config.expected
-            copies = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
-        if self.device.type == "cuda":
-            both = self.embedder(self.embedder.preprocess([*images, *copies]))  # (2 B T, P, D): pictures, copies
-            own, changed = both.chunk(2)
-        else:
-            own = self.embedder(self.embedder.preprocess(images))
-            changed = self.embedder(self.embedder.preprocess(list(copies)))
-        return interleaved(own, changed, self.rows_per_image)
-
     @property
     def naming_grid(self) -> tuple[int, int]:
         """The pixels as rows x columns (tile positions one under another), to name a failing pixel."""
@@ -280,13 +229,19 @@ class Fit:
         their comoment; without one, they are added to :attr:`statistics` at once. Unreadable
         images are left out and returned.
         """
-        return FirstPass(self, groups, shard, spool).run(progress)
+        made = FirstPass(self.reading, groups, shard, spool, self.statistics, self.pixels).run(progress)
+        if made.spooled is not None:
+            self.spooled = made.spooled
+        else:
+            self.statistics = made.statistics
+        self.image_digests = torch.cat([self.image_digests, made.digests]).sort().values
+        return made.found
 
     def embed_again(
         self, groups: Sequence[Sequence[TrainingImage]], progress: bool, shard: Shard | None
     ) -> Iterator[ScoringPass]:
         """The calibration without a spool: :func:`~padim.models.fit.first_pass.embed_again`."""
-        return embed_again(self, groups, progress, shard)
+        return embed_again(self.reading, self.pixels, groups, progress, shard)
 
     def finish(
         self,
@@ -318,8 +273,3 @@ class Fit:
         if statistics is None:
             self._slim_count = count
         self.spooled = None
-
-
-def _with_copy(expected: Expected, name_of: Callable[[Path], str], path: Path, image: Image.Image):
-    """A decoded picture and its changed copy (one seeded draw of ``expected``), made on a decoding thread."""
-    return image, apply(image, expected.draw(seeded(name_of(path))))

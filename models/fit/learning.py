@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from padim.core.artifact import read_header
-from padim.core.calibration import CalibrationError
+from padim.core.calibration import MODEL_THRESHOLD, CalibrationError
 from padim.core.errors import ArtifactError
 from padim.core.statistics import NotPositiveDefiniteError, downdate_state_
 from padim.models.config import PadimConfig
@@ -205,14 +205,16 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
     done = 0
     on_progress("remove", 0, len(doomed))
     taken: set[int] = set()
-    for paths, images, copies in fit.decoded(
+    for paths, images, copies in fit.reading.decoded(
         batches_of([[TrainingImage(p, n) for p, (n, _) in doomed.items()]], fit.config.run.batch_size),
         unreadable,
         lambda path: doomed[path][0],
     ):
         names = [doomed[p][0] for p in paths]
         with torch.no_grad():
-            rows = fit.fitted(fit.embed(names, images, copies))  # (pictures x fitted rows, P, D), as fitted
+            rows = fit.reading.fitted(
+                fit.reading.embed(names, images, copies)
+            )  # (pictures x fitted rows, P, D), as fitted
         try:
             downdate_state_(fit.statistics, rows.to(fit.statistics.mean.device))
         except ValueError as error:
@@ -346,7 +348,7 @@ def flagged(model_path: str | Path, pictures: Sequence[Path], device: str = "cpu
         for paths, images in iter_for_model(pictures, detector.config, batch_size, workers=1, unreadable=[]):
             raw = detector.score(detector.preprocess(images)).raw_scores.cpu()
             for path, value in zip(paths, raw.tolist(), strict=True):
-                verdicts[path] = detector.calibration.score(value) >= 0.5
+                verdicts[path] = detector.calibration.score(value) >= MODEL_THRESHOLD
     return [verdicts.get(p, False) for p in pictures]
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torchvision
 
+from padim.core import __version__
 from padim.core.artifact import (
     FORMAT_VERSION,
     ArtifactError,
@@ -50,7 +51,6 @@ from padim.core.artifact import (
 from padim.core.calibration import Calibration
 from padim.core.packing import pack_lower, packed_length, unpack_lower
 from padim.core.statistics import GaussianState
-from padim.core.version import __version__
 from padim.models.config import RETIRED, PadimConfig
 from padim.models.devices import check_precision, precision_device
 from padim.models.features.backbones import WeightsInfo

@@ -572,15 +572,17 @@ def _held_out(
     unreadable: list[tuple[Path, str]] = []
     with tqdm(total=len(images), desc="embed calibration images", unit="img", disable=not progress, leave=False) as bar:
         name_of = {image.path: image.name for image in images}
-        for paths, pictures, copies in fit.decoded(
+        for paths, pictures, copies in fit.reading.decoded(
             batches_of([images], fit.config.run.batch_size), unreadable, name_of.__getitem__
         ):
-            embedded = fit.embed([name_of[p] for p in paths], pictures, copies)  # and their changed copies (expect)
+            embedded = fit.reading.embed(
+                [name_of[p] for p in paths], pictures, copies
+            )  # and their changed copies (expect)
             if spool is not None:
                 spool.append(embedded)
             else:
                 parts.append(embedded.cpu())
-            names += fit.per_row(p.name for p in paths)
+            names += fit.reading.per_row(p.name for p in paths)
             bar.update(len(paths))
     report.unreadable = [(str(p), reason) for p, reason in unreadable]
     if spool is not None:

@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 import torch
 
+from padim.core import __version__
 from padim.core.calibration import Calibration
 from padim.core.statistics import GaussianState
-from padim.core.version import __version__
 from padim.models.choices import EXPECT_AUTO_MARGIN, spelled_precision
 from padim.models.config import PadimConfig
 from padim.models.data.framing import Framing

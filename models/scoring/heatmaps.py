@@ -19,6 +19,8 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
+from padim.core.calibration import MODEL_THRESHOLD
+
 # Anchor colours of a perceptually ordered blue -> green -> yellow -> red ramp ("turbo"-like).
 _ANCHORS = np.array(
     [
@@ -67,7 +69,7 @@ def colorize(values: np.ndarray) -> np.ndarray:
     return colours.round().astype(np.uint8)
 
 
-def tint_opacity(values: np.ndarray, threshold: float = 0.5) -> np.ndarray:
+def tint_opacity(values: np.ndarray, threshold: float = MODEL_THRESHOLD) -> np.ndarray:
     """``(H, W)`` opacity of the tint: 0 up to :data:`TINT_FROM`, rising to :data:`TINT_AT_THRESHOLD`
     at ``threshold`` and to :data:`TINT_MAX` at 1."""
     values = np.clip(values, 0.0, 1.0)
@@ -82,7 +84,7 @@ def tint_opacity(values: np.ndarray, threshold: float = 0.5) -> np.ndarray:
 def overlay(
     image: Image.Image,
     normalised_map: np.ndarray,
-    threshold: float = 0.5,
+    threshold: float = MODEL_THRESHOLD,
     outline: bool = True,
     scored: tuple[int, int, int, int] | None = None,
 ) -> Image.Image:
@@ -125,7 +127,7 @@ def _mark_unscored(image: Image.Image, box: tuple[int, int, int, int]) -> Image.
     return result
 
 
-def mask_image(normalised_map: np.ndarray, threshold: float = 0.5) -> Image.Image:
+def mask_image(normalised_map: np.ndarray, threshold: float = MODEL_THRESHOLD) -> Image.Image:
     """Binary mask (white = anomalous) as an 8-bit image."""
     return Image.fromarray(((normalised_map >= threshold) * 255).astype(np.uint8), mode="L")
 

@@ -11,12 +11,14 @@ where torch ops would each start an OpenMP team.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import overload
 
 import numpy as np
 import torch
 
-from padim.core.calibration import Calibration
+from padim.core.calibration import Calibration, threshold_at
 from padim.models.errors import NonFiniteScoreError as NonFiniteScoreError  # re-exported: raised here
 
 
@@ -65,11 +67,29 @@ def verdict(
         NonFiniteScoreError: the score or the map holds a NaN or an infinity.
     """
     values = anomaly_map.numpy() if isinstance(anomaly_map, torch.Tensor) else np.asarray(anomaly_map)
-    raw_threshold = calibration.raw_threshold(0.5 if threshold is None else float(threshold))
     finite = bool(np.isfinite(values).all())
-    # NumPy compares in the array's float32 (a Python float is cast to it): the service counts the same way
-    over = int(np.count_nonzero(values >= raw_threshold)) if finite else 0
+    over = int(pixels_over(values.reshape(1, -1), [calibration.raw_threshold(threshold)])[0]) if finite else 0
     return verdict_of(raw_score, over, values.size, finite, calibration, threshold)
+
+
+@overload
+def pixels_over(maps: np.ndarray, raw_thresholds: Sequence[float]) -> np.ndarray: ...
+@overload
+def pixels_over(maps: torch.Tensor, raw_thresholds: Sequence[float]) -> torch.Tensor: ...
+def pixels_over(maps: np.ndarray | torch.Tensor, raw_thresholds: Sequence[float]) -> np.ndarray | torch.Tensor:
+    """``(B, N)`` maps -> ``(B,)`` counts of each map's pixels at or above its image's raw threshold: the
+    anomalous area, counted here for ``padim predict`` and the service alike.
+
+    Each threshold is rounded to the maps' type before comparing (float32: what NumPy does to a Python float), so a
+    map counts the same pixels wherever it is counted. A NumPy array is counted in NumPy (no torch op on a decode
+    thread); a tensor where it lies (a GPU batch: the counts stay there, to come back with the batch's other
+    numbers in one transfer).
+    """
+    thresholds = np.asarray(raw_thresholds, dtype=np.float64)
+    if isinstance(maps, torch.Tensor):
+        limits = torch.from_numpy(thresholds).to(device=maps.device, dtype=maps.dtype).view(-1, 1)
+        return (maps >= limits).sum(1)
+    return np.count_nonzero(maps >= thresholds.astype(maps.dtype)[:, None], axis=1)
 
 
 def verdict_of(
@@ -84,7 +104,7 @@ def verdict_of(
     raw_score = float(raw_score)
     if not math.isfinite(raw_score) or not finite:
         raise NonFiniteScoreError("the model gave a NaN or infinite score; no verdict")
-    threshold = 0.5 if threshold is None else float(threshold)
+    threshold = threshold_at(threshold)
     raw_threshold = calibration.raw_threshold(threshold)
     return Verdict(
         score=calibration.score(raw_score),

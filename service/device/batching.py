@@ -35,6 +35,7 @@ import torch
 
 from padim.models.features.embedding import stacked
 from padim.models.scoring.model import ScoreOutput
+from padim.models.scoring.verdicts import pixels_over
 
 from ..edge.errors import ApiError
 from .device_decoding import DeviceDecode
@@ -301,27 +302,24 @@ def scored_images(out: ScoreOutput, raw_thresholds: Sequence[float], keep_maps: 
     """Per image of ``out``: raw score, input distance, the map pixels at or above its raw threshold, whether all is
     finite, and its map where ``keep_maps`` says so.
 
-    The comparison is made in float32, the map's type, as :func:`padim.models.scoring.verdicts.verdict` makes it
-    (NumPy casts a Python float to the array's float32 before comparing), so both count the same pixels. On a GPU
-    the counting is done there, with one transfer back; on a CPU in NumPy, whose one thread leaves the cores to the
-    scorer (a torch op would start an OpenMP team that keeps spinning beside it).
+    The pixels over are counted by :func:`~padim.models.scoring.verdicts.pixels_over`, as ``padim predict`` counts
+    them. On a GPU the counting is done there, with one transfer back; on a CPU in NumPy, whose one thread leaves the
+    cores to the scorer (a torch op would start an OpenMP team that keeps spinning beside it).
     """
     size = len(raw_thresholds)
-    thresholds = np.asarray(raw_thresholds, dtype=np.float64).astype(np.float32)
     if out.maps.device.type == "cpu":
         maps = out.maps.detach().numpy().reshape(size, -1)
         raws = out.raw_scores.detach().numpy().astype(np.float64)
-        overs = np.count_nonzero(maps >= thresholds[:, None], axis=1).tolist()
+        overs = pixels_over(maps, raw_thresholds).tolist()
         finites = (np.isfinite(maps).all(axis=1) & np.isfinite(raws)).tolist()
         raw_list = raws.tolist()
     else:
         maps_on = out.maps.flatten(1)
         raw = out.raw_scores.to(torch.float64)
-        limits = torch.from_numpy(thresholds).to(maps_on.device).view(size, 1)
         numbers = torch.stack(
             [
                 raw,
-                (maps_on >= limits).sum(1).to(torch.float64),
+                pixels_over(maps_on, raw_thresholds).to(torch.float64),
                 (torch.isfinite(maps_on).all(1) & torch.isfinite(raw)).to(torch.float64),
             ]
         ).cpu()

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from padim.core.limits import FALSE_ALARM_RATE_RANGE
+from padim.core import FALSE_ALARM_RATE_RANGE
 from padim.models.options import shown_fields
 
 #: The highest version number a request may name: what the record's Integer column holds (PostgreSQL's int4).

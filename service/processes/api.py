@@ -44,6 +44,7 @@ from ..record.store import RecordStore, database_url
 from ..routes import score, versions
 from ..settings import ServiceSettings
 from ..state import each
+from ..state.surface import ScoreSurface
 from .shared import (
     DRAINING,
     PIXELS,
@@ -83,9 +84,10 @@ def per_process(total: int, workers: int, least: int) -> int:
     return max(least, total // workers)
 
 
-class ApiState:
+class ApiState(ScoreSurface[ServedView]):
     """What an API process holds: the table of served versions, its slots and link to the scoring process, its
-    decoder and record; the same surface to the score routes as :class:`~padim.service.state.ServiceState`."""
+    decoder and record; the score routes' :class:`~padim.service.state.surface.ScoreSurface`, as
+    :class:`~padim.service.state.ServiceState` is in a single process."""
 
     def __init__(self, settings: ServiceSettings, run: RunFolder, row: int):
         self.settings, self.run, self.row = settings, run, row
@@ -103,7 +105,7 @@ class ApiState:
             settings.heatmap_max_side,
         )
         self.decode = self.decoder.pool
-        self.record: Recorder | None = None
+        self.recorder: Recorder | None = None  # this process's journal of the record: open_record
         self.draining = False
         self.startup_error: str | None = None
 
@@ -115,7 +117,7 @@ class ApiState:
             return
         folder = settings.record_folder()
         url = settings.record_url.get_secret_value() if settings.record_url is not None else None
-        self.record = Recorder(
+        self.recorder = Recorder(
             folder,
             RecordStore(database_url(url, folder)),
             settings.record_journal_max_bytes,
@@ -126,16 +128,20 @@ class ApiState:
             journal_name(settings.replica, self.row),
             upkeep=False,
         )
-        self.record.start()
+        self.recorder.start()
 
     async def close(self) -> None:
         self.link.stop()
-        if self.record is not None:
-            await asyncio.to_thread(self.record.close)
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         self.decoder.shutdown()
         self.places.close()
 
     # ----------------------------------------------------------------- the score routes' surface
+    @property
+    def record(self) -> Recorder | None:
+        return self.recorder
+
     def model(self, name: str | None) -> ServedView:
         if not self.link.up.is_set():
             raise ApiError(
@@ -203,7 +209,7 @@ class ApiState:
                 if image.jpeg is not None:
                     slot.memory[: len(image.jpeg)] = image.jpeg
             admission.queued(len(decoded))
-            raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
+            raw_threshold = served.scorer.calibration.raw_threshold(threshold)
             handed = True  # from here the slots are the link's until it answers
             numbers = await self.link.score(
                 served.serial,
@@ -233,9 +239,9 @@ class ApiState:
         count_verdicts(self.metrics, model.name, model.version, results, own_threshold)
 
     def keep(self, model: ServedView, datas, digests, fields, scored, results, pictures) -> list:
-        assert self.record is not None
+        assert self.recorder is not None
         return keep_rows(
-            self.record,
+            self.recorder,
             self.settings.review_sample,
             model.name,
             model.version,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from pydantic import SecretStr
@@ -11,9 +11,15 @@ from pydantic import SecretStr
 from ..edge.errors import ApiError
 from ..settings import ServiceSettings
 from ..state import ServiceState
+from ..state.surface import ScoreSurface
 
 
 async def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+async def get_score_surface(request: Request) -> ScoreSurface[Any]:
+    """The score routes' surface: the service's state in one process, an API process's own in several."""
     return request.app.state.service
 
 
@@ -100,6 +106,7 @@ async def require_admin_key(
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
+ScoreDep = Annotated[ScoreSurface[Any], Depends(get_score_surface)]
 ApiKey = Depends(require_api_key)
 AdminKey = Depends(require_admin_key)
 RecordReader = Depends(require_record_reader)

@@ -6,6 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Request
 
+from padim.core.calibration import threshold_at
+
 from ..edge.errors import ApiError
 from ..edge.openapi import error_responses
 from ..edge.schemas import LastPicture, LinesResponse, LineState, TriggerRequest, TriggerResponse
@@ -54,6 +56,6 @@ async def last(name: str, request: Request, state: StateDep) -> dict:
     message, picture = runner.last, runner.last_picture
     if message is None or picture is None:
         raise ApiError("line_not_found", f"line {name!r} has scored no picture yet")
-    threshold = runner.config.threshold if runner.config.threshold is not None else 0.5
+    threshold = threshold_at(runner.config.threshold)
     drawn = await state.recording.heatmap_of(message["model"], message["version"], picture, threshold)
     return {"message": message, "heatmap": drawn["heatmap"]}

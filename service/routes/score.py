@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from collections.abc import Coroutine
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Query, Request
@@ -21,8 +21,8 @@ from ..edge.errors import ApiError, answer_for
 from ..edge.openapi import error_responses
 from ..edge.schemas import BatchResponse, ScoreResponse
 from ..record.rows import InvalidFields, parse_fields
-from ..state import ServiceState
-from .deps import ApiKey, StateDep, require_api_key
+from ..state.surface import ScoreSurface
+from .deps import ApiKey, ScoreDep, require_api_key
 
 router = APIRouter(tags=["score"], dependencies=[ApiKey])
 
@@ -83,7 +83,7 @@ ThresholdQ = Annotated[
 )
 async def score(
     request: Request,
-    state: StateDep,
+    state: ScoreDep,
     heatmap: HeatmapQ = False,
     mask: MaskQ = False,
     threshold: ThresholdQ = None,
@@ -103,7 +103,7 @@ async def score(
 async def score_with(
     name: str,
     request: Request,
-    state: StateDep,
+    state: ScoreDep,
     heatmap: HeatmapQ = False,
     mask: MaskQ = False,
     threshold: ThresholdQ = None,
@@ -122,7 +122,7 @@ async def score_with(
 )
 async def score_batch(
     request: Request,
-    state: StateDep,
+    state: ScoreDep,
     heatmap: HeatmapQ = False,
     mask: MaskQ = False,
     threshold: ThresholdQ = None,
@@ -134,7 +134,7 @@ async def score_batch(
 
 async def _score(
     request: Request,
-    state: ServiceState,
+    state: ScoreSurface[Any],
     name: str | None,
     heatmap: bool,
     mask: bool,

@@ -1,8 +1,10 @@
 """What the running service holds, part by part, wired by one owner.
 
+- ``surface``: :class:`ScoreSurface`, what the score routes ask of the process that answers them (a version, held
+  for a request, its pictures scored, observed and kept): the protocol both owners name as their base.
 - ``owner``: :class:`ServiceState`, the owner: settings, metrics, readiness, the device's scheduler and the pools;
-  it loads and closes the parts, and answers the score routes (the surface an API process's
-  :class:`~padim.service.processes.api.ApiState` offers too).
+  it loads and closes the parts, and answers the score routes (:class:`ScoreSurface`, which an API process's
+  :class:`~padim.service.processes.api.ApiState` keeps too).
 - ``served``: :class:`ServedModel`, one loaded version with its batcher and monitor.
 - ``versions``: :class:`LoadedVersions`, the loaded versions, active and retired, by name and serial: installed,
   retired, held by requests and closed after the last.
@@ -25,5 +27,6 @@ May import: :mod:`padim.service.settings`, :mod:`padim.service.metrics`, :mod:`p
 from .owner import ServiceState
 from .scoring import each
 from .served import ServedModel, model_info, model_name
+from .surface import ScoreSurface
 
-__all__ = ["ServedModel", "ServiceState", "each", "model_info", "model_name"]
+__all__ = ["ScoreSurface", "ServedModel", "ServiceState", "each", "model_info", "model_name"]

@@ -25,10 +25,11 @@ from .loading import Loader
 from .recording import Recording
 from .scoring import DeviceScoring
 from .served import ServedModel, model_name
+from .surface import ScoreSurface
 from .versions import LoadedVersions
 
 
-class ServiceState:
+class ServiceState(ScoreSurface[ServedModel]):
     """The service's state: its parts, the device's scheduler, pools and readiness.
 
     The parts, each with one job: :attr:`versions` (what is loaded and which version serves),

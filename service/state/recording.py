@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from padim.core.calibration import named_threshold
 from padim.models.errors import RecordGone, UsageError, VersionNotFound
 from padim.models.features.embedding import TRACING
 from padim.models.repository import Repository
@@ -153,9 +154,9 @@ class Recording:
     async def _draw(self, model: ServedModel, data: bytes, threshold: float, served: bool = True) -> dict:
         loop = asyncio.get_running_loop()
         pool = self.decoder.pool
-        own = None if abs(threshold - 0.5) < 1e-12 else threshold
+        own = named_threshold(threshold)
         decoded = await loop.run_in_executor(pool, self.decoder.decode, model.scorer, data, True)
-        raw_threshold = model.scorer.calibration.raw_threshold(0.5 if own is None else own)
+        raw_threshold = model.scorer.calibration.raw_threshold(own)
         if served:
             (scored,) = await self.scoring.scored(model, [decoded], raw_threshold, True)
         else:  # not served: scored on the device's thread between two batches, by its own scorer

@@ -157,7 +157,7 @@ class DeviceScoring:
         batcher, answered (heat maps and masks drawn on the pool). Places for the pictures are taken before decoding
         (503 when there are none) and given back when this returns or fails. With ``monitor``, the scores go to the
         model's monitor."""
-        raw_threshold = served.scorer.calibration.raw_threshold(0.5 if threshold is None else threshold)
+        raw_threshold = served.scorer.calibration.raw_threshold(threshold)
         with self.places.admit(served.name, len(datas)) as admission:
             device = None if heatmap or mask else served.batcher.device
             decoded = await each(self.decoder.decoded(served.scorer, data, heatmap, device=device) for data in datas)

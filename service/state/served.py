@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from padim.core.calibration import MODEL_THRESHOLD
 from padim.models.scorer import Scorer
 from padim.models.scoring.model import ScoreOutput
 
@@ -62,7 +63,7 @@ class ServedModel:
             **{
                 **self.scorer.describe(),
                 **self.info().model_dump(),
-                "threshold": 0.5,
+                "threshold": MODEL_THRESHOLD,
                 "load_seconds": round(self.load_seconds, 3),
                 "versions": versions or [],
             }

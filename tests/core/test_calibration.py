@@ -11,6 +11,7 @@ from scipy import stats
 
 from padim.core.calibration import (
     CONFIDENCE,
+    MODEL_THRESHOLD,
     Calibration,
     CalibrationError,
     beta_quantile,
@@ -21,7 +22,9 @@ from padim.core.calibration import (
     fold_of,
     images_needed,
     line_pictures_needed,
+    named_threshold,
     promised_false_alarm_rate,
+    threshold_at,
 )
 from padim.core.scoring import anomaly_maps, image_scores, squared_mahalanobis
 from padim.core.statistics import batch_state, finalise
@@ -298,3 +301,14 @@ def test_a_threshold_tightened_by_the_line_is_its_pictures_conformal_quantile_an
     taken_out, found = linked.without({1000})
     assert found == 1 and taken_out.threshold == tightened.threshold and taken_out.line_scores == tightened.line_scores
     assert len(taken_out.scores) == 59 and taken_out.method == "line"
+
+
+def test_the_threshold_a_request_names_and_the_models_own():
+    """No threshold is the model's: 0.5 on the score scale, its calibrated raw threshold exactly; a threshold equal to
+    the model's is the model's (named_threshold), any other is the request's own."""
+    cal = Calibration.from_scores(torch.linspace(10.0, 20.0, 50, dtype=torch.float64), 0.01)
+    assert threshold_at(None) == MODEL_THRESHOLD == 0.5 and threshold_at(0.7) == 0.7
+    assert cal.raw_threshold() == cal.raw_threshold(None) == cal.raw_threshold(MODEL_THRESHOLD) == cal.threshold
+    assert named_threshold(None) is None and named_threshold(0.5) is None and named_threshold(0.5 + 1e-13) is None
+    assert named_threshold(0.7) == 0.7
+    assert cal.raw_threshold(0.7) > cal.threshold > cal.raw_threshold(0.3)

@@ -8,7 +8,7 @@ import pytest
 
 import padim.core
 
-MODULES = [m.name for m in pkgutil.iter_modules(padim.core.__path__, "padim.core.")]
+MODULES = ["padim.core", *(m.name for m in pkgutil.iter_modules(padim.core.__path__, "padim.core."))]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -9,11 +9,16 @@ from padim.core.statistics import (
     GaussianAccumulator,
     NotPositiveDefiniteError,
     PooledMoments,
+    RowSums,
     Shrinkage,
+    add_centred_products_,
     batch_state,
     covariance,
     finalise,
+    mean_of,
+    merge_comoment_,
     merge_states,
+    merged_mean,
     pooled_comoment,
     precision,
     precision_factor,
@@ -305,3 +310,34 @@ def test_heavy_tails_ask_for_more_shrinkage_as_ledoit_and_wolf_read_them():
         brute = float((outer - biased).square().sum()) / pictures**2
         assert moments.fourth == pytest.approx(brute, rel=1e-9)
     assert moments.intensity(pictures) > moments.intensity(pictures, tails=1.0)
+
+
+def test_two_passes_over_a_spool_give_the_statistics_of_one_accumulator():
+    """A spooled fit's arithmetic (pass 1's sums, the finish's centred products a block at a time, Chan's merge with
+    earlier statistics on an unpacked slice) against NumPy's moments of every row and the packed merge_states."""
+    gen = torch.Generator().manual_seed(7)
+    earlier = torch.randn(9, 5, 4, generator=gen, dtype=torch.float64) * 2 + 1
+    spooled = torch.randn(13, 5, 4, generator=gen, dtype=torch.float64) - 0.5
+    sums = RowSums()
+    for block in spooled.split(4):
+        sums.add_(block.float())  # the spool holds float32 rows; the sums are float64
+    rows32 = spooled.float().double()
+    assert sums.count == 13
+    mean = mean_of(sums.sum_or_zeros(5, 4, "cpu"), sums.count)
+    torch.testing.assert_close(mean, rows32.mean(0), rtol=0, atol=1e-12)
+    square = torch.full((5, 4, 4), float("nan"), dtype=torch.float64)  # written over by the first block
+    fourth = torch.zeros(5, dtype=torch.float64)
+    for i, block in enumerate(spooled.float().split(5)):
+        add_centred_products_(square, block, mean, first=i == 0, fourth=fourth)
+    centred = (rows32 - rows32.mean(0)).numpy()
+    np.testing.assert_allclose(square.numpy(), np.einsum("npi,npj->pij", centred, centred), rtol=1e-10)
+    np.testing.assert_allclose(fourth.numpy(), (np.square(centred).sum(-1) ** 2).sum(0), rtol=1e-10)
+    base = batch_state(earlier)
+    merge_comoment_(square, mean, 13, unpack_lower(base.comoment, 4, symmetric=True), base.mean, 9)
+    together = torch.cat([earlier, rows32]).numpy()
+    reference_mean, reference_cov = reference_moments(together)
+    np.testing.assert_allclose(square.numpy() / (22 - 1), reference_cov, rtol=1e-10)
+    np.testing.assert_allclose(merged_mean(base.mean, 9, mean, 13).numpy(), reference_mean, rtol=1e-12, atol=1e-12)
+    packed = merge_states(base, batch_state(rows32))
+    torch.testing.assert_close(pack_lower(square), packed.comoment, rtol=1e-12, atol=1e-10)
+    assert RowSums().sum_or_zeros(5, 4, "cpu").eq(0).all() and mean_of(torch.zeros(5, 4), 0).eq(0).all()

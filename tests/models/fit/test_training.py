@@ -478,7 +478,7 @@ def test_changed_copies_are_made_on_the_decoding_threads_as_the_fit_would_make_t
     name_of = {image.path: image.name for image in images}
     batches = [[image.path for image in images[:5]], [image.path for image in images[5:9]]]
     seen = []
-    for paths, pictures, copies in fit.decoded(batches, [], name_of.__getitem__):
+    for paths, pictures, copies in fit.reading.decoded(batches, [], name_of.__getitem__):
         assert copies is not None and len(copies) == len(pictures) == len(paths)
         names = [name_of[p] for p in paths]
         made = [
@@ -487,11 +487,11 @@ def test_changed_copies_are_made_on_the_decoding_threads_as_the_fit_would_make_t
         ]
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(copies, made, strict=True))
         # the embeddings of copies made there are those of copies made by embed itself
-        assert torch.equal(fit.embed(names, pictures, copies), fit.embed(names, pictures))
+        assert torch.equal(fit.reading.embed(names, pictures, copies), fit.reading.embed(names, pictures))
         seen += paths
     assert seen == [p for batch in batches for p in batch]
     stable = Fit.start(AS_TAKEN)
-    assert all(copies is None for _, _, copies in stable.decoded(batches, [], name_of.__getitem__))
+    assert all(copies is None for _, _, copies in stable.reading.decoded(batches, [], name_of.__getitem__))
 
 
 def test_a_fit_says_how_long_it_waited_for_pictures_and_names_more_workers_when_that_was_most(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from padim.core.calibration import Calibration
-from padim.models.scoring.verdicts import NonFiniteScoreError, verdict
+from padim.models.scoring.verdicts import NonFiniteScoreError, pixels_over, verdict
 
 CALIBRATION = Calibration.from_scores(torch.linspace(10.0, 20.0, 50, dtype=torch.float64), 0.01)
 
@@ -52,3 +52,17 @@ def test_threshold_zero_and_one_have_no_finite_raw_value():
     assert not nothing.is_anomaly and nothing.anomalous_area == 0.0
     assert everything.to_dict()["raw_threshold"] is None and nothing.to_dict()["raw_threshold"] is None
     json.dumps(everything.to_dict(), allow_nan=False)  # valid JSON: no Infinity
+
+
+def test_the_anomalous_area_is_counted_alike_in_numpy_and_in_torch():
+    """One count for predict (NumPy) and a scored batch on its device (torch): each map against its own threshold,
+    the threshold rounded to the map's float32 as NumPy rounds a Python float, the boundary pixel counted."""
+    maps = np.array([[0.1, 0.2, 0.3, 0.4], [1.0, 1.0, 2.0, 3.0]], dtype=np.float32)
+    # a hair above float32(0.3) in float64: rounded to float32 it is that pixel's value, which is then at it
+    thresholds = [float(np.float32(0.3)) + 1e-9, 1.0]
+    counted = pixels_over(maps, thresholds)
+    assert counted.tolist() == [2, 4]
+    assert pixels_over(torch.from_numpy(maps), thresholds).tolist() == [2, 4]
+    assert pixels_over(maps, [-math.inf, math.inf]).tolist() == [4, 0]
+    result = verdict(3.0, maps[1].reshape(2, 2), CALIBRATION, threshold=0.0)  # a map as predict hands it
+    assert result.anomalous_area == 1.0
