@@ -24,7 +24,8 @@ seeded draw of brightness +-20% and contrast +-10%), its edges read on the pictu
 Categories: photographed materials (:mod:`photographed`: brick, grass, gravel, stained tissue, the moon) and
 generated ones (:func:`padim.models.data.synthetic.generate`; another region is the generator's ``region=0.5``,
 as ``benchmarks/quality.py --grid robust`` reads it). Results per category, never only the mean; JSON with
-``--output``. Seeded random resnet18 weights unless ``--weights`` names a state_dict.
+``--output``. Seeded random resnet18 weights unless ``--backbone`` and ``--weights`` name others (HED's VGG16:
+``--backbone vgg16 --weights`` the state_dict benchmarks/hed_weights.py writes).
 
     python benchmarks/shift.py                                   # every option set, every category (~40 min, 2 cores)
     python benchmarks/shift.py --options "n1-s0.5-rough,n3-s0-rough" --categories tissue,brick
@@ -168,8 +169,10 @@ def mask_of(truth: Path, picture: Path, shape: tuple[int, int]) -> np.ndarray:
     return np.asarray(mask) > 127
 
 
-def measure(category: Path, option_set: str, weights: str, heat_maps: Path | None = None) -> dict:
-    options = parse_options(option_set)
+def measure(
+    category: Path, option_set: str, weights: str, heat_maps: Path | None = None, backbone: str = "resnet18"
+) -> dict:
+    options = {**parse_options(option_set), "backbone": backbone}
     tiled = category.name.endswith("-448")
     if tiled:  # 448 px pictures in 2 x 2 tiles of 224 px, one set of statistics per tile position
         options["tiles"] = (2, 2)
@@ -240,7 +243,9 @@ def measure(category: Path, option_set: str, weights: str, heat_maps: Path | Non
     return row
 
 
-def fit_times(categories: dict[str, Path], option_sets: list[str], weights: str, rounds: int) -> dict:
+def fit_times(
+    categories: dict[str, Path], option_sets: list[str], weights: str, rounds: int, backbone: str = "resnet18"
+) -> dict:
     """Seconds of ``padim.fit`` (what ``padim train`` runs) on each category's training pictures for each option set,
     the option sets interleaved round by round so that a slow moment of the machine hits each: medians, and each
     option set's median over the first's, per category and summed."""
@@ -251,7 +256,11 @@ def fit_times(categories: dict[str, Path], option_sets: list[str], weights: str,
             for option_set in option_sets if round_ % 2 == 0 else option_sets[::-1]:
                 started = time.perf_counter()
                 detector = padim.fit(
-                    category / "train" / "good", weights=weights, progress=False, **parse_options(option_set)
+                    category / "train" / "good",
+                    weights=weights,
+                    progress=False,
+                    backbone=backbone,
+                    **parse_options(option_set),
                 )
                 seconds[name][option_set].append(time.perf_counter() - started)
                 if detector.report is not None and "measure" in detector.report.seconds:
@@ -352,7 +361,8 @@ def main() -> None:
     )
     parser.add_argument("--options", default=",".join(OPTION_SETS), help="option sets (module docstring)")
     parser.add_argument("--train", type=int, default=60, help="training pictures a category")
-    parser.add_argument("--weights", default="random")
+    parser.add_argument("--weights", default="random", help="random (seeded) or a state_dict file of --backbone's")
+    parser.add_argument("--backbone", default="resnet18", help="torchvision backbone (default resnet18)")
     parser.add_argument("--quick", action="store_true", help="tissue and carpet, two option sets")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--output", type=Path)
@@ -390,13 +400,14 @@ def main() -> None:
         if args.skip_quality:
             continue
         for option_set in args.options.split(","):
-            row = measure(category, option_set, args.weights, args.maps)
+            row = measure(category, option_set, args.weights, args.maps, args.backbone)
             rows.append(row)
             print_table([row], f"{name} / {option_set}")
             sys.stdout.flush()
     result = {
         "machine": machine_name(),
         "weights": args.weights,
+        "backbone": args.backbone,
         "train": args.train,
         "rows": rows,
         "photographed": summarise([r for r in rows if r["category"] in MATERIALS]),
@@ -413,7 +424,7 @@ def main() -> None:
         for name in filter(None, args.fit_categories.split(",")):
             generate(root / "timed", (name,), train=args.train, test_good=1, test_defect=1, size=224, seed=0)
             folders[name] = root / "timed" / name
-        result["fit_time"] = fit_times(folders, args.options.split(","), args.weights, args.fit_rounds)
+        result["fit_time"] = fit_times(folders, args.options.split(","), args.weights, args.fit_rounds, args.backbone)
         print(json.dumps(result["fit_time"], indent=1))
     print_table(rows, "every category")
     for kind in ("photographed", "generated", "photographed_light", "generated_light", "tiled"):
