@@ -258,7 +258,7 @@ def iter_decoded(
 
     Args:
         then: work on each decoded picture that belongs beside its decoding, on the same threads (a fit's changed
-            copy, :meth:`~padim.models.fit.in_progress.Fit.decoded`); its result is yielded in the picture's place.
+            copy, :meth:`~padim.models.fit.passes.Reading.decoded`); its result is yielded in the picture's place.
     """
 
     def decode(path: Path) -> Any:
