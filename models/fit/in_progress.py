@@ -47,7 +47,7 @@ from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import GaussianState
 from padim.models.choices import PRECISION_AUTO
 from padim.models.config import PadimConfig
-from padim.models.data.images import decode_side, iter_decoded
+from padim.models.data.images import iter_decoded
 from padim.models.devices import check_precision, precision_device
 from padim.models.errors import FitError
 from padim.models.features.backbones import WeightsInfo, build_backbone, used_state, weights_sha256
@@ -155,8 +155,8 @@ class Fit:
 
     @property
     def draft_to(self) -> int:
-        """JPEGs are decoded down to this side (see :func:`~padim.models.data.images.decode_side`)."""
-        return decode_side(self.config.input_shape)
+        """JPEGs are decoded down to this side (:attr:`Reading.draft_to`)."""
+        return self.reading.draft_to
 
     @property
     def count(self) -> int:

@@ -209,6 +209,11 @@ class Reading:
         """A picture's rows of embeddings in pass 1's spool: its own, then its changed copy's (``expect``)."""
         return self.config.spooled_rows_per_picture
 
+    @property
+    def draft_to(self) -> int:
+        """JPEGs are decoded down to this side (see :func:`~padim.models.data.images.decode_side`)."""
+        return decode_side(self.config.input_shape)
+
     def per_row(self, values: Iterable) -> list:
         """One value per picture -> one per spooled row (:attr:`spooled_rows`: its tiles and its copy's)."""
         return [value for value in values for _ in range(self.spooled_rows)]
@@ -231,9 +236,8 @@ class Reading:
         more than decoding (15 ms for a 224 px picture with ``rough``, 280 ms for 1024 px, on one core)."""
         config = self.config
         then = functools.partial(_with_copy, config.expected, name_of) if config.gaussian.expect else None
-        draft_to = decode_side(config.input_shape)
         for paths, items in iter_decoded(
-            batches, config.run.decode_workers, unreadable, draft_to, config.framing.roi, then
+            batches, config.run.decode_workers, unreadable, self.draft_to, config.framing.roi, then
         ):
             if then is None:
                 yield paths, items, None
