@@ -20,6 +20,11 @@ def _where(pattern: str) -> list[str]:
             if re.search(pattern, line)]  # fmt: skip
 
 
+def _modules_with(pattern: str) -> list[str]:
+    """The module of each line matching ``pattern`` (a module twice for two lines)."""
+    return [where.split(":")[0] for where in _where(pattern)]
+
+
 def _assigned(target: str) -> list[str]:
     found = []
     for name, text in SOURCES.items():
@@ -54,18 +59,14 @@ def test_the_image_scores_are_declared_once():
 
 def test_the_anomalous_area_is_counted_once():
     """padim.models.scoring.verdicts.pixels_over counts it for predict and for a scored batch on its device."""
-    assert _where(r"count_nonzero\(") == ["padim.models.scoring.verdicts:" + _line("padim.models.scoring.verdicts")]
+    assert _modules_with(r"count_nonzero\(") == ["padim.models.scoring.verdicts"]
     assert "pixels_over(" in SOURCES["padim.service.device.batching"]
-    assert [w.split(":")[0] for w in _where(r">= limits")] == ["padim.models.scoring.verdicts"]
-
-
-def _line(name: str) -> str:
-    return str(next(i + 1 for i, line in enumerate(SOURCES[name].splitlines()) if "count_nonzero(" in line))
+    assert _modules_with(r">= limits") == ["padim.models.scoring.verdicts"]
 
 
 def test_the_spools_arithmetic_is_cores():
     """The comoment's products and Chan's merge are in padim.core.statistics; the fit's passes call them."""
-    assert [w.split(":")[0] for w in _where(r"\.baddbmm_?\(")] == ["padim.core.statistics"] * 2
+    assert _modules_with(r"\.baddbmm_?\(") == ["padim.core.statistics"] * 2
     for name in ("padim.models.fit.first_pass", "padim.models.fit.finish"):
         assert not re.search(r"\.sum\(dim=0, dtype=", SOURCES[name]), name
 

@@ -212,9 +212,8 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
     ):
         names = [doomed[p][0] for p in paths]
         with torch.no_grad():
-            rows = fit.reading.fitted(
-                fit.reading.embed(names, images, copies)
-            )  # (pictures x fitted rows, P, D), as fitted
+            # (pictures x fitted rows, P, D), as fitted
+            rows = fit.reading.fitted(fit.reading.embed(names, images, copies))
         try:
             downdate_state_(fit.statistics, rows.to(fit.statistics.mean.device))
         except ValueError as error:

@@ -575,9 +575,8 @@ def _held_out(
         for paths, pictures, copies in fit.reading.decoded(
             batches_of([images], fit.config.run.batch_size), unreadable, name_of.__getitem__
         ):
-            embedded = fit.reading.embed(
-                [name_of[p] for p in paths], pictures, copies
-            )  # and their changed copies (expect)
+            # the pictures' rows and their changed copies' (expect)
+            embedded = fit.reading.embed([name_of[p] for p in paths], pictures, copies)
             if spool is not None:
                 spool.append(embedded)
             else:
