@@ -65,6 +65,10 @@ log = logging.getLogger("padim.service")
 
 #: A request whose version was let go between the table's reading and the scoring process's: tried again this often.
 STALE_TRIES = 3
+#: An API process takes no connection off the shared socket until its link to the scoring process is up (a sibling
+#: that can serve takes them meanwhile), for this long at most: past it, it accepts and answers 503 with the reason
+#: (the scoring process itself is not running, and readiness should say so).
+LINK_WAIT_S = 30.0
 #: Headers that are the connection's, not the message's (RFC 9110 7.6.1), and those the API process sets itself.
 HOP = {
     b"connection",
@@ -324,6 +328,8 @@ def _lifespan(state: ApiState, client: httpx.AsyncClient, on_fatal):
             if on_fatal is not None:
                 on_fatal()
         state.link.start(asyncio.get_running_loop())
+        if state.startup_error is None:
+            await _linked(state, LINK_WAIT_S)
         watching = asyncio.create_task(_mark_ready(state), name="ready")
         try:
             yield
@@ -419,6 +425,20 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+async def _linked(state: ApiState, wait_s: float) -> bool:
+    """Wait, at most ``wait_s``, for the link to the scoring process. The lifespan's start-up awaits it, and uvicorn
+    listens only after the start-up: until then the kernel hands the shared socket's connections to siblings that
+    can serve them, so a replacement never answers 503 for a request one of them would have served."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not state.link.up.is_set():
+        if loop.time() >= deadline:
+            log.warning("no link to the scoring process after %g s: accepting, answering 503 until it is up", wait_s)
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 async def _mark_ready(state: ApiState) -> None:

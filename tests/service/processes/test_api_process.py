@@ -75,3 +75,56 @@ def test_readiness_says_why_when_the_scoring_process_died_before_the_link_saw_it
     answer = asyncio.run(probe())
     assert answer.status_code == 503
     assert answer.json() == {"status": "not_ready", "reason": "failed: " + api.SCORING_DOWN}
+
+
+def test_a_new_api_process_takes_no_connection_before_its_link_to_the_scoring_process_is_up(tmp_path):
+    """A replacement that accepted on the shared socket before its link was up answered 503 for requests its sibling
+    would have served (seen in CI). Its start-up waits for the link and uvicorn accepts only after the start-up: a
+    request sent meanwhile waits in the kernel's queue, for whichever process accepts first, and is answered once
+    this one can serve."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from padim.service.metrics import Metrics
+    from padim.service.settings import ServiceSettings
+
+    up = threading.Event()
+    state = SimpleNamespace(
+        run=SimpleNamespace(engine_socket=tmp_path / "scoring.sock", workers=1, set_state=lambda *a: None),
+        draining=False,
+        startup_error=None,
+        row=1,
+        link=SimpleNamespace(up=up, start=lambda loop: None),
+        settings=ServiceSettings(),
+        metrics=Metrics(),
+        open_record=lambda: None,
+        close=lambda: asyncio.sleep(0),
+    )
+    listening = socket.create_server(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(api.create_api_app(state), log_config=None, lifespan="on"))  # type: ignore[arg-type]
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    serving.start()
+    answers: list[tuple[float, int]] = []
+
+    def ask() -> None:
+        answer = httpx.get(f"http://127.0.0.1:{port}/health/live", timeout=10)
+        answers.append((time.monotonic(), answer.status_code))
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        time.sleep(0.6)
+        assert not answers and not server.started  # connected (the kernel's queue), not accepted
+        linked = time.monotonic()
+        up.set()
+        asking.join(10)
+    finally:
+        server.should_exit = True
+        serving.join(10)
+        listening.close()
+    assert answers and answers[0][1] == 200 and answers[0][0] >= linked

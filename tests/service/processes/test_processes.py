@@ -96,9 +96,9 @@ def test_an_api_process_killed_is_replaced_and_the_other_keeps_serving(model_fil
     # may be counted after another client's success: the order of the list is not the order of the kill); after
     # it, fresh connections are served
     assert statuses[count:].count(200) >= 20 and statuses.count(0) <= len(threads), statuses[count:][:20]
-    # no connection refused or reset after that; a 503 is still possible: the replacement accepts on the shared
-    # socket a few milliseconds before its link to the scoring process is up (a CI run's server log shows one)
-    assert 0 not in statuses[-20:] and statuses[-20:].count(200) >= 18, statuses[-20:]
+    # no connection refused or reset after that, and no 503: a replacement takes connections off the shared socket
+    # only once its link to the scoring process is up (until then the other API process serves them)
+    assert 0 not in statuses[-20:] and set(statuses) <= {200, 0}, [s for s in statuses if s not in (200, 0)]
     assert served >= statuses.count(200) + 1  # one /metrics adds up every process, the dead one's counts included
     assert "API process 1 stopped (signal SIGKILL); starting it again" in logs
 
