@@ -14,7 +14,7 @@ import sys
 
 from padim.core import __version__
 from padim.core.errors import PadimError
-from padim.models.errors import outcome
+from padim.models.errors import DiskFull, disk_full, outcome
 
 from .commands import COMMANDS
 
@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     except PadimError as error:
         print(f"padim {args.command}: error: {error}", file=sys.stderr)
         return outcome(error).exit_status
+    except OSError as error:
+        if not disk_full(error):
+            raise
+        full = DiskFull.of(error, "free space, or write the output (and --scratch-dir) elsewhere")
+        print(f"padim {args.command}: error: {full}", file=sys.stderr)
+        return outcome(full).exit_status
     except RuntimeError as error:
         if type(error).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
             raise

@@ -16,9 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 from padim.core.errors import ArtifactError, CalibrationError, NotPositiveDefiniteError, PadimError
+
+#: The operating system's errors of a full disk: ENOSPC, and EDQUOT (a quota's).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class UsageError(PadimError, ValueError):
@@ -96,6 +100,21 @@ class DigestMismatch(UsageError):
 
 class InsufficientMemory(UsageError):
     """Not enough free memory (or GPU memory) to hold another version beside the active ones."""
+
+
+class DiskFull(PadimError, OSError):
+    """The disk that would keep a file is full (or over its quota): nothing of it was kept, what was there is
+    unchanged. :meth:`of` names the file of the operating system's error."""
+
+    @classmethod
+    def of(cls, error: OSError, advice: str = "free space and try again") -> DiskFull:
+        where = f" ({error.filename})" if error.filename else ""
+        return cls(f"the disk is full{where}: {error.strerror or error}; nothing of it was kept; {advice}")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk's (ENOSPC, or a quota's EDQUOT)."""
+    return isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS)
 
 
 class Conflict(UsageError):
@@ -183,6 +202,7 @@ OUTCOMES: dict[type[PadimError], Outcome] = {
     UnservableModel: Outcome(1, 422, "invalid_model"),
     DigestMismatch: Outcome(1, 400, "digest_mismatch"),
     InsufficientMemory: Outcome(1, 507, "insufficient_memory"),
+    DiskFull: Outcome(1, 507, "insufficient_storage"),
     Conflict: Outcome(1, 409, "conflict"),
     NothingToRollBack: Outcome(1, 409, "nothing_to_roll_back"),
     VersionActive: Outcome(1, 409, "version_active"),

@@ -106,11 +106,15 @@ def utc_now() -> str:
 def write_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text`` or what it held before, whatever happens (fsync, then rename)."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:  # a full disk: no temporary file left taking what little room there is
+        temporary.unlink(missing_ok=True)
+        raise
     sync_directory(path.parent)
 
 

@@ -223,7 +223,8 @@ class Metrics:
         self.line_pictures = Counter(
             "padim_line_pictures_total",
             "a line's pictures by outcome: received, scored, flagged, late (delivered by its first sink later "
-            "than its latency budget), rejected (undecodable)",
+            "than its latency budget), rejected (undecodable), deferred (its verdict could not be journaled, the "
+            "disk full: taken again later)",
             ["line", "outcome"],
             registry=self.registry,
         )

@@ -1,7 +1,8 @@
 """The system components some tests need, beside the Python packages: one marker each.
 
 A test that needs a component carries its marker (``@pytest.mark.docker``, ``browser``,
-``promtool``, ``postgres``, ``mosquitto``, ``haproxy``, ``helm``), and is a ``system`` test for it: the inner loop,
+``promtool``, ``postgres``, ``mosquitto``, ``haproxy``, ``helm``, ``tmpfs``), and is a ``system`` test for it: the
+inner loop,
 ``-m "not system"``, needs nothing but the Python environment.
 Before such a test runs, the component is looked for (once a session): where it is
 missing the test is **skipped** with one reason naming the component and the command that
@@ -192,6 +193,20 @@ def install_helm() -> int:
     return 0
 
 
+def _tmpfs() -> str | None:
+    """A size-limited tmpfs can be mounted (root, and a kernel that lets this process mount: not every container)."""
+    if os.geteuid() != 0:
+        return "not root: a size-limited tmpfs cannot be mounted (tests/helpers.py small_disk)"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        mounted = _run("mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", where)
+        if mounted is None or mounted.returncode != 0:
+            return "`mount -t tmpfs` failed: " + (mounted.stderr.strip() if mounted is not None else "no mount")
+        _run("umount", where)
+    return None
+
+
 def _promtool() -> str | None:
     return None if shutil.which("promtool") else "no `promtool` (Prometheus' rule checker)"
 
@@ -239,6 +254,12 @@ COMPONENTS = {
             _haproxy,
         ),
         Component("helm", "renders the Helm chart (helm from an npm package: HELM_NPM)", (), _helm),
+        Component(
+            "tmpfs",
+            "fills a real size-limited file system (a tmpfs mounted for the test, as root) under the service and a fit",
+            (),
+            _tmpfs,
+        ),
         Component(
             "postgres",
             "runs the inspection record on a throwaway PostgreSQL cluster (initdb, pg_ctl)",

@@ -529,3 +529,77 @@ def older_format_of(tensors, header, target, version: int) -> None:
         str(target),
         metadata={"padim": json.dumps(old, sort_keys=True)},
     )
+
+
+class SmallDisk:
+    """A real file system of ``size`` bytes (a tmpfs mounted at ``path``, as root: the ``tmpfs`` component) that a
+    test fills and frees: what the service and a fit do on a full disk, with the kernel's own ENOSPC."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = Path(path), size
+        self._filler = self.path / ".filler"
+
+    def fill(self, leave: int = 0) -> int:
+        """Take every free byte but ``leave`` (a file written until the kernel refuses, then cut back): the bytes
+        taken."""
+        taken = 0
+        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for block in (1 << 16, 512, 1):
+                data = b"\0" * block
+                while True:
+                    try:
+                        taken += os.write(fd, data)
+                    except OSError:
+                        break
+            if leave:
+                taken = max(0, taken - leave)
+                os.ftruncate(fd, taken)
+        finally:
+            os.close(fd)
+        assert shutil.disk_usage(self.path).free < 4096 + leave, "the small disk still has room"
+        return taken
+
+    def free(self) -> None:
+        self._filler.unlink(missing_ok=True)
+
+
+@contextmanager
+def small_disk(path: Path, size: int):
+    """A :class:`SmallDisk` mounted at ``path`` (made) for the block; unmounted after it (lazily: a server that
+    still holds a file there lets go when it stops)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)], check=True)
+    try:
+        yield SmallDisk(path, size)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: the verdicts a line delivers. While ``refusing``, it answers 503 and keeps
+    nothing (a sink that is down)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[dict] = []
+        self.refusing = False
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if receiver.refusing:
+                    self.send_response(503)
+                else:
+                    receiver.bodies.append(body)
+                    self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()

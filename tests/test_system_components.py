@@ -51,6 +51,10 @@ def test_needs_haproxy():
 def test_needs_helm():
     pass
 
+@pytest.mark.tmpfs
+def test_needs_a_small_disk():
+    pass
+
 def test_needs_nothing():
     pass
 
@@ -125,7 +129,7 @@ def run_sample(tmp_path: Path, *options: str, **extra: str) -> subprocess.Comple
 def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp_path):
     result = run_sample(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b1 passed, 8 skipped\b", result.stdout), result.stdout
+    assert re.search(r"\b1 passed, 9 skipped\b", result.stdout), result.stdout
     skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", result.stdout, re.M)
     for marker in COMPONENTS:
         (reason,) = [r for r in skipped if r.startswith(f"{marker}: ")]
@@ -137,17 +141,17 @@ def test_a_missing_component_skips_its_tests_with_the_reason_and_the_command(tmp
 
 def test_a_test_that_needs_a_component_is_a_system_test(tmp_path):
     inner = run_sample(tmp_path, "-m", "not system", PADIM_TEST_REQUIRE="all")  # nothing looked for, nothing fails
-    assert inner.returncode == 0 and re.search(r"\b1 passed, 8 deselected\b", inner.stdout), inner.stdout
+    assert inner.returncode == 0 and re.search(r"\b1 passed, 9 deselected\b", inner.stdout), inner.stdout
 
 
 def test_under_padim_test_require_a_missing_component_fails(tmp_path):
     every = run_sample(tmp_path / "all", PADIM_TEST_REQUIRE="all")
     assert every.returncode == 1, every.stdout
-    assert re.search(r"\b1 passed, 1 skipped, 7 errors\b", every.stdout), every.stdout
+    assert re.search(r"\b1 passed, 1 skipped, 8 errors\b", every.stdout), every.stdout
     for marker in COMPONENTS:
         assert re.search(rf"^{marker}: .*\[PADIM_TEST_REQUIRE=all: required\]", every.stdout, re.M), marker
     one = run_sample(tmp_path / "one", PADIM_TEST_REQUIRE="promtool")
-    assert re.search(r"\b1 passed, 7 skipped, 1 error\b", one.stdout), one.stdout
+    assert re.search(r"\b1 passed, 8 skipped, 1 error\b", one.stdout), one.stdout
     wrong = run_sample(tmp_path / "wrong", PADIM_TEST_REQUIRE="dockr")
     assert wrong.returncode == 4 and "PADIM_TEST_REQUIRE names ['dockr']" in wrong.stderr, wrong.stderr
 

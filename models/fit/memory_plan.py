@@ -37,6 +37,7 @@ import torch
 from padim.core.packing import packed_length
 from padim.core.spool import EmbeddingSpool, free_disk
 from padim.models.config import PadimConfig
+from padim.models.errors import DiskFull
 from padim.models.errors import DoesNotFit as DoesNotFit  # re-exported: raised here
 from padim.models.features.backbones import network
 from padim.models.features.embedding import grid_shape
@@ -200,6 +201,18 @@ def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
     """Whether ``rows`` rows of embeddings and the float32 factors fit in ``directory``'s free disk."""
     needed = EmbeddingSpool.size(rows, pixels, dim) + pixels * packed_length(dim) * 4 + DISK_RESERVE
     return free_disk(directory) >= needed
+
+
+def check_disk(directory: Path, pixels: int, dim: int) -> None:
+    """Before pass 1: the float32 factors wait in a scratch file in ``directory`` until the model file is written
+    there. A disk without room for them fails the fit now (:class:`DiskFull`), not once its pictures are read."""
+    needed, free = pixels * packed_length(dim) * 4, free_disk(directory)
+    if free < needed:
+        raise DiskFull(
+            f"{directory}: {free / 2**20:.1f} MiB free, and the fit's precision factors need "
+            f"{needed / 2**20:.1f} MiB there before the model file is written; free space, or write the output "
+            "elsewhere"
+        )
 
 
 def check(config: PadimConfig, plan: FitPlan, free: int | None, facts: FitFacts) -> None:

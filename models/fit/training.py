@@ -41,6 +41,7 @@ from padim.models.fit.memory_plan import (
     FitFacts,
     FitPlan,
     check,
+    check_disk,
     free_memory,
     plan_fit,
     ran_out,
@@ -220,6 +221,7 @@ def train(
     groups = fit.groups(images)
     earlier_count = fit.count
     scratch = Path(scratch_dir or Path(output).parent)
+    check_disk(scratch, fit.pixels, fit.embedder.embedding_dim)
     facts = FitFacts(len(images), spool=False, with_statistics=with_statistics, resume=resume is not None)
     spool, facts = _prepare(fit, report, facts, scratch, shard, announce)
     try:

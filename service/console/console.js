@@ -548,7 +548,7 @@ function showLine(item, line) {
   item.querySelector(".line-rate").textContent = `${line.rate.toFixed(2)}/s`;
   const c = line.counts;
   item.querySelector(".line-counts").textContent = `${c.scored} scored, ${c.flagged} flagged, ${c.late} late, ` +
-    `${c.rejected} rejected` + (line.source.reconnects ? `, ${line.source.reconnects} reconnects` : "");
+    `${c.rejected} rejected` + (c.deferred ? `, ${c.deferred} deferred` : "") + (line.source.reconnects ? `, ${line.source.reconnects} reconnects` : "");
   const last = line.last;
   item.querySelector(".line-last").textContent = last
     ? `last: ${last.verdict} (score ${last.score.toFixed(3)})${last.part ? `, part ${last.part}` : ""}, ` +

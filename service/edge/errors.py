@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from padim.core.errors import PadimError
-from padim.models.errors import OUTCOMES, outcome
+from padim.models.errors import OUTCOMES, DiskFull, disk_full, outcome
 
 #: Status recorded (metrics, access log) for a request whose client went away before the answer.
 CLIENT_CLOSED = 499
@@ -143,8 +143,13 @@ def answer_for(error: Exception) -> Response:
     """The answer to an error a route raised (the handlers above, and the score routes' fast path)."""
     if isinstance(error, ApiError):
         return error_response(error.status, error.code, error.message, error.headers)
+    if isinstance(error, OSError) and not isinstance(error, PadimError) and disk_full(error):
+        # a full disk is not a bug: answered from the table, and logged without a traceback
+        error = DiskFull.of(error, "what served before still serves; free space and send it again")
+        logging.getLogger("padim.service").error("%s", error)
+        return answer_for(error)
     if isinstance(error, PadimError):
-        if outcome(error).http_status >= 500:
+        if outcome(error).http_status >= 500 and not isinstance(error, DiskFull):
             logging.getLogger("padim.service").exception("request failed")
         answer = api_error(error)
         return error_response(answer.status, answer.code, answer.message)

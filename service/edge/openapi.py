@@ -51,7 +51,8 @@ _WHY = {
     "(`record_unavailable`); the record's database unreachable (`record_unavailable`)",
     504: "not scored within PADIM_REQUEST_TIMEOUT_S (`timeout`)",
     507: "not enough free memory (or GPU memory) to load another version beside the loaded ones "
-    "(`insufficient_memory`)",
+    "(`insufficient_memory`); the disk that would keep it is full, and nothing of it was kept "
+    "(`insufficient_storage`)",
 }
 
 

@@ -404,11 +404,13 @@ class LineState(BaseModel):
     station: str | None
     camera: str | None
     source: LineSource
-    paused: str | None = Field(None, description="why the line takes no picture now (a full outbox under block)")
+    paused: str | None = Field(
+        None, description="why the line takes no picture now (a full outbox under block, a journal it cannot write)"
+    )
     rate: float = Field(description="pictures a second over the last minute")
     in_flight: int
     latency_budget_ms: float
-    counts: dict[str, int] = Field(description="since the start: received, scored, flagged, late, rejected")
+    counts: dict[str, int] = Field(description="since the start: received, scored, flagged, late, rejected, deferred")
     last: dict | None = Field(None, description="the latest verdict message, as the sinks got it")
     sinks: list[LineSink]
 

@@ -122,7 +122,8 @@ class LineJournal:
                     self._db.execute("commit")
                     self._depths = depths
                 except BaseException:
-                    self._db.execute("rollback")
+                    if self._db.in_transaction:  # a commit that failed on a full disk has rolled back already
+                        self._db.execute("rollback")
                     raise
         if not known:
             return Entry(key, message, row, recorded=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ SEND_BATCH = 64
 #: Back-off after a failed send: doubled each time up to MAX_BACKOFF_S.
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+#: An outbox that cannot be written (a full disk) is tried again at most this far apart: it is back soon after space.
+UNWRITABLE_BACKOFF_S = 5.0
 #: How long a full outbox (``when_full: block``) makes the line wait before it looks again.
 FULL_WAIT_S = 0.5
 
@@ -50,7 +53,8 @@ class Outboxes:
         self.max_messages, self.on_delivered = max_messages, on_delivered
         self._wake = {sink.name: asyncio.Event() for sink in sinks}
         self._dropped_shown = {sink.name: 0 for sink in sinks}
-        self.paused: str | None = None  # why the line takes no picture now (an outbox is full)
+        self.full: str | None = None  # why the line takes no picture now: an outbox is full
+        self.unwritable: str | None = None  # or the journal took no verdict lately (its disk is full)
         for sink in sinks:
             metrics.line_delivered.labels(line, sink.name)
 
@@ -63,12 +67,28 @@ class Outboxes:
         """Return once every outbox has room for a verdict; meanwhile the line is paused, and says why."""
         if self.journal.room():
             return
-        self.paused = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
+        self.full = "an outbox is full (outbox.max_messages); the line takes no picture until it drains"
         log.error("line paused: outbox full", extra={"line": self.line})
         while not self.journal.room():
             await asyncio.sleep(FULL_WAIT_S)
-        self.paused = None
+        self.full = None
         log.warning("line resumed: outbox has room", extra={"line": self.line})
+
+    @property
+    def paused(self) -> str | None:
+        """Why the line takes no picture now: an outbox is full, or the journal cannot be written."""
+        return self.full or self.unwritable
+
+    def cannot_write(self, error: Exception) -> None:
+        """The journal could not take a verdict (its disk is full): the line says so until it takes one again."""
+        if self.unwritable is None:
+            log.error("line paused: its journal cannot be written", extra={"line": self.line, "error": str(error)})
+        self.unwritable = f"the line's journal cannot be written ({error}); pictures wait, tried again every second"
+
+    def written(self) -> None:
+        if self.unwritable is not None:
+            log.warning("line resumed: its journal takes verdicts again", extra={"line": self.line})
+            self.unwritable = None
 
     async def deliver(self, sink: Sink) -> None:
         """``sink``'s deliverer, until cancelled."""
@@ -90,7 +110,7 @@ class Outboxes:
                 log.exception("sink failed", extra={"line": line, "sink": sink.name})
                 done, failure = 0, f"{type(error).__name__}: {error}"
             now = time.time()
-            await asyncio.to_thread(self.journal.delivered, sink.name, [p.id for p in due[:done]])
+            await self._forget(sink, [p.id for p in due[:done]])
             self.show_depths()
             for pending in due[:done]:
                 self.metrics.line_latency.labels(line, sink.name).observe(max(0.0, now - pending.message["seen"]))
@@ -107,8 +127,26 @@ class Outboxes:
                 log.warning(
                     "sink down; verdicts wait in its outbox", extra={"line": line, "sink": sink.name, "error": failure}
                 )
-            await asyncio.to_thread(self.journal.failed, [p.id for p in due[done:]], delay)
+            with contextlib.suppress(sqlite3.Error, OSError):  # not written (a full disk): the next try is sooner
+                await asyncio.to_thread(self.journal.failed, [p.id for p in due[done:]], delay)
             await asyncio.sleep(delay)
+
+    async def _forget(self, sink: Sink, ids: list[int]) -> None:
+        """Take what ``sink`` confirmed out of its outbox. Until the journal can be written again (a full disk), this
+        is tried again, and nothing is sent meanwhile: a message the sink has is never sent twice."""
+        delay = FIRST_BACKOFF_S
+        while True:
+            try:
+                await asyncio.to_thread(self.journal.delivered, sink.name, ids)
+                return
+            except (sqlite3.Error, OSError) as error:
+                if delay == FIRST_BACKOFF_S:
+                    log.error(
+                        "outbox cannot be written; delivered verdicts are taken out once it can",
+                        extra={"line": self.line, "sink": sink.name, "error": str(error)},
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, UNWRITABLE_BACKOFF_S)
 
     def show_depths(self) -> None:
         for name, depth in self.journal.depths().items():

@@ -20,6 +20,7 @@ import base64
 import contextlib
 import logging
 import signal
+import sqlite3
 import time
 from collections import deque
 from datetime import UTC, datetime
@@ -41,6 +42,8 @@ log = logging.getLogger("padim.lines")
 RECORD_TIMEOUT_S = 30.0
 #: How long a full queue (the batcher's) makes the line wait before it looks again.
 BUSY_WAIT_S = 0.05
+#: How long a journal that cannot be written (its disk is full) makes the line wait before it tries a picture again.
+UNWRITABLE_WAIT_S = 1.0
 
 
 class LineRunner:
@@ -66,7 +69,7 @@ class LineRunner:
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._turn: asyncio.Event | None = None  # set once the latest picture taken is journaled (or dropped)
         self.seen_times: deque[float] = deque(maxlen=600)
-        self.counts = dict.fromkeys(("received", "scored", "flagged", "late", "rejected"), 0)
+        self.counts = dict.fromkeys(("received", "scored", "flagged", "late", "rejected", "deferred"), 0)
         self.last: dict | None = None  # the latest message
         self.last_picture: bytes | None = None
         self.outboxes = Outboxes(
@@ -120,6 +123,8 @@ class LineRunner:
         async for picture in self.source.pictures():
             self.count("received")
             await self.outboxes.room()
+            if self.outboxes.unwritable is not None:  # tried again, a picture at a time, until the journal takes one
+                await asyncio.sleep(UNWRITABLE_WAIT_S)
             await self._slots.acquire()
             # scored side by side (the batcher batches them), journaled in the order they came: verdicts leave in
             # the order of the parts on the belt
@@ -160,6 +165,10 @@ class LineRunner:
             except OutboxFull:  # filled meanwhile: the picture is taken again once there is room
                 self._give_back(picture)
                 return
+            except (sqlite3.Error, OSError) as error:  # a full disk: the picture waits in its folder, unscored
+                self._deferred(picture, error)
+                return
+            self.outboxes.written()
             self.outboxes.wake()
             self.outboxes.show_depths()
             if not self.sinks:
@@ -167,12 +176,23 @@ class LineRunner:
         turn.set()
         self.last, self.last_picture = entry.message, picture.data
         if entry.row is not None and not entry.recorded and self.state.record is not None:
-            if not await self._record(entry.row, picture):
+            if not await _recorded(self.state.record, entry.row, picture, self.config.name):
                 self._give_back(picture)
                 return
-            await asyncio.to_thread(self.journal.recorded, key)
+            try:
+                await asyncio.to_thread(self.journal.recorded, key)
+            except (sqlite3.Error, OSError) as error:  # recorded again next time: the record inserts a row once
+                self._deferred(picture, error)
+                return
         if isinstance(self.source, HotFolder):
             await asyncio.to_thread(self.source.finish, picture, bool(entry.message["is_anomaly"]))
+
+    def _deferred(self, picture: Picture, error: Exception) -> None:
+        """The journal could not take the picture's verdict: nothing of it is kept or sent, and the picture is taken
+        again later (a hot folder's stays in its folder; a camera's frame cannot wait, and is counted)."""
+        self.outboxes.cannot_write(error)
+        self.count("deferred")
+        self._give_back(picture)
 
     def _give_back(self, picture: Picture) -> None:
         if isinstance(self.source, HotFolder):
@@ -231,18 +251,6 @@ class LineRunner:
         state.observe(served, [result], own_threshold=threshold is not None)
         return served, scored, result, size
 
-    async def _record(self, row: dict, picture: Picture) -> bool:
-        record = self.state.record
-        assert record is not None
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(record.submit(row, picture.data)), RECORD_TIMEOUT_S)
-        except Exception as error:  # the record's journal is full or its disk failed: the picture waits
-            log.error(
-                "line picture not recorded; tried again later", extra={"line": self.config.name, "error": str(error)}
-            )
-            return False
-        return True
-
     # ------------------------------------------------------------------ verdicts out
     def _delivered_first(self, message: dict, now: float) -> None:
         if (now - message["seen"]) * 1000 > self.config.latency_budget_ms:
@@ -264,12 +272,6 @@ class LineRunner:
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ what an operator sees
-    def rate(self) -> float:
-        """Pictures a second over the last minute."""
-        now = time.time()
-        recent = [t for t in self.seen_times if now - t <= 60]
-        return round(len(recent) / 60.0, 3)
-
     def describe(self) -> dict:
         return {
             "name": self.config.name,
@@ -278,7 +280,7 @@ class LineRunner:
             "camera": self.config.camera,
             "source": self.source.describe(),
             "paused": self.outboxes.paused,
-            "rate": self.rate(),
+            "rate": _rate(self.seen_times),
             "in_flight": len(self._in_flight),
             "latency_budget_ms": self.config.latency_budget_ms,
             "counts": dict(self.counts),
@@ -290,6 +292,22 @@ class LineRunner:
         if not isinstance(self.source, Camera) or self.source.config.mode != "trigger":
             raise ApiError("invalid_parameter", f"line {self.config.name!r} is not a camera in trigger mode")
         return self.source.trigger(part)
+
+
+async def _recorded(record, row: dict, picture: Picture, line: str) -> bool:
+    """Whether the record made a line picture's row durable (else the picture waits, and is tried again later)."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(record.submit(row, picture.data)), RECORD_TIMEOUT_S)
+    except Exception as error:  # the record's journal is full or its disk failed: the picture waits
+        log.error("line picture not recorded; tried again later", extra={"line": line, "error": str(error)})
+        return False
+    return True
+
+
+def _rate(seen_times) -> float:
+    """Pictures a second over the last minute."""
+    now = time.time()
+    return round(len([t for t in seen_times if now - t <= 60]) / 60.0, 3)
 
 
 def _row(served, result: dict, scored, size: tuple[int, int], picture, fields: dict, sample: float, key: str) -> dict:

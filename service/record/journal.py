@@ -27,8 +27,8 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import BinaryIO
 
 from padim.models.errors import UsageError
 from padim.models.repository import sync_directory
@@ -97,9 +97,11 @@ class Journal:
         self._lock = threading.Lock()
         numbers = self._segments()
         self.position = self._read_position(numbers)
+        self.writes = write
         if write:
             self.current = (numbers[-1] + 1) if numbers else max(1, self.position.segment)
-            self._handle: BinaryIO | None = open(self._path(self.current), "ab")
+            # unbuffered: a failed write leaves nothing in a buffer to be written later, after the rows it failed
+            self._handle: FileIO | None = open(self._path(self.current), "ab", buffering=0)
         else:  # adopted: read to the end, never written
             self.current = numbers[-1] if numbers else self.position.segment
             self._handle = None
@@ -123,7 +125,9 @@ class Journal:
 
         Raises:
             JournalFull: they would take the journal over its limit (nothing is written).
-            OSError: the disk failed (the segment is closed and a new one begun at the next append).
+            OSError: the disk failed or is full; what was half-written is cut off again, so the journal holds
+                exactly the rows acknowledged (where even that fails, the segment is closed as torn, its last line
+                skipped by the reader, and a new one begun at the next append).
         """
         size = sum(len(line) for line in lines)
         if self.pending_bytes() + size > self.max_bytes:
@@ -132,27 +136,40 @@ class Journal:
                 f"and PADIM_RECORD_JOURNAL_MAX_BYTES is {self.max_bytes}"
             )
         with self._lock:
-            if self._written >= SEGMENT_BYTES:
+            if self.writes and (self._handle is None or self._written >= SEGMENT_BYTES):
                 self._rotate()
             handle = self._handle
-            assert handle is not None, "an adopted journal is read, never written"
+            assert handle is not None and self.writes, "an adopted journal is read, never written"
+            fd = handle.fileno()
+            end = os.lseek(fd, 0, os.SEEK_END)
             try:
-                handle.write(b"".join(lines))
-                handle.flush()
-                os.fsync(handle.fileno())
+                _write_all(fd, b"".join(lines))
+                os.fsync(fd)
             except OSError:
-                self._rotate()  # what was half-written stays behind, as a torn line the reader skips
+                self._cut(fd, end)
                 raise
             self._written += size
 
-    def _rotate(self) -> None:
+    def _cut(self, fd: int, end: int) -> None:
+        """After a failed append: the segment back to ``end`` (a full disk lets a file shrink), else closed."""
         try:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        except OSError:
+            self._close_handle()  # the next append begins a new segment; this one's torn last line is skipped
+
+    def _close_handle(self) -> None:
+        with contextlib.suppress(OSError):
             if self._handle is not None:
                 self._handle.close()
-        except OSError:
-            pass
+        self._handle = None
+
+    def _rotate(self) -> None:
+        """Begin a new segment (the current one is closed first). A failure leaves no segment open: the next append
+        tries again."""
+        self._close_handle()
         self.current += 1
-        self._handle = open(self._path(self.current), "ab")
+        self._handle = open(self._path(self.current), "ab", buffering=0)
         self._written = 0
         sync_directory(self.folder)
 
@@ -272,6 +289,12 @@ def adopt(folder: Path, insert, batch: int) -> int | None:
     finally:
         journal.close()
     return adopted
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _read_lines(path: Path, offset: int, max_rows: int, chunk: int = 2**20) -> tuple[list[dict], int]:

@@ -42,11 +42,15 @@ class PictureStore:
             return False, None
         path.parent.mkdir(exist_ok=True)
         temporary = path.with_name(f".{sha256}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:  # a full disk: the part written is not left taking the space that is short
+            temporary.unlink(missing_ok=True)
+            raise
         return True, path.parent
 
     def read(self, sha256: str) -> bytes | None:

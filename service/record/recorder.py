@@ -166,6 +166,8 @@ class Recorder:
                     break
             try:
                 self._write_group(group)
+            except Exception as error:  # whatever it was, the writer goes on: these rows are refused, not lost
+                self._failed([entry for entry in group if not entry.future.done()], error)
             finally:
                 with self._lock:
                     self._pending -= len(group)

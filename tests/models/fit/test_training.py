@@ -431,7 +431,8 @@ def test_without_room_for_the_spool_the_calibration_embeds_again_and_agrees(
     # shrunk: the pooled covariance from the spool's pass (pool) and from the statistics in memory agree
     config = CONFIG.replace(expect=expect, fit_changes=fit_changes, shrinkage=shrinkage)
     spooled, _ = fit_detector(config, images, progress=False)
-    monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 0)
+    # room for the factors (a few MiB) and not for the spool beside them and its reserve (memory_plan.DISK_RESERVE)
+    monkeypatch.setattr("padim.models.fit.memory_plan.free_disk", lambda directory: 64 * 2**20)
     again, report = fit_detector(config, images, progress=False)
     assert report.spool == 0 and any("embeds them again" in w for w in report.warnings)
     # the same batches of the same images in one process: the same float32 embeddings

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import SCORE_RTOL, large_png, metric, roles, running_server, wait_until
+from helpers import SCORE_RTOL, Receiver, large_png, metric, roles, running_server, wait_until
 
 pytestmark = pytest.mark.load_sensitive
 
@@ -167,31 +167,6 @@ def _logs(server) -> list[dict]:
     """The server's JSON log lines written so far (a line still being written is left for the next read)."""
     whole = server.logs().rpartition("\n")[0]
     return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
-
-
-class Receiver:
-    """A webhook receiver on 127.0.0.1: the verdicts a line delivers."""
-
-    def __init__(self):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from helpers import free_port
-
-        self.bodies: list[dict] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 def test_a_line_runs_once_in_the_scoring_process_and_jpegs_go_there_as_bytes(model_file, dataset, tmp_path):
