@@ -111,3 +111,28 @@ def test_a_stopped_replicas_journal_is_adopted_once_and_a_running_ones_is_not(tm
     assert not (root / "b").exists() and adoptable(root, mine.folder) == []
     again = Journal(root / "b", max_bytes=10**9, wait_s=0)  # a replica of that name starts afresh
     assert again.waiting_rows() == 0
+
+
+@pytest.mark.tmpfs
+def test_an_append_the_full_disk_cuts_short_is_cut_off_again_and_the_journal_goes_on_once_there_is_room(tmp_path):
+    """On a real full disk a write can land in part: the segment's last page has room for some bytes, not for the
+    rest (tmpfs gives space a page at a time). The failed rows are cut off again, so the journal holds exactly what
+    was acknowledged and the next row does not follow a fragment; once there is room, appends go on in the segment."""
+    from helpers import small_disk
+
+    with small_disk(tmp_path / "disk", 256 * 1024) as disk:
+        journal = Journal(disk.path / "journal", max_bytes=10**6)
+        journal.append(lines(0, 3))  # a segment of a few hundred bytes: most of its page is free
+        (segment,) = (disk.path / "journal").glob("*.jsonl")
+        before = segment.stat().st_size
+        disk.fill()
+        big = [(json.dumps({"id": f"{i:032x}", "n": i, "pad": "x" * 3000}) + "\n").encode() for i in (3, 4)]
+        with pytest.raises(OSError, match="No space left"):
+            journal.append(big)  # 6 kB: more than the page's free part
+        cut = segment.stat().st_size
+        disk.free()
+        journal.append(lines(5, 2))
+        got, _ = read_all(journal, journal.position)
+        journal.close()
+    assert cut == before  # nothing of the failed rows stays
+    assert got == [0, 1, 2, 5, 6]  # and the rows after it read whole
