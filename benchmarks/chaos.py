@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from timing import machine_name, work_folder
+from timing import machine_name, wait_ready, work_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import components  # noqa: E402
@@ -84,14 +84,8 @@ class Service:
             self.wait_ready(180)
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        if wait_ready(self.url, timeout):
+            return
         raise SystemExit(f"the service was not ready in {timeout:.0f} s: see {self.work}/server-{self.starts}.log")
 
     def tree(self) -> list[psutil.Process]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import paho.mqtt.client as mqtt
 import psutil
-from timing import machine_name, seeded_resnet18, work_folder
+from timing import machine_name, seeded_resnet18, wait_ready, work_folder
 
 BUDGET_MS = 200.0
 RATES = (1, 10, 30)
@@ -61,14 +61,8 @@ def start_server(work: Path, model: Path, lines: Path) -> tuple[subprocess.Popen
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    if wait_ready(url, 180):
+        return process, url
     raise SystemExit("the server did not become ready: " + (work / "server.log").read_text()[-2000:])
 
 

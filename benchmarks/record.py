@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
-from timing import work_folder
+from timing import wait_ready, work_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import components  # noqa: E402
@@ -120,14 +120,8 @@ class Server:
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
         )
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        if wait_ready(self.url, 180, every=0.3):
+            return
         raise RuntimeError(f"{name}: not ready")
 
     def stop(self) -> None:

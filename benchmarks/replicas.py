@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
-from timing import machine_name, seeded_resnet18, work_folder
+from timing import machine_name, seeded_resnet18, wait_ready, work_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the test harness (imported where used): PostgreSQL, haproxy, the load
@@ -43,16 +43,10 @@ def start(name: str, port: int, env: dict, log: Path) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             env={**os.environ, **env, "PADIM_REPLICA": name},
         )
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"replica {name} exited:\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    if wait_ready(f"http://127.0.0.1:{port}", 600, process):
+        return process
+    if process.poll() is not None:
+        raise SystemExit(f"replica {name} exited:\n{log.read_text()}")
     raise SystemExit(f"replica {name} not ready in time")
 
 

@@ -44,7 +44,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import machine_name, median_seconds, work_folder  # noqa: E402 (the benchmarks' own helpers)
+from timing import machine_name, median_seconds, wait_ready, work_folder  # noqa: E402 (the benchmarks' own helpers)
 
 from padim.models import PadimConfig, fit_detector, training_images  # noqa: E402
 from padim.models.data.synthetic import generate  # noqa: E402
@@ -278,7 +278,6 @@ def start(
     model: Path, port: int, device: str, runtime: str, workers: int, folder: Path, code: str | None
 ) -> subprocess.Popen:
     """``padim serve`` of this tree, or of the tree at ``code`` (a PYTHONPATH: an earlier version, for "before")."""
-    import httpx
 
     # the workers as a variable, not a flag: a version from before it ignores it
     env = {**os.environ, "PADIM_LOG_LEVEL": "warning", "PADIM_WORKERS": str(workers)}
@@ -288,16 +287,10 @@ def start(
     command = [sys.executable, "-m", "padim", "serve", str(model), "--port", str(port), "--device", device,
                "--runtime", runtime]  # fmt: skip
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited: {(folder / f'server-{port}.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(f"http://127.0.0.1:{port}", 600, server, every=0.5):
+        return server
+    if server.poll() is not None:
+        raise SystemExit(f"the server exited: {(folder / f'server-{port}.log').read_text()[-3000:]}")
     raise SystemExit("the server did not become ready within 10 minutes")
 
 

@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import torch
 from PIL import Image
-from timing import median_seconds, work_folder
+from timing import median_seconds, wait_ready, work_folder
 
 from padim.models import PadimConfig, fit_detector, list_images, training_images
 from padim.models.data.synthetic import generate
@@ -208,13 +208,7 @@ def main() -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, 120, probe_s=1.0)
         rows = []
         script = work / "post.lua"
         script.write_text(WRK_SCRIPT)

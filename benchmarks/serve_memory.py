@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
-from timing import work_folder
+from timing import wait_ready, work_folder
 
 
 def free_port() -> int:
@@ -101,14 +101,7 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, 120)
         small = io.BytesIO()
         Image.new("RGB", (128, 128), (120, 110, 100)).save(small, format="PNG")
         for _ in range(5):  # warm: thread pools, allocator, the first batches

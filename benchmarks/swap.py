@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from timing import work_folder
+from timing import wait_ready, work_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import free_port  # noqa: E402
@@ -129,14 +129,7 @@ def measure(work: Path, backbone: str, size: int, images: int, runtime: str, cli
         env=env,
     )
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url, 600, every=0.5)
         picture = next((work / "data" / "weave" / "test" / "good").iterdir()).read_bytes()
         answers: list[tuple[float, float, int, int | None]] = []  # sent, answered, status, version
         stop = threading.Event()

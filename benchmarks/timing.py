@@ -28,6 +28,24 @@ def work_folder(workdir: Path | None, prefix: str) -> Path:
     return folder
 
 
+def wait_ready(url: str, timeout: float, process=None, every: float = 0.2, probe_s: float = 2.0) -> bool:
+    """Whether ``url``'s ``/health/ready`` answered 200 within ``timeout`` seconds, asked every ``every`` s; ``False``
+    at once when ``process`` (a ``Popen``), given, has exited."""
+    import httpx  # the serving benchmarks' client; the others need not have it
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            if httpx.get(url + "/health/ready", timeout=probe_s).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(every)
+    return False
+
+
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run.
 

@@ -103,19 +103,21 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or what it held before, whatever happens (fsync, then rename)."""
+def write_atomically(path: Path, content: str | bytes, sync_folder: bool = True) -> None:
+    """``path`` holds ``content`` or what it held before, whatever happens (fsync, then rename); the folder is
+    fsynced too unless the caller syncs it later for several files (``sync_folder=False``)."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(temporary, "w") as handle:
-            handle.write(text)
+        with open(temporary, "wb") as handle:
+            handle.write(content.encode() if isinstance(content, str) else content)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:  # a full disk: no temporary file left taking what little room there is
         temporary.unlink(missing_ok=True)
         raise
-    sync_directory(path.parent)
+    if sync_folder:
+        sync_directory(path.parent)
 
 
 def sync_directory(directory: Path) -> None:

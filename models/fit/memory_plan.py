@@ -162,7 +162,7 @@ def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) ->
         backbone,
         PROCESS_BYTES[device],
         EmbeddingSpool.size(images * spooled, pixels, dim) if spool else 0,
-        pixels * packed_length(dim) * 4,
+        factor_bytes(pixels, dim),
     )
 
 
@@ -197,16 +197,21 @@ def spool_in_memory(plan: FitPlan, free: int | None) -> bool:
     return plan.total + plan.spool + DEVICE_RESERVE <= free * DEVICE_SHARE
 
 
+def factor_bytes(pixels: int, dim: int) -> int:
+    """Bytes of the float32 precision factors a fit keeps in its scratch file: a packed triangle a pixel."""
+    return pixels * packed_length(dim) * 4
+
+
 def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
     """Whether ``rows`` rows of embeddings and the float32 factors fit in ``directory``'s free disk."""
-    needed = EmbeddingSpool.size(rows, pixels, dim) + pixels * packed_length(dim) * 4 + DISK_RESERVE
+    needed = EmbeddingSpool.size(rows, pixels, dim) + factor_bytes(pixels, dim) + DISK_RESERVE
     return free_disk(directory) >= needed
 
 
 def check_disk(directory: Path, pixels: int, dim: int) -> None:
     """Before pass 1: the float32 factors wait in a scratch file in ``directory`` until the model file is written
     there. A disk without room for them fails the fit now (:class:`DiskFull`), not once its pictures are read."""
-    needed, free = pixels * packed_length(dim) * 4, free_disk(directory)
+    needed, free = factor_bytes(pixels, dim), free_disk(directory)
     if free < needed:
         raise DiskFull(
             f"{directory}: {free / 2**20:.1f} MiB free, and the fit's precision factors need "

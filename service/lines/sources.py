@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from padim.models.repository import write_atomically
+
 from .capture import encode_frame, open_capture
 from .config import CameraSource, FolderSource
 
@@ -177,7 +179,7 @@ class HotFolder:
         assert picture.path is not None
         target = _move(picture.path, self.config.folder("rejected"), picture.sha256)
         if target is not None:
-            _write_atomically(target.with_name(target.name + ".reason.txt"), reason + "\n")
+            write_atomically(target.with_name(target.name + ".reason.txt"), reason + "\n")
         self.taken.discard(picture.path)
 
     def describe(self) -> dict:
@@ -216,15 +218,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".part")
-    with open(partial, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, path)
 
 
 def _watch(folder: Path, loop: asyncio.AbstractEventLoop, on_complete):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from pathlib import Path
 
-from padim.models.repository import sync_directory
+from padim.models.repository import sync_directory, write_atomically
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -41,16 +40,7 @@ class PictureStore:
                 pass
             return False, None
         path.parent.mkdir(exist_ok=True)
-        temporary = path.with_name(f".{sha256}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException:  # a full disk: the part written is not left taking the space that is short
-            temporary.unlink(missing_ok=True)
-            raise
+        write_atomically(path, data, sync_folder=False)  # the journal writer syncs the folders of a group at once
         return True, path.parent
 
     def read(self, sha256: str) -> bytes | None:
