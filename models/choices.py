@@ -8,7 +8,7 @@ from pathlib import Path
 REDUCTIONS = ("random", "semi_orthogonal")
 #: ``train --standardise``: none, or how each picture's light is set before the backbone
 #: (:mod:`padim.models.features.photometric`).
-STANDARDISE = ("none", "channels", "picture")
+STANDARDISE = ("none", "gain", "channels", "picture")
 #: ``neighbourhood``: side of the per-layer feature average (1: none).
 NEIGHBOURHOODS = (1, 3, 5)
 #: ``resize``: how the region of interest becomes the model's square input (:mod:`padim.models.data.framing`).

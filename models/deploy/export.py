@@ -64,14 +64,15 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 14
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 15
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
 #: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
 #: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
 #: ``config.standardise``, none in every older file; 11: an int8 model file's own graph, ``precision: int8`` without
 #: ``quantisation``, which only a model of format 15 has; 12: the run option ``decode_workers``, spelled ``workers``
 #: before; 13: ``description.backbone_family`` and ``description.stages``, any backbone family; 14: ``config.shrinkage``
-#: ``auto`` and ``provenance.shrinkage_estimated``) keeps the cache.
+#: ``auto`` and ``provenance.shrinkage_estimated``; 15: ``config.standardise`` ``gain``, which only a model of format
+#: 19 has) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")

@@ -6,6 +6,10 @@ and such a change moves every feature of every pixel: a threshold that assumes n
 10% brighter, and one that covers the change (``--expect``) has to stand far above every normal picture to do so.
 What can be normalised need not be insured.
 
+``gain``: each picture's brightness alone set to one level (the mean of its pixels, all channels, to :data:`LEVEL` in
+0-1 units), by one gain: no centring, no contrast stretch. A lamp's gain is taken out; what a picture's contrast
+says (a crack's dark line, a cell's grain) is kept. On ELPV's solar cells it finds the most defects of the modes on
+polycrystalline cells, where ``picture``'s stretch hides them (docs/calibration.md has the measurements).
 ``channels``: each channel of each picture is set to mean 0 and spread 1 on the ImageNet-normalised input (the
 statistics the backbone was trained on), read over the whole model input (a tiled model's whole picture, not each
 tile). A change of a channel's 8-bit values by a gain and an offset then changes nothing but rounding and clipping.
@@ -24,16 +28,22 @@ from __future__ import annotations
 import torch
 
 from padim.models.choices import STANDARDISE
+from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
 
 #: The least spread a picture is stretched from (ImageNet-normalised units: about one 8-bit level, 1 / (255 x
 #: 0.229)). A flat field, whose channels vary by less, is centred and stretched no further: its noise is not
 #: blown up to a textured picture's contrast.
 FLAT = 0.02
+#: ``gain``: the brightness (mean pixel, 0-1 units) every picture is set to: mid grey.
+LEVEL = 0.5
+#: ``gain``: the least brightness a picture is raised from (about five 8-bit levels): a black frame is not blown up.
+DARK = 0.02
 
 
 def standardised(images: torch.Tensor, mode: str) -> torch.Tensor:
-    """``(B, 3, H, W)`` float32 ImageNet-normalised pictures -> each picture's channels set to mean 0 and spread 1
-    (``channels``), or to mean 0 each and one gain for all (``picture``); ``none``: ``images`` as they are.
+    """``(B, 3, H, W)`` float32 ImageNet-normalised pictures -> each picture scaled to one brightness (``gain``),
+    its channels set to mean 0 and spread 1 (``channels``), or to mean 0 each and one gain for all (``picture``);
+    ``none``: ``images`` as they are.
 
     Reductions and broadcasts only, so that every exporter traces it (ONNX, OpenVINO, TensorRT) and a CUDA graph
     captures it.
@@ -42,9 +52,21 @@ def standardised(images: torch.Tensor, mode: str) -> torch.Tensor:
         return images
     if mode not in STANDARDISE:
         raise ValueError(f"standardise: {mode!r} is not one of {', '.join(STANDARDISE)}")
+    if mode == "gain":
+        return _gained(images)
     mean = images.mean(dim=(2, 3), keepdim=True)  # (B, 3, 1, 1)
     centred = images - mean
     variance = (centred * centred).mean(dim=(2, 3), keepdim=True)  # (B, 3, 1, 1)
     if mode == "picture":
         variance = variance.mean(dim=1, keepdim=True)  # (B, 1, 1, 1): one gain for every channel
     return centred * torch.rsqrt(variance.clamp_min(FLAT * FLAT))
+
+
+def _gained(images: torch.Tensor) -> torch.Tensor:
+    """``gain``: pixels ``p = x s + m`` (0-1 units) times ``LEVEL / mean(p)``, normalised again:
+    ``x g + (m / s)(g - 1)``."""
+    scale = images.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    offset = images.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1) / scale  # m / s
+    level = (images * scale).mean(dim=(1, 2, 3), keepdim=True) + images.new_tensor(IMAGENET_MEAN).mean()
+    gain = LEVEL / level.clamp_min(DARK)  # (B, 1, 1, 1)
+    return images * gain + offset * (gain - 1)

@@ -119,6 +119,8 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
     # benchmarks/real.py (ELPV) beside benchmarks/shift.py (photographed and generated): the weight the statistics
     # ask for, and the cover trimmed of what the training pictures already show (docs/quality.md)
     assert c.gaussian.shrinkage == "auto" and c.gaussian.trim_cover
+    # the pictures as they are: --standardise gain is measured (docs/quality.md), not yet the default
+    assert c.features.standardise == "none"
     paper, _ = read_config_file(Path(__file__).resolve().parents[2] / "configs" / "paper.yaml")
     assert (
         paper.gaussian.neighbourhood,
@@ -126,7 +128,7 @@ def test_the_default_is_the_measured_winner_and_the_paper_is_one_file_away():
         paper.scoring.blur_sigma,
         paper.gaussian.expect,
     ) == (1, "map_max", 4.0, "")
-    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, expect="stable", shrinkage=0.0)
+    assert paper == PadimConfig(neighbourhood=1, blur_sigma=4.0, expect="stable", shrinkage=0.0, standardise="none")
     assert not paper.copies_fitted
     # the recipe on any backbone's own stages and D (the paper's: resnet18 100, wide_resnet50_2 550)
     on_vgg = read_config_file("paper")[0].replace(backbone="vgg16")

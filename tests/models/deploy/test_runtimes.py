@@ -412,7 +412,9 @@ def test_a_framed_model_scores_alike_on_every_runtime_and_its_export_says_how_to
     assert "framed to 64x64" in (tmp_path / "triton" / "m" / "config.pbtxt").read_text()
 
 
-@pytest.mark.parametrize(("statistics", "standardise"), [("position", "channels"), ("shared", "picture")])
+@pytest.mark.parametrize(
+    ("statistics", "standardise"), [("position", "channels"), ("shared", "picture"), ("position", "gain")]
+)
 def test_a_tiled_model_scores_alike_on_every_runtime_with_the_tiles_inside_the_graph(
     dataset, tmp_path, statistics, standardise
 ):

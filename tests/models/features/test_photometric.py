@@ -1,5 +1,6 @@
 """Each picture's light set before the backbone (``train --standardise``): against numpy in float64, and the changes
-it must take out (a lamp's gain, a contrast; a colour cast under ``channels``) beside what ``picture`` keeps."""
+it must take out (a lamp's gain, a contrast; a colour cast under ``channels``) beside what ``picture`` keeps and what
+``gain`` keeps (a contrast)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from padim.models.data.images import normalisation, normalise
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
-from padim.models.features.photometric import FLAT, standardised
+from padim.models.features.photometric import DARK, FLAT, LEVEL, standardised
 
 
 def reference(images: np.ndarray, mode: str) -> np.ndarray:
@@ -21,6 +22,15 @@ def reference(images: np.ndarray, mode: str) -> np.ndarray:
         for c, channel in enumerate(picture):
             out[b, c] = (channel - channel.mean()) / max(spreads[c], FLAT)
     return out
+
+
+def gain_reference(images: np.ndarray) -> np.ndarray:
+    """numpy, float64, in 0-1 pixel units: each picture times ``LEVEL`` over the mean of all its pixels."""
+    mean = np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)
+    std = np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
+    pixels = images.astype(np.float64) * std + mean
+    level = pixels.reshape(len(pixels), -1).mean(axis=1).reshape(-1, 1, 1, 1)
+    return (pixels * LEVEL / np.maximum(level, DARK) - mean) / std
 
 
 def pictures(seed: int = 0, batch: int = 3, side: int = 48) -> torch.Tensor:
@@ -43,10 +53,15 @@ def test_standardised_equals_numpy(mode):
     np.testing.assert_allclose(standardised(images, mode).numpy(), reference(images.numpy(), mode), atol=2e-5)
 
 
+def test_gain_equals_numpy():
+    images = model_input(pictures())
+    np.testing.assert_allclose(standardised(images, "gain").numpy(), gain_reference(images.numpy()), atol=2e-5)
+
+
 def test_none_is_the_input_itself():
     images = model_input(pictures())
     assert standardised(images, "none") is images
-    with pytest.raises(ValueError, match="none, channels, picture"):
+    with pytest.raises(ValueError, match="none, gain, channels, picture"):
         standardised(images, "brightest")
 
 
@@ -83,3 +98,23 @@ def test_a_flat_picture_is_centred_not_blown_up():
     out = standardised(model_input(flat), "channels")
     assert out.abs().max() < 1 and out.mean().abs() < 1e-5  # one level over FLAT; 17 if stretched to spread 1
     assert torch.isfinite(standardised(model_input(torch.zeros((2, 3, 16, 16), dtype=torch.uint8)), "channels")).all()
+
+
+def test_gain_takes_a_lamps_gain_out_and_keeps_a_contrast():
+    """``gain``: 20% more or less light is the same picture; a flatter or harsher one (the same mean) is not, and a
+    black frame is raised from ``DARK`` at most, not blown up."""
+    pixels = pictures(3).to(torch.float64)
+    same = standardised(model_input(pixels.round().to(torch.uint8)), "gain")
+    for changed in (pixels * 1.2, pixels * 0.8):
+        moved = standardised(model_input(changed.round().to(torch.uint8)), "gain")
+        assert (moved - same).abs().max() < 0.1 and (moved - same).abs().mean() < 0.02  # rounding only
+    mean = pixels.mean(dim=(1, 2, 3), keepdim=True)
+    flatter = standardised(model_input((mean + 0.6 * (pixels - mean)).round().to(torch.uint8)), "gain")
+    assert (flatter - same).abs().mean() > 0.1  # the contrast is the picture's own
+    black = model_input(torch.zeros((2, 3, 16, 16), dtype=torch.uint8))
+    torch.testing.assert_close(standardised(black, "gain"), black, atol=1e-5, rtol=0)  # stays black, finite
+    dim = torch.zeros((1, 3, 16, 16), dtype=torch.uint8)
+    dim[..., ::2, :] = 2  # a mean of one 8-bit level: raised DARK / level-fold at most, not to LEVEL
+    raised = standardised(model_input(dim), "gain") * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    raised = raised + torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    assert abs(float(raised.mean()) - LEVEL * (1 / 255) / DARK) < 1e-3

@@ -14,9 +14,16 @@ from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector
 from padim.models.features.embedding import FeatureEmbedder, model_input, stacked
 from padim.models.fit.model_file import load_detector, load_fit, save_detector
 
-# neighbourhood 1: what every file before format 4 was fitted with (the older-format tests below relabel its files)
+# neighbourhood 1: what every file before format 4 was fitted with, standardise none: before format 12 (the
+# older-format tests below relabel its files)
 CONFIG = PadimConfig(
-    weights="random", image_size=64, batch_size=8, decode_workers=0, calibration_folds=5, neighbourhood=1
+    weights="random",
+    image_size=64,
+    batch_size=8,
+    decode_workers=0,
+    calibration_folds=5,
+    neighbourhood=1,
+    standardise="none",
 )
 
 
@@ -502,6 +509,39 @@ def test_standardise_travels_in_the_file_and_a_format_eleven_file_has_none(image
     batch = plain.preprocess(taken)
     torch.testing.assert_close(eleven.score(batch).raw_scores, plain.score(batch).raw_scores, rtol=1e-6, atol=0)
     assert eleven.calibration == plain.calibration
+
+
+def test_gain_travels_in_the_file_and_a_format_eighteen_file_scores_as_it_did(detector, images, tmp_path, monkeypatch):
+    """Format 19: ``standardise`` may be ``gain`` (each picture's brightness set, its contrast kept). A file of
+    format 18 or older stored its mode (or none before 12) and is read with it, whatever today's default."""
+    from padim.models.data.changes import Draw, apply
+
+    gained = fit_detector(CONFIG.replace(standardise="gain"), images, progress=False)[0]
+    save_detector(gained, tmp_path / "gain.padim")
+    _, header = load_artifact(tmp_path / "gain.padim")
+    assert header["format_version"] == FORMAT_VERSION >= 19 and header["config"]["standardise"] == "gain"
+    loaded = load_detector(tmp_path / "gain.padim", device="cpu")
+    assert loaded.config.features.standardise == "gain" and loaded.describe()["standardise"] == "gain"
+    taken = pictures(images, 4)
+
+    def moved(model, draw: Draw) -> float:  # the largest relative change of a picture's raw score
+        before = model.score(model.preprocess(taken)).raw_scores
+        after = model.score(model.preprocess([apply(picture, draw) for picture in taken])).raw_scores
+        return float(((after - before).abs() / before).max())
+
+    lamp = Draw(brightness=1.15)
+    assert moved(loaded, lamp) < 0.05 and moved(detector, lamp) > 4 * moved(loaded, lamp)
+    assert moved(loaded, Draw(contrast=0.7)) > 2 * moved(loaded, lamp)  # a contrast is the picture's own
+    save_detector(detector, tmp_path / "plain.padim")
+    tensors, header = load_artifact(tmp_path / "plain.padim")
+    older_format_of(tensors, header, tmp_path / "eighteen.padim", 18)
+    defaults_as(monkeypatch, standardise="gain")
+    assert PadimConfig().features.standardise == "gain"  # as if the default were the gain
+    eighteen = load_detector(tmp_path / "eighteen.padim", device="cpu")
+    assert eighteen.config.features.standardise == "none"
+    batch = detector.preprocess(taken)
+    torch.testing.assert_close(eighteen.score(batch).raw_scores, detector.score(batch).raw_scores, rtol=1e-6, atol=0)
+    assert eighteen.calibration == detector.calibration
 
 
 def test_decode_workers_is_stored_so_and_a_format_fifteen_file_spelled_it_workers(detector, images, tmp_path):
