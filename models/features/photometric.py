@@ -8,8 +8,8 @@ What can be normalised need not be insured.
 
 ``gain``: each picture's brightness alone set to one level (the mean of its pixels, all channels, to :data:`LEVEL` in
 0-1 units), by one gain: no centring, no contrast stretch. A lamp's gain is taken out; what a picture's contrast
-says (a crack's dark line, a cell's grain) is kept. On ELPV's solar cells it finds the most defects of the modes on
-polycrystalline cells, where ``picture``'s stretch hides them (docs/calibration.md has the measurements).
+says (a crack's dark line, a cell's grain) is kept. On ELPV's polycrystalline cells it keeps more of the defects
+than ``picture``, whose stretch hides part of them (docs/quality.md has the measurements).
 ``channels``: each channel of each picture is set to mean 0 and spread 1 on the ImageNet-normalised input (the
 statistics the backbone was trained on), read over the whole model input (a tiled model's whole picture, not each
 tile). A change of a channel's 8-bit values by a gain and an offset then changes nothing but rounding and clipping.
@@ -65,8 +65,8 @@ def standardised(images: torch.Tensor, mode: str) -> torch.Tensor:
 def _gained(images: torch.Tensor) -> torch.Tensor:
     """``gain``: pixels ``p = x s + m`` (0-1 units) times ``LEVEL / mean(p)``, normalised again:
     ``x g + (m / s)(g - 1)``."""
-    scale = images.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    offset = images.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1) / scale  # m / s
-    level = (images * scale).mean(dim=(1, 2, 3), keepdim=True) + images.new_tensor(IMAGENET_MEAN).mean()
-    gain = LEVEL / level.clamp_min(DARK)  # (B, 1, 1, 1)
-    return images * gain + offset * (gain - 1)
+    std = images.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean = images.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    level = (images * std + mean).mean(dim=(1, 2, 3), keepdim=True)  # (B, 1, 1, 1): the mean pixel, 0-1 units
+    gain = LEVEL / level.clamp_min(DARK)
+    return images * gain + (mean / std) * (gain - 1)
