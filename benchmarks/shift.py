@@ -33,8 +33,9 @@ as ``benchmarks/quality.py --grid robust`` reads it). Results per category, neve
     python benchmarks/shift.py --categories brick,brick+light --options n3-s0.5-rough,n3-s0.5-auto --fit-rounds 3
 
 An option set is written ``n<neighbourhood>-s<shrinkage or auto>-<expect>[-nofit][-b<blur sigma>][-pbf16|-pfp16]
-[-zgain|-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``); ``<expect>`` is a preset, ``auto`` or
-``geometry``, ``rough``'s cover without its light (``shift=6,rotate=2,blur=1.5,jpeg=60``).
+[-znone|-zgain|-zchannels|-zpicture]`` (``train --precision``, ``train --standardise``: without one, gain, the
+default); ``<expect>`` is a preset, ``auto`` or ``geometry``, ``rough``'s cover without its light
+(``shift=6,rotate=2,blur=1.5,jpeg=60``).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def parse_options(name: str) -> dict:
             options["blur_sigma"] = float(extra[1:])
         elif extra in ("pbf16", "pfp16"):  # train --precision
             options["precision"] = extra[1:]
-        elif extra in ("zgain", "zchannels", "zpicture"):  # train --standardise
+        elif extra in ("znone", "zgain", "zchannels", "zpicture"):  # train --standardise
             options["standardise"] = extra[1:]
         else:
             raise SystemExit(f"unknown part {extra!r} of option set {name!r}")

@@ -296,12 +296,13 @@ class Features(Group):
         example="3",
     )
     standardise: str = option(
-        "none",
+        "gain",
         "each picture's light set before the backbone, so that a brighter or darker picture of the same part reads"
-        " as the same picture: none (default: the pictures as they are), gain (the picture's brightness alone set "
-        "to one level by one gain, its contrast kept: a lamp's drift taken out, a crack's dark line kept; another "
-        "region's pictures a fifth brighter flag 2 of 125 where none flags 26, and mono solar cells rank higher, "
-        "poly ones a little lower, docs/quality.md), channels (each channel of each picture set to one mean and "
+        " as the same picture: gain (default: the picture's brightness alone set to one level by one gain, its "
+        "contrast kept: a lamp's drift taken out, a crack's dark line kept; another region's pictures a fifth "
+        "brighter flag 2 of 125 where none flags 26, and mono solar cells rank higher, poly ones a little lower, "
+        "docs/quality.md), none (the pictures as they are, the paper; --config paper: where a part's brightness is "
+        "itself the defect), channels (each channel of each picture set to one mean and "
         "spread) or picture (each channel to one mean, one gain for all three: a contrast change taken out too). "
         "channels and picture suit a material that looks alike all over; where the content's own spread varies "
         "from picture to picture they cost ranking (docs/calibration.md)",

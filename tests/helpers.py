@@ -456,7 +456,9 @@ def reference_maps(squared: np.ndarray, tiling, sigma: float) -> np.ndarray:
 
 
 def normal_and_shifted(root: Path, count: int) -> tuple[list[Path], list[Path]]:
-    """``count`` new normal weave images (96 px, unseen by the session's model) and the same under another lamp."""
+    """``count`` new normal weave images (96 px, unseen by the session's model) and the same under a warmer lamp:
+    green at three quarters, blue at half. A change of colour, which the default ``--standardise gain`` (one gain
+    for a picture's brightness) leaves for the model to see, as a monitor, a drift report or a gate must."""
     from padim.models.data.synthetic import generate
 
     (category,) = generate(root, ("weave",), train=count, test_good=0, test_defect=0, size=96, seed=7)
@@ -465,7 +467,8 @@ def normal_and_shifted(root: Path, count: int) -> tuple[list[Path], list[Path]]:
     shifted.mkdir()
     for path in normal:
         pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float64)
-        Image.fromarray(np.clip(pixels * 0.5 + 100, 0, 255).astype(np.uint8)).save(shifted / path.name)
+        warmer = pixels * np.array([1.0, 0.75, 0.5])
+        Image.fromarray(np.clip(warmer, 0, 255).astype(np.uint8)).save(shifted / path.name)
     return normal, sorted(shifted.glob("*.png"))
 
 

@@ -1,4 +1,4 @@
-"""The line monitor against a real server: normal images, then brightness-shifted ones, then a reset."""
+"""The line monitor against a real server: normal images, then the same under a warmer lamp, then a reset."""
 
 import time
 
@@ -12,7 +12,7 @@ ENV = {"PADIM_MONITOR_WINDOW": str(WINDOW), "PADIM_MONITOR_MIN_IMAGES": "30"}
 
 @pytest.fixture(scope="module")
 def line(tmp_path_factory):
-    """``WINDOW`` new normal images (unseen by the model) and the same images under another lamp."""
+    """``WINDOW`` new normal images (unseen by the model) and the same under a warmer lamp."""
     return normal_and_shifted(tmp_path_factory.mktemp("line"), WINDOW)
 
 

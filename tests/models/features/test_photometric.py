@@ -8,7 +8,7 @@ import torch
 
 from padim.models.data.images import normalisation, normalise
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD
-from padim.models.features.photometric import DARK, FLAT, LEVEL, standardised
+from padim.models.features.photometric import DARK, FLAT, LEVEL, LEVEL_GRID, standardised
 
 
 def reference(images: np.ndarray, mode: str) -> np.ndarray:
@@ -25,11 +25,12 @@ def reference(images: np.ndarray, mode: str) -> np.ndarray:
 
 
 def gain_reference(images: np.ndarray) -> np.ndarray:
-    """numpy, float64, in 0-1 pixel units: each picture times ``LEVEL`` over the mean of all its pixels."""
+    """numpy, float64, in 0-1 pixel units: each picture times ``LEVEL`` over the mean of all its pixels (read on the
+    grid of ``1 / LEVEL_GRID``)."""
     mean = np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)
     std = np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
     pixels = images.astype(np.float64) * std + mean
-    level = pixels.reshape(len(pixels), -1).mean(axis=1).reshape(-1, 1, 1, 1)
+    level = np.round(pixels.reshape(len(pixels), -1).mean(axis=1).reshape(-1, 1, 1, 1) * LEVEL_GRID) / LEVEL_GRID
     return (pixels * LEVEL / np.maximum(level, DARK) - mean) / std
 
 
@@ -110,7 +111,9 @@ def test_gain_takes_a_lamps_gain_out_and_keeps_a_contrast():
         assert (moved - same).abs().max() < 0.1 and (moved - same).abs().mean() < 0.02  # rounding only
     mean = pixels.mean(dim=(1, 2, 3), keepdim=True)
     flatter = standardised(model_input((mean + 0.6 * (pixels - mean)).round().to(torch.uint8)), "gain")
-    assert (flatter - same).abs().mean() > 0.1  # the contrast is the picture's own
+    # the contrast is the picture's own: 0.4 of each pixel's distance from the mean, at the picture's gain
+    kept = (0.4 * (pixels - mean) * LEVEL / (mean / 255)).abs() / 255 / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    assert float((flatter - same).abs().mean()) == pytest.approx(float(kept.mean()), rel=0.1)
     black = model_input(torch.zeros((2, 3, 16, 16), dtype=torch.uint8))
     torch.testing.assert_close(standardised(black, "gain"), black, atol=1e-5, rtol=0)  # stays black, finite
     dim = torch.zeros((1, 3, 16, 16), dtype=torch.uint8)

@@ -342,7 +342,9 @@ def test_with_expect_the_flag_rate_on_changed_pictures_stays_within_the_promise(
         assert detector.describe()["calibration"]["expect"] == "brightness=0.15,contrast=0.15,blur=1"
         assert detector.describe()["calibration"]["measured"]["left_out"] == ["shift"]
     else:
-        assert realised > 3 * bound, (realised, bound)  # measured 0.59 against a bound of 0.13
+        # measured 0.31 against a bound of 0.11: the default gain takes the brightness out, the contrast and the
+        # blur are left (0.59 with --standardise none)
+        assert realised > 2 * bound, (realised, bound)
 
 
 def test_threshold_comes_from_every_image_out_of_fold(images):
