@@ -47,12 +47,12 @@ def test_the_record_on_a_full_disk_refuses_rows_saying_why_and_comes_back_by_its
             before = [score(data) for data in sent[:4]]
             assert all(a.status_code == 200 for a in before), before[0].text
             wait_until(lambda: storage(url)["rows"] == 4 and storage(url)["rows_waiting"] == 0, 60, "4 rows")
-            disk.fill()
 
-            # new pictures (their bytes are stored first) and pictures seen before (their rows go to the journal alone)
             def outcomes() -> tuple[float, float]:
                 return tuple(metric(url, "padim_record_rows_total", outcome=o) for o in ("journaled", "refused"))
 
+            disk.fill()
+            # new pictures (their bytes are stored first) and pictures seen before (their rows go to the journal alone)
             # answering first, a verdict leaves before its row is journaled: each count is read once every row sent
             # has its outcome, or it is short (and the database's count steps past it)
             during = [score(data) for data in [*sent[4:10], *sent[:3]]]
