@@ -13,7 +13,8 @@ process that times its runtimes when told to, so that rounds alternate between t
 AnomaVision is exported with its own ``ModelExporter`` (ONNX, fp32) and run by its own
 ``ModelWrapper`` backends, with their default settings. Its ImageNet download is replaced by
 the state_dict (no network here). Prints img/s (median, best) per runtime and batch size and
-the ratio of padim's fastest to AnomaVision's fastest.
+the ratio of padim's fastest to AnomaVision's fastest, and the CPU features the runtimes use (AVX2, AVX-512, VNNI, BF16,
+AMX) that this machine has.
 
 padim's side also runs what ``--runtime auto`` picks for the model file, and its gated exports (each with its own
 threshold, from ``--calibration-images`` more normal pictures, never the test ones): OpenVINO int8 everywhere, and
@@ -52,6 +53,15 @@ def worker(work: Path, batch_size: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     logging.disable(logging.INFO)
+    try:  # AnomaVision's OpenVINO backend imports openvino.runtime, which OpenVINO 2026 folded into openvino itself:
+        import openvino.runtime  # noqa: F401 (the same classes under the old name, so that its default runs)
+    except ImportError:
+        try:
+            import openvino
+
+            sys.modules["openvino.runtime"] = openvino
+        except ImportError:
+            pass  # no OpenVINO: its backend says so below
     import anomavision.algorithm.common.feature_extraction as extraction
     from anomavision.algorithm.padim import Padim
     from anomavision.export import ModelExporter
@@ -86,8 +96,8 @@ def worker(work: Path, batch_size: int) -> None:
         xml = work / "anomavision-export" / "openvino" / "model.xml"
         ov.save_model(ov.convert_model(str(onnx_path)), str(xml), compress_to_fp16=False)
         runtimes["openvino"] = ModelWrapper(str(xml), "cpu").predict
-    except Exception as error:  # noqa: BLE001 - reported, the others still run (its backend imports
-        print(json.dumps({"note": f"openvino not measured: {error}"}), flush=True)  # openvino.runtime, gone in 2026)
+    except Exception as error:  # noqa: BLE001 - reported, the others still run
+        print(json.dumps({"note": f"openvino not measured: {error}"}), flush=True)
     test = np.load(work / "test.npy")
     batch = test[:batch_size]
     scores = {}
@@ -131,16 +141,19 @@ def main() -> int:
 
     import torch
     from PIL import Image
-    from timing import seeded_resnet18, work_folder
+    from timing import machine_name, seeded_resnet18, work_folder
 
     from padim.models import PadimConfig, fit_detector, training_images
     from padim.models.data.synthetic import generate
     from padim.models.deploy.export import ExportError
     from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
     from padim.models.deploy.runtimes import load_scorer, openvino_runs
+    from padim.models.devices import cpu_features
     from padim.models.features.embedding import model_input
     from padim.models.fit.model_file import save_detector
 
+    features = cpu_features()
+    print(f"{machine_name()}: {', '.join(features) or 'no AVX2/AVX-512 flags'}", flush=True)
     work = work_folder(args.workdir, "padim-vs-anomavision-")
     work.mkdir(parents=True, exist_ok=True)
     category = work / "data" / "carpet"
@@ -256,6 +269,8 @@ def main() -> int:
 
     report = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "cpu": machine_name(),
+        "cpu_features": list(features),
         "rounds": args.rounds,
         "batch_size": args.batch_size,
         "image_size": 224,

@@ -38,19 +38,15 @@ from padim.models.data.synthetic import add_defect, texture
 from padim.models.deploy.export import export_detector
 from padim.models.deploy.quantise import QuantiseOptions, export_quantised_detector
 from padim.models.deploy.runtimes import load_scorer, openvino_runs
+from padim.models.devices import cpu_features
 from padim.models.fit.model_file import load_detector
 
 DEFECTS = ("scratch", "stain", "hole")
 
 
 def cpu_flags() -> str:
-    """Whether this CPU has fast int8 dot products (VNNI), from /proc/cpuinfo."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
-    return ", ".join(have) or "none of avx2/avx512/vnni"
+    """The CPU features the runtimes' fast paths use (VNNI, BF16, AMX, ...), from /proc/cpuinfo."""
+    return ", ".join(cpu_features()) or "none of avx2/avx512/vnni"
 
 
 def pictures(folder: Path, count: int, size: int, rng: np.random.Generator, category: str, defect: bool) -> list[Path]:

@@ -187,6 +187,27 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+#: CPU features the runtimes' fast paths use, in the order :func:`cpu_features` names them: 256- and 512-bit
+#: vectors, int8 dot products (VNNI), bfloat16 and float16 vector arithmetic, and AMX's bfloat16 and int8 tiles.
+RUNTIME_CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx_vnni",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_features(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """Which of :data:`RUNTIME_CPU_FLAGS` this CPU has (``flags``: :func:`cpu_flags` by default); empty where
+    ``/proc/cpuinfo`` cannot be read or none is there (an ARM CPU, an old x86 one)."""
+    found = cpu_flags() if flags is None else flags
+    return tuple(flag for flag in RUNTIME_CPU_FLAGS if flag in found)
+
+
 def check_precision(precision: str, device: torch.device, capability: tuple[int, int] | None = None) -> None:
     """Whether ``device`` runs the backbone at ``precision`` (``train --precision``).
 

@@ -144,3 +144,13 @@ def test_the_probe_is_nothing_on_a_cpu_and_refuses_a_wrong_sum_on_a_gpu(monkeypa
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     with pytest.raises(RuntimeError, match="gave 7.0 for 8.0"):
         devices.probe(torch.device("cuda"))
+
+
+def test_cpu_features_names_the_runtime_flags_in_order_from_the_cpuinfo_flags(monkeypatch):
+    zen4 = frozenset("fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512vl".split())
+    assert devices.cpu_features(zen4) == ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
+    sapphire = frozenset("avx2 avx512f avx512_vnni avx_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8".split())
+    assert devices.cpu_features(sapphire) == devices.RUNTIME_CPU_FLAGS
+    assert devices.cpu_features(frozenset({"fp", "asimd", "asimddp"})) == ()  # an ARM CPU: none of them
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert devices.cpu_features() == ("avx2",)  # read from this machine by default
