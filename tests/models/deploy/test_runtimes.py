@@ -171,6 +171,27 @@ def test_auto_says_which_runtime_it_chose_and_why_by_the_precision_the_threshold
     assert runtime_choice("onnxruntime", "cpu", "bf16") == ("onnxruntime", "asked for")
 
 
+def test_auto_names_the_gated_export_that_scores_faster_on_this_cpu(monkeypatch):
+    """ONNX Runtime's float32 stays the choice (the threshold is float32's); the reason says what would be faster."""
+    from padim.models import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = {
+        "avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8": "--precision bf16",  # AMX: bfloat16 first
+        "avx2 avx512f avx512_vnni avx512_bf16": "--precision bf16",  # a Zen 4 EPYC
+        "avx2 avx_vnni": "--precision int8",  # int8 dot products, no bfloat16
+    }
+    for flags, export in cases.items():
+        monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: frozenset(flags.split()))
+        runtime, reason = runtime_choice("auto", "cpu")
+        assert runtime == "onnxruntime" and "float32" in reason
+        assert f"padim export --format openvino {export} --calibration-images DIR" in reason, flags
+        assert "threshold of its own" in reason
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # AVX2 alone: nothing faster known
+    assert "padim export" not in runtime_choice("auto", "cpu")[1]
+    assert "padim export" not in runtime_choice("auto", "cpu", "int8")[1]  # a reduced model's own scorer: no hint
+
+
 def test_an_int8_model_asked_to_score_on_a_gpu_is_refused_with_what_to_do(tmp_path):
     """Its backbone is ONNX Runtime's int8 kernels: --device cuda is refused before anything loads."""
     from helpers import older_format_of
