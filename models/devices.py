@@ -19,6 +19,7 @@ decisions are pure functions of what it read, tested with that state patched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -175,8 +176,10 @@ BF16_CAPABILITY = (8, 0)
 _told_slow: set[str] = set()
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+    """The CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read), read once a process: every model load
+    asks (``--runtime auto``'s reason), and they do not change."""
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:

@@ -55,7 +55,7 @@ from padim.models.deploy.export import (
     read_export,
     require,
 )
-from padim.models.devices import check_precision, cpu_features, runtime_device
+from padim.models.devices import CPU_FLAGS, INT8_FLAGS, check_precision, cpu_features, runtime_device
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import model_input
 from padim.models.fit.model_file import load_detector
@@ -122,8 +122,8 @@ def faster_here(features: tuple[str, ...] | None = None) -> str:
     and 287.3 at 16, int8 68.6 and 204.4, float32 ONNX Runtime 52.4 and 90.8.
     """
     found = cpu_features() if features is None else features
-    bf16: list[str] = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in found]
-    int8: list[str] = [flag for flag in ("amx_int8", "avx512_vnni", "avx_vnni") if flag in found]
+    bf16 = [flag for flag in CPU_FLAGS["bf16"] if flag in found]  # the flags check_precision and --precision auto read
+    int8 = [flag for flag in INT8_FLAGS if flag in found]
     if bf16:
         precision, flag, gain = "bf16", bf16[0], "1.5x at batch 1, 3.2x at 16"
     elif int8:
