@@ -282,7 +282,9 @@ def iter_decoded(
         return kept_paths, kept
 
     batches = [list(b) for b in batches if len(b)]
-    if workers <= 0:
+    # one picture in all: nothing to decode beside it, and a pool's threads cost more than they could overlap
+    # (predict of one path: 2-5 ms a call on the 2-core VM, docs/performance.md)
+    if workers <= 0 or sum(len(b) for b in batches) == 1:
         for chunk in batches:
             kept_paths, kept = sort_out(chunk, [decode(p) for p in chunk])
             if kept:

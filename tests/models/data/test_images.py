@@ -1,4 +1,6 @@
 import io
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from padim.models.data.images import (
     ImageTooLarge,
     bounded_copy,
     image_dimensions,
+    iter_decoded,
     list_images,
     normalisation,
     normalise,
@@ -140,3 +143,29 @@ def test_bounded_copy_keeps_the_aspect_ratio_and_small_images_as_they_are():
     assert copy.size == (1024, 341)
     small = Image.new("RGB", (100, 50))
     assert bounded_copy(small, 1024) is small
+
+
+def test_one_picture_is_decoded_where_it_is_asked_for_and_more_on_the_pool(tmp_path):
+    """One picture in all (``predict`` of one path) is decoded on the calling thread: a pool's threads cost a call
+    more than they could overlap; two or more go to the decode threads, unreadable ones reported either way."""
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"{i}.png"
+        path.write_bytes(encode(Image.new("RGB", (32, 32), (i * 40, 0, 0))))
+        paths.append(path)
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+
+    def decoded_on(batches, unreadable=None):
+        out = list(iter_decoded(batches, 2, unreadable, then=lambda path, image: threading.current_thread().name))
+        return [(names, [Path(p).name for p in chunk]) for chunk, names in out]
+
+    here = threading.current_thread().name
+    assert decoded_on([[paths[0]]]) == [([here], ["0.png"])]
+    pooled = decoded_on([[paths[0], paths[1]], [paths[2]]])
+    assert [files for _, files in pooled] == [["0.png", "1.png"], ["2.png"]]
+    assert all(name.startswith("decode") for names, _ in pooled for name in names)
+    unreadable: list = []
+    assert decoded_on([[tmp_path / "bad.png"]], unreadable) == []
+    assert [(path.name, bool(reason)) for path, reason in unreadable] == [("bad.png", True)]
+    with pytest.raises(ImageError):
+        decoded_on([[tmp_path / "bad.png"]])
