@@ -16,13 +16,15 @@ the state_dict (no network here). Prints img/s (median, best) per runtime and ba
 the ratio of padim's fastest to AnomaVision's fastest, and the CPU features the runtimes use (AVX2, AVX-512, VNNI, BF16,
 AMX) that this machine has.
 
-padim's side also runs what ``--runtime auto`` picks for the model file, and its gated exports (each with its own
-threshold, from ``--calibration-images`` more normal pictures, never the test ones): OpenVINO int8 everywhere, and
+padim's side also runs what ``--runtime auto`` picks for the model file (fitted with no flag: its int8 scorer where
+this CPU computes int8 faster, else float32; ``onnxruntime`` asked for is the float32 scorer), and its gated exports
+(each with its own threshold, from ``--calibration-images`` more normal pictures, never the test ones): OpenVINO int8
+everywhere, and
 OpenVINO bf16 where this CPU runs bfloat16 (AVX512-BF16, AMX). Each export's gate reading is printed beside.
 And the same pictures fitted at ``train --precision int8`` (the backbone quantised from the training pictures, no
 other folder): what ``--runtime auto`` picks for it (its own graph on ONNX Runtime) and torch with the same int8
 backbone. Every scorer's image AUROC on the whole test set is printed beside its speed, and each fit's time
-(``--fit-rounds`` interleaved fits a precision, median).
+(``--fit-rounds`` interleaved fits of each: the default, the float32 model alone, int8; median).
 """
 
 from __future__ import annotations
@@ -170,18 +172,23 @@ def main() -> int:
         neighbourhood=1,
         blur_sigma=4.0,
     )
-    fit_seconds: dict[str, list[float]] = {"fp32": [], "int8": []}
+    # the default (a float32 model with its int8 scorer), the float32 model alone (the default before model format
+    # 20), and a model fitted at int8
+    fits = {
+        "default": (config, "padim.padim"),
+        "fp32": (config.replace(int8_scorer=False), "padim-fp32.padim"),
+        "int8": (config.replace(precision="int8"), "padim-int8.padim"),
+    }
+    fit_seconds: dict[str, list[float]] = {name: [] for name in fits}
     for _ in range(args.fit_rounds):
-        for precision in fit_seconds:
+        for name, (fitted_with, file) in fits.items():
             started = time.perf_counter()
-            fitted, _ = fit_detector(
-                config.replace(precision=precision), training_images(category / "train" / "good"), progress=False
-            )
-            fit_seconds[precision].append(time.perf_counter() - started)
-            save_detector(fitted, work / ("padim.padim" if precision == "fp32" else f"padim-{precision}.padim"))
-            if precision == "fp32":
+            fitted, _ = fit_detector(fitted_with, training_images(category / "train" / "good"), progress=False)
+            fit_seconds[name].append(time.perf_counter() - started)
+            save_detector(fitted, work / file)
+            if name == "default":
                 detector = fitted
-            print(f"padim fit at {precision}: {fit_seconds[precision][-1]:.1f} s", flush=True)
+            print(f"padim fit, {name}: {fit_seconds[name][-1]:.1f} s", flush=True)
     train_paths = sorted((category / "train" / "good").glob("*.png"))
     test_paths = sorted((category / "test").rglob("*.png"))
     labels = np.array([p.parent.name != "good" for p in test_paths], dtype=int)
@@ -192,11 +199,12 @@ def main() -> int:
     batch = test[: args.batch_size]
 
     scorers = {}
-    for runtime in ("torch", "onnxruntime", "openvino", "auto"):
+    for runtime in ("torch", "onnxruntime", "openvino", "auto"):  # a runtime asked for runs the float32 scorer
         try:
             scorers[runtime] = load_scorer(work / "padim.padim", runtime, "cpu")
         except ExportError as error:
             print(f"padim {runtime}: not measured ({error})")
+    print(f"padim auto: the {scorers['auto'].file_scorer} scorer ({getattr(scorers['auto'], 'runtime_reason', '')})")
     if args.calibration_images:
         calibration = work / "calibration" / "carpet" / "train" / "good"
         if not calibration.exists():
@@ -221,7 +229,6 @@ def main() -> int:
             print(f"padim gated exports: not measured ({error})")
     for runtime in ("auto", "torch"):  # the model fitted at int8: its own graph (auto), and torch around it
         scorers[f"int8-trained {runtime}"] = load_scorer(work / "padim-int8.padim", runtime, "cpu")
-    print("padim auto picks:", type(scorers["auto"]).__name__, getattr(scorers["auto"], "runtime", "torch"))
     for scorer in scorers.values():
         scorer.score(batch)
         scorer.score(batch[:1])
@@ -278,14 +285,18 @@ def main() -> int:
         "embedding_dim": 100,
         "test_pictures": {"normal": int((labels == 0).sum()), "defect": int(labels.sum())},
         "image_auroc": {k: round(v, 4) for k, v in auroc.items()},
+        "train_pictures": args.train_images,
         "fit_seconds": {k: round(float(np.median(v)), 2) for k, v in fit_seconds.items()},
         "fit_ratio_int8": round(float(np.median(fit_seconds["int8"]) / np.median(fit_seconds["fp32"])), 3),
+        "fit_ratio_default": round(float(np.median(fit_seconds["default"]) / np.median(fit_seconds["fp32"])), 3),
+        "default_int8_scorer": None if detector.int8_scorer is None else detector.int8_scorer.check,
         "img_per_s": {},
     }
     for name, value in auroc.items():
         print(f"  image AUROC {name:<30} {value:.4f}")
-    print(f"fit: fp32 {report['fit_seconds']['fp32']} s, int8 {report['fit_seconds']['int8']} s "
-          f"({report['fit_ratio_int8']}x)")  # fmt: skip
+    print(f"fit of {args.train_images} pictures: float32 alone {report['fit_seconds']['fp32']} s, the default (with "
+          f"its int8 scorer) {report['fit_seconds']['default']} s ({report['fit_ratio_default']}x), at int8 "
+          f"{report['fit_seconds']['int8']} s ({report['fit_ratio_int8']}x)")  # fmt: skip
     print(f"scorer alone (tensor in, map + score out), {args.rounds} interleaved rounds; img/s median (best)")
     for key, seconds in times.items():
         b = int(key.rsplit("b", 1)[1])

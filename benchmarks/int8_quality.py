@@ -1,17 +1,19 @@
-"""``train --precision int8`` against fp32, as a user gets them: recall beside false alarms, per category.
+"""Every int8 scorer against float32, as a user gets them: recall beside false alarms, per category.
 
-For each category both precisions are fitted on the same training pictures with the defaults (seeded random
-resnet18 weights unless ``--weights`` names a state_dict; ImageNet weights cannot be fetched here), then every test
-picture is scored by what ``--runtime auto`` runs for each model (fp32: the float32 ONNX Runtime export; int8: its
-own int8 graph) and read at each model's own threshold:
+For each category two models are fitted on the same training pictures (seeded random resnet18 weights unless
+``--weights`` names a state_dict; ImageNet weights cannot be fetched here): ``padim train`` with no flag (a float32
+model and its int8 scorer, model format 20) and ``train --precision int8`` (a model fitted at int8). Every test
+picture is scored by three scorers, each read at its own threshold: ``fp32`` (the default model's float32 scorer on
+ONNX Runtime), ``int8 scorer`` (the default model's int8 scorer: what ``--runtime auto`` runs on a CPU that computes
+int8 faster) and ``int8-trained`` (the int8 model's own graph):
 
 - image AUROC (normal test pictures against defects);
 - recall: defects at or above the threshold;
 - false alarms on unseen normal pictures of the same kind (``test/good``) and, for the photographed materials, of
   another region of the photograph (``region/test/good``), with that region's AUROC and recall;
-- the int8 gate's reading (largest and median relative score difference, verdicts changed) and each fit's time;
-  a category whose int8 gate refuses the model (where ``--precision auto`` fits fp32 instead) is marked so, and
-  read from the model written with ``--force``.
+- each int8 gate's reading (largest and median relative score difference, verdicts changed) and each fit's time;
+  a category whose gate refuses an int8 scorer (where ``--runtime auto`` scores at float32, and ``--precision
+  auto`` fits fp32) is marked so, and read from the model written with ``--force``.
 
 Photographed materials come from ``benchmarks/photographed.py`` (scikit-image's photographs), generated ones from
 ``padim synth``'s generator::
@@ -31,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 GENERATED = ("carpet", "leather", "tiles", "board", "pill")
+#: The scorers read: the default model's float32 and int8 ones, and a model fitted at int8.
+SCORERS = ("fp32", "int8 scorer", "int8-trained")
 #: Normal and defect pictures of a generated category's test set (per defect kind).
 GENERATED_TEST = (50, 10)
 
@@ -96,9 +100,20 @@ def main() -> int:
             generate(root, tuple(missing), train=60, test_good=good, test_defect=defect, size=224, seed=1)
         categories += [(c, root / c, "generated") for c in generated]
 
-    report: dict = {"machine": platform.processor() or platform.machine(), "weights": args.weights, "categories": {}}
+    from padim.models import devices
+
+    if devices.int8_flag() is None:
+        raise SystemExit("this CPU has no int8 arithmetic that ONNX Runtime runs faster: --runtime auto never runs the "
+                         "int8 scorer here")  # fmt: skip
+    report: dict = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu_features": list(devices.cpu_features()),
+        "weights": args.weights,
+        "categories": {},
+    }
     for name, folder, kind in categories:
         row: dict = {"kind": kind}
+        pictures = training_images(folder / "train" / "good")
         for precision in ("fp32", "int8"):
             model = work / "models" / f"{name}-{precision}.padim"
             model.parent.mkdir(parents=True, exist_ok=True)
@@ -106,40 +121,44 @@ def main() -> int:
             started = time.perf_counter()
             refused = None
             try:
-                train(config, training_images(folder / "train" / "good"), model, progress=False)
+                report_ = train(config, pictures, model, progress=False)
+                if precision == "fp32" and report_.int8_scorer is not None and not report_.int8_scorer.usable:
+                    refused = report_.int8_scorer.check  # --runtime auto scores at float32; read it anyway
+                    train(config, pictures, model, progress=False, gate=PrecisionGate(force=True))
             except PrecisionGateFailed as error:  # what --precision auto would fit at fp32 instead; read anyway
                 refused = error.check.to_dict()
-                train(
-                    config,
-                    training_images(folder / "train" / "good"),
-                    model,
-                    progress=False,
-                    gate=PrecisionGate(force=True),
-                )
+                train(config, pictures, model, progress=False, gate=PrecisionGate(force=True))
             seconds = time.perf_counter() - started
-            scorer = load_scorer(model, "auto", "cpu")
-            part = {"fit_seconds": round(seconds, 2), "runtime": scorer.describe()["runtime"]}
-            if refused is not None:
-                part["refused_by_gate"] = True
-            part["same"] = read_set(scorer, folder / "test")
-            if (folder / "region" / "test").exists():
-                part["region"] = read_set(scorer, folder / "region" / "test")
-            if precision == "int8":
-                check = load_artifact(model)[1]["precision_check"]
-                part["gate"] = {k: check[k] for k in ("max_score_error", "median_score_error", "verdict_changes")}
-            row[precision] = part
-            print(name, precision, json.dumps(part), flush=True)
+            header = load_artifact(model)[1]
+            scorers = (
+                {"fp32": load_scorer(model, "onnxruntime", "cpu"), "int8 scorer": load_scorer(model, "auto", "cpu")}
+                if precision == "fp32"
+                else {"int8-trained": load_scorer(model, "auto", "cpu")}
+            )
+            for key, scorer in scorers.items():
+                part = {"fit_seconds": round(seconds, 2), "runtime": scorer.describe()["runtime"]}
+                if key != "fp32":
+                    assert scorer.describe()["precision"] == "int8", (key, scorer.describe().get("runtime_reason"))
+                    check = header["int8_scorer"]["check"] if key == "int8 scorer" else header["precision_check"]
+                    part["gate"] = {k: check[k] for k in ("max_score_error", "median_score_error", "verdict_changes")}
+                    if refused is not None:
+                        part["refused_by_gate"] = True
+                part["same"] = read_set(scorer, folder / "test")
+                if (folder / "region" / "test").exists():
+                    part["region"] = read_set(scorer, folder / "region" / "test")
+                row[key] = part
+                print(name, key, json.dumps(part), flush=True)
         report["categories"][name] = row
 
-    print(f"\n{'category':<10} {'':5} {'AUROC':>6} {'recall':>6} {'alarms':>6} | {'region AUROC':>12} {'recall':>6} "
+    print(f"\n{'category':<10} {'':12} {'AUROC':>6} {'recall':>6} {'alarms':>6} | {'region AUROC':>12} {'recall':>6} "
           f"{'alarms':>6} | gate")  # fmt: skip
     for name, row in report["categories"].items():
-        for precision in ("fp32", "int8"):
+        for precision in SCORERS:
             part = row[precision]
             same, region = part["same"], part.get("region")
             gate = part.get("gate")
             print(
-                f"{name:<10} {precision:5} {same['auroc']:6.3f} {same['recall']:6.3f} "
+                f"{name:<10} {precision:12} {same['auroc']:6.3f} {same['recall']:6.3f} "
                 f"{same['false_alarms']:>3}/{same['normal']:<3}| "
                 + (
                     f"{region['auroc']:12.3f} {region['recall']:6.3f} {region['false_alarms']:>3}/{region['normal']:<3}"
@@ -154,7 +173,7 @@ def main() -> int:
         if not rows:
             continue
         summary = {}
-        for precision in ("fp32", "int8"):
+        for precision in SCORERS:
             for part in ("same", "region"):
                 found = [r[precision][part] for r in rows if part in r[precision]]
                 if found:

@@ -26,7 +26,7 @@ Example:
     >>> save_artifact(path, {"mean": torch.zeros(2, 3)}, {"backbone": "resnet18"})
     >>> tensors, header = load_artifact(path)
     >>> header["backbone"], tuple(tensors["mean"].shape), header["format_version"], header["verified"]
-    ('resnet18', (2, 3), 19, True)
+    ('resnet18', (2, 3), 20, True)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 
 from .errors import ArtifactError as ArtifactError  # re-exported: raised here
 
-FORMAT_VERSION = 19
+FORMAT_VERSION = 20
 #: Header keys added by this module (never part of what the caller saved).
 INTEGRITY_KEYS = ("tensor_sha256", "header_sha256", "verified")
 HEADER_KEY = "padim"

@@ -270,15 +270,30 @@ def choose_precision(device: torch.device, capability: tuple[int, int] | None = 
     flags = cpu_flags()
     if "amx_bf16" in flags:
         return "bf16", "a CPU with AMX (bfloat16 matrix units)"
-    fast = [f for f in (*INT8_FLAGS, *INT8_BASE_FLAGS) if f in flags]
-    if not fast:
+    fast = int8_flag(flags)
+    if fast is None:
         return "fp32", "a CPU without int8 dot products (no AVX2, VNNI or AMX)"
+    if not onnxruntime_installed():
+        return "fp32", f"a CPU with {fast}, but ONNX Runtime (the int8 kernels) is not installed"
+    return "int8", f"a CPU with {fast} and ONNX Runtime installed"
+
+
+def int8_flag(flags: frozenset[str] | None = None) -> str | None:
+    """The first flag of this CPU's (``flags``: :func:`cpu_flags` by default) whose int8 kernels ONNX Runtime runs
+    faster than float32 (VNNI, AMX, or AVX2 alone: measured, docs/quantisation.md); ``None``: none (an ARM CPU, an
+    old x86 one)."""
+    found = cpu_flags() if flags is None else flags
+    return next((f for f in (*INT8_FLAGS, *INT8_BASE_FLAGS) if f in found), None)
+
+
+def onnxruntime_installed() -> bool:
+    """Whether ONNX Runtime and the ONNX exporter (the ``onnxruntime`` extra) can be imported."""
     try:
         import onnxruntime  # noqa: F401 (an optional extra: is it installed?)
         import onnxscript  # noqa: F401
     except ImportError:
-        return "fp32", f"a CPU with {fast[0]}, but ONNX Runtime (the int8 kernels) is not installed"
-    return "int8", f"a CPU with {fast[0]} and ONNX Runtime installed"
+        return False
+    return True
 
 
 def usable_cpus() -> int:

@@ -620,6 +620,18 @@ class Storage(Group):
         check=Choice(PRECISION_DTYPES),
         renamed_from=("precision_dtype",),
     )
+    int8_scorer: bool = option(
+        True,
+        "a float32 fit also makes the model's int8 scorer (default: on, where ONNX Runtime is installed): its "
+        "backbone quantised from the training pictures, its own threshold from its out-of-fold int8 scores, gated "
+        "against float32 as --precision int8 is (--max-score-error); --runtime auto runs it on a CPU that computes "
+        "int8 faster (AVX2, VNNI, AMX: 1.5-2x float32) and float32 elsewhere, whichever machine fitted the model "
+        "(docs/runtimes.md). Costs about a fifth more fit time and the graph's bytes in the file; --no-int8-scorer "
+        "leaves it out",
+        check=Custom(lambda v: isinstance(v, bool), "use true or false"),
+        flag={"action": argparse.BooleanOptionalAction},
+        before=False,
+    )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class Scorer(Protocol):
         weights: where the backbone weights came from (its ``label`` is shown with every result).
         provenance: image counts, fits, creation time.
         runtime: what runs it: ``torch``, ``onnxruntime`` or ``openvino``.
+        file_scorer: which of its model file's scorers it is, so whose threshold a new one replaces: ``float32``
+            (the model's own, at whatever precision it was fitted) or ``int8`` (a float32 model's int8 scorer:
+            :mod:`padim.models.scoring.reduced`).
     """
 
     config: PadimConfig
@@ -42,6 +45,7 @@ class Scorer(Protocol):
     weights: WeightsInfo
     provenance: Provenance
     runtime: str
+    file_scorer: str
 
     @property
     def device(self) -> torch.device:

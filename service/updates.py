@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 
@@ -51,7 +52,7 @@ from padim.models.errors import (
     VersionNotFound,
 )
 from padim.models.fit.learning import Gate, fitted_digests, gate, picture_name, sha256_digest, update_model
-from padim.models.fit.model_file import read_calibration, store_calibration
+from padim.models.fit.model_file import read_calibration, read_int8_calibration, store_calibration
 from padim.models.fit.passes import TrainingImage
 from padim.models.repository import MODEL_FILE, Repository, Version
 
@@ -308,9 +309,11 @@ def propose_line_threshold(
     """
     version = _model_file_version(repository, name, number)
     number = version.version
-    calibration = read_calibration(version.path)
     scorers = _same_gaussians(repository, version)
     rows = _pictures(row for v in scorers for row in store.iterate(Filters(model=name, version=v, since=since), 5000))
+    scorer, rows = _scored_by(repository, name, version, scorers, rows)
+    calibration = read_calibration(version.path) if scorer == "float32" else read_int8_calibration(version.path)
+    assert calibration is not None, "the int8 scorer is chosen only where the version has one"
     normal = [r for r in rows if r["label"] != "defect"]
     rate = _line_rate(calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate, name, number)
     _enough(len(normal), rate, f"version {number} of {name!r}" + ("" if since is None else " since then"))
@@ -320,6 +323,7 @@ def propose_line_threshold(
     update = {
         "kind": LINE,
         "base_version": number,
+        "scorer": scorer,
         "proposed": time.time(),
         "line": {"versions": scorers, "since": since, **_line_summary(normal)},
         "threshold": {"old": calibration.threshold, "new": tightened.threshold},
@@ -334,7 +338,7 @@ def propose_line_threshold(
         },
         "gate": checked.to_dict(),
     }
-    committed = _committed(repository, name, version, tightened, update)
+    committed = _committed(repository, name, version, tightened, update, scorer)
     log.info(
         "line threshold proposed",
         extra={"model": name, "version": committed.version, "base_version": number, "pictures": len(normal)},
@@ -342,12 +346,52 @@ def propose_line_threshold(
     return {"version": committed.version, **update}
 
 
-def _committed(repository: Repository, name: str, version: Version, calibration, update: dict) -> Version:
-    """The next version of ``name``: ``version``'s file with ``calibration``, and ``update`` in its version.json."""
+def _scored_by(
+    repository: Repository, name: str, version: Version, numbers: list[int], rows: list[dict]
+) -> tuple[str, list[dict]]:
+    """Which of the model file's scorers scored the line's pictures, and their rows: ``int8`` (a float32 model's int8
+    scorer, which ``--runtime auto`` runs on a CPU with int8 arithmetic: :mod:`padim.models.scoring.reduced`) where it
+    scored most of them and ``version`` has one, else ``float32``."""
+    parts = _by_scorer(repository, name, numbers, rows)
+    if read_int8_calibration(version.path) is not None and len(parts["int8"]) > len(parts["float32"]):
+        return "int8", parts["int8"]
+    return "float32", parts["float32"]
+
+
+def _by_scorer(repository: Repository, name: str, numbers: list[int], rows: list[dict]) -> dict[str, list[dict]]:
+    """``rows`` of versions ``numbers`` by the scorer of their model file that scored them (``float32``, ``int8``).
+    A row's recorded raw threshold is its scorer's threshold at the row's own (0..1) one, so it says which scored
+    it; a row without one, or of a version removed since, is float32's."""
+    int8 = {}
+    for number in numbers:
+        try:
+            found = repository.version(name, number)
+        except VersionNotFound:  # removed since: its rows are taken as float32's
+            continue
+        if found.kind != "export":
+            int8[number] = read_int8_calibration(found.path)
+
+    def by_int8(row: dict) -> bool:
+        calibration, raw = int8.get(int(row["version"])), row.get("raw_threshold")
+        if calibration is None or raw is None:
+            return False
+        return math.isclose(calibration.raw_threshold(float(row["threshold"])), float(raw), rel_tol=1e-9)
+
+    parts: dict[str, list[dict]] = {"float32": [], "int8": []}
+    for row in rows:
+        parts["int8" if by_int8(row) else "float32"].append(row)
+    return parts
+
+
+def _committed(
+    repository: Repository, name: str, version: Version, calibration, update: dict, scorer: str = "float32"
+) -> Version:
+    """The next version of ``name``: ``version``'s file with ``calibration`` (``scorer``'s), and ``update`` in its
+    version.json."""
     incoming = repository.incoming(name)
     try:
         output = incoming / MODEL_FILE
-        store_calibration(version.path, calibration, output)
+        store_calibration(version.path, calibration, output, scorer=scorer)
         return repository.commit(
             name, incoming, file_sha256(output), f"line threshold of version {version.version}", update
         )
@@ -402,7 +446,9 @@ def _line_summary(normal: list[dict]) -> dict:
     }
 
 
-def line_changed(store: RecordStore, version: Version, level: float, min_images: int) -> str | None:
+def line_changed(
+    store: RecordStore, version: Version, level: float, min_images: int, repository: Repository
+) -> str | None:
     """Why a version whose threshold the line set no longer fits the line, or ``None`` (also for other versions).
 
     What the same Gaussians scored after the proposal (reviewed defects left out) is read against the line's scores
@@ -412,14 +458,19 @@ def line_changed(store: RecordStore, version: Version, level: float, min_images:
     update = version.update or {}
     if update.get("kind") != LINE:
         return None
-    calibration = read_calibration(version.path)
+    scorer = update.get("scorer", "float32")  # whose threshold the line set (the int8 scorer's: models/scoring)
+    calibration = read_calibration(version.path) if scorer == "float32" else read_int8_calibration(version.path)
+    if calibration is None:
+        return None
     line = update["line"]
+    numbers = [version.version, *line["versions"]]  # once active, it scores with the same Gaussians too
     rows = _pictures(
         row
-        for v in [version.version, *line["versions"]]  # once active, it scores with the same Gaussians too
+        for v in numbers
         for row in store.iterate(Filters(model=version.name, version=v, since=line["last"]), 5000)
         if row["time"] > line["last"]
     )
+    rows = _by_scorer(repository, version.name, numbers, rows)[scorer]
     recent = torch.tensor([r["raw_score"] for r in rows if r["label"] != "defect"], dtype=torch.float64)
     drift = assess(recent, calibration, None, level, min_images)
     if drift.status != "alarm":

@@ -455,6 +455,36 @@ def reference_maps(squared: np.ndarray, tiling, sigma: float) -> np.ndarray:
     return gaussian_blur(upsampled, sigma)[:, 0].numpy()
 
 
+def pooled(x: np.ndarray) -> np.ndarray:
+    """The mean over pixels of every pixel's np.cov of ``(N, P, D)`` rows: the target of ``--shrinkage``."""
+    return np.mean([np.cov(x[:, p], rowvar=False) for p in range(x.shape[1])], axis=0)
+
+
+def refit_squared(
+    x: np.ndarray, folds: list[int], epsilon: float, shrinkage: float = 0.0, target: np.ndarray | None = None
+) -> np.ndarray:
+    """``(N, P)`` squared distances of each fold's rows under a model fitted from scratch on the others, float64;
+    with ``shrinkage``, each covariance shrunk toward ``target``, by default the pooled covariance of every row
+    (the fitted model's)."""
+    n, pixels, dim = x.shape
+    target = pooled(x) if shrinkage and target is None else target
+    squared = np.empty((n, pixels))
+    start = 0
+    for m in folds:
+        rest = np.delete(x, np.arange(start, start + m), axis=0)
+        mean = rest.mean(axis=0)  # (P, D)
+        for p in range(pixels):
+            centred = rest[:, p] - mean[p]
+            cov = centred.T @ centred / (len(rest) - 1)
+            if shrinkage:
+                cov = (1 - shrinkage) * cov + shrinkage * target
+            cov = cov + epsilon * np.eye(dim)
+            delta = x[start : start + m, p] - mean[p]
+            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
+        start += m
+    return squared
+
+
 def normal_and_shifted(root: Path, count: int) -> tuple[list[Path], list[Path]]:
     """``count`` new normal weave images (96 px, unseen by the session's model) and the same under a warmer lamp:
     green at three quarters, blue at half. A change of colour, which the default ``--standardise gain`` (one gain

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         **compute_metrics(scored.samples, scored.raw_scores, scored.maps, scored.raw_threshold, scored.masks),
         "model": str(args.model),
         "runtime": detector.runtime,
+        "scorer": detector.file_scorer,
         "device": detector.device.type,
         "weights": detector.weights.label,
     }
@@ -113,7 +114,7 @@ def _calibrate(model: Path, detector, scored, result: dict) -> None:
     if "f1_optimal_raw_threshold" not in result:
         raise UsageError("--calibrate needs both good and defective test images")
     calibration = detector.calibration.with_threshold(result["f1_optimal_raw_threshold"])
-    store_calibration(model, calibration)  # the file's tensors are copied as they are
+    store_calibration(model, calibration, scorer=detector.file_scorer)  # the threshold of the scorer that scored them
     detector.calibration = calibration  # the report shows the threshold now stored
     scored.raw_threshold = calibration.threshold  # F1, confusion counts, the report's marks at the new threshold
     result.update(threshold_metrics(scored.samples, scored.raw_scores, scored.raw_threshold))

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from padim.models.choices import spelled_precision
 from padim.models.families import BACKBONES
 
 from ..options import quiet_option
@@ -42,8 +43,7 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here: `padim --help` and `padim health` load no torch
     from padim.core.artifact import load_artifact, read_header
-    from padim.models.choices import spelled_precision
-    from padim.models.deploy.runtimes import is_export, runtime_choice
+    from padim.models.deploy.runtimes import is_export
     from padim.models.features.backbones import WeightsInfo
     from padim.models.scoring.detector import promise_covers, shrinkage_chosen
 
@@ -68,9 +68,8 @@ def run(args: argparse.Namespace) -> int:
         "tiles": config.get("tiles", [1, 1]),
         "precision": spelled_precision(config.get("precision", "fp32")),
         "precision_check": header.get("precision_check"),
-        "runtime": dict(
-            zip(("auto", "why"), runtime_choice("auto", "auto", config.get("precision", "fp32")), strict=True)
-        ),
+        "int8_scorer": header.get("int8_scorer"),
+        "runtime": _runtime(config.get("precision", "fp32"), header.get("int8_scorer")),
         "weights": WeightsInfo(**header["weights"]).label if "weights" in header else None,
         "shrinkage": shrinkage_chosen(config.get("shrinkage", 0.0), header.get("shrinkage_estimated")),
         "fit_image_count": header.get("fit_image_count"),
@@ -96,6 +95,15 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _runtime(precision: str, int8_scorer: dict | None) -> dict:
+    """What ``--runtime auto`` runs here, the scorer (``float32``, or the model's ``int8`` one), and why."""
+    from padim.models.deploy.runtimes import int8_scorer_choice, runtime_choice  # torch: not for --help
+
+    runtime, why = runtime_choice("auto", "auto", precision, int8_scorer)
+    scorer = "int8" if precision == "fp32" and int8_scorer_choice("auto", int8_scorer)[0] else None
+    return {"auto": runtime, "scorer": scorer or spelled_precision(precision), "why": why}
 
 
 def _backbone(config: dict, stored: dict | None) -> dict:

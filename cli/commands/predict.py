@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 "results": str(results.path) if results.file is not None else None,
                 "images_per_second": round(len(items) / elapsed, 2),
                 "runtime": detector.runtime,
+                "scorer": detector.scorer.file_scorer,
                 "device": str(detector.scorer.device.type),
                 "weights": detector.scorer.weights.label,
             }

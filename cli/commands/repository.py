@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"model": name, **_line_threshold(repository, args)}))
         return 0
     if args.action == "activate":
-        _check_activation(repository.version(name, args.version), args)
+        _check_activation(repository, repository.version(name, args.version), args)
         repository.activate(name, args.version)
         number = args.version
     elif args.action == "rollback":
@@ -182,7 +182,7 @@ def _line_threshold(repository, args: argparse.Namespace) -> dict:
         store.close()
 
 
-def _check_activation(version, args: argparse.Namespace) -> None:
+def _check_activation(repository, version, args: argparse.Namespace) -> None:
     """What the service checks before it activates: an update's gate, and a line threshold's line since."""
     # imported here: `padim --help` loads no torch
     from padim.core.drift import LEVEL, MIN_IMAGES
@@ -200,7 +200,7 @@ def _check_activation(version, args: argparse.Namespace) -> None:
             )
         store = open_record(args)
         try:
-            stale = line_changed(store, version, LEVEL, MIN_IMAGES)
+            stale = line_changed(store, version, LEVEL, MIN_IMAGES, repository)
         finally:
             store.close()
     refused = activation_refused(version, stale)

@@ -121,12 +121,14 @@ def _file_options(verdicts) -> None:
         metavar="SHARE",
         help="with --precision bf16, fp16 or int8: the largest relative difference of training pictures' image "
         "scores from fp32's that the model may have, or it is refused and nothing is written (default 0.02: 2%%; "
-        "int8: 0.25)",
+        "int8: 0.25); at fp32, its int8 scorer's (--int8-scorer), refused past it (the model is written, and "
+        "--runtime auto scores at float32)",
     )
     verdicts.add_argument(
         "--force",
         action="store_true",
-        help="with --precision bf16, fp16 or int8: write the model even past --max-score-error (the file says so)",
+        help="with --precision bf16, fp16 or int8: write the model even past --max-score-error (the file says so); "
+        "at fp32, keep its int8 scorer past it",
     )
 
 
@@ -193,10 +195,11 @@ def _check(args: argparse.Namespace, config, images: list) -> None:
         raise UsageError(f"{args.data_dir}: no images found (looked for png, jpg, jpeg, bmp, tif recursively)")
     if args.partial and (args.resume or args.slim):
         raise UsageError("--partial writes statistics only: it cannot be combined with --resume or --slim")
-    if (args.max_score_error is not None or args.force) and (args.partial or config.features.precision == "fp32"):
+    gated = config.features.precision != "fp32" or config.storage.int8_scorer
+    if (args.max_score_error is not None or args.force) and (args.partial or not gated):
         raise UsageError(
-            "--max-score-error and --force gate a model fitted at --precision bf16, fp16, int8 or auto (and not "
-            "--partial, which writes no scores)"
+            "--max-score-error and --force gate a model fitted at --precision bf16, fp16, int8 or auto, or a float32 "
+            "model's int8 scorer (--int8-scorer, the default), and not --partial, which writes no scores"
         )
 
 
@@ -209,6 +212,10 @@ def _say(args: argparse.Namespace, report, header: dict | None) -> None:
             print(f"padim train: shrinkage {shrinkage['weight']:.3f}, {shrinkage['why']}", file=sys.stderr)
         if report.precision_check is not None:
             print(f"padim train: {report.precision_check.sentence()}", file=sys.stderr)
+        if report.int8_scorer is not None:
+            print(f"padim train: {report.int8_scorer.sentence()}", file=sys.stderr)
+        elif report.no_int8_scorer is not None and header["config"].get("precision", "fp32") == "fp32":
+            print(f"padim train: no int8 scorer: {report.no_int8_scorer}", file=sys.stderr)
     for warning in report.warnings:
         print(f"padim train: warning: {warning}", file=sys.stderr)
 
@@ -306,6 +313,9 @@ def _summary(args: argparse.Namespace, report, header: dict | None, fit, shard, 
             precision_dtype=header["precision_dtype"],
             precision=header["config"].get("precision", "fp32"),
             precision_check=header.get("precision_check"),
+            int8_scorer=header.get("int8_scorer")
+            if header.get("int8_scorer") is not None
+            else {"made": False, "why": report.no_int8_scorer},
             weights=WeightsInfo(**header["weights"]).label,
             backbone=header["config"]["backbone"],
             backbone_family=header["backbone"]["family"],

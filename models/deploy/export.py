@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch import nn
 
 from padim.core import __version__
 from padim.core.artifact import ArtifactError, file_sha256
+from padim.core.calibration import Calibration
 from padim.core.scoring import image_scores, upsample_blur_operator
 from padim.core.tiling import tiled_anomaly_maps
 from padim.models.choices import EXPORT_FORMATS, install_extra
@@ -59,12 +61,13 @@ from padim.models.features.photometric import standardised
 from padim.models.features.quantised import GRAPH_KEY, export_module
 from padim.models.features.quantised import INPUT as QUANTISED_INPUT
 from padim.models.scoring.detector import PadimDetector
+from padim.models.scoring.reduced import Int8Scorer
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 15
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 16
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
 #: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
 #: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
@@ -72,7 +75,8 @@ EXPORT_KIND, EXPORT_VERSION = "padim-export", 15
 #: ``quantisation``, which only a model of format 15 has; 12: the run option ``decode_workers``, spelled ``workers``
 #: before; 13: ``description.backbone_family`` and ``description.stages``, any backbone family; 14: ``config.shrinkage``
 #: ``auto`` and ``provenance.shrinkage_estimated``; 15: ``config.standardise`` ``gain``, which only a model of format
-#: 19 has) keeps the cache.
+#: 19 has; 16: ``quantisation.model_scorer``, the graph of a model file's int8 scorer, which only a model of format
+#: 20 has) keeps the cache.
 GRAPH_VERSION = 7
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
@@ -268,6 +272,61 @@ def export_detector(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output / name if fmt == "triton" else output
+
+
+@dataclass(frozen=True)
+class _Int8Scorer:
+    """What :func:`export_int8_scorer` wrote: the graph of a float32 model's int8 scorer and its threshold, as a
+    quantised export's ``write_graph`` says it (:class:`padim.models.deploy.quantise.Quantised`)."""
+
+    files: list[str]
+    scorer: Int8Scorer
+    precision: str = "int8"
+
+    @property
+    def calibration(self) -> Calibration:
+        assert self.scorer.calibration is not None, "a usable int8 scorer"
+        return self.scorer.calibration
+
+    @property
+    def threshold_of(self) -> str:
+        return "int8 scorer: the model file's own, its threshold from its out-of-fold int8 scores at fit time"
+
+    def describe(self, float32: Calibration) -> dict:
+        return {
+            "precision": self.precision,
+            "model_scorer": "int8",
+            "source": "the model file's int8 scorer (train --int8-scorer)",
+            "runtime": "onnxruntime",
+            "check": self.scorer.check,
+            "quantiser": self.scorer.quantiser,
+            "float32_calibration": float32.summary(),
+            "promise": f"{self.calibration.count} out-of-fold int8 scores of the training pictures promise "
+            f"{self.calibration.promised_false_alarm_rate:.2%} false alarms (at most "
+            f"{self.calibration.false_alarm_bound:.2%} with 95% confidence)",
+            "verified": "checked against float32 by the fit's gate",
+        }
+
+
+def export_int8_scorer(
+    detector: PadimDetector, output: str | Path, source: str | Path, source_sha256: str | None = None
+) -> Path:
+    """The graph of a float32 model's int8 scorer (its quantised backbone, the model's Gaussians) as an ONNX export
+    into ``output``, with the scorer's own threshold (:mod:`padim.models.scoring.reduced`): what ``--runtime auto``
+    runs where the CPU computes int8 faster.
+
+    Raises:
+        ExportError: the model has no usable int8 scorer.
+    """
+    scorer = detector.int8_scorer
+    if scorer is None or not scorer.usable or GRAPH_KEY not in detector.backbone_weights:
+        raise ExportError(f"{source}: no usable int8 scorer (padim info says why); export it as float32")
+
+    def write_graph(graph_dir: Path, staging: Path) -> _Int8Scorer:
+        assert scorer is not None
+        return _Int8Scorer([_export_int8_onnx(detector, graph_dir / ONNX_FILE, None).name], scorer)
+
+    return export_detector(detector, output, "onnx", source, source_sha256, write_graph=write_graph)
 
 
 def _write_beside(detector: PadimDetector, folder: Path, metadata: dict, name: str, triton: str | None) -> None:

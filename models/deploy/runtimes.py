@@ -52,16 +52,26 @@ from padim.models.deploy.export import (
     OUTPUT_NAMES,
     ExportError,
     export_detector,
+    export_int8_scorer,
     read_export,
     require,
 )
-from padim.models.devices import CPU_FLAGS, INT8_FLAGS, check_precision, cpu_features, runtime_device
+from padim.models.devices import (
+    CPU_FLAGS,
+    INT8_FLAGS,
+    check_precision,
+    cpu_features,
+    int8_flag,
+    onnxruntime_installed,
+    runtime_device,
+)
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import model_input
 from padim.models.fit.model_file import load_detector
 from padim.models.scorer import Scorer
 from padim.models.scoring.detector import Provenance, calibration_options, shown_options
 from padim.models.scoring.model import ScoreOutput
+from padim.models.scoring.reduced import KEY as INT8_KEY
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +85,15 @@ def is_export(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def runtime_choice(runtime: str, device: str, precision: str = "fp32") -> tuple[str, str]:
+def runtime_choice(
+    runtime: str, device: str, precision: str = "fp32", int8_scorer: dict | None = None
+) -> tuple[str, str]:
     """The runtime of a ``.padim`` file fitted at ``precision``, and why in a few words: ``auto`` is the fastest
     scorer whose scores the model's threshold was computed from.
+
+    - fp32 with a usable int8 scorer (``int8_scorer``: the file header's, :mod:`padim.models.scoring.reduced`), on a
+      CPU that computes int8 faster, ONNX Runtime installed: that scorer (:func:`int8_scorer_choice`), its own
+      threshold with it.
 
     - int8: ONNX Runtime on the CPU, the model's own int8 backbone in one graph with the rest (``torch`` runs the
       same backbone, through ONNX Runtime too, beside torch's statistics: slower at batch 1).
@@ -93,6 +109,10 @@ def runtime_choice(runtime: str, device: str, precision: str = "fp32") -> tuple[
         raise ExportError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if runtime != "auto":
         return runtime, "asked for"
+    if precision == "fp32":
+        chosen, why = int8_scorer_choice(device, int8_scorer)
+        if chosen:
+            return "onnxruntime", why
     if precision == "int8":
         return "onnxruntime", (
             "the model's int8 backbone, with which its threshold was computed, runs on ONNX Runtime's int8 kernels "
@@ -102,14 +122,41 @@ def runtime_choice(runtime: str, device: str, precision: str = "fp32") -> tuple[
         return "torch", f"the model scores at {precision}, which torch computes; its threshold is those scores"
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return "torch", "torch on the GPU (ONNX Runtime's CPU path would leave it idle)"
-    try:
-        import onnxruntime  # noqa: F401 (optional extras: is it installed?)
-        import onnxscript  # noqa: F401
-    except ImportError:
+    if not onnxruntime_installed():
         faster = f"it scores 1.2-1.45x faster on a CPU: {install_extra('onnxruntime')}"
         return "torch", f"ONNX Runtime is not installed ({faster})"
+    not_int8 = f"; {why}" if why else ""
     return "onnxruntime", (
-        "float32 on ONNX Runtime: the fastest runtime of a float32 model on a CPU (1.2-1.45x torch)" + faster_here()
+        "float32 on ONNX Runtime: the fastest runtime of a float32 model on a CPU (1.2-1.45x torch)"
+        + not_int8
+        + faster_here()
+    )
+
+
+def int8_scorer_choice(device: str, int8_scorer: dict | None, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether ``--runtime auto`` runs a float32 model's int8 scorer (``int8_scorer``: its file header's entry,
+    :mod:`padim.models.scoring.reduced`) on ``device``, and why (or why not: ``""`` where the model has none). It
+    does on a CPU whose int8 kernels ONNX Runtime runs faster than float32 (``flags``: this CPU's by default), where
+    ONNX Runtime is installed and the scorer's gate passed, whichever machine fitted the model."""
+    if int8_scorer is None:
+        return False, ""
+    check = int8_scorer.get("check") or {}
+    gate = (
+        f"largest image-score difference from float32 {check.get('max_score_error', float('nan')):.1%} on "
+        f"{check.get('images')} training pictures, tolerance {check.get('tolerance', float('nan')):.0%}"
+    )
+    if int8_scorer.get("calibration") is None:
+        return False, f"its int8 scorer was refused by its gate at fit time ({gate})"
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return False, "its int8 scorer runs on the CPU, and this machine has a GPU"
+    flag = int8_flag(flags)
+    if flag is None:
+        return False, "its int8 scorer is not faster on this CPU (no AVX2, VNNI or AMX)"
+    if not onnxruntime_installed():
+        return False, f"its int8 scorer runs on ONNX Runtime, which is not installed ({install_extra('onnxruntime')})"
+    return True, (
+        f"the model's int8 scorer on ONNX Runtime: this CPU has {flag}, whose int8 kernels score 1.5-2x float32; its "
+        f"own threshold from its out-of-fold int8 scores at fit time, gated against float32 ({gate})"
     )
 
 
@@ -173,10 +220,13 @@ def load_scorer(
     path = Path(path)
     if is_export(path):
         return _export_scorer(path, runtime, device)
-    precision = read_header(path).get("config", {}).get("precision", "fp32")
+    header = read_header(path)
+    precision = header.get("config", {}).get("precision", "fp32")
     if precision == "int8" and device == "cuda":  # its backbone is ONNX Runtime's int8 kernels: the CPU's
         check_precision(precision, torch.device("cuda"))
-    chosen, reason = runtime_choice(runtime, device, precision)
+    int8_scorer = header.get(INT8_KEY) if precision == "fp32" else None
+    chosen, reason = runtime_choice(runtime, device, precision, int8_scorer)
+    scorer = "int8" if runtime == "auto" and int8_scorer_choice(device, int8_scorer)[0] else None
     if runtime == "auto":
         log.debug("runtime auto: %s (%s)", chosen, reason)
     if chosen == "torch":
@@ -191,13 +241,12 @@ def load_scorer(
         )
     require(chosen)
     # the int8 graph runs on ONNX Runtime's CPU kernels, whatever GPU there is
-    target = runtime_device(chosen, "cpu" if precision == "int8" and device == "auto" else device)
+    int8 = precision == "int8" or scorer == "int8"
+    target = runtime_device(chosen, "cpu" if int8 and device == "auto" else device)
     log.debug("%s: %s on %s", path, chosen, target)
     sha256 = file_sha256(path)
-    cached = (
-        cache / f"{path.name}.onnx-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, "onnx")
-    )  # both runtimes read the ONNX graph
-    metadata = _cached_export(path, sha256, cached, chosen, pruned=cache is None)
+    cached = _cache_of(path, sha256, scorer, cache)
+    metadata = _cached_export(path, sha256, cached, chosen, pruned=cache is None, scorer=scorer)
     if metadata is None:  # stale or damaged, and removed: made again as today's
         return load_scorer(path, runtime, device, cache=cache)
     if metadata["model"]["sha256"] != sha256:
@@ -205,6 +254,13 @@ def load_scorer(
     deployed = DeployedDetector(cached, metadata, chosen, target, source=path)
     deployed.runtime_reason = reason
     return deployed
+
+
+def _cache_of(path: Path, sha256: str, scorer: str | None, cache: Path | None) -> Path:
+    """Where the ONNX export of the model file ``path`` (both runtimes read it) waits: in ``cache`` when given, else
+    :func:`cache_dir`'s; its int8 scorer's graph (``scorer``) apart from the float32 one."""
+    fmt = "onnx" if scorer is None else f"onnx-{scorer}"
+    return cache / f"{path.name}.{fmt}-{sha256[:16]}" if cache is not None else cache_dir(path, sha256, fmt)
 
 
 def _export_scorer(path: Path, runtime: str, device: str) -> DeployedDetector:
@@ -217,15 +273,21 @@ def _export_scorer(path: Path, runtime: str, device: str) -> DeployedDetector:
     return DeployedDetector(path, metadata, chosen, target)
 
 
-def _cached_export(path: Path, sha256: str, cached: Path, runtime: str, pruned: bool) -> dict | None:
+def _cached_export(
+    path: Path, sha256: str, cached: Path, runtime: str, pruned: bool, scorer: str | None = None
+) -> dict | None:
     """The metadata of the model file ``path``'s export in ``cached``, exported first when there is none; ``None``
     when the one there is an older padim's graph or damaged (removed: the caller exports it again). ``pruned``:
-    older exports of the same file beside it are removed (a given cache folder's owner prunes it instead)."""
+    older exports of the same file beside it are removed (a given cache folder's owner prunes it instead).
+    ``scorer`` ``int8``: the graph of the model's int8 scorer, with its threshold (:func:`export_int8_scorer`)."""
     with _exclusive(cached):  # replicas sharing a repository's cache export a version once, and read it whole
         if not is_export(cached):
             detector = load_detector(path, device="cpu")
             log.info("exporting %s for %s into %s (once; later loads read it)", path, runtime, cached)
-            export_detector(detector, cached, "onnx", path, source_sha256=sha256)
+            if scorer == "int8":
+                export_int8_scorer(detector, cached, path, source_sha256=sha256)
+            else:
+                export_detector(detector, cached, "onnx", path, source_sha256=sha256)
             del detector
             if pruned:
                 _prune(cached)
@@ -375,6 +437,8 @@ class DeployedDetector:
             self.precision_dtype = getattr(torch, metadata["precision_dtype"])
             self.precision = metadata.get("precision", "float32")  # export version 5
             self.threshold_of = metadata.get("threshold_of", "float32 scorer")  # export version 5
+            # a model file's int8 scorer (export version 16), else the model's own
+            self.file_scorer = (metadata.get("quantisation") or {}).get("model_scorer", "float32")
         except (KeyError, TypeError, ValueError) as error:
             raise ArtifactError(
                 f"{directory}: inconsistent {METADATA_FILE} ({type(error).__name__}: {error})"
@@ -454,6 +518,7 @@ class DeployedDetector:
     def describe(self) -> dict:
         """As :meth:`PadimDetector.describe`, plus the runtime."""
         quantisation = self.metadata.get("quantisation")
+        own = self.file_scorer != "float32"  # a model file's int8 scorer: its threshold out-of-fold, as float32's
         return {
             **self.metadata["description"],
             **shown_options(self.config),
@@ -473,7 +538,7 @@ class DeployedDetector:
                     self.metadata["description"]["calibration"].get("measured"),
                 ),
                 "threshold_of": self.threshold_of,
-                **({"source": "held_out"} if quantisation else {}),
+                **({"source": "held_out"} if quantisation and not own else {}),
             },
             **(
                 {
@@ -481,7 +546,16 @@ class DeployedDetector:
                         k: quantisation[k] for k in ("agreement", "float32_calibration", "promise", "verified", "tool")
                     }
                 }
-                if quantisation
+                if quantisation and not own
+                else {}
+            ),
+            **(
+                {
+                    "int8_scorer": {
+                        k: quantisation[k] for k in ("check", "quantiser", "float32_calibration", "promise", "verified")
+                    }
+                }
+                if quantisation and own
                 else {}
             ),
         }

@@ -33,7 +33,7 @@ from padim.models.fit import distributed
 from padim.models.fit.distributed import Shard
 from padim.models.fit.fold_scores import FoldScoring, scoreable
 from padim.models.fit.memory_plan import BLOCK_BYTES
-from padim.models.fit.passes import Finished, Fitting, PixelSlice, ScoringPass, Spooled
+from padim.models.fit.passes import Finished, Fitting, PixelSlice, Scored, ScoringPass, Spooled
 from padim.models.options import ScoringOptions
 from padim.models.scoring.detector import FLOAT16_TOLERANCE
 from padim.models.scoring.model import score_distances
@@ -81,19 +81,22 @@ class Finish:
         self.results = _Results()
         self.float16 = _Float16Check()
 
-    def run(self, passes: Iterable[ScoringPass]) -> Finished:
+    def run(self, passes: Iterable[ScoringPass], queries: ScoringPass | None = None) -> Finished:
         """Each pass goes over every slice. The first forms the comoment (kept in memory ``with_statistics``), factors
-        it, writes the precision factors and scores its images; a later one (a group embedded again) factors the
-        formed comoment again and scores its images. Without a pass: the statistics (and factors) alone.
+        it, writes the precision factors and scores its images (and ``queries``' query rows, under the same factors);
+        a later one (a group embedded again) factors the formed comoment again and scores its images. Without a pass:
+        the statistics (and factors) alone.
 
         Raises:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
         fit = self.fit
+        queried: Scored | None = None
         try:
             self.shrinkage = self._shrinkage()
             for number, scoring in enumerate(passes):
-                self._score_pass(scoring, first=number == 0)
+                scored = self._score_pass(scoring, first=number == 0, queries=queries if number == 0 else None)
+                queried = queried or scored
             if not self.results.passes:
                 self._statistics_only()
         except BaseException:
@@ -113,6 +116,7 @@ class Finish:
             results.tensor(results.input_distances),
             results.tensor(results.taken_scores) if fit.config.gaussian.expect else None,
             self._estimated(),
+            queried,
         )
 
     def _samples(self) -> int:
@@ -140,12 +144,17 @@ class Finish:
         finally:
             self.timing[phase] = self.timing.get(phase, 0.0) + time.perf_counter() - started
 
-    def _score_pass(self, scoring: ScoringPass, first: bool) -> None:
+    def _score_pass(self, scoring: ScoringPass, first: bool, queries: ScoringPass | None = None) -> Scored | None:
         """One pass over the slices: form and factor each (the first pass writes the factors), then score
-        ``scoring``'s images; their maps and scores join the results."""
+        ``scoring``'s images; their maps and scores join the results. ``queries`` (the same pictures' query rows) are
+        scored under the same factors, and what they scored returned (``None`` without them)."""
         fit = self.fit
         kept = scoreable(scoring, self.statistics.count, self.results.unscored, fit.fitted_rows, fit.spooled_rows)
         current = FoldScoring(fit, scoring, kept, self.statistics.count, self.statistics.mean, self.shrinkage)
+        asked = None
+        if queries is not None:
+            assert queries.names == scoring.names and queries.folds == scoring.folds, "the same pictures, in order"
+            asked = FoldScoring(fit, queries, kept, self.statistics.count, self.statistics.mean, self.shrinkage)
         with tqdm(
             total=fit.pixels, desc="finish" if first else "calibrate", unit="px", disable=not self.progress, leave=False
         ) as bar:
@@ -154,14 +163,17 @@ class Finish:
                 if first:
                     self._write_factors(pixels, cholesky, scoring)
                 with self.timed("calibrate"):
-                    score = functools.partial(current.score_slice, pixels, covariance, cholesky)
-                    distributed.together(score, self.shard, fit.device)
+                    for scorer in (current, asked):
+                        if scorer is not None:
+                            score = functools.partial(scorer.score_slice, pixels, covariance, cholesky)
+                            distributed.together(score, self.shard, fit.device)
                 del covariance, cholesky
                 bar.update(pixels.size)
         if first:
             self._formed()
         with self.timed("calibrate"):
             self.results.add(*current.image_scores())
+            return None if asked is None else _scored(asked, self.shard, bool(fit.config.gaussian.expect))
 
     def _factor(self, pixels: PixelSlice, forming: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels (``L L^T`` the model's covariance, shrunk
@@ -274,6 +286,15 @@ class Finish:
                     self._write_factors(pixels, cholesky, None)
                 bar.update(pixels.size)
         self._formed()
+
+
+def _scored(scoring: FoldScoring, shard: Shard | None, expect: bool) -> Scored:
+    """What ``scoring`` scored, every rank's (each scored its own folds)."""
+    results = _Results()
+    results.add(*scoring.image_scores())
+    results = results.gathered(shard)
+    taken = results.tensor(results.taken_scores) if expect else None
+    return Scored(results.names, results.tensor(results.scores), results.tensor(results.input_distances), taken)
 
 
 def _spooled_square(

@@ -65,6 +65,7 @@ class FirstPass:
 
     With a ``spool``, the embeddings go there and the finish forms their comoment; without one, they are added to
     ``statistics`` (the fit's so far: ``None`` for none) at once, in place. ``pixels``: of a row of the statistics.
+    ``queries``: where the int8 scorer's query rows of every batch go (:meth:`Reading.query`), beside the spool.
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class FirstPass:
         spool: EmbeddingSpool | None,
         statistics: GaussianState | None,
         pixels: int,
+        queries: EmbeddingSpool | None = None,
     ):
-        self.reading, self.shard, self.pixels = reading, shard, pixels
+        self.reading, self.shard, self.pixels, self.queries = reading, shard, pixels, queries
+        assert queries is None or (spool is not None and reading.queries is not None), "queries beside a spool"
         self.mine = distributed.folds_of(groups, shard)
         self.name_of = {i.path: i.name for group in groups for i in group}
         self.fold_of_path = {i.path: k for k, group in enumerate(self.mine) for i in group}
@@ -116,6 +119,8 @@ class FirstPass:
             for paths, images, copies in _waited_for(decoded, self):
                 names = [self.name_of[p] for p in paths]
                 self._add(paths, reading.embed(names, images, copies))  # (B * spooled rows, P, D)
+                if self.queries is not None:
+                    self.queries.append(reading.query(names, images, copies))  # the same rows, by the int8 backbone
                 if self.spooled is not None:
                     bar.set_postfix_str(f"embeddings spooled: {_megabytes(self.spooled.spool.nbytes)}", refresh=False)
                 bar.update(len(self.digests) + len(self.unreadable) - bar.n)  # images read so far, good or not

@@ -65,6 +65,7 @@ class FoldScoring:
         mean = self.mean[start:stop]
         limit = max(1, BLOCK_BYTES // (8 * pixels.size * self.fit.embedder.embedding_dim))  # rows per block
         if source.folds is None:  # held-out images: the fitted model itself
+            assert source.queries is None, "queries are scored out-of-fold"
             rows = len(source.names)
             for first in range(0, rows, limit):
                 x = source.rows.read(pixels, first, min(first + limit, rows)).to(self.fit.device)
@@ -101,6 +102,9 @@ class FoldScoring:
         epsilon = self.shrinkage.prior  # fold distances with the prior, then unscaled (Shrinkage.unscaled)
         queried = bool(fit.config.gaussian.expect) and not fit.config.copies_fitted  # copies scored, not fitted
         fitted = m // 2 if queried else m  # the fold's rows in the statistics
+        if self.scoring.queries is not None:
+            self._score_queries(pixels, covariance, mean, m, places, limit, queried)
+            return
         refit = refit_is_cheaper(fitted, dim, len(places))
         base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
         per_block = max(1, limit // m)
@@ -125,6 +129,46 @@ class FoldScoring:
                 if copies is not None:
                     queries = fold_copy_squared_distances(base, mean, count, members, copies, start)
                     values = _rejoin(values, queries, per_image)
+            values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
+            for f, (_, target) in enumerate(block):
+                self.squared[target : target + m, start : pixels.stop] = values[:, f].T
+
+    def _score_queries(
+        self,
+        pixels: PixelSlice,
+        covariance: torch.Tensor,
+        mean: torch.Tensor,
+        m: int,
+        places: list[tuple[int, int]],
+        limit: int,
+        copies_apart: bool,
+    ) -> None:
+        """The query rows of the folds of ``m`` rows at ``places``, each under the model without its fold's fitted
+        rows (the pictures', and their copies' where those are fitted: ``copies_apart`` false)."""
+        fit, count, start = self.fit, self.count, pixels.start
+        dim, grid, per_image = fit.embedder.embedding_dim, fit.naming_grid, fit.rows_per_image
+        queries = self.scoring.queries
+        assert queries is not None, "a pass of queries"
+        epsilon = self.shrinkage.prior
+        fitted = m // 2 if copies_apart else m
+        refit = refit_is_cheaper(fitted, dim, len(places))
+        base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
+        per_block = max(1, limit // (2 * m))
+        for first in range(0, len(places), per_block):
+            block = places[first : first + per_block]
+            runs = _runs(block, m)
+            x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in runs]).to(fit.device)
+            x = x.to(torch.float64)  # (F m, c, D), fold after fold
+            if copies_apart:
+                x = split_rows(x, per_image)[0]  # the pictures' own rows: the fold's members
+            members = x.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
+            y = torch.cat([queries.read(pixels, a, b) for a, b in runs]).to(fit.device)
+            y = y.transpose(0, 1).reshape(pixels.size, len(block), m, dim)  # the fold's query rows, as its rows
+            if refit:
+                values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, y)
+            else:
+                assert base is not None, "not refitted: the fold's base was formed"
+                values = fold_copy_squared_distances(base, mean, count, members, y, start)
             values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
             for f, (_, target) in enumerate(block):
                 self.squared[target : target + m, start : pixels.stop] = values[:, f].T

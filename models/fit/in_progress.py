@@ -66,6 +66,7 @@ from padim.models.fit.passes import (
     TrainingImage,
 )
 from padim.models.scoring.detector import Provenance
+from padim.models.scoring.reduced import Int8Scorer
 
 
 class Fit:
@@ -79,6 +80,8 @@ class Fit:
         spooled: pass 1's images still in the spool (their comoment is formed by :meth:`finish`).
         image_digests: content digests of every image fitted so far (for resume and merge).
         earlier: the calibration of the model this fit resumes (``None`` for a new fit).
+        earlier_int8: its int8 scorer (:mod:`padim.models.scoring.reduced`; ``None``: a new fit, or a model without a
+            usable one), whose calibration a resume goes on with.
         provenance: what earlier fits recorded (image counts, fits).
     """
 
@@ -108,6 +111,7 @@ class Fit:
         self._slim_count = 0  # rows fitted into a slim fit, which keeps no statistics
         self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
         self.earlier = earlier
+        self.earlier_int8: Int8Scorer | None = None
         self.provenance = provenance or Provenance()
 
     @classmethod
@@ -136,6 +140,35 @@ class Fit:
         Raises:
             FitError: none of ``paths`` could be read.
         """
+        graph, settings = self._quantised(paths, shard)
+        self.backbone_weights = {**self.backbone_weights, GRAPH_KEY: graph}
+        self.embedder.extractor = QuantisedExtractor(graph, self.config.features.stages)
+        return settings
+
+    def prepare_int8_scorer(self, paths: Sequence[Path], shard: Shard | None = None) -> dict | None:
+        """The int8 scorer of a float32 fit (:mod:`padim.models.scoring.reduced`): its backbone quantised from ``paths``
+        as :meth:`quantise` makes an int8 fit's (a resumed model's own graph kept), and its embedder set to give pass
+        1's query rows (:attr:`Reading.queries`). Returns what made a new graph (``None``: the model's own).
+
+        Raises:
+            FitError: none of ``paths`` could be read.
+        """
+        settings = None
+        if GRAPH_KEY not in self.backbone_weights:
+            graph, settings = self._quantised(paths, shard)
+            self.backbone_weights = {**self.backbone_weights, GRAPH_KEY: graph}
+        int8 = FeatureEmbedder(self.config.replace(precision="int8"), self.backbone_weights, self.embedding)
+        self.reading.queries = int8
+        return settings
+
+    @property
+    def int8_embedder(self) -> FeatureEmbedder | None:
+        """The int8 scorer's embedder (:meth:`prepare_int8_scorer`); ``None`` where the fit makes none."""
+        return self.reading.queries
+
+    def _quantised(self, paths: Sequence[Path], shard: Shard | None) -> tuple[torch.Tensor, dict]:
+        """The float32 backbone's int8 graph, quantised from ``paths`` read as training reads them (every rank
+        quantises, and rank 0's graph is used), and what made it."""
         unreadable: list[tuple[Path, str]] = []
         chunks = [list(paths[i : i + 8]) for i in range(0, len(paths), 8)]
         decoded = iter_decoded(
@@ -144,14 +177,11 @@ class Fit:
         batches = [self.embedder.tiles(self.embedder.preprocess(images)).cpu() for _, images in decoded if images]
         if not batches:
             raise FitError(
-                f"--precision int8 sets its quantiser's ranges on the training pictures, and none of the {len(paths)} "
-                f"it read could be decoded ({unreadable[0][0]}: {unreadable[0][1]})"
+                f"int8 sets its quantiser's ranges on the training pictures, and none of the {len(paths)} it read "
+                f"could be decoded ({unreadable[0][0]}: {unreadable[0][1]})"
             )
         graph, settings = quantise_backbone(self.embedder.extractor, batches, TRACING.shared())
-        graph, settings = gather((graph, settings), shard)[0]
-        self.backbone_weights = {**self.backbone_weights, GRAPH_KEY: graph}
-        self.embedder.extractor = QuantisedExtractor(graph, self.config.features.stages)
-        return settings
+        return gather((graph, settings), shard)[0]
 
     @property
     def draft_to(self) -> int:
@@ -222,14 +252,16 @@ class Fit:
         progress: bool = True,
         shard: Shard | None = None,
         spool: EmbeddingSpool | None = None,
+        queries: EmbeddingSpool | None = None,
     ) -> Accumulated:
         """Pass 1: embed every image of ``groups`` (this rank's whole folds under ``shard``).
 
         With a ``spool``, the embeddings go there (:attr:`spooled`) and :meth:`finish` forms
         their comoment; without one, they are added to :attr:`statistics` at once. Unreadable
-        images are left out and returned.
+        images are left out and returned. ``queries``: where the int8 scorer's rows go, beside the spool's
+        (:meth:`prepare_int8_scorer`).
         """
-        made = FirstPass(self.reading, groups, shard, spool, self.statistics, self.pixels).run(progress)
+        made = FirstPass(self.reading, groups, shard, spool, self.statistics, self.pixels, queries).run(progress)
         if made.spooled is not None:
             self.spooled = made.spooled
         else:
@@ -251,6 +283,7 @@ class Fit:
         progress: bool = True,
         shard: Shard | None = None,
         timing: dict[str, float] | None = None,
+        queries: ScoringPass | None = None,
     ) -> Finished:
         """Statistics, factors and scores, a slice of pixels at a time (module docstring;
         :class:`~padim.models.fit.finish.Finish`).
@@ -260,11 +293,14 @@ class Fit:
             scratch: where the precision factors wait for the file (``None``: no factors, a partial fit).
             with_statistics: form the whole comoment in memory (for a file with statistics).
             timing: adds ``finish`` (statistics and factors) and ``calibrate`` (distances) seconds.
+            queries: a pass of query rows (:attr:`~padim.models.fit.passes.ScoringPass.queries`) scored beside the
+                first pass, under the same factors; what they scored is :attr:`Finished.queried`.
 
         Raises:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
-        return Finish(self, scratch, with_statistics, progress, shard, {} if timing is None else timing).run(passes)
+        timing = {} if timing is None else timing
+        return Finish(self, scratch, with_statistics, progress, shard, timing).run(passes, queries)
 
     def formed(self, statistics: GaussianState | None, count: int) -> None:
         """The finish formed the spooled pictures' comoment: the fit's statistics are ``statistics`` (``None`` for a

@@ -232,6 +232,12 @@ def _take_out(fit: Fit, remove: Sequence[TrainingImage], report: UpdateReport, o
         except CalibrationError as error:
             raise FitError(f"the calibration cannot be set again without the pictures taken out: {error}") from None
         report.scores_removed, report.scores_kept = found, len(taken) - found
+    int8 = fit.earlier_int8
+    if int8 is not None and int8.calibration is not None:  # its values too: linked to the same pictures
+        try:
+            fit.earlier_int8 = dataclasses.replace(int8, calibration=int8.calibration.without(taken)[0])
+        except CalibrationError:  # too few left to set its threshold: the update has none, and says why
+            fit.earlier_int8 = None
 
 
 def _write_statistics_only(
@@ -267,7 +273,7 @@ def _write_statistics_only(
     try:
         if fit.earlier is None:
             raise FitError("the model file has no calibration to keep")
-        save_fitted(output, fit, finished, fit.earlier, provenance, with_statistics=True)
+        save_fitted(output, fit, finished, fit.earlier, provenance, with_statistics=True, int8_scorer=fit.earlier_int8)
     finally:
         if finished.factors is not None:
             finished.factors.close()

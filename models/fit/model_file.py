@@ -16,12 +16,17 @@ A file (:mod:`padim.core.artifact`: safetensors, digests, atomic writes) holds (
 - ``image_digests`` ``(N,)`` int64: content digests of the fitted pictures.
 - ``embedding.channel_index`` ``(D,)`` or ``embedding.projection`` ``(C, D)``: the channel reduction.
 - ``backbone.*``: the backbone weights used; at ``precision`` int8 also ``backbone.int8.onnx``, the quantised backbone
-  (ONNX bytes, uint8: :mod:`padim.models.features.quantised`), format 15.
+  (ONNX bytes, uint8: :mod:`padim.models.features.quantised`), format 15; a float32 model's with a usable int8
+  scorer holds that scorer's graph there (format 20).
+- ``int8_scorer.scores``, ``int8_scorer.input_distances``, ``int8_scorer.taken_scores`` ``(N,)`` float64: a float32
+  model's int8 scorer's out-of-fold values, as ``calibration.*`` holds the model's (format 20,
+  :mod:`padim.models.scoring.reduced`; its gate and threshold in the header's ``int8_scorer``).
 
 The header holds ``kind`` (``padim-detector`` or ``padim-partial``), ``config`` (flat: every option,
 :meth:`~padim.models.config.PadimConfig.stored`), ``backbone`` (its family and the stages read, each with its
 channels and stride: format 17; checked against this padim's table on reading), ``weights``, ``embedding_dim``,
-``grid``, ``precision_dtype``, ``calibration``, ``has_statistics`` and the
+``grid``, ``precision_dtype``, ``calibration``, ``int8_scorer`` (format 20: its gate, its quantiser, its
+calibration's summary, or ``null`` where none was made), ``has_statistics`` and the
 :class:`~padim.models.scoring.detector.Provenance` fields.
 
 Every earlier format is read (docs/file-format.md has a table of what each added): a file is read with the
@@ -60,6 +65,8 @@ from padim.models.fit.in_progress import Fit
 from padim.models.fit.passes import Finished
 from padim.models.scoring.detector import PadimDetector, Provenance
 from padim.models.scoring.model import PadimModel
+from padim.models.scoring.reduced import KEY as INT8_KEY
+from padim.models.scoring.reduced import Int8Scorer
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,7 @@ def save_detector(
         detector.provenance,
         detector.image_digests,
         detector.statistics if with_statistics else None,
+        detector.int8_scorer,
     )
 
 
@@ -112,6 +120,7 @@ def save_fitted(
     calibration: Calibration,
     provenance: Provenance,
     with_statistics: bool = True,
+    int8_scorer: Int8Scorer | None = None,
 ) -> None:
     """Write a finished fit's model file, atomically: its factors streamed from their scratch file.
 
@@ -143,21 +152,44 @@ def save_fitted(
         provenance,
         fit.image_digests,
         fit.statistics if with_statistics else None,
+        int8_scorer,
     )
 
 
-def store_calibration(path: str | Path, calibration: Calibration, target: str | Path | None = None) -> None:
+def store_calibration(
+    path: str | Path, calibration: Calibration, target: str | Path | None = None, scorer: str = "float32"
+) -> None:
     """Store another threshold in a model file (``evaluate --calibrate``, a line's threshold), atomically, into
     ``path`` itself or into ``target``.
 
-    A file of this format keeps its tensors, streamed from the old file to the new; an older one
-    is read whole and written again in this format.
+    ``scorer`` says whose scores set it: ``float32`` (the model's own; an int8 scorer is then left out of the file,
+    its threshold having been the same promise as the one replaced, on its own scores), or ``int8`` (the model's int8
+    scorer's, :mod:`padim.models.scoring.reduced`; the float32 threshold stays the fit's). A file of this format
+    keeps its tensors, streamed from the old file to the new; an older one is read whole and written again in this
+    format.
+
+    Raises:
+        ValueError: ``int8`` for a file without a usable int8 scorer.
     """
     target = path if target is None else target
     header = read_header(path)
+    stored = header.get(INT8_KEY)
+    if scorer == "int8":
+        if stored is None or stored.get("calibration") is None:
+            raise ValueError(f"{path} has no usable int8 scorer to set the threshold of")
+        header[INT8_KEY] = {**stored, "calibration": calibration.summary()}
+        values = {name: None for name in tensor_sizes(path) if name.startswith(f"{INT8_KEY}.")}
+        copy_artifact(path, target, header, {**values, **_values_tensors(INT8_KEY, calibration)})
+        return
     if header["format_version"] >= FORMAT_VERSION:
         header["calibration"] = calibration_header(calibration)
-        copy_artifact(path, target, header, {LINE: line_tensors(calibration).get(LINE)})
+        left_out: dict[str, torch.Tensor | None] = {}
+        if stored is not None:
+            header[INT8_KEY] = None
+            left_out = {name: None for name in tensor_sizes(path) if name.startswith(f"{INT8_KEY}.")}
+            if header["config"].get("precision", "fp32") != "int8":
+                left_out[f"backbone.{GRAPH_KEY}"] = None
+        copy_artifact(path, target, header, {LINE: line_tensors(calibration).get(LINE), **left_out})
         return
     detector = load_detector(path, "cpu", with_statistics=True)
     detector.calibration = calibration
@@ -177,7 +209,11 @@ def _write(
     provenance: Provenance,
     image_digests,
     statistics: GaussianState | None,
+    int8_scorer: Int8Scorer | None = None,
 ) -> None:
+    if config.features.precision != "int8" and (int8_scorer is None or not int8_scorer.usable):
+        backbone_weights = {k: v for k, v in backbone_weights.items() if k != GRAPH_KEY}  # only a usable scorer's
+    kept = int8_scorer.calibration if int8_scorer is not None else None
     tensors = {
         "mean": mean.to(torch.float32),
         "precision_factor": factors,
@@ -194,6 +230,7 @@ def _write(
         ),
         **{f"calibration.{k}": v for k, v in calibration.picture_tensors().items()},
         **line_tensors(calibration),
+        **(_values_tensors(INT8_KEY, kept) if kept is not None else {}),
         **_common_tensors(embedding, backbone_weights, image_digests),
         **(_statistics_tensors(statistics) if statistics is not None else {}),
     }
@@ -202,10 +239,46 @@ def _write(
         **_common_header(config, weights, embedding, grid),
         "precision_dtype": str(factors.dtype).removeprefix("torch."),
         "calibration": calibration_header(calibration),
+        INT8_KEY: None if int8_scorer is None else int8_scorer.to_header(),
         "has_statistics": statistics is not None,
         **provenance.to_header(),
     }
     save_artifact(path, tensors, header)
+
+
+def _values_tensors(prefix: str, calibration: Calibration) -> dict[str, torch.Tensor]:
+    """A reduced scorer's calibration values: its scores, and its input distances, own scores, line's scores and
+    links to its pictures where it has them."""
+    values = {
+        "scores": calibration.scores,
+        "input_distances": calibration.input_distances,
+        "taken_scores": calibration.taken_scores,
+        "line_scores": calibration.line_scores,
+    }
+    return {
+        **{f"{prefix}.{k}": torch.tensor(v, dtype=torch.float64) for k, v in values.items() if v or k == "scores"},
+        **{f"{prefix}.{k}": v for k, v in calibration.picture_tensors().items()},
+    }
+
+
+def _read_int8_scorer(header: dict, tensors: dict[str, torch.Tensor]) -> Int8Scorer | None:
+    """A float32 model's int8 scorer as its file keeps it (format 20; ``None`` in older files and where none was
+    made)."""
+    stored = header.get(INT8_KEY)
+    if stored is None:
+        return None
+    calibration = None
+    if stored["calibration"] is not None:
+        calibration = Calibration.from_header(
+            stored["calibration"],
+            tensors[f"{INT8_KEY}.scores"],
+            tensors.get(f"{INT8_KEY}.input_distances"),
+            tensors.get(f"{INT8_KEY}.taken_scores"),
+            tensors.get(f"{INT8_KEY}.digests"),
+            tensors.get(f"{INT8_KEY}.linked"),
+            tensors.get(f"{INT8_KEY}.line_scores"),
+        )
+    return Int8Scorer(dict(stored["check"]), dict(stored["quantiser"]), calibration)
 
 
 LINE = "calibration.line_scores"
@@ -239,13 +312,30 @@ def read_calibration(path: str | Path) -> Calibration:
     Raises:
         ArtifactError: missing, damaged, partial, foreign or newer-format file (one line).
     """
-    tensors, header = load_artifact(path, skip_prefixes=("mean", "precision_factor", "backbone.", "statistics."))
-    if header.get("kind") != DETECTOR:
-        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+    tensors, header = _calibration_tensors(path)
     try:
         return _read_calibration(header, tensors)
     except (KeyError, ValueError) as error:
         raise ArtifactError(f"{path}: inconsistent calibration ({error})") from None
+
+
+def read_int8_calibration(path: str | Path) -> Calibration | None:
+    """:func:`read_calibration` of the file's int8 scorer (:mod:`padim.models.scoring.reduced`); ``None`` where it has
+    no usable one."""
+    tensors, header = _calibration_tensors(path)
+    try:
+        int8 = _read_int8_scorer(header, tensors)
+    except (KeyError, ValueError) as error:
+        raise ArtifactError(f"{path}: inconsistent int8 scorer ({error})") from None
+    return None if int8 is None else int8.calibration
+
+
+def _calibration_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A detector file's tensors but its Gaussians, backbone and statistics, and its header."""
+    tensors, header = load_artifact(path, skip_prefixes=("mean", "precision_factor", "backbone.", "statistics."))
+    if header.get("kind") != DETECTOR:
+        raise ArtifactError(f"{path}: a padim file, but not a detector (kind={header.get('kind')!r})")
+    return tensors, header
 
 
 def load_detector(path: str | Path, device: str = "auto", with_statistics: bool = False) -> PadimDetector:
@@ -272,6 +362,9 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         mean = tensors["mean"]
         calibration = _read_calibration(header, tensors)
         statistics = _read_statistics(tensors, header, embedding.embedding_dim) if with_statistics else None
+        int8_scorer = _read_int8_scorer(header, tensors)
+        if int8_scorer is not None and int8_scorer.usable and GRAPH_KEY not in backbone_weights:
+            raise ValueError(f"an int8 scorer but no backbone.{GRAPH_KEY} (its quantised backbone)")
     except (KeyError, TypeError, ValueError) as error:
         raise _inconsistent(path, error) from None
     provenance = _read_provenance(path, header)
@@ -297,6 +390,7 @@ def load_detector(path: str | Path, device: str = "auto", with_statistics: bool 
         statistics,
         tensors.get("image_digests"),
         precision_dtype,
+        int8_scorer,
     )
 
 
@@ -338,11 +432,12 @@ def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
     try:
         statistics = _read_statistics(tensors, header, embedding.embedding_dim)
         earlier = _read_calibration(header, tensors) if header.get("calibration") is not None else None
+        int8_scorer = _read_int8_scorer(header, tensors)
     except (KeyError, TypeError, ValueError) as error:
         raise _inconsistent(path, error) from None
     if run_options is not None:
         config = config.with_run_options(run_options)
-    return Fit(
+    fit = Fit(
         config,
         weights,
         backbone_weights,
@@ -352,6 +447,8 @@ def load_fit(path: str | Path, run_options: PadimConfig | None = None) -> Fit:
         earlier,
         _read_provenance(path, header),
     )
+    fit.earlier_int8 = int8_scorer if int8_scorer is not None and int8_scorer.usable else None  # to go on with
+    return fit
 
 
 # ---------------------------------------------------------------------- shared parts

@@ -117,11 +117,16 @@ class ScoringPass:
         names: the image of every row.
         folds: rows per fold in row order (out-of-fold scoring), or ``None``: scored by the fitted
             model itself (held-out images).
+        queries: rows scored in place of ``rows``, out-of-fold (``folds`` given), one for one: the same pictures in
+            the same layout, each row scored by the model without its picture's fold (whose rows in ``rows`` are the
+            fold's members). The int8 scorer's threshold reads the int8 backbone's embeddings of the pictures (and
+            of their changed copies) so (:mod:`padim.models.scoring.reduced`); ``None``: the pass scores its own rows.
     """
 
     rows: Rows
     names: list[str]
     folds: list[int] | None
+    queries: Rows | None = None
 
 
 @dataclass
@@ -143,6 +148,8 @@ class Finished:
         float16_change: largest relative change of the checked scores with float16 factors.
         shrinkage: with ``--shrinkage auto``, the weight estimated from the statistics and what it was estimated
             from (``weight``, ``rows``: samples a pixel, ``pixels``); ``None`` for a weight given.
+        queried: what a pass of query rows scored, as the fields above hold the pictures' own (``None``: no such
+            pass).
     """
 
     mean: torch.Tensor
@@ -155,6 +162,19 @@ class Finished:
     input_distances: torch.Tensor | None = None
     taken_scores: torch.Tensor | None = None
     shrinkage: dict | None = None
+    queried: Scored | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The out-of-fold values of the pictures a pass scored: their names, ``(N,)`` float64 raw scores, input
+    distances (``None``: none) and, with ``expect``, their own raw scores (where ``scores`` are their changed
+    copies'; else ``None``)."""
+
+    names: list[str]
+    scores: torch.Tensor
+    input_distances: torch.Tensor | None
+    taken_scores: torch.Tensor | None
 
 
 def run_lengths(labels: Sequence) -> list[int]:
@@ -198,11 +218,13 @@ class Reading:
         config: the detector configuration (batch size, decode threads, region of interest, the cover).
         embedder: images -> ``(B, P, D)`` embeddings, on ``device``.
         device: where the embedder runs.
+        queries: the int8 scorer's embedder, which gives every batch's query rows too (:meth:`query`); ``None``: none.
     """
 
     def __init__(self, config: PadimConfig, embedder: FeatureEmbedder, device: torch.device):
         self.config, self.embedder, self.device = config, embedder, device
         self.rows_per_image = embedder.rows_per_image  # a picture's rows of embeddings (its tiles when shared)
+        self.queries: FeatureEmbedder | None = None
 
     @property
     def spooled_rows(self) -> int:
@@ -249,17 +271,27 @@ class Reading:
         one draw of the declared changes, seeded by the picture's name; made here unless ``copies`` are given, as
         :meth:`decoded` gives them). On a GPU, pictures and copies go through the backbone in one call (half the
         launches); on a CPU one after the other (half the activations' memory, at the same speed)."""
+        return self._embedded(self.embedder, names, images, copies)
+
+    def query(self, names: Sequence[str], images, copies: Sequence | None = None) -> torch.Tensor:
+        """A batch's query rows: :meth:`embed`'s rows, one for one, by the int8 scorer's embedder (:attr:`queries`)."""
+        assert self.queries is not None, "the fit makes an int8 scorer"
+        return self._embedded(self.queries, names, images, copies)
+
+    def _embedded(
+        self, embedder: FeatureEmbedder, names: Sequence[str], images, copies: Sequence | None
+    ) -> torch.Tensor:
         if not self.config.gaussian.expect:
-            return self.embedder(self.embedder.preprocess(images))
+            return embedder(embedder.preprocess(images))
         if copies is None:
             expected = self.config.expected
             copies = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
-        if self.device.type == "cuda":
-            both = self.embedder(self.embedder.preprocess([*images, *copies]))  # (2 B T, P, D): pictures, copies
+        if embedder.device.type == "cuda":
+            both = embedder(embedder.preprocess([*images, *copies]))  # (2 B T, P, D): pictures, copies
             own, changed = both.chunk(2)
         else:
-            own = self.embedder(self.embedder.preprocess(images))
-            changed = self.embedder(self.embedder.preprocess(list(copies)))
+            own = embedder(embedder.preprocess(images))
+            changed = embedder(embedder.preprocess(list(copies)))
         return interleaved(own, changed, self.rows_per_image)
 
 

@@ -119,20 +119,34 @@ def compare_scores(
     )
 
 
-def measure_precision(fit, mean: torch.Tensor, factors, paths: Sequence[Path], threshold: float, gate: PrecisionGate):
-    """Score ``paths`` (at most :data:`CHECK_IMAGES`) at the fit's precision and at fp32 with the fitted model.
+def measure_precision(
+    fit,
+    mean: torch.Tensor,
+    factors,
+    paths: Sequence[Path],
+    threshold: float,
+    gate: PrecisionGate,
+    reduced_embedder: FeatureEmbedder | None = None,
+):
+    """Score ``paths`` (at most :data:`CHECK_IMAGES`) at a reduced precision and at fp32 with the fitted model.
 
     Args:
         fit: the :class:`~padim.models.fit.in_progress.Fit` (its embedder at the model's precision, its weights).
         mean: ``(p, D)`` fitted mean.
         factors: the packed ``(p, T)`` float32 precision factors (a :class:`~padim.models.fit.spool.ScratchFile`).
         paths: readable training pictures.
-        threshold: the model's raw threshold.
+        threshold: the reduced scorer's raw threshold.
+        reduced_embedder: the reduced precision's embedder beside a float32 fit (its int8 scorer's:
+            :mod:`padim.models.scoring.reduced`); ``None``: the fit itself is at the reduced precision, and its float32
+            twin is the reference.
     """
     config = fit.config
-    reduced_embedder = fit.embedder
-    reference_embedder = FeatureEmbedder(config.replace(precision="fp32"), fit.backbone_weights, fit.embedding)
-    reference_embedder = reference_embedder.to(fit.device)
+    if reduced_embedder is None:
+        reduced_embedder = fit.embedder
+        reference_embedder = FeatureEmbedder(config.replace(precision="fp32"), fit.backbone_weights, fit.embedding)
+        reference_embedder = reference_embedder.to(fit.device)
+    else:
+        reference_embedder = fit.embedder
     reduced, reference = [], []
     for _, images in iter_decoded(
         [list(paths[:CHECK_IMAGES])], config.run.decode_workers, None, fit.draft_to, config.framing.roi
@@ -145,7 +159,7 @@ def measure_precision(fit, mean: torch.Tensor, factors, paths: Sequence[Path], t
     second = _distances(torch.cat(reduced), mean, factors, fit.device)
     tiling, scoring = reduced_embedder.tiling, config.scoring
     scores = [score_distances(d, tiling, scoring).raw_scores for d in (first, second)]
-    return compare_scores(config.features.precision, scores[0], scores[1], threshold, gate)
+    return compare_scores(reduced_embedder.precision, scores[0], scores[1], threshold, gate)
 
 
 def _distances(embeddings: torch.Tensor, mean: torch.Tensor, factors, device: torch.device) -> torch.Tensor:

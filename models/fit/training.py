@@ -24,13 +24,13 @@ from tqdm.auto import tqdm
 from padim.core.calibration import Calibration, CalibrationError, fold_of
 from padim.core.spool import EmbeddingSpool
 from padim.core.statistics import NotPositiveDefiniteError, merge_states_
-from padim.models.choices import EXPECT_AUTO, PRECISION_AUTO
+from padim.models.choices import EXPECT_AUTO, PRECISION_AUTO, install_extra
 from padim.models.config import CALIBRATION, PadimConfig
 from padim.models.data.changes import Expected
 from padim.models.data.framing import Framing
 from padim.models.data.images import list_images
 from padim.models.data.spread import SAMPLE, Spread, measure, sampled, trim_sentence
-from padim.models.devices import choose_precision, float64_is_slow, resolve_device, usable_cpus
+from padim.models.devices import choose_precision, float64_is_slow, onnxruntime_installed, resolve_device, usable_cpus
 from padim.models.errors import FitError as FitError  # re-exported: raised here
 from padim.models.errors import ImageError, PrecisionGateFailed
 from padim.models.features.quantised import GRAPH_KEY, QUANTISER_IMAGES, graph_settings
@@ -52,6 +52,7 @@ from padim.models.fit.passes import (
     Accumulated,
     Finished,
     HeldRows,
+    Scored,
     ScoringPass,
     SpooledRows,
     TrainingImage,
@@ -60,6 +61,7 @@ from padim.models.fit.passes import (
 )
 from padim.models.fit.precision import CHECK_IMAGES, PrecisionCheck, PrecisionGate, measure_precision
 from padim.models.scoring.detector import PadimDetector, Provenance, now
+from padim.models.scoring.reduced import Int8Scorer
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,9 @@ class FitReport:
         shrinkage: what ``--shrinkage auto`` estimated (:attr:`Finished.shrinkage`; ``None`` for a weight given).
         trimmed: with ``--trim-cover``, the changes declared and those left out of the cover (``declared``,
             ``left_out``), beside the ``spread`` they were read from; ``None`` otherwise.
+        int8_scorer: the int8 scorer made beside a float32 model (kept or refused by its gate:
+            :mod:`padim.models.scoring.reduced`; ``seconds["quantise"]`` its backbone's time); ``None`` where none was
+            made, and ``no_int8_scorer`` then says why.
     """
 
     listed: int = 0
@@ -135,6 +140,8 @@ class FitReport:
     quantisation: dict | None = None
     shrinkage: dict | None = None
     trimmed: dict | None = None
+    int8_scorer: Int8Scorer | None = None
+    no_int8_scorer: str | None = None
 
     @property
     def fitted(self) -> int:
@@ -218,26 +225,37 @@ def train(
             chosen = [images[i].path for i in sampled([image.name for image in images], QUANTISER_IMAGES)]
             report.quantisation = fit.quantise(chosen, shard)
     images = _leave_out_fitted(fit, images, report)
+    report.no_int8_scorer = _no_int8_scorer(config, resume, shard)
+    if report.no_int8_scorer is None:
+        with report.timed("quantise"):
+            chosen = [images[i].path for i in sampled([image.name for image in images], QUANTISER_IMAGES)]
+            try:
+                report.quantisation = fit.prepare_int8_scorer(chosen, shard)
+            except FitError as error:  # the fit itself says what it can make of pictures it cannot read
+                report.no_int8_scorer = str(error)
     groups = fit.groups(images)
     earlier_count = fit.count
     scratch = Path(scratch_dir or Path(output).parent)
     check_disk(scratch, fit.pixels, fit.embedder.embedding_dim)
     facts = FitFacts(len(images), spool=False, with_statistics=with_statistics, resume=resume is not None)
     spool, facts = _prepare(fit, report, facts, scratch, shard, announce)
+    queries = _query_spool(fit, report, spool, scratch, len(images))
     try:
         with _out_of_memory_as_error(fit, report, facts):
             with report.timed("fit"):
-                found = fit.accumulate(groups, progress, shard, spool)
+                found = fit.accumulate(groups, progress, shard, spool, queries)
             _record(report, found)
             _check_enough(fit, report, earlier_count)
             _waited_for_pictures(fit, report)
             unreadable = {name for name, _ in report.unreadable}
             readable = [[i for i in group if i.name not in unreadable] for group in groups]
             scored = [_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard)
-            finished = _finish(fit, report, scored, scratch, facts, progress, shard)
+            asked = None if queries is None else _spooled_scores(fit, SpooledRows(queries))
+            finished = _finish(fit, report, scored, scratch, facts, progress, shard, asked)
     finally:
-        if spool is not None:
-            spool.close()
+        for opened in (spool, queries):
+            if opened is not None:
+                opened.close()
     try:
         if shard is not None and not shard.main:
             return report
@@ -257,8 +275,13 @@ def train(
             provenance.precision_check = report.precision_check.to_dict()
             if GRAPH_KEY in fit.backbone_weights:  # what made the int8 backbone, beside its gate
                 provenance.precision_check["quantiser"] = graph_settings(fit.backbone_weights[GRAPH_KEY])
+        elif finished.queried is not None:
+            with report.timed("check"):
+                report.int8_scorer = _int8_scorer(
+                    fit, finished, readable, gate or PrecisionGate(), report, dict(found.digests)
+                )
         with report.timed("write"):
-            save_fitted(output, fit, finished, calibration, provenance, with_statistics)
+            save_fitted(output, fit, finished, calibration, provenance, with_statistics, report.int8_scorer)
         return report
     finally:
         if finished.factors is not None:
@@ -461,7 +484,8 @@ def _merged_parts(parts: Sequence[str | Path], run_options: PadimConfig) -> tupl
                 f"{merged.weights.sha256[:12]})"
             )
         graphs = [fit.backbone_weights.get(GRAPH_KEY) for fit in (merged, part)]
-        if graphs[0] is not None and (graphs[1] is None or not torch.equal(graphs[0], graphs[1])):
+        int8 = merged.config.features.precision == "int8"  # a float32 part's graph is its int8 scorer's: not merged
+        if int8 and graphs[0] is not None and (graphs[1] is None or not torch.equal(graphs[0], graphs[1])):
             raise FitError(f"{source}: another int8 backbone than {parts[0]} (each fit quantised its own)")
         if not merged.embedding.same_reduction(part.embedding):
             raise FitError(f"{source}: another channel selection than {parts[0]} (different --seed or --embedding-dim)")
@@ -559,10 +583,94 @@ def _out_of_memory_as_error(fit: Fit | None, report: FitReport, facts: FitFacts 
         raise ran_out(fit.config, report.plan, report.free_memory, facts) from None
 
 
-def _spooled_scores(fit: Fit) -> ScoringPass:
+def _spooled_scores(fit: Fit, queries: SpooledRows | None = None) -> ScoringPass:
+    """The spooled pictures' scoring pass (with ``queries``: their query rows', :mod:`padim.models.scoring.reduced`)."""
     spooled = fit.spooled
     assert spooled is not None, "scored from the spool only where the fit spooled"
-    return ScoringPass(SpooledRows(spooled.spool), spooled.names, spooled.folds)
+    return ScoringPass(SpooledRows(spooled.spool), spooled.names, spooled.folds, queries)
+
+
+def _no_int8_scorer(config: PadimConfig, resume: Fit | None, shard: Shard | None) -> str | None:
+    """Why a fit makes no int8 scorer beside its float32 model (:mod:`padim.models.scoring.reduced`); ``None``: it
+    does."""
+    if not config.storage.int8_scorer:
+        return "not asked for (--no-int8-scorer)"
+    if config.features.precision != "fp32":
+        return f"the model itself scores at {config.features.precision}"
+    if shard is not None:
+        return "a fit on several processes (torchrun) makes none: fit on one to have one"
+    if resume is not None and resume.earlier_int8 is None:
+        return "the resumed model has none (a new fit on every picture makes one)"
+    if not onnxruntime_installed():
+        return f"ONNX Runtime, which runs it, is not installed ({install_extra('onnxruntime')})"
+    return None
+
+
+def _query_spool(
+    fit: Fit, report: FitReport, spool: EmbeddingSpool | None, scratch: Path, images: int
+) -> EmbeddingSpool | None:
+    """Where pass 1's int8 rows wait for the finish, beside its spool (on the disk); ``None`` where the fit makes no
+    int8 scorer, or they do not fit there (said in ``report.no_int8_scorer``)."""
+    if fit.int8_embedder is None:
+        return None
+    queries = fit.spool_or_none(scratch, images) if spool is not None else None
+    if queries is None:
+        fit.reading.queries = None
+        report.no_int8_scorer = (
+            f"its pictures' int8 embeddings do not fit on the disk in {scratch} beside the float32 ones "
+            "(--scratch-dir elsewhere makes room)"
+        )
+    return queries
+
+
+def _int8_scorer(
+    fit: Fit,
+    finished: Finished,
+    readable: list[list[TrainingImage]],
+    gate: PrecisionGate,
+    report: FitReport,
+    digest_of: dict[str, int],
+) -> Int8Scorer | None:
+    """The int8 scorer from its pictures' out-of-fold int8 scores (and a resumed model's), gated against float32 on
+    training pictures under the fitted model; refused past the gate's tolerance (its graph then left out of the
+    file). ``None`` (said in ``report.no_int8_scorer``) where its scores set no threshold."""
+    queried = finished.queried
+    earlier = fit.earlier_int8.calibration if fit.earlier_int8 is not None else None
+    assert queried is not None and fit.int8_embedder is not None, "the finish scored the int8 rows"
+    assert queried.input_distances is not None, "a pass of query rows gives their input distances"
+
+    def joined(before: tuple[float, ...], now: torch.Tensor) -> torch.Tensor:  # a resumed model's values first
+        return torch.cat([torch.tensor(before, dtype=torch.float64), now])
+
+    kept = earlier.scores if earlier is not None else ()
+    try:
+        calibration = Calibration.from_scores(
+            joined(kept, queried.scores),
+            fit.config.verdict.false_alarm_rate,
+            earlier_scores=len(kept),
+            input_distances=joined(earlier.input_distances if earlier else (), queried.input_distances),
+            taken_scores=None
+            if queried.taken_scores is None
+            else joined((earlier.taken_scores or earlier.scores) if earlier else (), queried.taken_scores),
+            pictures=(*(earlier.pictures if earlier else ()), *_linked_values(queried, digest_of)),
+        )
+    except CalibrationError as error:
+        report.no_int8_scorer = f"its out-of-fold scores set no threshold ({error})"
+        fit.backbone_weights = {k: v for k, v in fit.backbone_weights.items() if k != GRAPH_KEY}
+        return None
+    paths = [image.path for group in readable for image in group][:CHECK_IMAGES]
+    check = measure_precision(
+        fit, finished.mean, finished.factors, paths, calibration.threshold, gate, fit.int8_embedder
+    )
+    quantiser = graph_settings(fit.backbone_weights[GRAPH_KEY])
+    if not check.passed and gate.force:  # kept past its tolerance, marked so (--force)
+        log.warning("the int8 scorer's gate failed, kept anyway (--force): %s", check.sentence())
+        check = dataclasses.replace(check, forced=True)
+    elif not check.passed:
+        log.warning("the int8 scorer's gate refused it (%s): --runtime auto scores at float32", check.sentence())
+        fit.backbone_weights = {k: v for k, v in fit.backbone_weights.items() if k != GRAPH_KEY}
+        return Int8Scorer(check.to_dict(), quantiser, None)
+    return Int8Scorer(check.to_dict(), quantiser, calibration)
 
 
 def _held_out(
@@ -593,14 +701,27 @@ def _held_out(
 
 
 def _finish(
-    fit: Fit, report: FitReport, passes, scratch: Path, facts: FitFacts, progress: bool, shard: Shard | None
+    fit: Fit,
+    report: FitReport,
+    passes,
+    scratch: Path,
+    facts: FitFacts,
+    progress: bool,
+    shard: Shard | None,
+    queries: ScoringPass | None = None,
 ) -> Finished:
     if fit.spooled is not None:
         report.spool = fit.spooled.spool.nbytes
     timing: dict[str, float] = {}
     try:
         finished = fit.finish(
-            passes, scratch, with_statistics=facts.with_statistics, progress=progress, shard=shard, timing=timing
+            passes,
+            scratch,
+            with_statistics=facts.with_statistics,
+            progress=progress,
+            shard=shard,
+            timing=timing,
+            queries=queries,
         )
     except NotPositiveDefiniteError as error:
         raise FitError(str(error)) from None
@@ -637,12 +758,18 @@ def _gated(
 
 def _linked(finished: Finished, digest_of: dict[str, int]) -> tuple[tuple[int, float, float, float], ...]:
     """Each scored picture's digest with its score, input distance and taken score (NaN: none), in score order."""
+    scored = Scored(finished.scored, finished.scores, finished.input_distances, finished.taken_scores)
+    return _linked_values(scored, digest_of)
+
+
+def _linked_values(scored: Scored, digest_of: dict[str, int]) -> tuple[tuple[int, float, float, float], ...]:
+    """:func:`_linked` of what a pass scored (the pictures' own, or their query rows')."""
     nan = float("nan")
-    inputs = finished.input_distances.tolist() if finished.input_distances is not None else []
-    taken = finished.taken_scores.tolist() if finished.taken_scores is not None else []
+    inputs = scored.input_distances.tolist() if scored.input_distances is not None else []
+    taken = scored.taken_scores.tolist() if scored.taken_scores is not None else []
     return tuple(
         (digest_of[name], float(score), inputs[i] if i < len(inputs) else nan, taken[i] if i < len(taken) else nan)
-        for i, (name, score) in enumerate(zip(finished.scored, finished.scores.tolist(), strict=True))
+        for i, (name, score) in enumerate(zip(scored.names, scored.scores.tolist(), strict=True))
         if name in digest_of
     )
 

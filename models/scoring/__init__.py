@@ -3,7 +3,8 @@
 ``model`` (:class:`~padim.models.scoring.model.PadimModel`: the embedding, Mahalanobis distances, maps and image
 scores, statistics as buffers; CUDA graphs of its forward), ``detector`` (the model with its backbone weights,
 calibration and provenance: :class:`~padim.models.scoring.detector.PadimDetector`, the torch scorer),
-``verdicts`` (a score and a calibration -> the per-image verdict), ``heatmaps`` (the anomaly map drawn over the
+``reduced`` (the int8 scorer a float32 model carries: its gate and threshold), ``verdicts`` (a score and a
+calibration -> the per-image verdict), ``heatmaps`` (the anomaly map drawn over the
 picture, for people). Reading and writing it is :mod:`padim.models.fit.model_file`.
 
 May import: :mod:`padim.core`, :mod:`padim.models.errors`, :mod:`padim.models.choices`, :mod:`padim.models.families`,

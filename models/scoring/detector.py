@@ -21,6 +21,7 @@ from padim.models.data.framing import Framing
 from padim.models.features.backbones import WeightsInfo
 from padim.models.features.embedding import Embedding
 from padim.models.scoring.model import CudaGraphs, PadimModel, ScoreOutput, graph_sizes
+from padim.models.scoring.reduced import Int8Scorer
 
 #: Largest relative change of image scores allowed when storing precision factors as float16.
 FLOAT16_TOLERANCE = 1e-3
@@ -166,10 +167,13 @@ class PadimDetector:
         statistics: the fit's streamed statistics, kept for ``--resume`` (``None`` when not read).
         image_digests: content digests of the fitted images (``--resume`` leaves them out).
         precision_dtype: dtype of the precision factors in the file.
+        int8_scorer: the int8 scorer the file carries beside the float32 model (:mod:`padim.models.scoring.reduced`;
+            ``None``: none).
         runtime: ``torch``, what runs it (see :class:`~padim.models.scorer.Scorer`).
     """
 
     runtime = "torch"
+    file_scorer = "float32"  # the model's own scorer (its int8 one runs on ONNX Runtime: models/deploy/runtimes.py)
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class PadimDetector:
         statistics: GaussianState | None = None,
         image_digests: torch.Tensor | None = None,
         precision_dtype: torch.dtype = torch.float32,
+        int8_scorer: Int8Scorer | None = None,
     ):
         self.config = config
         self.weights = weights
@@ -192,6 +197,7 @@ class PadimDetector:
         self.statistics = statistics
         self.image_digests = torch.zeros(0, dtype=torch.int64) if image_digests is None else image_digests
         self.precision_dtype = precision_dtype
+        self.int8_scorer = int8_scorer
         self.graphs: CudaGraphs | None = None  # capture_graphs: the forward as CUDA graphs, on a GPU
         self.runtime_reason: str | None = None  # why ``--runtime auto`` chose torch (set by the loader)
 

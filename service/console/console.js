@@ -135,10 +135,12 @@ function describePrecision(m) {
 
 function describeArithmetic(m) {
   if (!m.precision || m.precision === "float32") return "";
-  const check = m.precision_check;
+  const own = m.int8_scorer;  // a float32 model's int8 scorer, which --runtime auto chose for this CPU
+  const check = m.precision_check || (own && own.check);
   if (!check) return ` at ${m.precision}`;
   const within = (100 * check.max_score_error).toFixed(2);
-  return ` at ${m.precision} (scores within ${within}% of fp32's on ${check.images} training pictures` +
+  return ` at ${m.precision}${own ? ": the model's int8 scorer, chosen for this CPU, with its own threshold" : ""}` +
+    ` (scores within ${within}% of fp32's on ${check.images} training pictures` +
     `${check.forced ? ", past its tolerance: written with --force" : ""})`;
 }
 

@@ -110,9 +110,12 @@ class ServiceState(ScoreSurface[ServedModel]):
             return None
         if self.record is None:
             return "the inspection record is off, so what the line scored since the proposal cannot be read"
+        assert self.repository is not None, "a version the line tightened is a repository's"
         settings = self.settings
         try:
-            return line_changed(self.record.store, version, settings.monitor_level, settings.monitor_min_images)
+            return line_changed(
+                self.record.store, version, settings.monitor_level, settings.monitor_min_images, self.repository
+            )
         except SQLAlchemyError as error:  # refused rather than activated unread; force=true still can
             return f"the record's database does not answer ({str(error).splitlines()[0][:200]})"
 

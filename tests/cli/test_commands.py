@@ -94,8 +94,11 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     assert summary["memory"]["planned_bytes"] < summary["memory"]["free_bytes"]
     assert summary["memory"]["embeddings_in_device_memory"] is False  # on a CPU the spool waits on disk
     phases = summary["phase_seconds"]
-    # measure: the training pictures' spread, which --trim-cover reads
-    assert set(phases) == {"measure", "fit", "fit_waiting_for_pictures", "finish", "calibrate", "write"}
+    # measure: the training pictures' spread, which --trim-cover reads; quantise and check: the int8 scorer's
+    # backbone and gate (--int8-scorer)
+    assert set(phases) == {
+        "measure", "quantise", "fit", "fit_waiting_for_pictures", "finish", "calibrate", "check", "write"
+    }  # fmt: skip
     assert 0 < phases["fit_waiting_for_pictures"] < phases["fit"]  # the part of pass 1 not in the backbone
 
 
@@ -130,10 +133,12 @@ def test_hashed_folds_slim_with_a_scratch_dir(dataset, tmp_path):
 
 def test_predict_outputs(model_file, dataset, tmp_path):
     out = tmp_path / "pred"
-    run_cli("-q", "predict", model_file, dataset / "test", "--output", out)
+    summary = json.loads(run_cli("-q", "predict", model_file, dataset / "test", "--output", out).stdout)
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 6 + 12
-    calibration = load_artifact(model_file)[1]["calibration"]
+    header = load_artifact(model_file)[1]
+    # the threshold of the scorer --runtime auto ran: the model's int8 one on a CPU that computes int8 faster
+    calibration = header["int8_scorer"]["calibration"] if summary["scorer"] == "int8" else header["calibration"]
     for record in lines:
         # the service's keys (tests/service), and the score recomputed from the file's header
         assert set(record) == {
@@ -215,9 +220,15 @@ def test_evaluate_calibrate_stores_f1_threshold(model_file, dataset, tmp_path):
     copy.write_bytes(model_file.read_bytes())
     result = json.loads(run_cli("-q", "evaluate", copy, dataset, "--calibrate", "--output", tmp_path / "e.json").stdout)
     _, header = load_artifact(copy)
-    assert header["calibration"]["threshold"] == pytest.approx(result["f1_optimal_raw_threshold"])
-    assert header["calibration"]["method"] == "manual" and header["calibration"]["false_alarm_rate"] is None
+    # the threshold of the scorer that scored the pictures (--runtime auto: the int8 one on a CPU with int8)
+    stored = header["int8_scorer"]["calibration"] if result["scorer"] == "int8" else header["calibration"]
+    assert stored["threshold"] == pytest.approx(result["f1_optimal_raw_threshold"])
+    assert stored["method"] == "manual" and stored["false_alarm_rate"] is None
     assert header["has_statistics"] is True  # re-saving keeps what --resume and merge need
+    float32 = run_cli("-q", "evaluate", copy, dataset, "--calibrate", "--runtime", "onnxruntime")  # float32's own
+    assert json.loads(float32.stdout)["scorer"] == "float32"
+    _, header = load_artifact(copy)
+    assert header["calibration"]["method"] == "manual" and header["int8_scorer"] is None  # its threshold replaced
 
 
 def test_resume_through_the_cli_matches_one_shot(dataset, tmp_path):
@@ -1063,7 +1074,7 @@ def test_train_at_a_reduced_precision_gates_it_and_predict_scores_at_it(dataset,
     assert result["runtime"] == "torch" and result["images"] == 6
     export = run_cli("export", model, "-o", tmp_path / "e", check=False)
     assert export.returncode != 0 and "scores at fp16 and its threshold is fp16's" in export.stderr
-    wrong = run_cli("train", good, "-o", tmp_path / "x.padim", "--force", *common, check=False)
+    wrong = run_cli("train", good, "-o", tmp_path / "x.padim", "--force", "--no-int8-scorer", *common, check=False)
     assert wrong.returncode == 1 and "gate a model fitted at --precision bf16, fp16, int8" in wrong.stderr
     old = tmp_path / "old.padim"
     run_cli("train", good, "-o", old, "--precision-dtype", "float32", *common)

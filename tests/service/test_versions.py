@@ -31,11 +31,13 @@ OCTET = {"content-type": "application/octet-stream"}
 
 @pytest.fixture(scope="module")
 def predicted(model_file, second_model, dataset, tmp_path_factory) -> dict[str, dict]:
-    """``padim predict``'s raw score of the probe image under each model file: the references."""
+    """``padim predict``'s raw score of the probe image under each model file, on the runtime the servers here run
+    (torch: the float32 scorer): the references."""
     references = {}
     for key, path in (("first", model_file), ("second", second_model)):
         out = tmp_path_factory.mktemp(f"predict-{key}")
-        run_cli("-q", "predict", path, dataset / "test" / "good" / "000.png", "--output", out, "--device", "cpu")
+        probe = dataset / "test" / "good" / "000.png"
+        run_cli("-q", "predict", path, probe, "--output", out, "--device", "cpu", "--runtime", "torch")
         references[key] = json.loads((out / "results.jsonl").read_text().splitlines()[0])
     assert abs(references["first"]["raw_score"] - references["second"]["raw_score"]) > 1e-3  # tell them apart
     return references

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import reference_maps
+from helpers import pooled, reference_maps, refit_squared
 
 from padim.core.artifact import load_artifact
 from padim.core.calibration import Calibration, fold_of
@@ -48,11 +48,6 @@ def spooled_embeddings(spool: EmbeddingSpool) -> np.ndarray:
     return torch.cat([spool.read(i, 0, spool.rows) for i in range(len(spool.slices))], dim=1).double().numpy()
 
 
-def pooled(x: np.ndarray) -> np.ndarray:
-    """The mean over pixels of every pixel's np.cov of ``(N, P, D)`` rows: the target of ``--shrinkage``."""
-    return np.mean([np.cov(x[:, p], rowvar=False) for p in range(x.shape[1])], axis=0)
-
-
 def ledoit_wolf_weight(x: np.ndarray) -> float:
     """The weight of the pooled covariance for ``(N, P, D)`` rows, from every row's outer product: the Gaussian
     formula's sampling variance (unbiased) scaled by Ledoit and Wolf's fourth-moment reading of it over a Gaussian's,
@@ -70,31 +65,6 @@ def ledoit_wolf_weight(x: np.ndarray) -> float:
     error = fourth / gaussian * (frobenius + traces - 2 * frobenius / m) / m
     target = unbiased.mean(axis=0)
     return float(error / ((unbiased - target) ** 2).sum())
-
-
-def refit_squared(
-    x: np.ndarray, folds: list[int], epsilon: float, shrinkage: float = 0.0, target: np.ndarray | None = None
-) -> np.ndarray:
-    """``(N, P)`` squared distances of each fold's rows under a model fitted from scratch on the others, float64;
-    with ``shrinkage``, each covariance shrunk toward ``target``, by default the pooled covariance of every row
-    (the fitted model's)."""
-    n, pixels, dim = x.shape
-    target = pooled(x) if shrinkage and target is None else target
-    squared = np.empty((n, pixels))
-    start = 0
-    for m in folds:
-        rest = np.delete(x, np.arange(start, start + m), axis=0)
-        mean = rest.mean(axis=0)  # (P, D)
-        for p in range(pixels):
-            centred = rest[:, p] - mean[p]
-            cov = centred.T @ centred / (len(rest) - 1)
-            if shrinkage:
-                cov = (1 - shrinkage) * cov + shrinkage * target
-            cov = cov + epsilon * np.eye(dim)
-            delta = x[start : start + m, p] - mean[p]
-            squared[start : start + m, p] = np.einsum("id,de,ie->i", delta, np.linalg.inv(cov), delta)
-        start += m
-    return squared
 
 
 def refit_scores(
@@ -295,6 +265,73 @@ def test_expected_changes_are_scored_as_refits_without_their_picture(images, tmp
     finished.factors.close()
 
 
+@pytest.mark.parametrize(
+    "folds, expect, fit_changes, statistics",
+    [
+        ("loo", "", False, "position"),
+        ("loo", "brightness=0.2,shift=2", False, "position"),
+        ("loo", "brightness=0.2,shift=2", True, "position"),
+        (5, "brightness=0.2,shift=2", True, "position"),
+        (5, "", False, "shared"),
+    ],
+)
+def test_query_rows_are_scored_as_refits_without_their_picture(
+    images, tmp_path, folds, expect, fit_changes, statistics
+):
+    """A pass of query rows (the int8 scorer's threshold reads the int8 backbone's embeddings so): each query row
+    (one for each of a picture's rows and its copy's) scored under a model fitted from scratch without that picture's
+    fold, its changed copies too where they are fitted, beside the pass that scores the pictures themselves and under
+    the same factors; they give scores, input distances and own scores as the pictures' rows do."""
+    from padim.models.fit.passes import HeldRows
+
+    images = images[:12]
+    tiles = (2, 1) if statistics == "shared" else (1, 1)
+    config = CONFIG.replace(
+        image_size=32, embedding_dim=8, calibration_folds=folds, tiles=tiles, tile_statistics=statistics,
+        expect=expect, fit_changes=fit_changes, trim_cover=False,
+    )  # fmt: skip
+    fit = Fit.start(config)
+    spool = fit.spool_or_none(tmp_path, len(images))
+    assert not fit.accumulate(fit.groups(images), progress=False, spool=spool).unreadable
+    x, names, sizes = spooled_embeddings(spool), list(fit.spooled.names), list(fit.spooled.folds)
+    per, spooled, pictures = fit.rows_per_image, fit.spooled_rows, len(images)
+    generator = np.random.default_rng(0)  # the queries: the rows, changed as another arithmetic would change them
+    queries = (x * generator.uniform(0.9, 1.1, x.shape) + generator.normal(0, 0.05, x.shape)).astype(np.float32)
+    main = ScoringPass(SpooledRows(spool), names, sizes)
+    asked = ScoringPass(SpooledRows(spool), names, sizes, HeldRows(torch.from_numpy(queries)))
+    finished = fit.finish([main], tmp_path, progress=False, queries=asked)
+    spool.close()
+    order = [names[i] for i in range(0, len(names), spooled)]
+    assert finished.queried.names == order == finished.scored
+    fitted_rows = spooled if (fit_changes or not expect) else per  # a picture's rows in the statistics
+    layout = x.reshape(pictures, spooled // per, per, *x.shape[1:])
+    fitted = x if fitted_rows == spooled else layout[:, 0].reshape(-1, *x.shape[1:])
+    expected, start = [], 0
+    for k in [m // spooled for m in sizes]:
+        rest = np.delete(fitted, np.arange(start * fitted_rows, (start + k) * fitted_rows), axis=0)
+        q = queries[start * spooled : (start + k) * spooled].astype(np.float64)
+        squared = refit_squared(
+            np.concatenate([rest, q]), [len(rest), k * spooled], config.gaussian.epsilon, config.gaussian.shrinkage,
+            pooled(fitted),
+        )[len(rest) :]  # fmt: skip
+        expected.append(squared.reshape(k, spooled // per, per, -1))
+        start += k
+    squared = np.concatenate(expected)  # (pictures, own / copy, T, P)
+    own, scored = squared[:, 0], squared[:, -1]  # with expect the copies' rows give the score
+    maps = reference_maps(scored.reshape(pictures, -1), config.tiling, config.scoring.blur_sigma)
+    np.testing.assert_allclose(finished.queried.scores.numpy(), maps.reshape(pictures, -1).max(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(finished.queried.input_distances.numpy(), own.reshape(pictures, -1).mean(1), rtol=1e-6)
+    if expect:
+        taken = reference_maps(own.reshape(pictures, -1), config.tiling, config.scoring.blur_sigma)
+        np.testing.assert_allclose(
+            finished.queried.taken_scores.numpy(), taken.reshape(pictures, -1).max(axis=1), rtol=1e-6
+        )
+    else:
+        assert finished.queried.taken_scores is None
+    assert not np.allclose(finished.queried.scores.numpy(), finished.scores.numpy(), rtol=1e-3)  # its own
+    finished.factors.close()
+
+
 DECLARED = "brightness=0.15,contrast=0.15,shift=2,blur=1"
 
 
@@ -360,10 +397,12 @@ def test_threshold_comes_from_every_image_out_of_fold(images):
     assert any("cannot promise 1.00% false alarms" in w and "99 normal images" in w for w in report.warnings)
     assert report.spool == len(images) * 2 * 16 * 16 * 100 * 4 and set(report.seconds) == {
         "measure",  # the training pictures' spread, for --trim-cover
+        "quantise",  # the int8 scorer's backbone (--int8-scorer)
         "fit",
         "fit_waiting_for_pictures",
         "finish",
         "calibrate",
+        "check",  # the int8 scorer's gate
         "write",
     }
 
