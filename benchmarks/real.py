@@ -23,6 +23,8 @@ seconds. Saved to benchmarks/results/<date>-<machine>-real.json (``--out``).
     python benchmarks/real.py                                          # both cell types, both backbones, both sets
     python benchmarks/real.py --anomalib-python /path/to/anomalib-venv/bin/python --seeds 0 1
     python benchmarks/real.py --cells mono --backbones vgg16-hed --sets paper 'd200=--config paper --embedding-dim 200'
+    python benchmarks/real.py --runtimes auto onnxruntime   # each model read by the scorer auto runs (the model's int8
+                                                            # one where this CPU computes int8) and by its float32 one
 """
 
 from __future__ import annotations
@@ -154,8 +156,10 @@ def measures(scores: dict[str, np.ndarray], flagged: dict[str, np.ndarray] | Non
     return result
 
 
-def padim(cli: list[str], category: Path, flags: list[str], work: Path) -> dict:
-    """``padim train`` and ``padim predict`` on ``category``, as a user runs them: the measures and fit seconds."""
+def padim(cli: list[str], category: Path, flags: list[str], work: Path, runtimes: list[str]) -> list[dict]:
+    """``padim train`` and ``padim predict`` on ``category``, as a user runs them: a row of measures (and fit seconds)
+    for each of ``runtimes`` ``predict`` runs the model on (``auto``: the scorer a user gets, the model's int8 one on a
+    CPU that computes int8 faster; ``onnxruntime``: its float32 scorer), each read at its own scorer's threshold."""
     model = work / "model.padim"
     started = time.perf_counter()
     trained = subprocess.run(
@@ -172,30 +176,42 @@ def padim(cli: list[str], category: Path, flags: list[str], work: Path) -> dict:
         "third": "rated/third",
         "two_thirds": "rated/two_thirds",
     }
-    out = work / "predicted"
-    subprocess.run(
-        [*cli, "-q", "predict", str(model), *(str(category / f) for f in folders.values()), "--output", str(out),
-         "--no-heatmaps", "--no-maps"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    by_part = {part: [r for r in results if f"/{folder}/" in r["path"]] for part, folder in folders.items()}
-    scores = {part: np.array([r["raw_score"] for r in rows]) for part, rows in by_part.items()}
-    flagged = {part: np.array([r["is_anomaly"] for r in rows], dtype=bool) for part, rows in by_part.items()}
     header = json.loads(subprocess.run([*cli, "info", str(model)], capture_output=True, text=True, check=True).stdout)
+    rows = []
+    for runtime in runtimes:
+        out = work / f"predicted-{runtime}"
+        predicted = subprocess.run(
+            [*cli, "-q", "predict", str(model), *(str(category / f) for f in folders.values()), "--output", str(out),
+             "--no-heatmaps", "--no-maps", "--runtime", runtime],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        scorer = json.loads(predicted.stdout.strip().splitlines()[-1]).get("scorer", "float32")
+        results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        by_part = {part: [r for r in results if f"/{folder}/" in r["path"]] for part, folder in folders.items()}
+        scores = {part: np.array([r["raw_score"] for r in rows]) for part, rows in by_part.items()}
+        flagged = {part: np.array([r["is_anomaly"] for r in rows], dtype=bool) for part, rows in by_part.items()}
+        calibration = header["int8_scorer"]["calibration"] if scorer == "int8" else summary["calibration"]
+        rows.append(
+            {
+                **measures(scores, flagged),
+                "runtime": runtime,
+                "scorer": scorer,
+                "fit_seconds": summary["seconds"],
+                "train_wall_seconds": round(wall, 1),
+                "promised_false_alarm_rate": calibration["promised_false_alarm_rate"],
+                "false_alarm_bound": calibration["false_alarm_bound"],
+                "stages": [s["name"] for s in header["stages"]],
+                "embedding_dim": summary["embedding_dim"],
+                "shrinkage": summary.get("shrinkage"),
+                "cover": summary["calibration"]["expect"],
+                "config": {
+                    k: header["header"]["config"][k] for k in ("shrinkage", "neighbourhood", "blur_sigma", "expect")
+                },
+                "int8_scorer_check": (header.get("int8_scorer") or {}).get("check"),
+            }
+        )
     model.unlink()
-    return {
-        **measures(scores, flagged),
-        "fit_seconds": summary["seconds"],
-        "train_wall_seconds": round(wall, 1),
-        "promised_false_alarm_rate": summary["calibration"]["promised_false_alarm_rate"],
-        "false_alarm_bound": summary["calibration"]["false_alarm_bound"],
-        "stages": [s["name"] for s in header["stages"]],
-        "embedding_dim": summary["embedding_dim"],
-        "shrinkage": summary.get("shrinkage"),
-        "cover": summary["calibration"]["expect"],
-        "config": {k: header["header"]["config"][k] for k in ("shrinkage", "neighbourhood", "blur_sigma", "expect")},
-    }
+    return rows
 
 
 def channel_index(cli: list[str], category: Path, backbone: str, weights: str, work: Path) -> list[int]:
@@ -254,7 +270,9 @@ def option_sets(names: list[str]) -> dict[str, list[str]]:
 def line(row: dict) -> str:
     """One printed row: who, and the measures that are there."""
     parts = [
-        f"{row['cells']:4} {row['backbone']:15} {row['set']:12} seed {row['seed']}: AUROC {row['image_auroc']:.3f}"
+        f"{row['cells']:4} {row['backbone']:15} {row['set']:12} seed {row['seed']}"
+        + (f" ({row['scorer']} scorer)" if "scorer" in row else "")
+        + f": AUROC {row['image_auroc']:.3f}"
     ]
     if "false_alarms" in row:
         parts.append(
@@ -276,12 +294,12 @@ def markdown(rows: list[dict]) -> str:
     ]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["cells"], row["backbone"], row["set"]), []).append(row)
+        groups.setdefault((row["cells"], row["backbone"], row["set"], row.get("scorer", "")), []).append(row)
 
     def each(group: list[dict], value) -> str:
         return " / ".join(value(r) for r in sorted(group, key=lambda r: r["seed"]))
 
-    for (cells, backbone, name), group in groups.items():
+    for (cells, backbone, name, scorer), group in groups.items():
         first = group[0]
         if "false_alarms" in first:
             verdict = [
@@ -295,6 +313,7 @@ def markdown(rows: list[dict]) -> str:
         else:
             verdict = ["(no threshold)", "", "", "", ""]
         options = "`" + " ".join(first["flags"]) + "`" if first.get("flags") else name
+        options += f" ({scorer} scorer)" if scorer else ""
         figures = [each(group, lambda r: f"{r['image_auroc']:.3f}"), *verdict]
         lines.append(
             "| "
@@ -312,6 +331,13 @@ def main() -> None:
     parser.add_argument("--backbones", nargs="+", default=list(BACKBONES), choices=list(BACKBONES))
     parser.add_argument("--sets", nargs="+", default=list(SETS), help="option sets: defaults, paper or NAME=FLAGS")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument(
+        "--runtimes",
+        nargs="+",
+        default=["auto"],
+        help="padim predict's runtimes, a row each (default auto: the model's int8 scorer where this CPU computes "
+        "int8 faster; onnxruntime: its float32 scorer)",
+    )
     parser.add_argument("--anomalib-python", help="an interpreter with anomalib 2.7 (its own venv); none: skipped")
     parser.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/<date>-<machine>-real.json)")
     parser.add_argument("--table", type=Path, nargs="+", help="print the Markdown table of saved results, and exit")
@@ -350,10 +376,11 @@ def main() -> None:
                     for set_name, extra in sets.items():
                         work = Path(folder) / f"{seed}-{kind}-{name}-{set_name}"
                         work.mkdir()
-                        row = {"cells": kind, "backbone": name, "set": set_name, "seed": seed, "flags": extra}
-                        row.update(padim(cli, categories[kind], [*flags, *extra], work))
-                        rows.append(row)
-                        print(line(row), flush=True)
+                        for measured in padim(cli, categories[kind], [*flags, *extra], work, args.runtimes):
+                            row = {"cells": kind, "backbone": name, "set": set_name, "seed": seed, "flags": extra}
+                            row.update(measured)
+                            rows.append(row)
+                            print(line(row), flush=True)
                     if args.anomalib_python:
                         work = Path(folder) / f"{seed}-{kind}-{name}-anomalib"
                         work.mkdir()

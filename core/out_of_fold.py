@@ -235,6 +235,24 @@ def fold_copy_squared_distances(
     Returns:
         ``(c, F, q)`` float64.
     """
+    return fold_and_copy_squared_distances(base, mean, count, members, copies, pixel_offset)[1]
+
+
+def fold_and_copy_squared_distances(
+    base: torch.Tensor,
+    mean: torch.Tensor,
+    count: int,
+    members: torch.Tensor,
+    copies: torch.Tensor,
+    pixel_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fold_squared_distances` of the members and :func:`fold_copy_squared_distances` of the copies at once:
+    one triangular solve of the fold's columns and the copies' together (the members' distances are read from the
+    same ``G``), a third less work than the two apart where ``q = m``.
+
+    Returns:
+        ``(c, F, m)`` and ``(c, F, q)`` float64.
+    """
     pixels, folds, m, dim = members.shape
     n = int(count)
     copies = copies.to(members.dtype)
@@ -248,11 +266,13 @@ def fold_copy_squared_distances(
             torch.linalg.solve_triangular(base, both, upper=False).transpose(1, 2).reshape(pixels, folds, q + 1, dim)
         )
         b, a = solved[:, :, :1], solved[:, :, 1:]  # (c, F, 1, D), (c, F, q, D)
-        room = (n - 1) ** 2 - n * b.square().sum(dim=3)  # (c, F, 1)
+        held = b.square().sum(dim=3)  # (c, F, 1): the member under B_1, as fold_squared_distances reads it
+        room = (n - 1) ** 2 - n * held
         _raise_if_not_positive((room <= 0).to(torch.int32), pixel_offset)
         along = (a * b).sum(dim=3)  # (c, F, q)
-        return (n - 2) / (n - 1) * (a.square().sum(dim=3) + n * along.square() / room)
-    u, _, rest_mean = _columns(mean, n, members)  # (c, F, m + 1, D)
+        own = (n - 2) * n**2 * held / ((n - 1) * room)
+        return own, (n - 2) / (n - 1) * (a.square().sum(dim=3) + n * along.square() / room)
+    u, k, rest_mean = _columns(mean, n, members)  # (c, F, m + 1, D)
     columns = torch.cat([u, copies - rest_mean.unsqueeze(2)], dim=2)  # U's columns, then r = y - mu_k
     solved = torch.linalg.solve_triangular(base, columns.reshape(pixels, -1, dim).transpose(1, 2), upper=False)
     solved = solved.transpose(1, 2).reshape(pixels, folds, m + 1 + q, dim) / math.sqrt(n - 1)
@@ -263,7 +283,10 @@ def fold_copy_squared_distances(
     _raise_if_not_positive(info, pixel_offset)
     h = z @ s.transpose(2, 3)  # (c, F, m + 1, q): Z^T s for every copy
     correction = (h * torch.cholesky_solve(h, factor)).sum(dim=2)  # h^T (I - G)^-1 h
-    return (n - m - 1) * (s.square().sum(dim=3) + correction)
+    ones = {"dtype": gram.dtype, "device": gram.device}
+    a = torch.cat([torch.eye(m, **ones), torch.full((1, m), 1.0 / k, **ones)])  # (m + 1, m): a_i as columns
+    own = (n - m - 1) * ((gram @ a) * torch.cholesky_solve(a.expand(pixels, folds, m + 1, m), factor)).sum(dim=2)
+    return own, (n - m - 1) * (s.square().sum(dim=3) + correction)
 
 
 def refit_squared_distances(

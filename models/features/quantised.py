@@ -17,9 +17,12 @@ and the map are float32, as at every precision.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
+import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -234,11 +237,7 @@ def quantise_backbone(
     side = batches[0].shape[-2:]
     with tempfile.TemporaryDirectory(prefix="padim-int8-") as folder:
         work = Path(folder)
-        # the dynamo exporter (2.8 s for resnet18 on 2 cores): the TorchScript one's graph (0.2 s) shares the
-        # convolutions' biases through Identity nodes, and its int8 convolutions ran 2.5x slower
-        float_graph = export_module(
-            stages, (torch.zeros(2, 3, *side),), [INPUT], list(extractor.layers), work / "float32.onnx", guard=guard
-        )
+        float_graph = float_backbone_graph(stages, (int(side[0]), int(side[1])), work / "float32.onnx", guard)
         inputs = [np.ascontiguousarray(b.detach().cpu().numpy(), dtype=np.float32) for b in batches]
         settings = quantise_static(float_graph, work / "int8.onnx", inputs, work)
         settings.update(
@@ -253,6 +252,59 @@ def quantise_backbone(
         entry.key, entry.value = "padim.quantisation", json.dumps(settings)
         data = model.SerializeToString()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), settings
+
+
+#: Float backbone graphs kept between fits (:func:`float_backbone_graph`), the least recently used dropped beyond it.
+GRAPHS_KEPT = 8
+#: Changes when what goes into a kept graph changes (the stages' module, the exporter's settings): older ones unread.
+GRAPH_CACHE_VERSION = 1
+
+
+def float_backbone_graph(
+    stages: _Stages, side: tuple[int, int], path: Path, guard: contextlib.AbstractContextManager | None = None
+) -> Path:
+    """The float backbone's ONNX graph at ``path``, for its quantiser: exported by torch's dynamo exporter (2.4-3.6 s
+    for resnet18 on 2 cores; the TorchScript exporter's graph takes 0.2 s, but its int8 convolutions ran 3-5x slower
+    in ONNX Runtime, shared biases and all), or copied from :func:`graph_cache` where the same stages, weights and
+    picture size were exported before (each fit of a line's model with the same weights)."""
+    cache = graph_cache()
+    key = hashlib.sha256(f"{GRAPH_CACHE_VERSION} {torch.__version__} {OPSET} {side} {stages.layers}".encode())
+    for name, tensor in stages.state_dict().items():
+        key.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        key.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    kept = None if cache is None else cache / f"{key.hexdigest()[:32]}.onnx"
+    if kept is not None and kept.is_file():
+        shutil.copyfile(kept, path)
+        os.utime(kept)  # recently used: the last to go
+        return path
+    export_module(stages, (torch.zeros(2, 3, *side),), [INPUT], list(stages.layers), path, guard=guard)
+    if cache is not None and kept is not None:
+        try:  # published whole (a rename), so that another process never reads half a graph
+            staged = kept.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(path, staged)
+            os.replace(staged, kept)
+            for old in sorted(cache.glob("*.onnx"), key=lambda p: p.stat().st_mtime, reverse=True)[GRAPHS_KEPT:]:
+                old.unlink(missing_ok=True)
+        except OSError:  # a full or read-only cache costs the next fit the export, nothing else
+            log.debug("float backbone graph not kept in %s", cache, exc_info=True)
+    return path
+
+
+def graph_cache() -> Path | None:
+    """Where float backbone graphs are kept between fits: ``$XDG_CACHE_HOME/padim/graphs`` (``~/.cache``), else the
+    temporary directory's ``padim-cache/graphs``; ``None`` where neither can be written."""
+    for root in (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "padim",
+        Path(tempfile.gettempdir()) / "padim-cache",
+    ):
+        folder = root / "graphs"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    return None
 
 
 def graph_settings(graph: torch.Tensor) -> dict:

@@ -5,6 +5,7 @@ their float16 check, and each scoring pass's distances (:mod:`padim.models.fit.f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Iterator
@@ -149,12 +150,11 @@ class Finish:
         ``scoring``'s images; their maps and scores join the results. ``queries`` (the same pictures' query rows) are
         scored under the same factors, and what they scored returned (``None`` without them)."""
         fit = self.fit
+        if queries is not None:  # their rows and the pictures' under the same fold models, in the same solves
+            assert queries.names == scoring.names and queries.folds == scoring.folds, "the same pictures, in order"
+            scoring = dataclasses.replace(scoring, queries=queries.queries)
         kept = scoreable(scoring, self.statistics.count, self.results.unscored, fit.fitted_rows, fit.spooled_rows)
         current = FoldScoring(fit, scoring, kept, self.statistics.count, self.statistics.mean, self.shrinkage)
-        asked = None
-        if queries is not None:
-            assert queries.names == scoring.names and queries.folds == scoring.folds, "the same pictures, in order"
-            asked = FoldScoring(fit, queries, kept, self.statistics.count, self.statistics.mean, self.shrinkage)
         with tqdm(
             total=fit.pixels, desc="finish" if first else "calibrate", unit="px", disable=not self.progress, leave=False
         ) as bar:
@@ -163,17 +163,15 @@ class Finish:
                 if first:
                     self._write_factors(pixels, cholesky, scoring)
                 with self.timed("calibrate"):
-                    for scorer in (current, asked):
-                        if scorer is not None:
-                            score = functools.partial(scorer.score_slice, pixels, covariance, cholesky)
-                            distributed.together(score, self.shard, fit.device)
+                    score = functools.partial(current.score_slice, pixels, covariance, cholesky)
+                    distributed.together(score, self.shard, fit.device)
                 del covariance, cholesky
                 bar.update(pixels.size)
         if first:
             self._formed()
         with self.timed("calibrate"):
             self.results.add(*current.image_scores())
-            return None if asked is None else _scored(asked, self.shard, bool(fit.config.gaussian.expect))
+            return None if queries is None else _scored(current, self.shard, bool(fit.config.gaussian.expect))
 
     def _factor(self, pixels: PixelSlice, forming: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels (``L L^T`` the model's covariance, shrunk
@@ -289,9 +287,9 @@ class Finish:
 
 
 def _scored(scoring: FoldScoring, shard: Shard | None, expect: bool) -> Scored:
-    """What ``scoring`` scored, every rank's (each scored its own folds)."""
+    """What ``scoring``'s query rows scored, every rank's (each scored its own folds)."""
     results = _Results()
-    results.add(*scoring.image_scores())
+    results.add(*scoring.image_scores(queries=True))
     results = results.gathered(shard)
     taken = results.tensor(results.taken_scores) if expect else None
     return Scored(results.names, results.tensor(results.scores), results.tensor(results.input_distances), taken)

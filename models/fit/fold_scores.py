@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from padim.core.out_of_fold import (
+    fold_and_copy_squared_distances,
     fold_base,
-    fold_copy_squared_distances,
     fold_squared_distances,
     held_out_squared_distances,
     refit_is_cheaper,
@@ -29,7 +29,8 @@ class FoldScoring:
 
     Args:
         fit: the fit in progress (its configuration and embedder).
-        scoring: the pass's pictures.
+        scoring: the pass's pictures (with :attr:`~padim.models.fit.passes.ScoringPass.queries`: their query rows,
+            each under the same fold model, into :attr:`asked`, in the same triangular solves).
         kept: the row names of each fold that can be scored.
         count, mean: of every fitted row.
         shrinkage: the model's (its prior is the fold models' regularisation).
@@ -53,6 +54,7 @@ class FoldScoring:
             shrinkage,
         )
         self.squared = torch.zeros(sum(len(rows) for rows in kept), fit.pixels, dtype=torch.float32)
+        self.asked = None if scoring.queries is None else torch.zeros_like(self.squared)  # the query rows'
 
     def score_slice(self, pixels: PixelSlice, covariance: torch.Tensor, cholesky: torch.Tensor) -> None:
         """Distances of the pass's images at the slice's pixels, into :attr:`squared`.
@@ -96,92 +98,66 @@ class FoldScoring:
         limit: int,
     ) -> None:
         """The folds of ``m`` rows at ``places``, a block of whole folds at a time, under one base (or refitted,
-        where that is cheaper)."""
+        where that is cheaper): the members' distances, and those of the copies and query rows scored by the same
+        fold models, in one solve."""
         fit, count, start = self.fit, self.count, pixels.start
         dim, grid, per_image = fit.embedder.embedding_dim, fit.naming_grid, fit.rows_per_image
         epsilon = self.shrinkage.prior  # fold distances with the prior, then unscaled (Shrinkage.unscaled)
         queried = bool(fit.config.gaussian.expect) and not fit.config.copies_fitted  # copies scored, not fitted
         fitted = m // 2 if queried else m  # the fold's rows in the statistics
-        if self.scoring.queries is not None:
-            self._score_queries(pixels, covariance, mean, m, places, limit, queried)
-            return
         refit = refit_is_cheaper(fitted, dim, len(places))
         base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
-        per_block = max(1, limit // m)
-        for first in range(0, len(places), per_block):
-            block = places[first : first + per_block]
-            x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in _runs(block, m)]).to(fit.device)
-            x = x.to(torch.float64)  # (F m, c, D), fold after fold
-            if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
-                own, copied = split_rows(x, per_image)  # (F m / 2, c, D) each
-                members = own.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
-                copies = copied.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
-            else:
-                members, copies = x.transpose(0, 1).reshape(pixels.size, len(block), m, dim), None
-            if refit:
-                values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid)
-                if copies is not None:
-                    queries = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, copies)
-                    values = _rejoin(values, queries, per_image)
-            else:
-                assert base is not None, "not refitted: the fold's base was formed"
-                values = fold_squared_distances(base, mean, count, members, start)
-                if copies is not None:
-                    queries = fold_copy_squared_distances(base, mean, count, members, copies, start)
-                    values = _rejoin(values, queries, per_image)
-            values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
-            for f, (_, target) in enumerate(block):
-                self.squared[target : target + m, start : pixels.stop] = values[:, f].T
-
-    def _score_queries(
-        self,
-        pixels: PixelSlice,
-        covariance: torch.Tensor,
-        mean: torch.Tensor,
-        m: int,
-        places: list[tuple[int, int]],
-        limit: int,
-        copies_apart: bool,
-    ) -> None:
-        """The query rows of the folds of ``m`` rows at ``places``, each under the model without its fold's fitted
-        rows (the pictures', and their copies' where those are fitted: ``copies_apart`` false)."""
-        fit, count, start = self.fit, self.count, pixels.start
-        dim, grid, per_image = fit.embedder.embedding_dim, fit.naming_grid, fit.rows_per_image
-        queries = self.scoring.queries
-        assert queries is not None, "a pass of queries"
-        epsilon = self.shrinkage.prior
-        fitted = m // 2 if copies_apart else m
-        refit = refit_is_cheaper(fitted, dim, len(places))
-        base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
-        per_block = max(1, limit // (2 * m))
+        asked = self.scoring.queries
+        per_block = max(1, limit // (m if asked is None else 2 * m))
         for first in range(0, len(places), per_block):
             block = places[first : first + per_block]
             runs = _runs(block, m)
             x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in runs]).to(fit.device)
             x = x.to(torch.float64)  # (F m, c, D), fold after fold
-            if copies_apart:
-                x = split_rows(x, per_image)[0]  # the pictures' own rows: the fold's members
-            members = x.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
-            y = torch.cat([queries.read(pixels, a, b) for a, b in runs]).to(fit.device)
-            y = y.transpose(0, 1).reshape(pixels.size, len(block), m, dim)  # the fold's query rows, as its rows
-            if refit:
-                values = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, y)
+            others = []  # scored by the fold models, not fitted: the copies, then the query rows
+            if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
+                own, copied = split_rows(x, per_image)  # (F m / 2, c, D) each
+                members = own.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
+                others.append(copied.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim))
+            else:
+                members = x.transpose(0, 1).reshape(pixels.size, len(block), m, dim)
+            if asked is not None:  # the same rows by another backbone, one for one
+                y = torch.cat([asked.read(pixels, a, b) for a, b in runs]).to(fit.device)
+                others.append(y.transpose(0, 1).reshape(pixels.size, len(block), m, dim))
+            scored = torch.cat(others, dim=2) if others else None
+            if refit:  # one factorisation a fold for the members and the rest
+                both = members if scored is None else torch.cat([members, scored.to(members.dtype)], dim=2)
+                found = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, both)
+                values, rest = found[:, :, :fitted], found[:, :, fitted:]
+            elif scored is None:
+                assert base is not None, "not refitted: the fold's base was formed"
+                values, rest = fold_squared_distances(base, mean, count, members, start), None
             else:
                 assert base is not None, "not refitted: the fold's base was formed"
-                values = fold_copy_squared_distances(base, mean, count, members, y, start)
+                values, rest = fold_and_copy_squared_distances(base, mean, count, members, scored, start)
+            if queried:
+                assert rest is not None, "the copies were scored"
+                values = _rejoin(values, rest[:, :, :fitted], per_image)
             values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
             for f, (_, target) in enumerate(block):
                 self.squared[target : target + m, start : pixels.stop] = values[:, f].T
+            if asked is not None and self.asked is not None and rest is not None:
+                query = self.shrinkage.unscaled(rest[:, :, rest.shape[2] - m :]).cpu()  # (c, F, m)
+                for f, (_, target) in enumerate(block):
+                    self.asked[target : target + m, start : pixels.stop] = query[:, f].T
 
-    def image_scores(self) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+    def image_scores(self, queries: bool = False) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The scored pictures' names, and their raw scores, input distances and own raw scores ``(B,)``: the
         pictures' maps (tiles stitched) as the scorer makes them and their scores (their changed copies' with
-        ``expect``: the third value is then the pictures' own), and the mean of each picture's own distances."""
+        ``expect``: the third value is then the pictures' own), and the mean of each picture's own distances; of
+        their query rows (:attr:`asked`) with ``queries``."""
         fit, config = self.fit, self.fit.config
+        squared = self.asked if queries else self.squared
+        assert squared is not None, "the pass scored query rows"
         names = [name for rows in self.kept for name in rows[:: fit.spooled_rows]]  # a picture's rows: one name
         scores, inputs, taken, rows = [], [], [], 64 * fit.spooled_rows
-        for first in range(0, self.squared.shape[0], rows):
-            block = self.squared[first : first + rows]
+        for first in range(0, squared.shape[0], rows):
+            block = squared[first : first + rows]
             own, scored = split_rows(block, fit.rows_per_image) if config.gaussian.expect else (block, block)
             out = score_distances(scored, fit.embedder.tiling, config.scoring)
             scores.append(out.raw_scores)

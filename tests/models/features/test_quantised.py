@@ -68,3 +68,29 @@ def test_bytes_that_are_not_the_graph_of_these_stages_are_refused(quantised):
         QuantisedExtractor(graph[: len(graph) // 2].clone(), LAYERS)
     with pytest.raises(ArtifactError, match="not the stages"):
         QuantisedExtractor(graph, ("layer1", "layer2", "layer3"))
+
+
+def test_a_backbone_exported_once_is_quantised_again_from_its_kept_graph(tmp_path, monkeypatch):
+    """torch's exporter takes seconds a backbone: the same stages, weights and size are exported once and their graph
+    kept (``$XDG_CACHE_HOME/padim/graphs``); another fit quantises the same graph from it, other weights or another
+    size are exported anew, and the least recently used go beyond :data:`GRAPHS_KEPT`."""
+    from padim.models.features import quantised as module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    exported = []
+    export = module.export_module
+    monkeypatch.setattr(module, "export_module", lambda *a, **k: exported.append(a[-1]) or export(*a, **k))
+    model, _ = build_backbone("resnet18", "random", seed=0)
+    extractor = FeatureExtractor(model.eval(), LAYERS)
+    batches = [pictures(8, 0)]
+    first, _ = quantise_backbone(extractor, batches)
+    second, _ = quantise_backbone(extractor, batches)
+    assert len(exported) == 1 and torch.equal(first, second)  # the kept graph, quantised alike
+    kept = tmp_path / "padim" / "graphs"
+    assert len(list(kept.glob("*.onnx"))) == 1 and not list(kept.glob("*.tmp"))
+    other, _ = build_backbone("resnet18", "random", seed=1)
+    quantise_backbone(FeatureExtractor(other.eval(), LAYERS), batches)
+    assert len(exported) == 2 and len(list(kept.glob("*.onnx"))) == 2  # other weights: another graph
+    monkeypatch.setattr(module, "GRAPHS_KEPT", 1)
+    quantise_backbone(extractor, [pictures(8, 0)[:, :, :32, :32]])  # another size
+    assert len(exported) == 3 and len(list(kept.glob("*.onnx"))) == 1

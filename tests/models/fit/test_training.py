@@ -573,7 +573,7 @@ def test_scratch_files_leave_nothing_behind_on_success_or_failure(images, tmp_pa
     def broken(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of the finish
 
-    monkeypatch.setattr("padim.models.fit.fold_scores.fold_squared_distances", broken)
+    monkeypatch.setattr("padim.models.fit.fold_scores.fold_base", broken)
     with pytest.raises(KeyboardInterrupt):
         train(CONFIG, images[:12], tmp_path / "never.padim", progress=False, scratch_dir=tmp_path / "scratch")
     assert list((tmp_path / "scratch").iterdir()) == [] and padim_files_open() == []
