@@ -214,6 +214,13 @@ class ModelDescription(ModelInfo, ShownOptions):  # type: ignore[misc,valid-type
         default=None,
         description="a quantised export: its accuracy gate and the float32 calibration its own threshold replaced",
     )
+    int8_scorer: dict | None = Field(
+        default=None,
+        description="served by a float32 model's int8 scorer (model format 20, chosen by PADIM_RUNTIME=auto on a CPU "
+        "that computes int8 faster): its gate against float32 at fit time (check: images, max_score_error, "
+        "median_score_error, tolerance, passed), what made its backbone (quantiser), the float32 calibration beside "
+        "its own, its promise; the calibration above is its own",
+    )
     padim_version: str
     threshold: float = Field(description="the threshold on the score scale: 0.5")
     load_seconds: float
