@@ -82,6 +82,14 @@ def test_train_says_what_the_threshold_promises(dataset, tmp_path):
     # so 2% is not promised wherever the threshold falls: said in one line, with the number needed
     (warning,) = [line for line in result.stderr.splitlines() if "warning:" in line]
     assert "cannot promise 2.00% false alarms" in warning and "49 normal images would" in warning
+    # the model's int8 scorer (--int8-scorer, the default): its gate's figures, said and in the summary
+    int8 = summary["int8_scorer"]
+    (said,) = [line for line in result.stderr.splitlines() if "int8 scorer" in line]
+    assert int8["check"]["images"] == 16 and int8["check"]["tolerance"] == 0.25
+    assert ("kept" in said) == int8["check"]["passed"] == (int8["calibration"] is not None)
+    info = json.loads(run_cli("info", tmp_path / "m.padim").stdout)
+    assert info["int8_scorer"] == int8 and info["runtime"]["scorer"] in ("int8", "float32")
+    assert (info["runtime"]["scorer"] == "int8") == ("int8 scorer on ONNX Runtime" in info["runtime"]["why"])
     assert "threshold" in result.stderr and "from 30 out-of-fold scores, aiming at 2.00%" in result.stderr
     # what it costs, said before pass 1: the memory plan and where the embeddings wait
     (plan,) = [line for line in result.stderr.splitlines() if "this fit needs about" in line]
