@@ -5,7 +5,6 @@ their float16 check, and each scoring pass's distances (:mod:`padim.models.fit.f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Iterator
@@ -82,11 +81,11 @@ class Finish:
         self.results = _Results()
         self.float16 = _Float16Check()
 
-    def run(self, passes: Iterable[ScoringPass], queries: ScoringPass | None = None) -> Finished:
+    def run(self, passes: Iterable[ScoringPass]) -> Finished:
         """Each pass goes over every slice. The first forms the comoment (kept in memory ``with_statistics``), factors
-        it, writes the precision factors and scores its images (and ``queries``' query rows, under the same factors);
-        a later one (a group embedded again) factors the formed comoment again and scores its images. Without a pass:
-        the statistics (and factors) alone.
+        it, writes the precision factors and scores its images (and its query rows, :attr:`ScoringPass.queries`, into
+        :attr:`Finished.queried`); a later one (a group embedded again) factors the formed comoment again and scores
+        its images. Without a pass: the statistics (and factors) alone.
 
         Raises:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
@@ -96,8 +95,7 @@ class Finish:
         try:
             self.shrinkage = self._shrinkage()
             for number, scoring in enumerate(passes):
-                scored = self._score_pass(scoring, first=number == 0, queries=queries if number == 0 else None)
-                queried = queried or scored
+                queried = self._score_pass(scoring, first=number == 0) or queried
             if not self.results.passes:
                 self._statistics_only()
         except BaseException:
@@ -145,14 +143,11 @@ class Finish:
         finally:
             self.timing[phase] = self.timing.get(phase, 0.0) + time.perf_counter() - started
 
-    def _score_pass(self, scoring: ScoringPass, first: bool, queries: ScoringPass | None = None) -> Scored | None:
+    def _score_pass(self, scoring: ScoringPass, first: bool) -> Scored | None:
         """One pass over the slices: form and factor each (the first pass writes the factors), then score
-        ``scoring``'s images; their maps and scores join the results. ``queries`` (the same pictures' query rows) are
-        scored under the same factors, and what they scored returned (``None`` without them)."""
+        ``scoring``'s images; their maps and scores join the results. Its query rows are scored by the same fold
+        models in the same solves, and what they scored returned (``None`` without them)."""
         fit = self.fit
-        if queries is not None:  # their rows and the pictures' under the same fold models, in the same solves
-            assert queries.names == scoring.names and queries.folds == scoring.folds, "the same pictures, in order"
-            scoring = dataclasses.replace(scoring, queries=queries.queries)
         kept = scoreable(scoring, self.statistics.count, self.results.unscored, fit.fitted_rows, fit.spooled_rows)
         current = FoldScoring(fit, scoring, kept, self.statistics.count, self.statistics.mean, self.shrinkage)
         with tqdm(
@@ -171,7 +166,7 @@ class Finish:
             self._formed()
         with self.timed("calibrate"):
             self.results.add(*current.image_scores())
-            return None if queries is None else _scored(current, self.shard, bool(fit.config.gaussian.expect))
+            return None if scoring.queries is None else _scored(current, self.shard, bool(fit.config.gaussian.expect))
 
     def _factor(self, pixels: PixelSlice, forming: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Covariance ``C / (n - 1)`` and ``L`` of the slice's pixels (``L L^T`` the model's covariance, shrunk

@@ -283,7 +283,6 @@ class Fit:
         progress: bool = True,
         shard: Shard | None = None,
         timing: dict[str, float] | None = None,
-        queries: ScoringPass | None = None,
     ) -> Finished:
         """Statistics, factors and scores, a slice of pixels at a time (module docstring;
         :class:`~padim.models.fit.finish.Finish`).
@@ -293,14 +292,12 @@ class Fit:
             scratch: where the precision factors wait for the file (``None``: no factors, a partial fit).
             with_statistics: form the whole comoment in memory (for a file with statistics).
             timing: adds ``finish`` (statistics and factors) and ``calibrate`` (distances) seconds.
-            queries: a pass of query rows (:attr:`~padim.models.fit.passes.ScoringPass.queries`) scored beside the
-                first pass, under the same factors; what they scored is :attr:`Finished.queried`.
 
         Raises:
             NotPositiveDefiniteError: a pixel whose matrix has no Cholesky factor (named).
         """
         timing = {} if timing is None else timing
-        return Finish(self, scratch, with_statistics, progress, shard, timing).run(passes, queries)
+        return Finish(self, scratch, with_statistics, progress, shard, timing).run(passes)
 
     def formed(self, statistics: GaussianState | None, count: int) -> None:
         """The finish formed the spooled pictures' comoment: the fit's statistics are ``statistics`` (``None`` for a

@@ -249,9 +249,9 @@ def train(
             _waited_for_pictures(fit, report)
             unreadable = {name for name, _ in report.unreadable}
             readable = [[i for i in group if i.name not in unreadable] for group in groups]
-            scored = [_spooled_scores(fit)] if spool is not None else fit.embed_again(readable, progress, shard)
-            asked = None if queries is None else _spooled_scores(fit, SpooledRows(queries))
-            finished = _finish(fit, report, scored, scratch, facts, progress, shard, asked)
+            asked = None if queries is None else SpooledRows(queries)  # the int8 rows, scored beside the pictures'
+            scored = [_spooled_scores(fit, asked)] if spool is not None else fit.embed_again(readable, progress, shard)
+            finished = _finish(fit, report, scored, scratch, facts, progress, shard)
     finally:
         for opened in (spool, queries):
             if opened is not None:
@@ -701,27 +701,14 @@ def _held_out(
 
 
 def _finish(
-    fit: Fit,
-    report: FitReport,
-    passes,
-    scratch: Path,
-    facts: FitFacts,
-    progress: bool,
-    shard: Shard | None,
-    queries: ScoringPass | None = None,
+    fit: Fit, report: FitReport, passes, scratch: Path, facts: FitFacts, progress: bool, shard: Shard | None
 ) -> Finished:
     if fit.spooled is not None:
         report.spool = fit.spooled.spool.nbytes
     timing: dict[str, float] = {}
     try:
         finished = fit.finish(
-            passes,
-            scratch,
-            with_statistics=facts.with_statistics,
-            progress=progress,
-            shard=shard,
-            timing=timing,
-            queries=queries,
+            passes, scratch, with_statistics=facts.with_statistics, progress=progress, shard=shard, timing=timing
         )
     except NotPositiveDefiniteError as error:
         raise FitError(str(error)) from None

@@ -297,9 +297,8 @@ def test_query_rows_are_scored_as_refits_without_their_picture(
     per, spooled, pictures = fit.rows_per_image, fit.spooled_rows, len(images)
     generator = np.random.default_rng(0)  # the queries: the rows, changed as another arithmetic would change them
     queries = (x * generator.uniform(0.9, 1.1, x.shape) + generator.normal(0, 0.05, x.shape)).astype(np.float32)
-    main = ScoringPass(SpooledRows(spool), names, sizes)
     asked = ScoringPass(SpooledRows(spool), names, sizes, HeldRows(torch.from_numpy(queries)))
-    finished = fit.finish([main], tmp_path, progress=False, queries=asked)
+    finished = fit.finish([asked], tmp_path, progress=False)
     spool.close()
     order = [names[i] for i in range(0, len(names), spooled)]
     assert finished.queried.names == order == finished.scored
