@@ -65,7 +65,8 @@ class FirstPass:
 
     With a ``spool``, the embeddings go there and the finish forms their comoment; without one, they are added to
     ``statistics`` (the fit's so far: ``None`` for none) at once, in place. ``pixels``: of a row of the statistics.
-    ``queries``: where the int8 scorer's query rows of every batch go (:meth:`Reading.query`), beside the spool.
+    ``queries``: where the int8 scorer's query rows of every batch go (:meth:`Reading.embed_and_query`), beside the
+    spool.
     """
 
     def __init__(
@@ -118,9 +119,11 @@ class FirstPass:
             decoded = reading.decoded(self._batches(), self.unreadable, self.name_of.__getitem__)
             for paths, images, copies in _waited_for(decoded, self):
                 names = [self.name_of[p] for p in paths]
-                self._add(paths, reading.embed(names, images, copies))  # (B * spooled rows, P, D)
+                rows, asked = reading.embed_and_query(names, images, copies)  # (B * spooled rows, P, D) each
+                self._add(paths, rows)
                 if self.queries is not None:
-                    self.queries.append(reading.query(names, images, copies))  # the same rows, by the int8 backbone
+                    assert asked is not None, "the int8 embedder is set where its rows are spooled"
+                    self.queries.append(asked)  # the same rows, by the int8 backbone
                 if self.spooled is not None:
                     bar.set_postfix_str(f"embeddings spooled: {_megabytes(self.spooled.spool.nbytes)}", refresh=False)
                 bar.update(len(self.digests) + len(self.unreadable) - bar.n)  # images read so far, good or not

@@ -218,7 +218,7 @@ class Reading:
         config: the detector configuration (batch size, decode threads, region of interest, the cover).
         embedder: images -> ``(B, P, D)`` embeddings, on ``device``.
         device: where the embedder runs.
-        queries: the int8 scorer's embedder, which gives every batch's query rows too (:meth:`query`); ``None``: none.
+        queries: the int8 scorer's embedder, for pass 1's query rows (:meth:`embed_and_query`); ``None``: none.
     """
 
     def __init__(self, config: PadimConfig, embedder: FeatureEmbedder, device: torch.device):
@@ -271,27 +271,33 @@ class Reading:
         one draw of the declared changes, seeded by the picture's name; made here unless ``copies`` are given, as
         :meth:`decoded` gives them). On a GPU, pictures and copies go through the backbone in one call (half the
         launches); on a CPU one after the other (half the activations' memory, at the same speed)."""
-        return self._embedded(self.embedder, names, images, copies)
+        return self._rows(self.embedder, self._framed(names, images, copies))
 
-    def query(self, names: Sequence[str], images, copies: Sequence | None = None) -> torch.Tensor:
-        """A batch's query rows: :meth:`embed`'s rows, one for one, by the int8 scorer's embedder (:attr:`queries`)."""
-        assert self.queries is not None, "the fit makes an int8 scorer"
-        return self._embedded(self.queries, names, images, copies)
+    def embed_and_query(
+        self, names: Sequence[str], images, copies: Sequence | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`embed`'s rows and, where the fit makes an int8 scorer (:attr:`queries`), the same rows by its
+        embedder, one for one (``None`` without); the pictures and copies are framed once for both."""
+        framed = self._framed(names, images, copies)
+        rows = self._rows(self.embedder, framed)
+        return rows, None if self.queries is None else self._rows(self.queries, framed)
 
-    def _embedded(
-        self, embedder: FeatureEmbedder, names: Sequence[str], images, copies: Sequence | None
-    ) -> torch.Tensor:
+    def _framed(self, names: Sequence[str], images, copies: Sequence | None) -> list[torch.Tensor]:
+        """The model input of the pictures, then of their changed copies (``expect``)."""
         if not self.config.gaussian.expect:
-            return embedder(embedder.preprocess(images))
+            return [self.embedder.preprocess(images)]
         if copies is None:
             expected = self.config.expected
             copies = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
+        return [self.embedder.preprocess(images), self.embedder.preprocess(list(copies))]
+
+    def _rows(self, embedder: FeatureEmbedder, framed: list[torch.Tensor]) -> torch.Tensor:
+        if len(framed) == 1:
+            return embedder(framed[0])
         if embedder.device.type == "cuda":
-            both = embedder(embedder.preprocess([*images, *copies]))  # (2 B T, P, D): pictures, copies
-            own, changed = both.chunk(2)
+            own, changed = embedder(torch.cat(framed)).chunk(2)  # (2 B T, P, D): pictures, copies
         else:
-            own = embedder(embedder.preprocess(images))
-            changed = embedder(embedder.preprocess(list(copies)))
+            own, changed = embedder(framed[0]), embedder(framed[1])
         return interleaved(own, changed, self.rows_per_image)
 
 
