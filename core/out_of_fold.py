@@ -200,13 +200,7 @@ def fold_squared_distances(
         _raise_if_not_positive((room <= 0).to(torch.int32), pixel_offset)
         return ((n - 2) * n**2 * q / ((n - 1) * room)).unsqueeze(2)
     z, _, k = _solved_columns(base, mean, n, members)  # rows: (L_m^-1 u_j)^T / sqrt(n - 1)
-    gram = z @ z.transpose(2, 3)  # (c, F, m + 1, m + 1) G
-    eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
-    factor, info = torch.linalg.cholesky_ex(eye - gram)  # I - G is positive definite iff the fold model is
-    _raise_if_not_positive(info, pixel_offset)
-    a = _member_columns(m, k, gram)
-    solved = torch.cholesky_solve(a.expand(pixels, folds, m + 1, m), factor)  # (I - G)^-1 a_i
-    return (n - m - 1) * ((gram @ a) * solved).sum(dim=2)  # a_i^T G (I - G)^-1 a_i
+    return _members_distances(z, n, k, pixel_offset)[0]
 
 
 def fold_copy_squared_distances(
@@ -266,14 +260,9 @@ def fold_and_copy_squared_distances(
         own = (n - 2) * n**2 * held / ((n - 1) * room)
         return own, (n - 2) / (n - 1) * (squared_norm(a, 3) + n * along.square() / room)
     z, s, k = _solved_columns(base, mean, n, members, copies)  # (c, F, m + 1, D), (c, F, q, D)
-    gram = z @ z.transpose(2, 3)  # G
-    eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
-    factor, info = torch.linalg.cholesky_ex(eye - gram)
-    _raise_if_not_positive(info, pixel_offset)
+    own, factor = _members_distances(z, n, k, pixel_offset)
     h = z @ s.transpose(2, 3)  # (c, F, m + 1, q): Z^T s for every copy
     correction = (h * torch.cholesky_solve(h, factor)).sum(dim=2)  # h^T (I - G)^-1 h
-    a = _member_columns(m, k, gram)
-    own = (n - m - 1) * ((gram @ a) * torch.cholesky_solve(a.expand(pixels, folds, m + 1, m), factor)).sum(dim=2)
     return own, (n - m - 1) * (squared_norm(s, 3) + correction)
 
 
@@ -341,10 +330,23 @@ def _solved_columns(
     return z, solved[:, :, m:].add_(shift, alpha=m / (n - m)), k
 
 
-def _member_columns(m: int, k: float, like: torch.Tensor) -> torch.Tensor:
-    """``(m + 1, m)``: each member's ``a_i = e_i + e_(m+1) / k`` as a column (``x_i - mu_k = U a_i``)."""
-    eye = torch.eye(m, dtype=like.dtype, device=like.device)
-    return torch.cat([eye, torch.full((1, m), 1.0 / k, dtype=like.dtype, device=like.device)])
+def _members_distances(z: torch.Tensor, n: int, k: float, pixel_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' distances under their fold models ``(c, F, m)``, from ``Z``'s rows ``(c, F, m + 1, D)``
+    (:func:`_solved_columns`), and the Cholesky factor of ``I - G`` that the copies' correction solves with.
+
+    Raises:
+        NotPositiveDefiniteError: a fold model that is not positive definite (``I - G`` is not).
+    """
+    pixels, folds, columns, _ = z.shape
+    m = columns - 1
+    gram = z @ z.transpose(2, 3)  # (c, F, m + 1, m + 1) G
+    eye = torch.eye(m + 1, dtype=gram.dtype, device=gram.device)
+    factor, info = torch.linalg.cholesky_ex(eye - gram)  # I - G is positive definite iff the fold model is
+    _raise_if_not_positive(info, pixel_offset)
+    ones = torch.eye(m, dtype=gram.dtype, device=gram.device)
+    a = torch.cat([ones, torch.full((1, m), 1.0 / k, dtype=gram.dtype, device=gram.device)])  # a_i as columns
+    solved = torch.cholesky_solve(a.expand(pixels, folds, m + 1, m), factor)  # (I - G)^-1 a_i
+    return (n - m - 1) * ((gram @ a) * solved).sum(dim=2), factor  # a_i^T G (I - G)^-1 a_i
 
 
 def _columns(mean: torch.Tensor, n: int, members: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:

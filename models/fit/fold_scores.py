@@ -141,7 +141,8 @@ class FoldScoring:
             values = self.shrinkage.unscaled(values).cpu()  # (c, F, m)
             for f, (_, target) in enumerate(block):
                 self.squared[target : target + m, start : pixels.stop] = values[:, f].T
-            if asked is not None and self.asked is not None and rest is not None:
+            if self.asked is not None:  # set where the pass has query rows
+                assert rest is not None, "the query rows were scored"
                 query = self.shrinkage.unscaled(rest[:, :, rest.shape[2] - m :]).cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     self.asked[target : target + m, start : pixels.stop] = query[:, f].T

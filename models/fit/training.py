@@ -632,8 +632,8 @@ def _int8_scorer(
     digest_of: dict[str, int],
 ) -> Int8Scorer | None:
     """The int8 scorer from its pictures' out-of-fold int8 scores (and a resumed model's), gated against float32 on
-    training pictures under the fitted model; refused past the gate's tolerance (its graph then left out of the
-    file). ``None`` (said in ``report.no_int8_scorer``) where its scores set no threshold."""
+    training pictures under the fitted model; refused past the gate's tolerance (the writer then leaves its graph
+    out of the file). ``None`` (said in ``report.no_int8_scorer``) where its scores set no threshold."""
     queried = finished.queried
     earlier = fit.earlier_int8.calibration if fit.earlier_int8 is not None else None
     assert queried is not None and fit.int8_embedder is not None, "the finish scored the int8 rows"
@@ -656,8 +656,7 @@ def _int8_scorer(
         )
     except CalibrationError as error:
         report.no_int8_scorer = f"its out-of-fold scores set no threshold ({error})"
-        fit.backbone_weights = {k: v for k, v in fit.backbone_weights.items() if k != GRAPH_KEY}
-        return None
+        return None  # its graph is left out of the file by the writer (model_file._write), as a refused one's
     paths = [image.path for group in readable for image in group][:CHECK_IMAGES]
     check = measure_precision(
         fit, finished.mean, finished.factors, paths, calibration.threshold, gate, fit.int8_embedder
@@ -668,7 +667,6 @@ def _int8_scorer(
         check = dataclasses.replace(check, forced=True)
     elif not check.passed:
         log.warning("the int8 scorer's gate refused it (%s): --runtime auto scores at float32", check.sentence())
-        fit.backbone_weights = {k: v for k, v in fit.backbone_weights.items() if k != GRAPH_KEY}
         return Int8Scorer(check.to_dict(), quantiser, None)
     return Int8Scorer(check.to_dict(), quantiser, calibration)
 
