@@ -36,7 +36,13 @@ import time
 import torch
 
 from padim.core.artifact import file_sha256, read_header
-from padim.core.calibration import LINE_EXCEEDANCES, CalibrationError, checked_rate, line_pictures_needed
+from padim.core.calibration import (
+    LINE_EXCEEDANCES,
+    Calibration,
+    CalibrationError,
+    checked_rate,
+    line_pictures_needed,
+)
 from padim.core.drift import assess
 from padim.core.errors import ArtifactError
 from padim.models.config import PadimConfig
@@ -311,9 +317,7 @@ def propose_line_threshold(
     number = version.version
     scorers = _same_gaussians(repository, version)
     rows = _pictures(row for v in scorers for row in store.iterate(Filters(model=name, version=v, since=since), 5000))
-    scorer, rows = _scored_by(repository, name, version, scorers, rows)
-    calibration = read_calibration(version.path) if scorer == "float32" else read_int8_calibration(version.path)
-    assert calibration is not None, "the int8 scorer is chosen only where the version has one"
+    scorer, rows, calibration = _scored_by(repository, name, version, scorers, rows)
     normal = [r for r in rows if r["label"] != "defect"]
     rate = _line_rate(calibration.false_alarm_rate if false_alarm_rate is None else false_alarm_rate, name, number)
     _enough(len(normal), rate, f"version {number} of {name!r}" + ("" if since is None else " since then"))
@@ -348,14 +352,16 @@ def propose_line_threshold(
 
 def _scored_by(
     repository: Repository, name: str, version: Version, numbers: list[int], rows: list[dict]
-) -> tuple[str, list[dict]]:
-    """Which of the model file's scorers scored the line's pictures, and their rows: ``int8`` (a float32 model's int8
-    scorer, which ``--runtime auto`` runs on a CPU with int8 arithmetic: :mod:`padim.models.scoring.reduced`) where it
-    scored most of them and ``version`` has one, else ``float32``."""
+) -> tuple[str, list[dict], Calibration]:
+    """Which of the model file's scorers scored the line's pictures, their rows, and that scorer's calibration in
+    ``version``: ``int8`` (a float32 model's int8 scorer, which ``--runtime auto`` runs on a CPU with int8
+    arithmetic: :mod:`padim.models.scoring.reduced`) where it scored most of them and ``version`` has one, else
+    ``float32``."""
     parts = _by_scorer(repository, name, numbers, rows)
-    if read_int8_calibration(version.path) is not None and len(parts["int8"]) > len(parts["float32"]):
-        return "int8", parts["int8"]
-    return "float32", parts["float32"]
+    int8 = read_int8_calibration(version.path)
+    if int8 is not None and len(parts["int8"]) > len(parts["float32"]):
+        return "int8", parts["int8"], int8
+    return "float32", parts["float32"], read_calibration(version.path)
 
 
 def _by_scorer(repository: Repository, name: str, numbers: list[int], rows: list[dict]) -> dict[str, list[dict]]:
