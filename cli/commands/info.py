@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _runtime(precision: str, int8_scorer: dict | None) -> dict:
     """What ``--runtime auto`` runs here, the scorer (``float32``, or the model's ``int8`` one), and why."""
-    from padim.models.deploy.runtimes import int8_scorer_choice, runtime_choice  # torch: not for --help
+    from padim.models.deploy.runtimes import runs_int8_scorer, runtime_choice  # torch: not for --help
 
     runtime, why = runtime_choice("auto", "auto", precision, int8_scorer)
-    scorer = "int8" if precision == "fp32" and int8_scorer_choice("auto", int8_scorer)[0] else None
+    scorer = "int8" if runs_int8_scorer("auto", precision, int8_scorer) else None
     return {"auto": runtime, "scorer": scorer or spelled_precision(precision), "why": why}
 
 

@@ -133,6 +133,12 @@ def runtime_choice(
     )
 
 
+def runs_int8_scorer(device: str, precision: str, int8_scorer: dict | None) -> bool:
+    """Whether ``--runtime auto`` scores a model fitted at ``precision`` with its int8 scorer on ``device``
+    (:func:`int8_scorer_choice`; only a float32 model has one)."""
+    return precision == "fp32" and int8_scorer_choice(device, int8_scorer)[0]
+
+
 def int8_scorer_choice(device: str, int8_scorer: dict | None, flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """Whether ``--runtime auto`` runs a float32 model's int8 scorer (``int8_scorer``: its file header's entry,
     :mod:`padim.models.scoring.reduced`) on ``device``, and why (or why not: ``""`` where the model has none). It
@@ -226,7 +232,7 @@ def load_scorer(
         check_precision(precision, torch.device("cuda"))
     int8_scorer = header.get(INT8_KEY) if precision == "fp32" else None
     chosen, reason = runtime_choice(runtime, device, precision, int8_scorer)
-    scorer = "int8" if runtime == "auto" and int8_scorer_choice(device, int8_scorer)[0] else None
+    scorer = "int8" if runtime == "auto" and runs_int8_scorer(device, precision, int8_scorer) else None
     if runtime == "auto":
         log.debug("runtime auto: %s (%s)", chosen, reason)
     if chosen == "torch":
