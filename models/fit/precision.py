@@ -6,7 +6,9 @@ it computes. What the arithmetic costs in accuracy is measured before the file i
 :data:`CHECK_IMAGES` readable training pictures are embedded twice, by the backbone at the model's precision and by
 the same weights in float32, and both embeddings are scored with the fitted model itself (its mean and float32
 precision factors, its map and image score). The comparison is exact: the same pictures, the same Gaussians, the
-same reading of a map; only the backbone's arithmetic differs. A largest relative image-score difference past the
+same reading of a map; only the backbone's arithmetic differs. (The int8 scorer beside a float32 fit has both
+embeddings already: pass 1 spooled them, and its gate reads them back, ``measure_precision``'s ``embedded``.) A
+largest relative image-score difference past the
 tolerance (``train --max-score-error``, default :data:`MAX_SCORE_ERROR`, :data:`INT8_MAX_SCORE_ERROR` for int8, chosen
 by measurement: docs/gpu.md, docs/quantisation.md)
 refuses the model with one line and the figures, and nothing is written (``--force`` writes it, marked forced).
@@ -127,6 +129,7 @@ def measure_precision(
     threshold: float,
     gate: PrecisionGate,
     reduced_embedder: FeatureEmbedder | None = None,
+    embedded: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Score ``paths`` (at most :data:`CHECK_IMAGES`) at a reduced precision and at fp32 with the fitted model.
 
@@ -139,8 +142,13 @@ def measure_precision(
         reduced_embedder: the reduced precision's embedder beside a float32 fit (its int8 scorer's:
             :mod:`padim.models.scoring.reduced`); ``None``: the fit itself is at the reduced precision, and its float32
             twin is the reference.
+        embedded: the pictures' embeddings already made, ``(N, p, D)`` by float32 and by ``reduced_embedder``, as
+            that embedder gives them (pass 1's spooled rows of the int8 scorer's pictures); ``paths`` are not read.
     """
     config = fit.config
+    if embedded is not None:
+        assert reduced_embedder is not None, "rows made beside a float32 fit"
+        return _compared(config, fit.device, mean, factors, threshold, gate, reduced_embedder, *embedded)
     if reduced_embedder is None:
         reduced_embedder = fit.embedder
         reference_embedder = FeatureEmbedder(config.replace(precision="fp32"), fit.backbone_weights, fit.embedding)
@@ -155,8 +163,25 @@ def measure_precision(
         reduced.append(reduced_embedder(batch))
         reference.append(reference_embedder(batch))
     del reference_embedder
-    first = _distances(torch.cat(reference), mean, factors, fit.device)
-    second = _distances(torch.cat(reduced), mean, factors, fit.device)
+    reference_rows, reduced_rows = torch.cat(reference), torch.cat(reduced)
+    return _compared(config, fit.device, mean, factors, threshold, gate, reduced_embedder, reference_rows, reduced_rows)
+
+
+def _compared(
+    config,
+    device: torch.device,
+    mean: torch.Tensor,
+    factors,
+    threshold: float,
+    gate: PrecisionGate,
+    reduced_embedder: FeatureEmbedder,
+    reference: torch.Tensor,
+    reduced: torch.Tensor,
+):
+    """The gate's figures from both embeddings of the same pictures, each scored with the fitted model on ``device``
+    (the fit's)."""
+    both = _distances(torch.cat([reference, reduced]), mean, factors, device)  # the factors read once for both
+    first, second = both[: len(reference)], both[len(reference) :]
     tiling, scoring = reduced_embedder.tiling, config.scoring
     scores = [score_distances(d, tiling, scoring).raw_scores for d in (first, second)]
     return compare_scores(reduced_embedder.precision, scores[0], scores[1], threshold, gate)

@@ -58,6 +58,7 @@ from padim.models.fit.passes import (
     TrainingImage,
     batches_of,
     file_digest,
+    split_rows,
 )
 from padim.models.fit.precision import CHECK_IMAGES, PrecisionCheck, PrecisionGate, measure_precision
 from padim.models.scoring.detector import PadimDetector, Provenance, now
@@ -252,6 +253,7 @@ def train(
             asked = None if queries is None else SpooledRows(queries)  # the int8 rows, scored beside the pictures'
             scored = [_spooled_scores(fit, asked)] if spool is not None else fit.embed_again(readable, progress, shard)
             finished = _finish(fit, report, scored, scratch, facts, progress, shard)
+            checked = None if finished.queried is None or spool is None else _checked_rows(fit, spool, queries)
     finally:
         for opened in (spool, queries):
             if opened is not None:
@@ -276,9 +278,10 @@ def train(
             if GRAPH_KEY in fit.backbone_weights:  # what made the int8 backbone, beside its gate
                 provenance.precision_check["quantiser"] = graph_settings(fit.backbone_weights[GRAPH_KEY])
         elif finished.queried is not None:
+            assert checked is not None, "the int8 rows were spooled beside the float32 ones"
             with report.timed("check"):
                 report.int8_scorer = _int8_scorer(
-                    fit, finished, readable, gate or PrecisionGate(), report, dict(found.digests)
+                    fit, finished, checked, gate or PrecisionGate(), report, dict(found.digests)
                 )
         with report.timed("write"):
             save_fitted(output, fit, finished, calibration, provenance, with_statistics, report.int8_scorer)
@@ -623,17 +626,36 @@ def _query_spool(
     return queries
 
 
+def _checked_rows(
+    fit: Fit, spool: EmbeddingSpool, queries: EmbeddingSpool | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The embeddings the int8 scorer's gate compares: the first :data:`CHECK_IMAGES` pictures' own rows (not their
+    changed copies') as pass 1 spooled them, by the float32 backbone and by the int8 one, ``(N, p, D)`` each on the
+    CPU; ``None`` without int8 rows. Pass 1 spooled the readable pictures in the order the gate takes them, so the
+    gate reads them back instead of decoding and embedding those pictures twice more."""
+    if queries is None:
+        return None
+    count = min(CHECK_IMAGES, spool.rows // fit.spooled_rows) * fit.spooled_rows
+
+    def first_rows(rows: EmbeddingSpool) -> torch.Tensor:
+        read = torch.cat([rows.read(index, 0, count).cpu() for index in range(len(rows.slices))], dim=1)
+        return split_rows(read, fit.rows_per_image)[0] if fit.config.gaussian.expect else read
+
+    return first_rows(spool), first_rows(queries)
+
+
 def _int8_scorer(
     fit: Fit,
     finished: Finished,
-    readable: list[list[TrainingImage]],
+    checked: tuple[torch.Tensor, torch.Tensor],
     gate: PrecisionGate,
     report: FitReport,
     digest_of: dict[str, int],
 ) -> Int8Scorer | None:
     """The int8 scorer from its pictures' out-of-fold int8 scores (and a resumed model's), gated against float32 on
-    training pictures under the fitted model; refused past the gate's tolerance (the writer then leaves its graph
-    out of the file). ``None`` (said in ``report.no_int8_scorer``) where its scores set no threshold."""
+    training pictures under the fitted model (``checked``: their float32 and int8 rows, :func:`_checked_rows`);
+    refused past the gate's tolerance (the writer then leaves its graph out of the file). ``None`` (said in
+    ``report.no_int8_scorer``) where its scores set no threshold."""
     queried = finished.queried
     earlier = fit.earlier_int8.calibration if fit.earlier_int8 is not None else None
     assert queried is not None and fit.int8_embedder is not None, "the finish scored the int8 rows"
@@ -657,9 +679,8 @@ def _int8_scorer(
     except CalibrationError as error:
         report.no_int8_scorer = f"its out-of-fold scores set no threshold ({error})"
         return None  # its graph is left out of the file by the writer (model_file._write), as a refused one's
-    paths = [image.path for group in readable for image in group][:CHECK_IMAGES]
     check = measure_precision(
-        fit, finished.mean, finished.factors, paths, calibration.threshold, gate, fit.int8_embedder
+        fit, finished.mean, finished.factors, [], calibration.threshold, gate, fit.int8_embedder, checked
     )
     quantiser = graph_settings(fit.backbone_weights[GRAPH_KEY])
     if not check.passed and gate.force:  # kept past its tolerance, marked so (--force)

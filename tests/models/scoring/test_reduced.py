@@ -113,6 +113,27 @@ def test_the_int8_scorer_scores_as_its_threshold_was_set(model, images, cpu, tmp
     torch.testing.assert_close(torch.as_tensor(got).double(), expected.double(), rtol=1e-4, atol=1e-5)
 
 
+def test_its_gate_compares_the_first_pictures_own_embeddings_by_both_backbones(images, tmp_path):
+    """The gate reads pass 1's rows of the first 16 pictures (by name; their own, not their changed copies') instead of
+    embedding them again: its figures are those of both backbones' embeddings of those pictures scored under the full
+    model (to the float16 rounding of its factors)."""
+    path = tmp_path / "copies.padim"
+    train(CONFIG.replace(expect="brightness=0.3"), images, path, progress=False)  # each picture and a brighter copy
+    detector = load_detector(path, "cpu")
+    check = detector.int8_scorer.check
+    assert check["images"] == 16
+    pictures = [Image.open(i.path).convert("RGB") for i in sorted(images, key=lambda i: i.name)[:16]]
+    quantised = FeatureEmbedder(
+        detector.config.replace(precision="int8"), detector.backbone_weights, detector.embedding
+    )
+    float32 = detector.model.score_embeddings(detector.model.embedder(detector.preprocess(pictures))).raw_scores
+    int8 = detector.model.score_embeddings(quantised(quantised.preprocess(pictures))).raw_scores
+    error = ((int8 - float32).abs() / float32).double()
+    assert check["max_score_error"] == pytest.approx(float(error.max()), abs=5e-4)
+    assert check["median_score_error"] == pytest.approx(float(error.quantile(0.5)), abs=5e-4)
+    assert float(error.max()) > 1e-2  # the two backbones differ: the figures say something
+
+
 def test_a_gate_that_refuses_it_leaves_no_graph_and_auto_says_why(images, cpu, tmp_path):
     path = tmp_path / "refused.padim"
     report = train(CONFIG, images[:12], path, progress=False, gate=PrecisionGate(tolerance=1e-9))
