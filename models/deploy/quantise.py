@@ -7,7 +7,8 @@ float32 graph. Three precisions (:data:`padim.models.choices.EXPORT_PRECISIONS`)
 - ``int8`` for ONNX Runtime: static quantisation in the QDQ format (``onnxruntime.quantization``),
   per-channel int8 weights, uint8 activations, ``reduce_range`` (7-bit weights: what ONNX Runtime
   advises for CPUs with AVX2 or AVX-512 but no VNNI, whose u8 x s8 products otherwise saturate),
-  MinMax ranges, on the backbone's convolutions only.
+  MinMax ranges, on the backbone's convolutions and the ReLUs after them (each convolution's output quantised
+  once, over the range its ReLU leaves: :data:`padim.models.features.quantised.QUANTISED_OPERATIONS`).
 - ``int8`` for OpenVINO: NNCF post-training quantisation of the OpenVINO model, its convolutions only
   (NNCF would otherwise also quantise the embedding's pooling and the Mahalanobis step).
 - ``fp16``: the backbone's weights and activations in float16 inside the graph (input float32,

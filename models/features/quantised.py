@@ -4,10 +4,10 @@ The backbone's stages (:class:`~padim.models.features.embedding.FeatureExtractor
 to ONNX and quantised statically in the QDQ format by ``onnxruntime.quantization``: per-channel int8 weights,
 uint8 activations whose ranges are the MinMax of :data:`QUANTISER_IMAGES` training pictures widened by
 :data:`HEADROOM` (a defect's features are larger than any normal picture's), ``reduce_range`` (7-bit weights, which
-CPUs without VNNI multiply without saturating), the convolutions only. The graph's bytes are kept in the model file
-among the backbone's tensors (:data:`GRAPH_KEY`), so every copy of the model (a resume, a merge, a learned update,
-a repository's version) runs the very graph its statistics and threshold were computed with; the file's digests
-cover it like any tensor.
+CPUs without VNNI multiply without saturating), the convolutions and the ReLUs after them
+(:func:`backbone_nodes`). The graph's bytes are kept in the model file among the backbone's tensors
+(:data:`GRAPH_KEY`), so every copy of the model (a resume, a merge, a learned update, a repository's version) runs
+the very graph its statistics and threshold were computed with; the file's digests cover it like any tensor.
 
 :class:`QuantisedExtractor` runs it where the float backbone would run: the fit's embeddings, its out-of-fold scores
 and so its threshold, every later score, all come from it. Only the backbone is int8: the embedding, the Gaussians
@@ -129,21 +129,32 @@ class _Stages(nn.Module):
         return tuple(outputs[layer] for layer in self.layers)
 
 
-def backbone_convolutions(model) -> list[str]:
-    """Names of the ``Conv`` nodes of an exported ONNX graph that belong to the backbone (a module named
-    ``extractor``).
+#: The backbone's operations the quantiser is given: its convolutions, and the ReLUs that read a convolution's output,
+#: so that each convolution's output is quantised once, with the range its ReLU leaves (ONNX Runtime fuses the ReLU
+#: away). With the convolutions alone, each output was quantised over its signed range, then again after the ReLU: a
+#: requantising pass of every activation map (the int8 backbone 12-15% slower at batches 1 and 16 on a Zen 4 CPU),
+#: and 8 bits spread over values the ReLU then drops (resnet18's stages 17-26% further from float32 on average;
+#: measured, docs/quantisation.md). A ReLU after a residual addition stays float32, as the addition does.
+QUANTISED_OPERATIONS = ("Conv", "Relu")
+
+
+def backbone_nodes(model) -> tuple[list[str], list[str]]:
+    """Names of the backbone's convolutions of an exported ONNX graph (nodes of a module named ``extractor``), and
+    of the ReLUs that read one of their outputs.
 
     The exporter records each node's module path (``pkg.torch.onnx.name_scopes``); a graph without it has every
-    ``Conv`` counted (the embedding and the statistics have none).
+    such node counted (the embedding and the statistics have no convolution and no ReLU).
     """
-    names = []
+    convolutions, outputs = [], set()
     for node in model.graph.node:
         if node.op_type != "Conv":
             continue
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
         if scopes is None or "'extractor" in scopes:
-            names.append(node.name)
-    return names
+            convolutions.append(node.name)
+            outputs.update(node.output)
+    relus = [node.name for node in model.graph.node if node.op_type == "Relu" and node.input[0] in outputs]
+    return convolutions, relus
 
 
 def widen_onnx_ranges(model, factor: float) -> int:
@@ -162,7 +173,8 @@ def widen_onnx_ranges(model, factor: float) -> int:
 
 
 def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarray], work: Path) -> dict:
-    """Static QDQ quantisation of the backbone's convolutions of ``float_graph`` into ``output`` (ranges from
+    """Static QDQ quantisation of the backbone's convolutions and the ReLUs after them (:func:`backbone_nodes`) of
+    ``float_graph`` into ``output`` (ranges from
     ``batches``, ``(b, 3, S, S)`` float32 inputs, widened by :data:`HEADROOM`); the settings that made it."""
     # an optional extra ([onnxruntime]): imported only for an int8 backbone
     import onnx
@@ -176,7 +188,7 @@ def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarra
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     model = onnx.load(str(float_graph), load_external_data=False)
-    convolutions = backbone_convolutions(model)
+    convolutions, relus = backbone_nodes(model)
     input_name = model.graph.input[0].name
     del model
     prepared = work / "prepared.onnx"
@@ -198,8 +210,8 @@ def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarra
             str(output),
             Reader(),
             quant_format=QuantFormat.QDQ,
-            nodes_to_quantize=convolutions,
-            op_types_to_quantize=["Conv"],
+            nodes_to_quantize=convolutions + relus,
+            op_types_to_quantize=list(QUANTISED_OPERATIONS),
             per_channel=True,
             reduce_range=True,
             activation_type=QuantType.QUInt8,
@@ -218,7 +230,7 @@ def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarra
         "activations": "uint8",
         "reduce_range": True,
         "calibration": "MinMax",
-        "quantised": f"{len(convolutions)} backbone convolutions",
+        "quantised": f"{len(convolutions)} backbone convolutions and the {len(relus)} ReLUs after them",
         "headroom": f"activation ranges x{HEADROOM} ({widened} quantisers)",
     }
 

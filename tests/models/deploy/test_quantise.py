@@ -152,7 +152,7 @@ def test_int8_threshold_is_the_quantised_scorers_own_on_images_the_quantiser_did
     assert metadata["quantisation"]["headroom"].startswith("activation ranges x1.5")
 
 
-def test_int8_graph_quantises_the_backbone_convolutions_only(int8_export):
+def test_int8_graph_quantises_the_backbone_only(int8_export):
     output, _ = int8_export
     graph = onnx.load(str(output / "model.onnx")).graph
     convolution_inputs = {i for n in graph.node if n.op_type == "Conv" for i in n.input}

@@ -1,6 +1,8 @@
 """The int8 backbone: quantised from pictures, checked against the float backbone it came from and against an
 independent reading of its QDQ graph."""
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -44,7 +46,7 @@ def test_the_int8_backbone_gives_the_float_backbones_maps_within_its_quantisatio
         assert correlation > 0.99
 
 
-def test_only_the_convolutions_are_quantised_with_int8_weights_and_widened_activation_ranges(quantised):
+def test_the_convolutions_and_their_relus_are_quantised_with_int8_weights_and_widened_activation_ranges(quantised):
     extractor, graph, settings = quantised
     model = onnx.load_from_string(graph.numpy().tobytes())
     convolutions = [n for n in model.graph.node if n.op_type == "Conv"]
@@ -58,8 +60,40 @@ def test_only_the_convolutions_are_quantised_with_int8_weights_and_widened_activ
         assert np.abs(initial[weight.input[0]]).max() <= 64
     assert len(convolutions) == sum(isinstance(m, torch.nn.Conv2d) for m in extractor.body.modules())
     assert {n.op_type for n in model.graph.node if n.op_type.startswith("QLinear")} == set()  # QDQ, not QOperator
+    # a convolution's ReLU is folded into its output's quantiser; those left follow a residual addition
+    assert all(produced_by[n.input[0]].op_type == "Add" for n in model.graph.node if n.op_type == "Relu")
+    said = re.fullmatch(
+        rf"{len(convolutions)} backbone convolutions and the (\d+) ReLUs after them", settings["quantised"]
+    )
+    blocks = sum(n.op_type == "Add" for n in model.graph.node)  # a residual addition a block
+    assert said and int(said[1]) == 1 + blocks  # the stem's, and each block's first: not those after its addition
     assert settings["headroom"].startswith(f"activation ranges x{HEADROOM}") and settings["images"] == 16
     assert graph_settings(graph) == settings
+
+
+def test_onnx_runtime_runs_each_convolution_with_its_relu_and_no_requantising_pass(quantised, tmp_path):
+    """A convolution's output is quantised once, with its ReLU's range: once ONNX Runtime has fused the graph, no
+    convolution's ReLU is left and no dequantised tensor is quantised again (a pass over the whole map at other
+    scales)."""
+    import onnxruntime as ort
+
+    _, graph, _ = quantised
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "fused.onnx")
+    ort.InferenceSession(graph.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
+    fused = onnx.load(str(tmp_path / "fused.onnx")).graph.node
+    produced_by = {output: node for node in fused for output in node.output}
+    assert [n.op_type for n in fused if n.op_type == "QLinearConv"]
+    assert all(produced_by[n.input[0]].op_type in ("Add", "QLinearAdd") for n in fused if n.op_type == "Relu")
+    requantised = [
+        n.name
+        for n in fused
+        if n.op_type == "QuantizeLinear"
+        and n.input[0] in produced_by  # not the picture's own quantiser
+        and produced_by[n.input[0]].op_type == "DequantizeLinear"
+    ]
+    assert not requantised
 
 
 def test_bytes_that_are_not_the_graph_of_these_stages_are_refused(quantised):
