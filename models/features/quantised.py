@@ -173,9 +173,8 @@ def widen_onnx_ranges(model, factor: float) -> int:
 
 
 def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarray], work: Path) -> dict:
-    """Static QDQ quantisation of the backbone's convolutions and the ReLUs after them (:func:`backbone_nodes`) of
-    ``float_graph`` into ``output`` (ranges from
-    ``batches``, ``(b, 3, S, S)`` float32 inputs, widened by :data:`HEADROOM`); the settings that made it."""
+    """Static QDQ quantisation of :func:`backbone_nodes` of ``float_graph`` into ``output`` (ranges from ``batches``,
+    ``(b, 3, S, S)`` float32 inputs, widened by :data:`HEADROOM`); the settings that made it."""
     # an optional extra ([onnxruntime]): imported only for an int8 backbone
     import onnx
     from onnxruntime.quantization import (
