@@ -134,7 +134,9 @@ class _Stages(nn.Module):
 #: away). With the convolutions alone, each output was quantised over its signed range, then again after the ReLU: a
 #: requantising pass of every activation map (the int8 backbone 12-15% slower at batches 1 and 16 on a Zen 4 CPU),
 #: and 8 bits spread over values the ReLU then drops (resnet18's stages 17-26% further from float32 on average;
-#: measured, docs/quantisation.md). A ReLU after a residual addition stays float32, as the addition does.
+#: measured, docs/quantisation.md). A residual addition and its ReLU are not given to it: where the next convolution's
+#: quantiser reads them, ONNX Runtime runs the addition in int8 (``QLinearAdd``) and folds the ReLU into that
+#: quantiser; the last one, which only the embedding reads, stays float32.
 QUANTISED_OPERATIONS = ("Conv", "Relu")
 
 
