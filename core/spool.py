@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+#: The largest float16 (a value beyond it would be kept as infinity).
+_HALF_MAX = torch.finfo(torch.float16).max
+
 
 class ScratchFile:
     """An unlinked temporary file of tensors at byte offsets.
@@ -102,12 +105,18 @@ class EmbeddingSpool:
     rows wait in one ``(capacity, P, D)`` tensor there, allocated at once: a batch is appended without a copy to
     the host and read back without the disk; reads are views of it, read-only to the caller.
 
+    ``dtype`` ``float16`` keeps the rows in half the bytes (reads give them back as float32, rounded to float16's
+    11 significant bits): for rows that are already an approximation, as the int8 backbone's are. A batch with a
+    value beyond float16's range widens the spool to float32 first (the rows so far copied over, exactly), so
+    nothing is clipped.
+
     Args:
         directory: where the file is made (unused in a device's memory).
         capacity: most rows that will be appended.
         pixels, dim: ``P`` and ``D``.
         slice_pixels: ``c``, pixels per slice (the last slice may be shorter).
         device: hold the rows in this device's memory instead of a file.
+        dtype: how the rows are kept: ``float32`` (as given) or ``float16``.
     """
 
     def __init__(
@@ -118,11 +127,15 @@ class EmbeddingSpool:
         dim: int,
         slice_pixels: int,
         device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"a spool keeps float32 or float16 rows, not {dtype}")
         self.held: torch.Tensor | None = None
         self.file: ScratchFile | None = None
+        self.directory, self.dtype = directory, dtype
         if device is not None:
-            self.held = torch.empty(capacity, pixels, dim, dtype=torch.float32, device=device)
+            self.held = torch.empty(capacity, pixels, dim, dtype=dtype, device=device)
         else:
             self.file = ScratchFile(directory, prefix=".padim-embeddings-")
         self.capacity, self.pixels, self.dim = capacity, pixels, dim
@@ -130,14 +143,14 @@ class EmbeddingSpool:
         self.rows = 0
 
     @staticmethod
-    def size(rows: int, pixels: int, dim: int) -> int:
+    def size(rows: int, pixels: int, dim: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes that ``rows`` rows take on disk."""
-        return rows * pixels * dim * 4
+        return rows * pixels * dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
         """Bytes written so far."""
-        return self.size(self.rows, self.pixels, self.dim)
+        return self.size(self.rows, self.pixels, self.dim, self.dtype)
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -153,11 +166,14 @@ class EmbeddingSpool:
             )
         if self.rows + count > self.capacity:
             raise ValueError(f"the spool holds {self.capacity} rows; {self.rows + count} were given")
+        batch = batch.detach()
+        if self.dtype == torch.float16 and count and not bool(batch.abs().amax() <= _HALF_MAX):
+            self._widen()
         if self.held is not None:
-            self.held[self.rows : self.rows + count].copy_(batch.detach())
+            self.held[self.rows : self.rows + count].copy_(batch)
         else:
             assert self.file is not None, "a spool is held in memory or on disk"
-            batch = batch.detach().to("cpu", torch.float32)
+            batch = batch.to("cpu", self.dtype)
             for index, (start, stop) in enumerate(self.slices):
                 self.file.write(self._offset(index, self.rows), batch[:, start:stop])
         rows = range(self.rows, self.rows + count)
@@ -166,18 +182,35 @@ class EmbeddingSpool:
 
     def read(self, index: int, first: int, stop: int) -> torch.Tensor:
         """Rows ``first .. stop`` of slice ``index``: ``(stop - first, c, D)`` float32 on the CPU (a spool on disk) or
-        a view of the rows on their device (not to be written to)."""
+        on their device (a view of the rows, not to be written to, where they are kept in float32)."""
         if not 0 <= first <= stop <= self.rows:
             raise ValueError(f"rows {first}..{stop} are not in the spool's {self.rows}")
         start, end = self.slices[index]
         if self.held is not None:
-            return self.held[first:stop, start:end]
+            rows = self.held[first:stop, start:end]
+            return rows if self.dtype == torch.float32 else rows.float()
         assert self.file is not None, "a spool is held in memory or on disk"
-        return self.file.read(self._offset(index, first), (stop - first, end - start, self.dim), torch.float32)
+        rows = self.file.read(self._offset(index, first), (stop - first, end - start, self.dim), self.dtype)
+        return rows if self.dtype == torch.float32 else rows.float()
 
-    def _offset(self, index: int, row: int) -> int:
+    def _offset(self, index: int, row: int, dtype: torch.dtype | None = None) -> int:
         start, stop = self.slices[index]
-        return 4 * self.dim * (self.capacity * start + row * (stop - start))
+        return (dtype or self.dtype).itemsize * self.dim * (self.capacity * start + row * (stop - start))
+
+    def _widen(self) -> None:
+        """Keep the rows in float32 from now on: those so far copied over (float16 widens exactly), slice by slice."""
+        if self.held is not None:
+            self.held = self.held.float()
+        else:
+            assert self.file is not None, "a spool is held in memory or on disk"
+            old, new = self.file, ScratchFile(self.directory, prefix=".padim-embeddings-")
+            with old:
+                for index, (start, stop) in enumerate(self.slices):
+                    shape = (self.rows, stop - start, self.dim)
+                    rows = old.read(self._offset(index, 0), shape, self.dtype)
+                    new.write(self._offset(index, 0, torch.float32), rows.float())
+            self.file = new
+        self.dtype = torch.float32
 
     def close(self) -> None:
         if self.file is not None:

@@ -210,7 +210,7 @@ def normalisation(
 def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``(B, 3, H, W)`` uint8 pixels -> float32 ``pixels * scale - offset`` (:func:`normalisation`), on the
     pixels' device: two correctly rounded float32 operations, so the CPU and a GPU agree to the bit."""
-    return pixels.to(torch.float32) * scale - offset
+    return pixels.to(torch.float32, copy=True).mul_(scale).sub_(offset)  # one new tensor, not three
 
 
 def iter_batches(

@@ -232,16 +232,19 @@ class Fit:
             groups[fold_of(image.name, folds)].append(image)
         return groups
 
-    def spool_or_none(self, directory: Path, rows: int, in_memory: bool = False) -> EmbeddingSpool | None:
+    def spool_or_none(
+        self, directory: Path, rows: int, in_memory: bool = False, dtype: torch.dtype = torch.float32
+    ) -> EmbeddingSpool | None:
         """A spool for ``rows`` images in ``directory``, or ``None`` when they would not fit its free disk; with
-        ``in_memory``, in the fit's device's memory instead (the caller's plan says it fits there)."""
+        ``in_memory``, in the fit's device's memory instead (the caller's plan says it fits there); ``dtype``: how it
+        keeps them (:class:`~padim.core.spool.EmbeddingSpool`)."""
         rows *= self.spooled_rows
         dim = self.embedder.embedding_dim
         if in_memory:
-            return EmbeddingSpool(directory, rows, self.pixels, dim, self.slice_pixels, device=self.device)
-        if not spool_fits(directory, rows, self.pixels, dim):
+            return EmbeddingSpool(directory, rows, self.pixels, dim, self.slice_pixels, device=self.device, dtype=dtype)
+        if not spool_fits(directory, rows, self.pixels, dim, dtype):
             return None
-        return EmbeddingSpool(directory, rows, self.pixels, dim, self.slice_pixels)
+        return EmbeddingSpool(directory, rows, self.pixels, dim, self.slice_pixels, dtype=dtype)
 
     # ------------------------------------------------------------------ pass 1
 

@@ -202,9 +202,10 @@ def factor_bytes(pixels: int, dim: int) -> int:
     return pixels * packed_length(dim) * 4
 
 
-def spool_fits(directory: Path, rows: int, pixels: int, dim: int) -> bool:
-    """Whether ``rows`` rows of embeddings and the float32 factors fit in ``directory``'s free disk."""
-    needed = EmbeddingSpool.size(rows, pixels, dim) + factor_bytes(pixels, dim) + DISK_RESERVE
+def spool_fits(directory: Path, rows: int, pixels: int, dim: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``rows`` rows of embeddings (kept in ``dtype``) and the float32 factors fit in ``directory``'s free
+    disk."""
+    needed = EmbeddingSpool.size(rows, pixels, dim, dtype) + factor_bytes(pixels, dim) + DISK_RESERVE
     return free_disk(directory) >= needed
 
 

@@ -277,10 +277,16 @@ class Reading:
         self, names: Sequence[str], images, copies: Sequence | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`embed`'s rows and, where the fit makes an int8 scorer (:attr:`queries`), the same rows by its
-        embedder, one for one (``None`` without); the pictures and copies are framed once for both."""
+        embedder, one for one (``None`` without); the pictures and copies are framed once for both, and on a CPU
+        normalised and cut into tiles once for both (what the float32 backbone reads, the int8 one reads)."""
         framed = self._framed(names, images, copies)
-        rows = self._rows(self.embedder, framed)
-        return rows, None if self.queries is None else self._rows(self.queries, framed)
+        queries = self.queries
+        if queries is None or self.embedder.device.type != "cpu" or queries.device.type != "cpu":
+            rows = self._rows(self.embedder, framed)
+            return rows, None if queries is None else self._rows(queries, framed)
+        tiled = [self.embedder.tiles(x) for x in framed]
+        count = len(images)
+        return self._tiled_rows(self.embedder, tiled, count), self._tiled_rows(queries, tiled, count)
 
     def _framed(self, names: Sequence[str], images, copies: Sequence | None) -> list[torch.Tensor]:
         """The model input of the pictures, then of their changed copies (``expect``)."""
@@ -290,6 +296,14 @@ class Reading:
             expected = self.config.expected
             copies = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
         return [self.embedder.preprocess(images), self.embedder.preprocess(list(copies))]
+
+    def _tiled_rows(self, embedder: FeatureEmbedder, tiled: list[torch.Tensor], count: int) -> torch.Tensor:
+        """:meth:`_rows` on a CPU, from :meth:`~padim.models.features.embedding.FeatureEmbedder.tiles` of the
+        ``count`` pictures, then of their copies."""
+        if len(tiled) == 1:
+            return embedder.from_tiles(tiled[0], count)
+        own, changed = (embedder.from_tiles(tiles, count) for tiles in tiled)
+        return interleaved(own, changed, self.rows_per_image)
 
     def _rows(self, embedder: FeatureEmbedder, framed: list[torch.Tensor]) -> torch.Tensor:
         if len(framed) == 1:

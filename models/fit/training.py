@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 
 #: Fewest readable images a new detector is fitted on: two for a covariance, and more to calibrate.
 MIN_IMAGES = 3
+#: How pass 1's int8 rows wait for their out-of-fold scores: float16 (half the bytes written and read back). They
+#: are the int8 backbone's, already within a quantisation step of float32's; float16 moves a value by at most 1/2048
+#: of itself (an eighth of a step at the top of a stage's uint8 range), and the scores the int8 threshold is read
+#: from by at most 5.7e-4 of themselves on 200 pictures (docs/runtimes.md).
+QUERY_ROWS_DTYPE = torch.float16
 
 
 def training_images(root: str | Path) -> list[TrainingImage]:
@@ -616,7 +621,7 @@ def _query_spool(
     int8 scorer, or they do not fit there (said in ``report.no_int8_scorer``)."""
     if fit.int8_embedder is None:
         return None
-    queries = fit.spool_or_none(scratch, images) if spool is not None else None
+    queries = fit.spool_or_none(scratch, images, dtype=QUERY_ROWS_DTYPE) if spool is not None else None
     if queries is None:
         fit.reading.queries = None
         report.no_int8_scorer = (

@@ -31,3 +31,39 @@ def test_a_spool_in_memory_makes_no_file_and_lets_its_memory_go_when_closed(tmp_
     assert not (tmp_path / "scratch").exists()
     spool.close()
     assert spool.held is None
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["disk", "memory"])
+def test_a_float16_spool_keeps_half_the_bytes_and_reads_back_float16s_rounding(tmp_path, device):
+    x = torch.randn(6, 10, 3) * 300
+    with EmbeddingSpool(tmp_path, 8, 10, 3, 4, device=device, dtype=torch.float16) as spool:
+        spool.append(x[:3])
+        spool.append(x[3:])
+        assert spool.dtype == torch.float16 and spool.nbytes == 6 * 10 * 3 * 2
+        for index, (start, stop) in enumerate(spool.slices):
+            read = spool.read(index, 1, 6)
+            assert read.dtype == torch.float32
+            assert torch.equal(read, x[1:6, start:stop].half().float())  # each value rounded once, to float16
+            assert (read - x[1:6, start:stop]).abs().max() <= x.abs().max() * 2**-11
+    if device is None:  # what the file takes on disk
+        assert EmbeddingSpool.size(6, 10, 3, torch.float16) * 2 == EmbeddingSpool.size(6, 10, 3)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["disk", "memory"])
+def test_a_float16_spool_widens_to_float32_before_a_value_beyond_float16s_range(tmp_path, device):
+    small, large = torch.randn(3, 10, 3), torch.randn(2, 10, 3)
+    large[1, 4, 2] = 1e6  # float16 would keep infinity
+    with EmbeddingSpool(tmp_path, 8, 10, 3, 4, device=device, dtype=torch.float16) as spool:
+        spool.append(small)
+        spool.append(large)
+        assert spool.dtype == torch.float32 and spool.nbytes == 5 * 10 * 3 * 4
+        for index, (start, stop) in enumerate(spool.slices):
+            read = spool.read(index, 0, 5)
+            assert torch.equal(read[:3], small[:, start:stop].half().float())  # the rows before, as they were kept
+            assert torch.equal(read[3:], large[:, start:stop])  # the rest exactly
+        assert torch.isfinite(spool.read(1, 0, 5)).all()
+
+
+def test_a_spool_keeps_float32_or_float16_only(tmp_path):
+    with pytest.raises(ValueError, match="float32 or float16"):
+        EmbeddingSpool(tmp_path, 4, 5, 3, 2, dtype=torch.bfloat16)

@@ -70,6 +70,33 @@ def test_semi_orthogonal_projection_equals_projection_after_concatenation():
     torch.testing.assert_close(emb(feats), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("reduction", ["random", "semi_orthogonal"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_the_embedding_with_its_channels_last_bit_for_bit(reduction, k, layout, dtype):
+    """What the statistics read (``rows``: written straight into ``(B, H W, D)``) is the upsampled, joined embedding
+    transposed, to the bit: the int8 backbone's maps come NCHW, the float32 backbone's channels last."""
+    spec = BACKBONES["resnet18"]
+    emb = Embedding.create(spec, LAYERS, embedding_dim=60, reduction=reduction, seed=3, neighbourhood=k)
+    g = torch.Generator().manual_seed(7)
+    feats = [
+        torch.randn(3, c, 16 // (s // 4), 12 // (s // 4), generator=g).to(dtype)
+        for c, s in zip(spec.channels[:3], spec.strides[:3], strict=True)
+    ]
+    if layout == "channels_last":
+        feats = [f.contiguous(memory_format=torch.channels_last) for f in feats]
+    expected = emb(feats).permute(0, 2, 3, 1).reshape(3, 16 * 12, 60)
+    got = emb.rows(feats)
+    assert got.shape == (3, 16 * 12, 60) and got.dtype == dtype
+    assert got.is_contiguous() or reduction == "semi_orthogonal"  # a subset is written in place, one pass
+    assert torch.equal(got, expected)
+    # a layer that keeps none of its channels, and the deepest layer's 4x4 blocks: each channel of each block
+    only = Embedding.for_layers(spec, LAYERS, channel_index=torch.tensor([64, 65, 200, 447]))
+    rows = only.rows(feats).reshape(3, 16, 12, 4)
+    assert torch.equal(rows[:, 5, 7, 3], feats[2][:, 255, 1, 1]) and torch.equal(rows[:, 3, 2, 0], feats[1][:, 0, 1, 1])
+
+
 def neighbour_mean(x: np.ndarray, k: int) -> np.ndarray:
     """``(B, C, H, W)`` averaged over the ``k x k`` neighbours inside the grid (scipy, float64)."""
     window = (1, 1, k, k)

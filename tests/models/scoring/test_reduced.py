@@ -53,8 +53,9 @@ def cpu(monkeypatch):
 
 
 def test_its_threshold_comes_from_its_own_int8_scores_each_under_a_refit_without_its_picture(images, model):
-    """The int8 scorer's calibration scores are its backbone's embedding of each picture scored under the float32
-    Gaussians fitted without that picture (float64 refits here); the float32 ones are the float32 embedding's."""
+    """The int8 scorer's calibration scores are its backbone's embedding of each picture (as the fit keeps it: in
+    float16) scored under the float32 Gaussians fitted without that picture (float64 refits here); the float32 ones
+    are the float32 embedding's."""
     detector = load_detector(model, "cpu", with_statistics=True)
     int8 = detector.int8_scorer
     assert int8 is not None and int8.usable and int8.check["passed"] and int8.check["precision"] == "int8"
@@ -64,14 +65,21 @@ def test_its_threshold_comes_from_its_own_int8_scores_each_under_a_refit_without
     quantised = FeatureEmbedder(config.replace(precision="int8"), detector.backbone_weights, detector.embedding)
     assert quantised.quantised
     x = detector.model.embedder(detector.preprocess(pictures)).double().numpy()
-    q = quantised(quantised.preprocess(pictures)).double().numpy()
+    q = quantised(quantised.preprocess(pictures))
     target = pooled(x)
-    reference = []
-    for i in range(len(images)):
-        rest = np.delete(x, i, axis=0)
-        squared = refit_squared(np.concatenate([rest, q[i : i + 1]]), [len(rest), 1], 0.01, 0.5, target)[-1]
-        reference.append(reference_maps(squared[None], config.tiling, config.scoring.blur_sigma).max())
-    np.testing.assert_allclose(int8.calibration.scores, np.sort(reference), rtol=1e-4)
+
+    def reference(rows: np.ndarray) -> np.ndarray:
+        found = []
+        for i in range(len(images)):
+            rest = np.delete(x, i, axis=0)
+            squared = refit_squared(np.concatenate([rest, rows[i : i + 1]]), [len(rest), 1], 0.01, 0.5, target)[-1]
+            found.append(reference_maps(squared[None], config.tiling, config.scoring.blur_sigma).max())
+        return np.sort(found)
+
+    kept = q.half().double().numpy()  # pass 1's int8 rows wait in float16 (QUERY_ROWS_DTYPE)
+    np.testing.assert_allclose(int8.calibration.scores, reference(kept), rtol=1e-4)
+    # what float16 costs: within 1e-3 of the scores of the int8 rows unrounded
+    np.testing.assert_allclose(int8.calibration.scores, reference(q.double().numpy()), rtol=1e-3)
     assert int8.calibration.count == detector.calibration.count == len(images)
     assert not np.allclose(int8.calibration.scores, detector.calibration.scores, rtol=1e-3)  # its own, not float32's
 
