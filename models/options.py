@@ -626,7 +626,7 @@ class Storage(Group):
         "backbone quantised from the training pictures, its own threshold from its out-of-fold int8 scores, gated "
         "against float32 as --precision int8 is (--max-score-error); --runtime auto runs it on a CPU that computes "
         "int8 faster (AVX2, VNNI, AMX: 1.5-2x float32) and float32 elsewhere, whichever machine fitted the model "
-        "(docs/runtimes.md). Costs about 1.4-1.5x the float32 fit's time (200 pictures) and the graph's bytes in the "
+        "(docs/runtimes.md). Costs about 1.4x the float32 fit's time (200 pictures) and the graph's bytes in the "
         "file; --no-int8-scorer leaves it out",
         check=Custom(lambda v: isinstance(v, bool), "use true or false"),
         flag={"action": argparse.BooleanOptionalAction},
