@@ -187,11 +187,9 @@ class EmbeddingSpool:
             raise ValueError(f"rows {first}..{stop} are not in the spool's {self.rows}")
         start, end = self.slices[index]
         if self.held is not None:
-            rows = self.held[first:stop, start:end]
-            return rows if self.dtype == torch.float32 else rows.float()
+            return self.held[first:stop, start:end].float()  # float32 rows: the view itself
         assert self.file is not None, "a spool is held in memory or on disk"
-        rows = self.file.read(self._offset(index, first), (stop - first, end - start, self.dim), self.dtype)
-        return rows if self.dtype == torch.float32 else rows.float()
+        return self.file.read(self._offset(index, first), (stop - first, end - start, self.dim), self.dtype).float()
 
     def _offset(self, index: int, row: int, dtype: torch.dtype | None = None) -> int:
         start, stop = self.slices[index]

@@ -219,15 +219,19 @@ class Embedding(nn.Module):
             else:
                 reduced = F.conv2d(feature, part.to(feature.dtype))
             if self.neighbourhood > 1 and reduced.shape[1]:  # each layer on its own grid: deeper layers see farther
-                reduced = F.avg_pool2d(
-                    reduced, self.neighbourhood, stride=1, padding=self.neighbourhood // 2, count_include_pad=False
-                )
+                reduced = self._averaged(reduced)
             if scale != 1:
                 reduced = F.interpolate(reduced, scale_factor=scale, mode="nearest")
             parts.append(reduced)
         if self.channel_index is not None:
             return torch.cat(parts, dim=1)
         return torch.stack(parts).sum(0)
+
+    def _averaged(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``(B, c, H_l, W_l)`` kept channels averaged over their ``neighbourhood`` on the layer's own grid (borders:
+        the neighbours that exist)."""
+        size = self.neighbourhood
+        return F.avg_pool2d(reduced, size, stride=1, padding=size // 2, count_include_pad=False)
 
     def rows(self, features: list[torch.Tensor]) -> torch.Tensor:
         """``[(B, C_l, H_l, W_l)]`` -> ``(B, H_0 W_0, D)``: :meth:`forward`'s embedding with its channels last, as
@@ -246,14 +250,7 @@ class Embedding(nn.Module):
             part = getattr(self, f"_part{i}")
             kept = part.numel()
             if self.neighbourhood > 1 and kept:
-                averaged = F.avg_pool2d(
-                    feature.index_select(1, part),
-                    self.neighbourhood,
-                    stride=1,
-                    padding=self.neighbourhood // 2,
-                    count_include_pad=False,
-                )
-                last = averaged.permute(0, 2, 3, 1)
+                last = self._averaged(feature.index_select(1, part)).permute(0, 2, 3, 1)
             elif feature.is_contiguous(memory_format=torch.channels_last):  # a gather along contiguous channels
                 last = feature.permute(0, 2, 3, 1).index_select(3, part)
             else:
@@ -326,14 +323,15 @@ class FeatureEmbedder(nn.Module):
         """``(B, 3, H_in, W_in)`` model input (uint8 pixels, or float32 already normalised) ->
         ``(B * rows_per_image, pixels, D)`` embeddings."""
         batch = batch.to(self.device, non_blocking=True)
-        return self.from_tiles(self.tiles(batch), batch.shape[0])
+        return self.from_tiles(self.tiles(batch))
 
     @torch.inference_mode()
-    def from_tiles(self, tiles: torch.Tensor, images: int) -> torch.Tensor:
-        """:meth:`tiles`' ``(B * T, 3, S, S)`` of ``images`` pictures -> ``(B * rows_per_image, pixels, D)``: what
-        :meth:`forward` gives, for tiles another embedder of the same framing made (a fit's two backbones)."""
+    def from_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
+        """:meth:`tiles`' ``(B * T, 3, S, S)`` -> ``(B * rows_per_image, pixels, D)``: what :meth:`forward` gives, for
+        tiles another embedder of the same framing made (a fit's two backbones)."""
         embedding = self.embedding.rows(self.extractor(tiles))  # (B * T, H W, D)
-        return embedding.reshape(images * self.rows_per_image, self.pixels, self.embedding.embedding_dim)
+        rows = tiles.shape[0] // self.tiling.count * self.rows_per_image
+        return embedding.reshape(rows, self.pixels, self.embedding.embedding_dim)
 
 
 _NORMALISATION: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -281,12 +281,12 @@ class Reading:
         normalised and cut into tiles once for both (what the float32 backbone reads, the int8 one reads)."""
         framed = self._framed(names, images, copies)
         queries = self.queries
-        if queries is None or self.embedder.device.type != "cpu" or queries.device.type != "cpu":
-            rows = self._rows(self.embedder, framed)
-            return rows, None if queries is None else self._rows(queries, framed)
-        tiled = [self.embedder.tiles(x) for x in framed]
-        count = len(images)
-        return self._tiled_rows(self.embedder, tiled, count), self._tiled_rows(queries, tiled, count)
+        if queries is None:
+            return self._rows(self.embedder, framed), None
+        if self.embedder.device.type == "cpu" and queries.device.type == "cpu":
+            tiled = [self.embedder.tiles(x) for x in framed]
+            return self._tiled_rows(self.embedder, tiled), self._tiled_rows(queries, tiled)
+        return self._rows(self.embedder, framed), self._rows(queries, framed)
 
     def _framed(self, names: Sequence[str], images, copies: Sequence | None) -> list[torch.Tensor]:
         """The model input of the pictures, then of their changed copies (``expect``)."""
@@ -297,22 +297,19 @@ class Reading:
             copies = [apply(image, expected.draw(seeded(name))) for name, image in zip(names, images, strict=True)]
         return [self.embedder.preprocess(images), self.embedder.preprocess(list(copies))]
 
-    def _tiled_rows(self, embedder: FeatureEmbedder, tiled: list[torch.Tensor], count: int) -> torch.Tensor:
-        """:meth:`_rows` on a CPU, from :meth:`~padim.models.features.embedding.FeatureEmbedder.tiles` of the
-        ``count`` pictures, then of their copies."""
-        if len(tiled) == 1:
-            return embedder.from_tiles(tiled[0], count)
-        own, changed = (embedder.from_tiles(tiles, count) for tiles in tiled)
-        return interleaved(own, changed, self.rows_per_image)
-
     def _rows(self, embedder: FeatureEmbedder, framed: list[torch.Tensor]) -> torch.Tensor:
-        if len(framed) == 1:
-            return embedder(framed[0])
-        if embedder.device.type == "cuda":
+        if len(framed) > 1 and embedder.device.type == "cuda":
             own, changed = embedder(torch.cat(framed)).chunk(2)  # (2 B T, P, D): pictures, copies
-        else:
-            own, changed = embedder(framed[0]), embedder(framed[1])
-        return interleaved(own, changed, self.rows_per_image)
+            return interleaved(own, changed, self.rows_per_image)
+        return self._tiled_rows(embedder, [embedder.tiles(x.to(embedder.device, non_blocking=True)) for x in framed])
+
+    def _tiled_rows(self, embedder: FeatureEmbedder, tiled: list[torch.Tensor]) -> torch.Tensor:
+        """The rows of :meth:`~padim.models.features.embedding.FeatureEmbedder.tiles` of the pictures, then of their
+        copies (``expect``), one after the other."""
+        if len(tiled) == 1:
+            return embedder.from_tiles(tiled[0])
+        own, changed = tiled
+        return interleaved(embedder.from_tiles(own), embedder.from_tiles(changed), self.rows_per_image)
 
 
 def _with_copy(expected: Expected, name_of: Callable[[Path], str], path: Path, image: Image.Image):
