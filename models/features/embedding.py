@@ -30,7 +30,7 @@ from padim.models.data.images import normalisation, normalise, to_pixels
 from padim.models.families import BackboneSpec
 from padim.models.features.backbones import IMAGENET_MEAN, IMAGENET_STD, network
 from padim.models.features.photometric import standardised
-from padim.models.features.quantised import GRAPH_KEY, QuantisedExtractor
+from padim.models.features.quantised import GRAPH_KEY, GraphExtractor, QuantisedExtractor
 
 
 class SharedOrAlone:
@@ -290,7 +290,7 @@ class FeatureEmbedder(nn.Module):
         self.pixels = self.grid_shape[0] * self.grid_shape[1] * (self.tiling.count // self.rows_per_image)
         self.precision = config.features.precision
         self.standardise = config.features.standardise
-        self.extractor = build_extractor(config, backbone_weights)
+        self.extractor: FeatureExtractor | GraphExtractor = build_extractor(config, backbone_weights)
         self.embedding = embedding
 
     @property
@@ -372,7 +372,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 
 def build_extractor(
     config, backbone_weights: dict[str, torch.Tensor], precision: str | None = None
-) -> FeatureExtractor | QuantisedExtractor:
+) -> FeatureExtractor | GraphExtractor:
     """The feature extractor of ``config.features.backbone`` with ``backbone_weights`` loaded (no weights download),
     at ``precision`` (default: the configuration's). At int8 it is the quantised graph the weights hold
     (:data:`~padim.models.features.quantised.GRAPH_KEY`); a new fit's, before its graph is made, the float32

@@ -11,13 +11,15 @@ the very graph its statistics and threshold were computed with; the file's diges
 
 :class:`QuantisedExtractor` runs it where the float backbone would run: the fit's embeddings, its out-of-fold scores
 and so its threshold, every later score, all come from it. Only the backbone is int8: the embedding, the Gaussians
-and the map are float32, as at every precision.
+and the map are float32, as at every precision. :class:`GraphExtractor` runs the float32 graph it was quantised from
+(a default fit's pass 1 on a CPU, where ONNX Runtime runs it faster than torch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -27,6 +29,7 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,7 +61,9 @@ def require_onnxruntime():
     try:
         # an optional extra ([onnxruntime]): imported only for an int8 backbone
         import onnxruntime
-        import onnxscript  # noqa: F401 (torch's ONNX exporter needs it)
+
+        if importlib.util.find_spec("onnxscript") is None:  # torch's ONNX exporter needs it (imported when it runs)
+            raise ImportError("onnxscript")
     except ImportError:
         raise UsageError(
             "--precision int8 runs the backbone in ONNX Runtime, which is not installed: "
@@ -236,12 +241,22 @@ def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarra
     }
 
 
+class QuantisedBackbone(NamedTuple):
+    """What :func:`quantise_backbone` makes: the int8 graph, what made it, and the float32 graph it was quantised
+    from (uint8 bytes each)."""
+
+    graph: torch.Tensor
+    settings: dict
+    float_graph: torch.Tensor
+
+
 def quantise_backbone(
     extractor, batches: Sequence[torch.Tensor], guard: contextlib.AbstractContextManager | None = None
-) -> tuple[torch.Tensor, dict]:
+) -> QuantisedBackbone:
     """The int8 graph of a float :class:`~padim.models.features.embedding.FeatureExtractor` as uint8 bytes (for the
     model file), its activation ranges from ``batches`` (``(b, 3, S, S)`` normalised float32 tiles, as the backbone
-    reads them); and what made it (kept in the graph's metadata too). ``guard``: as :func:`export_module`'s."""
+    reads them); what made it (kept in the graph's metadata too); and the float32 graph it was quantised from, which
+    :class:`GraphExtractor` runs. ``guard``: as :func:`export_module`'s."""
     ort = require_onnxruntime()
     # an optional extra ([onnxruntime]): imported only for an int8 backbone
     import onnx
@@ -264,7 +279,13 @@ def quantise_backbone(
         entry = model.metadata_props.add()
         entry.key, entry.value = "padim.quantisation", json.dumps(settings)
         data = model.SerializeToString()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), settings
+        float_bytes = float_graph.read_bytes()
+    return QuantisedBackbone(as_bytes(data), settings, as_bytes(float_bytes))
+
+
+def as_bytes(data: bytes) -> torch.Tensor:
+    """A graph's bytes as the uint8 tensor a model file keeps."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 #: Float backbone graphs kept between fits (:func:`float_backbone_graph`), the least recently used dropped beyond it.
@@ -330,10 +351,12 @@ def graph_settings(graph: torch.Tensor) -> dict:
     return {} if found is None else json.loads(found)
 
 
-class QuantisedExtractor(nn.Module):
-    """The backbone's stages as their int8 graph in ONNX Runtime (on the CPU): what
+class GraphExtractor(nn.Module):
+    """The backbone's stages as an ONNX graph in ONNX Runtime (on the CPU): what
     :class:`~padim.models.features.embedding.FeatureExtractor` gives, ``(B, 3, S, S)`` normalised images ->
-    ``[(B, C_l, S / stride_l, S / stride_l)]`` float32 maps.
+    ``[(B, C_l, S / stride_l, S / stride_l)]`` float32 maps. The float32 graph (:attr:`QuantisedBackbone.float_graph`)
+    runs a fit's pass 1 on a CPU (:meth:`padim.models.fit.in_progress.Fit.prepare_int8_scorer`);
+    :class:`QuantisedExtractor` runs the int8 one.
 
     Args:
         graph: the graph's bytes, as the model file keeps them (uint8).
@@ -343,6 +366,9 @@ class QuantisedExtractor(nn.Module):
         ArtifactError: bytes that are not the graph of these stages.
         UsageError: ONNX Runtime is not installed.
     """
+
+    #: What the graph is, in its errors.
+    what = "the float32 backbone graph"
 
     def __init__(self, graph: torch.Tensor, layers: tuple[str, ...]) -> None:
         super().__init__()
@@ -359,12 +385,19 @@ class QuantisedExtractor(nn.Module):
         try:
             self.session = ort.InferenceSession(graph.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
         except Exception as error:  # ONNX Runtime raises its own types for a graph it cannot read
-            raise ArtifactError(f"the int8 backbone cannot be read ({type(error).__name__}: {error})") from None
+            raise ArtifactError(f"{self.what} cannot be read ({type(error).__name__}: {error})") from None
         outputs = [output.name for output in self.session.get_outputs()]
         if outputs != list(self.layers) or [i.name for i in self.session.get_inputs()] != [INPUT]:
-            raise ArtifactError(f"the int8 backbone gives {outputs}, not the stages {list(self.layers)}")
+            raise ArtifactError(f"{self.what} gives {outputs}, not the stages {list(self.layers)}")
 
     @torch.inference_mode()
     def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
         array = np.ascontiguousarray(images.detach().to("cpu", torch.float32).numpy())
         return [torch.from_numpy(m) for m in self.session.run(None, {INPUT: array})]
+
+
+class QuantisedExtractor(GraphExtractor):
+    """The backbone's stages as their int8 graph (:data:`GRAPH_KEY`) in ONNX Runtime: a :class:`GraphExtractor` that
+    an embedder reports as quantised (:attr:`~padim.models.features.embedding.FeatureEmbedder.quantised`)."""
+
+    what = "the int8 backbone"

@@ -16,6 +16,7 @@ from padim.core.out_of_fold import (
     held_out_squared_distances,
     refit_is_cheaper,
     refit_squared_distances,
+    single_inverse,
 )
 from padim.core.statistics import Shrinkage
 from padim.models.fit.memory_plan import BLOCK_BYTES
@@ -99,7 +100,8 @@ class FoldScoring:
     ) -> None:
         """The folds of ``m`` rows at ``places``, a block of whole folds at a time, under one base (or refitted,
         where that is cheaper): the members' distances, and those of the copies and query rows scored by the same
-        fold models, in one solve."""
+        fold models, the copies in the members' float64 solve and the query rows in a float32 one
+        (:func:`~padim.core.out_of_fold.fold_and_copy_squared_distances`' ``single``)."""
         fit, count, start = self.fit, self.count, pixels.start
         dim, grid, per_image = fit.embedder.embedding_dim, fit.naming_grid, fit.rows_per_image
         epsilon = self.shrinkage.prior  # fold distances with the prior, then unscaled (Shrinkage.unscaled)
@@ -108,33 +110,23 @@ class FoldScoring:
         refit = refit_is_cheaper(fitted, dim, len(places))
         base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
         asked = self.scoring.queries
+        inverse = None if base is None or asked is None or m == 1 else single_inverse(base)  # every fold's
         per_block = max(1, limit // (m if asked is None else 2 * m))
         for first in range(0, len(places), per_block):
             block = places[first : first + per_block]
-            runs = _runs(block, m)
-            x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in runs]).to(fit.device)
-            x = x.to(torch.float64)  # (F m, c, D), fold after fold
-            others = []  # scored by the fold models, not fitted: the copies, then the query rows
-            if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
-                own, copied = split_rows(x, per_image)  # (F m / 2, c, D) each
-                members = own.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim)
-                others.append(copied.transpose(0, 1).reshape(pixels.size, len(block), fitted, dim))
-            else:
-                members = x.transpose(0, 1).reshape(pixels.size, len(block), m, dim)
-            if asked is not None:  # the same rows by another backbone, one for one
-                y = torch.cat([asked.read(pixels, a, b) for a, b in runs]).to(fit.device)
-                others.append(y.transpose(0, 1).reshape(pixels.size, len(block), m, dim))
-            scored = torch.cat(others, dim=2) if others else None
+            members, scored, single = self._block_rows(pixels, _runs(block, m), len(block), m, queried)
             if refit:  # one factorisation a fold for the members and the rest
-                both = members if scored is None else torch.cat([members, scored.to(members.dtype)], dim=2)
+                both = torch.cat([members, *(t.to(members.dtype) for t in (scored, single) if t is not None)], dim=2)
                 found = refit_squared_distances(covariance, mean, count, members, epsilon, start, grid, both)
                 values, rest = found[:, :, :fitted], found[:, :, fitted:]
-            elif scored is None:
+            elif scored is None and single is None:
                 assert base is not None, "not refitted: the fold's base was formed"
                 values, rest = fold_squared_distances(base, mean, count, members, start), None
             else:
                 assert base is not None, "not refitted: the fold's base was formed"
-                values, rest = fold_and_copy_squared_distances(base, mean, count, members, scored, start)
+                values, rest = fold_and_copy_squared_distances(
+                    base, mean, count, members, scored, start, single, inverse
+                )
             if queried:
                 assert rest is not None, "the copies were scored"
                 values = _rejoin(values, rest[:, :, :fitted], per_image)
@@ -146,6 +138,28 @@ class FoldScoring:
                 query = self.shrinkage.unscaled(rest[:, :, rest.shape[2] - m :]).cpu()  # (c, F, m)
                 for f, (_, target) in enumerate(block):
                     self.asked[target : target + m, start : pixels.stop] = query[:, f].T
+
+    def _block_rows(
+        self, pixels: PixelSlice, runs: list[tuple[int, int]], folds: int, m: int, queried: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A block of ``folds`` folds of ``m`` rows (``runs``: their source spans), each ``(c, F, rows, D)``: the
+        members (float64), their changed copies where scored and not fitted (``queried``, float64), and the same rows
+        by the int8 scorer's backbone where the pass has them (as spooled, solved in float32); ``None`` where none."""
+        dim, device = self.fit.embedder.embedding_dim, self.fit.device
+
+        def folded(rows: torch.Tensor) -> torch.Tensor:  # (F k, c, D), fold after fold -> (c, F, k, D)
+            return rows.transpose(0, 1).reshape(pixels.size, folds, -1, dim)
+
+        x = torch.cat([self.scoring.rows.read(pixels, a, b) for a, b in runs]).to(device).to(torch.float64)
+        scored = None
+        if queried:  # each picture's rows, then its copy's: members and queries of the same fold model
+            own, copied = split_rows(x, self.fit.rows_per_image)  # (F m / 2, c, D) each
+            members, scored = folded(own), folded(copied)
+        else:
+            members = folded(x)
+        asked = self.scoring.queries
+        single = None if asked is None else folded(torch.cat([asked.read(pixels, a, b) for a, b in runs]).to(device))
+        return members, scored, single
 
     def image_scores(self, queries: bool = False) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The scored pictures' names, and their raw scores, input distances and own raw scores ``(B,)``: the

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from padim.core.out_of_fold import (
+    fold_and_copy_squared_distances,
     fold_base,
     held_out_squared_distances,
     out_of_fold_squared_distances,
@@ -114,6 +115,39 @@ def test_changed_copies_are_scored_as_by_a_refit_without_their_original(n, dim, 
     np.testing.assert_allclose(
         ours(x, sizes, epsilon=0.01, copies=x.copy()), ours(x, sizes, epsilon=0.01), rtol=1e-10, atol=0
     )
+
+
+@pytest.mark.parametrize("n, dim, m", [(30, 6, 5), (12, 20, 3), (24, 40, 4), (9, 5, 1)])
+def test_single_copies_are_scored_in_float32_within_its_rounding_beside_float64_ones(n, dim, m):
+    """The int8 scorer's rows (``single``): ``s`` and ``h`` in float32 by the base's inverse, against refits; the
+    members' distances and the float64 copies' as without them (leave-one-out scores them all in float64)."""
+    rng = np.random.default_rng(n + dim + m)
+    x = rng.normal(size=(n, 3, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=(1, 3, dim)) * 5
+    copies = x * rng.uniform(0.9, 1.1, size=(n, 1, 1)) + rng.normal(scale=0.3, size=x.shape)
+    queries = x + rng.normal(scale=0.1, size=x.shape)  # another backbone's rows of the same pictures
+    state = batch_state(torch.from_numpy(x))
+    base = fold_base(covariance(state), n, m, 0.01)
+
+    def folded(rows: np.ndarray) -> torch.Tensor:  # (N, c, D) -> (c, F, m, D)
+        return torch.from_numpy(rows).reshape(n // m, m, 3, dim).permute(2, 0, 1, 3).contiguous()
+
+    def unfolded(found: torch.Tensor) -> np.ndarray:  # (c, F, m) -> (N, c)
+        return found.permute(1, 2, 0).reshape(n, 3).numpy()
+
+    members = folded(x)
+    own, alone = fold_and_copy_squared_distances(base, state.mean, n, members, folded(copies))
+    both_own, both = fold_and_copy_squared_distances(
+        base, state.mean, n, members, folded(copies), single=folded(queries).float()
+    )
+    assert both.dtype == torch.float64 and both.shape[2] == 2 * m
+    assert torch.equal(both_own, own) and torch.equal(both[:, :, :m], alone)
+    expected = refit_distances(x, [m] * (n // m), epsilon=0.01, copies=queries.astype(np.float32).astype(np.float64))
+    rtol = 1e-9 if m == 1 else 1e-5  # float32's rounding of s and h (measured: 1e-6 at D = 100)
+    np.testing.assert_allclose(unfolded(both[:, :, m:]), expected, rtol=rtol, atol=0)
+    _, without_copies = fold_and_copy_squared_distances(
+        base, state.mean, n, members, None, single=folded(queries).float()
+    )
+    np.testing.assert_allclose(without_copies.numpy(), both[:, :, m:].numpy(), rtol=1e-12, atol=0)
 
 
 def pooled_covariance(x: np.ndarray) -> np.ndarray:

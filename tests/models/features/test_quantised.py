@@ -13,7 +13,13 @@ from padim.core.errors import ArtifactError
 from padim.models.data.synthetic import texture
 from padim.models.features.backbones import build_backbone
 from padim.models.features.embedding import FeatureExtractor, model_input
-from padim.models.features.quantised import HEADROOM, QuantisedExtractor, graph_settings, quantise_backbone
+from padim.models.features.quantised import (
+    HEADROOM,
+    GraphExtractor,
+    QuantisedExtractor,
+    graph_settings,
+    quantise_backbone,
+)
 
 LAYERS = ("layer1", "layer2")
 SIDE = 64
@@ -30,12 +36,12 @@ def pictures(count: int, seed: int) -> torch.Tensor:
 def quantised():
     model, _ = build_backbone("resnet18", "random", seed=0)
     extractor = FeatureExtractor(model.eval(), LAYERS)
-    graph, settings = quantise_backbone(extractor, [pictures(8, 0), pictures(8, 1)])
-    return extractor, graph, settings
+    made = quantise_backbone(extractor, [pictures(8, 0), pictures(8, 1)])
+    return extractor, made.graph, made.settings, made.float_graph
 
 
 def test_the_int8_backbone_gives_the_float_backbones_maps_within_its_quantisation_step(quantised):
-    extractor, graph, _ = quantised
+    extractor, graph, _, _ = quantised
     int8 = QuantisedExtractor(graph, LAYERS)
     unseen = pictures(4, 2)  # pictures the quantiser did not see
     for reference, approximate in zip(extractor(unseen), int8(unseen), strict=True):
@@ -46,8 +52,21 @@ def test_the_int8_backbone_gives_the_float_backbones_maps_within_its_quantisatio
         assert correlation > 0.99
 
 
+def test_the_float32_graph_it_was_quantised_from_gives_the_float_backbones_maps_within_rounding(quantised):
+    """The graph a CPU fit's pass 1 runs in ONNX Runtime in place of torch's backbone (Fit.prepare_int8_scorer)."""
+    extractor, _, _, float_graph = quantised
+    graph = GraphExtractor(float_graph, LAYERS)
+    unseen = pictures(4, 2)
+    for reference, found in zip(extractor(unseen), graph(unseen), strict=True):
+        assert found.shape == reference.shape and found.dtype == torch.float32
+        assert (found - reference).abs().max() / reference.abs().max() < 1e-5  # float32 rounding, not int8's steps
+    assert not isinstance(graph, QuantisedExtractor)  # an embedder running it is not quantised
+    with pytest.raises(ArtifactError, match="float32 backbone graph gives"):
+        GraphExtractor(float_graph, ("layer1", "layer2", "layer3"))
+
+
 def test_the_convolutions_and_their_relus_are_quantised_with_int8_weights_and_widened_activation_ranges(quantised):
-    extractor, graph, settings = quantised
+    extractor, graph, settings, _ = quantised
     model = onnx.load_from_string(graph.numpy().tobytes())
     convolutions = [n for n in model.graph.node if n.op_type == "Conv"]
     produced_by = {output: node for node in model.graph.node for output in node.output}
@@ -77,7 +96,7 @@ def test_onnx_runtime_runs_each_convolution_with_its_relu_and_no_requantising_pa
     scales)."""
     import onnxruntime as ort
 
-    _, graph, _ = quantised
+    _, graph, _, _ = quantised
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(tmp_path / "fused.onnx")
@@ -97,7 +116,7 @@ def test_onnx_runtime_runs_each_convolution_with_its_relu_and_no_requantising_pa
 
 
 def test_bytes_that_are_not_the_graph_of_these_stages_are_refused(quantised):
-    _, graph, _ = quantised
+    _, graph, _, _ = quantised
     with pytest.raises(ArtifactError, match="cannot be read"):
         QuantisedExtractor(graph[: len(graph) // 2].clone(), LAYERS)
     with pytest.raises(ArtifactError, match="not the stages"):
@@ -117,8 +136,8 @@ def test_a_backbone_exported_once_is_quantised_again_from_its_kept_graph(tmp_pat
     model, _ = build_backbone("resnet18", "random", seed=0)
     extractor = FeatureExtractor(model.eval(), LAYERS)
     batches = [pictures(8, 0)]
-    first, _ = quantise_backbone(extractor, batches)
-    second, _ = quantise_backbone(extractor, batches)
+    first = quantise_backbone(extractor, batches).graph
+    second = quantise_backbone(extractor, batches).graph
     assert len(exported) == 1 and torch.equal(first, second)  # the kept graph, quantised alike
     kept = tmp_path / "padim" / "graphs"
     assert len(list(kept.glob("*.onnx"))) == 1 and not list(kept.glob("*.tmp"))

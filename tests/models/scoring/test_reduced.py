@@ -10,6 +10,7 @@ from helpers import older_format_of, pooled, reference_maps, refit_squared
 from PIL import Image
 
 from padim.core.artifact import FORMAT_VERSION, load_artifact, read_header
+from padim.core.statistics import covariance
 from padim.models import PadimConfig, TrainingImage, list_images, train
 from padim.models.deploy.runtimes import DeployedDetector, load_scorer, runtime_choice
 from padim.models.features.embedding import FeatureEmbedder
@@ -199,6 +200,41 @@ def test_a_threshold_set_again_replaces_its_own_scorers(model, cpu, tmp_path):
     assert load_scorer(tmp_path / "float32.padim", "auto", "cpu", cache=tmp_path / "c").file_scorer == "float32"
     with pytest.raises(ValueError, match="no usable int8 scorer"):
         store_calibration(tmp_path / "float32.padim", int8, tmp_path / "x.padim", scorer="int8")
+
+
+def test_on_a_cpu_its_fit_runs_the_float32_backbone_as_the_graph_it_quantised_and_fits_torchs_gaussians(
+    images, tmp_path, monkeypatch
+):
+    """The fit exports the float32 backbone for its quantiser; on a CPU pass 1 then runs that graph in ONNX Runtime in
+    place of torch's backbone. The model is torch's within float32 rounding: against a fit with ``--no-int8-scorer``
+    (torch's backbone), the same Gaussians and calibration scores."""
+    from padim.models.fit import in_progress
+
+    ran = []
+
+    class Counted(in_progress.GraphExtractor):
+        def forward(self, images):
+            ran.append(len(images))
+            return super().forward(images)
+
+    monkeypatch.setattr(in_progress, "GraphExtractor", Counted)
+    chosen = images[:12]
+    train(CONFIG, chosen, tmp_path / "graph.padim", progress=False)
+    assert sum(ran) == len(chosen)  # every picture once, by the graph (no changed copies: expect stable)
+    train(CONFIG.replace(int8_scorer=False), chosen, tmp_path / "torch.padim", progress=False)
+    graph, plain = (load_fit(tmp_path / name).statistics for name in ("graph.padim", "torch.padim"))
+    assert int(graph.count) == int(plain.count) == len(chosen)
+    np.testing.assert_allclose(
+        graph.mean.numpy(), plain.mean.numpy(), rtol=1e-4, atol=1e-5 * float(plain.mean.abs().max())
+    )
+    np.testing.assert_allclose(
+        covariance(graph).numpy(),
+        covariance(plain).numpy(),
+        rtol=1e-3,
+        atol=1e-5 * float(covariance(plain).abs().max()),
+    )
+    scores = [load_detector(tmp_path / name, "cpu").calibration.scores for name in ("graph.padim", "torch.padim")]
+    np.testing.assert_allclose(*scores, rtol=1e-4)
 
 
 def test_a_resume_goes_on_with_its_int8_scorer(images, tmp_path):
