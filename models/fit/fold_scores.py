@@ -111,7 +111,7 @@ class FoldScoring:
         base = None if refit else fold_base(covariance, count, fitted, epsilon, start, grid)
         asked = self.scoring.queries
         inverse = None if base is None or asked is None or m == 1 else single_inverse(base)  # every fold's
-        per_block = max(1, limit // (m if asked is None else 2 * m))
+        per_block = max(1, limit // (m if asked is None else m + (m + 1) // 2))  # query rows: float32, half a row
         for first in range(0, len(places), per_block):
             block = places[first : first + per_block]
             members, scored, single = self._block_rows(pixels, _runs(block, m), len(block), m, queried)
