@@ -119,3 +119,29 @@ def test_every_family_is_planned_with_its_own_stages_and_weights(backbone):
     assert plan.backbone == 2 * _weights_bytes(config) + activations + embeddings
     shallower = plan_fit(config.replace(layers=spec.stages[:2], embedding_dim=32), FitFacts(40, True), device="cpu")
     assert shallower.backbone < plan.backbone  # fewer blocks kept, fewer outputs
+
+
+def test_a_fit_that_makes_the_int8_scorer_counts_its_onnx_runtime_sessions():
+    """The int8 backbone's session, and on a CPU the float32 graph's that pass 1 runs: a batch's activations each
+    (and that graph's weights), as the plain fit's backbone counts its own."""
+    from padim.models.fit.memory_plan import _weights_bytes
+
+    config = PadimConfig(weights="random")
+    plain, scorer = FitFacts(200, True), FitFacts(200, True, int8_scorer=True)
+    weights = _weights_bytes(config)
+    for device, sessions in (("cpu", 2), ("cuda", 1)):
+        before, after = plan_fit(config, plain, device), plan_fit(config, scorer, device)
+        activations = before.backbone - 2 * weights - 16 * 56 * 56 * 100 * 4 * 2  # less the batch's embeddings
+        if device == "cuda":  # on a GPU a batch and its copies go through the backbone in one call
+            activations //= 2
+        expected = sessions * activations + (weights if device == "cpu" else 0)
+        assert after.backbone - before.backbone == pytest.approx(expected, rel=1e-6)
+        assert after.total - before.total == after.backbone - before.backbone
+
+
+def test_a_fit_over_the_free_memory_with_its_int8_scorer_is_told_it_fits_without():
+    scorer = FitFacts(40, True, int8_scorer=True)
+    without = plan_fit(WIDE, FitFacts(40, True), device="cpu").total
+    with pytest.raises(DoesNotFit) as info:
+        check(WIDE, plan_fit(WIDE, scorer, device="cpu"), without, scorer)
+    assert f"--no-int8-scorer (no ONNX Runtime sessions beside the backbone; {without / 1e9:.1f} GB)" in str(info.value)

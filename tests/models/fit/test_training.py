@@ -584,13 +584,15 @@ def test_a_fit_that_would_not_fit_in_memory_is_refused_before_it_starts_naming_w
 ):
     from padim.models.fit.memory_plan import FitFacts, plan_fit
 
-    room = plan_fit(CONFIG.replace(image_size=128), FitFacts(len(images), spool=True), device="cpu").total
+    facts = FitFacts(len(images), spool=True, int8_scorer=True)  # the default fit makes its int8 scorer
+    room = plan_fit(CONFIG.replace(image_size=128), facts, device="cpu").total
     monkeypatch.setattr("padim.models.fit.training.free_memory", lambda device: room)
     with pytest.raises(FitError) as info:
         train(CONFIG.replace(image_size=256), images, tmp_path / "big.padim", progress=False)
     message = str(info.value)
     assert "needs about" in message and "free" in message and "--image-size 128" in message
-    assert "--embedding-dim" in message
+    # what the plan counts, by part (test_memory_plan.py checks the other options and --no-int8-scorer)
+    assert "statistics " in message and "backbone " in message
     assert "\n" not in message and not (tmp_path / "big.padim").exists()
 
 
