@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import io
 import json
 import logging
@@ -37,6 +36,7 @@ from torch import nn
 
 from padim.core.errors import ArtifactError
 from padim.models.choices import install_extra
+from padim.models.devices import onnxruntime_installed
 from padim.models.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,14 @@ INPUT = "images"
 
 def require_onnxruntime():
     """ONNX Runtime and the ONNX exporter, which an int8 backbone needs (the ``onnxruntime`` extra)."""
-    try:
-        # an optional extra ([onnxruntime]): imported only for an int8 backbone
-        import onnxruntime
-
-        if importlib.util.find_spec("onnxscript") is None:  # torch's ONNX exporter needs it (imported when it runs)
-            raise ImportError("onnxscript")
-    except ImportError:
+    if not onnxruntime_installed():
         raise UsageError(
             "--precision int8 runs the backbone in ONNX Runtime, which is not installed: "
             f"{install_extra('onnxruntime')} (or use --precision fp32)"
-        ) from None
+        )
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    import onnxruntime
+
     return onnxruntime
 
 

@@ -17,8 +17,9 @@ fit, a fit that would not (:func:`check`), instead of dying in the middle. The p
   family's measured factor over the bytes of its stem's and stages' outputs
   (:attr:`~padim.models.families.BackboneSpec.activation_factor`: 162 B/px on resnet18, 710 on wide_resnet50_2).
   A fit that makes the int8 scorer runs ONNX Runtime sessions beside it, each with a batch's activations: the int8
-  backbone's, and on a CPU the float32 graph's that pass 1 runs (its weights too). Measured at 200 pictures,
-  resnet18, 224 px (2-core Zen 4 VM): peak RSS 1.64-1.66 GB with both, 1.51-1.53 GB with the int8 one alone.
+  backbone's, and for a new fit on a CPU the float32 graph's that pass 1 runs (its weights too). Measured at 200
+  pictures, resnet18, 224 px (2-core Zen 4 VM): peak RSS 1.64-1.66 GB with both, 1.51-1.53 GB with the int8 one
+  alone.
 - **process**: torch itself (673 MB resident after ``import torch, torchvision``, CUDA build) and
   what the process keeps besides (:data:`PROCESS_BYTES`).
 
@@ -159,10 +160,12 @@ def plan_fit(config: PadimConfig, facts: FitFacts, device: str | None = None) ->
         * (2 if config.gaussian.expect else 1)
     )
     update = 0 if spool else max(UPDATE_BLOCK_BYTES, REEMBED_GROUP_BYTES)  # held batches, or a group embedded again
-    # the int8 scorer's sessions: the int8 backbone's, and on a CPU the float32 graph's (Fit.prepare_int8_scorer)
-    # (on the CPU, whatever the fit's device: a batch of pictures, then one of their copies)
+    # the int8 scorer's sessions (on the CPU, whatever the fit's device: a batch of pictures, then one of their
+    # copies): the int8 backbone's, and for a new fit on a CPU the float32 graph's (Fit.prepare_int8_scorer: a
+    # resumed model's graph comes without it)
     batch = activations // through
-    sessions = (batch + (batch + _weights_bytes(config) if device == "cpu" else 0)) * facts.int8_scorer
+    graph = device == "cpu" and not facts.resume
+    sessions = (batch + (batch + _weights_bytes(config) if graph else 0)) * facts.int8_scorer
     backbone = 2 * _weights_bytes(config) + activations + embedding + update + sessions
     return FitPlan(
         device,

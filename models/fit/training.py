@@ -243,7 +243,13 @@ def train(
     earlier_count = fit.count
     scratch = Path(scratch_dir or Path(output).parent)
     check_disk(scratch, fit.pixels, fit.embedder.embedding_dim)
-    facts = FitFacts(len(images), False, with_statistics, resume is not None, fit.int8_embedder is not None)
+    facts = FitFacts(
+        len(images),
+        spool=False,
+        with_statistics=with_statistics,
+        resume=resume is not None,
+        int8_scorer=fit.int8_embedder is not None,
+    )
     spool, facts = _prepare(fit, report, facts, scratch, shard, announce)
     queries = _query_spool(fit, report, spool, scratch, len(images))
     try:

@@ -137,6 +137,11 @@ def test_a_fit_that_makes_the_int8_scorer_counts_its_onnx_runtime_sessions():
         expected = sessions * activations + (weights if device == "cpu" else 0)
         assert after.backbone - before.backbone == pytest.approx(expected, rel=1e-6)
         assert after.total - before.total == after.backbone - before.backbone
+    # a resume runs torch's float32 backbone (its model's graph comes without its float32 source): the int8 one's alone
+    resumed = plan_fit(config, FitFacts(200, True, resume=True, int8_scorer=True), "cpu").backbone
+    assert resumed - plan_fit(config, FitFacts(200, True, resume=True), "cpu").backbone == pytest.approx(
+        activations, rel=1e-6
+    )
 
 
 def test_a_fit_over_the_free_memory_with_its_int8_scorer_is_told_it_fits_without():
