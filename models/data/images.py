@@ -213,6 +213,15 @@ def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return pixels.to(torch.float32, copy=True).mul_(scale).sub_(offset)  # one new tensor, not three
 
 
+def normalise_array(pixels: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """:func:`normalise` in NumPy on the calling thread (``scale`` and ``offset`` as :func:`normalisation`'s, as
+    arrays): the same two correctly rounded float32 operations, so the same numbers to the bit. For a graph runtime
+    that reads the array next: a torch op before it would start torch's OpenMP team, whose threads then spin for
+    milliseconds on the cores the runtime's own threads need (docs/performance.md)."""
+    normalised = np.multiply(pixels, scale, out=np.empty(pixels.shape, np.float32))
+    return np.subtract(normalised, offset, out=normalised)
+
+
 def iter_batches(
     paths: Sequence[Path],
     batch_size: int,

@@ -68,7 +68,7 @@ from padim.models.deploy.runtimes import (
     openvino_runs,
 )
 from padim.models.errors import AccuracyGateFailed, ExportError, ImageError
-from padim.models.features.embedding import model_input
+from padim.models.features.embedding import model_input_array
 from padim.models.features.quantised import HEADROOM, quantise_static
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ def load_inputs(
                         apply(image, config.expected.draw(seeded(path.name)))
                         for path, image in zip(chunk, images, strict=True)
                     ]
-                batches.append(np.ascontiguousarray(model_input(detector.preprocess(images)).numpy(), dtype=np.float32))
+                batches.append(model_input_array(detector.preprocess(images)))
                 bar.update(len(chunk))
         except ImageError as error:  # the export needs every image it was given
             raise ExportError(f"{what}: {error}") from None

@@ -66,7 +66,7 @@ from padim.models.devices import (
     runtime_device,
 )
 from padim.models.features.backbones import WeightsInfo
-from padim.models.features.embedding import model_input
+from padim.models.features.embedding import model_input_array
 from padim.models.fit.model_file import load_detector
 from padim.models.scorer import Scorer
 from padim.models.scoring.detector import Provenance, calibration_options, shown_options
@@ -511,8 +511,7 @@ class DeployedDetector:
         """``(B, 3, S, S)`` pixels (or normalised float32 input, the graph's) -> raw image scores ``(B,)``, maps
         ``(B, S, S)`` and input distances ``(B,)`` (CPU tensors; no input distances from an export older than
         version 4)."""
-        images = np.ascontiguousarray(model_input(batch.detach().cpu()).numpy(), dtype=np.float32)
-        maps, raw_scores, *rest = self._session.run(images)
+        maps, raw_scores, *rest = self._session.run(model_input_array(batch))
         return ScoreOutput(
             torch.from_numpy(raw_scores), torch.from_numpy(maps), torch.from_numpy(rest[0]) if rest else None
         )

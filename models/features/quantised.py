@@ -28,7 +28,7 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -174,6 +174,120 @@ def widen_onnx_ranges(model, factor: float) -> int:
         tensor = initializers[name]
         tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(factor), name))
     return len(scales)
+
+
+class _Stem(NamedTuple):
+    """The nodes of a QDQ graph's stem convolution (:func:`space_to_depth_stem`)."""
+
+    quantiser: Any  # QuantizeLinear of the picture (onnx's NodeProto: onnx is an optional extra)
+    dequantised: Any  # its DequantizeLinear, which only the convolution reads
+    conv: Any
+    weights: Any  # the int8 weights' initializer (TensorProto)
+    sides: tuple[int, int]  # the picture's height and width
+
+
+def _stem(graph) -> _Stem | None:
+    """The stem :func:`space_to_depth_stem` can rearrange: the one convolution reading the quantised picture, with an
+    odd square kernel, stride 2, padding ``(k - 1) / 2``, no dilation nor groups, in a graph of fixed picture size;
+    else ``None``."""
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    from onnx import helper
+
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in graph.input[0].type.tensor_type.shape.dim]
+    if len(dims) != 4 or dims[2] is None or dims[3] is None:
+        return None
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    quantiser = next(
+        (n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] == graph.input[0].name), None
+    )
+    picture = readers.get(quantiser.output[0], []) if quantiser is not None else []
+    if len(picture) != 1 or picture[0].op_type != "DequantizeLinear" or len(readers[picture[0].output[0]]) != 1:
+        return None
+    conv = readers[picture[0].output[0]][0]
+    weight_node = next((n for n in graph.node if conv.input[1] in n.output), None) if conv.op_type == "Conv" else None
+    initial = {t.name: t for t in graph.initializer}
+    if weight_node is None or weight_node.op_type != "DequantizeLinear" or weight_node.input[0] not in initial:
+        return None
+    shape = list(initial[weight_node.input[0]].dims)
+    found = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+    kernel = shape[2] if len(shape) == 4 else 0
+    if (
+        kernel % 2 == 0
+        or shape[3] != kernel
+        or list(found.get("strides", [])) != [2, 2]
+        or list(found.get("pads", [0] * 4)) != [(kernel - 1) // 2] * 4
+        or any(d != 1 for d in found.get("dilations", [1, 1]))
+        or found.get("group", 1) != 1
+        or found.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
+    ):
+        return None
+    return _Stem(quantiser, picture[0], conv, initial[weight_node.input[0]], (dims[2], dims[3]))
+
+
+def _blocked(weights: np.ndarray) -> np.ndarray:
+    """``(O, C, k, k)`` stride-2 taps (``k`` odd) as ``(O, 4 C, (k + 1) / 2, (k + 1) / 2)`` stride-1 taps over
+    ``SpaceToDepth`` blocks of the picture padded one pixel more before."""
+    out_channels, channels, kernel = weights.shape[:3]
+    taps = (kernel + 1) // 2  # the even kernel over 2 x 2 blocks
+    padded = np.zeros((out_channels, channels, 2 * taps, 2 * taps), weights.dtype)
+    padded[:, :, 1:, 1:] = weights  # a row and a column of zeros before, for the extra pixel of padding
+    # SpaceToDepth's channel is (row in block, column in block, channel): the taps rearranged the same way
+    blocked = padded.reshape(out_channels, channels, taps, 2, taps, 2).transpose(0, 3, 5, 1, 2, 4)
+    return np.ascontiguousarray(blocked.reshape(out_channels, 4 * channels, taps, taps))
+
+
+def space_to_depth_stem(model) -> bool:
+    """Rewrite an int8 graph's stem convolution (the one that reads the quantised picture: few channels, an odd
+    ``k x k`` kernel, stride 2, padding ``(k - 1) / 2``, as resnets' 7 x 7) as the same sums over the picture's 2 x 2
+    blocks, in place: the uint8 picture padded with its zero point and rearranged into 4 times the channels at half
+    the side (``SpaceToDepth``), then a stride-1 ``(k + 1) / 2`` kernel whose taps are the old ones (and zeros
+    where the even kernel overhangs the odd one). Each output is the same integer sum of the same products, so the
+    graph's outputs are the same to the bit; ONNX Runtime's int8 kernels gather 12 channels a pixel far faster than
+    3 (resnet18 at 224 px, 2-core Zen 4: the stem 7.96 -> 4.63 ms at batch 16, 0.82 -> 0.46 ms at batch 1, the
+    rearranging 1.5 ms at 16; docs/performance.md). Returns whether it was rewritten: ``False`` for a graph without
+    such a stem, a float one, one whose picture size is not fixed, or one already rewritten."""
+    # an optional extra ([onnxruntime]): imported only for an int8 backbone
+    from onnx import helper, numpy_helper
+
+    stem = _stem(model.graph) if model.graph.input else None
+    if stem is None:
+        return False
+    weights = numpy_helper.to_array(stem.weights)
+    kernel, pad = weights.shape[2], (weights.shape[2] - 1) // 2
+    taps = (kernel + 1) // 2
+    stem.weights.CopyFrom(numpy_helper.from_array(_blocked(weights), stem.weights.name))
+    # one more pixel before (the zero taps'); after, what the blocks need to cover the last output's taps
+    ends = [2 * ((side + 2 * pad - kernel) // 2 + taps) - side - (pad + 1) for side in stem.sides]
+    pads = np.array([0, 0, pad + 1, pad + 1, 0, 0, *ends], np.int64)
+    model.graph.initializer.append(numpy_helper.from_array(pads, "stem_space_to_depth_pads"))
+    zero_point = list(stem.dequantised.input[2:3])  # the picture's zero point pads it (none: 0)
+    nodes = [
+        helper.make_node(
+            "Pad",
+            [stem.quantiser.output[0], "stem_space_to_depth_pads", *zero_point],
+            ["stem_padded"],
+            name="stem_pad",
+            mode="constant",
+        ),  # fmt: skip
+        helper.make_node("SpaceToDepth", ["stem_padded"], ["stem_blocks"], name="stem_space_to_depth", blocksize=2),
+    ]
+    stem.dequantised.input[0] = "stem_blocks"
+    where = list(model.graph.node).index(stem.dequantised)
+    for offset, node in enumerate(nodes):
+        model.graph.node.insert(where + offset, node)
+    for attribute in [a for a in stem.conv.attribute if a.name in ("kernel_shape", "strides", "pads")]:
+        stem.conv.attribute.remove(attribute)
+    stem.conv.attribute.extend(
+        [
+            helper.make_attribute("kernel_shape", [taps, taps]),
+            helper.make_attribute("strides", [1, 1]),
+            helper.make_attribute("pads", [0, 0, 0, 0]),
+        ]
+    )
+    return True
 
 
 def quantise_static(float_graph: Path, output: Path, batches: Sequence[np.ndarray], work: Path) -> dict:
@@ -380,12 +494,17 @@ class GraphExtractor(nn.Module):
         # idle threads otherwise spin after each run, taking the cores from the decoding beside it
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self.session = ort.InferenceSession(graph.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(self.runnable(graph), options, providers=["CPUExecutionProvider"])
         except Exception as error:  # ONNX Runtime raises its own types for a graph it cannot read
             raise ArtifactError(f"{self.what} cannot be read ({type(error).__name__}: {error})") from None
         outputs = [output.name for output in self.session.get_outputs()]
         if outputs != list(self.layers) or [i.name for i in self.session.get_inputs()] != [INPUT]:
             raise ArtifactError(f"{self.what} gives {outputs}, not the stages {list(self.layers)}")
+
+    @staticmethod
+    def runnable(graph: torch.Tensor) -> bytes:
+        """The bytes ONNX Runtime is given: the graph's own."""
+        return graph.numpy().tobytes()
 
     @torch.inference_mode()
     def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
@@ -398,3 +517,18 @@ class QuantisedExtractor(GraphExtractor):
     an embedder reports as quantised (:attr:`~padim.models.features.embedding.FeatureEmbedder.quantised`)."""
 
     what = "the int8 backbone"
+
+    @staticmethod
+    def runnable(graph: torch.Tensor) -> bytes:
+        """The graph with its stem rearranged (:func:`space_to_depth_stem`: the same maps to the bit, faster), as the
+        scorer's export runs it; bytes that are not a graph go to ONNX Runtime as they are, which refuses them."""
+        # an optional extra ([onnxruntime]): imported only for an int8 backbone
+        import onnx
+        from google.protobuf.message import DecodeError
+
+        data = graph.numpy().tobytes()
+        try:
+            model = onnx.load_from_string(data)
+        except DecodeError:
+            return data
+        return model.SerializeToString() if space_to_depth_stem(model) else data

@@ -17,6 +17,7 @@ from padim.models.data.images import (
     list_images,
     normalisation,
     normalise,
+    normalise_array,
     open_image,
     to_pixels,
 )
@@ -95,6 +96,10 @@ def test_pixels_travel_as_8_bits_and_normalise_to_the_float32_of_numpy():
     model_input = to_model_input([image], framing, mean, std)
     assert model_input.dtype == torch.float32
     assert np.array_equal(model_input[0].numpy(), by_hand)
+    # and in NumPy, for a graph runtime (no torch op before it): the same two operations, the same numbers
+    in_numpy = normalise_array(pixels.numpy(), *(c.numpy() for c in normalisation(mean, std)))
+    assert in_numpy.dtype == np.float32 and in_numpy.flags.c_contiguous
+    assert np.array_equal(in_numpy[0], by_hand)
 
 
 def test_list_images_recursive_sorted(tmp_path):

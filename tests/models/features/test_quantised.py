@@ -19,6 +19,7 @@ from padim.models.features.quantised import (
     QuantisedExtractor,
     graph_settings,
     quantise_backbone,
+    space_to_depth_stem,
 )
 
 LAYERS = ("layer1", "layer2")
@@ -113,6 +114,92 @@ def test_onnx_runtime_runs_each_convolution_with_its_relu_and_no_requantising_pa
         and produced_by[n.input[0]].op_type == "DequantizeLinear"
     ]
     assert not requantised
+
+
+def test_the_stem_read_in_two_by_two_blocks_gives_the_same_maps_to_the_bit(quantised):
+    """The int8 extractor (a fit's embeddings) and the scorer's export run the stem over 2 x 2 blocks of the
+    picture: the same integer sums as the 7 x 7 stride-2 convolution, so the same maps exactly."""
+    import onnxruntime as ort
+
+    _, graph, _, float_graph = quantised
+    model = onnx.load_from_string(graph.numpy().tobytes())
+    assert space_to_depth_stem(model)
+    stem = next(n for n in model.graph.node if n.op_type == "Conv")
+    found = {a.name: onnx.helper.get_attribute_value(a) for a in stem.attribute}
+    assert found["kernel_shape"] == [4, 4] and found["strides"] == [1, 1] and found["pads"] == [0] * 4
+    assert [n.op_type for n in model.graph.node].count("SpaceToDepth") == 1
+    assert not space_to_depth_stem(model)  # once
+    assert not space_to_depth_stem(onnx.load_from_string(float_graph.numpy().tobytes()))  # no quantised picture
+    plain = ort.InferenceSession(graph.numpy().tobytes(), providers=["CPUExecutionProvider"])
+    unseen = pictures(4, 2)
+    as_stored = plain.run(None, {"images": unseen.to(torch.float32).numpy()})
+    for reference, found_map in zip(as_stored, QuantisedExtractor(graph, LAYERS)(unseen), strict=True):
+        assert np.array_equal(found_map.numpy(), reference)  # integer sums, requantised alike: exact
+
+
+def qdq_stem(kernel: int, height: int, width: int, channels: int = 3, seed: int = 0):
+    """A graph of one int8 convolution (stride 2, padding ``(kernel - 1) / 2``) between quantisers, as the quantiser
+    writes a stem: ONNX Runtime runs it as one ``QLinearConv``."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(seed)
+    weights = rng.integers(-64, 64, (8, channels, kernel, kernel)).astype(np.int8)
+    constants = {
+        "x_scale": np.float32(0.02), "x_zero": np.uint8(121), "w": weights,
+        "w_scale": (rng.random(8) * 1e-2 + 1e-3).astype(np.float32), "w_zero": np.zeros(8, np.int8),
+        "y_scale": np.float32(0.05), "y_zero": np.uint8(7),
+    }  # fmt: skip
+    pad = (kernel - 1) // 2
+    nodes = [
+        helper.make_node("QuantizeLinear", ["images", "x_scale", "x_zero"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "x_scale", "x_zero"], ["x"]),
+        helper.make_node("DequantizeLinear", ["w", "w_scale", "w_zero"], ["wf"], axis=0),
+        helper.make_node("Conv", ["x", "wf"], ["c"], kernel_shape=[kernel] * 2, strides=[2, 2], pads=[pad] * 4),
+        helper.make_node("QuantizeLinear", ["c", "y_scale", "y_zero"], ["qc"]),
+        helper.make_node("DequantizeLinear", ["qc", "y_scale", "y_zero"], ["maps"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "stem", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", channels, height, width])],
+        [helper.make_tensor_value_info("maps", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(("kernel", "height", "width"), [(7, 33, 34), (7, 40, 41), (3, 29, 30), (5, 18, 17)])
+def test_the_stem_rearranged_covers_every_kernel_and_odd_or_even_side(kernel, height, width):
+    """Odd and even sides need one more or one less pixel of padding after; a 3 x 3 stride-2 stem (EfficientNet's)
+    becomes 2 x 2 over the blocks. Against the graph as written, with zero points that are not 0 (the padding
+    must be the picture's zero, not the integer 0)."""
+    import onnxruntime as ort
+
+    model = qdq_stem(kernel, height, width)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert space_to_depth_stem(rewritten)
+    images = np.random.default_rng(1).normal(0, 1.2, (2, 3, height, width)).astype(np.float32)
+    options = ort.SessionOptions()
+    expected, found = (
+        ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, {"images": images}
+        )[0]
+        for m in (model, rewritten)
+    )
+    assert found.shape == expected.shape == (2, 8, (height - 1) // 2 + 1, (width - 1) // 2 + 1)
+    assert np.array_equal(found, expected)
+
+
+def test_a_stem_it_cannot_rearrange_is_left_as_it_is():
+    """Stride 1, a picture size that is not fixed, or an even kernel: the graph is not touched."""
+    for model in (qdq_stem(3, 20, 20), qdq_stem(4, 20, 20), qdq_stem(7, 20, 20)):
+        conv = next(n for n in model.graph.node if n.op_type == "Conv")
+        if conv.attribute[0].ints == [3, 3]:  # stride 1 instead of 2
+            next(a for a in conv.attribute if a.name == "strides").ints[:] = [1, 1]
+        elif conv.attribute[0].ints != [4, 4]:  # a picture size the graph does not fix
+            model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
+        before = model.SerializeToString()
+        assert not space_to_depth_stem(model)
+        assert model.SerializeToString() == before
 
 
 def test_bytes_that_are_not_the_graph_of_these_stages_are_refused(quantised):

@@ -11,7 +11,7 @@ from PIL import Image
 from padim.core.artifact import FORMAT_VERSION, ArtifactError, load_artifact, save_artifact
 from padim.core.scoring import squared_mahalanobis
 from padim.models import PadimConfig, PadimDetector, TrainingImage, fit_detector, list_images
-from padim.models.features.embedding import FeatureEmbedder, model_input, stacked
+from padim.models.features.embedding import FeatureEmbedder, model_input, model_input_array, stacked
 from padim.models.fit.model_file import load_detector, load_fit, save_detector
 
 # neighbourhood 1: what every file before format 4 was fitted with, standardise none: before format 12 (the
@@ -131,6 +131,11 @@ def test_the_scorer_takes_8_bit_pixels_and_normalised_float_input_alike(detector
     torch.testing.assert_close(detector.score(pixels).raw_scores, detector.score(normalised).raw_scores)
     stacked_batch = stacked(list(pixels), torch.device("cpu"))  # how the service forms a batch for the CPU
     assert torch.equal(stacked_batch, pixels)
+    # a graph runtime is handed the same numbers, made in NumPy (model_input_array)
+    assert np.array_equal(model_input_array(pixels), normalised.numpy())
+    assert model_input_array(normalised).dtype == np.float32 and np.array_equal(
+        model_input_array(normalised), normalised
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
