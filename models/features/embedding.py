@@ -369,7 +369,7 @@ def stacked(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     if device.type != "cuda" and all(t.device.type == "cpu" for t in tensors):
         # in NumPy: a torch copy this large runs on torch's OpenMP team, whose threads then spin on the cores a graph
         # runtime scoring the batch next needs (model_input_array)
-        return torch.from_numpy(np.stack([t.numpy() for t in tensors]))
+        return torch.from_numpy(np.stack([t.detach().numpy() for t in tensors]))
     if device.type != "cuda" or tensors[0].device.type != "cpu":
         return torch.stack(list(tensors))
     first = tensors[0]
