@@ -364,8 +364,8 @@ def model_input_array(batch: torch.Tensor) -> np.ndarray:
 
 def stacked(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``tensors`` as one batch on its way to ``device``: for a GPU in page-locked host memory (torch's host cache
-    reuses it), so that the copy to the device runs without the CPU, queued behind the work before it; else a
-    plain stack."""
+    reuses it), so that the copy to the device runs without the CPU, queued behind the work before it; CPU tensors
+    for the CPU stacked in NumPy."""
     if device.type != "cuda" and all(t.device.type == "cpu" for t in tensors):
         # in NumPy: a torch copy this large runs on torch's OpenMP team, whose threads then spin on the cores a graph
         # runtime scoring the batch next needs (model_input_array)

@@ -240,7 +240,7 @@ def _blocked(weights: np.ndarray) -> np.ndarray:
 
 
 def space_to_depth_stem(model) -> bool:
-    """Rewrite an int8 graph's stem convolution (the one that reads the quantised picture: few channels, an odd
+    """Rewrite an int8 graph's stem convolution (the one that reads the quantised picture, with an odd
     ``k x k`` kernel, stride 2, padding ``(k - 1) / 2``, as resnets' 7 x 7) as the same sums over the picture's 2 x 2
     blocks, in place: the uint8 picture padded with its zero point and rearranged into 4 times the channels at half
     the side (``SpaceToDepth``), then a stride-1 ``(k + 1) / 2`` kernel whose taps are the old ones (and zeros
@@ -271,7 +271,7 @@ def space_to_depth_stem(model) -> bool:
             ["stem_padded"],
             name="stem_pad",
             mode="constant",
-        ),  # fmt: skip
+        ),
         helper.make_node("SpaceToDepth", ["stem_padded"], ["stem_blocks"], name="stem_space_to_depth", blocksize=2),
     ]
     stem.dequantised.input[0] = "stem_blocks"
