@@ -36,20 +36,11 @@ from padim.models.data.synthetic import generate
 from padim.models.deploy.runtimes import load_scorer
 from padim.models.devices import cpu_features
 from padim.models.features.embedding import model_input, model_input_array
-from padim.models.features.quantised import GRAPH_KEY, QuantisedExtractor
+from padim.models.features.quantised import GRAPH_KEY, GraphExtractor, QuantisedExtractor
 from padim.models.fit.model_file import load_detector, save_detector
 
 #: Idle seconds before each timed call (thread pools stop spinning).
 SETTLE_S = 0.03
-
-
-def session(graph: bytes):
-    """An ONNX Runtime session as padim opens its graphs (2 threads on a 2-core machine, no spinning)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
 def interleaved(sides: dict[str, Callable[[], object]], rounds: int) -> dict:
@@ -117,7 +108,9 @@ def main() -> int:
     pixels = torch.from_numpy(rng.integers(0, 256, (16, 3, 224, 224), dtype=np.uint8))
     pictures = [Image.fromarray(p.permute(1, 2, 0).numpy()) for p in pixels]
     batch = detector.preprocess(pictures)
-    stored, blocks = session(graph.numpy().tobytes()), session(QuantisedExtractor.runnable(graph))
+    # the sessions padim opens: the graph's own bytes, and the int8 extractor's (its stem over 2 x 2 blocks)
+    stages = detector.config.features.stages
+    stored, blocks = GraphExtractor(graph, stages).session, QuantisedExtractor(graph, stages).session
     name = stored.get_inputs()[0].name
     report: dict = {"machine": machine_name(), "cpu": platform.processor(), "cpu_features": list(cpu_features())}
     print(f"{report['machine']}: {', '.join(report['cpu_features'])}; {model}")

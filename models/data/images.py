@@ -193,18 +193,22 @@ def to_pixels(images: Sequence[Image.Image], framing: Framing) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)))
 
 
+def normalisation_arrays(mean: Sequence[float], std: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale, offset)``, ``(1, 3, 1, 1)`` float32 arrays: ``1 / (255 std)`` and ``mean / std``, each rounded to
+    float32 once (:func:`normalise_array` takes them; :func:`normalisation` puts them on a device)."""
+    std32 = np.asarray(std, dtype=np.float32)
+    scale = (1.0 / (255.0 * std32)).astype(np.float32).reshape(1, 3, 1, 1)
+    offset = (np.asarray(mean, dtype=np.float32) / std32).astype(np.float32).reshape(1, 3, 1, 1)
+    return scale, offset
+
+
 def normalisation(
     mean: Sequence[float], std: Sequence[float], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, offset)``, ``(1, 3, 1, 1)`` float32 on ``device``: ``1 / (255 std)`` and ``mean / std``, each
-    rounded to float32 once, so that :func:`normalise` computes the same numbers on every device."""
-    std32 = np.asarray(std, dtype=np.float32)
-    scale = (1.0 / (255.0 * std32)).astype(np.float32)
-    offset = (np.asarray(mean, dtype=np.float32) / std32).astype(np.float32)
-    return (
-        torch.from_numpy(scale).view(1, 3, 1, 1).to(device),
-        torch.from_numpy(offset).view(1, 3, 1, 1).to(device),
-    )
+    """:func:`normalisation_arrays` as tensors on ``device``, so that :func:`normalise` computes the same numbers on
+    every device."""
+    scale, offset = normalisation_arrays(mean, std)
+    return torch.from_numpy(scale).to(device), torch.from_numpy(offset).to(device)
 
 
 def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -214,8 +218,8 @@ def normalise(pixels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
 
 
 def normalise_array(pixels: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """:func:`normalise` in NumPy on the calling thread (``scale`` and ``offset`` as :func:`normalisation`'s, as
-    arrays): the same two correctly rounded float32 operations, so the same numbers to the bit. For a graph runtime
+    """:func:`normalise` in NumPy on the calling thread (``scale`` and ``offset`` from :func:`normalisation_arrays`):
+    the same two correctly rounded float32 operations, so the same numbers to the bit. For a graph runtime
     that reads the array next: a torch op before it would start torch's OpenMP team, whose threads then spin for
     milliseconds on the cores the runtime's own threads need (docs/performance.md)."""
     normalised = np.multiply(pixels, scale, out=np.empty(pixels.shape, np.float32))

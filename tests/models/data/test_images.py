@@ -16,6 +16,7 @@ from padim.models.data.images import (
     iter_decoded,
     list_images,
     normalisation,
+    normalisation_arrays,
     normalise,
     normalise_array,
     open_image,
@@ -97,7 +98,7 @@ def test_pixels_travel_as_8_bits_and_normalise_to_the_float32_of_numpy():
     assert model_input.dtype == torch.float32
     assert np.array_equal(model_input[0].numpy(), by_hand)
     # and in NumPy, for a graph runtime (no torch op before it): the same two operations, the same numbers
-    in_numpy = normalise_array(pixels.numpy(), *(c.numpy() for c in normalisation(mean, std)))
+    in_numpy = normalise_array(pixels.numpy(), *normalisation_arrays(mean, std))
     assert in_numpy.dtype == np.float32 and in_numpy.flags.c_contiguous
     assert np.array_equal(in_numpy[0], by_hand)
 
