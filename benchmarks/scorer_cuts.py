@@ -1,4 +1,4 @@
-"""Two cuts at the int8 scorer's own time, each measured against what it replaced, in one process.
+"""Three cuts at the scorer's own time, each measured against what it replaced, in one process.
 
 - ``stem``: the model's int8 backbone graph as the model file keeps it, against the same graph with its stem read
   over the picture's 2 x 2 blocks (:func:`padim.models.features.quantised.space_to_depth_stem`, what the fit's
@@ -7,6 +7,10 @@
   faster) handed its input normalised by torch (``model_input``, as ``score`` did before) against NumPy's
   (``model_input_array``, what it does now). torch runs the normalisation on its OpenMP team, whose threads keep
   spinning on the cores the graph's threads need next.
+- ``kept``: the scorer's graphs (the model's int8 scorer's and its float32 one's) with every channel of the deepest
+  stage computed, then gathered, against the graphs padim exports, whose last convolution computes only the channels
+  the embedding keeps (``_kept_channels_only`` in :mod:`padim.models.deploy.export`). The int8 outputs must be the
+  same to the bit, the float32 ones within float32's rounding (checked, printed).
 
 Batches 1 and 16, the two sides interleaved round by round (the order alternating), each call after an idle pause;
 medians printed, and each side's median against the other's per round. The model: ``--model`` (a ``.padim`` file
@@ -33,7 +37,8 @@ from timing import machine_name, seeded_resnet18, work_folder
 
 from padim.models import PadimConfig, fit_detector, training_images
 from padim.models.data.synthetic import generate
-from padim.models.deploy.runtimes import load_scorer
+from padim.models.deploy import export
+from padim.models.deploy.runtimes import OnnxRuntimeSession, load_scorer
 from padim.models.devices import cpu_features
 from padim.models.features.embedding import model_input, model_input_array
 from padim.models.features.quantised import GRAPH_KEY, GraphExtractor, QuantisedExtractor
@@ -89,6 +94,32 @@ def measure_input(scorer, batch: torch.Tensor, rounds: int, report: dict) -> Non
         print(f"the {report['scorer']} scorer, batch {size}: {cut} (the same input to the bit: {same})")
 
 
+def measure_kept(detector, batch: torch.Tensor, rounds: int, report: dict, work: Path) -> None:
+    """The scorer's graphs with the deepest stage's every channel computed against its kept channels only, at batches
+    1 and 16, into ``report``."""
+    makers = {"float32": export._export_onnx}
+    if detector.int8_scorer is not None and detector.int8_scorer.usable:
+        makers["int8"] = export._export_int8_onnx
+    cpu = torch.device("cpu")
+    for scorer, make in makers.items():
+        kept = make(detector, work / f"{scorer}-kept.onnx", False)
+        original = export._kept_channels_only
+        export._kept_channels_only = lambda model: 0  # the graph as it was exported before
+        try:
+            whole = make(detector, work / f"{scorer}-whole.onnx", False)
+        finally:
+            export._kept_channels_only = original
+        sessions = {"every channel": OnnxRuntimeSession(whole, cpu), "kept channels": OnnxRuntimeSession(kept, cpu)}
+        for size in (1, 16):
+            images = model_input_array(batch[:size])
+            first, second = (session.run(images) for session in sessions.values())
+            pairs = zip(first, second, strict=True)
+            largest = max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in pairs)
+            cut = interleaved({k: lambda s=s, i=images: s.run(i) for k, s in sessions.items()}, rounds)
+            report[f"kept {scorer} batch {size}"] = {**cut, "largest difference / largest output": largest}
+            print(f"the {scorer} scorer's graph, batch {size}: {cut} (largest difference {largest:.2e} of the output)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="a .padim file with an int8 scorer (default: a fit made here)")
@@ -135,6 +166,7 @@ def main() -> int:
         measure_input(scorer, batch, args.rounds, report)
     else:
         print(f"input: not measured (runtime auto chose torch here: {getattr(scorer, 'runtime_reason', '')})")
+    measure_kept(detector, batch, args.rounds, report, work)
     if args.output:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "padim.json"
 #: Every earlier export version is read; docs/file-format.md has a table of what each added.
-EXPORT_KIND, EXPORT_VERSION = "padim-export", 17
+EXPORT_KIND, EXPORT_VERSION = "padim-export", 18
 #: The export version whose graph is today's: a model file's cached export older than it is made again (faster);
 #: a newer version that changed only ``padim.json`` (8: ``precision: bf16``; 10: ``calibration_line_scores``, a
 #: line's threshold, which only a model of format 13 has) or what only a model of a newer format computes (9:
@@ -77,7 +77,8 @@ EXPORT_KIND, EXPORT_VERSION = "padim-export", 17
 #: ``auto`` and ``provenance.shrinkage_estimated``; 15: ``config.standardise`` ``gain``, which only a model of format
 #: 19 has; 16: ``quantisation.model_scorer``, the graph of a model file's int8 scorer, which only a model of format
 #: 20 has) keeps the cache. 17: an int8 graph's stem reads the picture in 2 x 2 blocks (the same scores, faster).
-GRAPH_VERSION = 17
+#: 18: the deepest stage's last convolution computes only the channels the embedding keeps (the same scores, faster).
+GRAPH_VERSION = 18
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("anomaly_map", "raw_score", "input_distance")
 ONNX_FILE, OPENVINO_FILE = "model.onnx", "model.xml"
@@ -389,9 +390,16 @@ def _export_onnx(
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     height, width = detector.config.input_shape
-    return export_module(
+    export_module(
         scorer, (torch.zeros(2, 3, height, width),), [INPUT_NAME], OUTPUT_NAMES, path, external, guard=TRACING.shared()
     )
+    import onnx  # an optional extra ([onnx]), as the exporter above
+
+    model = onnx.load(str(path))  # its external data too, read before the file is written again
+    if _kept_channels_only(model):
+        Path(f"{path}.data").unlink(missing_ok=True)  # onnx appends to an external-data file that exists
+        onnx.save(model, str(path), save_as_external_data=external, location=f"{path.name}.data")
+    return path
 
 
 class _Tiles(nn.Module):
@@ -469,8 +477,114 @@ def _export_int8_onnx(detector: PadimDetector, path: Path, external_data: bool |
     _rename(merged, entry, INPUT_NAME)
     for name in OUTPUT_NAMES:
         _rename(merged, f"after/{name}", name)
+    _kept_channels_only(merged)
     onnx.save(merged, str(path), save_as_external_data=external)
     return path
+
+
+def _kept_channels_only(model) -> int:
+    """Make the deepest stage's last convolution compute only the channels the embedding keeps, in place.
+
+    The embedding's channel subset is a ``Gather`` along the channels of each stage's map (``index_select``). Where a
+    map is read by that ``Gather`` alone, as the deepest stage's is (a shallower one also feeds the next stage), the
+    channels it drops need not be computed: the ``Gather``'s indices go back through the operations that keep each
+    channel to itself (``Relu``, ``QuantizeLinear`` / ``DequantizeLinear`` of one scale, an ``Add``, whose other
+    operand is gathered instead) to the convolution that makes the channels, whose weights (bias, per-channel scales)
+    are cut to those rows; the ``Gather`` goes. Each kept channel is the same sum of the same products as before, so
+    the graph's outputs are the same: to the bit on an int8 graph, whose integer sums and per-tensor requantising do
+    not depend on the other channels. resnet18 at 224 px keeps 53 of layer3's 256 channels (D = 100), so its last
+    convolution does a fifth of its work (docs/performance.md). A graph without such a chain is left as it is.
+    Returns the number of ``Gather`` nodes so removed.
+    """
+    # an optional extra ([onnx]): imported only when a graph is exported
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initial = {t.name: t for t in graph.initializer}
+    producer = {name: node for node in graph.node for name in node.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {value.name for value in graph.output}
+
+    def alone(name: str, reader) -> bool:  # read by ``reader`` only, and not an output of the graph
+        return name not in outputs and [id(n) for n in readers.get(name, [])] == [id(reader)]
+
+    def scalar(name: str) -> bool:
+        return name in initial and numpy_helper.to_array(initial[name]).size == 1
+
+    def attribute(node, name: str, default: Any) -> Any:
+        return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+    def cut(name: str, reader) -> list | None:
+        """The initializers to cut along their first axis for the constant ``name`` (a convolution's weights or
+        bias, or their ``DequantizeLinear``) read by ``reader`` alone; ``None`` where it cannot be cut so."""
+        if name in initial and alone(name, reader):
+            return [initial[name]]
+        node = producer.get(name)
+        if node is None or node.op_type != "DequantizeLinear" or not alone(name, reader):
+            return None
+        if any(n not in initial or not alone(n, node) for n in node.input if n):
+            return None
+        per_channel = [initial[n] for n in node.input[1:] if n and not scalar(n)]
+        if per_channel and attribute(node, "axis", 1) != 0 and len(initial[node.input[0]].dims) != 1:
+            return None
+        return [initial[node.input[0]], *per_channel]
+
+    def trace(name: str, reader) -> tuple[list, list, list] | None:
+        """From the map ``name`` back to the convolution that makes its channels: the nodes on the way, the
+        ``(Add, operand)`` pairs to gather, and the initializers to cut; ``None`` where the way is not clear."""
+        node = producer.get(name)
+        if node is None or not alone(name, reader):
+            return None
+        if node.op_type == "Relu" or (
+            node.op_type in ("QuantizeLinear", "DequantizeLinear") and all(scalar(n) for n in node.input[1:] if n)
+        ):
+            found = trace(node.input[0], node)
+            return None if found is None else ([node, *found[0]], found[1], found[2])
+        if node.op_type == "Add" and len(node.input) == 2:
+            for side in (0, 1):
+                found = trace(node.input[side], node)
+                if found is not None:
+                    return [node, *found[0]], [(node, 1 - side), *found[1]], found[2]
+            return None
+        if node.op_type == "Conv" and attribute(node, "group", 1) == 1:
+            edits = [cut(n, node) for n in node.input[1:] if n]
+            tensors = [t for e in edits if e is not None for t in e]
+            if all(e is not None for e in edits):
+                constants = [producer[n] for n in node.input[1:] if n in producer]  # their DequantizeLinear, if any
+                return [node, *constants], [], tensors
+        return None
+
+    removed = 0
+    for gather in [n for n in graph.node if n.op_type == "Gather"]:
+        if attribute(gather, "axis", 0) != 1 or gather.input[1] not in initial:
+            continue
+        keep = numpy_helper.to_array(initial[gather.input[1]])
+        found = trace(gather.input[0], gather) if keep.ndim == 1 else None
+        if found is None:
+            continue
+        chain, gathers, cuts = found
+        for tensor in cuts:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor)[keep], tensor.name))
+        for add, side in gathers:
+            gathered = f"{add.input[side]}_kept_channels"
+            node = helper.make_node(
+                "Gather", [add.input[side], gather.input[1]], [gathered], name=f"{add.name}_kept_channels", axis=1
+            )
+            graph.node.insert(list(graph.node).index(add), node)
+            add.input[side] = gathered
+        changed = {output for node in chain for output in node.output} | {tensor.name for tensor in cuts}
+        chain[0].output[0] = gather.output[0]  # the last node of the chain now gives what the Gather gave
+        graph.node.remove(gather)
+        for value in [v for v in graph.value_info if v.name in changed or v.name == gather.output[0]]:
+            graph.value_info.remove(value)  # shapes inference would check against the old ones
+        for value in graph.input:  # an initializer an older IR also lists as an input: its new rows
+            if value.name in changed and value.type.tensor_type.shape.dim:
+                value.type.tensor_type.shape.dim[0].dim_value = len(keep)
+        removed += 1
+    return removed
 
 
 def _rename(model, old: str, new: str) -> None:

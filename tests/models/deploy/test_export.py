@@ -271,3 +271,162 @@ def test_the_graphs_triangular_product_equals_the_full_one_in_float64(blocks):
     assert np.allclose(np.triu(w, 1), 0)  # the zeros the blocks skip
     expected = np.square(np.einsum("pdk,pnk->pnd", w, d)).sum(-1)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def block_graph(quantised: bool, seed: int = 0):
+    """A residual block's end as the exporter writes it: ``x -> Conv -> Relu = r``, then ``Conv(r) + r -> Relu`` read
+    by the embedding's ``Gather`` of channels 1, 4, 6 (``kept``); with ``quantised``, the QDQ form the quantiser
+    writes (per-channel int8 weights, int32 bias, per-tensor activations), which ONNX Runtime runs as int8."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    constants = {"kept": np.array([1, 4, 6], np.int64)}
+    nodes = []
+
+    def conv(name: str, source: str, inputs: int) -> str:
+        weights = rng.normal(0, 0.3, (8, inputs, 3, 3)).astype(np.float32)
+        bias = rng.normal(0, 0.1, 8).astype(np.float32)
+        if not quantised:
+            constants[f"{name}_w"], constants[f"{name}_b"] = weights, bias
+            nodes.append(helper.make_node("Conv", [source, f"{name}_w", f"{name}_b"], [name], pads=[1] * 4))
+            return name
+        scale = (np.abs(weights).reshape(8, -1).max(1) / 127).astype(np.float32)
+        constants.update({
+            f"{name}_w": np.round(weights / scale[:, None, None, None]).astype(np.int8), f"{name}_ws": scale,
+            f"{name}_wz": np.zeros(8, np.int8), f"{name}_b": np.round(bias / (scale * 0.05)).astype(np.int32),
+            f"{name}_bs": (scale * 0.05).astype(np.float32), f"{name}_bz": np.zeros(8, np.int32),
+        })  # fmt: skip
+        nodes.extend([
+            helper.make_node("DequantizeLinear", [f"{name}_w", f"{name}_ws", f"{name}_wz"], [f"{name}_wf"], axis=0),
+            helper.make_node("DequantizeLinear", [f"{name}_b", f"{name}_bs", f"{name}_bz"], [f"{name}_bf"], axis=0),
+            helper.make_node("Conv", [source, f"{name}_wf", f"{name}_bf"], [f"{name}_f"], pads=[1] * 4),
+            helper.make_node("QuantizeLinear", [f"{name}_f", "a_scale", "a_zero"], [f"{name}_q"]),
+            helper.make_node("DequantizeLinear", [f"{name}_q", "a_scale", "a_zero"], [name]),
+        ])  # fmt: skip
+        return name
+
+    source = "images"
+    if quantised:
+        constants.update({"a_scale": np.float32(0.05), "a_zero": np.uint8(128)})
+        nodes += [helper.make_node("QuantizeLinear", ["images", "a_scale", "a_zero"], ["images_q"]),
+                  helper.make_node("DequantizeLinear", ["images_q", "a_scale", "a_zero"], ["images_f"])]  # fmt: skip
+        source = "images_f"
+    nodes.append(helper.make_node("Relu", [conv("first", source, 4)], ["r"]))
+    nodes += [
+        helper.make_node("Add", [conv("last", "r", 8), "r"], ["sum"]),
+        helper.make_node("Relu", ["sum"], ["stage"]),
+        helper.make_node("Gather", ["stage", "kept"], ["embedding"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "block", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 4, 6, 6])],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 3, 6, 6])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def run_graphs(*models) -> list[np.ndarray]:
+    images = np.random.default_rng(3).normal(0, 1, (2, 4, 6, 6)).astype(np.float32)
+    return [
+        onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"images": images}
+        )[0]
+        for m in models
+    ]
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["float32", "int8"])
+def test_the_last_convolution_computes_only_the_channels_the_embedding_keeps(quantised):
+    """The kept channels' weights, bias and per-channel scales are cut, the residual gathered, the embedding's
+    ``Gather`` gone; the same embedding (to the bit at int8: the same integer sums, requantised alike)."""
+    from padim.models.deploy.export import _kept_channels_only
+
+    model = block_graph(quantised)
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(model)
+    assert _kept_channels_only(pruned) == 1
+    onnx.checker.check_model(pruned)
+    onnx.shape_inference.infer_shapes(pruned, strict_mode=True)  # no shape left as it was
+    constants = {t.name: t for t in pruned.graph.initializer}
+    assert list(constants["last_w"].dims) == [3, 8, 3, 3] and list(constants["last_b"].dims) == [3]
+    assert list(constants["first_w"].dims) == [8, 4, 3, 3]  # the map the residual comes from: every channel
+    if quantised:
+        assert list(constants["last_ws"].dims) == [3] and list(constants["last_bs"].dims) == [3]
+    gathers = [n for n in pruned.graph.node if n.op_type == "Gather"]
+    assert [n.input[0] for n in gathers] == ["r"]  # the residual's, before the addition
+    expected, found = run_graphs(model, pruned)
+    assert found.shape == expected.shape == (2, 3, 6, 6)
+    if quantised:
+        assert np.array_equal(found, expected)
+    else:
+        np.testing.assert_allclose(found, expected, rtol=1e-6, atol=1e-6)
+    assert _kept_channels_only(pruned) == 0  # once
+
+
+def test_a_map_the_embedding_does_not_read_alone_is_left_as_it_is():
+    """A map also read elsewhere (a shallower stage feeds the next), a grouped convolution, a requantising of one
+    scale a channel, or a ``Gather`` along another axis: every channel is still needed or the way back is not
+    clear, and the graph is not touched."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from padim.models.deploy.export import _kept_channels_only
+
+    read_twice = block_graph(False)
+    read_twice.graph.output.append(helper.make_tensor_value_info("stage", TensorProto.FLOAT, ["batch", 8, 6, 6]))
+    grouped = block_graph(False)
+    last = next(n for n in grouped.graph.node if n.output[0] == "last")
+    last.attribute.append(helper.make_attribute("group", 2))
+    weights = next(t for t in grouped.graph.initializer if t.name == "last_w")
+    weights.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weights)[:, :4], "last_w"))
+    per_channel = block_graph(True)
+    for tensor in per_channel.graph.initializer:  # the last convolution's output requantised per channel
+        if tensor.name == "a_scale":
+            per_channel.graph.initializer.append(numpy_helper.from_array(np.full(8, 0.05, np.float32), "c_scale"))
+            per_channel.graph.initializer.append(numpy_helper.from_array(np.full(8, 128, np.uint8), "c_zero"))
+    for node in per_channel.graph.node:
+        if node.output[0] in ("last_q", "last"):
+            node.input[1:] = ["c_scale", "c_zero"]
+            node.attribute.append(helper.make_attribute("axis", 1))
+    other_axis = block_graph(False)
+    next(n for n in other_axis.graph.node if n.op_type == "Gather").attribute[0].i = 0
+    for model in (read_twice, grouped, per_channel, other_axis):
+        before = model.SerializeToString()
+        assert _kept_channels_only(model) == 0
+        assert model.SerializeToString() == before
+    run_graphs(grouped, per_channel)  # valid graphs: what was refused was runnable
+
+
+def test_exported_graphs_compute_the_deepest_stage_for_the_kept_channels_only(model_file, tmp_path, monkeypatch):
+    """The model's float32 graph and its int8 scorer's, against the same graphs with every channel computed: the
+    same outputs (to the bit at int8), the last convolution's weights cut to the deepest stage's kept channels."""
+    import torch
+
+    from padim.models.deploy import export
+
+    detector = load_detector(model_file, device="cpu")
+    kept = int(detector.embedding._part2.numel())  # the deepest of the default stages (layer3)
+    images = torch.randn(3, 3, *detector.config.input_shape, generator=torch.Generator().manual_seed(0)).numpy()
+    makers = [("float32", export._export_onnx)]
+    if detector.int8_scorer is not None and detector.int8_scorer.usable:
+        makers.append(("int8", export._export_int8_onnx))
+    assert len(makers) == 2, "the tests' default model carries an int8 scorer"
+    for name, make in makers:
+        pruned = onnx.load(str(make(detector, tmp_path / f"{name}.onnx", False)))
+        with monkeypatch.context() as patched:
+            patched.setattr(export, "_kept_channels_only", lambda model: 0)
+            whole = onnx.load(str(make(detector, tmp_path / f"{name}-whole.onnx", False)))
+        cut = [n for n in pruned.graph.node if n.op_type == "Gather"]
+        assert len(cut) == len([n for n in whole.graph.node if n.op_type == "Gather"])  # one gone, one added
+        constants = {t.name: tuple(t.dims) for t in pruned.graph.initializer}
+        assert any(len(d) == 4 and d[0] == kept for d in constants.values()), name  # the last convolution's
+        expected, found = (
+            onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+                None, {"images": images}
+            )
+            for m in (whole, pruned)
+        )
+        for e, f in zip(expected, found, strict=True):
+            if name == "int8":
+                assert np.array_equal(e, f)
+            else:
+                np.testing.assert_allclose(f, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
