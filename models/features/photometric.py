@@ -73,7 +73,9 @@ def _gained(images: torch.Tensor) -> torch.Tensor:
     ``x g + (m / s)(g - 1)``."""
     std = images.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
     mean = images.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    level = (images * std + mean).mean(dim=(1, 2, 3), keepdim=True)  # (B, 1, 1, 1): the mean pixel, 0-1 units
+    # (B, 1, 1, 1): the mean pixel in 0-1 units, from each channel's mean (one pass over the picture, where the
+    # pixels un-normalised first took two more; the same number but for its last bits, which the grid takes out)
+    level = (images.mean(dim=(2, 3), keepdim=True) * std + mean).mean(dim=1, keepdim=True)
     # on a grid of 1/4096: ONNX Runtime sums the pixels in another order than torch, and a last-bit difference in
     # the gain moves a pixel across an int8 backbone's rounding step now and then (1% of a score); rounded, both
     # give the same gain, bit for bit, but for a mean within a float's last bit of a grid line
