@@ -488,13 +488,13 @@ def _kept_channels_only(model) -> int:
     The embedding's channel subset is a ``Gather`` along the channels of each stage's map (``index_select``). Where a
     map is read by that ``Gather`` alone, as the deepest stage's is (a shallower one also feeds the next stage), the
     channels it drops need not be computed: the ``Gather``'s indices go back through the operations that keep each
-    channel to itself (``Relu``, ``QuantizeLinear`` / ``DequantizeLinear`` of one scale, an ``Add``, whose other
-    operand is gathered instead) to the convolution that makes the channels, whose weights (bias, per-channel scales)
-    are cut to those rows; the ``Gather`` goes. Each kept channel is the same sum of the same products as before, so
-    the graph's outputs are the same: to the bit on an int8 graph, whose integer sums and per-tensor requantising do
-    not depend on the other channels. resnet18 at 224 px keeps 53 of layer3's 256 channels (D = 100), so its last
-    convolution does a fifth of its work (docs/performance.md). A graph without such a chain is left as it is.
-    Returns the number of ``Gather`` nodes so removed.
+    channel to itself (``Relu``, ``Cast``, ``QuantizeLinear`` / ``DequantizeLinear`` of one scale, an ``Add``, whose
+    other operand is gathered instead) to the convolution that makes the channels, whose weights (bias, per-channel
+    scales) are cut to those rows; the ``Gather`` goes. Each kept channel is the same sum of the same products as
+    before, so the graph's outputs are the same: to the bit on an int8 graph, whose integer sums and per-tensor
+    requantising do not depend on the other channels. resnet18 at 224 px keeps 53 of layer3's 256 channels (D = 100),
+    so its last convolution does a fifth of its work (docs/performance.md). A graph without such a chain is left as
+    it is. Returns the number of ``Gather`` nodes so removed.
     """
     # an optional extra ([onnx]): imported only when a graph is exported
     from onnx import helper, numpy_helper
@@ -525,12 +525,13 @@ def _kept_channels_only(model) -> int:
         node = producer.get(name)
         if node is None or node.op_type != "DequantizeLinear" or not alone(name, reader):
             return None
-        if any(n not in initial or not alone(n, node) for n in node.input if n):
+        if any(n not in initial for n in node.input if n):
             return None
         per_channel = [initial[n] for n in node.input[1:] if n and not scalar(n)]
         if per_channel and attribute(node, "axis", 1) != 0 and len(initial[node.input[0]].dims) != 1:
             return None
-        return [initial[node.input[0]], *per_channel]
+        tensors = [initial[node.input[0]], *per_channel]
+        return tensors if all(alone(t.name, node) for t in tensors) else None  # a shared scale stays as it is
 
     def trace(name: str, reader) -> tuple[list, list, list] | None:
         """From the map ``name`` back to the convolution that makes its channels: the nodes on the way, the
@@ -538,7 +539,7 @@ def _kept_channels_only(model) -> int:
         node = producer.get(name)
         if node is None or not alone(name, reader):
             return None
-        if node.op_type == "Relu" or (
+        if node.op_type in ("Relu", "Cast") or (
             node.op_type in ("QuantizeLinear", "DequantizeLinear") and all(scalar(n) for n in node.input[1:] if n)
         ):
             found = trace(node.input[0], node)
