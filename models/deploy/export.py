@@ -482,6 +482,75 @@ def _export_int8_onnx(detector: PadimDetector, path: Path, external_data: bool |
     return path
 
 
+class _GraphIndex:
+    """Who makes and who reads each value of an ONNX graph, and the ways back from a map to the convolution that
+    makes its channels (:func:`_kept_channels_only`)."""
+
+    def __init__(self, graph) -> None:
+        # an optional extra ([onnx]): imported only when a graph is exported
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.initial = {t.name: t for t in graph.initializer}
+        self.producer = {name: node for node in graph.node for name in node.output}
+        self.readers: dict[str, list] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.readers.setdefault(name, []).append(node)
+        self.outputs = {value.name for value in graph.output}
+
+    def alone(self, name: str, reader) -> bool:
+        """Whether ``reader`` alone reads ``name``, which is not an output of the graph."""
+        return name not in self.outputs and [id(n) for n in self.readers.get(name, [])] == [id(reader)]
+
+    def scalar(self, name: str) -> bool:
+        return name in self.initial and self.numpy_helper.to_array(self.initial[name]).size == 1
+
+    def attribute(self, node, name: str, default: Any) -> Any:
+        return next((self.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+    def cut(self, name: str, reader) -> list | None:
+        """The initializers to cut along their first axis for the constant ``name`` (a convolution's weights or
+        bias, or their ``DequantizeLinear``) read by ``reader`` alone; ``None`` where it cannot be cut so."""
+        if name in self.initial and self.alone(name, reader):
+            return [self.initial[name]]
+        node = self.producer.get(name)
+        if node is None or node.op_type != "DequantizeLinear" or not self.alone(name, reader):
+            return None
+        if any(n not in self.initial for n in node.input if n):
+            return None
+        per_channel = [self.initial[n] for n in node.input[1:] if n and not self.scalar(n)]
+        if per_channel and self.attribute(node, "axis", 1) != 0 and len(self.initial[node.input[0]].dims) != 1:
+            return None
+        tensors = [self.initial[node.input[0]], *per_channel]
+        return tensors if all(self.alone(t.name, node) for t in tensors) else None  # a shared scale stays as it is
+
+    def trace(self, name: str, reader) -> tuple[list, list, list] | None:
+        """From the map ``name`` back to the convolution that makes its channels: the nodes on the way, the
+        ``(Add, operand)`` pairs to gather, and the initializers to cut; ``None`` where the way is not clear."""
+        node = self.producer.get(name)
+        if node is None or not self.alone(name, reader):
+            return None
+        if node.op_type in ("Relu", "Cast") or (
+            node.op_type in ("QuantizeLinear", "DequantizeLinear") and all(self.scalar(n) for n in node.input[1:] if n)
+        ):
+            found = self.trace(node.input[0], node)
+            return None if found is None else ([node, *found[0]], found[1], found[2])
+        if node.op_type == "Add" and len(node.input) == 2:
+            for side in (0, 1):
+                found = self.trace(node.input[side], node)
+                if found is not None:
+                    return [node, *found[0]], [(node, 1 - side), *found[1]], found[2]
+            return None
+        if node.op_type == "Conv" and self.attribute(node, "group", 1) == 1:
+            edits = [self.cut(n, node) for n in node.input[1:] if n]
+            tensors = [t for e in edits if e is not None for t in e]
+            if all(e is not None for e in edits):
+                constants = [self.producer[n] for n in node.input[1:] if n in self.producer]  # a DequantizeLinear
+                return [node, *constants], [], tensors
+        return None
+
+
 def _kept_channels_only(model) -> int:
     """Make the deepest stage's last convolution compute only the channels the embedding keeps, in place.
 
@@ -496,82 +565,22 @@ def _kept_channels_only(model) -> int:
     so its last convolution does a fifth of its work (docs/performance.md). A graph without such a chain is left as
     it is. Returns the number of ``Gather`` nodes so removed.
     """
-    # an optional extra ([onnx]): imported only when a graph is exported
-    from onnx import helper, numpy_helper
-
     graph = model.graph
-    initial = {t.name: t for t in graph.initializer}
-    producer = {name: node for node in graph.node for name in node.output}
-    readers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {value.name for value in graph.output}
-
-    def alone(name: str, reader) -> bool:  # read by ``reader`` only, and not an output of the graph
-        return name not in outputs and [id(n) for n in readers.get(name, [])] == [id(reader)]
-
-    def scalar(name: str) -> bool:
-        return name in initial and numpy_helper.to_array(initial[name]).size == 1
-
-    def attribute(node, name: str, default: Any) -> Any:
-        return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-    def cut(name: str, reader) -> list | None:
-        """The initializers to cut along their first axis for the constant ``name`` (a convolution's weights or
-        bias, or their ``DequantizeLinear``) read by ``reader`` alone; ``None`` where it cannot be cut so."""
-        if name in initial and alone(name, reader):
-            return [initial[name]]
-        node = producer.get(name)
-        if node is None or node.op_type != "DequantizeLinear" or not alone(name, reader):
-            return None
-        if any(n not in initial for n in node.input if n):
-            return None
-        per_channel = [initial[n] for n in node.input[1:] if n and not scalar(n)]
-        if per_channel and attribute(node, "axis", 1) != 0 and len(initial[node.input[0]].dims) != 1:
-            return None
-        tensors = [initial[node.input[0]], *per_channel]
-        return tensors if all(alone(t.name, node) for t in tensors) else None  # a shared scale stays as it is
-
-    def trace(name: str, reader) -> tuple[list, list, list] | None:
-        """From the map ``name`` back to the convolution that makes its channels: the nodes on the way, the
-        ``(Add, operand)`` pairs to gather, and the initializers to cut; ``None`` where the way is not clear."""
-        node = producer.get(name)
-        if node is None or not alone(name, reader):
-            return None
-        if node.op_type in ("Relu", "Cast") or (
-            node.op_type in ("QuantizeLinear", "DequantizeLinear") and all(scalar(n) for n in node.input[1:] if n)
-        ):
-            found = trace(node.input[0], node)
-            return None if found is None else ([node, *found[0]], found[1], found[2])
-        if node.op_type == "Add" and len(node.input) == 2:
-            for side in (0, 1):
-                found = trace(node.input[side], node)
-                if found is not None:
-                    return [node, *found[0]], [(node, 1 - side), *found[1]], found[2]
-            return None
-        if node.op_type == "Conv" and attribute(node, "group", 1) == 1:
-            edits = [cut(n, node) for n in node.input[1:] if n]
-            tensors = [t for e in edits if e is not None for t in e]
-            if all(e is not None for e in edits):
-                constants = [producer[n] for n in node.input[1:] if n in producer]  # their DequantizeLinear, if any
-                return [node, *constants], [], tensors
-        return None
-
     removed = 0
     for gather in [n for n in graph.node if n.op_type == "Gather"]:
-        if attribute(gather, "axis", 0) != 1 or gather.input[1] not in initial:
+        index = _GraphIndex(graph)  # the graph as the last cut left it
+        if index.attribute(gather, "axis", 0) != 1 or gather.input[1] not in index.initial:
             continue
-        keep = numpy_helper.to_array(initial[gather.input[1]])
-        found = trace(gather.input[0], gather) if keep.ndim == 1 else None
+        keep = index.numpy_helper.to_array(index.initial[gather.input[1]])
+        found = index.trace(gather.input[0], gather) if keep.ndim == 1 else None
         if found is None:
             continue
         chain, gathers, cuts = found
         for tensor in cuts:
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor)[keep], tensor.name))
+            tensor.CopyFrom(index.numpy_helper.from_array(index.numpy_helper.to_array(tensor)[keep], tensor.name))
         for add, side in gathers:
             gathered = f"{add.input[side]}_kept_channels"
-            node = helper.make_node(
+            node = index.helper.make_node(
                 "Gather", [add.input[side], gather.input[1]], [gathered], name=f"{add.name}_kept_channels", axis=1
             )
             graph.node.insert(list(graph.node).index(add), node)
