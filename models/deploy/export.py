@@ -208,7 +208,7 @@ def triangular_squared_norm(delta: torch.Tensor, factor: torch.Tensor, blocks: i
     start = 0
     for stop in bounds:
         part = torch.matmul(delta[..., :stop], factor[:, start:stop, :stop].transpose(1, 2))  # (p, N, stop - start)
-        term = part.square().sum(-1)
+        term = (part * part).sum(-1)
         squared = term if squared is None else squared + term
         start = stop
     assert squared is not None
