@@ -208,7 +208,7 @@ def triangular_squared_norm(delta: torch.Tensor, factor: torch.Tensor, blocks: i
     start = 0
     for stop in bounds:
         part = torch.matmul(delta[..., :stop], factor[:, start:stop, :stop].transpose(1, 2))  # (p, N, stop - start)
-        term = (part * part).sum(-1)
+        term = (part * part).sum(-1)  # a Mul in the graph: ONNX Runtime's Pow squares more slowly (the same bits)
         squared = term if squared is None else squared + term
         start = stop
     assert squared is not None
@@ -386,6 +386,9 @@ def _float32_graph(detector: PadimDetector, graph_dir: Path, fmt: str, external_
 def _export_onnx(
     detector: PadimDetector, path: Path, external_data: bool | None, backbone_dtype: torch.dtype = torch.float32
 ) -> Path:
+    # an optional extra ([onnx]), as the exporter: imported only when asked for
+    import onnx
+
     scorer = ExportedScorer(detector, backbone_dtype).eval().to("cpu")
     weight_bytes = sum(t.numel() * t.element_size() for t in (*scorer.parameters(), *scorer.buffers()))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
@@ -393,8 +396,6 @@ def _export_onnx(
     export_module(
         scorer, (torch.zeros(2, 3, height, width),), [INPUT_NAME], OUTPUT_NAMES, path, external, guard=TRACING.shared()
     )
-    import onnx  # an optional extra ([onnx]), as the exporter above
-
     model = onnx.load(str(path))  # its external data too, read before the file is written again
     if _kept_channels_only(model):
         Path(f"{path}.data").unlink(missing_ok=True)  # onnx appends to an external-data file that exists
@@ -567,8 +568,8 @@ def _kept_channels_only(model) -> int:
     """
     graph = model.graph
     removed = 0
+    index = _GraphIndex(graph)
     for gather in [n for n in graph.node if n.op_type == "Gather"]:
-        index = _GraphIndex(graph)  # the graph as the last cut left it
         if index.attribute(gather, "axis", 0) != 1 or gather.input[1] not in index.initial:
             continue
         keep = index.numpy_helper.to_array(index.initial[gather.input[1]])
@@ -594,6 +595,7 @@ def _kept_channels_only(model) -> int:
             if value.name in changed and value.type.tensor_type.shape.dim:
                 value.type.tensor_type.shape.dim[0].dim_value = len(keep)
         removed += 1
+        index = _GraphIndex(graph)  # the graph as this cut left it
     return removed
 
 
